@@ -1,0 +1,36 @@
+"""crc32c (Castagnoli) over bytes-like objects, with the hardware (SSE4.2/ARMv8) implementation of
+the ``crc32c`` package (about 15 GB/s here; it releases the GIL on large buffers).
+
+Pure and dependency-light: used by the writer, the reader and the storage layer. Buffers are read
+in place (no copy) whatever their format, as long as they are C-contiguous.
+"""
+
+from __future__ import annotations
+
+import crc32c as _crc32c_lib
+
+_extend = _crc32c_lib.crc32c  # (data, value) -> int
+
+
+def crc32c(data, value: int = 0) -> int:
+    """Return the crc32c of ``data`` (any C-contiguous buffer), continuing from ``value``."""
+    mv = data if isinstance(data, memoryview) else memoryview(data)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return _extend(mv, value)
+
+
+def block_crcs(data, block_size: int) -> tuple[int, ...]:
+    """crc32c of each ``block_size`` block of ``data`` (the last block may be shorter).
+
+    An empty buffer has one block, whose crc is 0.
+    """
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    mv = data if isinstance(data, memoryview) else memoryview(data)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    n = len(mv)
+    if n == 0:
+        return (0,)
+    return tuple(_extend(mv[i:i + block_size], 0) for i in range(0, n, block_size))
