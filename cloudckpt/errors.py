@@ -178,3 +178,11 @@ class CheckpointNotFound(CheckpointError, FileNotFoundError):
 
 class CollectiveTimeout(CheckpointError, TimeoutError):
     """A peer did not answer a collective within the configured timeout (dead or hung rank)."""
+
+
+class StagingMemoryError(CloudCkptError, MemoryError):
+    """An async save would need more host staging memory than its configured limit."""
+
+
+class SaveInProgress(CloudCkptError, RuntimeError):
+    """An async save is still running and the caller asked not to wait for it."""

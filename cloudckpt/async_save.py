@@ -1,0 +1,110 @@
+"""``cloudckpt.async_save``: training blocks only for planning and the copy to host memory.
+
+Contract:
+- :func:`async_save` plans the save (collective, on cloudckpt's own gloo control group), copies
+  every tensor this rank writes (after deduplication) into reusable host buffers, and returns a
+  :class:`SaveHandle`. From then on the caller may modify its tensors; the checkpoint holds the
+  values as of the call.
+- Upload and commit run on a background thread. Their collectives use the dedicated control
+  group, never the training's default group.
+- One save in flight per process: a new ``async_save`` (or a sync ``save``/``load``) first waits
+  for the previous one (``wait_for_previous=False`` raises :class:`SaveInProgress` instead).
+- ``handle.result()`` returns the :class:`SaveResult` or raises the save's error, the same on
+  every rank. At interpreter exit an unfinished save is completed (and its failure logged),
+  never silently dropped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import time
+from typing import Any, Callable, Mapping
+
+from cloudckpt import runtime
+from cloudckpt.errors import SaveInProgress
+from cloudckpt.options import SaveOptions, SaveResult
+from cloudckpt.save import finish_save, prepare_save
+from cloudckpt.staging import StagingPool
+
+log = logging.getLogger(__name__)
+
+_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloudckpt-save")
+_pool = StagingPool()
+
+
+class SaveHandle:
+    """A future for one async save (``done``, ``result``, ``exception``, ``add_done_callback``)."""
+
+    def __init__(self, future: concurrent.futures.Future, url: str, blocked_seconds: float,
+                 staging_allocations: int):
+        self._future = future
+        self.url = url
+        self.blocked_seconds = blocked_seconds
+        self.staging_allocations = staging_allocations
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        return self._future.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def add_done_callback(self, fn: Callable[["SaveHandle"], Any]) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"SaveHandle({self.url!r}, {state})"
+
+
+def async_save(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage=None,
+               allow_pickle: bool = False, metadata: Mapping[str, Any] | None = None,
+               options: SaveOptions | None = None, wait_for_previous: bool = True) -> SaveHandle:
+    """Start saving ``state_dict`` to ``url``; return once the data is staged in host memory.
+
+    Collective, like :func:`cloudckpt.save`. With ``options.max_async_staging_bytes`` set, a
+    save whose staged copies would exceed it raises
+    :class:`~cloudckpt.errors.StagingMemoryError` on every rank before anything is written.
+    """
+    start = time.perf_counter()
+    if runtime.pending_save() is not None:
+        if not wait_for_previous:
+            raise SaveInProgress("an async save is still running")
+        runtime.wait_for_pending_save()
+    options = options or SaveOptions()
+    prepared = prepare_save(state_dict, url, process_group=process_group, storage=storage,
+                            allow_pickle=allow_pickle, metadata=metadata, options=options)
+    error = None
+    try:
+        _pool.limit_bytes = options.max_async_staging_bytes
+        prepared.items = _pool.stage(prepared.items)
+    except BaseException as exc:
+        error = exc
+    prepared.channel.agree("async save staging", b"", error)
+    blocked = time.perf_counter() - start
+    fut = _executor.submit(finish_save, prepared)
+    runtime.set_pending_save(fut)
+    return SaveHandle(fut, url, blocked, _pool.allocations)
+
+
+def staging_allocations() -> int:
+    """How many staging buffers were allocated so far in this process (reuse keeps it flat)."""
+    return _pool.allocations
+
+
+def _finish_at_exit() -> None:
+    fut = runtime.pending_save()
+    if fut is None:
+        return
+    log.warning("cloudckpt: waiting for an unfinished async save before exit")
+    try:
+        fut.result()
+    except BaseException as exc:  # reported, not raised: the interpreter is exiting
+        log.error("cloudckpt: the async save running at exit failed: %s", exc)
+
+
+atexit.register(_finish_at_exit)

@@ -1,0 +1,292 @@
+"""``cloudckpt.load`` / ``load_full`` / ``read_manifest``: the distributed load protocol.
+
+Every rank of the process group calls :func:`load` with the state dict it wants filled (its own
+sharding, any world size). Phases, each closed by a fail-together exchange:
+
+1. manifest: the coordinator reads it and broadcasts the bytes (or every rank reads it, with
+   ``share_manifest=False``); every rank decodes and validates it.
+2. plan: flatten the state dict (after ``state_dict()`` on stateful values), plan the reads of
+   every requested piece (strict: missing names fail), exchange the plans.
+3. read-once assignment: computed identically on every rank; broadcast subgroups created or
+   reused.
+4. data: each rank fetches its own regions (crc-verified) in the background while the broadcast
+   batches run in the one global order; every region lands in its destination (dtype converted).
+5. values and ``load_state_dict()`` on stateful values.
+
+Destinations are written only with verified bytes; a rank that fails leaves its tensors possibly
+half filled, and every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import defaultdict
+from typing import Any, Mapping
+
+import torch
+
+from cloudckpt import layout
+from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
+from cloudckpt.manifest import decode_manifest
+from cloudckpt.options import LoadOptions, LoadResult
+from cloudckpt.planning import (PieceSpec, assign_readers, decode_local_load_plan,
+                                encode_local_load_plan, plan_local_load)
+from cloudckpt.reader import fetch_region, fetch_regions
+from cloudckpt.runtime import run_coroutine, shared_store, wait_for_pending_save, submit
+from cloudckpt.stateful import resolve_stateful, restore_stateful
+from cloudckpt.statedict import flatten_state_dict, set_by_path, torch_dtype, unflatten_state_dict
+from cloudckpt.transport import Broadcaster, ControlChannel
+
+
+def read_manifest(url: str, *, storage=None, allow_pickle: bool = False):
+    """Read and validate the manifest of the checkpoint at ``url`` (no collective)."""
+    return decode_manifest(_read_manifest_bytes(url, storage), allow_pickle=allow_pickle)
+
+
+def _read_manifest_bytes(url: str, storage) -> bytes:
+    store = shared_store(url, storage)
+    try:
+        return run_coroutine(store.get(layout.MANIFEST_KEY))
+    except ObjectNotFound as exc:
+        raise CheckpointNotFound(f"no committed checkpoint at {url} (no manifest)") from exc
+
+
+def load(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage=None,
+         allow_pickle: bool = False, strict: bool = True,
+         options: LoadOptions | None = None) -> LoadResult:
+    """Fill ``state_dict`` in place from the checkpoint at ``url``. Collective.
+
+    Tensors (plain, DTensor, :class:`cloudckpt.GlobalPiece`) are filled in place, converting
+    dtype when the stored one differs. Non-tensor values are replaced. With ``strict`` (the
+    default) a name missing from the checkpoint raises :class:`MissingKeysError`; names stored but
+    not requested are reported in ``LoadResult.unexpected_keys``.
+    """
+    wait_for_pending_save()
+    options = options or LoadOptions()
+    channel = ControlChannel(process_group, timeout=options.timeout)
+    started = time.perf_counter()
+    store = shared_store(url, storage)
+
+    raw, error = b"", None
+    if channel.is_coordinator or not options.share_manifest:
+        try:
+            raw = _read_manifest_bytes(url, storage)
+        except BaseException as exc:
+            error = exc
+    channel.agree("load manifest", b"", error)
+    if options.share_manifest:
+        raw = channel.broadcast_bytes(raw if channel.is_coordinator else None)
+
+    error, payload = None, b""
+    try:
+        manifest = decode_manifest(raw, allow_pickle=allow_pickle)
+        broadcastable = _broadcast_predicate(channel)
+        resolved, found = resolve_stateful(state_dict)
+        flat = flatten_state_dict(resolved, is_broadcastable=broadcastable)
+        requests, dests = [], []
+        for leaf in flat.tensors.values():
+            for spec, tensor in leaf.pieces:
+                requests.append(spec)
+                dests.append(tensor)
+        plan = plan_local_load(manifest, requests, rank=channel.rank,
+                               value_names=tuple(flat.values), strict=strict)
+        payload = encode_local_load_plan(plan)
+    except BaseException as exc:
+        error = exc
+    raw_plans = channel.agree("load planning", payload, error)
+
+    error = None
+    fetched = received = broadcasts = 0
+    try:
+        plans = [decode_local_load_plan(b) for b in raw_plans]
+        fetched, received, broadcasts = _move_data(store, manifest, plans, channel, dests, options)
+        for name, leaf in flat.values.items():
+            if name in manifest.values:
+                _assign_value(state_dict, resolved, found, leaf.path, manifest.values[name])
+        restore_stateful(resolved, found)
+    except BaseException as exc:
+        error = exc
+    channel.agree("load", b"", error)
+    return LoadResult(url=url, bytes_fetched=fetched, bytes_received=received,
+                      seconds=time.perf_counter() - started,
+                      unexpected_keys=tuple(plan.unexpected), broadcasts=broadcasts)
+
+
+def load_full(url: str, *, storage=None, allow_pickle: bool = False,
+              options: LoadOptions | None = None) -> dict:
+    """Consolidate the checkpoint at ``url`` into full CPU tensors in this process.
+
+    No collective; works with or without ``torch.distributed``. Returns the nested state dict
+    with the saved structure (dicts, lists, tuples) and non-tensor values restored.
+    """
+    options = options or LoadOptions()
+    manifest = read_manifest(url, storage=storage, allow_pickle=allow_pickle)
+    store = shared_store(url, storage)
+    leaves: dict[str, Any] = dict(manifest.values)
+    requests, dests = [], []
+    for name, record in manifest.tensors.items():
+        full = torch.empty(tuple(record.shape), dtype=torch_dtype(record.dtype))
+        leaves[name] = full
+        requests.append(PieceSpec(name=name, dtype=record.dtype, global_shape=tuple(record.shape),
+                                  offsets=(0,) * len(record.shape), sizes=tuple(record.shape),
+                                  broadcastable=False))
+        dests.append(full)
+    plan = plan_local_load(manifest, requests, rank=0, value_names=tuple(manifest.values))
+    run_coroutine(_fetch_into(store, manifest, plan.reads, dests, options.max_read_bytes))
+    return unflatten_state_dict(manifest.structure, leaves)
+
+
+# -- data movement ------------------------------------------------------------------------------
+
+
+def _broadcast_predicate(channel: ControlChannel):
+    """Destinations the job's broadcast backend can carry: CUDA for NCCL, CPU for gloo."""
+    device_type = "cuda" if channel.backend == "nccl" else "cpu"
+    return lambda t: t.device.type == device_type
+
+
+def _region_key(r) -> tuple:
+    return (r.name, r.chunk_index, tuple(r.src_offsets), tuple(r.lengths))
+
+
+def _dest_view(dests, item) -> torch.Tensor:
+    view = dests[item.request_index]
+    for dim, (off, n) in enumerate(zip(item.dest_offsets, item.lengths)):
+        view = view.narrow(dim, off, n)
+    return view
+
+
+async def _fetch_into(store, manifest, reads, dests, max_bytes: int) -> int:
+    """Fetch each distinct region of ``reads`` once and copy it into every destination needing it."""
+    by_region: dict[tuple, list] = defaultdict(list)
+    for item in reads:
+        by_region[_region_key(item)].append(item)
+    regions = [items[0] for items in by_region.values()]
+
+    def consume(region, tensor):
+        for item in by_region[_region_key(region)]:
+            _dest_view(dests, item).copy_(tensor)
+
+    return await fetch_regions(store, manifest, regions, consume=consume, max_bytes=max_bytes)
+
+
+def _move_data(store, manifest, plans, channel, dests, options: LoadOptions):
+    """Fetch own regions and run the broadcasts. Returns (fetched, received, broadcast count)."""
+    mine = plans[channel.rank].reads
+    if channel.size == 1 or not options.broadcast:
+        return run_coroutine(_fetch_into(store, manifest, mine, dests, options.max_read_bytes)), 0, 0
+
+    assignment = assign_readers(plans, min_broadcast_bytes=options.min_broadcast_bytes)
+    kept = _keep_busiest_groups(assignment.broadcasts, options.max_broadcast_groups)
+    broadcast_keys = {_region_key(b.region) for b in kept}
+    # every region this rank needs that is not delivered by a kept broadcast, it reads itself
+    own_reads = [r for r in mine if _region_key(r) not in broadcast_keys]
+    own = submit(_fetch_into(store, manifest, own_reads, dests, options.max_read_bytes // 2))
+
+    broadcaster = Broadcaster(channel)
+    batches = _batch_broadcasts(kept, options.broadcast_batch_bytes)
+    broadcaster.prepare(sorted({b[0] for b in batches}))
+    items_by_region: dict[tuple, list] = defaultdict(list)
+    for item in mine:
+        items_by_region[_region_key(item)].append(item)
+
+    fetched = received = 0
+    my_batches = [k for k, (members, src, _) in enumerate(batches) if channel.rank in members]
+    pending: dict[int, Any] = {}
+
+    def prefetch(pos: int) -> None:
+        if pos < len(my_batches):
+            k = my_batches[pos]
+            members, src, regions = batches[k]
+            if src == channel.rank and k not in pending:
+                pending[k] = submit(_pack_regions(store, manifest, regions))
+
+    try:
+        prefetch(0)
+        for pos, k in enumerate(my_batches):
+            members, src, regions = batches[k]
+            prefetch(pos + 1)
+            total = sum(r.nbytes for r in regions)
+            if src == channel.rank:
+                buf = pending.pop(k).result()
+                fetched += total
+            else:
+                buf = torch.empty(total, dtype=torch.uint8)
+                received += total
+            if broadcaster.device.type != "cpu":
+                buf = buf.to(broadcaster.device)
+            broadcaster.broadcast(buf, src=src, members=members)
+            offset = 0
+            for region in regions:
+                record = manifest.tensors[region.name]
+                piece = buf[offset:offset + region.nbytes].view(torch_dtype(record.dtype))
+                piece = piece.reshape(tuple(region.lengths))
+                for item in items_by_region.get(_region_key(region), ()):
+                    _dest_view(dests, item).copy_(piece)
+                offset += region.nbytes
+    finally:
+        for fut in pending.values():
+            fut.cancel()
+        own_fetched = own.result()  # re-raises the background error, if any
+    return fetched + own_fetched, received, len(my_batches)
+
+
+def _keep_busiest_groups(broadcasts, limit: int):
+    """Keep broadcasts of at most ``limit`` distinct groups (those moving the most bytes)."""
+    weight: dict[tuple, int] = defaultdict(int)
+    for b in broadcasts:
+        weight[tuple(b.group)] += b.region.nbytes
+    keep = {g for g, _ in sorted(weight.items(), key=lambda gw: (-gw[1], gw[0]))[:limit]}
+    return [b for b in broadcasts if tuple(b.group) in keep]
+
+
+def _batch_broadcasts(broadcasts, batch_bytes: int):
+    """Group broadcasts by (group, src) in order of first appearance, in batches of ``batch_bytes``.
+
+    Returns ``[(members, src, [regions])]``, identical on every rank.
+    """
+    open_batch: dict[tuple, list] = {}
+    batches: list[tuple[tuple, int, list]] = []
+    for b in broadcasts:
+        key = (tuple(b.group), b.src)
+        batch = open_batch.get(key)
+        if batch is None or (batch[3] and batch[3] + b.region.nbytes > batch_bytes):
+            batch = [tuple(b.group), b.src, [], 0]
+            open_batch[key] = batch
+            batches.append(batch)  # type: ignore[arg-type]
+        batch[2].append(b.region)
+        batch[3] += b.region.nbytes
+    return [(m, s, regions) for m, s, regions, _ in batches]
+
+
+async def _pack_regions(store, manifest, regions) -> torch.Tensor:
+    """Fetch regions (verified) and lay their bytes end to end in one flat uint8 tensor."""
+    parts = await asyncio.gather(*(fetch_region(store, manifest, r) for r in regions))
+    total = sum(r.nbytes for r in regions)
+    out = torch.empty(total, dtype=torch.uint8)
+    offset = 0
+    for region, part in zip(regions, parts):
+        n = region.nbytes
+        if n:
+            target = out[offset:offset + n].view(part.dtype).reshape(part.shape)
+            target.copy_(part)
+        offset += n
+    return out
+
+
+def _assign_value(original, resolved, found, path: tuple, value) -> None:
+    """Set a loaded non-tensor value in the resolved tree, and in the caller's own containers
+    unless the path goes through a stateful object (which gets it via load_state_dict)."""
+    set_by_path(resolved, path, value)
+    if any(path[:len(p)] == p for p, _ in found):
+        return
+    try:
+        set_by_path(original, path, value)
+    except TypeError:  # a value inside a tuple cannot be replaced in place
+        pass
+
+
+def _numel(shape) -> int:
+    return math.prod(int(s) for s in shape)

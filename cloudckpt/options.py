@@ -1,0 +1,89 @@
+"""Option and result types of the public save/load API (frozen, keyword-only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveOptions:
+    """How a save cuts, checksums and schedules its data.
+
+    - ``object_size``: target bytes per data object (larger items get their own object).
+    - ``checksum_block_size``: bytes covered by each stored crc32c (partial reads verify whole
+      blocks, so smaller blocks mean less over-read on resharded loads, more manifest bytes).
+    - ``max_staging_bytes``: host copies of device / non-contiguous tensors alive at once.
+    - ``replicas_to_lowest_rank``: write every replicated piece from its lowest holder instead of
+      balancing them over holders.
+    - ``timeout``: seconds any collective may wait for a peer before every rank fails.
+    - ``use_plan_cache``: reuse the global plan when the layout has not changed.
+    - ``max_async_staging_bytes``: async save only; host staging memory this rank may use
+      (``None``: no limit). A save needing more fails before writing anything.
+    """
+
+    object_size: int = 128 << 20
+    checksum_block_size: int = 4 << 20
+    max_staging_bytes: int = 256 << 20
+    replicas_to_lowest_rank: bool = False
+    timeout: float = 600.0
+    use_plan_cache: bool = True
+    max_async_staging_bytes: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How a load reads and shares data.
+
+    - ``broadcast``: read a region that several ranks need once and broadcast it.
+    - ``min_broadcast_bytes``: regions smaller than this are read by every rank that needs them.
+    - ``broadcast_batch_bytes``: small regions going to the same group are sent in one broadcast
+      of up to this many bytes.
+    - ``max_read_bytes``: fetched buffers alive at once per rank (bounds memory).
+    - ``max_broadcast_groups``: at most this many distinct subgroups are created; regions of the
+      least used groups are then read by each rank instead.
+    - ``share_manifest``: the coordinator reads the manifest and broadcasts it (otherwise every
+      rank reads it).
+    - ``timeout``: seconds any collective may wait for a peer before every rank fails.
+    """
+
+    broadcast: bool = True
+    min_broadcast_bytes: int = 32 << 10
+    broadcast_batch_bytes: int = 64 << 20
+    max_read_bytes: int = 256 << 20
+    max_broadcast_groups: int = 64
+    share_manifest: bool = True
+    timeout: float = 600.0
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What a save did. ``bytes_written``/``objects`` count every rank's data objects."""
+
+    url: str
+    bytes_written: int
+    objects: int
+    seconds: float
+    rank_bytes_written: int = 0
+    attempt: str = ""
+    plan_cached: bool = False
+
+    @property
+    def throughput_mb_s(self) -> float:
+        return self.bytes_written / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What a load did on this rank: bytes fetched from the store and received by broadcast."""
+
+    url: str
+    bytes_fetched: int
+    bytes_received: int
+    seconds: float
+    unexpected_keys: tuple[str, ...] = ()
+    broadcasts: int = 0
+
+    @property
+    def throughput_mb_s(self) -> float:
+        total = self.bytes_fetched + self.bytes_received
+        return total / 1e6 / self.seconds if self.seconds > 0 else 0.0

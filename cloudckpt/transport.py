@@ -1,0 +1,248 @@
+"""Collectives for cloudckpt: a control channel for small msgpack payloads, and tensor broadcasts.
+
+Knows nothing of storage or checkpoints. Two pieces:
+
+- :class:`ControlChannel`: byte payloads (plans, statuses, manifests) exchanged over a dedicated
+  gloo group with its own timeout, so cloudckpt's control traffic never interleaves with the
+  training's collectives on the default group, and a dead peer turns into
+  :class:`~cloudckpt.errors.CollectiveTimeout` instead of a hang. :meth:`ControlChannel.agree`
+  implements *fail together*: every rank contributes its status; if any rank failed, every rank
+  raises the same :class:`~cloudckpt.errors.CheckpointError` naming each failed rank's cause.
+- :class:`Broadcaster`: broadcasts of flat uint8 tensors inside subgroups of the channel's ranks.
+  Subgroups are created deterministically (every rank of the channel calls ``new_group`` for every
+  subgroup, in the same order) and cached for later loads. The backend is the job's: NCCL moves
+  CUDA tensors, gloo CPU tensors.
+
+Without ``torch.distributed`` initialised, the channel is a world of one and every call is local.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import threading
+import traceback as _tb
+from typing import Sequence
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from cloudckpt.errors import CheckpointError, CollectiveTimeout, RankFailure
+
+_group_lock = threading.Lock()
+_control_groups: dict[tuple, object] = {}
+_broadcast_groups: dict[tuple, object] = {}
+
+
+def _global_ranks(process_group) -> tuple[int, ...]:
+    if process_group is None or process_group is dist.GroupMember.WORLD:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(process_group))
+
+
+def describe_failure(rank: int, exc: BaseException) -> RankFailure:
+    """Turn an exception into the serialisable record carried by :class:`CheckpointError`."""
+    tb = "".join(_tb.format_exception(type(exc), exc, exc.__traceback__))
+    return RankFailure(rank=rank, error_type=type(exc).__name__, message=str(exc), traceback=tb)
+
+
+class ControlChannel:
+    """Small-payload collectives among the ranks of ``process_group`` (default: the world).
+
+    ``timeout`` bounds every collective: a peer that does not answer in time makes every waiting
+    rank raise :class:`CollectiveTimeout`. Ranks are numbered 0..size-1 within the group; rank 0
+    is the coordinator.
+    """
+
+    def __init__(self, process_group=None, *, timeout: float = 600.0):
+        self.timeout = float(timeout)
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if not self.distributed:
+            self.ranks: tuple[int, ...] = (0,)
+            self.rank = 0
+            self.group = None
+            self.backend = "gloo"
+            return
+        self.ranks = _global_ranks(process_group)
+        self.rank = self.ranks.index(dist.get_rank())
+        self.backend = str(dist.get_backend(process_group)).lower()
+        self.group = _control_group(self.ranks, self.timeout)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    # -- raw byte collectives -------------------------------------------------------------------
+
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every rank contributes ``payload``; every rank gets all payloads in rank order."""
+        if self.size == 1:
+            return [bytes(payload)]
+        try:
+            n = torch.tensor([len(payload)], dtype=torch.int64)
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in self.ranks]
+            dist.all_gather(sizes, n, group=self.group)
+            lengths = [int(s.item()) for s in sizes]
+            width = max(max(lengths), 1)
+            mine = torch.zeros(width, dtype=torch.uint8)
+            if payload:
+                mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            outs = [torch.empty(width, dtype=torch.uint8) for _ in self.ranks]
+            dist.all_gather(outs, mine, group=self.group)
+        except RuntimeError as exc:
+            raise self._collective_failed("all_gather", exc) from exc
+        return [bytes(o[:k].numpy().tobytes()) for o, k in zip(outs, lengths)]
+
+    def broadcast_bytes(self, payload: bytes | None, *, src: int = 0) -> bytes:
+        """Rank ``src`` sends ``payload``; every rank returns it."""
+        if self.size == 1:
+            return bytes(payload or b"")
+        try:
+            n = torch.tensor([len(payload) if self.rank == src else 0], dtype=torch.int64)
+            dist.broadcast(n, src=self.ranks[src], group=self.group)
+            length = int(n.item())
+            if self.rank == src:
+                buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if length else \
+                    torch.empty(0, dtype=torch.uint8)
+            else:
+                buf = torch.empty(length, dtype=torch.uint8)
+            if length:
+                dist.broadcast(buf, src=self.ranks[src], group=self.group)
+        except RuntimeError as exc:
+            raise self._collective_failed("broadcast", exc) from exc
+        return bytes(buf.numpy().tobytes())
+
+    def barrier(self) -> None:
+        """Wait for every rank (bounded by the channel's timeout)."""
+        self.all_gather_bytes(b"")
+
+    # -- fail together --------------------------------------------------------------------------
+
+    def agree(self, what: str, payload: bytes = b"", error: BaseException | None = None) -> list[bytes]:
+        """Exchange one phase's outcome. Returns every rank's ``payload`` if all succeeded.
+
+        If any rank passes an ``error``, every rank raises the same :class:`CheckpointError`
+        (``"<what> failed on rank(s) ..."``) with each failed rank's :class:`RankFailure`; the
+        local error is chained as the cause where there is one. When every failure is of one
+        :class:`CheckpointError` subclass (e.g. ``CheckpointExists``), that subclass is raised.
+        """
+        if error is not None:
+            f = describe_failure(self.rank, error)
+            record = msgpack.packb([False, [f.error_type, f.message, f.traceback], b""])
+        else:
+            record = msgpack.packb([True, None, bytes(payload)])
+        gathered = self.all_gather_bytes(record)
+        failures: dict[int, RankFailure] = {}
+        payloads: list[bytes] = []
+        for r, raw in enumerate(gathered):
+            ok, info, body = msgpack.unpackb(raw)
+            if ok:
+                payloads.append(body)
+            else:
+                failures[r] = RankFailure(rank=r, error_type=info[0], message=info[1], traceback=info[2])
+        if not failures:
+            return payloads
+        cls = _common_error_class(failures)
+        ranks = ", ".join(str(r) for r in sorted(failures))
+        exc = cls(f"{what} failed on rank(s) {ranks}", failures=failures)
+        if error is not None and isinstance(exc, type(error)):
+            # keep the detecting rank's structured fields (keys, object key, byte range...)
+            exc.__dict__.update({k: v for k, v in vars(error).items() if k != "failures"})
+        raise exc from error
+
+    def _collective_failed(self, op: str, exc: BaseException) -> CollectiveTimeout:
+        return CollectiveTimeout(
+            f"control {op} among ranks {list(self.ranks)} failed or timed out after "
+            f"{self.timeout:.0f} s (a peer died or hung): {exc}"
+        )
+
+
+_combined_classes: dict[type, type] = {}
+
+
+def _common_error_class(failures: dict[int, RankFailure]) -> type[CheckpointError]:
+    """The class every rank raises: when all failed ranks raised one cloudckpt error type, a
+    :class:`CheckpointError` that is also that type (so ``except MissingKeysError`` works on every
+    rank, including those that did not detect it); plain :class:`CheckpointError` otherwise."""
+    from cloudckpt import errors
+
+    names = {f.error_type for f in failures.values()}
+    if len(names) != 1:
+        return CheckpointError
+    cls = getattr(errors, names.pop(), None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.CloudCkptError)):
+        return CheckpointError
+    if issubclass(cls, CheckpointError):
+        return cls
+    with _group_lock:
+        combined = _combined_classes.get(cls)
+        if combined is None:
+            try:
+                combined = type(cls.__name__, (CheckpointError, cls), {"__module__": __name__})
+            except TypeError:  # incompatible builtin layouts: fall back to the plain class
+                combined = CheckpointError
+            _combined_classes[cls] = combined
+        return combined
+
+
+def _control_group(ranks: tuple[int, ...], timeout: float):
+    key = (ranks, timeout)
+    with _group_lock:
+        group = _control_groups.get(key)
+        if group is None:
+            group = dist.new_group(list(ranks), backend="gloo",
+                                   timeout=_dt.timedelta(seconds=timeout),
+                                   use_local_synchronization=True)
+            _control_groups[key] = group
+        return group
+
+
+class Broadcaster:
+    """Broadcasts of flat uint8 tensors within subgroups of a :class:`ControlChannel`'s ranks.
+
+    Subgroup members are channel-local ranks. :meth:`prepare` must be called with the same list
+    of member tuples, in the same order, on every rank of the channel before any broadcast: it
+    creates (or reuses) the process groups. The backend is the job's (``nccl`` moves CUDA
+    buffers, ``gloo`` CPU buffers).
+    """
+
+    def __init__(self, channel: ControlChannel):
+        self.channel = channel
+        self.backend = "nccl" if channel.backend == "nccl" else "gloo"
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if self.backend == "nccl" else torch.device("cpu")
+
+    def prepare(self, member_sets: Sequence[tuple[int, ...]]) -> None:
+        if not self.channel.distributed:
+            return
+        for members in member_sets:
+            self._group(members)
+
+    def _group(self, members: tuple[int, ...]):
+        ranks = tuple(self.channel.ranks[m] for m in members)
+        if len(ranks) == len(self.channel.ranks):
+            # the whole channel: reuse the control group for gloo, the default backend otherwise
+            if self.backend == "gloo":
+                return self.channel.group
+        key = (self.backend, ranks)
+        with _group_lock:
+            group = _broadcast_groups.get(key)
+            if group is None:
+                group = dist.new_group(list(ranks), backend=self.backend,
+                                       timeout=_dt.timedelta(seconds=self.channel.timeout),
+                                       use_local_synchronization=True)
+                _broadcast_groups[key] = group
+            return group
+
+    def broadcast(self, buf: torch.Tensor, *, src: int, members: tuple[int, ...]) -> None:
+        """Broadcast ``buf`` (a contiguous tensor on :attr:`device`) from channel rank ``src``."""
+        if len(members) <= 1 or not self.channel.distributed:
+            return
+        try:
+            dist.broadcast(buf, src=self.channel.ranks[src], group=self._group(members))
+        except RuntimeError as exc:
+            raise self.channel._collective_failed("broadcast", exc) from exc
