@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 from cloudckpt import runtime
 from cloudckpt.errors import SaveInProgress
 from cloudckpt.options import SaveOptions, SaveResult
-from cloudckpt.save import finish_save, prepare_save
+from cloudckpt.api.save import finish_save, prepare_save
 from cloudckpt.staging import StagingPool
 
 log = logging.getLogger(__name__)
