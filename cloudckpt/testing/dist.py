@@ -1,0 +1,568 @@
+"""Multi-rank test harness: persistent gloo worlds of real processes on 127.0.0.1.
+
+`ProcessWorld(n)` starts n worker processes that each initialise the default process group
+(gloo, rendezvous through a TCPStore that rank 0 opens on a free port) and then serve many calls:
+`world.run(fn, *args, **kwargs)` runs `fn(*args, **kwargs)` on every rank and returns the list of
+per-rank results, rank order.
+
+Contract:
+- `fn` must be picklable by reference (a module-level function of an importable module, e.g. a
+  test module; workers get the caller's `sys.path` and the repository root). Arguments and results
+  are pickled: this is test infrastructure, not library code.
+- Any rank raising (or dying) -> `RankFailedError` naming each failed rank with its full traceback
+  text; the other ranks get `failure_grace` seconds to answer (they are often blocked in a
+  collective waiting for the failed one).
+- A rank not answering within the timeout -> `WorldTimeoutError` naming the silent ranks, with
+  their Python stacks (faulthandler), raised within the timeout plus about a second.
+- After any failure or timeout the workers are killed; the next `run()` transparently starts a
+  fresh world (`generation` counts the starts). A world whose calls all succeed keeps its workers.
+- Worker environment: the caller's `os.environ` at world start, then `env`, then RANK,
+  WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; GLOO_SOCKET_IFNAME=lo unless
+  set. torch is already imported by then (variables torch reads at import time are not honoured).
+  Workers run with `torch.set_num_threads(1)`.
+- Workers are forked from a shared "zygote" process that imported torch once, so a (re)start costs
+  well under a second after the first. The zygote and the workers run in their own session;
+  they exit when the owning process dies (even by SIGKILL): the zygote on EOF of its control
+  socket, the workers from a watcher thread. `close()` (also `__exit__`, and at interpreter exit)
+  kills the workers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import multiprocessing.connection
+import os
+import pickle
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["ProcessWorld", "RankFailedError", "WorldTimeoutError"]
+
+_FAILURE_GRACE_S = 3.0
+_STACK_DUMP_WAIT_S = 0.5
+_ZYGOTE_START_TIMEOUT_S = 120.0
+
+
+class RankFailedError(RuntimeError):
+    """One or more ranks raised (or died). `failures` maps rank -> traceback text;
+    `missing` lists the ranks that had not answered when the world was torn down."""
+
+    def __init__(self, message: str, *, failures: dict[int, str], missing: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.failures = failures
+        self.missing = missing
+
+
+class WorldTimeoutError(TimeoutError):
+    """Ranks did not answer within the timeout. `missing` lists them; `stacks` maps rank ->
+    the Python stacks dumped by the stuck worker (best effort)."""
+
+    def __init__(self, message: str, *, missing: tuple[int, ...], stacks: dict[int, str]):
+        super().__init__(message)
+        self.missing = missing
+        self.stacks = stacks
+
+
+def _repo_root() -> str:
+    return str(Path(__file__).resolve().parents[2])
+
+
+# -- zygote: one torch-loaded process per owner, forking workers on request --------------------
+
+
+class _Zygote:
+    """Owner-side handle of the zygote. Requests (SOCK_SEQPACKET, one pickle per message):
+    ("spawn",) + a socket fd -> ("pid", pid); ("kill", [pids]) -> ("killed", {pid: status});
+    ("status", pid) -> ("status", status or None). status is the raw waitpid status."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+        self.scratch_dir: str | None = None  # removed by the zygote when it exits
+
+    def _ensure(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        self._close()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        boot = ("import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
+                "from cloudckpt.testing.dist import _zygote_main; _zygote_main(int(sys.argv[2]))")
+        path = [_repo_root()] + [p for p in sys.path if p]
+        with theirs:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", boot, json.dumps(path), str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True)
+        self._sock = ours
+        ours.settimeout(_ZYGOTE_START_TIMEOUT_S)
+        try:
+            msg = pickle.loads(ours.recv(4096))
+        except (OSError, EOFError, pickle.UnpicklingError) as exc:
+            self._close()
+            raise RuntimeError("the harness zygote process did not start") from exc
+        ours.settimeout(30.0)
+        if msg[0] != "ready":
+            self._close()
+            raise RuntimeError(f"the harness zygote process failed to start: {msg!r}")
+        self.scratch_dir = msg[2]
+
+    def _request(self, msg: tuple, fds: list[int] | None = None) -> tuple:
+        data = pickle.dumps(msg)
+        if fds:
+            socket.send_fds(self._sock, [data], fds)
+        else:
+            self._sock.send(data)
+        return pickle.loads(self._sock.recv(1 << 16))
+
+    def spawn(self) -> tuple[int, multiprocessing.connection.Connection, str]:
+        """Fork one worker; return its pid, the owner's end of its connection and the
+        zygote's scratch directory."""
+        with self._lock:
+            self._ensure()
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            with theirs:
+                reply = self._request(("spawn",), [theirs.fileno()])
+            return reply[1], multiprocessing.connection.Connection(ours.detach()), self.scratch_dir
+
+    def kill(self, pids: list[int]) -> dict[int, int | None]:
+        """SIGKILL and reap the given workers (only ones the zygote has not reaped yet)."""
+        with self._lock:
+            if not pids or self._proc is None or self._proc.poll() is not None:
+                return {}
+            try:
+                return self._request(("kill", list(pids)))[1]
+            except OSError:
+                return {}
+
+    def status(self, pid: int) -> int | None:
+        """Raw wait status of an exited worker (waits up to 1 s), None if unknown/alive."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                return None
+            try:
+                return self._request(("status", pid))[1]
+            except OSError:
+                return None
+
+    def _close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()  # EOF: the zygote kills its workers and exits
+            self._sock = None
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+
+_ZYGOTE = _Zygote()
+
+
+def _describe_status(status: int | None) -> str:
+    if status is None:
+        return "exit status unknown"
+    if os.WIFSIGNALED(status):
+        return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exit code {os.WEXITSTATUS(status)}"
+
+
+def _zygote_main(fd: int) -> None:
+    """The zygote's loop (runs in its own process): preload torch, then serve fork requests.
+    On EOF from the owner it kills every live worker and exits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch  # noqa: F401  (the point of the zygote: workers inherit the import)
+    import torch.distributed  # noqa: F401
+
+    sock = socket.socket(fileno=fd)
+    live: set[int] = set()
+    exited: dict[int, int] = {}
+
+    def reap(pid: int = -1, flags: int = os.WNOHANG) -> None:
+        while live:
+            try:
+                got, status = os.waitpid(pid, flags)
+            except ChildProcessError:
+                return
+            if got == 0:
+                return
+            live.discard(got)
+            exited[got] = status
+            if pid != -1:
+                return
+
+    scratch = tempfile.mkdtemp(prefix="cloudckpt-world-")
+    sock.send(pickle.dumps(("ready", os.getpid(), scratch)))
+    while True:
+        ready, _, _ = select.select([sock], [], [], 1.0)
+        reap()
+        if not ready:
+            continue
+        data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
+        if not data:
+            break
+        msg = pickle.loads(data)
+        if msg[0] == "spawn":
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    sock.close()
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)
+                    _worker_main(multiprocessing.connection.Connection(fds[0]))
+                    code = 0
+                except BaseException:
+                    traceback.print_exc()
+                finally:
+                    for stream in (sys.stdout, sys.stderr):
+                        try:
+                            stream.flush()
+                        except Exception:
+                            pass
+                    os._exit(code)
+            os.close(fds[0])
+            live.add(pid)
+            sock.send(pickle.dumps(("pid", pid)))
+        elif msg[0] == "kill":
+            statuses = {}
+            for pid in msg[1]:
+                if pid in live:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    reap(pid, 0)
+                statuses[pid] = exited.pop(pid, None)
+            sock.send(pickle.dumps(("killed", statuses)))
+        elif msg[0] == "status":
+            deadline = time.monotonic() + 1.0
+            while msg[1] in live and time.monotonic() < deadline:
+                reap()
+                time.sleep(0.02)
+            sock.send(pickle.dumps(("status", exited.get(msg[1]))))
+    for pid in list(live):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in list(live):
+        reap(pid, 0)
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+# -- owner side ---------------------------------------------------------------------------------
+
+_LIVE_WORLDS: "weakref.WeakSet[ProcessWorld]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_everything() -> None:
+    for world in list(_LIVE_WORLDS):
+        world.close()
+    _ZYGOTE.close()
+
+
+class ProcessWorld:
+    """A persistent group of `world_size` gloo ranks serving `run()` calls (see module doc).
+
+    Options (keyword-only): `timeout` (seconds; default per call, and the limit for a start),
+    `env` (extra worker environment), `failure_grace` (seconds the other ranks get to answer
+    once one rank failed)."""
+
+    def __init__(self, world_size: int, *, timeout: float = 120.0,
+                 env: dict[str, str] | None = None, failure_grace: float = _FAILURE_GRACE_S):
+        if world_size < 1:
+            raise ValueError("world_size must be >= 1")
+        self.world_size = world_size
+        self.timeout = float(timeout)
+        self.env = dict(env or {})
+        self.failure_grace = float(failure_grace)
+        self.generation = 0
+        self._pids: list[int] = []
+        self._conns: list[multiprocessing.connection.Connection] = []
+        self._stack_files: list[str] = []
+        self._call_id = 0
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        state = f"pids={self._pids}" if self._pids else "stopped"
+        return f"<ProcessWorld size={self.world_size} generation={self.generation} {state}>"
+
+    @property
+    def pids(self) -> list[int]:
+        """PIDs of the running workers, rank order (empty when stopped)."""
+        return list(self._pids)
+
+    @property
+    def running(self) -> bool:
+        return bool(self._pids)
+
+    def start(self) -> None:
+        """Start the workers and wait until every rank joined the process group (no-op if
+        running). Raises RankFailedError / WorldTimeoutError like `run()`."""
+        with self._lock:
+            if not self._pids:
+                self._start_locked()
+
+    def _start_locked(self) -> None:
+        self.generation += 1
+        _LIVE_WORLDS.add(self)
+        try:
+            deadline = time.monotonic() + self.timeout
+            for rank in range(self.world_size):
+                pid, conn, scratch = _ZYGOTE.spawn()
+                self._pids.append(pid)
+                self._conns.append(conn)
+                self._stack_files.append(os.path.join(scratch, f"{pid}.stacks"))
+            base_env = {**os.environ, **self.env}
+            for rank, conn in enumerate(self._conns):
+                conn.send({"rank": rank, "world_size": self.world_size, "env": base_env,
+                           "stack_file": self._stack_files[rank],
+                           "owner_pid": os.getpid(), "pg_timeout": self.timeout,
+                           "sys_path": list(sys.path)})
+            port = self._collect("port", deadline, ranks=[0])[0][2]
+            for conn in self._conns[1:]:
+                conn.send(("port", port))
+            self._collect("ready", deadline, what="start")
+        except BaseException:
+            self._kill_locked()
+            raise
+
+    def close(self) -> None:
+        """Stop all workers (politely for a moment, then SIGKILL). Idempotent."""
+        with self._lock:
+            for conn in self._conns:
+                try:
+                    conn.send(("close",))
+                except (OSError, ValueError):
+                    pass
+            deadline = time.monotonic() + 2.0
+            for conn in self._conns:  # a worker closes its end when it exits
+                try:
+                    while conn.poll(max(0.0, deadline - time.monotonic())):
+                        conn.recv()
+                except (EOFError, OSError):
+                    pass
+            self._kill_locked()
+
+    def _kill_locked(self) -> None:
+        _ZYGOTE.kill(self._pids)
+        for conn in self._conns:
+            conn.close()
+        self._pids, self._conns = [], []
+        _LIVE_WORLDS.discard(self)
+        for path in self._stack_files:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        self._stack_files = []
+
+    def __enter__(self) -> "ProcessWorld":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+            **kwargs: Any) -> list[Any]:
+        """Call `fn(*args, **kwargs)` on every rank; return the results in rank order.
+
+        Starts (or restarts) the world first if needed; a start has its own `self.timeout`.
+        Raises RankFailedError if any rank raised or died, WorldTimeoutError if a rank did not
+        answer within `timeout` (default `self.timeout`); the world is torn down after either."""
+        limit = self.timeout if timeout is None else float(timeout)
+        payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        what = getattr(fn, "__qualname__", repr(fn))
+        with self._lock:
+            if not self._pids:
+                self._start_locked()
+            self._call_id += 1
+            call_id = self._call_id
+            try:
+                for conn in self._conns:
+                    conn.send(("call", call_id, list(sys.path), payload))
+                replies = self._collect("result", time.monotonic() + limit, call_id=call_id,
+                                        what=what)
+            except BaseException:
+                self._kill_locked()
+                raise
+        return [pickle.loads(reply[2]) for reply in replies]
+
+    def _collect(self, kind: str, deadline: float, *, ranks: list[int] | None = None,
+                 call_id: int | None = None, what: str = "start") -> list[tuple]:
+        """Wait for one `kind` message from each of `ranks`; raise on failure or timeout."""
+        ranks = list(range(self.world_size)) if ranks is None else ranks
+        pending = {self._conns[r]: r for r in ranks}
+        replies: dict[int, tuple] = {}
+        failures: dict[int, str] = {}
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for conn in multiprocessing.connection.wait(list(pending), timeout=remaining):
+                rank = pending[conn]
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    status = _ZYGOTE.status(self._pids[rank])
+                    failures[rank] = f"rank {rank} died ({_describe_status(status)})"
+                    del pending[conn]
+                    continue
+                if call_id is not None and msg[1] != call_id:
+                    continue  # a late answer to an earlier call
+                if msg[0] == "error":
+                    failures[rank] = msg[2]
+                    del pending[conn]
+                elif msg[0] == kind:
+                    replies[rank] = msg
+                    del pending[conn]
+            if failures:
+                deadline = min(deadline, time.monotonic() + self.failure_grace)
+        missing = tuple(sorted(pending.values()))
+        if failures:
+            lines = [f"{len(failures)} of {self.world_size} ranks failed in {what}: "
+                     f"ranks {sorted(failures)}"]
+            if missing:
+                lines.append(f"ranks {list(missing)} had not answered")
+            for rank in sorted(failures):
+                lines.append(f"--- rank {rank} ---\n{failures[rank].rstrip()}")
+            raise RankFailedError("\n".join(lines), failures=failures, missing=missing)
+        if missing:
+            stacks = self._dump_stacks(missing)
+            lines = [f"ranks {list(missing)} of {self.world_size} did not answer {what} "
+                     f"within the timeout"]
+            for rank in missing:
+                if stacks.get(rank):
+                    lines.append(f"--- rank {rank} stacks ---\n{stacks[rank].rstrip()}")
+            raise WorldTimeoutError("\n".join(lines), missing=missing, stacks=stacks)
+        return [replies[r] for r in ranks]
+
+    def _dump_stacks(self, ranks: tuple[int, ...]) -> dict[int, str]:
+        """Ask stuck workers to dump their Python stacks (faulthandler on SIGUSR1)."""
+        for rank in ranks:
+            try:
+                os.kill(self._pids[rank], signal.SIGUSR1)
+            except OSError:
+                pass
+        time.sleep(_STACK_DUMP_WAIT_S)
+        stacks = {}
+        for rank in ranks:
+            try:
+                text = Path(self._stack_files[rank]).read_text(errors="replace")
+            except (OSError, IndexError):
+                text = ""
+            stacks[rank] = "\n".join(text.splitlines()[-60:])
+        return stacks
+
+
+# -- worker side (runs in a process forked by the zygote) ---------------------------------------
+
+
+def _watch_owner(owner_pid: int, zygote_pid: int) -> None:
+    """Exit the worker as soon as the owning process or the zygote is gone."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != zygote_pid:
+            os._exit(70)
+        try:
+            with open(f"/proc/{owner_pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            os._exit(70)
+        if state in (b"Z", b"X"):
+            os._exit(70)
+
+
+def _worker_main(conn: multiprocessing.connection.Connection) -> None:
+    init = conn.recv()
+    rank, world_size = init["rank"], init["world_size"]
+    threading.Thread(target=_watch_owner, args=(init["owner_pid"], os.getppid()), daemon=True,
+                     name="cloudckpt-owner-watch").start()
+    import faulthandler
+    import random
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True)
+        except (AttributeError, ValueError):
+            pass
+
+    random.seed()  # forked from one zygote: do not share its random state
+    stacks = open(init["stack_file"], "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
+    try:
+        for entry in init["sys_path"]:
+            if entry not in sys.path:
+                sys.path.append(entry)
+        os.environ.clear()
+        os.environ.update(init["env"])
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                           "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                           "MASTER_ADDR": "127.0.0.1"})
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        timeout = timedelta(seconds=max(init["pg_timeout"], 30.0))
+        if rank == 0:
+            store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False)
+            port = store.port
+            conn.send(("port", None, port))
+        else:
+            port = conn.recv()[1]
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+        conn.send(("ready", None))
+    except BaseException:
+        conn.send(("error", None, f"rank {rank}: " + traceback.format_exc()))
+        return
+
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "close":
+            break
+        _, call_id, caller_path, payload = msg
+        for entry in caller_path:
+            if entry not in sys.path:
+                sys.path.append(entry)
+        try:
+            fn, args, kwargs = pickle.loads(payload)
+            result = fn(*args, **kwargs)
+            data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException:
+            conn.send(("error", call_id, f"rank {rank}: " + traceback.format_exc()))
+            continue
+        conn.send(("result", call_id, data))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
