@@ -1,0 +1,340 @@
+"""The ``cloudckpt`` command (also ``python -m cloudckpt``).
+
+```
+cloudckpt ls RUN_URL                       checkpoints of a run: step, time, size, objects, world size, complete
+cloudckpt show URL [--step N]              tensors (name, dtype, shape, chunks, bytes) and values
+cloudckpt verify URL [--step N]            read every object, check every checksum
+cloudckpt prune RUN_URL --keep-last N [--keep-every K] [--abandoned-after S] [--dry-run]
+cloudckpt rm URL [--step N]                delete one checkpoint (manifest first)
+cloudckpt export URL OUT [--step N]        one consolidated OUT.safetensors, or OUT.pt (torch.save)
+```
+
+``URL`` is a checkpoint URL, or a run URL with ``--step N``; ``show``, ``verify`` and ``export``
+given a run URL without ``--step`` use its newest complete checkpoint. Credentials and endpoint
+come from the standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...).
+
+Exit status: 0 success; 1 the operation failed (checkpoint missing, verification failed, storage
+error); 2 usage error, bad URL, missing or refused credentials, missing bucket; 130 interrupted.
+Errors are one line on stderr, never a traceback (set ``CLOUDCKPT_DEBUG=1`` to get one).
+Progress bars (tqdm) are drawn on stderr when it is a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import datetime
+from typing import Any, Sequence
+
+from cloudckpt.errors import (AccessDenied, BucketNotFound, CheckpointNotFound, CloudCkptError,
+                              ConfigError, ObjectNotFound)
+from cloudckpt.layout import MANIFEST_KEY
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class UsageError(Exception):
+    """A command-line mistake detected after parsing (exit status 2)."""
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _fmt_time(value: datetime | None) -> str:
+    return value.astimezone().strftime("%Y-%m-%d %H:%M:%S") if value is not None else "-"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out=None) -> None:
+    out = out or sys.stdout
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    for row in [list(headers)] + cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip(), file=out)
+
+
+def _progress(total: int | None, desc: str, unit: str = "obj"):
+    """A tqdm bar on stderr when it is a terminal, else a silent stand-in."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", file=sys.stderr,
+                leave=False, disable=not sys.stderr.isatty())
+
+
+def _open(url: str):
+    from cloudckpt.runtime import run_coroutine
+    from cloudckpt.storage import open_store
+
+    async def _o():
+        return open_store(url, None)
+
+    return run_coroutine(_o())
+
+
+def _has_manifest(store) -> bool:
+    from cloudckpt.runtime import run_coroutine
+
+    try:
+        run_coroutine(store.head(MANIFEST_KEY))
+        return True
+    except ObjectNotFound:
+        return False
+
+
+def _resolve_checkpoint(url: str, step: int | None) -> str:
+    """The checkpoint URL meant by ``url`` / ``--step`` (newest complete of a run by default)."""
+    from cloudckpt.manager import CheckpointManager, join_url, step_dir
+
+    if step is not None:
+        return join_url(url, step_dir(step))
+    if _has_manifest(_open(url)):
+        return url
+    latest = CheckpointManager(url).latest()
+    if latest is None:
+        raise CheckpointNotFound(f"no complete checkpoint at {url} (nor a run with one)")
+    print(f"using the newest complete checkpoint: step {latest.step} ({latest.url})",
+          file=sys.stderr)
+    return latest.url
+
+
+# -- commands -----------------------------------------------------------------------------------
+
+
+def cmd_ls(args) -> int:
+    from cloudckpt.manager import CheckpointManager
+
+    mgr = CheckpointManager(args.url)
+    infos = mgr.list()
+    with _progress(sum(i.complete for i in infos), "reading manifests") as bar:
+        infos = mgr.list(details=True, progress=bar.update) if infos else infos
+    if not infos:
+        print(f"no checkpoints under {args.url}", file=sys.stderr)
+        return EXIT_OK
+    rows = [(i.step, _fmt_time(i.created_at), _human_bytes(i.total_bytes),
+             "-" if i.objects is None else i.objects,
+             "-" if i.world_size is None else i.world_size, "yes" if i.complete else "NO")
+            for i in infos]
+    _table(("step", "time", "size", "objects", "world_size", "complete"), rows)
+    return EXIT_OK
+
+
+def _value_summary(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def cmd_show(args) -> int:
+    import cloudckpt
+
+    url = _resolve_checkpoint(args.url, args.step)
+    manifest = cloudckpt.read_manifest(url, allow_pickle=args.allow_pickle)
+    created = getattr(manifest, "created_at", None)
+    when = _fmt_time(datetime.fromtimestamp(created).astimezone()) if created else "-"
+    print(f"checkpoint  {url}")
+    print(f"created     {when}   world size {manifest.world_size}   "
+          f"cloudckpt {manifest.cloudckpt_version}")
+    print(f"data        {len(manifest.objects)} objects, "
+          f"{_human_bytes(manifest.total_bytes())}")
+    if manifest.metadata:
+        print(f"metadata    {json.dumps(manifest.metadata, default=repr, sort_keys=True)}")
+    print(f"\ntensors ({len(manifest.tensors)})")
+    rows = []
+    for name, rec in sorted(manifest.tensors.items()):
+        nbytes = sum(int(c.byte_length) for c in rec.chunks)
+        rows.append((name, rec.dtype, "(" + ", ".join(map(str, rec.shape)) + ")",
+                     len(rec.chunks), nbytes))
+    _table(("name", "dtype", "shape", "chunks", "bytes"), rows)
+    print(f"\nvalues ({len(manifest.values)})")
+    rows = [(name, type(v).__name__, _value_summary(v))
+            for name, v in sorted(manifest.values.items())]
+    _table(("name", "type", "value"), rows)
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    import cloudckpt
+
+    url = _resolve_checkpoint(args.url, args.step)
+    total = None
+    if sys.stderr.isatty():
+        total = cloudckpt.read_manifest(url, allow_pickle=True).total_bytes()
+    with _progress(total, "verifying", unit="B") as bar:
+        report = cloudckpt.verify(url, progress=bar.update)
+    if report.ok:
+        print(f"OK  {url}: {report.objects_checked} objects, "
+              f"{_human_bytes(report.bytes_checked)} checked")
+        return EXIT_OK
+    print(f"FAILED  {url}: {len(report.problems)} problem(s) "
+          f"({report.objects_checked} objects, {_human_bytes(report.bytes_checked)} checked)")
+    for problem in report.problems:
+        print(f"  {problem}")
+    return EXIT_FAILED
+
+
+def cmd_prune(args) -> int:
+    from cloudckpt.manager import CheckpointManager
+
+    mgr = CheckpointManager(args.url, keep_last=args.keep_last, keep_every=args.keep_every,
+                            abandoned_after=args.abandoned_after)
+    with _progress(None, "deleting") as bar:
+        removed = mgr.prune(dry_run=args.dry_run, progress=bar.update)
+    verb = "would remove" if args.dry_run else "removed"
+    if not removed:
+        print("nothing to remove")
+    for info in removed:
+        state = "complete" if info.complete else "abandoned"
+        print(f"{verb} step {info.step} ({state})  {info.url}")
+    return EXIT_OK
+
+
+def cmd_rm(args) -> int:
+    from cloudckpt.manager import CheckpointManager, delete_prefix, join_url, step_dir
+    from cloudckpt.runtime import run_coroutine
+
+    url = join_url(args.url, step_dir(args.step)) if args.step is not None else args.url
+    store = _open(url)
+    if args.step is None and not _has_manifest(store):
+        others = [i for i in CheckpointManager(url).list()]
+        if others:
+            raise UsageError(f"{url} is a run with {len(others)} checkpoint(s), not a checkpoint;"
+                             f" give one checkpoint URL or --step N")
+    with _progress(None, "deleting") as bar:
+        removed = run_coroutine(delete_prefix(store, "", progress=bar.update))
+    if removed == 0:
+        print(f"nothing to remove at {url}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"removed {url} ({removed} objects)")
+    return EXIT_OK
+
+
+def _flatten(tree: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            _flatten(v, f"{prefix}{k}.", out)
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            _flatten(v, f"{prefix}{i}.", out)
+    else:
+        out[prefix[:-1]] = tree
+
+
+def cmd_export(args) -> int:
+    import cloudckpt
+
+    out = args.out
+    kind = ".safetensors" if out.endswith(".safetensors") else ".pt" if out.endswith(
+        (".pt", ".pth")) else None
+    if kind is None:
+        raise UsageError(f"OUT must end with .safetensors or .pt, got {out!r}")
+    url = _resolve_checkpoint(args.url, args.step)
+    state = cloudckpt.load_full(url, allow_pickle=args.allow_pickle)
+    tmp = out + ".partial"
+    import torch
+
+    if kind == ".pt":
+        torch.save(state, tmp)
+    else:
+        from safetensors.torch import save_file
+
+        flat: dict[str, Any] = {}
+        _flatten(state, "", flat)
+        tensors = {k: v.contiguous() for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        values = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+        meta = {"format": "pt", "cloudckpt.source": url}
+        skipped = []
+        for k, v in values.items():
+            try:
+                meta[f"cloudckpt.value.{k}"] = json.dumps(v)
+            except (TypeError, ValueError):
+                skipped.append(k)
+        if skipped:
+            print(f"warning: {len(skipped)} non-tensor value(s) not representable in JSON were "
+                  f"left out: {', '.join(skipped[:5])}", file=sys.stderr)
+        save_file(tensors, tmp, metadata=meta)
+    os.replace(tmp, out)
+    print(f"exported {url} -> {out}")
+    return EXIT_OK
+
+
+# -- entry point --------------------------------------------------------------------------------
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cloudckpt", description="Inspect and manage cloudckpt "
+                                "checkpoints in S3-compatible object stores or local paths.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, fn, help_: str, *, run_only: bool = False):
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.add_argument("url", metavar="RUN_URL" if run_only else "URL")
+        if not run_only:
+            sp.add_argument("--step", type=_non_negative_int, default=None,
+                            help="a step of the run at URL")
+        sp.set_defaults(fn=fn)
+        return sp
+
+    add("ls", cmd_ls, "list the checkpoints of a run", run_only=True)
+    sp = add("show", cmd_show, "show a checkpoint's tensors and values")
+    sp.add_argument("--allow-pickle", action="store_true", help="decode pickled values")
+    add("verify", cmd_verify, "read every object of a checkpoint and check every checksum")
+    sp = add("prune", cmd_prune, "apply a retention policy to a run", run_only=True)
+    sp.add_argument("--keep-last", type=_non_negative_int, required=True, metavar="N")
+    sp.add_argument("--keep-every", type=_positive_int, default=None, metavar="K")
+    sp.add_argument("--abandoned-after", type=float, default=3600.0, metavar="SECONDS",
+                    help="age after which an incomplete checkpoint is abandoned (default 3600)")
+    sp.add_argument("--dry-run", action="store_true", help="say what would be removed")
+    add("rm", cmd_rm, "delete one checkpoint (manifest first, then its objects)")
+    sp = add("export", cmd_export, "write a checkpoint as one .safetensors or .pt file")
+    sp.add_argument("out", metavar="OUT")
+    sp.add_argument("--allow-pickle", action="store_true", help="decode pickled values")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns (and, as a console script, exits with) the status."""
+    args = build_parser().parse_args(argv)
+    debug = bool(os.environ.get("CLOUDCKPT_DEBUG"))
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # one line, no traceback: this is the command's whole error surface
+        if debug:
+            raise
+        status = EXIT_USAGE if isinstance(
+            exc, (UsageError, ConfigError, AccessDenied, BucketNotFound)) else EXIT_FAILED
+        kind = "error" if isinstance(exc, (CloudCkptError, UsageError, OSError)) else \
+            f"internal error ({type(exc).__name__})"
+        print(f"cloudckpt {args.command}: {kind}: {exc}", file=sys.stderr)
+        return status
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

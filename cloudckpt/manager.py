@@ -1,0 +1,603 @@
+"""A run's checkpoints: save by step, list, find the latest complete one, load, delete, prune.
+
+``CheckpointManager("s3://bucket/run")`` keeps step ``s`` at ``<run>/step-<s:012d>/`` (steps are
+ints >= 0). A checkpoint is *complete* when its ``manifest.msgpack`` exists: the save writes it
+last, in create mode, so a save still running or killed part-way is *incomplete*. Only complete
+checkpoints are returned by :meth:`~CheckpointManager.latest` or loaded; :meth:`list` shows the
+others with ``complete=False``.
+
+Cost contract:
+
+- :meth:`list` / :meth:`latest` make one ListObjectsV2 walk of the run root with the delimiter
+  ``"/data/"``, which yields each ``step-*/manifest.msgpack`` as a key and each ``step-*/data/``
+  as a common prefix: about (2 x checkpoints) / 1,000 list requests, whatever the number of data
+  objects, and no GET. Each checkpoint that looks incomplete costs one HEAD of its manifest (this
+  also repairs SeaweedFS 4.48, whose paging after a ``.../data/`` common prefix skips the rest of
+  that step's keys). ``total_bytes`` / ``objects`` / ``world_size`` come from the manifest and are
+  read only when asked for (``list(details=True)``, :meth:`info`).
+- Deleting is safe: the manifest goes first (the checkpoint stops being complete before any of its
+  data goes), then every object under the checkpoint's prefix in batches, then its unfinished
+  multipart uploads. Manifest keys are relative to their own checkpoint root and validated (no
+  ``..``), so no other checkpoint's manifest can refer to an object under that prefix: deleting
+  only under the prefix never removes an object a remaining manifest refers to.
+- :meth:`prune` deletes the complete checkpoints the retention policy does not keep (never the
+  newest complete one) and *abandoned* saves: incomplete checkpoints whose newest object or
+  upload is older than ``abandoned_after`` seconds (default 3600). Of an abandoned save it removes
+  only objects and uploads older than that, so a save that starts again at the same step while a
+  prune runs keeps its fresh objects. A save in progress is therefore never broken by a prune, as
+  long as it keeps producing objects within the grace period. Ages compare the store's
+  timestamps with this machine's clock.
+
+In a ``torch.distributed`` job, :meth:`save` and :meth:`load` are collective (every rank of the
+process group calls them with the same step); the pruning after a save and the choice of the
+step to load are made by rank 0 of the group. :meth:`list`, :meth:`latest`, :meth:`delete` and
+:meth:`prune` are plain calls of one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterable
+
+from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
+from cloudckpt.layout import DATA_PREFIX, MANIFEST_KEY
+from cloudckpt.retention import RetentionPolicy, select_to_delete
+from cloudckpt.runtime import run_coroutine
+
+__all__ = ["CheckpointInfo", "CheckpointManager", "ManagedSaveHandle", "step_dir",
+           "join_url", "DELETE_BATCH"]
+
+log = logging.getLogger(__name__)
+
+DELETE_BATCH = 1000
+LIST_DELIMITER = "/" + DATA_PREFIX          # "/data/"
+_STEP_RE = re.compile(r"^step-(\d{12,})/$")
+_HEAD_CONCURRENCY = 32
+
+
+def step_dir(step: int) -> str:
+    """Key prefix of step ``step`` inside a run: ``step-<step:012d>/``."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"a step is an int >= 0, got {step!r}")
+    return f"step-{step:012d}/"
+
+
+def parse_step_dir(prefix: str) -> int | None:
+    """The step of a canonical ``step-<digits>/`` prefix, or ``None`` for anything else."""
+    m = _STEP_RE.match(prefix)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_dir(step) == prefix else None
+
+
+def join_url(base: str, relative: str) -> str:
+    """``base`` (a run or checkpoint URL, or a path) joined with a relative key prefix."""
+    return base.rstrip("/") + "/" + relative.strip("/")
+
+
+def _as_datetime(value: Any) -> datetime | None:
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    return datetime.fromtimestamp(float(value), tz=timezone.utc)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    """One checkpoint of a run.
+
+    ``created_at`` is when the manifest was committed (the store's last-modified time) and is
+    ``None`` for an incomplete checkpoint. ``total_bytes``, ``objects`` and ``world_size`` come
+    from the manifest: ``None`` unless details were asked for (and always for incomplete ones).
+    """
+
+    step: int
+    url: str
+    complete: bool
+    created_at: datetime | None = None
+    manifest_bytes: int | None = None
+    total_bytes: int | None = None
+    objects: int | None = None
+    world_size: int | None = None
+
+
+@dataclass
+class _StepState:
+    """What one walk of the run root says about one step (internal)."""
+
+    manifest: Any = None        # ObjectInfo of the manifest when complete
+    has_data: bool = False      # a data/ common prefix was listed
+    uploads: tuple = ()         # UploadInfo of unfinished multipart uploads (prune only)
+
+
+def classify_listing(items: Iterable[Any]) -> dict[int, _StepState]:
+    """Group the entries of a ``delimiter="/data/"`` listing of a run root by step.
+
+    Entries are ``ObjectInfo`` (``.key``) or ``CommonPrefix`` (``.prefix``); anything that is not
+    ``step-<012d>/manifest.msgpack`` or ``step-<012d>/data/`` is ignored.
+    """
+    steps: dict[int, _StepState] = {}
+    for item in items:
+        prefix = getattr(item, "prefix", None)
+        if prefix is not None:
+            head, sep, rest = prefix.rpartition(LIST_DELIMITER)
+            step = parse_step_dir(head + "/") if sep and not rest else None
+            if step is not None:
+                steps.setdefault(step, _StepState()).has_data = True
+            continue
+        key = item.key
+        head, sep, name = key.rpartition("/")
+        if name == MANIFEST_KEY:
+            step = parse_step_dir(head + sep)
+            if step is not None:
+                steps.setdefault(step, _StepState()).manifest = item
+    return steps
+
+
+class ManagedSaveHandle:
+    """Future-like handle of ``CheckpointManager.save(..., blocking=False)``.
+
+    Done once the save has committed (or failed) *and* the manager's follow-up work (cleanup of
+    stale attempts of the same step, automatic pruning) has run. :meth:`result` returns the
+    ``SaveResult`` or raises the save's error; a failure of the follow-up work is only logged.
+    """
+
+    def __init__(self, step: int, url: str, inner: Any):
+        self.step = step
+        self.url = url
+        self.inner = inner
+        self._future: Future = Future()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None):
+        return self._future.result(timeout)
+
+    def exception(self, timeout: float | None = None):
+        return self._future.exception(timeout)
+
+    def add_done_callback(self, fn: Callable[["ManagedSaveHandle"], Any]) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until done; True when done (whatever the outcome)."""
+        try:
+            self._future.exception(timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+class CheckpointManager:
+    """The checkpoints of one run (see the module docstring for the contracts).
+
+    Retention is given either as ``retention=RetentionPolicy(...)`` or through the shortcuts
+    ``keep_last``, ``keep_every``, ``keep_steps`` and ``keep_if`` (not both). When the policy has a
+    rule, every successful :meth:`save` is followed by :meth:`prune` (on rank 0). ``storage``,
+    ``allow_pickle``, ``save_options`` and ``load_options`` are passed to ``cloudckpt.save`` /
+    ``cloudckpt.load``.
+    """
+
+    def __init__(self, url: str, *, keep_last: int | None = None, keep_every: int | None = None,
+                 keep_steps: Iterable[int] = (), keep_if: Callable[[int], bool] | None = None,
+                 retention: RetentionPolicy | None = None, abandoned_after: float = 3600.0,
+                 storage=None, process_group=None, allow_pickle: bool = False,
+                 save_options=None, load_options=None):
+        shortcuts = RetentionPolicy(keep_last=keep_last, keep_every=keep_every,
+                                    keep_steps=frozenset(keep_steps), keep_if=keep_if)
+        if retention is not None and shortcuts.active:
+            raise ValueError("pass either retention= or the keep_* shortcuts, not both")
+        if abandoned_after < 0:
+            raise ValueError(f"abandoned_after must be >= 0 seconds, got {abandoned_after}")
+        self.url = url.rstrip("/") if url.rstrip("/") else url
+        self.retention = retention if retention is not None else shortcuts
+        self.abandoned_after = float(abandoned_after)
+        self.storage = storage
+        self.process_group = process_group
+        self.allow_pickle = allow_pickle
+        self.save_options = save_options
+        self.load_options = load_options
+        self._store = None
+        self._store_lock = threading.Lock()
+        self._pending: ManagedSaveHandle | None = None
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.url!r}, retention={self.retention!r})"
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    @property
+    def store(self):
+        """The run root's ``ObjectStore`` (opened on first use; lives on cloudckpt's loop)."""
+        with self._store_lock:
+            if self._store is None:
+                from cloudckpt.storage import open_store
+
+                async def _open():
+                    return open_store(self.url, self.storage)
+
+                self._store = run_coroutine(_open())
+            return self._store
+
+    def close(self) -> None:
+        """Wait for a pending asynchronous save, then close the store. Idempotent."""
+        self.wait()
+        with self._store_lock:
+            store, self._store = self._store, None
+        if store is not None:
+            run_coroutine(store.close())
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def step_url(self, step: int) -> str:
+        """URL of step ``step``'s checkpoint."""
+        return join_url(self.url, step_dir(step))
+
+    def _rank(self) -> int:
+        try:
+            import torch.distributed as dist
+        except ImportError:  # pragma: no cover - torch is a dependency
+            return 0
+        if not (dist.is_available() and dist.is_initialized()):
+            return 0
+        return dist.get_rank(self.process_group) if self.process_group is not None \
+            else dist.get_rank()
+
+    # -- listing --------------------------------------------------------------------------------
+
+    async def _scan(self) -> dict[int, _StepState]:
+        store = self.store
+        items = [item async for item in store.list("", delimiter=LIST_DELIMITER)]
+        steps = classify_listing(items)
+        suspects = [s for s, st in steps.items() if st.manifest is None]
+        if suspects:
+            sem = asyncio.Semaphore(_HEAD_CONCURRENCY)
+
+            async def _head(step: int):
+                async with sem:
+                    try:
+                        return step, await store.head(step_dir(step) + MANIFEST_KEY)
+                    except ObjectNotFound:
+                        return step, None
+
+            for step, info in await asyncio.gather(*(_head(s) for s in suspects)):
+                steps[step].manifest = info
+        return steps
+
+    def _info(self, step: int, state: _StepState) -> CheckpointInfo:
+        m = state.manifest
+        return CheckpointInfo(
+            step=step, url=self.step_url(step), complete=m is not None,
+            created_at=_as_datetime(getattr(m, "last_modified", None)) if m is not None else None,
+            manifest_bytes=getattr(m, "size", None) if m is not None else None)
+
+    def list(self, *, details: bool = False,
+             progress: Callable[[int], None] | None = None) -> list[CheckpointInfo]:
+        """Every checkpoint of the run, oldest step first, complete or not.
+
+        ``details=True`` also reads each complete checkpoint's manifest (one GET each) to fill
+        ``total_bytes``, ``objects`` and ``world_size``; ``progress(n)`` is called as manifests
+        are read.
+        """
+        steps = run_coroutine(self._scan())
+        infos = [self._info(s, steps[s]) for s in sorted(steps)]
+        if details:
+            infos = run_coroutine(self._with_details(infos, progress))
+        return infos
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest complete checkpoint, or ``None`` when the run has none."""
+        complete = [i for i in self.list() if i.complete]
+        return complete[-1] if complete else None
+
+    def info(self, step: int) -> CheckpointInfo:
+        """Step ``step``'s checkpoint with details; ``CheckpointNotFound`` if it is not complete."""
+        async def _one():
+            try:
+                head = await self.store.head(step_dir(step) + MANIFEST_KEY)
+            except ObjectNotFound as exc:
+                raise CheckpointNotFound(f"no complete checkpoint at {self.step_url(step)}") \
+                    from exc
+            base = self._info(step, _StepState(manifest=head))
+            return (await self._with_details([base], None))[0]
+
+        return run_coroutine(_one())
+
+    async def _with_details(self, infos: list[CheckpointInfo],
+                            progress: Callable[[int], None] | None) -> list[CheckpointInfo]:
+        from cloudckpt.manifest import decode_manifest
+
+        sem = asyncio.Semaphore(_HEAD_CONCURRENCY)
+
+        async def _one(info: CheckpointInfo) -> CheckpointInfo:
+            if not info.complete:
+                return info
+            async with sem:
+                try:
+                    raw = await self.store.get(step_dir(info.step) + MANIFEST_KEY)
+                except ObjectNotFound:  # deleted since the listing
+                    return replace(info, complete=False, created_at=None)
+            # only sizes and counts are read: pickled values, if any, are never unpickled here
+            manifest = decode_manifest(raw, allow_pickle=True)
+            if progress is not None:
+                progress(1)
+            return replace(info, total_bytes=int(manifest.total_bytes()),
+                           objects=len(manifest.objects), world_size=int(manifest.world_size))
+
+        return list(await asyncio.gather(*(_one(i) for i in infos)))
+
+    # -- save / load ----------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Wait for the pending asynchronous save (and its follow-up work), if any.
+
+        A failure of that save is logged here, not raised: it belongs to its handle."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            exc = pending.exception()
+            if exc is not None:
+                log.warning("asynchronous save of step %d failed: %s", pending.step, exc)
+
+    def save(self, step: int, state_dict, *, blocking: bool = True,
+             metadata: dict | None = None):
+        """Save ``state_dict`` as step ``step`` (collective in a distributed job).
+
+        Waits first for a pending asynchronous save of this manager. ``blocking=True`` returns the
+        ``SaveResult``; ``blocking=False`` returns a :class:`ManagedSaveHandle` at once. The step
+        is recorded in the manifest's metadata (``"step"``) unless ``metadata`` already has one.
+        Raises ``CheckpointExists`` when the step is already complete. After a successful save,
+        rank 0 removes leftovers of earlier killed attempts at the same step and, when the
+        retention policy has a rule, prunes (a failure there is logged, not raised).
+        """
+        import cloudckpt
+
+        url = self.step_url(step)
+        self.wait()
+        meta = dict(metadata or {})
+        meta.setdefault("step", step)
+        coordinator = self._rank() == 0
+        leftovers = coordinator and self._has_objects(step)
+        kwargs = dict(process_group=self.process_group, storage=self.storage,
+                      allow_pickle=self.allow_pickle, metadata=meta, options=self.save_options)
+        if blocking:
+            result = cloudckpt.save(state_dict, url, **kwargs)
+            if coordinator:
+                self._after_save(step, result, leftovers)
+            return result
+        inner = cloudckpt.async_save(state_dict, url, **kwargs)
+        handle = ManagedSaveHandle(step, url, inner)
+
+        def _follow_up() -> None:
+            try:
+                result = inner.result()
+            except BaseException as exc:  # the handle carries the save's own error
+                handle._future.set_exception(exc)
+                return
+            if coordinator:
+                self._after_save(step, result, leftovers)
+            handle._future.set_result(result)
+
+        threading.Thread(target=_follow_up, name=f"cloudckpt-save-step{step}",
+                         daemon=True).start()
+        self._pending = handle
+        return handle
+
+    def _has_objects(self, step: int) -> bool:
+        async def _any() -> bool:
+            async for _ in self.store.list(step_dir(step)):
+                return True
+            return False
+
+        return run_coroutine(_any())
+
+    def _after_save(self, step: int, result, leftovers: bool) -> None:
+        try:
+            if leftovers:
+                self._remove_stale_attempts(step, getattr(result, "attempt", "") or "")
+            if self.retention.active:
+                self.prune()
+        except Exception as exc:  # the checkpoint is committed: do not fail the save
+            log.warning("cleanup after saving step %d failed: %s", step, exc)
+
+    def _remove_stale_attempts(self, step: int, attempt: str) -> None:
+        """Delete objects and uploads of step ``step`` that its committed manifest does not use
+        (leftovers of a killed earlier attempt at the same step)."""
+        prefix = step_dir(step)
+
+        async def _run() -> None:
+            store = self.store
+            if attempt:
+                keep = {f"{DATA_PREFIX}{attempt}/"}
+            else:
+                from cloudckpt.manifest import decode_manifest
+
+                manifest = decode_manifest(await store.get(prefix + MANIFEST_KEY),
+                                           allow_pickle=True)
+                keep = {k.rsplit("/", 1)[0] + "/" for k in manifest.objects}
+
+            def stale(rel: str) -> bool:
+                return rel != MANIFEST_KEY and not any(rel.startswith(k) for k in keep)
+
+            batch: list[str] = []
+            async for item in store.list(prefix):
+                if stale(item.key[len(prefix):]):
+                    batch.append(item.key)
+                    if len(batch) >= DELETE_BATCH:
+                        await store.delete(batch)
+                        batch = []
+            if batch:
+                await store.delete(batch)
+            for upload in await store.list_uploads(prefix):
+                if stale(upload.key[len(prefix):]):
+                    await store.abort_upload(upload)
+
+        run_coroutine(_run())
+
+    def load(self, state_dict, *, step: int | None = None, strict: bool = True) -> int | None:
+        """Load step ``step`` (default: the newest complete checkpoint) into ``state_dict``.
+
+        Returns the step loaded, or ``None`` when ``step`` is ``None`` and the run has no complete
+        checkpoint (``state_dict`` is then untouched). Collective in a distributed job: rank 0
+        picks the step and every rank loads that one. An explicit step that is not complete
+        raises ``CheckpointNotFound``.
+        """
+        import cloudckpt
+
+        self.wait()
+        if step is None:
+            step = self._agree_on_latest()
+            if step is None:
+                return None
+        cloudckpt.load(state_dict, self.step_url(step), process_group=self.process_group,
+                       storage=self.storage, allow_pickle=self.allow_pickle, strict=strict,
+                       options=self.load_options)
+        return step
+
+    def _agree_on_latest(self) -> int | None:
+        from cloudckpt.transport import ControlChannel
+
+        timeout = getattr(self.load_options, "timeout", 600.0)
+        channel = ControlChannel(self.process_group, timeout=timeout)
+        if channel.size == 1:
+            latest = self.latest()
+            return latest.step if latest is not None else None
+        payload, error = b"", None
+        if channel.is_coordinator:
+            try:
+                latest = self.latest()
+                payload = str(latest.step if latest is not None else -1).encode()
+            except Exception as exc:  # every rank must learn of it, or the others would hang
+                error = exc
+        payloads = channel.agree("finding the latest checkpoint", payload, error)
+        chosen = int(payloads[0])
+        return None if chosen < 0 else chosen
+
+    # -- deleting -------------------------------------------------------------------------------
+
+    def delete(self, step: int, *, progress: Callable[[int], None] | None = None) -> int:
+        """Delete step ``step``'s checkpoint, complete or not; returns the objects removed.
+
+        Manifest first, then every object under its prefix in batches of :data:`DELETE_BATCH`,
+        then its unfinished multipart uploads (see the module docstring for why this never
+        removes an object another checkpoint refers to). Deleting a step that does not exist
+        removes nothing and returns 0. Do not delete a step that is being saved.
+        """
+        return run_coroutine(delete_prefix(self.store, step_dir(step), progress=progress))
+
+    def prune(self, *, dry_run: bool = False,
+              progress: Callable[[int], None] | None = None) -> list[CheckpointInfo]:
+        """Apply the retention policy and remove abandoned saves; return what was removed.
+
+        The result lists, oldest step first, the complete checkpoints the policy does not keep
+        (never the newest complete one; none at all for a policy without rules) and the
+        incomplete ones abandoned for longer than ``abandoned_after`` (unfinished multipart
+        uploads included, even of a step that has no finished object). ``dry_run=True`` removes
+        nothing and returns what would have been removed.
+        """
+        return run_coroutine(self._prune(dry_run, progress))
+
+    async def _prune(self, dry_run: bool, progress) -> list[CheckpointInfo]:
+        store = self.store
+        steps = await self._scan()
+        for upload in await store.list_uploads(""):
+            step = parse_step_dir(upload.key.split("/", 1)[0] + "/")
+            if step is not None:
+                state = steps.setdefault(step, _StepState())
+                state.uploads = state.uploads + (upload,)
+        doomed_complete = select_to_delete(
+            [s for s, st in steps.items() if st.manifest is not None], self.retention)
+        cutoff = time.time() - self.abandoned_after
+        removed: list[CheckpointInfo] = []
+        for step in sorted(steps):
+            state = steps[step]
+            info = self._info(step, state)
+            if state.manifest is not None:
+                if step in doomed_complete:
+                    removed.append(info)
+                    if not dry_run:
+                        await delete_prefix(store, step_dir(step), progress=progress)
+                continue
+            stale_keys, stale_uploads, fresh = await _abandoned_parts(store, step, state, cutoff)
+            if fresh or not (stale_keys or stale_uploads):
+                continue  # still being written (or vanished): not abandoned
+            removed.append(info)
+            if dry_run:
+                continue
+            for i in range(0, len(stale_keys), DELETE_BATCH):
+                batch = stale_keys[i:i + DELETE_BATCH]
+                await store.delete(batch)
+                if progress is not None:
+                    progress(len(batch))
+            for upload in stale_uploads:
+                await store.abort_upload(upload)
+        return removed
+
+
+async def _abandoned_parts(store, step: int, state: _StepState, cutoff: float):
+    """Objects and uploads of an incomplete step older than ``cutoff`` (epoch seconds), and
+    whether anything of it is newer (then the save is alive and nothing is removed)."""
+    prefix = step_dir(step)
+    stale_keys: list[str] = []
+    fresh = False
+    async for item in store.list(prefix):
+        when = _as_datetime(getattr(item, "last_modified", None))
+        if item.key == prefix + MANIFEST_KEY:
+            return [], [], True  # committed since the listing
+        if when is None or when.timestamp() > cutoff:
+            fresh = True
+        else:
+            stale_keys.append(item.key)
+    stale_uploads = []
+    for upload in state.uploads or await store.list_uploads(prefix):
+        when = _as_datetime(getattr(upload, "initiated", None))
+        if when is None or when.timestamp() > cutoff:
+            fresh = True
+        else:
+            stale_uploads.append(upload)
+    return stale_keys, stale_uploads, fresh
+
+
+async def delete_prefix(store, prefix: str, *,
+                        progress: Callable[[int], None] | None = None) -> int:
+    """Delete the checkpoint whose root is ``prefix`` in ``store`` ('' for the store's root):
+    manifest first, then every object under ``prefix`` in batches, then unfinished uploads.
+    Returns the number of objects removed (the manifest included)."""
+    manifest_key = prefix + MANIFEST_KEY
+    removed = 0
+    try:
+        await store.head(manifest_key)
+        await store.delete([manifest_key])
+        removed += 1
+    except ObjectNotFound:
+        pass
+    batch: list[str] = []
+    async for item in store.list(prefix):
+        batch.append(item.key)
+        if len(batch) >= DELETE_BATCH:
+            await store.delete(batch)
+            removed += len(batch)
+            if progress is not None:
+                progress(len(batch))
+            batch = []
+    if batch:
+        await store.delete(batch)
+        removed += len(batch)
+        if progress is not None:
+            progress(len(batch))
+    for upload in await store.list_uploads(prefix):
+        await store.abort_upload(upload)
+    return removed

@@ -1,0 +1,43 @@
+"""Pure parts of the manager: step prefixes, URL joining, classifying a run-root listing."""
+
+from __future__ import annotations
+
+import pytest
+
+from cloudckpt.manager import classify_listing, join_url, parse_step_dir, step_dir
+from cloudckpt.storage.base import CommonPrefix, ObjectInfo
+
+
+def test_step_dir_round_trip():
+    assert step_dir(0) == "step-000000000000/"
+    assert step_dir(1234) == "step-000000001234/"
+    assert parse_step_dir(step_dir(10**13)) == 10**13
+    for bad in ("step-1/", "step-0000000000001", "step-00000000000a/", "x/", "step--00000000001/"):
+        assert parse_step_dir(bad) is None
+    for bad in (-1, 1.0, True, "3"):
+        with pytest.raises(ValueError):
+            step_dir(bad)
+
+
+def test_join_url():
+    assert join_url("s3://b/run", "step-000000000001/") == "s3://b/run/step-000000000001"
+    assert join_url("s3://b/run/", "step-000000000001/") == "s3://b/run/step-000000000001"
+    assert join_url("/tmp/run", "x") == "/tmp/run/x"
+
+
+def test_classify_listing():
+    m = "manifest.msgpack"
+    items = [
+        CommonPrefix(f"{step_dir(1)}data/"), ObjectInfo(f"{step_dir(1)}{m}", 10, None, 1.0),
+        CommonPrefix(f"{step_dir(2)}data/"),                      # incomplete
+        ObjectInfo(f"{step_dir(3)}{m}", 5, None, 2.0),            # complete, no data objects
+        ObjectInfo("step-4/manifest.msgpack", 1),                 # not canonical: ignored
+        CommonPrefix("other/data/"), ObjectInfo("README", 3),      # foreign: ignored
+        ObjectInfo(f"{step_dir(5)}notes.txt", 3),                 # neither manifest nor data
+        CommonPrefix(f"{step_dir(6)}x/data/"),                    # nested deeper: ignored
+    ]
+    steps = classify_listing(items)
+    assert sorted(steps) == [1, 2, 3]
+    assert steps[1].manifest.size == 10 and steps[1].has_data
+    assert steps[2].manifest is None and steps[2].has_data
+    assert steps[3].manifest.last_modified == 2.0 and not steps[3].has_data
