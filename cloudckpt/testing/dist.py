@@ -143,7 +143,7 @@ class _Zygote:
                 return {}
             try:
                 return self._request(("kill", list(pids)))[1]
-            except OSError:
+            except (OSError, EOFError):
                 return {}
 
     def status(self, pid: int) -> int | None:
@@ -153,7 +153,7 @@ class _Zygote:
                 return None
             try:
                 return self._request(("status", pid))[1]
-            except OSError:
+            except (OSError, EOFError):
                 return None
 
     def _close(self) -> None:
