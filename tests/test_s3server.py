@@ -205,3 +205,35 @@ def test_command_line_prints_exports_and_stops_on_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_busy_port_makes_the_start_retry_on_fresh_ports(monkeypatch):
+    import socket
+
+    from cloudckpt.testing import s3server
+
+    real_pick = s3server._pick_ports
+    blockers: list[socket.socket] = []
+    picks = []
+
+    def pick_then_occupy_first_block(rng):
+        ports = real_pick(rng)
+        picks.append(ports)
+        if not blockers:  # first attempt: someone else grabs the master port right away
+            blocker = socket.socket()
+            blocker.bind(("127.0.0.1", ports["master"]))
+            blocker.listen()
+            blockers.append(blocker)
+        return ports
+
+    monkeypatch.setattr(s3server, "_pick_ports", pick_then_occupy_first_block)
+    try:
+        with S3Server(bucket="retried") as info:
+            assert info.endpoint_url
+            info.boto3_client().put_object(Bucket="retried", Key="k", Body=b"x")
+        assert len(blockers) == 1
+        assert len(picks) == 2  # the first weed exited on the busy port; the second started
+        assert info.endpoint_url.endswith(f":{picks[1]['s3']}")
+    finally:
+        for blocker in blockers:
+            blocker.close()
