@@ -194,19 +194,30 @@ def _control_group(ranks: tuple[int, ...], timeout: float):
     with _group_lock:
         group = _control_groups.get(key)
         if group is None:
-            group = dist.new_group(list(ranks), backend="gloo",
-                                   timeout=_dt.timedelta(seconds=timeout),
-                                   use_local_synchronization=True)
+            group = _new_group(ranks, "gloo", timeout,
+                               every_rank_calls=len(ranks) == dist.get_world_size())
             _control_groups[key] = group
         return group
+
+
+def _new_group(ranks: tuple[int, ...], backend: str, timeout: float, *, every_rank_calls: bool):
+    """A process group over ``ranks``. With ``every_rank_calls``, every rank of the world calls
+    this for the same groups in the same order (members or not; torch's numbering stays
+    aligned). Otherwise only members call it (local synchronisation), which works when every
+    member has created the same number of groups before."""
+    return dist.new_group(list(ranks), backend=backend, timeout=_dt.timedelta(seconds=timeout),
+                          use_local_synchronization=not every_rank_calls)
 
 
 class Broadcaster:
     """Broadcasts of flat uint8 tensors within subgroups of a :class:`ControlChannel`'s ranks.
 
     Subgroup members are channel-local ranks. :meth:`prepare` must be called with the same list
-    of member tuples, in the same order, on every rank of the channel before any broadcast: it
-    creates (or reuses) the process groups. The backend is the job's (``nccl`` moves CUDA
+    of member tuples, in the same order, on every rank of the channel before any broadcast: every
+    rank creates (or reuses) every group, members or not, because torch numbers groups per
+    process and a group is only found again when every process created the same sequence.
+    That needs every rank of the world, so :attr:`can_use_subgroups` is false when the channel is
+    a strict subgroup of the world: callers then broadcast only to the whole channel. The backend is the job's (``nccl`` moves CUDA
     buffers, ``gloo`` CPU buffers).
     """
 
@@ -216,9 +227,15 @@ class Broadcaster:
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if self.backend == "nccl" else torch.device("cpu")
 
+    @property
+    def can_use_subgroups(self) -> bool:
+        return not self.channel.distributed or len(self.channel.ranks) == dist.get_world_size()
+
     def prepare(self, member_sets: Sequence[tuple[int, ...]]) -> None:
         if not self.channel.distributed:
             return
+        if len(self.channel.ranks) != dist.get_world_size():
+            return  # subgroups need every rank of the world: see class docstring
         for members in member_sets:
             self._group(members)
 
@@ -228,13 +245,12 @@ class Broadcaster:
             # the whole channel: reuse the control group for gloo, the default backend otherwise
             if self.backend == "gloo":
                 return self.channel.group
-        key = (self.backend, ranks)
+        key = (self.backend, ranks, self.channel.timeout)
         with _group_lock:
             group = _broadcast_groups.get(key)
             if group is None:
-                group = dist.new_group(list(ranks), backend=self.backend,
-                                       timeout=_dt.timedelta(seconds=self.channel.timeout),
-                                       use_local_synchronization=True)
+                group = _new_group(ranks, self.backend, self.channel.timeout,
+                                   every_rank_calls=True)
                 _broadcast_groups[key] = group
             return group
 

@@ -20,7 +20,6 @@ half filled, and every rank raises the same error.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import defaultdict
 from typing import Any, Mapping
@@ -178,14 +177,17 @@ def _move_data(store, manifest, plans, channel, dests, options: LoadOptions):
     if channel.size == 1 or not options.broadcast:
         return run_coroutine(_fetch_into(store, manifest, mine, dests, options.max_read_bytes)), 0, 0
 
+    broadcaster = Broadcaster(channel)
     assignment = assign_readers(plans, min_broadcast_bytes=options.min_broadcast_bytes)
     kept = _keep_busiest_groups(assignment.broadcasts, options.max_broadcast_groups)
+    if not broadcaster.can_use_subgroups:  # a strict subgroup job: whole-channel gloo only
+        whole = tuple(range(channel.size))
+        kept = [b for b in kept if tuple(b.group) == whole and broadcaster.backend == "gloo"]
     broadcast_keys = {_region_key(b.region) for b in kept}
     # every region this rank needs that is not delivered by a kept broadcast, it reads itself
     own_reads = [r for r in mine if _region_key(r) not in broadcast_keys]
     own = submit(_fetch_into(store, manifest, own_reads, dests, options.max_read_bytes // 2))
 
-    broadcaster = Broadcaster(channel)
     batches = _batch_broadcasts(kept, options.broadcast_batch_bytes)
     broadcaster.prepare(sorted({b[0] for b in batches}))
     items_by_region: dict[tuple, list] = defaultdict(list)
@@ -286,7 +288,3 @@ def _assign_value(original, resolved, found, path: tuple, value) -> None:
         set_by_path(original, path, value)
     except TypeError:  # a value inside a tuple cannot be replaced in place
         pass
-
-
-def _numel(shape) -> int:
-    return math.prod(int(s) for s in shape)

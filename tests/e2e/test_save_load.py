@@ -1,0 +1,197 @@
+"""End-to-end save and load on real gloo worlds, against SeaweedFS and file://.
+
+Rank functions live at module level so the harness can run them on its workers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cloudckpt
+from tests.e2e.states import build_state, check_state, full_state_expected
+
+
+def _rank() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+def rank_save(url: str) -> dict:
+    rank, world = _rank()
+    result = cloudckpt.save(build_state(world, rank), url)
+    return {"bytes": result.bytes_written, "objects": result.objects}
+
+
+def rank_load_and_check(url: str) -> list[str]:
+    rank, world = _rank()
+    sd = build_state(world, rank, blank=True)
+    cloudckpt.load(sd, url)
+    return check_state(sd)
+
+
+def rank_expect_error(url: str, action: str) -> str:
+    """Run a failing operation; return the error's class names (the harness needs a result)."""
+    rank, world = _rank()
+    try:
+        if action == "missing":
+            sd = build_state(world, rank, blank=True)
+            sd["not_in_ckpt"] = torch.zeros(3)
+            cloudckpt.load(sd, url)
+        elif action == "shape":
+            sd = build_state(world, rank, blank=True)
+            sd["plain_bool"] = torch.zeros(8, dtype=torch.bool)
+            cloudckpt.load(sd, url)
+        elif action == "corrupt":
+            cloudckpt.load(build_state(world, rank, blank=True), url)
+        elif action == "stateful":
+            sd = build_state(world, rank)
+            sd["bomb"] = _Bomb(explode=(rank == 1))
+            cloudckpt.save(sd, url)
+        elif action == "exists":
+            cloudckpt.save(build_state(world, rank), url)
+    except Exception as exc:  # the test asserts the exact types below
+        return " ".join(c.__name__ for c in type(exc).__mro__)
+    return "no error"
+
+
+class _Bomb:
+    def __init__(self, explode: bool):
+        self.explode = explode
+
+    def state_dict(self):
+        if self.explode:
+            raise RuntimeError("state_dict exploded on purpose")
+        return {"x": 1}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+# -- model + optimizer state across world sizes ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_w2(world2, s3_server):
+    url = s3_server.url(f"e2e-{os.getpid()}/w2")
+    world2.run(rank_save, url)
+    return url
+
+
+@pytest.mark.parametrize("world_fixture", ["world2", "world3", "world4"])
+def test_world2_checkpoint_loads_on_other_worlds(saved_w2, world_fixture, request):
+    world = request.getfixturevalue(world_fixture)
+    results = world.run(rank_load_and_check, saved_w2)
+    assert results == [[]] * world.world_size
+
+
+def test_world2_checkpoint_loads_on_one_process_without_dist(saved_w2, s3_env):
+    expected = full_state_expected()
+    full = cloudckpt.load_full(saved_w2)
+    assert full["meta"] == expected["meta"]
+    assert full["opt"]["param_groups"] == expected["opt"]["param_groups"]
+    for name in ("dt_shard0", "dt_shard1", "dt_rep", "explicit", "ragged", "plain_bool",
+                 "plain_noncontig", "plain_empty", "plain_scalar"):
+        assert full[name].dtype == expected[name].dtype, name
+        assert torch.equal(full[name], expected[name]), name
+    assert torch.equal(full["opt"]["state"][0]["exp_avg"], expected["opt"]["state"][0]["exp_avg"])
+
+    # and `load` with plain full tensors, in this process, with torch.distributed not initialised
+    sd = {name: torch.zeros_like(t) for name, t in expected.items() if isinstance(t, torch.Tensor)}
+    result = cloudckpt.load(sd, saved_w2, strict=False)
+    for name, t in sd.items():
+        assert torch.equal(t, expected[name]), name
+    assert "meta.epoch" in result.unexpected_keys or any(
+        k.startswith("meta") for k in result.unexpected_keys)
+
+
+def test_world4_checkpoint_loads_on_world2(world4, world2, s3_server):
+    url = s3_server.url(f"e2e-{os.getpid()}/w4")
+    world4.run(rank_save, url)
+    assert world2.run(rank_load_and_check, url) == [[], []]
+
+
+def test_file_url_roundtrip(world2, tmp_path):
+    url = (tmp_path / "ckpt").as_uri()
+    world2.run(rank_save, url)
+    assert world2.run(rank_load_and_check, url) == [[], []]
+    assert world2.run(rank_load_and_check, str(tmp_path / "ckpt")) == [[], []]
+
+
+# -- replicated state: written once, read once ---------------------------------------------------
+
+
+def rank_replicated(url: str, mode: str) -> dict:
+    rank, world = _rank()
+    g = torch.Generator().manual_seed(1)
+    state = {f"layer{i}.weight": torch.randn(256, 256, generator=g) for i in range(8)}
+    state["tiny"] = torch.arange(4.0)
+    if mode == "save":
+        result = cloudckpt.save(state, url)
+        return {"bytes": result.bytes_written}
+    blank = {k: torch.zeros_like(v) for k, v in state.items()}
+    result = cloudckpt.load(blank, url)
+    ok = all(torch.equal(blank[k], state[k]) for k in state)
+    return {"ok": ok, "fetched": result.bytes_fetched, "received": result.bytes_received}
+
+
+def test_replicated_state_is_written_once_and_read_once(world2, s3_url):
+    unique = 8 * 256 * 256 * 4 + 4 * 4
+    saved = world2.run(rank_replicated, s3_url, "save")
+    assert saved[0]["bytes"] == unique
+    loaded = world2.run(rank_replicated, s3_url, "load")
+    assert all(r["ok"] for r in loaded)
+    tiny = 4 * 4  # under the broadcast threshold: every rank reads it itself
+    assert sum(r["fetched"] for r in loaded) == unique + tiny
+    assert all(r["received"] > 0 for r in loaded)
+    assert sum(r["received"] for r in loaded) == unique - tiny
+
+
+# -- errors, the same on every rank ---------------------------------------------------------------
+
+
+def test_missing_key_fails_on_every_rank(world2, saved_w2):
+    names = world2.run(rank_expect_error, saved_w2, "missing")
+    assert all("MissingKeysError" in n and "CheckpointError" in n for n in names), names
+
+
+def test_shape_mismatch_fails_on_every_rank(world2, saved_w2):
+    names = world2.run(rank_expect_error, saved_w2, "shape")
+    assert all("ShapeMismatchError" in n for n in names), names
+
+
+def test_exception_in_state_dict_on_one_rank_fails_every_rank(world2, s3_url):
+    names = world2.run(rank_expect_error, s3_url, "stateful")
+    assert all("CheckpointError" in n for n in names), names
+    assert world2.run(_has_manifest, s3_url) == [False, False]
+
+
+def _has_manifest(url: str) -> bool:
+    try:
+        cloudckpt.read_manifest(url)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def test_second_save_to_same_name_raises_checkpoint_exists(world2, s3_url):
+    world2.run(rank_save, s3_url)
+    names = world2.run(rank_expect_error, s3_url, "exists")
+    assert all("CheckpointExists" in n for n in names), names
+    assert world2.run(rank_load_and_check, s3_url) == [[], []]
+
+
+def test_corrupted_data_object_is_detected_on_every_rank(world2, s3_server, s3_url):
+    world2.run(rank_save, s3_url)
+    client = s3_server.boto3_client()
+    prefix = s3_url.split("/", 3)[3] + "/data/"
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3_server.bucket, Prefix=prefix)["Contents"]]
+    for key in keys:
+        body = bytearray(client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read())
+        if body:
+            body[len(body) // 2] ^= 0xFF
+            client.put_object(Bucket=s3_server.bucket, Key=key, Body=bytes(body))
+    names = world2.run(rank_expect_error, s3_url, "corrupt")
+    assert all("ChecksumError" in n for n in names), names
