@@ -1,0 +1,272 @@
+"""The ``ObjectStore`` protocol and the small value types every backend shares.
+
+Contracts common to all backends:
+- Keys are relative to the store's root URL, ``/``-separated, with no empty, ``.`` or ``..``
+  component and no leading ``/``; a bad key raises ``ConfigError`` before any request.
+- Bodies are any C-contiguous buffer (bytes, bytearray, memoryview, numpy array, ...) or a sequence
+  of them (concatenated). They are read in place, never copied into one big buffer.
+- Every error is a ``cloudckpt.errors`` class; see ``cloudckpt.storage.errors_map`` for S3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterable, Literal, Protocol, Sequence, Union, runtime_checkable
+
+from cloudckpt.errors import ConfigError
+
+PutMode = Literal["overwrite", "create"]
+Body = Union[bytes, bytearray, memoryview, Sequence]
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object: key relative to the store root, size in bytes, etag, mtime (epoch s)."""
+
+    key: str
+    size: int
+    etag: str | None = None
+    last_modified: float | None = None
+
+
+@dataclass(frozen=True)
+class CommonPrefix:
+    """A group of keys rolled up by a listing delimiter (relative to the store root)."""
+
+    prefix: str
+
+
+@dataclass(frozen=True)
+class UploadInfo:
+    """An unfinished upload (S3 multipart upload, or a LocalStore temporary file)."""
+
+    key: str
+    upload_id: str
+    initiated: float | None = None
+
+
+@dataclass(frozen=True)
+class ReadRange:
+    """``length`` bytes at ``offset`` of one object. ``out`` (exactly ``length`` bytes, writable)
+    receives them if given; ``crc32c`` is verified when given."""
+
+    offset: int
+    length: int
+    out: memoryview | None = None
+    crc32c: int | None = None
+
+
+@dataclass
+class StoreStats:
+    """Counters of a store (shared by its children). ``requests`` counts every request sent,
+    retries included, per operation name; ``retries`` counts attempts after the first."""
+
+    requests: dict[str, int] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    retries: int = 0
+
+    def count(self, op: str) -> None:
+        self.requests[op] = self.requests.get(op, 0) + 1
+
+    @property
+    def total_requests(self) -> int:
+        return sum(self.requests.values())
+
+    def reset(self) -> None:
+        self.requests.clear()
+        self.bytes_sent = self.bytes_received = self.retries = 0
+
+
+@runtime_checkable
+class ObjectStore(Protocol):
+    """An async object store rooted at ``url``. Bound to the event loop it is first used on."""
+
+    url: str
+    stats: StoreStats
+
+    async def put(self, key: str, body: Body, *, mode: PutMode = "overwrite") -> ObjectInfo:
+        """Store ``body`` under ``key``. ``create`` raises ``ObjectExists`` if the key exists
+        (exactly one of several concurrent creates wins). Large bodies go multipart."""
+
+    async def get(self, key: str) -> bytes:
+        """The whole object (``ObjectNotFound`` if missing). For large objects prefer
+        ``read_ranges`` with destination buffers."""
+
+    async def read_ranges(self, key: str, ranges: Sequence[ReadRange]) -> list[memoryview]:
+        """One view per range, in order (the range's ``out`` when given). Close ranges are
+        coalesced, others fetched concurrently; a range with ``crc32c`` is verified and a mismatch
+        raises ``ChecksumError``; a range past the end raises ``InvalidRange``."""
+
+    async def head(self, key: str) -> ObjectInfo:
+        """Size and etag of ``key`` (``ObjectNotFound`` if missing)."""
+
+    def list(self, prefix: str = "", *, delimiter: str | None = None
+             ) -> AsyncIterator[ObjectInfo | CommonPrefix]:
+        """Keys (relative to the root) starting with ``prefix``, in lexicographic order; with a
+        delimiter, keys containing it after the prefix are rolled up into ``CommonPrefix``."""
+
+    async def delete(self, keys: Iterable[str]) -> None:
+        """Delete ``keys`` (batched); missing keys are fine."""
+
+    async def list_uploads(self, prefix: str = "") -> list[UploadInfo]:
+        """Unfinished uploads whose key starts with ``prefix``."""
+
+    async def abort_upload(self, upload: UploadInfo) -> None:
+        """Abort (remove) an unfinished upload; an already gone upload is fine."""
+
+    async def close(self) -> None:
+        """Release connections and threads (idempotent). A child's close does nothing."""
+
+    def child(self, prefix: str) -> "ObjectStore":
+        """A store rooted at ``prefix`` under this one, sharing connections, limits and stats."""
+
+
+# --- helpers shared by the backends --------------------------------------------------------------
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a valid relative object key, else raise ``ConfigError``."""
+    if not isinstance(key, str) or not key:
+        raise ConfigError(f"invalid object key {key!r}: must be a non-empty string")
+    if key.startswith("/") or "\\" in key or "\x00" in key:
+        raise ConfigError(f"invalid object key {key!r}")
+    for part in key.split("/"):
+        if part in ("", ".", ".."):
+            raise ConfigError(f"invalid object key {key!r}: empty, '.' or '..' component")
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """Validate a listing / child prefix: like a key, but empty and a trailing ``/`` are fine."""
+    if prefix == "":
+        return prefix
+    check_key(prefix[:-1] if prefix.endswith("/") else prefix)
+    return prefix
+
+
+def as_views(body: Body) -> list[memoryview]:
+    """The body as a list of flat byte views (no copy). Raises ``ConfigError`` for non-buffers or
+    non-contiguous buffers."""
+    if isinstance(body, (bytes, bytearray, memoryview)) or not isinstance(body, (list, tuple)):
+        parts = [body]
+    else:
+        parts = list(body)
+    views = []
+    for part in parts:
+        try:
+            mv = part if isinstance(part, memoryview) else memoryview(part)
+        except TypeError as exc:
+            raise ConfigError(f"body of type {type(part).__name__} is not a buffer") from exc
+        if not mv.c_contiguous:
+            raise ConfigError("body buffers must be C-contiguous")
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        if len(mv):
+            views.append(mv)
+    return views
+
+
+def slice_views(views: Sequence[memoryview], start: int, stop: int) -> list[memoryview]:
+    """Views covering bytes ``[start, stop)`` of the concatenation of ``views`` (no copy)."""
+    out: list[memoryview] = []
+    pos = 0
+    for mv in views:
+        end = pos + len(mv)
+        if end > start and pos < stop:
+            out.append(mv[max(start - pos, 0):min(stop, end) - pos])
+        if end >= stop:
+            break
+        pos = end
+    return out
+
+
+def check_ranges(ranges: Sequence[ReadRange]) -> list[memoryview | None]:
+    """Validate ranges; return each range's ``out`` as a flat writable byte view (or None)."""
+    outs: list[memoryview | None] = []
+    for r in ranges:
+        if r.offset < 0 or r.length < 0:
+            raise ConfigError(f"bad read range offset={r.offset} length={r.length}")
+        if r.out is None:
+            outs.append(None)
+            continue
+        mv = r.out if isinstance(r.out, memoryview) else memoryview(r.out)
+        if mv.readonly or not mv.c_contiguous:
+            raise ConfigError("ReadRange.out must be a writable C-contiguous buffer")
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        if len(mv) != r.length:
+            raise ConfigError(f"ReadRange.out holds {len(mv)} bytes, the range {r.length}")
+        outs.append(mv)
+    return outs
+
+
+class ByteBudget:
+    """An async counting limit on bytes held by a store (first come, first served).
+
+    ``acquire(n)`` waits until ``n`` more bytes fit under ``limit``; a request larger than the
+    limit is clipped to it (it then waits until it holds the whole budget alone).
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+
+    def clip(self, n: int) -> int:
+        return min(max(n, 0), self.limit)
+
+    async def acquire(self, n: int) -> int:
+        """Take ``clip(n)`` bytes; returns the amount to pass to ``release``."""
+        n = self.clip(n)
+        if not self._waiters and self.used + n <= self.limit:
+            self._take(n)
+            return n
+        fut = asyncio.get_running_loop().create_future()
+        entry = (n, fut)
+        self._waiters.append(entry)
+        try:
+            await fut
+        except BaseException:
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+            elif fut.done() and not fut.cancelled():
+                self.release(n)  # granted just as we were cancelled
+            raise
+        return n
+
+    def _take(self, n: int) -> None:
+        self.used += n
+        self.peak = max(self.peak, self.used)
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        while self._waiters and self.used + self._waiters[0][0] <= self.limit:
+            size, fut = self._waiters.popleft()
+            if fut.done():
+                continue
+            self._take(size)
+            fut.set_result(None)
+
+
+async def run_all(coros) -> list:
+    """Run coroutines concurrently; on the first failure cancel the others and raise it.
+    Returns the results in order."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    if not tasks:
+        return []
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+        return [t.result() for t in tasks]
+    finally:
+        pending = [t for t in tasks if not t.done()]
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)

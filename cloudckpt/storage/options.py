@@ -1,0 +1,115 @@
+"""Options of the storage layer: frozen, keyword-only, safe to log (secrets are hidden from repr)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from cloudckpt.errors import ConfigError
+
+MiB = 1024 * 1024
+
+#: S3 limits on multipart uploads.
+MIN_PART_SIZE = 5 * MiB
+MAX_PART_SIZE = 5 * 1024 * MiB
+MAX_PARTS = 10_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryOptions:
+    """How one storage operation retries.
+
+    ``max_attempts`` counts every request of the operation (1 = no retry). Between attempts the
+    store sleeps ``uniform(0, min(max_delay, base_delay * 2**retry))`` seconds (full jitter). Each
+    attempt is cut at ``attempt_timeout`` seconds; the whole operation (attempts and sleeps) at
+    ``deadline`` seconds, after which ``RetriesExhausted`` is raised with the last cause.
+    """
+
+    max_attempts: int = 8
+    base_delay: float = 0.1
+    max_delay: float = 5.0
+    attempt_timeout: float = 60.0
+    deadline: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ConfigError("RetryOptions.max_attempts must be >= 1")
+        if self.base_delay < 0 or self.max_delay < 0:
+            raise ConfigError("RetryOptions delays must be >= 0")
+        if self.attempt_timeout <= 0 or self.deadline <= 0:
+            raise ConfigError("RetryOptions timeouts must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageOptions:
+    """Options of an object store. Anything left ``None`` comes from the standard AWS chain
+    (``AWS_ENDPOINT_URL[_S3]``, ``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``,
+    ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, config files, instance roles).
+
+    - ``addressing_style``: ``"auto"`` means path style for custom endpoints and botocore's default
+      (virtual hosted) for AWS.
+    - ``concurrency``: requests in flight per store (and the size of its connection pool).
+    - ``multipart_threshold``: bodies larger than this go multipart; ``part_size`` None picks one
+      per body (>= 5 MiB, <= 10,000 parts).
+    - ``coalesce_gap``: ranges of one object closer than this are read by one GET.
+    - ``max_buffer_bytes``: bytes the store itself may hold for reads in flight (destination
+      buffers provided by the caller are not counted).
+    - ``transport_checksums``: send ``x-amz-checksum-crc32c`` with every body so the server
+      rejects bodies damaged in transit.
+    - ``conditional_create``: how ``mode="create"`` is enforced: ``"native"`` (If-None-Match: *),
+      ``"fallback"`` (multipart-upload claim protocol, for servers that ignore the header) or
+      ``"auto"`` (probe the server once per store, then pick).
+    - ``prefix_spreading``: N > 0 stores each key under one of N hashed prefixes of the root.
+    - ``fsync``: LocalStore only: fsync files and directories before a put returns.
+    """
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    access_key_id: str | None = None
+    secret_access_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
+    profile: str | None = None
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    verify_tls: bool = True
+    concurrency: int = 16
+    multipart_threshold: int = 16 * MiB
+    part_size: int | None = None
+    coalesce_gap: int = 1 * MiB
+    max_buffer_bytes: int = 256 * MiB
+    retry: RetryOptions = field(default_factory=RetryOptions)
+    transport_checksums: bool = True
+    conditional_create: Literal["auto", "native", "fallback"] = "auto"
+    prefix_spreading: int = 0
+    fsync: bool = False
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ConfigError("StorageOptions.concurrency must be >= 1")
+        if self.multipart_threshold < MIN_PART_SIZE:
+            raise ConfigError("StorageOptions.multipart_threshold must be >= 5 MiB")
+        if self.part_size is not None and not MIN_PART_SIZE <= self.part_size <= MAX_PART_SIZE:
+            raise ConfigError("StorageOptions.part_size must be between 5 MiB and 5 GiB")
+        if self.coalesce_gap < 0:
+            raise ConfigError("StorageOptions.coalesce_gap must be >= 0")
+        if self.max_buffer_bytes < 1 * MiB:
+            raise ConfigError("StorageOptions.max_buffer_bytes must be >= 1 MiB")
+        if self.addressing_style not in ("auto", "path", "virtual"):
+            raise ConfigError(f"bad addressing_style {self.addressing_style!r}")
+        if self.conditional_create not in ("auto", "native", "fallback"):
+            raise ConfigError(f"bad conditional_create {self.conditional_create!r}")
+        if not 0 <= self.prefix_spreading <= 4096:
+            raise ConfigError("StorageOptions.prefix_spreading must be between 0 and 4096")
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ConfigError("give both access_key_id and secret_access_key, or neither")
+
+
+def choose_part_size(size: int, requested: int | None = None, *, default: int = 16 * MiB) -> int:
+    """Part size for a multipart body of ``size`` bytes: ``requested`` (or ``default``), raised to
+    at least 5 MiB and enough that the body fits in 10,000 parts (rounded up to whole MiB)."""
+    part = max(requested or default, MIN_PART_SIZE)
+    need = -(-size // MAX_PARTS)
+    if need > part:
+        part = -(-need // MiB) * MiB
+    if part > MAX_PART_SIZE:
+        raise ConfigError(f"a body of {size} bytes does not fit in {MAX_PARTS} parts of 5 GiB")
+    return part

@@ -1,0 +1,119 @@
+"""Planning of ranged reads: coalescing close ranges of one object into spans, splitting large
+spans into pieces fetched concurrently, scattering a piece's byte stream into destination views,
+and crc32c verification of what landed.
+
+Pure (no I/O): shared by every backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from cloudckpt.checksum import crc32c
+from cloudckpt.errors import ChecksumError
+
+#: crc32c of buffers at least this large runs in a worker thread (the library releases the GIL).
+_THREAD_CRC_BYTES = 4 * 1024 * 1024
+
+
+@dataclass
+class Piece:
+    """One request: bytes ``[start, end)`` of the object, feeding the ``members`` ranges
+    (indexes into the caller's range list, sorted by offset) where they intersect it."""
+
+    start: int
+    end: int
+    members: list[int] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def plan_pieces(offsets: Sequence[int], lengths: Sequence[int], *, gap: int,
+                max_piece: int) -> list[Piece]:
+    """Group ranges into pieces: a range joins the current piece when it starts at most ``gap``
+    bytes after the piece's end and the piece stays within ``max_piece`` bytes; a range longer
+    than ``max_piece`` is cut into pieces of that size. Empty ranges get no piece."""
+    order = sorted((i for i in range(len(offsets)) if lengths[i] > 0), key=lambda i: offsets[i])
+    pieces: list[Piece] = []
+    cur: Piece | None = None
+    for i in order:
+        start, end = offsets[i], offsets[i] + lengths[i]
+        if end - start > max_piece:
+            for a in range(start, end, max_piece):
+                b = min(a + max_piece, end)
+                if cur is not None and a - cur.end <= gap and max(b, cur.end) - cur.start <= max_piece:
+                    cur.end = max(cur.end, b)
+                    cur.members.append(i)
+                    continue
+                cur = Piece(a, b, [i])
+                pieces.append(cur)
+            continue
+        if cur is not None and start - cur.end <= gap and max(end, cur.end) - cur.start <= max_piece:
+            cur.end = max(cur.end, end)
+            cur.members.append(i)
+        else:
+            cur = Piece(start, end, [i])
+            pieces.append(cur)
+    return pieces
+
+
+class Scatter:
+    """Copies a piece's byte stream into the destination views of the ranges it covers.
+
+    ``feed(chunk, pos)`` takes bytes at absolute object position ``pos``; gap bytes are dropped.
+    """
+
+    def __init__(self, piece: Piece, offsets: Sequence[int], lengths: Sequence[int],
+                 outs: Sequence[memoryview]):
+        self._members = [(offsets[i], offsets[i] + lengths[i], outs[i]) for i in piece.members]
+        self._first = 0
+
+    def feed(self, chunk, pos: int) -> None:
+        members = self._members
+        end = pos + len(chunk)
+        i = self._first
+        while i < len(members) and members[i][1] <= pos:
+            i += 1
+        self._first = i
+        src = None
+        while i < len(members):
+            off, stop, out = members[i]
+            if off >= end:
+                break
+            a = pos if pos > off else off
+            b = end if end < stop else stop
+            if a < b:
+                if src is None:
+                    src = chunk if isinstance(chunk, memoryview) else memoryview(chunk)
+                out[a - off:b - off] = src[a - pos:b - pos]
+            i += 1
+
+
+async def crc_of(view: memoryview) -> int:
+    """crc32c of ``view``; large buffers are hashed off the event loop."""
+    if len(view) >= _THREAD_CRC_BYTES:
+        return await asyncio.to_thread(crc32c, view)
+    return crc32c(view)
+
+
+async def bad_crc_ranges(offsets: Sequence[int], crcs: Sequence[int | None],
+                         views: Sequence[memoryview]) -> list[int]:
+    """Indexes of the ranges whose expected crc32c (when given) does not match their view."""
+    bad = []
+    for i, expected in enumerate(crcs):
+        if expected is not None and await crc_of(views[i]) != (expected & 0xFFFFFFFF):
+            bad.append(i)
+    return bad
+
+
+def checksum_error(url: str, key: str, offset: int, length: int, expected: int,
+                   actual: int) -> ChecksumError:
+    """The ``ChecksumError`` for one failed range (names the object and byte range)."""
+    return ChecksumError(
+        f"crc32c mismatch in {url.rstrip('/')}/{key} bytes [{offset}, {offset + length}): "
+        f"expected {expected:08x}, got {actual:08x}",
+        key=key, offset=offset, length=length)

@@ -1,0 +1,127 @@
+"""The choke point every backend request goes through: bounded concurrency, per-attempt cap,
+overall deadline, exponential full-jitter backoff, request counting, logging and error
+translation.
+
+A backend supplies ``classify(exc, op, key, name) -> Verdict`` (``name`` is the object's URL, for
+messages): whether the failure is worth another
+attempt, and the ``cloudckpt.errors`` exception to raise when it is not (or when attempts run
+out, as ``RetriesExhausted.last_cause``'s translation). Logs name the operation, key and attempt;
+error texts are the server's code and message, which never carry secrets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import sys
+from dataclasses import dataclass
+from typing import Awaitable, Callable, TypeVar
+
+from cloudckpt.errors import RetriesExhausted
+from cloudckpt.storage.base import StoreStats
+from cloudckpt.storage.options import RetryOptions
+
+logger = logging.getLogger("cloudckpt.storage")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How to handle one failed attempt: retry it, or raise ``error`` (``None``: re-raise as is)."""
+
+    retry: bool
+    error: BaseException | None = None
+    reason: str = ""
+
+
+class AttemptTimeout(TimeoutError):
+    """An attempt ran past ``RetryOptions.attempt_timeout`` (retriable)."""
+
+
+if sys.version_info >= (3, 11):
+    async def _with_timeout(coro: Awaitable[T], seconds: float) -> T:
+        try:
+            async with asyncio.timeout(seconds):
+                return await coro
+        except TimeoutError as exc:
+            raise AttemptTimeout(f"attempt exceeded {seconds:.1f}s") from exc
+else:  # pragma: no cover - Python 3.10
+    async def _with_timeout(coro: Awaitable[T], seconds: float) -> T:
+        try:
+            return await asyncio.wait_for(coro, seconds)
+        except asyncio.TimeoutError as exc:
+            raise AttemptTimeout(f"attempt exceeded {seconds:.1f}s") from exc
+
+
+class Retrier:
+    """Runs attempts of one operation at a time under the store's concurrency limit.
+
+    ``slots`` is held only while an attempt runs (not while sleeping between attempts).
+    """
+
+    def __init__(self, *, options: RetryOptions, stats: StoreStats, slots: asyncio.Semaphore,
+                 classify: Callable[[BaseException, str, str | None, str], Verdict]):
+        self.options = options
+        self.stats = stats
+        self.slots = slots
+        self.classify = classify
+
+    async def call(self, op: str, key: str | None, attempt: Callable[[int], Awaitable[T]],
+                   *, where: str, hold_slot: bool = True) -> T:
+        """Run ``attempt(n)`` (n = 1, 2, ...) until it returns, fails for good, or runs out of
+        attempts or time. ``key`` is the store-relative key (or None), ``where`` the store URL
+        (messages name ``where/key``). ``hold_slot`` False runs without taking a concurrency slot
+        (for requests issued while the caller already holds one)."""
+        name = f"{where.rstrip('/')}/{key}" if key else where
+        opts = self.options
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + opts.deadline
+        n = 0
+        last: BaseException | None = None
+        while True:
+            n += 1
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise self._exhausted(op, key, name, n - 1, last, "deadline passed") from last
+            try:
+                if hold_slot:
+                    async with self.slots:
+                        self._count(op, n)
+                        return await _with_timeout(attempt(n), min(opts.attempt_timeout, remaining))
+                self._count(op, n)
+                return await _with_timeout(attempt(n), min(opts.attempt_timeout, remaining))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - classified below
+                verdict = self.classify(exc, op, key, name)
+                if not verdict.retry:
+                    if verdict.error is None:
+                        raise
+                    raise verdict.error from exc
+                last = exc
+                reason = verdict.reason or type(exc).__name__
+            if n >= opts.max_attempts:
+                raise self._exhausted(op, key, name, n, last, f"{n} attempts failed") from last
+            delay = random.uniform(0.0, min(opts.max_delay, opts.base_delay * (2 ** (n - 1))))
+            if loop.time() + delay >= deadline:
+                raise self._exhausted(op, key, name, n, last, "deadline would pass") from last
+            logger.warning("%s %s attempt %d/%d failed (%s); retrying in %.2fs",
+                           op, name, n, opts.max_attempts, reason, delay)
+            await asyncio.sleep(delay)
+
+    def _count(self, op: str, n: int) -> None:
+        self.stats.count(op)
+        if n > 1:
+            self.stats.retries += 1
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s attempt %d", op, n)
+
+    @staticmethod
+    def _exhausted(op: str, key: str | None, name: str, attempts: int,
+                   last: BaseException | None, why: str) -> RetriesExhausted:
+        cause = "" if last is None else f": last error {type(last).__name__}: {last}"
+        logger.error("%s %s gave up (%s)%s", op, name, why, cause)
+        return RetriesExhausted(f"{op} {name}: {why}{cause}", key=key, operation=op,
+                                attempts=attempts, last_cause=last)

@@ -1,0 +1,374 @@
+"""``S3Store``: the ``ObjectStore`` protocol on S3-compatible servers (aiobotocore).
+
+One ``S3Connection`` per ``open_store`` call holds the client, the concurrency slots, the byte
+budget and the counters; ``child()`` stores share it. Every request goes through
+``S3Connection.retrier`` (see ``retry.py`` and ``s3_errors.py``). Writes live in ``s3_write.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import AsyncIterator, Iterable, Sequence
+
+from cloudckpt.errors import ConfigError, InvalidRange, StorageError
+from cloudckpt.storage import s3_write
+from cloudckpt.storage.base import (
+    Body,
+    ByteBudget,
+    CommonPrefix,
+    ObjectInfo,
+    PutMode,
+    ReadRange,
+    StoreStats,
+    UploadInfo,
+    as_views,
+    check_key,
+    check_prefix,
+    check_ranges,
+    run_all,
+)
+from cloudckpt.storage.options import StorageOptions
+from cloudckpt.storage.ranges import Scatter, bad_crc_ranges, checksum_error, crc_of, plan_pieces
+from cloudckpt.storage.retry import Retrier
+from cloudckpt.storage.s3_client import iter_body, open_client, parse_content_range, parse_s3_url
+from cloudckpt.storage.s3_errors import TransientServerError, TruncatedBody, classify, error_code
+from cloudckpt.storage.spreading import Spreader, merge_sorted
+
+logger = logging.getLogger("cloudckpt.storage")
+
+DELETE_BATCH = 1000
+#: Largest single GET of a ranged read when ``part_size`` is not set.
+READ_PIECE = 16 * 1024 * 1024
+
+
+class S3Connection:
+    """What a store and its children share: options, client, limits, counters."""
+
+    def __init__(self, options: StorageOptions, bucket: str, anchor: str):
+        self.options = options
+        self.bucket = bucket
+        self.anchor = anchor  # key prefix of the URL given to open_store ("" or ".../")
+        self.stats = StoreStats()
+        self.spreader = Spreader(options.prefix_spreading)
+        self.slots = asyncio.Semaphore(options.concurrency)
+        self.budget = ByteBudget(options.max_buffer_bytes)
+        self.retrier = Retrier(options=options.retry, stats=self.stats, slots=self.slots,
+                               classify=classify)
+        self.create_strategy: str | None = (
+            None if options.conditional_create == "auto" else options.conditional_create)
+        self.create_lock = asyncio.Lock()
+        self._client = None
+        self._client_lock = asyncio.Lock()
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._background: set[asyncio.Task] = set()
+
+    async def client(self):
+        """The aiobotocore client, created on first use in the running loop."""
+        loop = asyncio.get_running_loop()
+        if self._client is not None:
+            if loop is not self._loop:
+                raise StorageError("an S3Store is bound to the event loop it was first used on")
+            return self._client
+        if self._closed:
+            raise StorageError("the store is closed")
+        async with self._client_lock:
+            if self._client is None:
+                stack = contextlib.AsyncExitStack()
+                try:
+                    self._client = await open_client(self.options, stack)
+                except BaseException:
+                    await stack.aclose()
+                    raise
+                self._stack, self._loop = stack, loop
+        return self._client
+
+    def in_background(self, coro) -> None:
+        """Run ``coro`` (a cleanup) to completion even if the caller is cancelled."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+        stack, self._stack, self._client = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+
+class S3Store:
+    """An ``ObjectStore`` over ``s3://bucket/prefix``. See ``cloudckpt.storage.base.ObjectStore``
+    for the contract of each method.
+
+    Requests in flight are capped at ``options.concurrency``; bytes the store allocates for reads
+    in flight at ``options.max_buffer_bytes``. Objects are bound to the event loop they are first
+    used on.
+    """
+
+    def __init__(self, url: str, options: StorageOptions | None = None, *,
+                 _conn: S3Connection | None = None, _sub: str = ""):
+        bucket, anchor = parse_s3_url(url)
+        if _conn is None:
+            _conn = S3Connection(options or StorageOptions(), bucket, anchor)
+        self._conn = _conn
+        self._sub = _sub  # key prefix of this (child) store below the anchor: "" or ".../"
+        root = f"{_conn.anchor}{_sub}".rstrip("/")
+        self.url = f"s3://{_conn.bucket}/{root}" if root else f"s3://{_conn.bucket}"
+        self.stats: StoreStats = _conn.stats
+        self.options = _conn.options
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url!r})"
+
+    # --- keys ---------------------------------------------------------------------------------
+
+    def _phys(self, key: str) -> str:
+        rel = self._sub + check_key(key)
+        return self._conn.anchor + self._conn.spreader.dir_for(rel) + rel
+
+    def _bases(self) -> list[str]:
+        """Key prefixes under which this store's keys live (one per hashed dir)."""
+        return [self._conn.anchor + d + self._sub for d in self._conn.spreader.all_dirs()]
+
+    async def _call(self, op: str, key: str | None, attempt, **kw):
+        return await self._conn.retrier.call(op, key, attempt, where=self.url, **kw)
+
+    def child(self, prefix: str) -> "S3Store":
+        prefix = check_prefix(prefix).strip("/")
+        if not prefix:
+            return self
+        return S3Store(f"s3://{self._conn.bucket}/{self._conn.anchor}", _conn=self._conn,
+                       _sub=f"{self._sub}{prefix}/")
+
+    async def close(self) -> None:
+        if not self._sub:
+            await self._conn.close()
+
+    async def __aenter__(self) -> "S3Store":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # --- writes ---------------------------------------------------------------------------------
+
+    async def put(self, key: str, body: Body, *, mode: PutMode = "overwrite") -> ObjectInfo:
+        if mode not in ("overwrite", "create"):
+            raise ConfigError(f"bad put mode {mode!r}")
+        views = as_views(body)
+        return await s3_write.put(self, key, self._phys(key), views, mode == "create")
+
+    async def delete(self, keys: Iterable[str]) -> None:
+        phys = list(dict.fromkeys(self._phys(k) for k in keys))
+        batches = [phys[i:i + DELETE_BATCH] for i in range(0, len(phys), DELETE_BATCH)]
+        await run_all(self._delete_batch(b) for b in batches)
+
+    async def _delete_batch(self, batch: list[str]) -> None:
+        pending = list(batch)
+
+        async def attempt(n: int) -> None:
+            nonlocal pending
+            client = await self._conn.client()
+            resp = await client.delete_objects(
+                Bucket=self._conn.bucket,
+                Delete={"Objects": [{"Key": k} for k in pending], "Quiet": True})
+            retry, fatal = [], None
+            for err in resp.get("Errors", []) or []:
+                code = err.get("Code", "")
+                if code in ("NoSuchKey", "NotFound"):
+                    continue
+                if code in ("InternalError", "SlowDown", "ServiceUnavailable"):
+                    retry.append(err["Key"])
+                elif fatal is None:
+                    fatal = err
+            if fatal is not None:
+                from botocore.exceptions import ClientError
+                raise ClientError({"Error": {"Code": fatal.get("Code", ""),
+                                             "Message": fatal.get("Message", "")}},
+                                  "DeleteObjects")
+            if retry:
+                pending = retry
+                raise TransientServerError(f"{len(retry)} keys not deleted yet")
+
+        await self._call("delete", None, attempt)
+
+    # --- reads ----------------------------------------------------------------------------------
+
+    async def head(self, key: str) -> ObjectInfo:
+        phys = self._phys(key)
+
+        async def attempt(n: int) -> ObjectInfo:
+            client = await self._conn.client()
+            resp = await client.head_object(Bucket=self._conn.bucket, Key=phys)
+            return _info(key, resp.get("ContentLength", 0), resp)
+
+        return await self._call("head", key, attempt)
+
+    async def get(self, key: str) -> bytes:
+        phys = self._phys(key)
+        budget = self._conn.budget
+
+        async def attempt(n: int) -> bytes:
+            client = await self._conn.client()
+            resp = await client.get_object(Bucket=self._conn.bucket, Key=phys)
+            body = resp["Body"]
+            size = int(resp.get("ContentLength", 0))
+            held = 0
+            done = False
+            try:
+                held = await budget.acquire(size)
+                chunks, got = [], 0
+                async for chunk in iter_body(body):
+                    chunks.append(chunk)
+                    got += len(chunk)
+                self._conn.stats.bytes_received += got
+                if got != size:
+                    raise TruncatedBody(f"got {got} of {size} bytes")
+                done = True
+                return b"".join(chunks)
+            finally:
+                budget.release(held)
+                if not done:
+                    body.close()
+
+        return await self._call("get", key, attempt)
+
+    async def read_ranges(self, key: str, ranges: Sequence[ReadRange]) -> list[memoryview]:
+        phys = self._phys(key)
+        outs = check_ranges(ranges)
+        offsets = [r.offset for r in ranges]
+        lengths = [r.length for r in ranges]
+        budget = self._conn.budget
+        held = await budget.acquire(sum(r.length for r, o in zip(ranges, outs) if o is None))
+        try:
+            views = [o if o is not None else memoryview(bytearray(r.length))
+                     for r, o in zip(ranges, outs)]
+            max_piece = max(self.options.part_size or READ_PIECE, 1)
+            pieces = plan_pieces(offsets, lengths, gap=self.options.coalesce_gap,
+                                 max_piece=max_piece)
+            await run_all(self._fetch(key, phys, p, Scatter(p, offsets, lengths, views))
+                          for p in pieces)
+            crcs = [r.crc32c for r in ranges]
+            for i in await bad_crc_ranges(offsets, crcs, views):
+                # One more read of just that range (a damaged transfer); then it is the object.
+                single = plan_pieces([offsets[i]], [lengths[i]], gap=0, max_piece=max_piece)
+                await run_all(self._fetch(key, phys, p, Scatter(p, [offsets[i]], [lengths[i]],
+                                                                [views[i]])) for p in single)
+                actual = await crc_of(views[i])
+                if actual != crcs[i] & 0xFFFFFFFF:
+                    raise checksum_error(self.url, key, offsets[i], lengths[i],
+                                         crcs[i] & 0xFFFFFFFF, actual)
+            return views
+        finally:
+            budget.release(held)
+
+    async def _fetch(self, key: str, phys: str, piece, scatter: Scatter) -> None:
+        """GET ``piece`` into the scatter's views; a retry resumes where the last attempt broke."""
+        pos = piece.start
+        stats = self._conn.stats
+
+        async def attempt(n: int) -> None:
+            nonlocal pos
+            client = await self._conn.client()
+            resp = await client.get_object(Bucket=self._conn.bucket, Key=phys,
+                                           Range=f"bytes={pos}-{piece.end - 1}")
+            body = resp["Body"]
+            done = False
+            try:
+                crange = parse_content_range(resp.get("ContentRange"))
+                start = crange[0] if crange else 0
+                total = crange[2] if crange else int(resp.get("ContentLength", 0))
+                if total is not None and total < piece.end:
+                    raise InvalidRange(
+                        f"{self.url}/{key}: range [{piece.start}, {piece.end}) is past the end "
+                        f"of the object ({total} bytes)", key=key, operation="get")
+                body_len = int(resp.get("ContentLength", 0))
+                at = start
+                async for chunk in iter_body(body):
+                    n_bytes = len(chunk)
+                    stats.bytes_received += n_bytes
+                    lo, hi = max(at, pos), min(at + n_bytes, piece.end)
+                    if lo < hi:
+                        scatter.feed(chunk if (lo == at and hi == at + n_bytes)
+                                     else memoryview(chunk)[lo - at:hi - at], lo)
+                        pos = hi
+                    at += n_bytes
+                    if pos >= piece.end:
+                        break
+                if pos < piece.end:
+                    raise TruncatedBody(f"body ended at byte {pos} of [{piece.start}, {piece.end})")
+                done = at - start == body_len
+            finally:
+                if not done:
+                    body.close()
+
+        await self._call("get", key, attempt)
+
+    # --- listings -------------------------------------------------------------------------------
+
+    async def list(self, prefix: str = "", *, delimiter: str | None = None
+                   ) -> AsyncIterator[ObjectInfo | CommonPrefix]:
+        check_prefix(prefix)
+        if delimiter == "":
+            raise ConfigError("delimiter must be None or non-empty")
+        iters = [self._list_base(base, prefix, delimiter) for base in self._bases()]
+        if len(iters) == 1:
+            async for item in iters[0]:
+                yield item
+            return
+        async for item in merge_sorted(iters, _sort_key):
+            yield item
+
+    async def _list_base(self, base: str, prefix: str, delimiter: str | None):
+        token = None
+        while True:
+            kw = {"Bucket": self._conn.bucket, "Prefix": base + prefix, "MaxKeys": 1000}
+            if delimiter:
+                kw["Delimiter"] = delimiter
+            if token:
+                kw["ContinuationToken"] = token
+
+            async def attempt(n: int, kw=kw):
+                client = await self._conn.client()
+                return await client.list_objects_v2(**kw)
+
+            page = await self._call("list", prefix or None, attempt)
+            items: list = [_info(o["Key"][len(base):], o.get("Size", 0), o)
+                           for o in page.get("Contents", []) or []]
+            items += [CommonPrefix(p["Prefix"][len(base):])
+                      for p in page.get("CommonPrefixes", []) or []]
+            items.sort(key=_sort_key)
+            for item in items:
+                yield item
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    async def list_uploads(self, prefix: str = "") -> list[UploadInfo]:
+        check_prefix(prefix)
+        found: list[UploadInfo] = []
+        for base in self._bases():
+            found += await s3_write.list_uploads(self, base + prefix, strip=len(base))
+        found.sort(key=lambda u: (u.key, u.initiated or 0.0, u.upload_id))
+        return found
+
+    async def abort_upload(self, upload: UploadInfo) -> None:
+        await s3_write.abort(self, upload.key, self._phys(upload.key), upload.upload_id)
+
+
+def _sort_key(item) -> str:
+    return item.key if isinstance(item, ObjectInfo) else item.prefix
+
+
+def _info(key: str, size, resp: dict) -> ObjectInfo:
+    modified = resp.get("LastModified")
+    return ObjectInfo(key=key, size=int(size or 0), etag=resp.get("ETag"),
+                      last_modified=modified.timestamp() if modified is not None else None)
+
+
+__all__ = ["S3Store", "S3Connection", "error_code"]

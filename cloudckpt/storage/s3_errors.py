@@ -1,0 +1,133 @@
+"""Translation of S3 / botocore / aiohttp failures into ``cloudckpt.errors``, and which of them
+are retried.
+
+Retried: HTTP 500/502/503/504/429, throttling codes (SlowDown, ...), request timeouts, BadDigest
+(a body damaged in transit), ConditionalRequestConflict (concurrent conditional writes),
+connection resets, refused or dropped connections, truncated bodies and attempts past their cap.
+Never retried: 403 (AccessDenied), 404 (ObjectNotFound), 412 (ObjectExists for a create,
+otherwise StorageError), 416 (InvalidRange), missing credentials (ConfigError), other 4xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import botocore.exceptions as bex
+
+from cloudckpt.errors import (
+    AccessDenied,
+    BucketNotFound,
+    CloudCkptError,
+    ConfigError,
+    InvalidRange,
+    ObjectExists,
+    ObjectNotFound,
+    StorageError,
+)
+from cloudckpt.storage.retry import AttemptTimeout, Verdict
+
+#: Error codes that name a transient server condition.
+RETRIABLE_CODES = frozenset({
+    "SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
+    "ThrottlingException", "RequestThrottled", "RequestLimitExceeded", "TooManyRequests",
+    "TooManyRequestsException", "BadDigest", "ConditionalRequestConflict", "OperationAborted",
+    "IncompleteBody", "XAmzContentSHA256Mismatch", "EC2ThrottledException",
+})
+RETRIABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+
+#: Error code -> error class, for codes that are never retried.
+CODE_TABLE: dict[str, type[StorageError]] = {
+    "AccessDenied": AccessDenied,
+    "SignatureDoesNotMatch": AccessDenied,
+    "InvalidAccessKeyId": AccessDenied,
+    "InvalidToken": AccessDenied,
+    "ExpiredToken": AccessDenied,
+    "TokenRefreshRequired": AccessDenied,
+    "AllAccessDisabled": AccessDenied,
+    "AccountProblem": AccessDenied,
+    "InvalidSecurity": AccessDenied,
+    "InvalidObjectState": AccessDenied,
+    "NoSuchKey": ObjectNotFound,
+    "NotFound": ObjectNotFound,
+    "NoSuchUpload": ObjectNotFound,
+    "NoSuchBucket": BucketNotFound,
+    "InvalidRange": InvalidRange,
+}
+STATUS_TABLE: dict[int, type[StorageError]] = {
+    403: AccessDenied,
+    404: ObjectNotFound,
+    416: InvalidRange,
+}
+
+#: Operations whose 412 means "the key already exists".
+CREATE_OPS = frozenset({"put", "complete_multipart", "probe"})
+
+
+class TruncatedBody(ConnectionError):
+    """A response body ended before its Content-Length (retried)."""
+
+
+class TransientServerError(ConnectionError):
+    """A server answer that asks for another try (per-key errors of DeleteObjects, ...)."""
+
+
+_TRANSPORT_ERRORS = (
+    bex.ConnectionError,  # EndpointConnectionError, ConnectionClosedError, ConnectTimeoutError...
+    bex.HTTPClientError,  # ReadTimeoutError and the rest of the transport failures
+    bex.ResponseStreamingError,
+    bex.IncompleteReadError,
+    aiohttp.ClientError,  # ClientPayloadError, ServerDisconnectedError, ClientOSError
+    ConnectionError,  # resets, broken pipes, TruncatedBody
+    asyncio.TimeoutError,
+    TimeoutError,
+    AttemptTimeout,
+    asyncio.IncompleteReadError,
+)
+
+
+def error_code(exc: bex.ClientError) -> tuple[str, int]:
+    """(S3 error code, HTTP status) of a ClientError ('' / 0 when absent)."""
+    resp = getattr(exc, "response", None) or {}
+    code = str(resp.get("Error", {}).get("Code", "") or "")
+    status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    if not status and code.isdigit():
+        status = int(code)
+    return code, status
+
+
+def classify(exc: BaseException, op: str, key: str | None, where: str) -> Verdict:
+    """The ``Verdict`` for one failed S3 attempt of operation ``op`` on ``key`` (``where`` names
+    the object in messages)."""
+    name = f" {where}"
+    if isinstance(exc, CloudCkptError):
+        return Verdict(False)
+    if isinstance(exc, bex.ClientError):
+        code, status = error_code(exc)
+        message = str(exc.response.get("Error", {}).get("Message", "") or code or status)
+        if code in RETRIABLE_CODES or (status in RETRIABLE_STATUS and code not in CODE_TABLE):
+            return Verdict(True, reason=f"{status} {code}".strip())
+        if status == 412 or code == "PreconditionFailed":
+            if op in CREATE_OPS:
+                return Verdict(False, ObjectExists(f"{op}{name}: the object already exists",
+                                                   key=key, operation=op))
+            return Verdict(False, StorageError(f"{op}{name}: precondition failed", key=key,
+                                               operation=op))
+        cls = CODE_TABLE.get(code) or STATUS_TABLE.get(status) or StorageError
+        return Verdict(False, cls(f"{op}{name}: {status} {code}: {message}", key=key,
+                                  operation=op))
+    if isinstance(exc, (bex.NoCredentialsError, bex.PartialCredentialsError)):
+        return Verdict(False, ConfigError(
+            "no usable AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "AWS_PROFILE, or StorageOptions(access_key_id=..., secret_access_key=...)"))
+    if isinstance(exc, (bex.NoRegionError, bex.ParamValidationError, bex.UnknownEndpointError,
+                        bex.InvalidEndpointConfigurationError)):
+        return Verdict(False, ConfigError(f"{op}{name}: {exc}"))
+    if isinstance(exc, bex.SSLError):
+        return Verdict(False, StorageError(f"{op}{name}: TLS failure: {exc}", key=key,
+                                           operation=op))
+    if isinstance(exc, _TRANSPORT_ERRORS):
+        return Verdict(True, reason=f"{type(exc).__name__}: {exc}"[:200])
+    if isinstance(exc, bex.BotoCoreError):
+        return Verdict(False, StorageError(f"{op}{name}: {exc}", key=key, operation=op))
+    return Verdict(False)

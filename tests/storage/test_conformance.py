@@ -1,0 +1,262 @@
+"""One conformance suite for every ObjectStore backend (LocalStore and S3Store on SeaweedFS)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from cloudckpt.checksum import crc32c
+from cloudckpt.errors import (
+    ChecksumError,
+    ConfigError,
+    InvalidRange,
+    ObjectExists,
+    ObjectNotFound,
+)
+from cloudckpt.storage import CommonPrefix, ObjectInfo, ReadRange, S3Store
+
+MiB = 1024 * 1024
+
+
+def test_put_get_head_roundtrip(backend):
+    async def body(store):
+        data = os.urandom(100_000)
+        info = await store.put("a/b/c.bin", data)
+        assert info.key == "a/b/c.bin" and info.size == len(data)
+        assert await store.get("a/b/c.bin") == data
+        head = await store.head("a/b/c.bin")
+        assert head.size == len(data) and head.key == "a/b/c.bin"
+        # every bytes-like body, and segments concatenated
+        arr = np.arange(1000, dtype=np.float32)
+        await store.put("np", arr)
+        assert await store.get("np") == arr.tobytes()
+        await store.put("segs", [b"ab", bytearray(b"cd"), memoryview(b"xxefxx")[2:4], arr[:2]])
+        assert await store.get("segs") == b"abcdef" + arr[:2].tobytes()
+        await store.put("empty", b"")
+        assert await store.get("empty") == b""
+        assert (await store.head("empty")).size == 0
+        await store.put("a/b/c.bin", b"new")  # overwrite
+        assert await store.get("a/b/c.bin") == b"new"
+
+    backend.run(body)
+
+
+def test_missing_and_bad_keys(backend):
+    async def body(store):
+        for call in (store.get("nope"), store.head("nope"),
+                     store.read_ranges("nope", [ReadRange(0, 1)])):
+            with pytest.raises(ObjectNotFound) as info:
+                await call
+            assert isinstance(info.value, FileNotFoundError)
+        for bad in ("", "/abs", "a/../b", "a//b", "./a", "dir/"):
+            with pytest.raises(ConfigError):
+                await store.put(bad, b"x")
+
+    backend.run(body)
+
+
+def test_read_ranges_coalesced_and_concurrent(backend):
+    async def body(store):
+        data = os.urandom(3 * MiB)
+        await store.put("obj", data)
+        before = store.stats.requests.get("get", 0)
+        out = bytearray(4096)
+        ranges = [
+            ReadRange(0, 1000),                                    # \
+            ReadRange(5000, 4096, out=memoryview(out)),            #  } one GET (gaps < 1 MiB)
+            ReadRange(20_000, 10, crc32c=crc32c(data[20_000:20_010])),  # /
+            ReadRange(2 * MiB + 100, 500),                         # far: a second GET
+            ReadRange(42, 0),                                      # empty: no request
+            ReadRange(10, 20),                                     # overlaps the first
+        ]
+        views = await store.read_ranges("obj", ranges)
+        assert [bytes(v) for v in views] == [data[r.offset:r.offset + r.length] for r in ranges]
+        assert views[1].obj is out or bytes(out) == data[5000:9096]
+        assert bytes(out) == data[5000:9096]
+        assert store.stats.requests["get"] - before == 2
+        # a small coalesce gap splits them
+        assert all(isinstance(v, memoryview) for v in views)
+
+    backend.run(body)
+    backend.run(lambda store: _split_reads(store), coalesce_gap=0)
+
+
+async def _split_reads(store):
+    data = os.urandom(200_000)
+    await store.put("obj2", data)
+    before = store.stats.requests.get("get", 0)
+    ranges = [ReadRange(0, 10), ReadRange(100, 10), ReadRange(1000, 10)]
+    views = await store.read_ranges("obj2", ranges)
+    assert [bytes(v) for v in views] == [data[0:10], data[100:110], data[1000:1010]]
+    assert store.stats.requests["get"] - before == 3
+
+
+def test_read_range_errors(backend):
+    async def body(store):
+        data = os.urandom(10_000)
+        await store.put("obj", data)
+        with pytest.raises(InvalidRange):
+            await store.read_ranges("obj", [ReadRange(9_000, 2_000)])
+        with pytest.raises(InvalidRange):
+            await store.read_ranges("obj", [ReadRange(20_000, 10)])
+        with pytest.raises(ConfigError):
+            await store.read_ranges("obj", [ReadRange(0, 10, out=memoryview(bytearray(9)))])
+        with pytest.raises(ChecksumError) as err:
+            await store.read_ranges("obj", [ReadRange(100, 50, crc32c=crc32c(data[100:150]) ^ 1)])
+        assert err.value.key == "obj" and (err.value.offset, err.value.length) == (100, 50)
+        assert "obj" in str(err.value) and "[100, 150)" in str(err.value)
+
+    backend.run(body)
+
+
+def test_flipped_byte_is_a_checksum_error(backend):
+    data = os.urandom(2 * MiB)
+    blocks = [(o, min(MiB, len(data) - o)) for o in range(0, len(data), MiB)]
+    crcs = [crc32c(data[o:o + n]) for o, n in blocks]
+    backend.run(lambda store: store.put("ckpt/data.bin", data))
+    backend.flip_byte("ckpt/data.bin", MiB + 12345)
+
+    async def body(store):
+        ranges = [ReadRange(o, n, crc32c=c) for (o, n), c in zip(blocks, crcs)]
+        with pytest.raises(ChecksumError) as err:
+            await store.read_ranges("ckpt/data.bin", ranges)
+        assert (err.value.key, err.value.offset, err.value.length) == ("ckpt/data.bin", MiB, MiB)
+        # the intact block still reads and verifies
+        views = await store.read_ranges("ckpt/data.bin", ranges[:1])
+        assert bytes(views[0]) == data[:MiB]
+
+    backend.run(body)
+
+
+def test_list_paginates_past_1000_and_batched_delete(backend):
+    keys = sorted([f"many/k{i:05d}" for i in range(1050)] + ["many/sub/x", "many/sub/y/z",
+                                                              "many/run/data/a", "other"])
+
+    async def body(store):
+        sem = asyncio.Semaphore(32)
+
+        async def put(k):
+            async with sem:
+                await store.put(k, k.encode())
+
+        await asyncio.gather(*(put(k) for k in keys))
+        listed = [x async for x in store.list("many/")]
+        assert all(isinstance(x, ObjectInfo) for x in listed)
+        assert [x.key for x in listed] == [k for k in keys if k.startswith("many/")]
+        assert listed[0].size == len(listed[0].key)
+        everything = [x.key async for x in store.list()]
+        assert everything == keys
+        rolled = [x async for x in store.list("many/", delimiter="/")]
+        assert [x.prefix for x in rolled if isinstance(x, CommonPrefix)] == ["many/run/",
+                                                                             "many/sub/"]
+        assert len([x for x in rolled if isinstance(x, ObjectInfo)]) == 1050
+        top = [x async for x in store.list("", delimiter="/")]
+        assert top == [CommonPrefix("many/"), top[1]] and top[1].key == "other"
+        multi = [x async for x in store.list("many/", delimiter="/data/")]
+        assert CommonPrefix("many/run/data/") in multi
+        assert [x async for x in store.list("many/k0000", delimiter="/")][0].key == "many/k00000"
+        before = dict(store.stats.requests)
+        await store.delete(keys + ["never/existed"])
+        if isinstance(store, S3Store):
+            assert store.stats.requests["delete"] - before.get("delete", 0) == 2  # 1000 + rest
+        assert [x async for x in store.list()] == []
+        await store.delete([])
+
+    backend.run(body)
+
+
+def test_create_mode_race_has_one_winner(backend):
+    async def body(store):
+        bodies = [bytes([i]) * 1000 for i in range(8)]
+        results = await asyncio.gather(*(store.put("manifest", b, mode="create") for b in bodies),
+                                       return_exceptions=True)
+        winners = [i for i, r in enumerate(results) if isinstance(r, ObjectInfo)]
+        assert len(winners) == 1, results
+        assert all(isinstance(r, ObjectExists) for r in results if not isinstance(r, ObjectInfo))
+        assert all(isinstance(r, FileExistsError) for r in results if isinstance(r, Exception))
+        assert await store.get("manifest") == bodies[winners[0]]
+        with pytest.raises(ObjectExists):
+            await store.put("manifest", b"late", mode="create")
+        assert await store.get("manifest") == bodies[winners[0]]
+
+    backend.run(body)
+
+
+def test_two_creates_race_exactly_one_wins(backend):
+    async def body(store):
+        a, b = os.urandom(5000), os.urandom(5000)
+        results = await asyncio.gather(store.put("m", a, mode="create"),
+                                       store.put("m", b, mode="create"), return_exceptions=True)
+        assert sorted(type(r).__name__ for r in results) == ["ObjectExists", "ObjectInfo"]
+
+    backend.run(body)
+
+
+def test_multipart_200_mib(backend):
+    data = np.random.default_rng(0).integers(0, 256, 200 * MiB, dtype=np.uint8)
+
+    async def body(store):
+        info = await store.put("big/object.bin", data)
+        assert info.size == data.nbytes
+        if isinstance(store, S3Store):
+            assert store.stats.requests["upload_part"] >= 13  # 16 MiB parts
+            assert store.stats.requests["complete_multipart"] == 1
+        assert (await store.head("big/object.bin")).size == data.nbytes
+        back = np.empty_like(data)
+        views = await store.read_ranges("big/object.bin", [ReadRange(
+            0, data.nbytes, out=memoryview(back), crc32c=crc32c(data))])
+        assert views[0].nbytes == data.nbytes
+        assert np.array_equal(back, data)
+        assert await store.list_uploads() == []
+
+    backend.run(body)
+
+
+def test_multipart_create_mode(backend):
+    data = os.urandom(20 * MiB)
+
+    async def body(store):
+        await store.put("mp-create", data, mode="create")
+        with pytest.raises(ObjectExists):
+            await store.put("mp-create", data, mode="create")
+        assert await store.get("mp-create") == data
+        assert await store.list_uploads() == []
+
+    backend.run(body, multipart_threshold=8 * MiB)
+
+
+def test_unfinished_uploads_listed_and_aborted(backend):
+    backend.start_unfinished_upload("ckpt/part.bin")
+    backend.start_unfinished_upload("other/thing.bin")
+
+    async def body(store):
+        uploads = await store.list_uploads("ckpt/")
+        assert [u.key for u in uploads] == ["ckpt/part.bin"]
+        assert [x async for x in store.list()] == []  # never visible as objects
+        await store.abort_upload(uploads[0])
+        await store.abort_upload(uploads[0])  # already gone: fine
+        assert await store.list_uploads("ckpt/") == []
+        assert [u.key for u in await store.list_uploads()] == ["other/thing.bin"]
+        with pytest.raises(ObjectNotFound):
+            await store.head("ckpt/part.bin")
+
+    backend.run(body)
+
+
+def test_child_stores_share_stats_and_nest_keys(backend):
+    async def body(store):
+        run = store.child("run")
+        step = run.child("step-000000000001/")
+        await step.put("manifest.msgpack", b"m")
+        assert await store.get("run/step-000000000001/manifest.msgpack") == b"m"
+        assert [x.prefix async for x in run.list(delimiter="/")] == ["step-000000000001/"]
+        assert [x.key async for x in step.list()] == ["manifest.msgpack"]
+        assert step.url.endswith("/run/step-000000000001")
+        assert step.stats is store.stats and store.stats.requests["put"] >= 1
+        await step.close()  # a child's close leaves the shared connection open
+        assert await run.get("step-000000000001/manifest.msgpack") == b"m"
+
+    backend.run(body)
