@@ -1,0 +1,112 @@
+"""Compact msgpack encoding of integer columns (used by manifests and plans).
+
+A column is the msgpack array ``[transform, width, compression, count, payload]``:
+
+- ``transform``: ``"raw"`` (values as they are) or ``"delta"`` (first value, then differences;
+  the decoder takes a cumulative sum);
+- ``width``: 1, 2, 4 or 8: bytes per stored (signed, little-endian) integer, the narrowest that
+  holds every stored number;
+- ``compression``: ``"none"`` or ``"zlib"`` (applied to the packed integers);
+- ``count``: number of values; ``payload``: bytes.
+
+Decoding never trusts the input: the caller states how many values it expects, and a payload
+that inflates past ``count * width`` bytes is refused before it is inflated further.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+_WIDTHS = (1, 2, 4, 8)
+_LIMITS = {w: (-(1 << (8 * w - 1)), (1 << (8 * w - 1)) - 1) for w in _WIDTHS}
+
+
+class ColumnError(ValueError):
+    """A column is malformed (the caller turns this into its own error with a path)."""
+
+
+def encode_int_column(values, *, delta: bool = False, compress: bool = True) -> list:
+    """Encode a 1-D sequence of int64-representable integers as a column (see module doc)."""
+    arr = np.ascontiguousarray(values, dtype=np.int64).reshape(-1)
+    stored = arr
+    if delta and arr.size:
+        stored = np.empty_like(arr)
+        stored[0] = arr[0]
+        np.subtract(arr[1:], arr[:-1], out=stored[1:])
+    width = 8
+    if stored.size:
+        lo, hi = int(stored.min()), int(stored.max())
+        for w in _WIDTHS:
+            if _LIMITS[w][0] <= lo and hi <= _LIMITS[w][1]:
+                width = w
+                break
+    else:
+        width = 1
+    payload = stored.astype(f"<i{width}", copy=False).tobytes()
+    compression = "none"
+    if compress and len(payload) >= 64:
+        packed = zlib.compress(payload, 6)
+        if len(packed) < len(payload) - len(payload) // 8:
+            payload, compression = packed, "zlib"
+    return ["delta" if delta else "raw", width, compression, int(arr.size), payload]
+
+
+def decode_int_column(column, *, expected: int | None = None, max_count: int | None = None) -> np.ndarray:
+    """Decode a column into a read-only int64 array.
+
+    ``expected``: the exact number of values required; ``max_count``: an upper bound when the
+    count is not known beforehand. Raises :class:`ColumnError` on any malformation.
+    """
+    if not isinstance(column, (list, tuple)) or len(column) != 5:
+        raise ColumnError("column must be a 5-element array")
+    transform, width, compression, count, payload = column
+    if transform not in ("raw", "delta"):
+        raise ColumnError(f"unknown column transform {transform!r}")
+    if type(width) is not int or width not in _WIDTHS:
+        raise ColumnError(f"bad column width {width!r}")
+    if compression not in ("none", "zlib"):
+        raise ColumnError(f"unknown column compression {compression!r}")
+    if type(count) is not int or count < 0:
+        raise ColumnError(f"bad column count {count!r}")
+    if expected is not None and count != expected:
+        raise ColumnError(f"column has {count} values, expected {expected}")
+    if max_count is not None and count > max_count:
+        raise ColumnError(f"column has {count} values, at most {max_count} allowed")
+    if not isinstance(payload, (bytes, bytearray)):
+        raise ColumnError("column payload must be bytes")
+    nbytes = count * width
+    if compression == "zlib":
+        inflater = zlib.decompressobj()
+        try:
+            raw = inflater.decompress(payload, nbytes)
+        except zlib.error as exc:
+            raise ColumnError(f"corrupt zlib column payload: {exc}") from exc
+        if len(raw) != nbytes or not inflater.eof or inflater.unconsumed_tail or inflater.unused_data:
+            raise ColumnError(f"zlib column payload does not inflate to exactly {nbytes} bytes")
+    else:
+        raw = payload
+        if len(raw) != nbytes:
+            raise ColumnError(f"column payload has {len(raw)} bytes, expected {nbytes}")
+    out = np.frombuffer(raw, dtype=f"<i{width}").astype(np.int64)
+    if transform == "delta" and out.size:
+        np.cumsum(out, out=out)
+    out.flags.writeable = False
+    return out
+
+
+def encode_u32(values) -> bytes:
+    """Pack unsigned 32-bit integers (crc32c values) little-endian, uncompressed."""
+    return np.ascontiguousarray(values, dtype="<u4").tobytes()
+
+
+def decode_u32(payload, *, expected: int | None = None) -> np.ndarray:
+    """Inverse of :func:`encode_u32`, as a read-only uint32 array."""
+    if not isinstance(payload, (bytes, bytearray)) or len(payload) % 4:
+        raise ColumnError("u32 payload must be bytes of a multiple of 4 length")
+    if expected is not None and len(payload) != 4 * expected:
+        raise ColumnError(f"u32 payload holds {len(payload) // 4} values, expected {expected}")
+    out = np.frombuffer(payload, dtype="<u4").astype(np.uint32)
+    out.flags.writeable = False
+    return out

@@ -1,0 +1,388 @@
+"""The manifest data model: an immutable, validated index of one checkpoint.
+
+Chunk fields live in flat numpy arrays (one entry per chunk, chunks grouped by tensor in tensor
+order, coordinates chunk-major); :class:`ChunkRecord` objects are made only when asked for, so a
+manifest of millions of chunks costs a few arrays, not millions of Python objects.
+
+Every constructor call validates everything (see :func:`validate_object_key` and
+``Manifest.__init__``); a violation raises :class:`~cloudckpt.errors.ManifestError` whose ``path``
+says where, like ``tensors["w"].chunks[3]``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from cloudckpt.errors import ManifestError
+from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE, MAX_ELEMENTS, MAX_NDIM
+from cloudckpt.manifest.values import decode_value, value_path
+
+FORMAT_NAME = "cloudckpt"
+FORMAT_VERSION = 1
+DEFAULT_CHECKSUM_BLOCK_SIZE = 4 << 20
+MAX_CHECKSUM_BLOCK_SIZE = 1 << 40
+
+
+def tensor_path(name: str) -> str:
+    """The manifest path of tensor ``name``, like ``tensors["w"]``."""
+    return f"tensors[{json.dumps(name)}]"
+
+
+def validate_object_key(key) -> str | None:
+    """Return why ``key`` is not a safe object key relative to a checkpoint root, or None.
+
+    Refused: non-strings, empty keys, absolute paths, backslashes, empty / ``.`` / ``..`` segments,
+    control characters.
+    """
+    if type(key) is not str:
+        return "object key must be a string"
+    if not key:
+        return "object key is empty"
+    if key.startswith("/"):
+        return f"object key {key!r} is absolute"
+    if "\\" in key:
+        return f"object key {key!r} contains a backslash"
+    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+        return f"object key {key!r} contains a control character"
+    for seg in key.split("/"):
+        if seg in ("", ".", ".."):
+            return f"object key {key!r} has an empty, '.' or '..' segment"
+    return None
+
+
+def crc_counts(byte_length: np.ndarray, block_size: int) -> np.ndarray:
+    """Number of per-block crcs of chunks of these byte lengths (an empty chunk has one)."""
+    return np.maximum(1, (byte_length + (block_size - 1)) // block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    """One stored chunk: a box of a tensor and where its bytes are."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    object_index: int
+    byte_offset: int
+    byte_length: int
+    crc32c: tuple[int, ...]  # one per checksum block of the chunk's bytes
+
+
+class ChunkTable(Sequence):
+    """The chunks of one tensor: a read-only sequence of :class:`ChunkRecord` over arrays.
+
+    Array attributes (read-only): ``offsets`` and ``sizes`` (shape ``(n, ndim)``),
+    ``object_index``, ``byte_offset``, ``byte_length`` (shape ``(n,)``); ``crcs(i)`` gives chunk
+    ``i``'s crcs.
+    """
+
+    __slots__ = ("offsets", "sizes", "object_index", "byte_offset", "byte_length", "_crc_start", "_crcs")
+
+    def __init__(self, offsets, sizes, object_index, byte_offset, byte_length, crc_start, crcs):
+        self.offsets = offsets
+        self.sizes = sizes
+        self.object_index = object_index
+        self.byte_offset = byte_offset
+        self.byte_length = byte_length
+        self._crc_start = crc_start
+        self._crcs = crcs
+
+    def __len__(self) -> int:
+        return len(self.byte_length)
+
+    def crcs(self, i: int) -> tuple[int, ...]:
+        return tuple(self._crcs[self._crc_start[i]:self._crc_start[i + 1]].tolist())
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        return ChunkRecord(
+            tuple(self.offsets[i].tolist()), tuple(self.sizes[i].tolist()), int(self.object_index[i]),
+            int(self.byte_offset[i]), int(self.byte_length[i]), self.crcs(i),
+        )
+
+    def __iter__(self) -> Iterator[ChunkRecord]:
+        return (self[i] for i in range(len(self)))
+
+
+@dataclass(frozen=True, eq=False)
+class TensorRecord:
+    """One stored tensor: dtype, global shape and its chunks."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: ChunkTable
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+class _TensorMap(Mapping):
+    """name -> TensorRecord, built lazily from the manifest's arrays."""
+
+    def __init__(self, manifest: "Manifest"):
+        self._m = manifest
+        self._cache: dict[str, TensorRecord] = {}
+
+    def __getitem__(self, name: str) -> TensorRecord:
+        rec = self._cache.get(name)
+        if rec is None:
+            rec = self._m._record(self._m._name_index[name])
+            self._cache[name] = rec
+        return rec
+
+    def __contains__(self, name) -> bool:
+        return name in self._m._name_index
+
+    def __iter__(self):
+        return iter(self._m._names)
+
+    def __len__(self) -> int:
+        return len(self._m._names)
+
+
+def _ro(a, dtype) -> np.ndarray:
+    arr = np.array(a, dtype=dtype, copy=True).reshape(-1)
+    arr.flags.writeable = False
+    return arr
+
+
+class Manifest:
+    """An immutable, validated manifest (build with :class:`ManifestBuilder` or this constructor).
+
+    Constructor arguments are columnar: per tensor ``tensor_names``, ``tensor_dtypes``,
+    ``tensor_shapes``, ``chunk_counts``; per chunk (tensor order) ``chunk_object_index``,
+    ``chunk_byte_offset``, ``chunk_byte_length``; ``chunk_offsets`` / ``chunk_sizes`` flat,
+    chunk-major (each chunk contributes its tensor's ndim numbers); ``chunk_crcs`` flat uint32,
+    ``max(1, ceil(byte_length / checksum_block_size))`` per chunk. ``value_blobs`` maps names to
+    :func:`~cloudckpt.manifest.encode_value` bytes; ``values`` (optional) the same values already
+    decoded. Pickled values are decoded only if ``allow_pickle``.
+    """
+
+    def __init__(self, *, world_size: int, created_at: float, cloudckpt_version: str, metadata: dict,
+                 checksum_block_size: int, objects: Sequence[str], tensor_names: Sequence[str],
+                 tensor_dtypes: Sequence[str], tensor_shapes: Sequence[Sequence[int]], chunk_counts,
+                 chunk_offsets, chunk_sizes, chunk_object_index, chunk_byte_offset, chunk_byte_length,
+                 chunk_crcs, value_blobs: Mapping[str, bytes], values: Mapping[str, object] | None = None,
+                 structure: object = None, allow_pickle: bool = False):
+        if type(world_size) is not int or world_size < 1:
+            raise ManifestError(f"world_size must be a positive int, got {world_size!r}", path="world_size")
+        if type(created_at) not in (int, float) or not math.isfinite(created_at):
+            raise ManifestError(f"created_at must be a finite number, got {created_at!r}", path="created_at")
+        if type(cloudckpt_version) is not str:
+            raise ManifestError("cloudckpt_version must be a string", path="cloudckpt_version")
+        if type(metadata) is not dict:
+            raise ManifestError("metadata must be a dict", path="metadata")
+        if type(checksum_block_size) is not int or not 0 < checksum_block_size <= MAX_CHECKSUM_BLOCK_SIZE:
+            raise ManifestError(f"bad checksum_block_size {checksum_block_size!r}", path="checksum_block_size")
+        self.world_size = world_size
+        self.created_at = float(created_at)
+        self.cloudckpt_version = cloudckpt_version
+        self.metadata = metadata
+        self.checksum_block_size = checksum_block_size
+        self.structure = structure
+        self.objects = tuple(objects)
+        for i, key in enumerate(self.objects):
+            why = validate_object_key(key)
+            if why:
+                raise ManifestError(why, path=f"objects[{i}]")
+        if len(set(self.objects)) != len(self.objects):
+            raise ManifestError("duplicate object keys", path="objects")
+        self._init_tensors(tensor_names, tensor_dtypes, tensor_shapes, chunk_counts)
+        self._init_chunks(chunk_offsets, chunk_sizes, chunk_object_index, chunk_byte_offset,
+                          chunk_byte_length, chunk_crcs)
+        self._init_values(value_blobs, values, allow_pickle)
+        self.tensors: Mapping[str, TensorRecord] = _TensorMap(self)
+
+    # --- construction and validation ------------------------------------------------------
+
+    def _init_tensors(self, names, dtypes, shapes, counts) -> None:
+        names, dtypes, shapes = list(names), list(dtypes), list(shapes)
+        n = len(names)
+        if len(dtypes) != n or len(shapes) != n:
+            raise ManifestError("tensor names, dtypes and shapes differ in length", path="tensors")
+        index: dict[str, int] = {}
+        for i, name in enumerate(names):
+            if type(name) is not str:
+                raise ManifestError(f"tensor name must be a string, got {type(name).__name__}", path=f"tensors[{i}]")
+            if name in index:
+                raise ManifestError("duplicate tensor name", path=tensor_path(name))
+            index[name] = i
+        norm_shapes = []
+        for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes)):
+            where = tensor_path(name)
+            if type(dtype) is not str or dtype not in DTYPE_ITEMSIZE:
+                raise ManifestError(f"dtype {dtype!r} is not allowed", path=f"{where}.dtype")
+            shape = tuple(shape)
+            if len(shape) > MAX_NDIM:
+                raise ManifestError(f"{len(shape)} dims, at most {MAX_NDIM} allowed", path=f"{where}.shape")
+            if any(type(s) is not int or s < 0 for s in shape):
+                raise ManifestError(f"bad shape {shape!r}", path=f"{where}.shape")
+            if math.prod(shape) * DTYPE_ITEMSIZE[dtype] > MAX_ELEMENTS:
+                raise ManifestError(f"shape {shape!r} is too large", path=f"{where}.shape")
+            norm_shapes.append(shape)
+        counts = np.asarray(counts, dtype=np.int64).reshape(-1)
+        if len(counts) != n:
+            raise ManifestError("chunk counts do not match the tensors", path="tensors")
+        if n and counts.min() < 0:
+            raise ManifestError("negative chunk count", path=tensor_path(names[int(np.argmin(counts))]))
+        self._names = tuple(names)
+        self._dtypes = tuple(dtypes)
+        self._shapes = tuple(norm_shapes)
+        self._name_index = index
+        self._ndims = np.array([len(s) for s in norm_shapes], dtype=np.int64)
+        self._chunk_start = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        self._coord_start = np.concatenate(([0], np.cumsum(counts * self._ndims))).astype(np.int64)
+
+    def _chunk_path(self, chunk: int, field: str = "") -> str:
+        t = int(np.searchsorted(self._chunk_start, chunk, side="right")) - 1
+        return f"{tensor_path(self._names[t])}.chunks[{chunk - int(self._chunk_start[t])}]{field}"
+
+    def _init_chunks(self, offsets, sizes, object_index, byte_offset, byte_length, crcs) -> None:
+        nchunks, ncoords = int(self._chunk_start[-1]), int(self._coord_start[-1])
+        offsets, sizes = _ro(offsets, np.int64), _ro(sizes, np.int64)
+        object_index, byte_offset, byte_length = (_ro(a, np.int64) for a in (object_index, byte_offset, byte_length))
+        if len(offsets) != ncoords or len(sizes) != ncoords:
+            raise ManifestError(f"chunk coordinates hold {len(offsets)}/{len(sizes)} numbers, expected {ncoords}",
+                                path="chunks")
+        for arr, field in ((object_index, "object_index"), (byte_offset, "byte_offset"), (byte_length, "byte_length")):
+            if len(arr) != nchunks:
+                raise ManifestError(f"{field} holds {len(arr)} values, expected {nchunks}", path="chunks")
+        n_tensors = len(self._names)
+        chunk_tensor = np.repeat(np.arange(n_tensors, dtype=np.int64), np.diff(self._chunk_start))
+        chunk_ndim = self._ndims[chunk_tensor]
+        coord_chunk = np.repeat(np.arange(nchunks, dtype=np.int64), chunk_ndim)
+        chunk_coord_start = self._coord_start[chunk_tensor] + (
+            np.arange(nchunks, dtype=np.int64) - self._chunk_start[chunk_tensor]) * chunk_ndim
+        dim = np.arange(ncoords, dtype=np.int64) - np.repeat(chunk_coord_start, chunk_ndim)
+        shape_flat = np.array([d for s in self._shapes for d in s], dtype=np.int64)
+        shape_start = np.concatenate(([0], np.cumsum(self._ndims)))[:-1].astype(np.int64)
+        limit = shape_flat[shape_start[chunk_tensor[coord_chunk]] + dim] if ncoords else shape_flat[:0]
+        bad = (sizes < 0) | (offsets < 0) | (offsets > limit) | (sizes > limit - offsets)
+        if bad.any():
+            c = int(coord_chunk[int(np.flatnonzero(bad)[0])])
+            s, nd = int(chunk_coord_start[c]), int(chunk_ndim[c])
+            raise ManifestError(
+                f"box offsets={tuple(offsets[s:s + nd].tolist())} sizes={tuple(sizes[s:s + nd].tolist())} "
+                f"is not inside shape {self._shapes[int(chunk_tensor[c])]}", path=self._chunk_path(c))
+        numel = np.ones(nchunks, dtype=np.int64)
+        has_dims = chunk_ndim > 0
+        if has_dims.any():
+            numel[has_dims] = np.multiply.reduceat(sizes, chunk_coord_start[has_dims])
+        itemsizes = np.array([DTYPE_ITEMSIZE[d] for d in self._dtypes], dtype=np.int64)
+        expected = numel * itemsizes[chunk_tensor]
+        for arr, field in ((object_index, "object_index"), (byte_offset, "byte_offset")):
+            bad = arr < 0 if field == "byte_offset" else (arr < 0) | (arr >= len(self.objects))
+            if bad.any():
+                c = int(np.flatnonzero(bad)[0])
+                raise ManifestError(f"{field} {int(arr[c])} out of range", path=self._chunk_path(c, f".{field}"))
+        bad = (byte_length != expected) | (byte_offset > MAX_ELEMENTS)
+        if bad.any():
+            c = int(np.flatnonzero(bad)[0])
+            raise ManifestError(
+                f"byte_length {int(byte_length[c])} does not match {int(numel[c])} elements of "
+                f"{self._dtypes[int(chunk_tensor[c])]} ({int(expected[c])} bytes)",
+                path=self._chunk_path(c, ".byte_length"))
+        total = np.concatenate(([0], np.cumsum(numel)))
+        covered = total[self._chunk_start[1:]] - total[self._chunk_start[:-1]]
+        tensor_numel = np.array([math.prod(s) for s in self._shapes], dtype=np.int64)
+        total_f = np.concatenate(([0.0], np.cumsum(numel, dtype=np.float64)))  # guards int64 wrap-around
+        covered_f = total_f[self._chunk_start[1:]] - total_f[self._chunk_start[:-1]]
+        bad = (covered != tensor_numel) | (covered_f > 2.0 ** 61)
+        if bad.any():
+            t = int(np.flatnonzero(bad)[0])
+            raise ManifestError(
+                f"chunks hold {int(covered[t])} elements, the tensor has {int(tensor_numel[t])}",
+                path=tensor_path(self._names[t]))
+        ncrc = crc_counts(byte_length, self.checksum_block_size)
+        crc_start = np.concatenate(([0], np.cumsum(ncrc))).astype(np.int64)
+        crcs = np.asarray(crcs)
+        if crcs.ndim != 1 or len(crcs) != int(crc_start[-1]):
+            raise ManifestError(f"{len(crcs)} crc32c values, expected {int(crc_start[-1])} "
+                                f"(one per {self.checksum_block_size}-byte block of every chunk)", path="chunks.crc32c")
+        if len(crcs) and (int(crcs.min()) < 0 or int(crcs.max()) >= 1 << 32):
+            raise ManifestError("crc32c values must be unsigned 32-bit", path="chunks.crc32c")
+        crcs = _ro(crcs, np.uint32)
+        crc_start.flags.writeable = False
+        self._offsets, self._sizes = offsets, sizes
+        self._object_index, self._byte_offset, self._byte_length = object_index, byte_offset, byte_length
+        self._crcs, self._crc_start = crcs, crc_start
+
+    def _init_values(self, value_blobs, values, allow_pickle) -> None:
+        blobs: dict[str, bytes] = {}
+        decoded: dict[str, object] = {}
+        for name, blob in value_blobs.items():
+            if type(name) is not str:
+                raise ManifestError("value name must be a string", path="values")
+            if name in self._name_index:
+                raise ManifestError("name is both a tensor and a value", path=value_path(name))
+            if not isinstance(blob, (bytes, bytearray)):
+                raise ManifestError("encoded value must be bytes", path=value_path(name))
+            blobs[name] = bytes(blob)
+            if values is not None and name in values:
+                decoded[name] = values[name]
+            else:
+                decoded[name] = decode_value(blob, key=name, allow_pickle=allow_pickle)
+        self._value_blobs = blobs
+        self.values: Mapping[str, object] = decoded
+
+    def _record(self, t: int) -> TensorRecord:
+        c0, c1 = int(self._chunk_start[t]), int(self._chunk_start[t + 1])
+        k0, k1 = int(self._coord_start[t]), int(self._coord_start[t + 1])
+        nd = int(self._ndims[t])
+        table = ChunkTable(
+            self._offsets[k0:k1].reshape(c1 - c0, nd), self._sizes[k0:k1].reshape(c1 - c0, nd),
+            self._object_index[c0:c1], self._byte_offset[c0:c1], self._byte_length[c0:c1],
+            self._crc_start[c0:c1 + 1] - self._crc_start[c0], self._crcs[self._crc_start[c0]:self._crc_start[c1]],
+        )
+        return TensorRecord(self._names[t], self._dtypes[t], self._shapes[t], table)
+
+    # --- queries -----------------------------------------------------------------------------
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self._chunk_start[-1])
+
+    def value_blob(self, name: str) -> bytes:
+        """The encoded bytes of value ``name`` (as stored)."""
+        return self._value_blobs[name]
+
+    def total_bytes(self) -> int:
+        """Bytes of tensor data referenced by the manifest (sum of chunk byte lengths)."""
+        return int(self._byte_length.sum())
+
+    def object_sizes(self) -> dict[str, int]:
+        """Bytes referenced per object key (sum of the byte lengths of its chunks)."""
+        sums = np.zeros(len(self.objects), dtype=np.int64)
+        np.add.at(sums, self._object_index, self._byte_length)
+        return dict(zip(self.objects, sums.tolist()))
+
+    def object_extents(self) -> dict[str, int]:
+        """Per object key, the end of its last referenced byte: the size it must at least have."""
+        ends = np.zeros(len(self.objects), dtype=np.int64)
+        np.maximum.at(ends, self._object_index, self._byte_offset + self._byte_length)
+        return dict(zip(self.objects, ends.tolist()))
+
+    def __repr__(self) -> str:
+        return (f"Manifest(world_size={self.world_size}, tensors={len(self._names)}, chunks={self.num_chunks}, "
+                f"values={len(self.values)}, objects={len(self.objects)})")

@@ -1,0 +1,73 @@
+"""A bounded cache of global save plans, keyed by every rank's plan fingerprint.
+
+Protocol (run by save.py): each rank computes ``local_plan.fingerprint()`` (16 bytes); ranks
+all-gather the fingerprints, so every rank builds the same key with :func:`save_plan_cache_key`.
+Caches of different ranks can still differ (a rank restarted, or evicted the entry), so ranks
+also exchange "hit + :func:`key_digest`" and reuse the cached plan only if every rank reports a
+hit for the same digest; otherwise they all-gather full local plans and re-plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from cloudckpt.planning.save_plan import GlobalSavePlan
+
+
+def save_plan_cache_key(fingerprints: Sequence[bytes], *, replicas_to_lowest_rank: bool = False) -> tuple[bytes, ...]:
+    """The cache key: the planning option plus every rank's fingerprint, in rank order.
+
+    Fingerprints cover names, dtypes, global shapes, boxes, value names, rank and world size.
+    """
+    return (b"lowest" if replicas_to_lowest_rank else b"balanced", *(bytes(f) for f in fingerprints))
+
+
+def key_digest(key: tuple[bytes, ...]) -> bytes:
+    """16-byte hash of a cache key (cheap to exchange and compare between ranks)."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in key:
+        h.update(len(part).to_bytes(4, "little"))
+        h.update(part)
+    return h.digest()
+
+
+class SavePlanCache:
+    """LRU of ``key -> GlobalSavePlan`` holding at most ``maxsize`` plans; thread-safe."""
+
+    def __init__(self, maxsize: int = 8):
+        if maxsize < 1:
+            raise ValueError("maxsize must be at least 1")
+        self.maxsize = maxsize
+        self._plans: "OrderedDict[bytes, GlobalSavePlan]" = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: tuple[bytes, ...]) -> GlobalSavePlan | None:
+        digest = key_digest(key)
+        with self._lock:
+            plan = self._plans.get(digest)
+            if plan is None:
+                self.misses += 1
+                return None
+            self._plans.move_to_end(digest)
+            self.hits += 1
+            return plan
+
+    def put(self, key: tuple[bytes, ...], plan: GlobalSavePlan) -> None:
+        digest = key_digest(key)
+        with self._lock:
+            self._plans[digest] = plan
+            self._plans.move_to_end(digest)
+            while len(self._plans) > self.maxsize:
+                self._plans.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)

@@ -1,0 +1,176 @@
+"""Exact-cover checks: do boxes tile a tensor with no gap and no overlap?
+
+Boxes are given as ``(n, ndim)`` int arrays of offsets and sizes, already known to lie inside the
+shape. :func:`find_cover_defect` handles any layout: slabs along one dimension (FSDP, tensor
+parallel) in ``O(n log n)``, grids and ragged boxes by counting coverage on the grid of distinct
+cut points, and pathological layouts pairwise. :func:`slab_segments_ok` checks the common slab
+case for many tensors at once, vectorised.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+_MAX_RASTER_DIMS = 6
+_MAX_RASTER_CELLS = 1 << 20
+
+Defect = tuple  # (kind: "gap" | "overlap", offsets: tuple[int, ...], sizes: tuple[int, ...])
+
+
+def _slab_defect(shape, offsets: np.ndarray, sizes: np.ndarray):
+    """Defect for boxes that are all slabs along one common dim; None if ok; False if not slabs."""
+    n, d = offsets.shape
+    full = (offsets == 0) & (sizes == np.asarray(shape, dtype=np.int64))
+    nonfull = ~full
+    counts = nonfull.sum(axis=1)
+    if (counts > 1).any():
+        return False
+    if not counts.any():
+        return None if n == 1 else ("overlap", (0,) * d, tuple(shape))
+    if not counts.all():  # one box spans everything, others exist
+        i = int(np.flatnonzero(counts)[0])
+        return ("overlap", tuple(offsets[i].tolist()), tuple(sizes[i].tolist()))
+    ks = np.argmax(nonfull, axis=1)
+    k = int(ks[0])
+    if (ks != k).any():
+        return False
+    order = np.argsort(offsets[:, k], kind="stable")
+    start = offsets[order, k]
+    end = start + sizes[order, k]
+
+    def region(lo: int, hi: int):
+        o = [0] * d
+        s = list(shape)
+        o[k], s[k] = lo, hi - lo
+        return tuple(o), tuple(s)
+
+    if start[0] > 0:
+        return ("gap", *region(0, int(start[0])))
+    nxt = start[1:]
+    prev_end = np.maximum.accumulate(end)[:-1]
+    bad = np.flatnonzero(nxt != prev_end)
+    if len(bad):
+        i = int(bad[0])
+        lo, pe = int(nxt[i]), int(prev_end[i])
+        if lo < pe:
+            return ("overlap", *region(lo, min(pe, int(end[i + 1]))))
+        return ("gap", *region(pe, lo))
+    if int(end[-1]) < shape[k]:
+        return ("gap", *region(int(end[-1]), shape[k]))
+    return None
+
+
+def _raster_defect(shape, offsets: np.ndarray, sizes: np.ndarray, cuts):
+    d = len(shape)
+    ends = offsets + sizes
+    lo = [np.searchsorted(cuts[j], offsets[:, j]) for j in range(d)]
+    hi = [np.searchsorted(cuts[j], ends[:, j]) for j in range(d)]
+    grid = tuple(len(c) - 1 for c in cuts)
+    diff = np.zeros(tuple(g + 1 for g in grid), dtype=np.int64)
+    for corner in itertools.product((0, 1), repeat=d):
+        index = tuple(hi[j] if corner[j] else lo[j] for j in range(d))
+        np.add.at(diff, index, -1 if sum(corner) % 2 else 1)
+    for j in range(d):
+        np.cumsum(diff, axis=j, out=diff)
+    cover = diff[tuple(slice(0, g) for g in grid)]
+    bad = np.argwhere(cover != 1)
+    if not len(bad):
+        return None
+    cell = bad[0]
+    kind = "gap" if cover[tuple(cell)] == 0 else "overlap"
+    o = tuple(int(cuts[j][cell[j]]) for j in range(d))
+    s = tuple(int(cuts[j][cell[j] + 1] - cuts[j][cell[j]]) for j in range(d))
+    return (kind, o, s)
+
+
+def _pairwise_defect(shape, offsets: np.ndarray, sizes: np.ndarray):
+    order = np.argsort(offsets[:, 0], kind="stable")
+    offsets, sizes = offsets[order], sizes[order]
+    ends = offsets + sizes
+    start0 = offsets[:, 0]
+    for i in range(len(offsets)):
+        j_end = int(np.searchsorted(start0, ends[i, 0], side="left"))
+        if j_end <= i + 1:
+            continue
+        lo = np.maximum(offsets[i + 1:j_end], offsets[i])
+        hi = np.minimum(ends[i + 1:j_end], ends[i])
+        hit = np.flatnonzero((hi > lo).all(axis=1))
+        if len(hit):
+            h = int(hit[0])
+            return ("overlap", tuple(lo[h].tolist()), tuple((hi[h] - lo[h]).tolist()))
+    covered = sum(math.prod(s) for s in sizes.tolist())
+    if covered < math.prod(shape):
+        return ("gap", (0,) * len(shape), tuple(shape))  # somewhere inside: layout too irregular to locate cheaply
+    return None
+
+
+def find_cover_defect(shape, offsets: np.ndarray, sizes: np.ndarray):
+    """Return None if the boxes cover ``shape`` exactly once, else ``(kind, offsets, sizes)``.
+
+    ``kind`` is ``"gap"`` (elements no box covers) or ``"overlap"`` (elements covered twice);
+    the region is a box inside the defect. Empty boxes are ignored.
+    """
+    shape = tuple(int(s) for s in shape)
+    d = len(shape)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    sizes = np.asarray(sizes, dtype=np.int64)
+    if offsets.ndim != 2:  # flat input: only meaningful for ndim >= 1
+        offsets, sizes = offsets.reshape(-1, max(d, 1))[:, :d], sizes.reshape(-1, max(d, 1))[:, :d]
+    keep = sizes.prod(axis=1) > 0 if d else np.ones(len(sizes), dtype=bool)
+    offsets, sizes = offsets[keep], sizes[keep]
+    n = len(offsets)
+    if math.prod(shape) == 0:
+        return None
+    if n == 0:
+        return ("gap", (0,) * d, shape)
+    if d == 0:
+        return None if n == 1 else ("overlap", (), ())
+    slab = _slab_defect(shape, offsets, sizes)
+    if slab is not False:
+        return slab
+    if d <= _MAX_RASTER_DIMS:
+        ends = offsets + sizes
+        cuts = [np.unique(np.concatenate(([0, shape[j]], offsets[:, j], ends[:, j]))) for j in range(d)]
+        if math.prod(len(c) - 1 for c in cuts) <= max(_MAX_RASTER_CELLS, 64 * n):
+            return _raster_defect(shape, offsets, sizes, cuts)
+    return _pairwise_defect(shape, offsets, sizes)
+
+
+def slab_segments_ok(seg_start: np.ndarray, row_shape: np.ndarray, offsets: np.ndarray,
+                     sizes: np.ndarray) -> np.ndarray:
+    """Vectorised fast path over many tensors at once.
+
+    Rows (non-empty boxes, padded to a common width with offset 0 / size 1 / shape 1) are sorted
+    by tensor then offsets; segment ``i`` is rows ``seg_start[i]:seg_start[i+1]`` (non-empty).
+    ``row_shape`` gives each row's tensor shape. Returns, per segment, True when its boxes are
+    slabs along one dim that tile the tensor exactly; False means "check it with
+    :func:`find_cover_defect`" (a defect, or a layout this fast path does not cover).
+    """
+    n = len(offsets)
+    nseg = len(seg_start) - 1
+    if nseg == 0:
+        return np.zeros(0, dtype=bool)
+    nonfull = (offsets != 0) | (sizes != row_shape)
+    count = nonfull.sum(axis=1)
+    k = np.argmax(nonfull, axis=1)
+    rows = np.arange(n)
+    start = offsets[rows, k]
+    end = start + sizes[rows, k]
+    limit = row_shape[rows, k]
+    first = np.zeros(n, dtype=bool)
+    first[seg_start[:-1]] = True
+    last = np.zeros(n, dtype=bool)
+    last[seg_start[1:] - 1] = True
+    seg_len = np.diff(seg_start)
+    row_len = np.repeat(seg_len, seg_len)
+    bad = count > 1
+    bad |= (count == 0) & (row_len != 1)
+    bad |= first & (start != 0)
+    bad |= last & (end != limit)
+    prev_ok = np.ones(n, dtype=bool)
+    prev_ok[1:] = (k[1:] == k[:-1]) & (start[1:] == end[:-1]) & (count[1:] == 1) & (count[:-1] == 1)
+    bad |= ~first & ~prev_ok
+    return ~np.logical_or.reduceat(bad, seg_start[:-1])

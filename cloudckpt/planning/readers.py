@@ -1,0 +1,162 @@
+"""Read once, broadcast: which rank fetches each stored region that several ranks need.
+
+:func:`assign_readers` is a pure function of every rank's load plan (given in rank order), so
+every rank computes the same :class:`ReadAssignment`. A region (a box inside one stored chunk)
+needed identically by two or more ranks is fetched by one member of that group and broadcast to
+the others, unless it is smaller than ``min_broadcast_bytes`` or a rank's piece is not
+``broadcastable`` (that rank then reads it itself and is left out of the group). Fetchers are
+chosen heaviest region first, each to the group member with the fewest bytes assigned so far
+(its own reads included), ties to the lowest rank. Broadcasts are listed in that order: the one
+global order every rank follows (running the broadcasts it belongs to).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cloudckpt.errors import PlanningError
+from cloudckpt.planning.load_plan import LocalLoadPlan, Region
+
+DEFAULT_MIN_BROADCAST_BYTES = 32 * 1024
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """``src`` fetches ``region`` and broadcasts it to ``group`` (sorted rank tuple, includes src)."""
+
+    region: Region
+    src: int
+    group: tuple[int, ...]
+
+
+class ReadAssignment:
+    """The outcome of :func:`assign_readers` (see module doc)."""
+
+    def __init__(self, broadcasts: tuple[Broadcast, ...], plans: Sequence[LocalLoadPlan],
+                 item_broadcast: list[np.ndarray]):
+        self.broadcasts = broadcasts
+        self._plans = plans
+        self._item_broadcast = item_broadcast  # per rank, per read item: broadcast index or -1
+
+    def broadcast_of(self, rank: int) -> np.ndarray:
+        """Per read item of ``rank``'s plan: index into ``broadcasts`` it is served by, or -1
+        (the rank fetches it itself)."""
+        return self._item_broadcast[rank]
+
+    def fetches_for(self, rank: int) -> tuple[Region, ...]:
+        """Regions ``rank`` fetches from the store: its own non-broadcast reads (each distinct
+        region once, plan order), then the broadcasts it is the source of (global order)."""
+        table = self._plans[rank].table
+        own = np.flatnonzero(self._item_broadcast[rank] < 0)
+        seen: dict[Region, None] = {}
+        for i in own.tolist():
+            seen.setdefault(table[i].region, None)
+        for b in self.broadcasts:
+            if b.src == rank:
+                seen.setdefault(b.region, None)
+        return tuple(seen)
+
+    def receives_for(self, rank: int) -> tuple[Broadcast, ...]:
+        """Broadcasts ``rank`` takes part in (as source or receiver), in global order."""
+        return tuple(b for b in self.broadcasts if rank in b.group)
+
+
+def _unify_names(plans: Sequence[LocalLoadPlan]):
+    names: list[str] = []
+    index: dict[str, int] = {}
+    maps = []
+    prev_names, prev_map = None, None
+    for p in plans:
+        t = p.table
+        if prev_names is not None and t.names == prev_names:
+            maps.append(prev_map)
+            continue
+        m = np.empty(len(t.names), dtype=np.int64)
+        for i, n in enumerate(t.names):
+            g = index.get(n)
+            if g is None:
+                g = index[n] = len(names)
+                names.append(n)
+            m[i] = g
+        prev_names, prev_map = t.names, m
+        maps.append(m)
+    return names, maps
+
+
+def assign_readers(load_plans: Sequence[LocalLoadPlan], *,
+                   min_broadcast_bytes: int = DEFAULT_MIN_BROADCAST_BYTES) -> ReadAssignment:
+    """Choose, for every region several ranks need, one fetcher and the broadcast group.
+
+    ``load_plans[i]`` must be rank ``i``'s plan (e.g. decoded from the all-gathered bytes).
+    """
+    for i, p in enumerate(load_plans):
+        if p.rank != i:
+            raise PlanningError(f"load_plans[{i}] is the plan of rank {p.rank}")
+    world = len(load_plans)
+    tables = [p.table for p in load_plans]
+    names, maps = _unify_names(load_plans)
+    counts = np.array([len(t) for t in tables], dtype=np.int64)
+    item_broadcast = [np.full(len(t), -1, dtype=np.int64) for t in tables]
+    rows = int(counts.sum())
+    if rows == 0:
+        return ReadAssignment((), load_plans, item_broadcast)
+    row_rank = np.repeat(np.arange(world, dtype=np.int64), counts)
+    row_item = np.arange(rows, dtype=np.int64) - np.repeat(np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+    gname = np.concatenate([m[t.name_index] for m, t in zip(maps, tables)])
+    chunk = np.concatenate([t.chunk_index for t in tables])
+    nbytes = np.concatenate([t.nbytes for t in tables])
+    eligible = np.concatenate([t.broadcastable for t in tables]) & (nbytes >= min_broadcast_bytes)
+    loads = np.zeros(world, dtype=np.int64)
+    np.add.at(loads, row_rank[~eligible], nbytes[~eligible])
+
+    # Only regions of a (tensor, chunk) that two eligible items touch can be shared.
+    cand = np.flatnonzero(eligible)
+    pair = gname[cand] * (int(chunk.max()) + 1) + chunk[cand]
+    _, inverse, pair_count = np.unique(pair, return_inverse=True, return_counts=True)
+    lonely = cand[pair_count[inverse] < 2]
+    np.add.at(loads, row_rank[lonely], nbytes[lonely])
+    shared = cand[pair_count[inverse] >= 2]
+    broadcasts: list[Broadcast] = []
+    if len(shared):
+        width = max(int(t.ndims.max(initial=0)) for t in tables) or 1
+        ndim_row = np.concatenate([t.ndims[t.name_index] for t in tables])
+        mask = np.arange(width) < ndim_row[:, None]
+        src_all = np.zeros((rows, width), dtype=np.int64)
+        len_all = np.zeros((rows, width), dtype=np.int64)
+        src_all[mask] = np.concatenate([t.src_offsets for t in tables])
+        len_all[mask] = np.concatenate([t.lengths for t in tables])
+        src, length = src_all[shared], len_all[shared]
+        keys = tuple(length[:, j] for j in reversed(range(width))) + \
+            tuple(src[:, j] for j in reversed(range(width))) + (chunk[shared], gname[shared])
+        order = np.lexsort(keys)
+        s_rows = shared[order]
+        s_src, s_len = src[order], length[order]
+        same = (gname[s_rows[1:]] == gname[s_rows[:-1]]) & (chunk[s_rows[1:]] == chunk[s_rows[:-1]]) & \
+            (s_src[1:] == s_src[:-1]).all(axis=1) & (s_len[1:] == s_len[:-1]).all(axis=1)
+        run_start = np.flatnonzero(np.concatenate(([True], ~same)))
+        run_end = np.concatenate((run_start[1:], [len(s_rows)]))
+        groups = []
+        for s, e in zip(run_start.tolist(), run_end.tolist()):
+            members = s_rows[s:e]
+            ranks = sorted(set(row_rank[members].tolist()))
+            if len(ranks) < 2:
+                np.add.at(loads, row_rank[members], nbytes[members])
+                continue
+            groups.append((s, members, tuple(ranks)))
+        groups.sort(key=lambda g: (-int(nbytes[g[1][0]]), g[0]))
+        load_list = loads.tolist()
+        for s, members, ranks in groups:
+            first = int(members[0])
+            nb = int(nbytes[first])
+            src_rank = min(ranks, key=lambda r: load_list[r])
+            load_list[src_rank] += nb
+            r0 = int(row_rank[first])
+            item = tables[r0][int(row_item[first])]
+            b_index = len(broadcasts)
+            broadcasts.append(Broadcast(item.region, src_rank, ranks))
+            for m in members.tolist():
+                item_broadcast[int(row_rank[m])][int(row_item[m])] = b_index
+    return ReadAssignment(tuple(broadcasts), load_plans, item_broadcast)
