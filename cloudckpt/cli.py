@@ -74,13 +74,9 @@ def _progress(total: int | None, desc: str, unit: str = "obj"):
 
 
 def _open(url: str):
-    from cloudckpt.runtime import run_coroutine
-    from cloudckpt.storage import open_store
+    from cloudckpt.runtime import shared_store
 
-    async def _o():
-        return open_store(url, None)
-
-    return run_coroutine(_o())
+    return shared_store(url, None)  # closed at exit
 
 
 def _has_manifest(store) -> bool:

@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterable
 from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
 from cloudckpt.layout import DATA_PREFIX, MANIFEST_KEY
 from cloudckpt.retention import RetentionPolicy, select_to_delete
-from cloudckpt.runtime import run_coroutine
+from cloudckpt.runtime import run_coroutine, shared_store
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "ManagedSaveHandle", "step_dir",
            "join_url", "DELETE_BATCH"]
@@ -143,39 +143,20 @@ def classify_listing(items: Iterable[Any]) -> dict[int, _StepState]:
     return steps
 
 
-class ManagedSaveHandle:
-    """Future-like handle of ``CheckpointManager.save(..., blocking=False)``.
+class ManagedSaveHandle(Future):
+    """The ``concurrent.futures.Future`` returned by ``CheckpointManager.save(..., blocking=False)``.
 
     Done once the save has committed (or failed) *and* the manager's follow-up work (cleanup of
-    stale attempts of the same step, automatic pruning) has run. :meth:`result` returns the
+    stale attempts of the same step, automatic pruning) has run. ``result()`` returns the
     ``SaveResult`` or raises the save's error; a failure of the follow-up work is only logged.
+    ``inner`` is the ``cloudckpt.async_save`` handle.
     """
 
     def __init__(self, step: int, url: str, inner: Any):
+        super().__init__()
         self.step = step
         self.url = url
         self.inner = inner
-        self._future: Future = Future()
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self, timeout: float | None = None):
-        return self._future.result(timeout)
-
-    def exception(self, timeout: float | None = None):
-        return self._future.exception(timeout)
-
-    def add_done_callback(self, fn: Callable[["ManagedSaveHandle"], Any]) -> None:
-        self._future.add_done_callback(lambda _f: fn(self))
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait until done; True when done (whatever the outcome)."""
-        try:
-            self._future.exception(timeout)
-        except TimeoutError:
-            return False
-        return True
 
 
 class CheckpointManager:
@@ -208,7 +189,6 @@ class CheckpointManager:
         self.save_options = save_options
         self.load_options = load_options
         self._store = None
-        self._store_lock = threading.Lock()
         self._pending: ManagedSaveHandle | None = None
 
     def __repr__(self) -> str:
@@ -218,24 +198,15 @@ class CheckpointManager:
 
     @property
     def store(self):
-        """The run root's ``ObjectStore`` (opened on first use; lives on cloudckpt's loop)."""
-        with self._store_lock:
-            if self._store is None:
-                from cloudckpt.storage import open_store
-
-                async def _open():
-                    return open_store(self.url, self.storage)
-
-                self._store = run_coroutine(_open())
-            return self._store
+        """The run root's ``ObjectStore``: cloudckpt's shared store for this URL and storage
+        options (used on cloudckpt's loop only, closed at interpreter exit)."""
+        if self._store is None:
+            self._store = shared_store(self.url, self.storage)  # contacts nothing yet
+        return self._store
 
     def close(self) -> None:
-        """Wait for a pending asynchronous save, then close the store. Idempotent."""
+        """Wait for a pending asynchronous save (the shared store stays open). Idempotent."""
         self.wait()
-        with self._store_lock:
-            store, self._store = self._store, None
-        if store is not None:
-            run_coroutine(store.close())
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -376,7 +347,7 @@ class CheckpointManager:
         if blocking:
             result = cloudckpt.save(state_dict, url, **kwargs)
             if coordinator:
-                self._after_save(step, result, leftovers)
+                self._after_save(step, leftovers)
             return result
         inner = cloudckpt.async_save(state_dict, url, **kwargs)
         handle = ManagedSaveHandle(step, url, inner)
@@ -385,11 +356,11 @@ class CheckpointManager:
             try:
                 result = inner.result()
             except BaseException as exc:  # the handle carries the save's own error
-                handle._future.set_exception(exc)
+                handle.set_exception(exc)
                 return
             if coordinator:
-                self._after_save(step, result, leftovers)
-            handle._future.set_result(result)
+                self._after_save(step, leftovers)
+            handle.set_result(result)
 
         threading.Thread(target=_follow_up, name=f"cloudckpt-save-step{step}",
                          daemon=True).start()
@@ -404,48 +375,14 @@ class CheckpointManager:
 
         return run_coroutine(_any())
 
-    def _after_save(self, step: int, result, leftovers: bool) -> None:
+    def _after_save(self, step: int, leftovers: bool) -> None:
         try:
             if leftovers:
-                self._remove_stale_attempts(step, getattr(result, "attempt", "") or "")
+                run_coroutine(_remove_stale_attempts(self.store, step_dir(step)))
             if self.retention.active:
                 self.prune()
         except Exception as exc:  # the checkpoint is committed: do not fail the save
             log.warning("cleanup after saving step %d failed: %s", step, exc)
-
-    def _remove_stale_attempts(self, step: int, attempt: str) -> None:
-        """Delete objects and uploads of step ``step`` that its committed manifest does not use
-        (leftovers of a killed earlier attempt at the same step)."""
-        prefix = step_dir(step)
-
-        async def _run() -> None:
-            store = self.store
-            if attempt:
-                keep = {f"{DATA_PREFIX}{attempt}/"}
-            else:
-                from cloudckpt.manifest import decode_manifest
-
-                manifest = decode_manifest(await store.get(prefix + MANIFEST_KEY),
-                                           allow_pickle=True)
-                keep = {k.rsplit("/", 1)[0] + "/" for k in manifest.objects}
-
-            def stale(rel: str) -> bool:
-                return rel != MANIFEST_KEY and not any(rel.startswith(k) for k in keep)
-
-            batch: list[str] = []
-            async for item in store.list(prefix):
-                if stale(item.key[len(prefix):]):
-                    batch.append(item.key)
-                    if len(batch) >= DELETE_BATCH:
-                        await store.delete(batch)
-                        batch = []
-            if batch:
-                await store.delete(batch)
-            for upload in await store.list_uploads(prefix):
-                if stale(upload.key[len(prefix):]):
-                    await store.abort_upload(upload)
-
-        run_coroutine(_run())
 
     def load(self, state_dict, *, step: int | None = None, strict: bool = True) -> int | None:
         """Load step ``step`` (default: the newest complete checkpoint) into ``state_dict``.
@@ -537,11 +474,7 @@ class CheckpointManager:
             removed.append(info)
             if dry_run:
                 continue
-            for i in range(0, len(stale_keys), DELETE_BATCH):
-                batch = stale_keys[i:i + DELETE_BATCH]
-                await store.delete(batch)
-                if progress is not None:
-                    progress(len(batch))
+            await _delete_keys(store, stale_keys, progress)
             for upload in stale_uploads:
                 await store.abort_upload(upload)
         return removed
@@ -562,13 +495,63 @@ async def _abandoned_parts(store, step: int, state: _StepState, cutoff: float):
         else:
             stale_keys.append(item.key)
     stale_uploads = []
-    for upload in state.uploads or await store.list_uploads(prefix):
+    for upload in state.uploads:
         when = _as_datetime(getattr(upload, "initiated", None))
         if when is None or when.timestamp() > cutoff:
             fresh = True
         else:
             stale_uploads.append(upload)
     return stale_keys, stale_uploads, fresh
+
+
+async def _delete_keys(store, keys, progress: Callable[[int], None] | None = None) -> int:
+    """Delete ``keys`` (an iterable or async iterable) in batches of :data:`DELETE_BATCH`."""
+    removed, batch = 0, []
+
+    async def flush() -> None:
+        nonlocal removed, batch
+        if batch:
+            await store.delete(batch)
+            removed += len(batch)
+            if progress is not None:
+                progress(len(batch))
+            batch = []
+
+    if hasattr(keys, "__aiter__"):
+        async for key in keys:
+            batch.append(key)
+            if len(batch) >= DELETE_BATCH:
+                await flush()
+    else:
+        for key in keys:
+            batch.append(key)
+            if len(batch) >= DELETE_BATCH:
+                await flush()
+    await flush()
+    return removed
+
+
+async def _keys_under(store, prefix: str, keep=lambda rel: False):
+    async for item in store.list(prefix):
+        if not keep(item.key[len(prefix):]):
+            yield item.key
+
+
+async def _remove_stale_attempts(store, prefix: str) -> None:
+    """Delete the objects and uploads under checkpoint ``prefix`` that its committed manifest
+    does not use: leftovers of a killed earlier attempt at the same step."""
+    from cloudckpt.manifest import decode_manifest
+
+    manifest = decode_manifest(await store.get(prefix + MANIFEST_KEY), allow_pickle=True)
+    used = {k.rsplit("/", 1)[0] + "/" for k in manifest.objects}
+
+    def keep(rel: str) -> bool:
+        return rel == MANIFEST_KEY or any(rel.startswith(d) for d in used)
+
+    await _delete_keys(store, _keys_under(store, prefix, keep))
+    for upload in await store.list_uploads(prefix):
+        if not keep(upload.key[len(prefix):]):
+            await store.abort_upload(upload)
 
 
 async def delete_prefix(store, prefix: str, *,
@@ -584,20 +567,7 @@ async def delete_prefix(store, prefix: str, *,
         removed += 1
     except ObjectNotFound:
         pass
-    batch: list[str] = []
-    async for item in store.list(prefix):
-        batch.append(item.key)
-        if len(batch) >= DELETE_BATCH:
-            await store.delete(batch)
-            removed += len(batch)
-            if progress is not None:
-                progress(len(batch))
-            batch = []
-    if batch:
-        await store.delete(batch)
-        removed += len(batch)
-        if progress is not None:
-            progress(len(batch))
+    removed += await _delete_keys(store, _keys_under(store, prefix), progress)
     for upload in await store.list_uploads(prefix):
         await store.abort_upload(upload)
     return removed

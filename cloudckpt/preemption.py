@@ -94,9 +94,11 @@ class PreemptionHandler:
             ranks = list(dist.get_process_group_ranks(process_group))
         if len(ranks) == 1:
             return None, 1
+        # the whole world: every rank calls new_group (torch numbers groups per process);
+        # a subgroup: only its members do (local synchronisation)
         group = dist.new_group(ranks, backend="gloo",
                                timeout=_dt.timedelta(seconds=self.timeout),
-                               use_local_synchronization=True)
+                               use_local_synchronization=len(ranks) != dist.get_world_size())
         return group, len(ranks)
 
     # -- signals --------------------------------------------------------------------------------
