@@ -15,6 +15,7 @@ from cloudckpt.manifest.model import (
     crc_counts,
     tensor_path,
     validate_object_key,
+    validate_structure,
 )
 from cloudckpt.manifest.values import decode_value, encode_value, is_pickled, value_path
 
@@ -22,5 +23,5 @@ __all__ = [
     "DEFAULT_CHECKSUM_BLOCK_SIZE", "DTYPE_ITEMSIZE", "FORMAT_NAME", "FORMAT_VERSION", "MAX_NDIM",
     "ChunkRecord", "ChunkTable", "Manifest", "ManifestBuilder", "TensorRecord", "crc_counts",
     "decode_manifest", "decode_value", "encode_manifest", "encode_value", "expected_crc_count",
-    "is_pickled", "tensor_path", "validate_object_key", "value_path",
+    "is_pickled", "tensor_path", "validate_object_key", "validate_structure", "value_path",
 ]

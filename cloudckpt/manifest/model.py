@@ -56,6 +56,37 @@ def validate_object_key(key) -> str | None:
     return None
 
 
+_STRUCTURE_TAGS = {"d": "dict", "o": "OrderedDict", "l": "list", "t": "tuple"}
+
+
+def validate_structure(structure, tensor_names: Mapping | set, value_names: Mapping | set) -> None:
+    """Check a structure mapping (see ``cloudckpt.statedict``): nodes ``[tag, body]`` with tags
+    d/o (body: ``[[key, node], ...]``, keys str or int), l/t (body: ``[node, ...]``), x (a tensor
+    name of this manifest) or v (a value name). Raises ManifestError(path="structure")."""
+    stack = [(structure, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > 200:
+            raise ManifestError("nested deeper than 200 levels", path="structure")
+        if type(node) is not list or len(node) != 2 or type(node[0]) is not str:
+            raise ManifestError(f"malformed node {node!r:.80}", path="structure")
+        tag, body = node
+        if tag == "x" or tag == "v":
+            names = tensor_names if tag == "x" else value_names
+            if type(body) is not str or body not in names:
+                raise ManifestError(f"refers to unknown {'tensor' if tag == 'x' else 'value'} {body!r:.80}",
+                                    path="structure")
+        elif tag in _STRUCTURE_TAGS and type(body) is list:
+            for child in body:
+                if tag in ("d", "o"):
+                    if type(child) is not list or len(child) != 2 or type(child[0]) not in (str, int):
+                        raise ManifestError(f"malformed {_STRUCTURE_TAGS[tag]} entry {child!r:.80}", path="structure")
+                    child = child[1]
+                stack.append((child, depth + 1))
+        else:
+            raise ManifestError(f"malformed node {node!r:.80}", path="structure")
+
+
 def crc_counts(byte_length: np.ndarray, block_size: int) -> np.ndarray:
     """Number of per-block crcs of chunks of these byte lengths (an empty chunk has one)."""
     return np.maximum(1, (byte_length + (block_size - 1)) // block_size)
@@ -212,6 +243,8 @@ class Manifest:
         self._init_chunks(chunk_offsets, chunk_sizes, chunk_object_index, chunk_byte_offset,
                           chunk_byte_length, chunk_crcs)
         self._init_values(value_blobs, values, allow_pickle)
+        if structure is not None:
+            validate_structure(structure, self._name_index, self._value_blobs)
         self.tensors: Mapping[str, TensorRecord] = _TensorMap(self)
 
     # --- construction and validation ------------------------------------------------------

@@ -1,0 +1,308 @@
+"""Nested state dicts <-> dotted names, and torch tensors -> pure piece descriptors.
+
+No I/O and no collectives. :func:`flatten_state_dict` walks dicts (always), and lists / tuples
+that contain a tensor somewhere; everything else is a value leaf (a whole list of floats is one
+value). Leaf names join the path with dots (``"optim.state.0.exp_avg"``; list indices and int keys
+as numbers). A ``structure`` (msgpack-able) records the nesting with exact container types and
+key types, so :func:`unflatten_state_dict` rebuilds it.
+
+Tensor leaves: a plain ``torch.Tensor`` is one piece covering the whole tensor (replicated if
+other ranks hold it too); a ``DTensor`` gives the box(es) of its local shard (Shard / Replicate /
+_StridedShard placements on any mesh; Partial is refused); a :class:`GlobalPiece` is a piece the
+caller describes; a non-empty list or tuple made only of ``GlobalPiece`` is a ragged holding of
+one tensor. Each piece carries its local tensor (for DTensor, views of ``to_local()``: they
+share storage, so a load fills the DTensor in place).
+
+Structure nodes: ``["d", [[key, node], ...]]`` dict, ``["o", ...]`` OrderedDict,
+``["l", [node, ...]]`` list, ``["t", [...]]`` tuple, ``["x", name]`` tensor leaf,
+``["v", name]`` value leaf.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cloudckpt.errors import DuplicateKeyError, MissingKeysError, PlanningError
+from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
+from cloudckpt.planning.pieces import PieceSpec
+
+try:  # torch built without distributed support has no DTensor
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+@dataclass(frozen=True)
+class GlobalPiece:
+    """A piece of a global tensor described explicitly: ``local`` holds the box starting at
+    ``offsets`` with ``local.shape`` as sizes, inside a tensor of ``global_shape``."""
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.local, torch.Tensor):
+            raise PlanningError(f"GlobalPiece.local must be a torch.Tensor, got {type(self.local).__name__}")
+        shape = tuple(int(s) for s in self.global_shape)
+        offsets = tuple(int(o) for o in self.offsets)
+        object.__setattr__(self, "global_shape", shape)
+        object.__setattr__(self, "offsets", offsets)
+        sizes = tuple(self.local.shape)
+        if not len(shape) == len(offsets) == len(sizes) or any(
+                o < 0 or o + s > g for o, s, g in zip(offsets, sizes, shape)):
+            raise PlanningError(f"GlobalPiece of local shape {sizes} at offsets {offsets} does not fit in "
+                                f"global shape {shape}")
+
+
+@dataclass(frozen=True)
+class TensorLeaf:
+    name: str
+    path: tuple
+    pieces: tuple[tuple[PieceSpec, torch.Tensor], ...]
+
+
+@dataclass(frozen=True)
+class ValueLeaf:
+    name: str
+    path: tuple
+    value: object
+
+
+@dataclass(frozen=True)
+class FlatStateDict:
+    tensors: dict[str, TensorLeaf]
+    values: dict[str, ValueLeaf]
+    structure: object
+
+    def pieces(self) -> list[PieceSpec]:
+        """Every tensor piece, leaf by leaf (the order a local save plan uses)."""
+        return [spec for leaf in self.tensors.values() for spec, _ in leaf.pieces]
+
+    def local_tensors(self) -> list[torch.Tensor]:
+        """The local tensor of each piece, parallel to :meth:`pieces`."""
+        return [t for leaf in self.tensors.values() for _, t in leaf.pieces]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch dtype -> allow-listed name (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_ITEMSIZE:
+        raise PlanningError(f"dtype {dtype} is not supported (allowed: {', '.join(DTYPE_ITEMSIZE)})")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """Allow-listed name -> torch dtype."""
+    if name not in DTYPE_ITEMSIZE or not isinstance(getattr(torch, name, None), torch.dtype):
+        raise PlanningError(f"dtype {name!r} is not supported by this torch")
+    return getattr(torch, name)
+
+
+def _is_dtensor(obj) -> bool:
+    return DTensor is not None and isinstance(obj, DTensor)
+
+
+def dtensor_local_boxes(global_shape, mesh_shape, coordinate, placements):
+    """The one place that knows DTensor sharding: boxes of the local shard of a DTensor.
+
+    Returns ``[(offsets, sizes, local_index)]`` where ``local_index`` (a tuple of slices)
+    selects the box inside the local tensor. One box unless a ``_StridedShard`` scatters the
+    shard; ``coordinate=None`` (rank outside the mesh) gives no box. Uses torch's private
+    ``torch.distributed.tensor._utils`` helpers (``compute_local_shape_and_global_offset`` logic).
+    """
+    from torch.distributed.tensor import _utils
+
+    global_shape = tuple(int(s) for s in global_shape)
+    if coordinate is None:
+        return []
+    if any(p.is_partial() for p in placements):
+        raise PlanningError("Partial placements cannot be saved: reduce them first (redistribute to Replicate)")
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # pragma: no cover
+        _StridedShard = ()  # type: ignore[assignment]
+    full = tuple(slice(None) for _ in global_shape)
+    if not any(isinstance(p, _StridedShard) for p in placements):
+        sizes, offsets = _utils._compute_local_shape_and_global_offset(
+            global_shape, tuple(mesh_shape), list(coordinate), placements)
+        return [(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes), full)]
+    from torch.distributed.tensor import Shard
+
+    local = list(global_shape)
+    index: dict[int, torch.Tensor] = {}
+    for mesh_dim, p in enumerate(placements):
+        if not isinstance(p, (Shard, _StridedShard)):
+            continue
+        d = p.dim
+        size, offs = _utils._get_shard_size_and_offsets(local[d], mesh_shape[mesh_dim], coordinate[mesh_dim], p,
+                                                        index.get(d), global_shape[d], False)
+        local[d] = int(size)
+        index[d] = offs
+    runs_per_dim = []
+    for d, extent in enumerate(global_shape):
+        if d not in index:
+            runs_per_dim.append([(0, 0, extent)])  # (local start, global start, length)
+        elif local[d] == 0:
+            return [(tuple(min(int(index[d][0]), extent) if j == d else 0 for j in range(len(global_shape))),
+                     tuple(local), full)]
+        else:
+            idx = np.asarray(index[d].tolist()[:local[d]], dtype=np.int64)
+            cuts = np.flatnonzero(np.diff(idx) != 1) + 1
+            bounds = np.concatenate(([0], cuts, [len(idx)])).tolist()
+            runs_per_dim.append([(a, int(idx[a]), b - a) for a, b in zip(bounds[:-1], bounds[1:])])
+    boxes = []
+    for combo in itertools.product(*runs_per_dim):
+        boxes.append((tuple(g for _, g, _ in combo), tuple(n for _, _, n in combo),
+                      tuple(slice(a, a + n) for a, _, n in combo)))
+    return boxes
+
+
+def _tensor_pieces(name: str, obj, is_broadcastable) -> tuple[tuple[PieceSpec, torch.Tensor], ...]:
+    if _is_dtensor(obj):
+        local = obj.to_local()
+        mesh = obj.device_mesh
+        try:
+            boxes = dtensor_local_boxes(tuple(obj.shape), tuple(mesh.shape), mesh.get_coordinate(), obj.placements)
+        except PlanningError as exc:
+            raise PlanningError(f"DTensor {name!r}: {exc}") from exc
+        dtype = dtype_name(obj.dtype)
+        bcast = bool(is_broadcastable(local))
+        out = []
+        for offsets, sizes, index in boxes:
+            view = local[index] if index else local
+            if tuple(view.shape) != sizes:
+                raise PlanningError(f"DTensor {name!r}: local shard has shape {tuple(view.shape)}, expected {sizes}")
+            out.append((PieceSpec(name, dtype, tuple(obj.shape), offsets, sizes, bcast), view))
+        return tuple(out)
+    pieces = obj if isinstance(obj, (list, tuple)) else [obj]
+    out = []
+    for p in pieces:
+        if isinstance(p, GlobalPiece):
+            t, shape, offsets = p.local, p.global_shape, p.offsets
+        else:
+            t, shape, offsets = p, tuple(p.shape), (0,) * p.dim()
+        out.append((PieceSpec(name, dtype_name(t.dtype), shape, offsets, tuple(t.shape), bool(is_broadcastable(t))), t))
+    return tuple(out)
+
+
+def _holds_tensor(obj, depth: int = 0) -> bool:
+    if isinstance(obj, (torch.Tensor, GlobalPiece)):
+        return True
+    if depth > 100:
+        return False
+    if isinstance(obj, Mapping):
+        return any(_holds_tensor(v, depth + 1) for v in obj.values())
+    if type(obj) in (list, tuple):
+        return any(_holds_tensor(v, depth + 1) for v in obj)
+    return False
+
+
+def _ragged(obj) -> bool:
+    return type(obj) in (list, tuple) and len(obj) > 0 and all(isinstance(p, GlobalPiece) for p in obj)
+
+
+def flatten_state_dict(sd: Mapping, *, is_broadcastable: Callable[[torch.Tensor], bool] =
+                       lambda t: t.device.type == "cpu") -> FlatStateDict:
+    """Flatten a nested state dict (see module doc). Raises
+    :class:`~cloudckpt.errors.DuplicateKeyError` when two paths give the same dotted name and
+    :class:`~cloudckpt.errors.PlanningError` for keys that are neither str nor int in a dict
+    holding tensors."""
+    if not isinstance(sd, Mapping):
+        raise PlanningError(f"a state dict must be a mapping, got {type(sd).__name__}")
+    tensors: dict[str, TensorLeaf] = {}
+    values: dict[str, ValueLeaf] = {}
+    paths: dict[str, tuple] = {}
+
+    def claim(path: tuple) -> str:
+        name = ".".join(str(k) for k in path)
+        if name in paths:
+            raise DuplicateKeyError(f"paths {paths[name]!r} and {path!r} both flatten to {name!r}")
+        paths[name] = path
+        return name
+
+    def walk(obj, path: tuple, depth: int):
+        if depth > 100:
+            raise PlanningError(f"state dict nested deeper than 100 levels at {path!r}")
+        if isinstance(obj, (torch.Tensor, GlobalPiece)) or _ragged(obj):
+            name = claim(path)
+            tensors[name] = TensorLeaf(name, path, _tensor_pieces(name, obj, is_broadcastable))
+            return ["x", name]
+        if isinstance(obj, Mapping):
+            keys = list(obj.keys())
+            if any(type(k) not in (str, int) for k in keys):
+                if _holds_tensor(obj):
+                    bad = next(k for k in keys if type(k) not in (str, int))
+                    raise PlanningError(f"key {bad!r} at {path!r}: dicts holding tensors need str or int keys")
+            else:
+                tag = "o" if isinstance(obj, OrderedDict) else "d"
+                return [tag, [[k, walk(v, path + (k,), depth + 1)] for k, v in obj.items()]]
+        elif type(obj) in (list, tuple) and _holds_tensor(obj):
+            return ["l" if type(obj) is list else "t", [walk(v, path + (i,), depth + 1) for i, v in enumerate(obj)]]
+        name = claim(path)
+        values[name] = ValueLeaf(name, path, obj)
+        return ["v", name]
+
+    bad = [k for k in sd.keys() if type(k) not in (str, int)]
+    if bad:
+        raise PlanningError(f"top-level key {bad[0]!r}: a state dict needs str or int keys")
+    return FlatStateDict(tensors, values, walk(sd, (), 0))
+
+
+def unflatten_state_dict(structure, leaves: Mapping[str, object]) -> dict:
+    """Rebuild the nesting recorded by :func:`flatten_state_dict`, taking each leaf's object
+    from ``leaves`` by name. Missing leaves raise :class:`~cloudckpt.errors.MissingKeysError`."""
+    missing: list[str] = []
+
+    def build(node):
+        if not isinstance(node, (list, tuple)) or len(node) != 2:
+            raise PlanningError(f"malformed structure node {node!r}")
+        tag, body = node
+        if tag in ("x", "v"):
+            if body not in leaves:
+                missing.append(body)
+                return None
+            return leaves[body]
+        if tag in ("d", "o"):
+            out = OrderedDict() if tag == "o" else {}
+            for key, child in body:
+                out[key] = build(child)
+            return out
+        if tag in ("l", "t"):
+            items = [build(child) for child in body]
+            return items if tag == "l" else tuple(items)
+        raise PlanningError(f"unknown structure tag {tag!r}")
+
+    root = build(structure)
+    if missing:
+        raise MissingKeysError(f"{len(missing)} leaves missing: {', '.join(map(repr, missing))}", keys=tuple(missing))
+    return root
+
+
+def set_by_path(root, path, value) -> None:
+    """Set ``value`` at ``path`` inside ``root`` (mappings and lists in place; tuples on the way
+    are rebuilt and stored back into their parent)."""
+    path = tuple(path)
+    if not path:
+        raise PlanningError("empty path")
+    chain = [root]
+    for key in path[:-1]:
+        chain.append(chain[-1][key])
+    new = value
+    for depth in range(len(path) - 1, -1, -1):
+        container, key = chain[depth], path[depth]
+        if isinstance(container, tuple):
+            items = list(container)
+            items[key] = new
+            new = type(container)(items) if type(container) is tuple else type(container)(*items)
+            if depth == 0:
+                raise PlanningError("cannot set inside a top-level tuple")
+            continue
+        container[key] = new
+        return
