@@ -134,8 +134,19 @@ def _value_summary(value: Any, limit: int = 60) -> str:
 def cmd_show(args) -> int:
     import cloudckpt
 
+    from cloudckpt.manager import decode_manifest_without_pickle
+    from cloudckpt.runtime import run_coroutine
+
     url = _resolve_checkpoint(args.url, args.step)
-    manifest = cloudckpt.read_manifest(url, allow_pickle=args.allow_pickle)
+    pickled: tuple[str, ...] = ()
+    if args.allow_pickle:
+        manifest = cloudckpt.read_manifest(url, allow_pickle=True)
+    else:
+        try:
+            raw = run_coroutine(_open(url).get(MANIFEST_KEY))
+        except ObjectNotFound as exc:
+            raise CheckpointNotFound(f"no complete checkpoint at {url}") from exc
+        manifest, pickled = decode_manifest_without_pickle(raw)
     created = getattr(manifest, "created_at", None)
     when = _fmt_time(datetime.fromtimestamp(created).astimezone()) if created else "-"
     print(f"checkpoint  {url}")
@@ -153,7 +164,8 @@ def cmd_show(args) -> int:
                      len(rec.chunks), nbytes))
     _table(("name", "dtype", "shape", "chunks", "bytes"), rows)
     print(f"\nvalues ({len(manifest.values)})")
-    rows = [(name, type(v).__name__, _value_summary(v))
+    rows = [(name, "pickled", "(not unpickled; use --allow-pickle)") if name in pickled
+            else (name, type(v).__name__, _value_summary(v))
             for name, v in sorted(manifest.values.items())]
     _table(("name", "type", "value"), rows)
     return EXIT_OK
@@ -165,7 +177,11 @@ def cmd_verify(args) -> int:
     url = _resolve_checkpoint(args.url, args.step)
     total = None
     if sys.stderr.isatty():
-        total = cloudckpt.read_manifest(url, allow_pickle=True).total_bytes()
+        from cloudckpt.manager import decode_manifest_without_pickle
+        from cloudckpt.runtime import run_coroutine
+
+        raw = run_coroutine(_open(url).get(MANIFEST_KEY))
+        total = decode_manifest_without_pickle(raw)[0].total_bytes()
     with _progress(total, "verifying", unit="B") as bar:
         report = cloudckpt.verify(url, progress=bar.update)
     if report.ok:

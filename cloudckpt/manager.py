@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
 
-from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
+from cloudckpt.errors import CheckpointNotFound, ObjectNotFound, PickleNotAllowed
 from cloudckpt.layout import DATA_PREFIX, MANIFEST_KEY
 from cloudckpt.retention import RetentionPolicy, select_to_delete
 from cloudckpt.runtime import run_coroutine, shared_store
@@ -141,6 +141,29 @@ def classify_listing(items: Iterable[Any]) -> dict[int, _StepState]:
             if step is not None:
                 steps.setdefault(step, _StepState()).manifest = item
     return steps
+
+
+def decode_manifest_without_pickle(raw: bytes):
+    """Decode and validate manifest bytes without ever unpickling: returns the ``Manifest`` (each
+    pickled value replaced by ``None``) and the names of the pickled values. For listings and
+    inspection, where the values themselves are not needed."""
+    import msgpack
+
+    from cloudckpt.manifest import decode_manifest, encode_value, is_pickled
+
+    try:
+        return decode_manifest(raw, allow_pickle=False), ()
+    except PickleNotAllowed:
+        pass
+    doc = msgpack.unpackb(raw, raw=False, strict_map_key=True)  # the codec's top-level map
+    values, pickled = dict(doc["values"]), []
+    for name, blob in values.items():
+        if is_pickled(blob, key=name):
+            values[name] = encode_value(None, key=name, allow_pickle=False)
+            pickled.append(name)
+    doc["values"] = values
+    return decode_manifest(msgpack.packb(doc, use_bin_type=True), allow_pickle=False), \
+        tuple(sorted(pickled))
 
 
 class ManagedSaveHandle(Future):
@@ -290,8 +313,6 @@ class CheckpointManager:
 
     async def _with_details(self, infos: list[CheckpointInfo],
                             progress: Callable[[int], None] | None) -> list[CheckpointInfo]:
-        from cloudckpt.manifest import decode_manifest
-
         sem = asyncio.Semaphore(_HEAD_CONCURRENCY)
 
         async def _one(info: CheckpointInfo) -> CheckpointInfo:
@@ -302,8 +323,7 @@ class CheckpointManager:
                     raw = await self.store.get(step_dir(info.step) + MANIFEST_KEY)
                 except ObjectNotFound:  # deleted since the listing
                     return replace(info, complete=False, created_at=None)
-            # only sizes and counts are read: pickled values, if any, are never unpickled here
-            manifest = decode_manifest(raw, allow_pickle=True)
+            manifest, _ = decode_manifest_without_pickle(raw)
             if progress is not None:
                 progress(1)
             return replace(info, total_bytes=int(manifest.total_bytes()),
@@ -540,9 +560,7 @@ async def _keys_under(store, prefix: str, keep=lambda rel: False):
 async def _remove_stale_attempts(store, prefix: str) -> None:
     """Delete the objects and uploads under checkpoint ``prefix`` that its committed manifest
     does not use: leftovers of a killed earlier attempt at the same step."""
-    from cloudckpt.manifest import decode_manifest
-
-    manifest = decode_manifest(await store.get(prefix + MANIFEST_KEY), allow_pickle=True)
+    manifest, _ = decode_manifest_without_pickle(await store.get(prefix + MANIFEST_KEY))
     used = {k.rsplit("/", 1)[0] + "/" for k in manifest.objects}
 
     def keep(rel: str) -> bool:

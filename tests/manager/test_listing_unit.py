@@ -41,3 +41,33 @@ def test_classify_listing():
     assert steps[1].manifest.size == 10 and steps[1].has_data
     assert steps[2].manifest is None and steps[2].has_data
     assert steps[3].manifest.last_modified == 2.0 and not steps[3].has_data
+
+
+class Unpicklable:
+    """Unpickling this would append to a list: proves nothing is unpickled."""
+
+    calls: list = []
+
+    def __reduce__(self):
+        return (Unpicklable.calls.append, ("unpickled",))
+
+
+def test_decode_manifest_without_pickle_never_unpickles():
+    from cloudckpt.manifest import ManifestBuilder, encode_manifest
+    from cloudckpt.manager import decode_manifest_without_pickle
+
+    b = ManifestBuilder(world_size=2, metadata={"step": 3}, structure=None)
+    b.add_tensor("w", "float32", (4,))
+    b.add_chunk("w", (0,), (4,), "data/0123456789abcdef/r00000-0000.bin", 0, 16, (123,))
+    b.set_value("lr", 0.5)
+    b.set_value("obj", Unpicklable(), allow_pickle=True)
+    raw = encode_manifest(b.build())
+    Unpicklable.calls.clear()
+    manifest, pickled = decode_manifest_without_pickle(raw)
+    assert pickled == ("obj",) and Unpicklable.calls == []
+    assert manifest.world_size == 2 and manifest.total_bytes() == 16
+    assert manifest.values["lr"] == 0.5 and manifest.values["obj"] is None
+    plain = ManifestBuilder(world_size=1)
+    plain.set_value("x", [1, 2])
+    manifest, pickled = decode_manifest_without_pickle(encode_manifest(plain.build()))
+    assert pickled == () and manifest.values["x"] == [1, 2]
