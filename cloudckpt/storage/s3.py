@@ -12,6 +12,8 @@ import contextlib
 import logging
 from typing import AsyncIterator, Iterable, Sequence
 
+from botocore.exceptions import ClientError
+
 from cloudckpt.errors import ConfigError, InvalidRange, StorageError
 from cloudckpt.storage import s3_write
 from cloudckpt.storage.base import (
@@ -187,7 +189,6 @@ class S3Store:
                 elif fatal is None:
                     fatal = err
             if fatal is not None:
-                from botocore.exceptions import ClientError
                 raise ClientError({"Error": {"Code": fatal.get("Code", ""),
                                              "Message": fatal.get("Message", "")}},
                                   "DeleteObjects")
@@ -210,29 +211,64 @@ class S3Store:
         return await self._call("head", key, attempt)
 
     async def get(self, key: str) -> bytes:
+        """The whole object. The first GET asks for one read piece (16 MiB or ``part_size``); a
+        larger object's rest is fetched in concurrent ranged GETs. Store memory is taken from the
+        byte budget before any request slot, so gets and ranged reads cannot deadlock."""
         phys = self._phys(key)
         budget = self._conn.budget
+        first = self.options.part_size or READ_PIECE
+        held = await budget.acquire(first)
+        try:
+            chunks, total = await self._get_first(key, phys, first)
+        finally:
+            budget.release(held)
+        got = sum(len(c) for c in chunks)
+        if got == total:
+            return b"".join(chunks)
+        # A large object: room for all of it, then the rest in parallel pieces.
+        held = await budget.acquire(total)
+        try:
+            buf = bytearray(total)
+            view = memoryview(buf)
+            pos = 0
+            for c in chunks:
+                view[pos:pos + len(c)] = c
+                pos += len(c)
+            del chunks
+            await self.read_ranges(key, [ReadRange(got, total - got, out=view[got:])])
+            return bytes(buf)
+        finally:
+            budget.release(held)
 
-        async def attempt(n: int) -> bytes:
+    async def _get_first(self, key: str, phys: str, first: int) -> tuple[list, int]:
+        """The first ``first`` bytes of the object (as chunks) and its total size."""
+
+        async def attempt(n: int) -> tuple[list, int]:
             client = await self._conn.client()
-            resp = await client.get_object(Bucket=self._conn.bucket, Key=phys)
+            try:
+                resp = await client.get_object(Bucket=self._conn.bucket, Key=phys,
+                                               Range=f"bytes=0-{first - 1}")
+            except ClientError as exc:
+                if error_code(exc)[1] != 416:
+                    raise
+                # An empty object has no byte 0: ask for all of it.
+                resp = await client.get_object(Bucket=self._conn.bucket, Key=phys)
             body = resp["Body"]
-            size = int(resp.get("ContentLength", 0))
-            held = 0
+            length = int(resp.get("ContentLength", 0))
+            crange = parse_content_range(resp.get("ContentRange"))
+            total = crange[2] if crange and crange[2] is not None else length
             done = False
             try:
-                held = await budget.acquire(size)
                 chunks, got = [], 0
                 async for chunk in iter_body(body):
                     chunks.append(chunk)
                     got += len(chunk)
                 self._conn.stats.bytes_received += got
-                if got != size:
-                    raise TruncatedBody(f"got {got} of {size} bytes")
+                if got != length:
+                    raise TruncatedBody(f"got {got} of {length} bytes")
                 done = True
-                return b"".join(chunks)
+                return chunks, total
             finally:
-                budget.release(held)
                 if not done:
                     body.close()
 

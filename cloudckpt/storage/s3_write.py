@@ -14,8 +14,10 @@ Conditional create (``mode="create"``):
   its upload sees the earlier one's upload, unless that one already completed, which (4) sees.
   Contention costs retries (bounded by the retry deadline), never a second winner.
 
-A create whose response was lost and whose retry hits 412 / NoSuchUpload checks the object's
-``x-amz-meta-cloudckpt-put`` token to tell its own success from someone else's object.
+A create that ends in 412 (or a completion retry in NoSuchUpload) checks the object's
+``x-amz-meta-cloudckpt-put`` token to tell its own success whose answer was lost (our retry, or
+aiohttp's silent re-send of a PUT on a reset connection) from someone else's object: one HEAD,
+only on that path.
 """
 
 from __future__ import annotations
@@ -70,11 +72,8 @@ async def put(store: "S3Store", key: str, phys: str, views, create: bool) -> Obj
 async def _single_put(store, key, phys, views, size, create, token) -> ObjectInfo:
     conn = store._conn
     crc = await _crc(views) if conn.options.transport_checksums else None
-    tries = 0
 
     async def attempt(n: int) -> ObjectInfo:
-        nonlocal tries
-        tries = n
         client = await conn.client()
         kw = {"Bucket": conn.bucket, "Key": phys, "ContentLength": size,
               "Body": BodyPayload(views) if size else b""}
@@ -90,10 +89,11 @@ async def _single_put(store, key, phys, views, size, create, token) -> ObjectInf
     try:
         return await store._call("put", key, attempt)
     except ObjectExists:
-        if tries > 1:
-            info = await _own_object(store, key, phys, token, size)
-            if info is not None:
-                return info
+        # An earlier attempt (ours, or aiohttp's silent re-send of an idempotent PUT on a reset
+        # connection) may have stored it and lost the answer.
+        info = await _own_object(store, key, phys, token, size)
+        if info is not None:
+            return info
         raise
 
 
@@ -169,7 +169,7 @@ async def _complete(store, key, phys, upload_id, parts, size, create, token) -> 
     try:
         return await store._call("complete_multipart", key, attempt)
     except (ObjectExists, ObjectNotFound):
-        if tries > 1:  # an earlier attempt may have completed it
+        if tries > 1 or create:  # an earlier attempt may have completed it
             info = await _own_object(store, key, phys, token, size)
             if info is not None:
                 return info

@@ -223,8 +223,7 @@ class FaultProxy:
             if fault != "delay":
                 self._count("injected")
         if fault == "reset":
-            request.transport.abort()  # type: ignore[union-attr]
-            raise ConnectionResetError("fault proxy: reset")
+            return _reset(request)
         if fault in ("503", "500"):
             while await request.content.readany():
                 pass
@@ -263,8 +262,7 @@ class FaultProxy:
             length = upstream.content_length or 0
             if truncate and (request.method == "HEAD" or length == 0):
                 await upstream.read()
-                request.transport.abort()  # type: ignore[union-attr]
-                raise ConnectionResetError("fault proxy: response lost")
+                return _reset(request)
             await response.prepare(request)
             if request.method == "HEAD":
                 await response.write_eof()
@@ -274,12 +272,20 @@ class FaultProxy:
             async for chunk in upstream.content.iter_chunked(1 << 16):
                 if limit is not None and sent + len(chunk) >= limit:
                     await response.write(chunk[: limit - sent])
-                    request.transport.abort()  # type: ignore[union-attr]
-                    raise ConnectionResetError("fault proxy: truncated body")
+                    _reset(request)
+                    return response
                 await response.write(chunk)
                 sent += len(chunk)
             await response.write_eof()
             return response
+
+
+def _reset(request: web.Request) -> web.Response:
+    """Abort the client connection (a TCP reset); the returned response is never sent."""
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+    return web.Response(status=599)
 
 
 def _resign(method: str, url: str, headers: dict[str, str],

@@ -1,0 +1,301 @@
+"""S3Store through the fault proxy: throttling, resets, truncation, lost responses, wrong keys,
+servers that ignore conditional writes, and the concurrency / memory bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from cloudckpt.checksum import crc32c
+from cloudckpt.errors import AccessDenied, ObjectExists, ObjectNotFound, RetriesExhausted
+from cloudckpt.storage import ObjectInfo, ReadRange, RetryOptions, open_store
+
+from .conftest import FAST_RETRY, s3_options
+
+MiB = 1024 * 1024
+
+
+def _run(url, options, fn):
+    async def main():
+        store = open_store(url, options)
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+    return asyncio.run(main())
+
+
+def test_200_mib_put_and_get_at_20_percent_faults(s3_server, s3_url, fault_proxy):
+    data = np.random.default_rng(1).integers(0, 256, 200 * MiB, dtype=np.uint8)
+    fault_proxy.configure(schedule=["503", "500", "reset", "truncate", "delay"], rate=0.2,
+                          kinds=("503", "500", "reset", "delay", "truncate"), delay_s=0.05)
+    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url)
+
+    async def body(store):
+        await store.put("big.bin", data)
+        back = np.empty_like(data)
+        await store.read_ranges("big.bin", [ReadRange(0, data.nbytes, out=memoryview(back),
+                                                      crc32c=crc32c(data))])
+        assert np.array_equal(back, data)
+        whole = await store.get("big.bin")
+        assert whole == data.tobytes()
+        return store.stats
+
+    stats = _run(s3_url, options, body)
+    counters = fault_proxy.counters
+    assert counters["injected"] >= 5 and stats.retries >= 5
+    for kind in ("503", "500", "reset", "truncate", "delay"):
+        assert counters[kind] >= 1
+
+
+def test_every_request_failing_ends_at_the_deadline(s3_server, s3_url, fault_proxy):
+    fault_proxy.configure(fail_all=True, kinds=("503", "500", "reset"))
+    retry = RetryOptions(max_attempts=100_000, base_delay=0.01, max_delay=0.05, deadline=1.5)
+    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url, retry=retry)
+
+    async def body(store):
+        with pytest.raises(RetriesExhausted) as err:
+            await store.get("anything")
+        return err.value, store.stats
+
+    err, stats = _run(s3_url, options, body)
+    assert err.last_cause is not None and err.operation == "get"
+    assert 1 <= err.attempts < retry.max_attempts  # the deadline, not the attempt count, ended it
+    assert stats.requests["get"] == err.attempts
+    assert fault_proxy.counters["requests"] >= err.attempts
+
+
+def test_attempts_are_capped(s3_server, s3_url, fault_proxy):
+    fault_proxy.configure(fail_all=True, kinds=("503",))
+    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url,
+                         retry=RetryOptions(max_attempts=3, base_delay=0.0, max_delay=0.0))
+
+    async def body(store):
+        with pytest.raises(RetriesExhausted) as err:
+            await store.put("k", b"x")
+        assert err.value.attempts == 3 and store.stats.requests["put"] == 3
+        assert "SlowDown" in str(err.value.last_cause)
+
+    _run(s3_url, options, body)
+    assert fault_proxy.counters["requests"] == 3
+
+
+def test_wrong_secret_is_access_denied_after_one_request(s3_server, s3_url, fault_proxy):
+    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url,
+                         secret_access_key="not-the-secret")
+
+    async def body(store):
+        with pytest.raises(AccessDenied) as err:
+            await store.put("k", os.urandom(1000))
+        assert isinstance(err.value, PermissionError)
+        assert "not-the-secret" not in str(err.value)
+        return store.stats.total_requests
+
+    assert _run(s3_url, options, body) == 1
+    assert fault_proxy.counters["requests"] == 1
+
+
+def test_read_only_identity_cannot_write(s3_server, s3_url):
+    options = s3_options(s3_server, access_key_id=s3_server.readonly_access_key,
+                         secret_access_key=s3_server.readonly_secret_key)
+
+    async def body(store):
+        with pytest.raises(AccessDenied):
+            await store.put("k", b"x")
+        assert store.stats.total_requests == 1
+
+    _run(s3_url, options, body)
+
+
+def test_missing_credentials_is_a_config_error(s3_server, s3_url, monkeypatch, tmp_path):
+    from cloudckpt.errors import ConfigError
+    from cloudckpt.storage import StorageOptions
+
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+    async def body(store):
+        with pytest.raises(ConfigError, match="credentials"):
+            await store.head("k")
+
+    _run(s3_url, StorageOptions(endpoint_url=s3_server.endpoint_url), body)
+
+
+def test_truncated_body_resumes_where_it_broke(s3_server, s3_url, fault_proxy):
+    data = os.urandom(8 * MiB)
+    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url)
+
+    async def body(store):
+        await store.put("obj", data)
+        store.stats.reset()
+        fault_proxy.configure(schedule=["truncate"])
+        views = await store.read_ranges("obj", [ReadRange(0, len(data), crc32c=crc32c(data))])
+        assert bytes(views[0]) == data
+        assert store.stats.retries == 1
+        assert store.stats.bytes_received < 1.6 * len(data)  # the retry fetched the rest only
+
+    _run(s3_url, options, body)
+    assert fault_proxy.counters["truncate"] == 1
+
+
+def test_lost_create_response_is_recognised(s3_server, s3_url, fault_proxy):
+    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url,
+                         conditional_create="native")
+
+    async def body(store):
+        fault_proxy.configure(schedule=["truncate"])  # the server stores it, the answer is lost
+        info = await store.put("manifest", b"mine", mode="create")
+        # aiohttp re-sends a PUT once on a reset connection (uncounted by the store) or the store
+        # retries: either way the second try meets 412 and the ownership check (a HEAD) wins.
+        assert info.size == 4 and store.stats.requests["head"] == 1
+        with pytest.raises(ObjectExists):
+            await store.put("manifest", b"theirs", mode="create")
+        assert await store.get("manifest") == b"mine"
+
+    _run(s3_url, options, body)
+    assert fault_proxy.counters["requests"] >= 2 and fault_proxy.counters["truncate"] == 1
+
+
+def test_failed_multipart_is_aborted(s3_server, s3_url, fault_proxy):
+    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url,
+                         multipart_threshold=8 * MiB, part_size=5 * MiB,
+                         retry=RetryOptions(max_attempts=2, base_delay=0.0, max_delay=0.0))
+    fault_proxy.configure(fail_all=True, methods={"PUT"}, kinds=("503",))  # parts fail
+
+    async def failing(store):
+        with pytest.raises(RetriesExhausted):
+            await store.put("mp.bin", os.urandom(20 * MiB))
+        assert store.stats.requests["create_multipart"] == 1
+
+    _run(s3_url, options, failing)  # close() waits for the background abort
+    fault_proxy.configure(fail_all=False)
+
+    async def check(store):
+        assert await store.list_uploads() == []
+        with pytest.raises(ObjectNotFound):
+            await store.head("mp.bin")
+
+    _run(s3_url, s3_options(s3_server), check)
+
+
+def test_cancelled_multipart_is_aborted(s3_server, s3_url):
+    async def body(store):
+        task = asyncio.ensure_future(store.put("cancelled.bin", os.urandom(64 * MiB)))
+        while not store.stats.requests.get("upload_part"):
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    _run(s3_url, s3_options(s3_server, part_size=5 * MiB, concurrency=2), body)
+
+    async def check(store):
+        assert await store.list_uploads() == []
+        with pytest.raises(ObjectNotFound):
+            await store.head("cancelled.bin")
+
+    _run(s3_url, s3_options(s3_server), check)
+
+
+def test_server_ignoring_if_none_match_needs_the_fallback(s3_server, s3_url, fault_proxy):
+    fault_proxy.configure(ignore_conditional_writes=True)
+    ignoring = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url)
+
+    async def native_is_fooled(store):
+        await store.put("n/manifest", b"first", mode="create")
+        await store.put("n/manifest", b"second", mode="create")  # not refused: no protection
+        assert await store.get("n/manifest") == b"second"
+
+    _run(s3_url, s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url,
+                            conditional_create="native"), native_is_fooled)
+
+    async def auto_detects(store):
+        bodies = [bytes([i]) * 3000 for i in range(6)]
+        results = await asyncio.gather(*(store.put("a/manifest", b, mode="create")
+                                         for b in bodies), return_exceptions=True)
+        assert store._conn.create_strategy == "fallback"
+        winners = [i for i, r in enumerate(results) if isinstance(r, ObjectInfo)]
+        assert len(winners) == 1, results
+        assert all(isinstance(r, ObjectExists) for i, r in enumerate(results) if i not in winners)
+        assert await store.get("a/manifest") == bodies[winners[0]]
+        with pytest.raises(ObjectExists):
+            await store.put("a/manifest", b"late", mode="create")
+        assert await store.list_uploads() == []
+
+    _run(s3_url, ignoring, auto_detects)
+    assert fault_proxy.counters["resigned"] >= 2
+
+
+def test_fallback_protocol_on_a_real_server(s3_server, s3_url):
+    async def body(store):
+        results = await asyncio.gather(*(store.put("manifest", bytes([i]) * 10, mode="create")
+                                         for i in range(4)), return_exceptions=True)
+        assert sum(isinstance(r, ObjectInfo) for r in results) == 1, results
+        assert sum(isinstance(r, ObjectExists) for r in results) == 3
+        big = os.urandom(12 * MiB)  # several parts
+        await store.put("big", big, mode="create")
+        assert await store.get("big") == big
+        await store.put("empty", b"", mode="create")
+        assert await store.get("empty") == b""
+
+    _run(s3_url, s3_options(s3_server, conditional_create="fallback", part_size=5 * MiB), body)
+
+
+def test_concurrency_and_buffer_bounds(s3_server, s3_url, fault_proxy):
+    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url, concurrency=3,
+                         max_buffer_bytes=4 * MiB, multipart_threshold=8 * MiB,
+                         part_size=5 * MiB)
+
+    async def body(store):
+        data = os.urandom(2 * MiB)
+        await asyncio.gather(*(store.put(f"o{i}", data) for i in range(8)),
+                             store.put("mp", os.urandom(30 * MiB)))
+        results = await asyncio.gather(*(store.read_ranges(f"o{i}", [ReadRange(0, len(data))])
+                                         for i in range(8)),
+                                       *(store.get(f"o{i}") for i in range(8)))
+        assert all(bytes(r[0]) == data for r in results[:8])
+        assert all(r == data for r in results[8:])
+        assert store._conn.budget.peak <= 4 * MiB
+
+    _run(s3_url, options, body)
+    assert fault_proxy.counters["max_inflight"] <= 3
+
+
+def test_transport_checksum_is_sent(s3_server, s3_url, s3_backend):
+    import base64
+
+    data = os.urandom(3 * MiB)
+    _run(s3_url, s3_options(s3_server), lambda store: store.put("c.bin", data))
+    bucket, phys = s3_backend._s3_key("c.bin")
+    head = s3_server.boto3_client().head_object(Bucket=bucket, Key=phys, ChecksumMode="ENABLED")
+    assert head["ChecksumCRC32C"] == base64.b64encode(crc32c(data).to_bytes(4, "big")).decode()
+
+
+def test_prefix_spreading(s3_server, s3_url, s3_backend):
+    keys = sorted(f"run/step-{i}/data/r{i}.bin" for i in range(12)) + ["run/top"]
+    keys.sort()
+
+    async def body(store):
+        await asyncio.gather(*(store.put(k, k.encode()) for k in keys))
+        assert [x.key async for x in store.list()] == keys
+        assert [x.prefix async for x in store.list("run/", delimiter="/")
+                if hasattr(x, "prefix")] == sorted({k.rsplit("/", 2)[0] + "/" for k in keys
+                                                    if k != "run/top"})
+        step = store.child("run/step-3")
+        assert await step.get("data/r3.bin") == b"run/step-3/data/r3.bin"
+        assert [x.key async for x in step.list()] == ["data/r3.bin"]
+        await store.delete(keys[:5])
+        assert [x.key async for x in store.list()] == keys[5:]
+
+    _run(s3_url, s3_options(s3_server, prefix_spreading=4), body)
+    bucket, root = s3_backend._s3_key("")
+    listed = s3_server.boto3_client().list_objects_v2(Bucket=bucket, Prefix=root)["Contents"]
+    hashed_dirs = {o["Key"][len(root):].split("/")[0] for o in listed}
+    assert len(hashed_dirs) >= 2 and hashed_dirs <= {"0", "1", "2", "3"}
