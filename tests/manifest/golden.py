@@ -1,0 +1,82 @@
+"""How ``tests/data/manifest_v1.msgpack`` was made (and what it must keep decoding to).
+
+Regenerate only when deliberately creating a new golden file for a NEW format version (the v1
+file must stay as it is, forever)::
+
+    python -m tests.manifest.golden tests/data/manifest_v1.msgpack
+
+Content: 5 tensors (2-D sharded over two objects, bfloat16 vector, int64 scalar, an empty tensor
+with no chunks, a 2x2 grid of int8 chunks), values of every exact type (tuple, big int, bytes,
+None, nested dict with int keys), one pickled value (``fractions.Fraction(1, 3)``, flagged as
+pickled: decoding it needs ``allow_pickle=True``), metadata, and a structure mapping. Checksum
+block size 16 bytes, so the 24-byte chunks carry 2 crcs (16 + 8 bytes). Data bytes are
+deterministic (see ``chunk_bytes``).
+"""
+
+from __future__ import annotations
+
+import sys
+from fractions import Fraction
+
+import numpy as np
+
+from cloudckpt.checksum import block_crcs
+from cloudckpt.manifest import Manifest, ManifestBuilder, encode_manifest
+
+BLOCK = 16
+OBJECTS = ("data/00000000000000aa/r00000-0000.bin", "data/00000000000000aa/r00001-0000.bin")
+METADATA = {"step": 100, "note": "golden v1", "tags": ("a", "b")}
+VALUES = {
+    "optim.param_groups": [{"lr": 0.001, "betas": (0.9, 0.999), "weight_decay": 0.0, "params": ["model.w", "model.b"],
+                            "foreach": None, "amsgrad": False}],
+    "rng": {0: b"\x00\x01\xff", 1: 2 ** 70, -3: -(2 ** 65)},
+    "epoch": 7,
+}
+PICKLED = {"frac": Fraction(1, 3)}
+STRUCTURE = ["d", [
+    ["model", ["o", [["w", ["x", "model.w"]], ["b", ["x", "model.b"]]]]],
+    ["optim", ["d", [["step", ["x", "optim.step"]], ["param_groups", ["v", "optim.param_groups"]]]]],
+    ["empty", ["x", "empty"]],
+    ["grid", ["x", "grid"]],
+    ["extra", ["t", [["v", "rng"], ["v", "epoch"]]]],
+    ["frac", ["v", "frac"]],
+]]
+# name -> dtype, shape, chunks [(offsets, sizes, object index, byte offset)]
+TENSORS = {
+    "model.w": ("float32", (4, 3), [((0, 0), (2, 3), 0, 0), ((2, 0), (2, 3), 1, 0)]),
+    "model.b": ("bfloat16", (3,), [((0,), (3,), 0, 24)]),
+    "optim.step": ("int64", (), [((), (), 1, 24)]),
+    "empty": ("float32", (0, 2), []),
+    "grid": ("int8", (4, 6), [((0, 0), (2, 3), 0, 32), ((0, 3), (2, 3), 1, 32), ((2, 0), (2, 3), 0, 38),
+                              ((2, 3), (2, 3), 1, 38)]),
+}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "int64": 8, "int8": 1}
+
+
+def chunk_bytes(name: str, index: int) -> bytes:
+    """The deterministic bytes stored for chunk ``index`` of ``name``."""
+    dtype, _, chunks = TENSORS[name]
+    n = int(np.prod(chunks[index][1], dtype=np.int64)) * ITEMSIZE[dtype]
+    return bytes((7 * i + 13 * index + len(name)) % 256 for i in range(n))
+
+
+def build() -> Manifest:
+    b = ManifestBuilder(world_size=2, metadata=METADATA, checksum_block_size=BLOCK, structure=STRUCTURE,
+                        created_at=1700000000.5, cloudckpt_version="0.1.0")
+    for name, (dtype, shape, chunks) in TENSORS.items():
+        b.add_tensor(name, dtype, shape)
+        for i, (off, size, obj, pos) in enumerate(chunks):
+            data = chunk_bytes(name, i)
+            b.add_chunk(name, off, size, OBJECTS[obj], pos, len(data), block_crcs(data, BLOCK))
+    for k, v in VALUES.items():
+        b.set_value(k, v)
+    for k, v in PICKLED.items():
+        b.set_value(k, v, allow_pickle=True)
+    return b.build()
+
+
+if __name__ == "__main__":
+    out = sys.argv[1] if len(sys.argv) > 1 else "tests/data/manifest_v1.msgpack"
+    with open(out, "wb") as f:
+        f.write(encode_manifest(build()))
+    print(f"wrote {out}")

@@ -1,0 +1,77 @@
+"""The checked-in v1 manifest must keep decoding, to the same content, in every later version.
+
+How the file was made: tests/manifest/golden.py (never regenerate the v1 file)."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from cloudckpt.checksum import block_crcs
+from cloudckpt.errors import PickleNotAllowed
+from cloudckpt.manifest import FORMAT_NAME, FORMAT_VERSION, ChunkRecord, decode_manifest, encode_manifest
+from tests.manifest import golden
+
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "manifest_v1.msgpack"
+
+
+@pytest.fixture(scope="module")
+def manifest():
+    return decode_manifest(GOLDEN.read_bytes(), allow_pickle=True)
+
+
+def test_header_fields(manifest):
+    assert (FORMAT_NAME, FORMAT_VERSION) == ("cloudckpt", 1)
+    assert manifest.world_size == 2
+    assert manifest.created_at == 1700000000.5
+    assert manifest.cloudckpt_version == "0.1.0"
+    assert manifest.checksum_block_size == 16
+    assert manifest.metadata == {"step": 100, "note": "golden v1", "tags": ("a", "b")}
+    assert type(manifest.metadata["tags"]) is tuple
+    assert manifest.objects == ("data/00000000000000aa/r00000-0000.bin", "data/00000000000000aa/r00001-0000.bin")
+    assert manifest.object_sizes() == {manifest.objects[0]: 42, manifest.objects[1]: 44}
+    assert manifest.object_extents() == {manifest.objects[0]: 44, manifest.objects[1]: 44}
+    assert manifest.total_bytes() == 86
+
+
+def test_tensors_and_chunks(manifest):
+    assert list(manifest.tensors) == ["model.w", "model.b", "optim.step", "empty", "grid"]
+    w = manifest.tensors["model.w"]
+    assert (w.dtype, w.shape, len(w.chunks)) == ("float32", (4, 3), 2)
+    assert w.chunks[0] == ChunkRecord((0, 0), (2, 3), 0, 0, 24, (1456454633, 3843260408))
+    assert w.chunks[1].offsets == (2, 0) and w.chunks[1].object_index == 1
+    assert manifest.tensors["model.b"].chunks[0] == ChunkRecord((0,), (3,), 0, 24, 6, (494848512,))
+    step = manifest.tensors["optim.step"]
+    assert (step.dtype, step.shape, list(step.chunks)) == ("int64", (), [ChunkRecord((), (), 1, 24, 8, (3159274190,))])
+    empty = manifest.tensors["empty"]
+    assert (empty.dtype, empty.shape, len(empty.chunks)) == ("float32", (0, 2), 0)
+    grid = manifest.tensors["grid"]
+    assert [(c.offsets, c.object_index, c.byte_offset) for c in grid.chunks] == [
+        ((0, 0), 0, 32), ((0, 3), 1, 32), ((2, 0), 0, 38), ((2, 3), 1, 38)]
+    for name in manifest.tensors:
+        for i, chunk in enumerate(manifest.tensors[name].chunks):
+            assert chunk.crc32c == block_crcs(golden.chunk_bytes(name, i), 16)
+
+
+def test_values_and_structure(manifest):
+    assert manifest.values["optim.param_groups"] == golden.VALUES["optim.param_groups"]
+    assert type(manifest.values["optim.param_groups"][0]["betas"]) is tuple
+    assert manifest.values["rng"] == {0: b"\x00\x01\xff", 1: 2 ** 70, -3: -(2 ** 65)}
+    assert manifest.values["epoch"] == 7
+    assert manifest.values["frac"] == Fraction(1, 3)
+    assert manifest.structure == golden.STRUCTURE
+
+
+def test_pickled_value_needs_opt_in():
+    with pytest.raises(PickleNotAllowed, match="allow_pickle=True") as exc:
+        decode_manifest(GOLDEN.read_bytes())
+    assert exc.value.path == 'values["frac"]'
+
+
+def test_the_maker_still_describes_the_file(manifest):
+    rebuilt = decode_manifest(encode_manifest(golden.build()), allow_pickle=True)
+    assert rebuilt.values == manifest.values and rebuilt.structure == manifest.structure
+    for name in manifest.tensors:
+        assert list(rebuilt.tensors[name].chunks) == list(manifest.tensors[name].chunks)
