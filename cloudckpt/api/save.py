@@ -18,7 +18,6 @@ a fail-together exchange on the control channel, so a failure anywhere raises th
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -28,10 +27,12 @@ import torch
 
 from cloudckpt import layout
 from cloudckpt.errors import CheckpointExists, ObjectExists, ObjectNotFound
-from cloudckpt.manifest import ManifestBuilder, encode_manifest, encode_value
+from cloudckpt.manifest import encode_manifest, encode_value
 from cloudckpt.options import SaveOptions, SaveResult
-from cloudckpt.planning import (LocalSavePlan, SavePlanCache, decode_local_save_plan,
-                                encode_local_save_plan, plan_global_save)
+from cloudckpt.planning import (LocalSavePlan, SavePlanCache, WrittenChunks, assemble_manifest,
+                                decode_local_save_plan, decode_written_chunks,
+                                encode_local_save_plan, encode_written_chunks, key_digest,
+                                plan_global_save, save_plan_cache_key)
 from cloudckpt.runtime import run_coroutine, shared_store, wait_for_pending_save
 from cloudckpt.stateful import resolve_stateful
 from cloudckpt.statedict import flatten_state_dict
@@ -109,10 +110,14 @@ def prepare_save(state_dict, url, *, process_group=None, storage=None, allow_pic
     fingerprints = tuple(msgpack.unpackb(g)[0] for g in gathered)
     attempt = msgpack.unpackb(gathered[0])[1]
 
-    key = (fingerprints, channel.ranks, options.replicas_to_lowest_rank)
+    key = save_plan_cache_key(fingerprints, replicas_to_lowest_rank=options.replicas_to_lowest_rank)
+    key = key + (msgpack.packb(list(channel.ranks)),)
     plan = _plan_cache.get(key) if options.use_plan_cache else None
-    plan_cached = plan is not None
-    if plan is None:
+    # caches can differ between ranks (a restarted rank): reuse only if every rank hits
+    votes = channel.all_gather_bytes(msgpack.packb([plan is not None, key_digest(key)]))
+    plan_cached = all(msgpack.unpackb(v)[0] for v in votes) and \
+        len({bytes(msgpack.unpackb(v)[1]) for v in votes}) == 1
+    if not plan_cached:
         raw_plans = channel.all_gather_bytes(encode_local_save_plan(local))
         error = None
         try:
@@ -148,11 +153,9 @@ def finish_save(p: PreparedSave) -> SaveResult:
         locations, stats = run_coroutine(
             write_chunks(store, p.items, rank=channel.rank, attempt=p.attempt, options=wopts))
         rank_bytes = stats.bytes_written
-        payload = msgpack.packb([
-            [[c.chunk_id, c.object_key, c.byte_offset, c.byte_length, list(c.crcs)]
-             for c in locations],
-            p.values, _plan_digest(p.plan), stats.bytes_written, stats.objects,
-        ])
+        payload = msgpack.packb([encode_written_chunks(_written_chunks(channel.rank, locations,
+                                                                       p.values)),
+                                 p.plan.skeleton.digest(), stats.bytes_written, stats.objects])
     except BaseException as exc:
         error = exc
     gathered = channel.agree("save upload", payload, error)
@@ -160,13 +163,16 @@ def finish_save(p: PreparedSave) -> SaveResult:
     error = None
     total_bytes = total_objects = 0
     try:
-        reports = [msgpack.unpackb(g, strict_map_key=False) for g in gathered]
-        total_bytes = sum(r[3] for r in reports)
-        total_objects = sum(r[4] for r in reports)
+        reports = [msgpack.unpackb(g) for g in gathered]
+        total_bytes = sum(r[2] for r in reports)
+        total_objects = sum(r[3] for r in reports)
         if channel.is_coordinator:
-            if len({bytes(r[2]) for r in reports}) != 1:
+            if len({bytes(r[1]) for r in reports}) != 1:
                 raise RuntimeError("ranks disagree on the global save plan (plan cache out of sync)")
-            manifest = _assemble_manifest(p, reports)
+            manifest = assemble_manifest(
+                p.plan.skeleton, [decode_written_chunks(r[0]) for r in reports],
+                world_size=channel.size, checksum_block_size=p.options.checksum_block_size,
+                metadata=p.metadata, structure=p.structure, allow_pickle=p.allow_pickle)
             store = shared_store(p.url, p.storage)
             try:
                 run_coroutine(store.put(layout.MANIFEST_KEY, encode_manifest(manifest),
@@ -190,28 +196,14 @@ def _refuse_existing(url: str, storage) -> None:
     raise CheckpointExists(f"a checkpoint is already committed at {url}")
 
 
-def _plan_digest(plan) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    for name, tensor in plan.skeleton.tensors.items():
-        h.update(msgpack.packb([name, tensor.dtype, list(tensor.shape), len(tensor.chunks)]))
-    return h.digest()
-
-
-def _assemble_manifest(p: PreparedSave, reports: list) -> Any:
-    builder = ManifestBuilder(world_size=p.channel.size, metadata=p.metadata,
-                              checksum_block_size=p.options.checksum_block_size,
-                              structure=p.structure)
-    located: dict[int, list] = {}
-    for report in reports:
-        for chunk_id, key, offset, length, crcs in report[0]:
-            located[chunk_id] = [key, offset, length, crcs]
-    for name, tensor in p.plan.skeleton.tensors.items():
-        builder.add_tensor(name, tensor.dtype, tuple(tensor.shape))
-        for chunk in tensor.chunks:
-            key, offset, length, crcs = located[chunk.chunk_id]
-            builder.add_chunk(name, tuple(chunk.offsets), tuple(chunk.sizes), key, offset, length,
-                              tuple(crcs))
-    for report in reports:
-        for name, encoded in report[1].items():
-            builder.set_encoded_value(name, encoded)
-    return builder.build()
+def _written_chunks(rank: int, locations, values: dict[str, bytes]) -> WrittenChunks:
+    keys: dict[str, int] = {}
+    for loc in locations:
+        keys.setdefault(loc.object_key, len(keys))
+    return WrittenChunks(
+        rank=rank, object_keys=tuple(keys),
+        chunk_ids=[loc.chunk_id for loc in locations],
+        object_index=[keys[loc.object_key] for loc in locations],
+        byte_offset=[loc.byte_offset for loc in locations],
+        byte_length=[loc.byte_length for loc in locations],
+        crcs=[c for loc in locations for c in loc.crcs], values=values)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -46,7 +48,8 @@ def test_async_save_keeps_values_from_before_the_mutation(world2, s3_url):
 def rank_failing_upload_then_retry(url_bad: str, url_good: str) -> dict:
     rank = dist.get_rank()
     sd = {f"t{rank}": torch.randn(1000), "x": torch.ones(10)}
-    storage = StorageOptions(secret_access_key="definitely-wrong") if rank == 1 else None
+    storage = StorageOptions(access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
+                             secret_access_key="definitely-wrong") if rank == 1 else None
     handle = cloudckpt.async_save(sd, url_bad, storage=storage)
     err = handle.exception(timeout=120)
     second = cloudckpt.async_save(sd, url_good).result(timeout=120)
