@@ -258,10 +258,13 @@ def _do(method: str, action: str, target: str) -> dict:
     elif method == "raw-s3":
         info = _CTX["info"]
         if action == "save":
-            C.raw_put(info, _raw_objects(target, True), concurrency=args["raw_concurrency"])
+            objects = _raw_objects(target, True)
+            C.raw_put(info, objects, concurrency=args["raw_concurrency"])
+            extra = {"requests": len(objects)}
         else:
             objects = _raw_objects(target, False)
-            extra = {"fetched": C.raw_get(info, objects, concurrency=args["raw_concurrency"])}
+            extra = {"fetched": C.raw_get(info, objects, concurrency=args["raw_concurrency"]),
+                     "requests": len(objects)}
     else:
         raise ValueError(method)
     return extra
@@ -286,12 +289,19 @@ def rank_step(method: str, action: str, target: str) -> dict:
     """One measured save or load on this rank, bracketed by barriers."""
     import torch.distributed as dist
 
+    stats = None
+    if method.startswith("cloudckpt"):  # the store cloudckpt will use for this url (cached)
+        from cloudckpt.runtime import shared_store
+        stats = shared_store(target, _storage_options() if method == "cloudckpt-s3" else None).stats
+        requests0 = stats.total_requests
     dist.barrier()
     start = time.perf_counter()
     with C.Meter() as meter:
         extra = _do(method, action, target)
     dist.barrier()
     m = meter.result
+    if stats is not None:
+        extra["requests"] = stats.total_requests - requests0
     out = {"seconds": time.perf_counter() - start, "local_seconds": m.seconds, "cpu": m.cpu,
            "rss_before": m.rss_before, "peak_rss": m.peak_rss, "growth": m.rss_growth,
            "hwm_reset": m.hwm_reset, **extra}
@@ -415,13 +425,13 @@ class Runner:
         return None if run is None else max(r["seconds"] for r in run)
 
     def table(self, phase: str, action: str, delivered: int) -> str:
-        t = C.Table(["method", "seconds", "MB/s", "stored MiB", "objects", "fetched MiB",
+        t = C.Table(["method", "seconds", "MB/s", "stored MiB", "objects", "requests", "fetched MiB",
                      "bcast MiB", "peak RSS MiB", "RSS growth MiB", "client CPU s", "server CPU s",
                      "verified"])
         for m in self.args.methods:
             run, scpu = self.pick(phase, m, action)
             if run is None:
-                t.add(LABEL[m], "FAILED", *["-"] * 10)
+                t.add(LABEL[m], "FAILED", *["-"] * 11)
                 continue
             secs = max(r["seconds"] for r in run)
             stored = run[0].get("stored") if action == "save" else None
@@ -437,7 +447,9 @@ class Runner:
             fetched = sum(r["fetched"] for r in run) if "fetched" in run[0] else None
             received = sum(r["received"] for r in run) if "received" in run[0] else None
             ver = "" if action == "save" else C.human_bool(all(r["verified"] for r in run))
+            requests = sum(r["requests"] for r in run) if "requests" in run[0] else "-"
             t.add(LABEL[m], C.fmt_s(secs), C.fmt_rate(delivered, secs), stored_txt, objects_txt,
+                  requests,
                   "" if action == "save" else C.fmt_mib(fetched),
                   "" if action == "save" else C.fmt_mib(received),
                   "/".join(f"{r['peak_rss'] / C.MiB:.0f}" for r in run),
