@@ -388,12 +388,17 @@ class CheckpointManager:
         return handle
 
     def _has_objects(self, step: int) -> bool:
+        """Whether anything is stored under step ``step`` yet (True when that cannot be told:
+        the cleanup it enables is harmless, and rank 0 must not fail before the collective)."""
         async def _any() -> bool:
             async for _ in self.store.list(step_dir(step)):
                 return True
             return False
 
-        return run_coroutine(_any())
+        try:
+            return run_coroutine(_any())
+        except Exception:  # the save itself will report a broken store
+            return True
 
     def _after_save(self, step: int, leftovers: bool) -> None:
         try:
