@@ -8,7 +8,8 @@ Contract:
 - :func:`run_coroutine` blocks the calling thread until the coroutine finishes and returns its
   result or raises its exception. Calling it *from* the loop thread is an error (it would deadlock).
 - :func:`get_loop` returns the loop (for ``asyncio.run_coroutine_threadsafe``).
-- Stores opened through :func:`shared_store` are cached per (url, options) and closed at exit.
+- Stores opened through :func:`shared_store` share one connection per bucket and options, and
+  are closed at exit.
 """
 
 from __future__ import annotations
@@ -75,26 +76,37 @@ def run_coroutine(coro: Awaitable[T], timeout: float | None = None) -> T:
 
 
 def shared_store(url: str, options: Any = None):
-    """Return an open store for ``url`` (cached per url and options, closed at interpreter exit).
+    """Return an open store for ``url``, sharing one connection per bucket and options.
 
-    ``options`` is a :class:`cloudckpt.storage.StorageOptions` or ``None``. The store lives on the
-    background loop, so use it only from coroutines run there.
+    ``options`` is a :class:`cloudckpt.storage.StorageOptions` or ``None`` (the standard AWS
+    chain). For ``s3://bucket/path`` the bucket's store is opened once (one client, one
+    connection pool, one request budget) and a child store for ``path`` is returned; local
+    stores are cheap and opened per URL. Stores live on the background loop: use them only from
+    coroutines run there. They are closed at interpreter exit.
     """
     from cloudckpt.storage import open_store
 
-    key = (url, options)
-    with _lock:
-        store = _stores.get(key)
-        if store is None:
-            store = open_store(url, options)
-            _stores[key] = store
-        return store
+    if isinstance(url, str) and url.startswith("s3://"):
+        bucket, _, path = url[len("s3://"):].partition("/")
+        root = f"s3://{bucket}"
+        with _lock:
+            store = _stores.get((root, options))
+            if store is None:
+                store = open_store(root, options)
+                _stores[(root, options)] = store
+        path = path.strip("/")
+        return store.child(path) if path else store
+    return open_store(url, options)
 
 
 def drop_store(url: str, options: Any = None) -> None:
-    """Forget (and close) the cached store for ``url``; used after credential changes."""
+    """Forget (and close) the shared connection of ``url``'s bucket; the next use reconnects
+    (e.g. after the credentials in the environment changed)."""
+    if not (isinstance(url, str) and url.startswith("s3://")):
+        return
+    root = "s3://" + url[len("s3://"):].partition("/")[0]
     with _lock:
-        store = _stores.pop((url, options), None)
+        store = _stores.pop((root, options), None)
     if store is not None and _loop is not None:
         try:
             run_coroutine(store.close(), timeout=30)
