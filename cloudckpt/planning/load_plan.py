@@ -1,9 +1,9 @@
 """Load planning: which stored bytes fill which requested pieces.
 
 For every requested piece and every stored chunk of the same name, their N-d overlap becomes a
-:class:`ReadItem`. Chunks of each stored tensor are indexed once (sorted along the dimension
-where their starts differ most), so a request finds its chunks by binary search, not by scanning
-them all. Plans are columnar (:class:`ReadTable`); :class:`ReadItem` objects are made on access.
+:class:`ReadItem`. A manifest's chunks are indexed once (see :mod:`cloudckpt.planning.chunk_index`),
+so requests find their chunks by binary search, not by scanning them all. Plans are columnar
+(:class:`ReadTable`); :class:`ReadItem` objects are made on access.
 
 dtype: a request may ask for another dtype than the stored one; the reader converts (values
 cast like ``torch.Tensor.to``). Read sizes (``nbytes``) are always in the stored dtype.
@@ -11,6 +11,8 @@ cast like ``torch.Tensor.to``). Read sizes (``nbytes``) are always in the stored
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -18,12 +20,12 @@ from functools import cached_property
 import msgpack
 import numpy as np
 
-from cloudckpt.errors import CoverageError, MissingKeysError, PlanningError, ShapeMismatchError
+from cloudckpt.errors import MissingKeysError, PlanningError, ShapeMismatchError
 from cloudckpt.manifest.columns import ColumnError, decode_int_column, encode_int_column
-from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE, MAX_NDIM
-from cloudckpt.manifest.model import Manifest, TensorRecord
-from cloudckpt.planning.coverage import find_cover_defect
-from cloudckpt.planning.pieces import PieceSpec, region_str
+from cloudckpt.manifest.dtypes import MAX_NDIM
+from cloudckpt.manifest.model import Manifest
+from cloudckpt.planning.chunk_index import manifest_index
+from cloudckpt.planning.pieces import PieceSpec
 
 LOAD_PLAN_FORMAT = "cloudckpt.load_plan"
 
@@ -71,7 +73,7 @@ class ReadTable(Sequence):
 
     def __init__(self, names, ndims, name_index, request_index, chunk_index, dest_offsets, src_offsets,
                  lengths, nbytes, broadcastable):
-        self.names = tuple(names)
+        self.names = names if type(names) is tuple else tuple(names)
         self.ndims = np.asarray(ndims, dtype=np.int64).reshape(-1)
         cols = [np.asarray(c, dtype=np.int64).reshape(-1) for c in
                 (name_index, request_index, chunk_index, dest_offsets, src_offsets, lengths, nbytes)]
@@ -163,98 +165,48 @@ class LocalLoadPlan:
     __hash__ = None  # type: ignore[assignment]
 
 
-class _ChunkIndex:
-    """Chunks of one stored tensor sorted along one axis, verified to tile the tensor exactly."""
-
-    def __init__(self, rec: TensorRecord):
-        offsets = np.asarray(rec.chunks.offsets, dtype=np.int64)
-        sizes = np.asarray(rec.chunks.sizes, dtype=np.int64)
-        defect = find_cover_defect(rec.shape, offsets, sizes)
-        if defect is not None:
-            kind, o, s = defect
-            what = "leave a gap" if kind == "gap" else "overlap"
-            raise CoverageError(f"tensor {rec.name!r}: stored chunks {what} at {region_str(o, s)}; "
-                                "destination elements there would not be filled exactly once")
-        nonempty = np.flatnonzero(sizes.prod(axis=1) > 0)
-        self.offsets, self.sizes = offsets, sizes
-        self.ends = offsets + sizes
-        self.itemsize = DTYPE_ITEMSIZE[rec.dtype]
-        d = len(rec.shape)
-        self.axis = int(np.argmax([len(np.unique(offsets[nonempty, j])) for j in range(d)])) if d else -1
-        if d:
-            order = nonempty[np.argsort(offsets[nonempty, self.axis], kind="stable")]
-            self.order = order
-            self.starts = offsets[order, self.axis]
-            self.max_size = int(sizes[order, self.axis].max(initial=0))
-        else:
-            self.order = nonempty
-
-    def overlapping(self, req_off: np.ndarray, req_end: np.ndarray) -> np.ndarray:
-        """Indices of the chunks whose box overlaps the request box (non-empty overlap)."""
-        if self.axis < 0:
-            return self.order
-        k = self.axis
-        lo = np.searchsorted(self.starts, req_off[k] - self.max_size, side="right")
-        hi = np.searchsorted(self.starts, req_end[k], side="left")
-        cand = self.order[lo:hi]
-        inter = np.minimum(self.ends[cand], req_end) > np.maximum(self.offsets[cand], req_off)
-        return cand[inter.all(axis=1)]
-
-
-def _chunk_index(manifest: Manifest, name: str) -> _ChunkIndex:
-    cache = manifest.__dict__.setdefault("_cloudckpt_chunk_index", {})
-    idx = cache.get(name)
-    if idx is None:
-        idx = cache[name] = _ChunkIndex(manifest.tensors[name])
-    return idx
-
-
 def plan_local_load(manifest: Manifest, requests: Sequence[PieceSpec], *, rank: int,
                     value_names: Sequence[str] = (), strict: bool = True) -> LocalLoadPlan:
     """Plan this rank's reads for ``requests`` (the pieces it wants filled, in its order).
 
-    Raises :class:`~cloudckpt.errors.MissingKeysError` listing requested tensors and
+    Read items come in request order, and within a request in the order of the stored chunks'
+    offsets. Raises :class:`~cloudckpt.errors.MissingKeysError` listing requested tensors and
     ``value_names`` absent from the checkpoint (when ``strict``; otherwise they go to
     ``missing``), :class:`~cloudckpt.errors.ShapeMismatchError` naming both shapes when a global
     shape differs, and :class:`~cloudckpt.errors.CoverageError` naming the region when the stored
     chunks would not fill a requested element exactly once.
     """
+    idx = manifest_index(manifest)
+    width = idx.width
+    shapes = manifest._shapes
     names: list[str] = []
     name_pos: dict[str, int] = {}
     ndims: list[int] = []
     missing: list[str] = []
-    parts: dict[str, list] = {k: [] for k in ("name", "req", "chunk", "dest", "src", "len", "nbytes", "bcast")}
+    r_index, r_tensor, r_name, r_bcast, r_off, r_end = [], [], [], [], [], []
     for i, req in enumerate(requests):
-        rec = manifest.tensors.get(req.name)
-        if rec is None:
+        t = idx.tensor_of.get(req.name)
+        if t is None:
             if req.name not in missing:
                 missing.append(req.name)
             continue
-        if rec.shape != req.global_shape:
-            raise ShapeMismatchError(f"tensor {req.name!r}: checkpoint has global shape {rec.shape}, "
+        if shapes[t] != req.global_shape:
+            raise ShapeMismatchError(f"tensor {req.name!r}: checkpoint has global shape {shapes[t]}, "
                                      f"the state dict has {req.global_shape}")
-        if req.numel == 0:
+        if 0 in req.sizes:
             continue
-        idx = _chunk_index(manifest, req.name)
-        req_off = np.array(req.offsets, dtype=np.int64)
-        req_end = req_off + np.array(req.sizes, dtype=np.int64)
-        hits = idx.overlapping(req_off, req_end)
-        lo = np.maximum(idx.offsets[hits], req_off)
-        length = np.minimum(idx.ends[hits], req_end) - lo
         pos = name_pos.get(req.name)
         if pos is None:
             pos = name_pos[req.name] = len(names)
             names.append(req.name)
-            ndims.append(len(rec.shape))
-        n = len(hits)
-        parts["name"].append(np.full(n, pos, dtype=np.int64))
-        parts["req"].append(np.full(n, i, dtype=np.int64))
-        parts["chunk"].append(hits)
-        parts["dest"].append((lo - req_off).reshape(-1))
-        parts["src"].append((lo - idx.offsets[hits]).reshape(-1))
-        parts["len"].append(length.reshape(-1))
-        parts["nbytes"].append(length.prod(axis=1) * idx.itemsize)
-        parts["bcast"].append(np.full(n, bool(req.broadcastable)))
+            ndims.append(len(shapes[t]))
+        pad = width - len(req.offsets)
+        r_index.append(i)
+        r_tensor.append(t)
+        r_name.append(pos)
+        r_bcast.append(bool(req.broadcastable))
+        r_off.append(req.offsets + (0,) * pad)
+        r_end.append(tuple(o + s for o, s in zip(req.offsets, req.sizes)) + (1,) * pad)
     for v in value_names:
         if v not in manifest.values and v not in missing:
             missing.append(v)
@@ -263,11 +215,74 @@ def plan_local_load(manifest: Manifest, requests: Sequence[PieceSpec], *, rank: 
                                keys=tuple(missing))
     wanted = {r.name for r in requests} | set(value_names)
     unexpected = tuple(n for n in list(manifest.tensors) + list(manifest.values) if n not in wanted)
-    cols = {k: np.concatenate(v) if v else np.zeros(0, dtype=bool if k == "bcast" else np.int64)
-            for k, v in parts.items()}
-    table = ReadTable(names, ndims, cols["name"], cols["req"], cols["chunk"], cols["dest"], cols["src"],
-                      cols["len"], cols["nbytes"], cols["bcast"])
+
+    t_arr = np.array(r_tensor, dtype=np.int64)
+    off = np.array(r_off, dtype=np.int64).reshape(len(r_index), width)
+    end = np.array(r_end, dtype=np.int64).reshape(len(r_index), width)
+    slab = idx.slab_ok[t_arr] & idx.vectorised if len(t_arr) else np.zeros(0, dtype=bool)
+    rows_s = np.flatnonzero(slab)
+    parts_r, parts_pos = [], []
+    if len(rows_s):
+        req_s, pos_s = idx.slab_hits(t_arr[rows_s], off[rows_s], end[rows_s])
+        parts_r.append(rows_s[req_s])
+        parts_pos.append(pos_s)
+    for r in np.flatnonzero(~slab).tolist():
+        t = int(t_arr[r])
+        nd = int(idx.ndims[t])
+        hits = idx.general(t).overlapping(off[r, :nd], end[r, :nd])
+        parts_r.append(np.full(len(hits), r, dtype=np.int64))
+        parts_pos.append(idx.position_of(int(idx.chunk_start[t]) + hits))
+    item_r = np.concatenate(parts_r) if parts_r else np.zeros(0, dtype=np.int64)
+    pos = np.concatenate(parts_pos) if parts_pos else np.zeros(0, dtype=np.int64)
+    order = np.lexsort((pos, item_r))
+    item_r, pos = item_r[order], pos[order]
+    lo = np.maximum(idx.s_off[pos], off[item_r])
+    length = np.minimum(idx.s_end[pos], end[item_r]) - lo
+    keep = np.flatnonzero((length > 0).all(axis=1))
+    item_r, pos, lo, length = item_r[keep], pos[keep], lo[keep], length[keep]
+    item_t = t_arr[item_r]
+    mask = np.arange(width) < idx.ndims[item_t][:, None]
+    table = ReadTable(
+        names, ndims, np.array(r_name, dtype=np.int64)[item_r] if len(item_r) else [],
+        np.array(r_index, dtype=np.int64)[item_r] if len(item_r) else [],
+        idx.order[pos] - idx.chunk_start[item_t], (lo - off[item_r])[mask], (lo - idx.s_off[pos])[mask],
+        length[mask], length.prod(axis=1) * idx.itemsizes[item_t],
+        np.array(r_bcast, dtype=bool)[item_r] if len(item_r) else [])
     return LocalLoadPlan(rank, table, unexpected, tuple(missing) if not strict else ())
+
+
+_HEADERS: "OrderedDict[bytes, tuple[tuple[str, ...], np.ndarray]]" = OrderedDict()
+_HEADERS_LOCK = threading.Lock()
+
+
+def _pack_header(names, ndims) -> bytes:
+    return msgpack.packb([list(names), np.asarray(ndims, dtype=np.int64).tolist()], use_bin_type=True)
+
+
+def _unpack_header(data) -> tuple[tuple[str, ...], np.ndarray]:
+    """Names and ndims of a load plan; identical headers (the usual case) decode once and are shared."""
+    if not isinstance(data, bytes):
+        raise PlanningError("bad load plan header")
+    with _HEADERS_LOCK:
+        hit = _HEADERS.get(data)
+        if hit is not None:
+            _HEADERS.move_to_end(data)
+            return hit
+    try:
+        names, ndims = msgpack.unpackb(data, raw=False)
+        ndims_arr = np.array(ndims, dtype=np.int64)
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
+        raise PlanningError(f"bad load plan header: {exc}") from exc
+    if not (isinstance(names, list) and len(names) == len(ndims_arr) and ndims_arr.ndim == 1) \
+            or not set(map(type, names)) <= {str} or (len(ndims_arr) and not 0 <= ndims_arr.min() <= ndims_arr.max() <= MAX_NDIM):
+        raise PlanningError("bad load plan header")
+    hit = (tuple(names), ndims_arr)
+    hit[1].flags.writeable = False
+    with _HEADERS_LOCK:
+        _HEADERS[data] = hit
+        while len(_HEADERS) > 16:
+            _HEADERS.popitem(last=False)
+    return hit
 
 
 def encode_local_load_plan(plan: LocalLoadPlan) -> bytes:
@@ -275,7 +290,7 @@ def encode_local_load_plan(plan: LocalLoadPlan) -> bytes:
     t = plan.table
     return msgpack.packb({
         "format": LOAD_PLAN_FORMAT, "version": 1, "rank": plan.rank,
-        "names": list(t.names), "ndims": encode_int_column(t.ndims),
+        "header": _pack_header(t.names, t.ndims),
         "name_index": encode_int_column(t.name_index, delta=True),
         "request_index": encode_int_column(t.request_index, delta=True),
         "chunk_index": encode_int_column(t.chunk_index, delta=True),
@@ -294,12 +309,7 @@ def decode_local_load_plan(data: bytes) -> LocalLoadPlan:
         doc = msgpack.unpackb(data, raw=False)
         if not isinstance(doc, dict) or doc.get("format") != LOAD_PLAN_FORMAT or doc.get("version") != 1:
             raise PlanningError("not a cloudckpt load plan (format/version)")
-        names = doc["names"]
-        if not isinstance(names, list) or any(type(n) is not str for n in names):
-            raise PlanningError("bad load plan names")
-        ndims = decode_int_column(doc["ndims"], expected=len(names))
-        if len(ndims) and (ndims.min() < 0 or ndims.max() > MAX_NDIM):
-            raise PlanningError("bad load plan ndims")
+        names, ndims = _unpack_header(doc["header"])
         name_index = decode_int_column(doc["name_index"])
         n = len(name_index)
         if n and (name_index.min() < 0 or name_index.max() >= len(names)):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cloudckpt.errors import PlanningError
+from cloudckpt.planning.coverage import stable_order
 from cloudckpt.planning.load_plan import LocalLoadPlan, Region
 
 DEFAULT_MIN_BROADCAST_BYTES = 32 * 1024
@@ -74,13 +75,16 @@ def _unify_names(plans: Sequence[LocalLoadPlan]):
         if prev_names is not None and t.names == prev_names:
             maps.append(prev_map)
             continue
-        m = np.empty(len(t.names), dtype=np.int64)
-        for i, n in enumerate(t.names):
-            g = index.get(n)
-            if g is None:
-                g = index[n] = len(names)
-                names.append(n)
-            m[i] = g
+        try:  # usual case: every name already known (a C-speed loop)
+            m = np.fromiter(map(index.__getitem__, t.names), dtype=np.int64, count=len(t.names))
+        except KeyError:
+            m = np.empty(len(t.names), dtype=np.int64)
+            for i, n in enumerate(t.names):
+                g = index.get(n)
+                if g is None:
+                    g = index[n] = len(names)
+                    names.append(n)
+                m[i] = g
         prev_names, prev_map = t.names, m
         maps.append(m)
     return names, maps
@@ -129,34 +133,35 @@ def assign_readers(load_plans: Sequence[LocalLoadPlan], *,
         src_all[mask] = np.concatenate([t.src_offsets for t in tables])
         len_all[mask] = np.concatenate([t.lengths for t in tables])
         src, length = src_all[shared], len_all[shared]
-        keys = tuple(length[:, j] for j in reversed(range(width))) + \
-            tuple(src[:, j] for j in reversed(range(width))) + (chunk[shared], gname[shared])
-        order = np.lexsort(keys)
+        pair_id = inverse[pair_count[inverse] >= 2]  # dense (tensor, chunk) id, in (tensor, chunk) order
+        order = stable_order([pair_id] + [src[:, j] for j in range(width)] + [length[:, j] for j in range(width)])
         s_rows = shared[order]
         s_src, s_len = src[order], length[order]
         same = (gname[s_rows[1:]] == gname[s_rows[:-1]]) & (chunk[s_rows[1:]] == chunk[s_rows[:-1]]) & \
             (s_src[1:] == s_src[:-1]).all(axis=1) & (s_len[1:] == s_len[:-1]).all(axis=1)
         run_start = np.flatnonzero(np.concatenate(([True], ~same)))
         run_end = np.concatenate((run_start[1:], [len(s_rows)]))
-        groups = []
-        for s, e in zip(run_start.tolist(), run_end.tolist()):
-            members = s_rows[s:e]
-            ranks = sorted(set(row_rank[members].tolist()))
-            if len(ranks) < 2:
-                np.add.at(loads, row_rank[members], nbytes[members])
-                continue
-            groups.append((s, members, tuple(ranks)))
-        groups.sort(key=lambda g: (-int(nbytes[g[1][0]]), g[0]))
+        # rows of a run keep rank order (stable sort of rank-major rows): a run is shared by
+        # several ranks iff the rank changes inside it
+        s_rank = row_rank[s_rows]
+        run_id = np.cumsum(np.concatenate(([0], ~same)))
+        multi = np.zeros(len(run_start), dtype=bool)
+        multi[run_id[1:][same & (s_rank[1:] != s_rank[:-1])]] = True
+        alone = s_rows[~multi[run_id]]
+        np.add.at(loads, row_rank[alone], nbytes[alone])
+        runs = np.flatnonzero(multi)
+        runs = runs[np.argsort(-nbytes[s_rows[run_start[runs]]], kind="stable")]  # heaviest first, then key order
         load_list = loads.tolist()
-        for s, members, ranks in groups:
-            first = int(members[0])
+        row_broadcast = np.full(rows, -1, dtype=np.int64)
+        for run in runs.tolist():
+            s, e = int(run_start[run]), int(run_end[run])
+            ranks = tuple(sorted(set(s_rank[s:e].tolist())))
+            first = int(s_rows[s])
             nb = int(nbytes[first])
             src_rank = min(ranks, key=lambda r: load_list[r])
             load_list[src_rank] += nb
-            r0 = int(row_rank[first])
-            item = tables[r0][int(row_item[first])]
-            b_index = len(broadcasts)
+            item = tables[int(row_rank[first])][int(row_item[first])]
+            row_broadcast[s_rows[s:e]] = len(broadcasts)
             broadcasts.append(Broadcast(item.region, src_rank, ranks))
-            for m in members.tolist():
-                item_broadcast[int(row_rank[m])][int(row_item[m])] = b_index
+        item_broadcast = np.split(row_broadcast, np.cumsum(counts)[:-1])
     return ReadAssignment(tuple(broadcasts), load_plans, item_broadcast)

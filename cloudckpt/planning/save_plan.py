@@ -15,7 +15,7 @@ import numpy as np
 
 from cloudckpt.errors import CoverageError, LayoutMismatchError, PlanningError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
-from cloudckpt.planning.coverage import find_cover_defect, slab_segments_ok
+from cloudckpt.planning.coverage import find_cover_defect, slab_segments_ok, sort_boxes
 from cloudckpt.planning.local_plan import LocalSavePlan
 from cloudckpt.planning.pieces import region_str
 
@@ -154,20 +154,6 @@ def _value_owner(plans: Sequence[LocalSavePlan], tensor_index: dict[str, int]) -
     return owner
 
 
-def _sort_rows(gname: np.ndarray, off: np.ndarray, n_names: int) -> np.ndarray:
-    """Stable order of rows by (tensor, offsets lexicographic)."""
-    width = off.shape[1]
-    bits = [max(1, int(n_names).bit_length())] + [max(1, int(off[:, j].max(initial=0)).bit_length())
-                                                  for j in range(width)]
-    if sum(bits) <= 62:
-        key = gname.copy()
-        for j in range(width):
-            key <<= bits[j + 1]
-            key |= off[:, j]
-        return np.argsort(key, kind="stable")
-    return np.lexsort(tuple(off[:, j] for j in reversed(range(width))) + (gname,))
-
-
 def _assign_replicas(run_start, run_len, u_nbytes, s_rank, s_piece, writer, writer_piece, world_size):
     """Heaviest replicated box first, to the holder with the fewest bytes so far (ties: lowest rank)."""
     single = run_len == 1
@@ -238,7 +224,7 @@ def plan_global_save(local_plans: Sequence[LocalSavePlan], *, rank: int,
     keep = np.flatnonzero(size.prod(axis=1) > 0)
     gname, off, size, row_rank, row_piece = gname[keep], off[keep], size[keep], row_rank[keep], row_piece[keep]
 
-    order = _sort_rows(gname, off, n_names)
+    order = sort_boxes(gname, off, n_names)
     s_g, s_off, s_size, s_rank, s_piece = gname[order], off[order], size[order], row_rank[order], row_piece[order]
     same = (s_g[1:] == s_g[:-1]) & (s_off[1:] == s_off[:-1]).all(axis=1)
     clash = same & (s_size[1:] != s_size[:-1]).any(axis=1)
