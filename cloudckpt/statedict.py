@@ -285,6 +285,33 @@ def unflatten_state_dict(structure, leaves: Mapping[str, object]) -> dict:
     return root
 
 
+def merge_structures(structures) -> object:
+    """Union of several ranks' structures (ranks may hold different keys, e.g. pipeline stages).
+
+    Dict nodes merge key by key (order of first appearance, ranks in the given order); list and
+    tuple nodes merge element by element (extra elements appended); where two ranks disagree on a
+    node's kind, the first one wins. Pure: the inputs are not modified.
+    """
+    def merge(a, b):
+        if a is None:
+            return b
+        if b is None or a[0] != b[0] or a[0] in ("x", "v"):
+            return a
+        if a[0] in ("d", "o"):
+            entries: dict = {}
+            for key, node in list(a[1]) + list(b[1]):
+                k = (type(key).__name__, key)
+                entries[k] = [key, merge(entries[k][1], node)] if k in entries else [key, node]
+            return [a[0], list(entries.values())]
+        body = [merge(x, y) for x, y in zip(a[1], b[1])] + list(a[1][len(b[1]):]) + list(b[1][len(a[1]):])
+        return [a[0], body]
+
+    out = None
+    for structure in structures:
+        out = merge(out, structure)
+    return out
+
+
 def set_by_path(root, path, value) -> None:
     """Set ``value`` at ``path`` inside ``root`` (mappings and lists in place; tuples on the way
     are rebuilt and stored back into their parent)."""

@@ -18,6 +18,7 @@ from cloudckpt.statedict import (
     dtensor_local_boxes,
     dtype_name,
     flatten_state_dict,
+    merge_structures,
     set_by_path,
     torch_dtype,
     unflatten_state_dict,
@@ -114,6 +115,17 @@ def test_dtype_names_round_trip():
         dtype_name(torch.complex32)
     with pytest.raises(PlanningError, match="not supported"):
         torch_dtype("float128")
+
+
+def test_merge_structures_of_ranks_holding_different_keys():
+    a = flatten_state_dict({"model": {"layers": {0: {"w": torch.ones(1)}}}, "step": 1, "extra": [torch.ones(1)]})
+    b = flatten_state_dict({"model": {"layers": {1: {"w": torch.ones(1)}}}, "step": 1, "extra": [torch.ones(1), 2]})
+    merged = merge_structures([a.structure, b.structure])
+    leaves = {**leaves_of(a), **leaves_of(b)}
+    assert unflatten_state_dict(merged, leaves) == {
+        "model": {"layers": {0: {"w": leaves["model.layers.0.w"]}, 1: {"w": leaves["model.layers.1.w"]}}},
+        "step": 1, "extra": [leaves["extra.0"], 2]}
+    assert merge_structures([a.structure]) == a.structure and merge_structures([]) is None
 
 
 def test_set_by_path_rebuilds_tuples():
