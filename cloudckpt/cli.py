@@ -160,7 +160,7 @@ def cmd_show(args) -> int:
     rows = []
     for name, rec in sorted(manifest.tensors.items()):
         nbytes = sum(int(c.byte_length) for c in rec.chunks)
-        rows.append((name, rec.dtype, "(" + ", ".join(map(str, rec.shape)) + ")",
+        rows.append((name, rec.dtype, str(tuple(rec.shape)),
                      len(rec.chunks), nbytes))
     _table(("name", "dtype", "shape", "chunks", "bytes"), rows)
     print(f"\nvalues ({len(manifest.values)})")

@@ -83,12 +83,8 @@ def join_url(base: str, relative: str) -> str:
     return base.rstrip("/") + "/" + relative.strip("/")
 
 
-def _as_datetime(value: Any) -> datetime | None:
-    if value is None:
-        return None
-    if isinstance(value, datetime):
-        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
-    return datetime.fromtimestamp(float(value), tz=timezone.utc)
+def _utc(epoch: float | None) -> datetime | None:
+    return None if epoch is None else datetime.fromtimestamp(epoch, tz=timezone.utc)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -276,8 +272,8 @@ class CheckpointManager:
         m = state.manifest
         return CheckpointInfo(
             step=step, url=self.step_url(step), complete=m is not None,
-            created_at=_as_datetime(getattr(m, "last_modified", None)) if m is not None else None,
-            manifest_bytes=getattr(m, "size", None) if m is not None else None)
+            created_at=_utc(m.last_modified) if m is not None else None,
+            manifest_bytes=m.size if m is not None else None)
 
     def list(self, *, details: bool = False,
              progress: Callable[[int], None] | None = None) -> list[CheckpointInfo]:
@@ -508,21 +504,16 @@ class CheckpointManager:
 async def _abandoned_parts(store, step: int, state: _StepState, cutoff: float):
     """Objects and uploads of an incomplete step older than ``cutoff`` (epoch seconds), and
     whether anything of it is newer (then the save is alive and nothing is removed)."""
-    prefix = step_dir(step)
-    stale_keys: list[str] = []
-    fresh = False
+    prefix, stale_keys, stale_uploads, fresh = step_dir(step), [], [], False
     async for item in store.list(prefix):
-        when = _as_datetime(getattr(item, "last_modified", None))
         if item.key == prefix + MANIFEST_KEY:
             return [], [], True  # committed since the listing
-        if when is None or when.timestamp() > cutoff:
+        if item.last_modified is None or item.last_modified > cutoff:
             fresh = True
         else:
             stale_keys.append(item.key)
-    stale_uploads = []
     for upload in state.uploads:
-        when = _as_datetime(getattr(upload, "initiated", None))
-        if when is None or when.timestamp() > cutoff:
+        if upload.initiated is None or upload.initiated > cutoff:
             fresh = True
         else:
             stale_uploads.append(upload)
@@ -535,25 +526,26 @@ async def _delete_keys(store, keys, progress: Callable[[int], None] | None = Non
 
     async def flush() -> None:
         nonlocal removed, batch
-        if batch:
-            await store.delete(batch)
-            removed += len(batch)
-            if progress is not None:
-                progress(len(batch))
-            batch = []
+        await store.delete(batch)
+        removed += len(batch)
+        if progress is not None:
+            progress(len(batch))
+        batch = []
 
-    if hasattr(keys, "__aiter__"):
-        async for key in keys:
-            batch.append(key)
-            if len(batch) >= DELETE_BATCH:
-                await flush()
-    else:
-        for key in keys:
-            batch.append(key)
-            if len(batch) >= DELETE_BATCH:
-                await flush()
-    await flush()
+    if not hasattr(keys, "__aiter__"):
+        keys = _each(keys)
+    async for key in keys:
+        batch.append(key)
+        if len(batch) >= DELETE_BATCH:
+            await flush()
+    if batch:
+        await flush()
     return removed
+
+
+async def _each(items):
+    for item in items:
+        yield item
 
 
 async def _keys_under(store, prefix: str, keep=lambda rel: False):
