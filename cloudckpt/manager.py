@@ -4,7 +4,8 @@
 ints >= 0). A checkpoint is *complete* when its ``manifest.msgpack`` exists: the save writes it
 last, in create mode, so a save still running or killed part-way is *incomplete*. Only complete
 checkpoints are returned by :meth:`~CheckpointManager.latest` or loaded; :meth:`list` shows the
-others with ``complete=False``.
+others with ``complete=False`` (from the first finished data object on; unfinished multipart
+uploads are seen by :meth:`~CheckpointManager.prune` only).
 
 Cost contract:
 
