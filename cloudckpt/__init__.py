@@ -35,6 +35,8 @@ _LAZY = {
     "CheckpointInfo": ("cloudckpt.manager", "CheckpointInfo"),
     "RetentionPolicy": ("cloudckpt.retention", "RetentionPolicy"),
     "PreemptionHandler": ("cloudckpt.preemption", "PreemptionHandler"),
+    "Preempted": ("cloudckpt.preemption", "Preempted"),
+    "ManagedSaveHandle": ("cloudckpt.manager", "ManagedSaveHandle"),
 }
 
 
