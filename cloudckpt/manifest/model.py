@@ -15,6 +15,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Iterator
 
 import numpy as np
@@ -377,7 +378,7 @@ class Manifest:
             else:
                 decoded[name] = decode_value(blob, key=name, allow_pickle=allow_pickle)
         self._value_blobs = blobs
-        self.values: Mapping[str, object] = decoded
+        self.values: Mapping[str, object] = MappingProxyType(decoded)
 
     def _record(self, t: int) -> TensorRecord:
         c0, c1 = int(self._chunk_start[t]), int(self._chunk_start[t + 1])

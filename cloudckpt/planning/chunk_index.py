@@ -97,7 +97,7 @@ class ManifestIndex:
         first = self.seg[:-1].clip(max=max(len(order) - 1, 0))
         nonfull = (self.s_off[first] != 0) | (self.s_end[first] != shape) if len(order) else np.zeros((n_t, width), bool)
         self.axis = np.argmax(nonfull, axis=1).astype(np.int64)
-        stride = int(shape.max(initial=1)) + 1
+        stride = int(shape[numel > 0].max(initial=1)) + 1  # empty tensors are never searched
         self.vectorised = n_t * stride < (1 << 62)
         if self.vectorised and len(order):
             starts = self.s_off[np.arange(len(order)), self.axis[self.s_tensor]]
