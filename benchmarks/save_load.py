@@ -290,10 +290,14 @@ def rank_step(method: str, action: str, target: str) -> dict:
     import torch.distributed as dist
 
     stats = None
-    if method.startswith("cloudckpt"):  # the store cloudckpt will use for this url (cached)
+    if method.startswith("cloudckpt"):  # the counters of the store cloudckpt will use, if shared
         from cloudckpt.runtime import shared_store
-        stats = shared_store(target, _storage_options() if method == "cloudckpt-s3" else None).stats
-        requests0 = stats.total_requests
+        storage = _storage_options() if method == "cloudckpt-s3" else None
+        stats = shared_store(target, storage).stats
+        if shared_store(target, storage).stats is not stats:
+            stats = None  # a store opened per call (file://): its counters are not reachable
+        else:
+            requests0 = stats.total_requests
     dist.barrier()
     start = time.perf_counter()
     with C.Meter() as meter:
@@ -447,7 +451,7 @@ class Runner:
             fetched = sum(r["fetched"] for r in run) if "fetched" in run[0] else None
             received = sum(r["received"] for r in run) if "received" in run[0] else None
             ver = "" if action == "save" else C.human_bool(all(r["verified"] for r in run))
-            requests = sum(r["requests"] for r in run) if "requests" in run[0] else "-"
+            requests = sum(r["requests"] for r in run) if "requests" in run[0] else "-"  # noqa
             t.add(LABEL[m], C.fmt_s(secs), C.fmt_rate(delivered, secs), stored_txt, objects_txt,
                   requests,
                   "" if action == "save" else C.fmt_mib(fetched),
