@@ -107,7 +107,8 @@ def run(world: int, n_sharded: int, n_replicated: int, load_world: int, repeat: 
           f"(best of {repeat}) ==")
     names, dtypes, shapes, local_plan = make_job(world, n_sharded, n_replicated)
     t_enc, encoded = best_of(1, lambda: [encode_local_save_plan(local_plan(r)) for r in range(world)])
-    print(f"local plan: encode {t_enc / world * 1e3:.2f} ms per rank, {np.mean([len(e) for e in encoded]) / 1024:.1f} KiB")
+    size = np.mean([len(e) for e in encoded]) / 1024
+    print(f"local plan: encode {t_enc / world * 1e3:.2f} ms per rank, {size:.1f} KiB")
 
     t_dec, plans = best_of(repeat, lambda: [decode_local_save_plan(e) for e in encoded])
     t_plan, gplan = best_of(repeat, lambda: plan_global_save(plans, rank=0))
@@ -160,7 +161,8 @@ def run(world: int, n_sharded: int, n_replicated: int, load_world: int, repeat: 
     reqs = [requests(r) for r in range(load_world)]
     t_first, _ = best_of(1, lambda: plan_local_load(decoded, reqs[0], rank=0, value_names=("step",)))
     t_local, lp0 = best_of(repeat, lambda: plan_local_load(decoded, reqs[0], rank=0, value_names=("step",)))
-    load_plans = [lp0] + [plan_local_load(decoded, reqs[r], rank=r, value_names=("step",)) for r in range(1, load_world)]
+    load_plans = [lp0] + [plan_local_load(decoded, reqs[r], rank=r, value_names=("step",))
+                          for r in range(1, load_world)]
     enc = [encode_local_load_plan(p) for p in load_plans]
     t_ldec, dec = best_of(repeat, lambda: [decode_local_load_plan(e) for e in enc])
     t_assign, assignment = best_of(repeat, lambda: assign_readers(dec, min_broadcast_bytes=32 * 1024))

@@ -263,7 +263,7 @@ class Manifest:
                 raise ManifestError("duplicate tensor name", path=tensor_path(name))
             index[name] = i
         norm_shapes = []
-        for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes)):
+        for name, dtype, shape in zip(names, dtypes, shapes):
             where = tensor_path(name)
             if type(dtype) is not str or dtype not in DTYPE_ITEMSIZE:
                 raise ManifestError(f"dtype {dtype!r} is not allowed", path=f"{where}.dtype")

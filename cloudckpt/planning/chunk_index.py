@@ -95,7 +95,10 @@ class ManifestIndex:
             bounds = np.concatenate((self.seg[has_rows], [self.seg[has_rows[-1] + 1]]))
             self.slab_ok[has_rows] = slab_segments_ok(bounds, shape[self.s_tensor], self.s_off, self.s_end - self.s_off)
         first = self.seg[:-1].clip(max=max(len(order) - 1, 0))
-        nonfull = (self.s_off[first] != 0) | (self.s_end[first] != shape) if len(order) else np.zeros((n_t, width), bool)
+        if len(order):
+            nonfull = (self.s_off[first] != 0) | (self.s_end[first] != shape)
+        else:
+            nonfull = np.zeros((n_t, width), dtype=bool)
         self.axis = np.argmax(nonfull, axis=1).astype(np.int64)
         stride = int(shape[numel > 0].max(initial=1)) + 1  # empty tensors are never searched
         self.vectorised = n_t * stride < (1 << 62)

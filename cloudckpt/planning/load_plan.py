@@ -274,7 +274,8 @@ def _unpack_header(data) -> tuple[tuple[str, ...], np.ndarray]:
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
         raise PlanningError(f"bad load plan header: {exc}") from exc
     if not (isinstance(names, list) and len(names) == len(ndims_arr) and ndims_arr.ndim == 1) \
-            or not set(map(type, names)) <= {str} or (len(ndims_arr) and not 0 <= ndims_arr.min() <= ndims_arr.max() <= MAX_NDIM):
+            or not set(map(type, names)) <= {str} \
+            or (len(ndims_arr) and not 0 <= ndims_arr.min() <= ndims_arr.max() <= MAX_NDIM):
         raise PlanningError("bad load plan header")
     hit = (tuple(names), ndims_arr)
     hit[1].flags.writeable = False

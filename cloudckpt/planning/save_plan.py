@@ -266,7 +266,8 @@ def _check_coverage(names, shapes, ndims, gshape, chunk_start, u_g, u_off, u_siz
     nonempty = np.flatnonzero(seg_len > 0)
     for g in np.flatnonzero(seg_len == 0).tolist():
         if int(np.prod(shapes[g], dtype=np.int64)) > 0:
-            raise CoverageError(f"tensor {names[g]!r}: pieces leave a gap at {region_str((0,) * len(shapes[g]), shapes[g])} "
+            whole = region_str((0,) * len(shapes[g]), shapes[g])
+            raise CoverageError(f"tensor {names[g]!r}: pieces leave a gap at {whole} "
                                 "(no rank holds any of it)")
     if not len(nonempty):
         return

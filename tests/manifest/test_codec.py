@@ -10,7 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cloudckpt.errors import ManifestError, PickleNotAllowed, PlanningError, UnsupportedManifestVersion, UnsupportedValueError
+from cloudckpt.errors import (
+    ManifestError,
+    PickleNotAllowed,
+    PlanningError,
+    UnsupportedManifestVersion,
+    UnsupportedValueError,
+)
 from cloudckpt.manifest import ManifestBuilder, decode_manifest, encode_manifest, encode_value
 from cloudckpt.manifest.columns import encode_int_column, encode_u32
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -15,7 +17,9 @@ from cloudckpt.planning import (
 )
 from tests.planning.layouts import KINDS, apply_reads, global_data, make_layout, simulate_save, tensor_specs
 
-SETTINGS = settings(max_examples=int(__import__("os").environ.get("CLOUDCKPT_EXAMPLES", 150)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# CLOUDCKPT_EXAMPLES=3000 for a long run
+SETTINGS = settings(max_examples=int(os.environ.get("CLOUDCKPT_EXAMPLES", 150)), deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
 
 
 def chunk_ids_by_name(plan):
@@ -62,7 +66,8 @@ def test_save_then_load_rebuilds_every_destination(specs, w1, w2, seed, data):
         out, count = apply_reads(decoded, plan, requests[r], stored, chunk_ids)
         for req, arr, cnt in zip(requests[r], out, count):
             assert (cnt == 1).all(), f"{req} covered {cnt}"
-            np.testing.assert_array_equal(arr, arrays[req.name][tuple(slice(o, o + s) for o, s in zip(req.offsets, req.sizes))])
+            box = tuple(slice(o, o + s) for o, s in zip(req.offsets, req.sizes))
+            np.testing.assert_array_equal(arr, arrays[req.name][box])
         load_plans.append(plan)
 
     threshold = data.draw(st.sampled_from([0, 1, 64, 32 * 1024]))

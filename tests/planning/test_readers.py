@@ -57,7 +57,8 @@ def test_ties_go_to_the_lowest_rank_and_threshold_applies():
     a = assign_readers(plans_for(reqs, reqs, reqs, reqs))
     assert [(b.src, b.group) for b in a.broadcasts] == [(0, (0, 1, 2, 3))]
     assert assign_readers(plans_for(reqs, reqs), min_broadcast_bytes=64 * KIB + 1).broadcasts == ()
-    assert len(assign_readers(plans_for([whole("small", 16)], [whole("small", 16)]), min_broadcast_bytes=0).broadcasts) == 1
+    tiny = plans_for([whole("small", 16)], [whole("small", 16)])
+    assert len(assign_readers(tiny, min_broadcast_bytes=0).broadcasts) == 1
 
 
 def test_non_broadcastable_pieces_read_themselves():

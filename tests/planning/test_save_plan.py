@@ -23,7 +23,8 @@ from cloudckpt.planning import (
 
 def plans_of(*per_rank, values=()):
     world = len(per_rank)
-    return [LocalSavePlan(rank=r, world_size=world, pieces=p, value_names=tuple(values)) for r, p in enumerate(per_rank)]
+    return [LocalSavePlan(rank=r, world_size=world, pieces=p, value_names=tuple(values))
+            for r, p in enumerate(per_rank)]
 
 
 def rows(name, shape, start, n, dtype="float32"):
@@ -100,7 +101,8 @@ def test_empty_tensor_has_no_chunks():
 
 
 def test_dtype_disagreement_names_tensor_and_ranks():
-    p = plans_of([rows("w", (4,), 0, 2)], [rows("w", (4,), 2, 2, dtype="bfloat16")], [rows("w", (4,), 2, 2, dtype="bfloat16")])
+    half = rows("w", (4,), 2, 2, dtype="bfloat16")
+    p = plans_of([rows("w", (4,), 0, 2)], [half], [half])
     with pytest.raises(LayoutMismatchError) as exc:
         plan_global_save(p, rank=0)
     msg = str(exc.value)
@@ -109,7 +111,8 @@ def test_dtype_disagreement_names_tensor_and_ranks():
 
 def test_shape_disagreement_names_tensor_and_ranks():
     p = plans_of([rows("w", (4,), 0, 2)], [rows("w", (5,), 2, 2)])
-    with pytest.raises(LayoutMismatchError, match=r"'w'.*ranks \[0\] have float32 \(4,\).*ranks \[1\] have float32 \(5,\)"):
+    expected = r"'w'.*ranks \[0\] have float32 \(4,\).*ranks \[1\] have float32 \(5,\)"
+    with pytest.raises(LayoutMismatchError, match=expected):
         plan_global_save(p, rank=1)
 
 
