@@ -182,35 +182,40 @@ def _move_data(store, manifest, plans, channel, dests, options: LoadOptions):
     kept = _keep_busiest_groups(assignment.broadcasts, options.max_broadcast_groups)
     if not broadcaster.can_use_subgroups:  # a strict subgroup job: whole-channel gloo only
         whole = tuple(range(channel.size))
-        kept = [b for b in kept if tuple(b.group) == whole and broadcaster.backend == "gloo"]
-    broadcast_keys = {_region_key(b.region) for b in kept}
-    # every region this rank needs that is not delivered by a kept broadcast, it reads itself
-    own_reads = [r for r in mine if _region_key(r) not in broadcast_keys]
+        kept = {i for i in kept if tuple(assignment.broadcasts[i].group) == whole
+                and broadcaster.backend == "gloo"}
+    # each of this rank's read items is served by a kept broadcast, or read by the rank itself
+    served_by = assignment.broadcast_of(channel.rank)
+    items_by_broadcast: dict[int, list] = defaultdict(list)
+    own_reads = []
+    for i, item in enumerate(mine):
+        b = int(served_by[i])
+        if b >= 0 and b in kept:
+            items_by_broadcast[b].append(item)
+        else:
+            own_reads.append(item)
     own = submit(_fetch_into(store, manifest, own_reads, dests, options.max_read_bytes // 2))
 
-    batches = _batch_broadcasts(kept, options.broadcast_batch_bytes)
-    broadcaster.prepare(sorted({b[0] for b in batches}))
-    items_by_region: dict[tuple, list] = defaultdict(list)
-    for item in mine:
-        items_by_region[_region_key(item)].append(item)
-
+    batches = _batch_broadcasts(assignment.broadcasts, sorted(kept), options.broadcast_batch_bytes)
+    broadcaster.prepare(sorted({members for members, _, _ in batches}))
     fetched = received = 0
-    my_batches = [k for k, (members, src, _) in enumerate(batches) if channel.rank in members]
+    my_batches = [k for k, (members, _, _) in enumerate(batches) if channel.rank in members]
     pending: dict[int, Any] = {}
 
     def prefetch(pos: int) -> None:
         if pos < len(my_batches):
             k = my_batches[pos]
-            members, src, regions = batches[k]
+            _, src, indices = batches[k]
             if src == channel.rank and k not in pending:
+                regions = [assignment.broadcasts[i].region for i in indices]
                 pending[k] = submit(_pack_regions(store, manifest, regions))
 
     try:
         prefetch(0)
         for pos, k in enumerate(my_batches):
-            members, src, regions = batches[k]
+            members, src, indices = batches[k]
             prefetch(pos + 1)
-            total = sum(r.nbytes for r in regions)
+            total = sum(assignment.broadcasts[i].region.nbytes for i in indices)
             if src == channel.rank:
                 buf = pending.pop(k).result()
                 fetched += total
@@ -221,11 +226,11 @@ def _move_data(store, manifest, plans, channel, dests, options: LoadOptions):
                 buf = buf.to(broadcaster.device)
             broadcaster.broadcast(buf, src=src, members=members)
             offset = 0
-            for region in regions:
-                record = manifest.tensors[region.name]
-                piece = buf[offset:offset + region.nbytes].view(torch_dtype(record.dtype))
-                piece = piece.reshape(tuple(region.lengths))
-                for item in items_by_region.get(_region_key(region), ()):
+            for i in indices:
+                region = assignment.broadcasts[i].region
+                dtype = torch_dtype(manifest.tensors[region.name].dtype)
+                piece = buf[offset:offset + region.nbytes].view(dtype).reshape(tuple(region.lengths))
+                for item in items_by_broadcast.get(i, ()):
                     _dest_view(dests, item).copy_(piece)
                 offset += region.nbytes
     finally:
@@ -235,32 +240,34 @@ def _move_data(store, manifest, plans, channel, dests, options: LoadOptions):
     return fetched + own_fetched, received, len(my_batches)
 
 
-def _keep_busiest_groups(broadcasts, limit: int):
-    """Keep broadcasts of at most ``limit`` distinct groups (those moving the most bytes)."""
+def _keep_busiest_groups(broadcasts, limit: int) -> set[int]:
+    """Indices of the broadcasts of at most ``limit`` distinct groups (those moving the most)."""
     weight: dict[tuple, int] = defaultdict(int)
     for b in broadcasts:
         weight[tuple(b.group)] += b.region.nbytes
     keep = {g for g, _ in sorted(weight.items(), key=lambda gw: (-gw[1], gw[0]))[:limit]}
-    return [b for b in broadcasts if tuple(b.group) in keep]
+    return {i for i, b in enumerate(broadcasts) if tuple(b.group) in keep}
 
 
-def _batch_broadcasts(broadcasts, batch_bytes: int):
-    """Group broadcasts by (group, src) in order of first appearance, in batches of ``batch_bytes``.
+def _batch_broadcasts(broadcasts, indices, batch_bytes: int):
+    """Group the broadcasts ``indices`` (in global order) by (group, src), in order of first
+    appearance, cut into batches of at most ``batch_bytes`` (a larger region travels alone).
 
-    Returns ``[(members, src, [regions])]``, identical on every rank.
+    Returns ``[(members, src, [broadcast indices])]``, identical on every rank.
     """
     open_batch: dict[tuple, list] = {}
-    batches: list[tuple[tuple, int, list]] = []
-    for b in broadcasts:
+    batches: list[list] = []
+    for i in indices:
+        b = broadcasts[i]
         key = (tuple(b.group), b.src)
         batch = open_batch.get(key)
         if batch is None or (batch[3] and batch[3] + b.region.nbytes > batch_bytes):
             batch = [tuple(b.group), b.src, [], 0]
             open_batch[key] = batch
-            batches.append(batch)  # type: ignore[arg-type]
-        batch[2].append(b.region)
+            batches.append(batch)
+        batch[2].append(i)
         batch[3] += b.region.nbytes
-    return [(m, s, regions) for m, s, regions, _ in batches]
+    return [(m, s, idx) for m, s, idx, _ in batches]
 
 
 async def _pack_regions(store, manifest, regions) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 
 from cloudckpt import layout
 from cloudckpt.errors import CheckpointExists, ObjectExists, ObjectNotFound
-from cloudckpt.manifest import encode_manifest, encode_value
+from cloudckpt.manifest import decode_value, encode_manifest, encode_value
 from cloudckpt.options import SaveOptions, SaveResult
 from cloudckpt.planning import (LocalSavePlan, SavePlanCache, WrittenChunks, assemble_manifest,
                                 decode_local_save_plan, decode_written_chunks,
@@ -35,7 +35,7 @@ from cloudckpt.planning import (LocalSavePlan, SavePlanCache, WrittenChunks, ass
                                 plan_global_save, save_plan_cache_key)
 from cloudckpt.runtime import run_coroutine, shared_store, wait_for_pending_save
 from cloudckpt.stateful import resolve_stateful
-from cloudckpt.statedict import flatten_state_dict
+from cloudckpt.statedict import flatten_state_dict, merge_structures
 from cloudckpt.transport import ControlChannel
 from cloudckpt.writer import WriterOptions, write_chunks
 
@@ -155,7 +155,8 @@ def finish_save(p: PreparedSave) -> SaveResult:
         rank_bytes = stats.bytes_written
         payload = msgpack.packb([encode_written_chunks(_written_chunks(channel.rank, locations,
                                                                        p.values)),
-                                 p.plan.skeleton.digest(), stats.bytes_written, stats.objects])
+                                 p.plan.skeleton.digest(), stats.bytes_written, stats.objects,
+                                 encode_value(p.structure, key="structure", allow_pickle=False)])
     except BaseException as exc:
         error = exc
     gathered = channel.agree("save upload", payload, error)
@@ -172,7 +173,10 @@ def finish_save(p: PreparedSave) -> SaveResult:
             manifest = assemble_manifest(
                 p.plan.skeleton, [decode_written_chunks(r[0]) for r in reports],
                 world_size=channel.size, checksum_block_size=p.options.checksum_block_size,
-                metadata=p.metadata, structure=p.structure, allow_pickle=p.allow_pickle)
+                metadata=p.metadata, allow_pickle=p.allow_pickle,
+                # ranks may hold different keys (pipeline stages): the union of their nestings
+                structure=merge_structures([decode_value(r[4], key="structure", allow_pickle=False)
+                                            for r in reports]))
             store = shared_store(p.url, p.storage)
             try:
                 run_coroutine(store.put(layout.MANIFEST_KEY, encode_manifest(manifest),

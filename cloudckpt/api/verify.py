@@ -46,7 +46,7 @@ def verify(url: str, *, storage=None, progress=None) -> VerifyReport:
 
 async def _verify(url, store, manifest, progress) -> VerifyReport:
     problems: list[str] = []
-    expected = manifest.object_sizes()
+    expected = manifest.object_extents()  # end of the last referenced byte of each object
     bad_objects: set[str] = set()
 
     async def check_object(key: str, size: int) -> None:

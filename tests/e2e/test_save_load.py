@@ -195,3 +195,20 @@ def test_corrupted_data_object_is_detected_on_every_rank(world2, s3_server, s3_u
             client.put_object(Bucket=s3_server.bucket, Key=key, Body=bytes(body))
     names = world2.run(rank_expect_error, s3_url, "corrupt")
     assert all("ChecksumError" in n for n in names), names
+
+
+# -- ranks holding different keys (pipeline stages) ---------------------------------------------
+
+
+def rank_pipeline_stage(url: str) -> None:
+    rank, _ = _rank()
+    stage = {f"stage{rank}": {"w": torch.full((3,), float(rank)), "meta": {"id": rank}}}
+    cloudckpt.save({"shared": torch.ones(2), **stage}, url)
+
+
+def test_ranks_with_different_keys_restore_the_union_of_structures(world2, s3_url, s3_env):
+    world2.run(rank_pipeline_stage, s3_url)
+    full = cloudckpt.load_full(s3_url)
+    assert set(full) == {"shared", "stage0", "stage1"}
+    assert torch.equal(full["stage1"]["w"], torch.full((3,), 1.0))
+    assert full["stage0"]["meta"] == {"id": 0} and full["stage1"]["meta"] == {"id": 1}
