@@ -113,11 +113,13 @@ def _refuse_ext(code, data):
     raise ValueError(f"msgpack extension type {code} is not allowed at the manifest top level")
 
 
-def decode_manifest(data: bytes, *, allow_pickle: bool = False, max_bytes: int = 1 << 31) -> Manifest:
+def decode_manifest(data: bytes, *, allow_pickle: bool | str = False,
+                    max_bytes: int = 1 << 31) -> Manifest:
     """Decode and fully validate manifest bytes from an untrusted source.
 
     Raises :class:`~cloudckpt.errors.UnsupportedManifestVersion` for another format or version,
-    :class:`~cloudckpt.errors.PickleNotAllowed` for pickled values unless ``allow_pickle``, and
+    :class:`~cloudckpt.errors.PickleNotAllowed` for pickled values unless ``allow_pickle``
+    (``allow_pickle="inspect"`` decodes them to opaque markers, never unpickling), and
     :class:`~cloudckpt.errors.ManifestError` (with ``path``) for anything else malformed.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):

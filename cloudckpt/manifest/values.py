@@ -99,6 +99,9 @@ def encode_value(value, *, key: str, allow_pickle: bool) -> bytes:
 class _PickledMarker:
     """Stands for a pickled payload when decoding in ``inspect`` mode (nothing is unpickled)."""
 
+    def __repr__(self) -> str:
+        return "<pickled value>"
+
 
 def _decode(data, *, path: str, pickle_mode: str):
     """pickle_mode: 'refuse' (raise PickleNotAllowed), 'allow' (unpickle), 'inspect' (marker)."""
@@ -135,14 +138,16 @@ def _decode(data, *, path: str, pickle_mode: str):
         raise ManifestError(f"undecodable value ({type(exc).__name__}: {exc})", path=path) from exc
 
 
-def decode_value(data, *, key: str, allow_pickle: bool):
+def decode_value(data, *, key: str, allow_pickle):
     """Decode bytes made by :func:`encode_value`, restoring exact types.
 
     Raises :class:`~cloudckpt.errors.PickleNotAllowed` (naming ``allow_pickle=True``) for a
     pickled value unless ``allow_pickle``; :class:`~cloudckpt.errors.ManifestError` with path
-    ``values["<key>"]`` for malformed bytes.
+    ``values["<key>"]`` for malformed bytes. ``allow_pickle="inspect"`` never unpickles: each
+    pickled payload decodes to an opaque marker (for listings and verification).
     """
-    return _decode(data, path=value_path(key), pickle_mode="allow" if allow_pickle else "refuse")
+    mode = "allow" if allow_pickle is True else "inspect" if allow_pickle == "inspect" else "refuse"
+    return _decode(data, path=value_path(key), pickle_mode=mode)
 
 
 def decode_plain(data, *, path: str):
