@@ -1,5 +1,6 @@
 """infra/ and the examples' scripts stay valid: files parse, say what they are for, and the IAM
-policy grants exactly the S3 actions the storage layer calls (derived here from its source).
+policy grants exactly the S3 actions the storage layer calls (derived here from its source);
+examples/train.py resumes a checkpoint saved by 2 processes on 1, and its loss continues.
 
 YAML is parsed with PyYAML when it is installed; otherwise with the small block-YAML reader
 below (enough for the subset infra/ uses), so the check still runs where PyYAML is absent.
@@ -327,3 +328,42 @@ def test_iam_policy_grants_exactly_the_actions_cloudckpt_calls():
     needed = set().union(*(S3_CALL_TO_IAM[c] for c in s3_calls_of_storage_layer()))
     assert granted == needed, (f"missing {sorted(needed - granted)}, "
                                f"not needed {sorted(granted - needed)}")
+
+
+# -- examples/train.py: a checkpoint saved by 2 processes resumes on 1 ---------------------------
+
+
+def _read_losses(path: Path) -> dict[tuple[int, int], float]:
+    losses = {}
+    for line in path.read_text().splitlines():
+        step, loss, world = line.split()
+        losses[(int(step), int(world))] = float(loss)
+    return losses
+
+
+def test_train_example_resumes_on_another_world_size(s3_env, s3_url, tmp_path):
+    import os
+    import sys
+
+    from cloudckpt import CheckpointManager
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    losses = tmp_path / "losses.txt"
+    common = [str(ROOT / "examples" / "train.py"), "--url", s3_url, "--steps", "8",
+              "--save-every", "4", "--loss-log", str(losses), "--dim", "64", "--layers", "2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2"]
+    first = subprocess.run(torchrun + common, env=env, capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    mgr = CheckpointManager(s3_url)
+    assert [c.step for c in mgr.list() if c.complete] == [4, 8]
+    mgr.delete(8)  # as if the job had died after step 8 and before its save
+
+    second = subprocess.run([sys.executable] + common, env=env, capture_output=True, text=True,
+                            timeout=240)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resumed from step 4" in second.stdout and "world size 1" in second.stdout
+    by_step = _read_losses(losses)
+    for step in range(5, 9):  # the same batches from the same state: the same loss
+        assert by_step[(step, 1)] == pytest.approx(by_step[(step, 2)], abs=1e-3), step
+    assert mgr.latest().step == 8
