@@ -135,7 +135,7 @@ start_job() {
 # wait_for LOG REGEX: wait until a line of LOG matches (the job must stay alive meanwhile)
 wait_for() {
   for _ in $(seq 1800); do
-    grep -qE "$2" "$1" && return 0
+    grep -qsE "$2" "$1" && return 0
     kill -0 "$JOB_PID" 2>/dev/null || { tail -30 "$1" >&2; echo "demo: the job ended early" >&2; exit 1; }
     sleep 0.1
   done
