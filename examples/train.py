@@ -10,9 +10,10 @@ What it shows:
 - an asynchronous save every ``--save-every`` steps through ``cloudckpt.CheckpointManager``
   (``mgr.save(step, state, blocking=False)``) with a ``keep_last`` retention policy;
 - on start, a resume from the newest *complete* checkpoint, whatever world size saved it;
-- SIGTERM on any rank (a spot interruption, ``kubectl delete pod``, Slurm's ``--signal``) goes
-  through ``cloudckpt.PreemptionHandler``: every rank stops at the same step, saves it and exits
-  with status 143.
+- SIGTERM on any rank (a spot interruption, ``kubectl delete pod``, Slurm's ``--signal``; sent
+  to torchrun, it is forwarded to every worker) goes through ``cloudckpt.PreemptionHandler``:
+  every rank stops at the same step, saves it and exits with status 143 (torchrun itself then
+  exits 1: ``--preempted-marker FILE`` tells a wrapper script that this was a preemption).
 
 The data is synthetic and deterministic: the global batch of step ``s`` is a function of ``s``
 only (token sequences of a seeded Markov chain), split over the ranks. A resumed run, on any
@@ -44,6 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cloudckpt
+from cloudckpt.preemption import Preempted
 
 DEFAULT_BUCKET = "cloudckpt-test"
 
@@ -253,6 +255,9 @@ def parse_args(argv=None):
                    help="sleep this long after each step (to leave time to interrupt a demo)")
     p.add_argument("--pid-dir", help="write rank<R>.pid files here (to signal a given rank)")
     p.add_argument("--loss-log", help="append 'step loss world_size' lines to this file (rank 0)")
+    p.add_argument("--preempted-marker",
+                   help="every rank creates this file after a preemption save (a wrapper around "
+                        "torchrun, which exits 1 either way, can then exit 143)")
     return p.parse_args(argv)
 
 
@@ -330,9 +335,13 @@ def train(args, rank, world, device, url, say) -> int:
                 say(f"train: SIGTERM received: saving step {step} and exiting")
                 try:
                     preempt.save_and_exit(step, checkpoint_state(model, optim, step))
-                finally:
+                except Preempted:  # saved on every rank: exit with status 143
                     say(f"train: preemption checkpoint of step {step} done in "
                         f"{time.perf_counter() - t:.2f} s")
+                    if args.preempted_marker:
+                        with open(args.preempted_marker, "w") as f:
+                            f.write(f"{step}\n")
+                    raise
             if args.step_delay:
                 time.sleep(args.step_delay)
         mgr.close()  # wait for the last asynchronous save (and its pruning)

@@ -262,6 +262,9 @@ def test_kubernetes_job_matches_the_preemption_budget():
                for c in r.get("onPodConditions", []))
     command = " ".join(pod["containers"][0]["args"])
     assert "torchrun" in command and "JOB_COMPLETION_INDEX" in command
+    # PID 1 forwards SIGTERM, and a preemption save becomes exit status 143
+    assert "trap 'kill -TERM" in command and "--preempted-marker" in command
+    assert "exit 143" in command
     shutdown = int(re.search(r"--shutdown-timeout\s+(\d+)", command).group(1))
     assert shutdown < pod["terminationGracePeriodSeconds"] <= 120  # AWS spot notice: 2 minutes
     lines = (INFRA / "kubernetes" / "train-job.yaml").read_text().splitlines()
@@ -281,6 +284,7 @@ def test_slurm_script_signals_before_the_time_limit():
     shutdown = int(re.search(r"--shutdown-timeout\s+(\d+)", text).group(1))
     assert shutdown < lead
     assert "torchrun" in text and "--requeue" in text
+    assert "--preempted-marker" in text and "scontrol requeue" in text
 
 
 @pytest.mark.parametrize("script", ["infra/slurm/train.sbatch", "examples/demo.sh"])
