@@ -20,6 +20,7 @@ half filled, and every rank raises the same error.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import defaultdict
 from typing import Any, Mapping
@@ -37,6 +38,8 @@ from cloudckpt.runtime import run_coroutine, shared_store, wait_for_pending_save
 from cloudckpt.stateful import resolve_stateful, restore_stateful
 from cloudckpt.statedict import flatten_state_dict, set_by_path, torch_dtype, unflatten_state_dict
 from cloudckpt.transport import Broadcaster, ControlChannel
+
+log = logging.getLogger(__name__)
 
 
 def read_manifest(url: str, *, storage=None, allow_pickle: bool = False):
@@ -108,6 +111,12 @@ def load(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage
     except BaseException as exc:
         error = exc
     channel.agree("load", b"", error)
+    if plan.unexpected and channel.is_coordinator:
+        shown = ", ".join(plan.unexpected[:8]) + (" ..." if len(plan.unexpected) > 8 else "")
+        log.warning("cloudckpt.load: %d stored name(s) were not requested and stay unloaded: %s "
+                    "(a fresh optimizer has no state to fill: gather it with "
+                    "torch.distributed.checkpoint.state_dict.get_state_dict first)",
+                    len(plan.unexpected), shown)
     return LoadResult(url=url, bytes_fetched=fetched, bytes_received=received,
                       seconds=time.perf_counter() - started,
                       unexpected_keys=tuple(plan.unexpected), broadcasts=broadcasts)
