@@ -59,7 +59,7 @@ def warm_up_server(info, nbytes: int = 64 * MiB, prefix: str = "warmup/") -> Non
     import numpy as np
 
     data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    objects = split_stream(prefix, [memoryview(data)], 16 * MiB)
+    objects = cut_objects(prefix, [[(memoryview(data), nbytes)]], 16 * MiB)
     raw_put(info, objects)
     raw_get(info, objects)
     s3_delete_prefix(info, prefix)
@@ -237,23 +237,32 @@ def raw_get(info, objects: Sequence[RawObject], *, bucket: str | None = None,
     return asyncio.run(_raw_get(info, bucket or info.bucket, objects, concurrency))
 
 
-def split_stream(key_prefix: str, segments: Iterable[memoryview], object_size: int) -> list[RawObject]:
-    """Cut the concatenation of `segments` into objects of `object_size` bytes (the last one
-    shorter), named `<key_prefix><n>`. Objects inside one segment are zero-copy views."""
+def cut_objects(key_prefix: str, groups, object_size: int, scratch: memoryview | None = None) -> list[RawObject]:
+    """Cut byte streams into objects of `object_size` bytes named `<key_prefix><n>`.
+
+    `groups` is a list of streams, each a list of `(view, length)` segments; streams never share
+    an object (the last object of each may be shorter) and `n` counts over all of them. Objects
+    inside one segment are zero-copy views. A segment whose view is None is not needed by this
+    process: its bytes land in `scratch` (GET), and objects made only of such segments are left
+    out (their numbers are still used up)."""
     objects: list[RawObject] = []
-    current: list[memoryview] = []
-    filled = 0
-    for seg in segments:
-        while len(seg):
-            n = min(len(seg), object_size - filled)
-            current.append(seg[:n])
-            seg = seg[n:]
-            filled += n
-            if filled == object_size:
-                objects.append(RawObject(f"{key_prefix}{len(objects)}", tuple(current)))
-                current, filled = [], 0
-    if current:
-        objects.append(RawObject(f"{key_prefix}{len(objects)}", tuple(current)))
+    n_obj = 0
+    for group in groups:
+        index, pos = 0, 0
+        while index < len(group):
+            parts, need, filled = [], False, 0
+            while filled < object_size and index < len(group):
+                view, length = group[index]
+                n = min(length - pos, object_size - filled)
+                need |= view is not None
+                parts.append(view[pos:pos + n] if view is not None else scratch[filled:filled + n])
+                filled += n
+                pos += n
+                if pos == length:
+                    index, pos = index + 1, 0
+            if need:
+                objects.append(RawObject(f"{key_prefix}{n_obj}", tuple(parts)))
+            n_obj += 1
     return objects
 
 

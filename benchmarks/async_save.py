@@ -5,7 +5,8 @@
 
 World 2 (gloo on 127.0.0.1), the state of benchmarks/save_load.py (default: the sharded case,
 each rank holding about half of `--gib` GiB). One SeaweedFS with credentials, started here.
-Per rank, in this order:
+Per rank, after an unmeasured warm-up (a sync and an async save of a ~1 MiB state, so the
+first measured save pays no imports or connection setup), in this order:
 1. `clone()` of every local tensor, `--clones` times (fresh allocations each time, like a
    training step that snapshots its state), and `copy_()` into existing buffers (reference only);
 2. the first `async_save` (staging buffers allocated), waited for to completion;
@@ -132,6 +133,10 @@ def main(argv=None) -> int:
         C.warm_up_server(info, max(64 * C.MiB, total // 8))
         rank_args = {"dcp_threads": 1, "raw_concurrency": 16, "raw_object_mib": 16, "fsync": False}
         with ProcessWorld(2, timeout=a.timeout) as world:
+            # warm-up (not measured): imports, S3 client and connections, on a ~1 MiB state
+            world.run(SL.rank_build, a.case, 1 << 20, a.seed, info, rank_args, with_dest=False)
+            world.run(rank_sync, info.url("warmup/sync"))
+            world.run(rank_async, info.url("warmup/async"))
             world.run(SL.rank_build, a.case, total, a.seed, info, rank_args, with_dest=False)
             clone = world.run(rank_clone, a.clones)
             print(f"  clone: {[f'{x:.3f}' for x in clone[0]['clone']]} s (rank 0)", flush=True)

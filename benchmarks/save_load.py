@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -179,33 +178,15 @@ def _raw_objects(prefix: str, for_put: bool) -> list:
     """The raw objects this rank PUTs (its own stream) or GETs (every object holding an item it
     needs; parts it does not need land in a scratch buffer). Each stream is cut into objects of
     `raw_object_mib`; replicated items and single-holder items never share an object."""
-    size = _CTX["args"]["raw_object_mib"] * C.MiB
     tensors = _CTX["local_src"] if for_put else _CTX["local_dest"]
-    scratch = memoryview(_CTX["scratch"])
     objects = []
     for writer, stream in enumerate(_CTX["streams"]):
         if for_put and writer != _CTX["rank"]:
             continue
-        groups = [[it for it in stream if len(it[4]) > 1], [it for it in stream if len(it[4]) == 1]]
-        n_obj = 0
-        for group in groups:
-            views = [_item_view(tensors, it) for it in group]
-            lengths = [it[2] for it in group]
-            index, pos = 0, 0
-            while index < len(lengths):
-                parts, need, filled = [], False, 0
-                while filled < size and index < len(lengths):
-                    n = min(lengths[index] - pos, size - filled)
-                    view = views[index]
-                    need |= view is not None
-                    parts.append(view[pos:pos + n] if view is not None else scratch[filled:filled + n])
-                    filled += n
-                    pos += n
-                    if pos == lengths[index]:
-                        index, pos = index + 1, 0
-                if need:
-                    objects.append(C.RawObject(f"{prefix}r{writer}-{n_obj}", tuple(parts)))
-                n_obj += 1
+        groups = [[(_item_view(tensors, it), it[2]) for it in stream if (len(it[4]) > 1) == shared]
+                  for shared in (True, False)]
+        objects += C.cut_objects(f"{prefix}r{writer}-", groups, _CTX["args"]["raw_object_mib"] * C.MiB,
+                                 memoryview(_CTX["scratch"]))
     return objects
 
 
@@ -314,6 +295,25 @@ def rank_step(method: str, action: str, target: str) -> dict:
     return out
 
 
+def rank_warmup(methods, targets: dict, case: str, info, args: dict) -> None:
+    """Run every method once on a ~1 MiB state of the same kind (not measured), so that no
+    measured step pays for first imports, client creation or connection setup in a fresh process."""
+    import torch.distributed as dist
+
+    saved = dict(_CTX)
+    try:
+        rank_build(case, 1 << 20, 1, info, args)
+        for m in methods:
+            _do(m, "save", targets[m])
+            dist.barrier()
+            if not (m == "raw-s3" and _CTX["world"] == 1):  # world 1 writes half the raw layout
+                _do(m, "load", targets[m])
+            dist.barrier()
+    finally:
+        _CTX.clear()
+        _CTX.update(saved)
+
+
 def rank_world1_expected(total_bytes: int, seed: int, info, args: dict) -> dict:
     """World 1: full source tensors (the expected values) and zeroed full destinations, reading
     the sharded world-2 checkpoints."""
@@ -379,12 +379,19 @@ class Runner:
               flush=True)
         return True
 
+    def warm_up(self, world, case: str, tag: str) -> None:
+        targets = {m: self.target(f"warmup-{tag}", m, 0) for m in self.args.methods}
+        world.run(rank_warmup, self.args.methods, targets, case, self.info, self.rank_args,
+                  timeout=self.args.timeout)
+        self.cleanup(f"warmup-{tag}", 0)
+
     def run_case(self, case: str) -> None:
         from cloudckpt.testing import ProcessWorld
 
         a = self.args
         build = (rank_build, case, a.total_bytes, a.seed, self.info, self.rank_args)
         with ProcessWorld(2, timeout=a.timeout) as world:
+            self.warm_up(world, case, case)
             world.run(*build)
             for rep in range(a.repeat):
                 order = list(a.methods) if rep % 2 == 0 else list(reversed(a.methods))
@@ -403,6 +410,7 @@ class Runner:
         if case == "sharded" and not a.no_world1:
             build1 = (rank_world1_expected, a.total_bytes, a.seed, self.info, self.rank_args)
             with ProcessWorld(1, timeout=a.timeout) as w1:
+                self.warm_up(w1, "replicated", "world1")
                 w1.run(*build1)
                 for rep in range(a.repeat):
                     order = list(a.methods) if rep % 2 == 0 else list(reversed(a.methods))
@@ -437,36 +445,38 @@ class Runner:
             if run is None:
                 t.add(LABEL[m], "FAILED", *["-"] * 11)
                 continue
-            secs = max(r["seconds"] for r in run)
-            stored = run[0].get("stored") if action == "save" else None
-            if stored is None and action == "save":
-                stored_txt = objects_txt = "-"
-            elif action == "save":
-                stored_txt, objects_txt = C.fmt_mib(stored[0]), str(stored[1])
-                if "reported_bytes" in run[0]:
-                    stored_txt += f" ({C.fmt_mib(run[0]['reported_bytes'])})"
-                    objects_txt += f" ({run[0]['reported_objects']})"
-            else:
-                stored_txt = objects_txt = ""
-            fetched = sum(r["fetched"] for r in run) if "fetched" in run[0] else None
-            received = sum(r["received"] for r in run) if "received" in run[0] else None
-            ver = "" if action == "save" else C.human_bool(all(r["verified"] for r in run))
-            requests = sum(r["requests"] for r in run) if "requests" in run[0] else "-"  # noqa
+            secs, r0, save = max(r["seconds"] for r in run), run[0], action == "save"
+            stored_txt = objects_txt = fetched = received = ver = ""
+            if save and "stored" in r0:
+                stored_txt, objects_txt = C.fmt_mib(r0["stored"][0]), str(r0["stored"][1])
+                if "reported_bytes" in r0:
+                    stored_txt += f" ({C.fmt_mib(r0['reported_bytes'])})"
+                    objects_txt += f" ({r0['reported_objects']})"
+            if not save:
+                fetched = C.fmt_mib(sum(r["fetched"] for r in run) if "fetched" in r0 else None)
+                received = C.fmt_mib(sum(r["received"] for r in run) if "received" in r0 else None)
+                ver = C.human_bool(all(r["verified"] for r in run))
+            requests = sum(r["requests"] for r in run) if "requests" in r0 else "-"
             t.add(LABEL[m], C.fmt_s(secs), C.fmt_rate(delivered, secs), stored_txt, objects_txt,
-                  requests,
-                  "" if action == "save" else C.fmt_mib(fetched),
-                  "" if action == "save" else C.fmt_mib(received),
+                  requests, fetched, received,
                   "/".join(f"{r['peak_rss'] / C.MiB:.0f}" for r in run),
                   "/".join(f"{r['growth'] / C.MiB:.0f}" for r in run),
                   "/".join(f"{r['cpu']:.2f}" for r in run), f"{scpu:.2f}", ver)
         return t.render()
+
+    def rss_line(self, phase: str, method: str, action: str):
+        run, _ = self.pick(phase, method, action)
+        growth = None if run is None else max(max(r["growth"] for r in run), 1) / C.MiB
+        return C.ratio_line(f"[{phase}] {method} {action}: max peak RSS growth per rank / 256 MiB",
+                            growth, RSS_BUDGET / C.MiB, 1.0)
 
     def report(self) -> None:
         a = self.args
         state = sum(s["nbytes"] for s in make_specs(a.total_bytes))
         print(f"\n# save_load results  ({C.describe_machine()})")
         print(f"state: {state / C.MiB:,.1f} MiB ({len(make_specs(a.total_bytes))} tensors + values), "
-              f"world 2, repeats {a.repeat} (median shown), raw: {a.raw_concurrency} in flight, "
+              f"world 2, repeats {a.repeat} (median shown{'; of 2: the faster' if a.repeat == 2 else ''}), "
+              f"raw: {a.raw_concurrency} in flight, "
               f"{a.raw_object_mib} MiB objects, DCP thread_count {a.dcp_threads}, no fsync anywhere")
         targets = []
         for case in a.cases:
@@ -476,37 +486,24 @@ class Runner:
             print(f"\n## case {case}: load (MB/s = bytes landed in all ranks' tensors / s)")
             print(self.table(case, "load", delivered_load))
             s = lambda m, act, ph=case: self.seconds(ph, m, act)  # noqa: E731
-            targets.append(C.ratio_line(f"[{case}] save cloudckpt / raw PUT", s("cloudckpt-s3", "save"),
-                                        s("raw-s3", "save"), 1.1))
-            if case == "replicated":
-                targets.append(C.ratio_line(
-                    f"[{case}] load cloudckpt (read once + broadcast) / raw GET by every rank of everything",
-                    s("cloudckpt-s3", "load"), s("raw-s3", "load"), 0.7))
-            else:
-                targets.append(C.ratio_line(f"[{case}] load cloudckpt / raw GET", s("cloudckpt-s3", "load"),
-                                            s("raw-s3", "load"), 1.0))
-            targets.append(C.ratio_line(f"[{case}] load cloudckpt / DCP s3fs (>=3x faster)",
-                                        s("cloudckpt-s3", "load"), s("dcp-s3", "load"), 1 / 3))
-            targets.append(C.ratio_line(f"[{case}] file:// save cloudckpt / DCP FileSystemWriter",
-                                        s("cloudckpt-file", "save"), s("dcp-file", "save"), 1.0))
-            targets.append(C.ratio_line(f"[{case}] file:// load cloudckpt / DCP FileSystemReader",
-                                        s("cloudckpt-file", "load"), s("dcp-file", "load"), 1.0))
+            load_name, load_limit = ("raw GET", 1.0) if case == "sharded" else (
+                "raw GET by every rank of everything (cloudckpt reads once + broadcasts)", 0.7)
+            for label, m1, m2, act, limit in (
+                    ("save cloudckpt / raw PUT", "cloudckpt-s3", "raw-s3", "save", 1.1),
+                    (f"load cloudckpt / {load_name}", "cloudckpt-s3", "raw-s3", "load", load_limit),
+                    ("load cloudckpt / DCP s3fs (>=3x faster)", "cloudckpt-s3", "dcp-s3", "load", 1 / 3),
+                    ("file:// save cloudckpt / DCP FileSystemWriter", "cloudckpt-file", "dcp-file", "save", 1.0),
+                    ("file:// load cloudckpt / DCP FileSystemReader", "cloudckpt-file", "dcp-file", "load", 1.0)):
+                targets.append(C.ratio_line(f"[{case}] {label}", s(m1, act), s(m2, act), limit))
             for m in ("cloudckpt-s3", "cloudckpt-file"):
                 for act in ("save", "load"):
-                    run, _ = self.pick(case, m, act)
-                    growth = None if run is None else max(r["growth"] for r in run)
-                    targets.append(C.ratio_line(
-                        f"[{case}] {m} {act}: max peak RSS growth per rank / 256 MiB",
-                        None if growth is None else max(growth, 1) / C.MiB, RSS_BUDGET / C.MiB, 1.0))
+                    targets.append(self.rss_line(case, m, act))
         if "sharded" in a.cases and not a.no_world1:
             print("\n## world-2 sharded checkpoint loaded by world 1 (full tensors)")
             print(self.table("world1", "load", state))
             targets.append(C.ratio_line("[world1] load cloudckpt / raw GET", self.seconds("world1", "cloudckpt-s3", "load"),
                                         self.seconds("world1", "raw-s3", "load"), 1.2))
-            run, _ = self.pick("world1", "cloudckpt-s3", "load")
-            if run is not None:
-                targets.append(C.ratio_line("[world1] cloudckpt-s3 load: peak RSS growth / 256 MiB",
-                                            max(run[0]["growth"], 1) / C.MiB, RSS_BUDGET / C.MiB, 1.0))
+            targets.append(self.rss_line("world1", "cloudckpt-s3", "load"))
         print("\n## targets (measured / baseline)")
         C.print_targets(targets)
         if any(not r["hwm_reset"] for runs in self.results.values() for run in runs for r in run):
