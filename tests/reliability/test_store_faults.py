@@ -34,7 +34,7 @@ SHORT_DEADLINE = RetryOptions(max_attempts=100_000, base_delay=0.01, max_delay=0
 HANG_LIMIT_S = 60.0
 #: The same for the mid-load test, kept short because it hangs (known bug, xfail) and the world
 #: waits that long on every CI run: the retry deadline (2 s) plus slack.
-MID_LOAD_HANG_LIMIT_S = 15.0
+MID_LOAD_HANG_LIMIT_S = 10.0
 
 
 def _committed(s3_server, url: str) -> bool:
