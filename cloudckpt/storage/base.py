@@ -207,7 +207,9 @@ class ByteBudget:
     """An async counting limit on bytes held by a store (first come, first served).
 
     ``acquire(n)`` waits until ``n`` more bytes fit under ``limit``; a request larger than the
-    limit is clipped to it (it then waits until it holds the whole budget alone).
+    limit is clipped to it (it then waits until it holds the whole budget alone). A holder must
+    not acquire again before releasing (FIFO order would make it wait behind waiters that wait
+    for it); ``acquire(0)`` never waits.
     """
 
     def __init__(self, limit: int):
@@ -222,6 +224,8 @@ class ByteBudget:
     async def acquire(self, n: int) -> int:
         """Take ``clip(n)`` bytes; returns the amount to pass to ``release``."""
         n = self.clip(n)
+        if n == 0:
+            return 0
         if not self._waiters and self.used + n <= self.limit:
             self._take(n)
             return n

@@ -59,7 +59,9 @@ class StorageOptions:
     - ``conditional_create``: how ``mode="create"`` is enforced: ``"native"`` (If-None-Match: *),
       ``"fallback"`` (multipart-upload claim protocol, for servers that ignore the header) or
       ``"auto"`` (probe the server once per store, then pick).
-    - ``prefix_spreading``: N > 0 stores each key under one of N hashed prefixes of the root.
+    - ``prefix_spreading``: S3 only. N > 0 stores each key under one of N hashed prefixes of the
+      root URL given to ``open_store`` (``root/<h>/key``), spreading a large job over S3's
+      per-prefix request-rate partitions. Readers must open the same root with the same N.
     - ``fsync``: LocalStore only: fsync files and directories before a put returns.
     """
 

@@ -235,7 +235,7 @@ class S3Store:
                 view[pos:pos + len(c)] = c
                 pos += len(c)
             del chunks
-            await self.read_ranges(key, [ReadRange(got, total - got, out=view[got:])])
+            await self._fetch_into(key, phys, [got], [total - got], [view[got:]])
             return bytes(buf)
         finally:
             budget.release(held)
@@ -252,6 +252,7 @@ class S3Store:
                 if error_code(exc)[1] != 416:
                     raise
                 # An empty object has no byte 0: ask for all of it.
+                self._conn.stats.count("get")
                 resp = await client.get_object(Bucket=self._conn.bucket, Key=phys)
             body = resp["Body"]
             length = int(resp.get("ContentLength", 0))
@@ -284,17 +285,12 @@ class S3Store:
         try:
             views = [o if o is not None else memoryview(bytearray(r.length))
                      for r, o in zip(ranges, outs)]
-            max_piece = max(self.options.part_size or READ_PIECE, 1)
-            pieces = plan_pieces(offsets, lengths, gap=self.options.coalesce_gap,
-                                 max_piece=max_piece)
-            await run_all(self._fetch(key, phys, p, Scatter(p, offsets, lengths, views))
-                          for p in pieces)
+            await self._fetch_into(key, phys, offsets, lengths, views,
+                                   gap=self.options.coalesce_gap)
             crcs = [r.crc32c for r in ranges]
             for i in await bad_crc_ranges(offsets, crcs, views):
                 # One more read of just that range (a damaged transfer); then it is the object.
-                single = plan_pieces([offsets[i]], [lengths[i]], gap=0, max_piece=max_piece)
-                await run_all(self._fetch(key, phys, p, Scatter(p, [offsets[i]], [lengths[i]],
-                                                                [views[i]])) for p in single)
+                await self._fetch_into(key, phys, [offsets[i]], [lengths[i]], [views[i]])
                 actual = await crc_of(views[i])
                 if actual != crcs[i] & 0xFFFFFFFF:
                     raise checksum_error(self.url, key, offsets[i], lengths[i],
@@ -302,6 +298,15 @@ class S3Store:
             return views
         finally:
             budget.release(held)
+
+    async def _fetch_into(self, key: str, phys: str, offsets, lengths, views, *,
+                          gap: int = 0) -> None:
+        """Fetch ranges into ``views``: coalesced (within ``gap``), split into pieces of at most
+        one read piece, pieces concurrently. Takes no byte budget (callers hold it)."""
+        max_piece = self.options.part_size or READ_PIECE
+        pieces = plan_pieces(offsets, lengths, gap=gap, max_piece=max_piece)
+        await run_all(self._fetch(key, phys, p, Scatter(p, offsets, lengths, views))
+                      for p in pieces)
 
     async def _fetch(self, key: str, phys: str, piece, scatter: Scatter) -> None:
         """GET ``piece`` into the scatter's views; a retry resumes where the last attempt broke."""

@@ -29,7 +29,7 @@ import secrets
 from typing import TYPE_CHECKING
 
 from cloudckpt.checksum import crc32c
-from cloudckpt.errors import ObjectExists, ObjectNotFound, RetriesExhausted
+from cloudckpt.errors import AccessDenied, ObjectExists, ObjectNotFound, RetriesExhausted
 from cloudckpt.storage.base import ObjectInfo, UploadInfo, run_all, slice_views
 from cloudckpt.storage.options import choose_part_size
 from cloudckpt.storage.s3_client import BodyPayload, crc32c_b64
@@ -271,7 +271,11 @@ async def _create_strategy(store) -> str:
         return conn.create_strategy
     async with conn.create_lock:
         if conn.create_strategy is None:
-            conn.create_strategy = await _probe_conditional_put(store)
+            try:
+                conn.create_strategy = await _probe_conditional_put(store)
+            except AccessDenied:
+                # No right to write a probe at the root: try the header; not remembered.
+                return "native"
             if conn.create_strategy == "fallback":
                 logger.warning("%s ignores If-None-Match on PutObject; create-mode puts use the "
                                "multipart claim protocol", store.url)

@@ -299,3 +299,17 @@ def test_prefix_spreading(s3_server, s3_url, s3_backend):
     listed = s3_server.boto3_client().list_objects_v2(Bucket=bucket, Prefix=root)["Contents"]
     hashed_dirs = {o["Key"][len(root):].split("/")[0] for o in listed}
     assert len(hashed_dirs) >= 2 and hashed_dirs <= {"0", "1", "2", "3"}
+
+
+def test_large_gets_share_a_small_budget_without_deadlock(s3_server, s3_url):
+    options = s3_options(s3_server, concurrency=4, max_buffer_bytes=16 * MiB, part_size=5 * MiB)
+    objects = {f"g{i}": os.urandom(12 * MiB) for i in range(6)}
+
+    async def body(store):
+        await asyncio.gather(*(store.put(k, v) for k, v in objects.items()))
+        got = await asyncio.wait_for(asyncio.gather(*(store.get(k) for k in objects)), 120)
+        assert got == list(objects.values())
+        assert store._conn.budget.peak <= 16 * MiB and store._conn.budget.used == 0
+        assert store.stats.requests["get"] == 6 * 3  # 5 MiB first piece + two more pieces each
+
+    _run(s3_url, options, body)
