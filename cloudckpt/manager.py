@@ -565,8 +565,9 @@ async def _remove_stale_attempts(store, prefix: str) -> None:
         return rel == MANIFEST_KEY or any(rel.startswith(d) for d in used)
 
     await _delete_keys(store, _keys_under(store, prefix, keep))
+    # an unfinished upload of the manifest's key is a killed attempt's commit: never needed
     for upload in await store.list_uploads(prefix):
-        if not keep(upload.key[len(prefix):]):
+        if upload.key[len(prefix):] == MANIFEST_KEY or not keep(upload.key[len(prefix):]):
             await store.abort_upload(upload)
 
 

@@ -217,9 +217,6 @@ def test_after_the_kills_a_two_rank_job_loads_the_latest(crash_world, runs):
         assert results == [{"ok": True, "bad": [], "seconds": r["seconds"]} for r in results]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: CheckpointManager's clean-up of stale attempts keeps "
-                   "unfinished uploads of manifest.msgpack (keep() matches MANIFEST_KEY), so a "
-                   "killed manifest write leaves its temporary file / multipart upload forever")
 def test_stale_manifest_upload_is_cleaned_after_a_new_save(tmp_path):
     """A save killed while writing its manifest (LocalStore: after the temporary file was
     written, before it was linked) leaves ``.manifest.msgpack.cloudckpt-tmp-<id>``; the next
