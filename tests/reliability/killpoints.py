@@ -281,3 +281,42 @@ def long_kill_points() -> list[KillPoint]:
     points.append(K("long: job, rank 1 in the commit exchange", 1, "agree", "save commit",
                     scope="job", may_commit=True))
     return points
+
+
+@contextlib.contextmanager
+def rendezvous_before_manifest(directory: str | None, parties: int, timeout: float = 60.0):
+    """Make this process's manifest put wait until ``parties`` processes (across jobs) reached
+    theirs: each drops a file in ``directory`` and waits for ``parties`` files. Two jobs saving
+    the same checkpoint then race exactly at the create-mode manifest put."""
+    if directory is None:
+        yield
+        return
+    from cloudckpt.storage.local import LocalStore
+    from cloudckpt.storage.s3 import S3Store
+
+    def wait() -> None:
+        open(os.path.join(directory, f"at-manifest-{os.getpid()}"), "w").close()
+        deadline = time.monotonic() + timeout
+        while len([n for n in os.listdir(directory) if n.startswith("at-manifest-")]) < parties:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the other job never reached its manifest put")
+            time.sleep(0.005)
+
+    def wrap(orig):
+        async def call(self, op, key, *args, **kwargs):
+            if op == "put" and key == MANIFEST:
+                import asyncio
+
+                await asyncio.to_thread(wait)
+            return await orig(self, op, key, *args, **kwargs)
+        return call
+
+    undo = [(S3Store, "_call", S3Store.__dict__["_call"]),
+            (LocalStore, "_run", LocalStore.__dict__["_run"])]
+    S3Store._call = wrap(undo[0][2])
+    LocalStore._run = wrap(undo[1][2])
+    try:
+        yield
+    finally:
+        for owner, name, value in undo:
+            setattr(owner, name, value)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import cloudckpt
-from tests.reliability.killpoints import KillPoint, armed
+from tests.reliability.killpoints import KillPoint, armed, rendezvous_before_manifest
 from tests.reliability.states import blank_rank_state, differences, full_expected, rank_state
 
 
@@ -26,16 +26,20 @@ def error_names(exc: BaseException) -> list[str]:
 
 def save_step(url: str, step: int, gen: int, *, storage=None, options=None,
               point: KillPoint | None = None, pids=(), state_kw=None,
-              outcome_dir: str | None = None, run_url: str | None = None) -> dict:
+              outcome_dir: str | None = None, run_url: str | None = None,
+              barrier_dir: str | None = None) -> dict:
     """Save this rank's state of ``(step, gen)``; with ``point``, die where it says.
 
     Returns ``{"ok": True, ...}`` or ``{"ok": False, "error": [class names], "message": ...}`` for
     a cloudckpt error (anything else propagates to the harness). With ``outcome_dir`` the
     outcome is also written to ``<outcome_dir>/rank<r>.json``: a survivor's answer is lost when
     the harness reports a dead peer. With ``run_url`` the save goes through
-    ``CheckpointManager(run_url).save(step, ...)`` (``url`` is then its step URL)."""
-    outcome = _save_step(url, step, gen, storage=storage, options=options, point=point,
-                         pids=pids, state_kw=state_kw, run_url=run_url)
+    ``CheckpointManager(run_url).save(step, ...)`` (``url`` is then its step URL). With
+    ``barrier_dir``, the coordinator's manifest put waits for another job's (see
+    ``killpoints.rendezvous_before_manifest``)."""
+    with rendezvous_before_manifest(barrier_dir, 2):
+        outcome = _save_step(url, step, gen, storage=storage, options=options, point=point,
+                             pids=pids, state_kw=state_kw, run_url=run_url)
     if outcome_dir is not None:
         rank = dist.get_rank()
         tmp = os.path.join(outcome_dir, f".rank{rank}.json")

@@ -177,10 +177,6 @@ def test_two_rank_load_without_broadcasts_fails_on_every_rank_naming_the_object(
         assert key in outcome["message"], outcome
 
 
-@pytest.mark.xfail(strict=True, raises=WorldTimeoutError,
-                   reason="BUG: the rank that reads a region for a read-once broadcast and "
-                          "finds it corrupt leaves the broadcast sequence (load.py _move_data); "
-                          "its peers wait in the broadcast until LoadOptions.timeout (600 s)")
 def test_two_rank_load_with_read_once_broadcasts_fails_on_every_rank(s3_checkpoint, world2):
     """The replicated ``small.*`` tensors are read once and broadcast: corrupt the object of one
     of them. Every rank must raise (naming the object) well before the collective timeout

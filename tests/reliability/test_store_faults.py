@@ -173,11 +173,6 @@ def test_store_dying_mid_save_then_back(world2, s3_server, s3_url, fault_proxy, 
     figures.add("faults: store-dying rounds")
 
 
-@pytest.mark.xfail(strict=True, raises=WorldTimeoutError,
-                   reason="BUG: a rank whose fetch for a read-once broadcast fails leaves the "
-                          "broadcast sequence (load.py _move_data) and enters the final status "
-                          "exchange while its peers wait in the broadcast on the same gloo "
-                          "group: every rank hangs until LoadOptions.timeout (600 s)")
 def test_store_dying_mid_load(world2, s3_server, s3_url, fault_proxy, figures):
     """The manifest is read, then the store stops answering: every rank fails typed (within the
     retry deadline, not the collective timeout) and no destination receives unverified bytes;
