@@ -28,7 +28,7 @@ from typing import Any, Mapping
 import torch
 
 from cloudckpt import layout
-from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
+from cloudckpt.errors import CheckpointNotFound, ManifestError, ObjectNotFound
 from cloudckpt.manifest import decode_manifest
 from cloudckpt.options import LoadOptions, LoadResult
 from cloudckpt.planning import (PieceSpec, assign_readers, decode_local_load_plan,
@@ -71,10 +71,13 @@ def load(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage
     started = time.perf_counter()
     store = shared_store(url, storage)
 
-    raw, error = b"", None
+    raw, error, manifest = b"", None, None
     if channel.is_coordinator or not options.share_manifest:
         try:
             raw = _read_manifest_bytes(url, storage)
+            if channel.is_coordinator:
+                manifest = decode_manifest(raw, allow_pickle=allow_pickle)
+                run_coroutine(check_object_extents(store, manifest))
         except BaseException as exc:
             error = exc
     channel.agree("load manifest", b"", error)
@@ -83,7 +86,8 @@ def load(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage
 
     error, payload = None, b""
     try:
-        manifest = decode_manifest(raw, allow_pickle=allow_pickle)
+        if manifest is None:
+            manifest = decode_manifest(raw, allow_pickle=allow_pickle)
         broadcastable = _broadcast_predicate(channel)
         resolved, found = resolve_stateful(state_dict)
         flat = flatten_state_dict(resolved, is_broadcastable=broadcastable)
@@ -132,6 +136,7 @@ def load_full(url: str, *, storage=None, allow_pickle: bool = False,
     options = options or LoadOptions()
     manifest = read_manifest(url, storage=storage, allow_pickle=allow_pickle)
     store = shared_store(url, storage)
+    run_coroutine(check_object_extents(store, manifest))  # before allocating declared shapes
     leaves: dict[str, Any] = dict(manifest.values)
     requests, dests = [], []
     for name, record in manifest.tensors.items():
@@ -144,6 +149,30 @@ def load_full(url: str, *, storage=None, allow_pickle: bool = False,
     plan = plan_local_load(manifest, requests, rank=0, value_names=tuple(manifest.values))
     run_coroutine(_fetch_into(store, manifest, plan.reads, dests, options.max_read_bytes))
     return unflatten_state_dict(manifest.structure, leaves)
+
+
+async def check_object_extents(store, manifest) -> None:
+    """Refuse a manifest whose chunks reach past the end of the objects actually stored.
+
+    One HEAD per data object. Run before anything is allocated from declared shapes or chunk
+    lengths, so a manifest cannot make a load reserve memory that real objects do not justify.
+    Raises :class:`ManifestError` naming the object.
+    """
+    extents = manifest.object_extents()
+
+    async def check(index: int, key: str) -> None:
+        need = extents.get(key, 0)
+        if need == 0:
+            return
+        try:
+            info = await store.head(key)
+        except ObjectNotFound as exc:
+            raise ManifestError(f"data object {key} is missing", path=f"objects[{index}]") from exc
+        if info.size < need:
+            raise ManifestError(f"data object {key} holds {info.size} bytes, the manifest "
+                                f"refers to {need}", path=f"objects[{index}]")
+
+    await asyncio.gather(*(check(i, k) for i, k in enumerate(manifest.objects)))
 
 
 # -- data movement ------------------------------------------------------------------------------
@@ -219,33 +248,45 @@ def _move_data(store, manifest, plans, channel, dests, options: LoadOptions):
                 regions = [assignment.broadcasts[i].region for i in indices]
                 pending[k] = submit(_pack_regions(store, manifest, regions))
 
+    failure: BaseException | None = None
     try:
         prefetch(0)
         for pos, k in enumerate(my_batches):
             members, src, indices = batches[k]
             prefetch(pos + 1)
-            total = sum(assignment.broadcasts[i].region.nbytes for i in indices)
+            layout, total = _batch_layout([assignment.broadcasts[i].region for i in indices])
+            # the last byte says whether the source could fetch and verify the batch: a failing
+            # source still takes part (with status 0), so no peer is left waiting in a broadcast
             if src == channel.rank:
-                buf = pending.pop(k).result()
-                fetched += total
+                try:
+                    buf = pending.pop(k).result()
+                    fetched += total
+                except Exception as exc:  # reported to every rank by the final agree()
+                    failure = failure or exc
+                    buf = torch.zeros(total + 1, dtype=torch.uint8)
             else:
-                buf = torch.empty(total, dtype=torch.uint8)
-                received += total
+                buf = torch.empty(total + 1, dtype=torch.uint8)
             if broadcaster.device.type != "cpu":
                 buf = buf.to(broadcaster.device)
             broadcaster.broadcast(buf, src=src, members=members)
-            offset = 0
-            for i in indices:
+            if int(buf[total].item()) != 1:
+                if failure is None:
+                    failure = RuntimeError(f"rank {src} could not read the data it broadcasts")
+                continue
+            if src != channel.rank:
+                received += total
+            for i, offset in zip(indices, layout):
                 region = assignment.broadcasts[i].region
                 dtype = torch_dtype(manifest.tensors[region.name].dtype)
                 piece = buf[offset:offset + region.nbytes].view(dtype).reshape(tuple(region.lengths))
                 for item in items_by_broadcast.get(i, ()):
                     _dest_view(dests, item).copy_(piece)
-                offset += region.nbytes
     finally:
         for fut in pending.values():
             fut.cancel()
         own_fetched = own.result()  # re-raises the background error, if any
+    if failure is not None:
+        raise failure
     return fetched + own_fetched, received, len(my_batches)
 
 
@@ -279,18 +320,29 @@ def _batch_broadcasts(broadcasts, indices, batch_bytes: int):
     return [(m, s, idx) for m, s, idx, _ in batches]
 
 
+_ALIGN = 16  # every region starts at a multiple of this in a batch buffer (dtype views need it)
+
+
+def _batch_layout(regions) -> tuple[list[int], int]:
+    """Byte offset of each region in a batch buffer, and the payload size (aligned layout)."""
+    offsets, pos = [], 0
+    for region in regions:
+        offsets.append(pos)
+        pos += -(-region.nbytes // _ALIGN) * _ALIGN
+    return offsets, pos
+
+
 async def _pack_regions(store, manifest, regions) -> torch.Tensor:
-    """Fetch regions (verified) and lay their bytes end to end in one flat uint8 tensor."""
+    """Fetch regions (verified) into one flat uint8 buffer laid out by :func:`_batch_layout`,
+    followed by one status byte set to 1."""
     parts = await asyncio.gather(*(fetch_region(store, manifest, r) for r in regions))
-    total = sum(r.nbytes for r in regions)
-    out = torch.empty(total, dtype=torch.uint8)
-    offset = 0
-    for region, part in zip(regions, parts):
-        n = region.nbytes
-        if n:
-            target = out[offset:offset + n].view(part.dtype).reshape(part.shape)
+    layout, total = _batch_layout(regions)
+    out = torch.zeros(total + 1, dtype=torch.uint8)
+    for region, part, offset in zip(regions, parts, layout):
+        if region.nbytes:
+            target = out[offset:offset + region.nbytes].view(part.dtype).reshape(part.shape)
             target.copy_(part)
-        offset += n
+    out[total] = 1
     return out
 
 
