@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 
@@ -72,62 +73,94 @@ def locate_region(manifest, region) -> RegionSpan:
     )
 
 
-async def fetch_region(store, manifest, region) -> torch.Tensor:
-    """Fetch and verify ``region``; return it as a tensor of the stored dtype and region shape."""
+def _prepare(manifest, region):
+    """Buffer, verified block ranges and a finisher that views the region in the buffer."""
     record = manifest.tensors[region.name]
     chunk = record.chunks[region.chunk_index]
     dtype = torch_dtype(record.dtype)
     span = locate_region(manifest, region)
     if span.length == 0:
-        return torch.empty(tuple(region.lengths), dtype=dtype)
+        empty = torch.empty(tuple(region.lengths), dtype=dtype)
+        return span, [], lambda: empty
     buf = torch.empty(span.length, dtype=torch.uint8)
     mv = memoryview(buf.numpy()).cast("B")
     block = manifest.checksum_block_size
+    crcs = chunk.crc32c
     ranges = []
-    pos = 0
-    blk = span.first_block
+    pos, blk = 0, span.first_block
     while pos < span.length:
         n = min(block, span.length - pos)
         ranges.append(ReadRange(offset=span.start + pos, length=n, out=mv[pos:pos + n],
-                                crc32c=chunk.crc32c[blk]))
+                                crc32c=crcs[blk]))
         pos += n
         blk += 1
-    await store.read_ranges(span.object_key, ranges)
-    flat = buf.view(dtype)
-    return flat.as_strided(tuple(region.lengths), span.strides, span.view_offset)
+    return span, ranges, lambda: buf.view(dtype).as_strided(tuple(region.lengths), span.strides,
+                                                            span.view_offset)
+
+
+async def fetch_region(store, manifest, region) -> torch.Tensor:
+    """Fetch and verify ``region``; return it as a tensor of the stored dtype and region shape."""
+    span, ranges, finish = _prepare(manifest, region)
+    if ranges:
+        await store.read_ranges(span.object_key, ranges)
+    return finish()
 
 
 async def fetch_regions(store, manifest, regions: Sequence, *,
                         consume: Callable[[object, torch.Tensor], Awaitable[None] | None],
                         max_bytes: int = 256 << 20) -> int:
-    """Fetch every region, calling ``consume(region, tensor)`` as each one lands and is verified.
+    """Fetch every region, calling ``consume(region, tensor)`` as each one is verified.
 
-    At most ``max_bytes`` of fetched buffers are alive at once (one region larger than that is
-    fetched alone). ``consume`` may be a coroutine function. Returns the bytes fetched.
+    Regions of one object are read together (one ``read_ranges`` call per batch of up to
+    ``max_bytes / 4`` bytes, in object order), so the store coalesces neighbouring regions into
+    few large GETs and runs them concurrently. At most ``max_bytes`` of fetched buffers are alive
+    at once (a region larger than that is fetched alone). ``consume`` may be a coroutine
+    function. Returns the bytes fetched.
     """
+    batch_limit = max(max_bytes // 4, 1)
+    by_object: dict[str, list] = defaultdict(list)
+    for region in regions:
+        span = locate_region(manifest, region)
+        by_object[span.object_key].append((span.start, max(span.length, 1), region))
+    batches: list[tuple[str, list, int]] = []
+    for key, entries in by_object.items():
+        entries.sort(key=lambda e: e[0])
+        current, size = [], 0
+        for start, length, region in entries:
+            if current and size + length > batch_limit:
+                batches.append((key, current, size))
+                current, size = [], 0
+            current.append(region)
+            size += length
+        if current:
+            batches.append((key, current, size))
+
     lock = asyncio.Condition()
     in_flight = 0
     total = 0
 
-    async def one(region) -> None:
+    async def one(key: str, members: list, need: int) -> None:
         nonlocal in_flight, total
-        need = max(locate_region(manifest, region).length, 1)
         async with lock:
             await lock.wait_for(lambda: in_flight == 0 or in_flight + need <= max_bytes)
             in_flight += need
         try:
-            tensor = await fetch_region(store, manifest, region)
-            total += need
-            result = consume(region, tensor)
-            if asyncio.iscoroutine(result):
-                await result
-            del tensor
+            prepared = [_prepare(manifest, r) for r in members]
+            ranges = [rng for _, rs, _ in prepared for rng in rs]
+            if ranges:
+                await store.read_ranges(key, ranges)
+            total += sum(r.length for r in ranges)
+            for region, (_, _, finish) in zip(members, prepared):
+                result = consume(region, finish())
+                if asyncio.iscoroutine(result):
+                    await result
+            del prepared, ranges
         finally:
             async with lock:
                 in_flight -= need
                 lock.notify_all()
 
-    tasks = [asyncio.ensure_future(one(r)) for r in regions]
+    tasks = [asyncio.ensure_future(one(*b)) for b in batches]
     try:
         await asyncio.gather(*tasks)
     except BaseException:
