@@ -36,8 +36,9 @@ class LoadOptions:
 
     - ``broadcast``: read a region that several ranks need once and broadcast it.
     - ``min_broadcast_bytes``: regions smaller than this are read by every rank that needs them.
-    - ``broadcast_batch_bytes``: small regions going to the same group are sent in one broadcast
-      of up to this many bytes.
+    - ``broadcast_batch_bytes``: regions going to the same group are sent in broadcasts of up to
+      this many bytes (larger regions are cut into slabs), so the source fetches the next batch
+      while the current one travels, and buffers stay small.
     - ``max_read_bytes``: fetched buffers alive at once per rank (bounds memory).
     - ``max_broadcast_groups``: at most this many distinct subgroups are created; regions of the
       least used groups are then read by each rank instead.
@@ -48,7 +49,7 @@ class LoadOptions:
 
     broadcast: bool = True
     min_broadcast_bytes: int = 32 << 10
-    broadcast_batch_bytes: int = 64 << 20
+    broadcast_batch_bytes: int = 32 << 20
     max_read_bytes: int = 256 << 20
     max_broadcast_groups: int = 64
     share_manifest: bool = True

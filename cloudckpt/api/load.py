@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -31,7 +32,7 @@ from cloudckpt import layout
 from cloudckpt.errors import CheckpointNotFound, ManifestError, ObjectNotFound
 from cloudckpt.manifest import decode_manifest
 from cloudckpt.options import LoadOptions, LoadResult
-from cloudckpt.planning import (PieceSpec, assign_readers, decode_local_load_plan,
+from cloudckpt.planning import (PieceSpec, Region, assign_readers, decode_local_load_plan,
                                 encode_local_load_plan, plan_local_load)
 from cloudckpt.reader import fetch_region, fetch_regions
 from cloudckpt.runtime import run_coroutine, shared_store, wait_for_pending_save, submit
@@ -234,7 +235,9 @@ def _move_data(store, manifest, plans, channel, dests, options: LoadOptions):
             own_reads.append(item)
     own = submit(_fetch_into(store, manifest, own_reads, dests, options.max_read_bytes // 2))
 
-    batches = _batch_broadcasts(assignment.broadcasts, sorted(kept), options.broadcast_batch_bytes)
+    # large regions travel as slabs, so buffers stay small and fetch overlaps broadcast
+    parts = _split_broadcasts(assignment.broadcasts, sorted(kept), options.broadcast_batch_bytes)
+    batches = _batch_broadcasts(assignment.broadcasts, parts, options.broadcast_batch_bytes)
     broadcaster.prepare(sorted({members for members, _, _ in batches}))
     fetched = received = 0
     my_batches = [k for k, (members, _, _) in enumerate(batches) if channel.rank in members]
@@ -243,18 +246,18 @@ def _move_data(store, manifest, plans, channel, dests, options: LoadOptions):
     def prefetch(pos: int) -> None:
         if pos < len(my_batches):
             k = my_batches[pos]
-            _, src, indices = batches[k]
+            _, src, members_parts = batches[k]
             if src == channel.rank and k not in pending:
-                regions = [assignment.broadcasts[i].region for i in indices]
+                regions = [part.region for part in members_parts]
                 pending[k] = submit(_pack_regions(store, manifest, regions))
 
     failure: BaseException | None = None
     try:
         prefetch(0)
         for pos, k in enumerate(my_batches):
-            members, src, indices = batches[k]
+            members, src, batch_parts = batches[k]
             prefetch(pos + 1)
-            layout, total = _batch_layout([assignment.broadcasts[i].region for i in indices])
+            layout, total = _batch_layout([part.region for part in batch_parts])
             # the last byte says whether the source could fetch and verify the batch: a failing
             # source still takes part (with status 0), so no peer is left waiting in a broadcast
             if src == channel.rank:
@@ -275,12 +278,15 @@ def _move_data(store, manifest, plans, channel, dests, options: LoadOptions):
                 continue
             if src != channel.rank:
                 received += total
-            for i, offset in zip(indices, layout):
-                region = assignment.broadcasts[i].region
+            for part, offset in zip(batch_parts, layout):
+                region = part.region
                 dtype = torch_dtype(manifest.tensors[region.name].dtype)
                 piece = buf[offset:offset + region.nbytes].view(dtype).reshape(tuple(region.lengths))
-                for item in items_by_broadcast.get(i, ()):
-                    _dest_view(dests, item).copy_(piece)
+                for item in items_by_broadcast.get(part.broadcast, ()):
+                    view = _dest_view(dests, item)
+                    if part.dim >= 0:
+                        view = view.narrow(part.dim, part.start, region.lengths[part.dim])
+                    view.copy_(piece)
     finally:
         for fut in pending.values():
             fut.cancel()
@@ -299,25 +305,61 @@ def _keep_busiest_groups(broadcasts, limit: int) -> set[int]:
     return {i for i, b in enumerate(broadcasts) if tuple(b.group) in keep}
 
 
-def _batch_broadcasts(broadcasts, indices, batch_bytes: int):
-    """Group the broadcasts ``indices`` (in global order) by (group, src), in order of first
-    appearance, cut into batches of at most ``batch_bytes`` (a larger region travels alone).
+@dataclass(frozen=True)
+class _Part:
+    """A slab of broadcast ``broadcast``'s region: rows ``start`` on ``dim`` (-1: the whole)."""
 
-    Returns ``[(members, src, [broadcast indices])]``, identical on every rank.
+    broadcast: int
+    region: Any
+    dim: int = -1
+    start: int = 0
+
+
+def _split_broadcasts(broadcasts, indices, slab_bytes: int) -> list[_Part]:
+    """Cut regions larger than ``slab_bytes`` into slabs along their first dimension longer than
+    one (in order). Pure: every rank gets the same list."""
+    parts: list[_Part] = []
+    for i in indices:
+        region = broadcasts[i].region
+        dims = [d for d, n in enumerate(region.lengths) if n > 1]
+        if region.nbytes <= slab_bytes or not dims:
+            parts.append(_Part(i, region))
+            continue
+        dim = dims[0]
+        rows = region.lengths[dim]
+        row_bytes = region.nbytes // rows
+        step = max(1, slab_bytes // max(row_bytes, 1))
+        for start in range(0, rows, step):
+            n = min(step, rows - start)
+            offsets = list(region.src_offsets)
+            offsets[dim] += start
+            lengths = list(region.lengths)
+            lengths[dim] = n
+            sub = Region(region.name, region.chunk_index, tuple(offsets), tuple(lengths),
+                         row_bytes * n)
+            parts.append(_Part(i, sub, dim, start))
+    return parts
+
+
+def _batch_broadcasts(broadcasts, parts: list[_Part], batch_bytes: int):
+    """Group ``parts`` (in global order) by their broadcast's (group, src), in order of first
+    appearance, cut into batches of at most ``batch_bytes``.
+
+    Returns ``[(members, src, [parts])]``, identical on every rank.
     """
     open_batch: dict[tuple, list] = {}
     batches: list[list] = []
-    for i in indices:
-        b = broadcasts[i]
+    for part in parts:
+        b = broadcasts[part.broadcast]
         key = (tuple(b.group), b.src)
         batch = open_batch.get(key)
-        if batch is None or (batch[3] and batch[3] + b.region.nbytes > batch_bytes):
+        if batch is None or (batch[3] and batch[3] + part.region.nbytes > batch_bytes):
             batch = [tuple(b.group), b.src, [], 0]
             open_batch[key] = batch
             batches.append(batch)
-        batch[2].append(i)
-        batch[3] += b.region.nbytes
-    return [(m, s, idx) for m, s, idx, _ in batches]
+        batch[2].append(part)
+        batch[3] += part.region.nbytes
+    return [(m, s, p) for m, s, p, _ in batches]
 
 
 _ALIGN = 16  # every region starts at a multiple of this in a batch buffer (dtype views need it)

@@ -132,7 +132,9 @@ def rank_replicated(url: str, mode: str) -> dict:
         result = cloudckpt.save(state, url)
         return {"bytes": result.bytes_written}
     blank = {k: torch.zeros_like(v) for k, v in state.items()}
-    result = cloudckpt.load(blank, url)
+    # "load-slabs": tiny broadcast batches, so every 256 KiB region travels as 64 KiB slabs
+    options = cloudckpt.LoadOptions(broadcast_batch_bytes=64 << 10) if mode == "load-slabs" else None
+    result = cloudckpt.load(blank, url, options=options)
     ok = all(torch.equal(blank[k], state[k]) for k in state)
     return {"ok": ok, "fetched": result.bytes_fetched, "received": result.bytes_received}
 
@@ -147,6 +149,9 @@ def test_replicated_state_is_written_once_and_read_once(world2, s3_url):
     assert sum(r["fetched"] for r in loaded) == unique + tiny
     assert all(r["received"] > 0 for r in loaded)
     assert sum(r["received"] for r in loaded) == unique - tiny
+    slabs = world2.run(rank_replicated, s3_url, "load-slabs")
+    assert all(r["ok"] for r in slabs)
+    assert [r["fetched"] for r in slabs] == [r["fetched"] for r in loaded]
 
 
 # -- errors, the same on every rank ---------------------------------------------------------------
