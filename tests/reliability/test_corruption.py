@@ -16,7 +16,6 @@ import torch
 
 import cloudckpt
 from cloudckpt import LoadOptions
-from cloudckpt.testing.dist import WorldTimeoutError
 from tests.reliability.conftest import SAVE_OPTIONS
 from tests.reliability.ranks import load_step, save_step
 from tests.reliability.states import full_expected

@@ -168,10 +168,7 @@ def kill_cycle(world: ProcessWorld, run: Run, point: KillPoint, scratch: Path,
         keys, unfinished = run.step_contents(step)
         assert keys == sorted(["manifest.msgpack", *manifest.objects]), \
             f"{point}: leftovers of the killed attempt after the new save"
-        # A killed manifest write's own temporary file is not cleaned up by the manager (see
-        # test_stale_manifest_upload_is_cleaned_after_a_new_save); anything else would be a leak.
-        assert [u for u in unfinished if "manifest.msgpack" not in u] == [], \
-            f"{point}: unfinished uploads left: {unfinished}"
+        assert unfinished == [], f"{point}: unfinished uploads left: {unfinished}"
     run.check_loads(step)
     return {"step": step, "complete_after_kill": complete}
 

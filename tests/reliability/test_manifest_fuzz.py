@@ -28,7 +28,7 @@ from tests.reliability.hostile import (COLUMNS, HOSTILE_INTS, HOSTILE_KEYS, chec
 
 pytestmark = pytest.mark.timeout(3600)
 
-CI_LOCAL_CASES = int(os.environ.get("CLOUDCKPT_FUZZ_CASES", "2000"))
+CI_LOCAL_CASES = int(os.environ.get("CLOUDCKPT_FUZZ_CASES", "1500"))
 CI_S3_CASES = int(os.environ.get("CLOUDCKPT_S3_FUZZ_CASES", "200"))
 LONG_CASES = int(os.environ.get("CLOUDCKPT_LONG_FUZZ_CASES", "30000"))
 
