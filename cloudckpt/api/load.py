@@ -243,13 +243,21 @@ def _move_data(store, manifest, plans, channel, dests, options: LoadOptions):
     my_batches = [k for k, (members, _, _) in enumerate(batches) if channel.rank in members]
     pending: dict[int, Any] = {}
 
+    window_bytes = max(options.max_read_bytes // 4, options.broadcast_batch_bytes)
+
     def prefetch(pos: int) -> None:
-        if pos < len(my_batches):
-            k = my_batches[pos]
-            _, src, members_parts = batches[k]
-            if src == channel.rank and k not in pending:
-                regions = [part.region for part in members_parts]
-                pending[k] = submit(_pack_regions(store, manifest, regions))
+        """Start fetching this rank's source batches among the next ones, within a byte budget,
+        so its reads overlap the broadcasts of other sources."""
+        ahead = sum(sum(p.region.nbytes for p in batches[k][2]) for k in pending)
+        for k in my_batches[pos:pos + 8]:
+            _, src, batch_parts = batches[k]
+            if src != channel.rank or k in pending:
+                continue
+            size = sum(p.region.nbytes for p in batch_parts)
+            if pending and ahead + size > window_bytes:
+                break
+            pending[k] = submit(_pack_regions(store, manifest, [p.region for p in batch_parts]))
+            ahead += size
 
     failure: BaseException | None = None
     try:
@@ -345,7 +353,8 @@ def _batch_broadcasts(broadcasts, parts: list[_Part], batch_bytes: int):
     """Group ``parts`` (in global order) by their broadcast's (group, src), in order of first
     appearance, cut into batches of at most ``batch_bytes``.
 
-    Returns ``[(members, src, [parts])]``, identical on every rank.
+    Batches of different (group, src) are then interleaved round-robin. Returns
+    ``[(members, src, [parts])]``, identical on every rank.
     """
     open_batch: dict[tuple, list] = {}
     batches: list[list] = []
@@ -359,7 +368,17 @@ def _batch_broadcasts(broadcasts, parts: list[_Part], batch_bytes: int):
             batches.append(batch)
         batch[2].append(part)
         batch[3] += part.region.nbytes
-    return [(m, s, p) for m, s, p, _ in batches]
+    # interleave sources round-robin, so every source's reads run while others broadcast
+    queues: dict[tuple, list] = {}
+    for batch in batches:
+        queues.setdefault((batch[0], batch[1]), []).append(batch)
+    ordered: list[list] = []
+    while queues:
+        for key in list(queues):
+            ordered.append(queues[key].pop(0))
+            if not queues[key]:
+                del queues[key]
+    return [(m, s, p) for m, s, p, _ in ordered]
 
 
 _ALIGN = 16  # every region starts at a multiple of this in a batch buffer (dtype views need it)
