@@ -26,6 +26,10 @@ from cloudckpt.storage import ReadRange
 from cloudckpt.statedict import torch_dtype
 
 
+#: ``consume`` calls for regions at least this large run in a worker thread.
+_THREAD_COPY_BYTES = 1 << 20
+
+
 @dataclass(frozen=True)
 class RegionSpan:
     """Where a region's bytes are: the block-aligned byte span to fetch and how to view it."""
@@ -115,7 +119,9 @@ async def fetch_regions(store, manifest, regions: Sequence, *,
     ``max_bytes / 4`` bytes, in object order), so the store coalesces neighbouring regions into
     few large GETs and runs them concurrently. At most ``max_bytes`` of fetched buffers are alive
     at once (a region larger than that is fetched alone). ``consume`` may be a coroutine
-    function. Returns the bytes fetched.
+    function; a plain one runs in a worker thread for large regions (so copies never stall the
+    event loop), hence it must be safe to call from several threads on disjoint regions. Returns
+    the bytes fetched.
     """
     batch_limit = max(max_bytes // 4, 1)
     by_object: dict[str, list] = defaultdict(list)
@@ -151,9 +157,13 @@ async def fetch_regions(store, manifest, regions: Sequence, *,
                 await store.read_ranges(key, ranges)
             total += sum(r.length for r in ranges)
             for region, (_, _, finish) in zip(members, prepared):
-                result = consume(region, finish())
-                if asyncio.iscoroutine(result):
-                    await result
+                tensor = finish()
+                if asyncio.iscoroutinefunction(consume):
+                    await consume(region, tensor)
+                elif tensor.numel() * tensor.element_size() >= _THREAD_COPY_BYTES:
+                    await asyncio.to_thread(consume, region, tensor)  # keep the loop serving I/O
+                else:
+                    consume(region, tensor)
             del prepared, ranges
         finally:
             async with lock:
