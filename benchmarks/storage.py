@@ -80,8 +80,7 @@ class PeakRSS:
 # --- loops ----------------------------------------------------------------------------------------
 
 
-def boto3_single(info, keys, views, dest_views, op: str) -> None:
-    client = info.boto3_client()
+def boto3_single(client, info, keys, views, dest_views, op: str) -> None:
     if op == "put":
         for k, v in zip(keys, views):
             client.put_object(Bucket=info.bucket, Key=k, Body=bytes(v))
@@ -108,8 +107,8 @@ def _aio_client(info, concurrency):
         aws_access_key_id=info.access_key, aws_secret_access_key=info.secret_key)
 
 
-async def raw_loop(info, keys, views, dest_views, op: str, concurrency: int, mode: str) -> float:
-    """One raw aiobotocore run; returns seconds (client set up before the clock starts)."""
+async def raw_loop(info, keys, views, dest_views, op: str, concurrency: int, mode: str):
+    """One raw aiobotocore run: (seconds, client CPU seconds), client set up before the clocks."""
     async with _aio_client(info, concurrency) as client:
         await client.list_objects_v2(Bucket=info.bucket, MaxKeys=1)
         sem = asyncio.Semaphore(concurrency)
@@ -138,7 +137,7 @@ async def raw_loop(info, keys, views, dest_views, op: str, concurrency: int, mod
                     d[pos:pos + len(chunk)] = chunk
                     pos += len(chunk)
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if op == "put":
             await asyncio.gather(*(put(k, v) for k, v in zip(keys, views)))
         elif mode == "whole":
@@ -148,17 +147,18 @@ async def raw_loop(info, keys, views, dest_views, op: str, concurrency: int, mod
             await asyncio.gather(*(get_range(k, d, s, min(s + piece, len(d)))
                                    for k, d in zip(keys, dest_views)
                                    for s in range(0, len(d), piece)))
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
 
 async def store_loop(info, keys, views, dest_views, op: str, options: StorageOptions,
-                     mode: str) -> float:
+                     mode: str):
+    """One S3Store run: (seconds, client CPU seconds), store opened before the clocks."""
     store = open_store(info.url("bench"), options)
     try:
         async for _ in store.list("warmup/"):
             pass
         rel = [k[len("bench/"):] for k in keys]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if op == "put":
             await asyncio.gather(*(store.put(k, v) for k, v in zip(rel, views)))
         elif mode == "read_ranges":
@@ -168,12 +168,17 @@ async def store_loop(info, keys, views, dest_views, op: str, options: StorageOpt
             async def get(k):
                 return len(await store.get(k))
             await asyncio.gather(*(get(k) for k in rel))
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
     finally:
         await store.close()
 
 
 # --- driver ---------------------------------------------------------------------------------------
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -198,12 +203,14 @@ def _variants(concurrencies, store_default):
     return out
 
 
-def _run_variant(info, variant, keys, views, dviews, options) -> float:
+def _run_variant(info, variant, keys, views, dviews, options) -> tuple[float, float]:
     name, op, c, kind, mode = variant
     if kind == "boto3":
-        t0 = time.perf_counter()
-        boto3_single(info, keys, views, dviews, op)
-        return time.perf_counter() - t0
+        client = info.boto3_client()
+        client.list_objects_v2(Bucket=info.bucket, MaxKeys=1)
+        t0, c0 = time.perf_counter(), time.process_time()
+        boto3_single(client, info, keys, views, dviews, op)
+        return time.perf_counter() - t0, time.process_time() - c0
     if kind == "raw":
         return asyncio.run(raw_loop(info, keys, views, dviews, op, c, mode))
     import dataclasses
@@ -249,18 +256,21 @@ def main(argv=None) -> int:
                         name = variant[0]
                         if op == "get":
                             dest[:] = 0
-                        client0, server0 = time.process_time(), _cpu_seconds(server.pid)
+                        server0 = _cpu_seconds(server.pid)
                         with PeakRSS() as mem:
-                            seconds = _run_variant(info, variant, keys, views, dviews, options)
-                        client_cpu = (time.process_time() - client0) / gib
+                            seconds, client_cpu = _run_variant(info, variant, keys, views, dviews,
+                                                               options)
+                        client_cpu /= gib
                         server_cpu = (_cpu_seconds(server.pid) - server0) / gib
                         if op == "get" and variant[4] != "get":
                             if not np.array_equal(dest[:count * size], source[:count * size]):
                                 raise SystemExit(f"{name}: read back wrong bytes")
                         rate = count * size / MiB / seconds
-                        r = results.setdefault((name, op), {"op": op, "rate": 0.0, "extra": 0.0})
-                        if rate > r["rate"]:
-                            r.update(rate=rate, client=client_cpu, server=server_cpu)
+                        r = results.setdefault((name, op), {"op": op, "rate": 0.0, "extra": 0.0,
+                                                            "client": [], "server": []})
+                        r["rate"] = max(r["rate"], rate)
+                        r["client"].append(client_cpu)
+                        r["server"].append(server_cpu)
                         r["extra"] = max(r["extra"], mem.extra_mib)
                         print(f"  [{layout} rep {rep}] {op} {name:40s} {rate:8.1f} MiB/s  "
                               f"cpu client {client_cpu:4.2f} server {server_cpu:4.2f} s/GiB  "
@@ -269,27 +279,34 @@ def main(argv=None) -> int:
                 names = [n for (n, o) in results if o == op]
                 raw_best = max((n for n in names if n.startswith("raw")),
                                key=lambda n: results[(n, op)]["rate"])
-                raw_rate = results[(raw_best, op)]["rate"]
+                raw = results[(raw_best, op)]
+                raw_cpu = _median(raw["client"]) + _median(raw["server"])
                 mine = [n for n in names if n.startswith("S3")]
                 store_best = max(mine, key=lambda n: results[(n, op)]["rate"])
                 shown = ["boto3 single", raw_best] + [n for n in mine if "(default)" in n
                                                       or n == store_best or "get()" in n]
                 for name in dict.fromkeys(shown):
                     r = results[(name, op)]
-                    table.append((layout, op, name, r["rate"], r["rate"] / raw_rate,
-                                  r["client"], r["server"], r["extra"]))
+                    client, srv = _median(r["client"]), _median(r["server"])
+                    table.append((layout, op, name, r["rate"], r["rate"] / raw["rate"], client,
+                                  srv, raw_cpu / (client + srv), r["extra"]))
     finally:
         server.stop()
     print()
-    print(f"{'layout':14s} {'op':4s} {'variant':40s} {'MiB/s':>8s} {'x raw':>6s} "
-          f"{'client s/GiB':>12s} {'server s/GiB':>12s} {'peak +MiB':>9s}")
-    for layout, op, name, rate, ratio, client, srv, extra in table:
-        print(f"{layout:14s} {op:4s} {name:40s} {rate:8.1f} {ratio:6.2f} {client:12.2f} "
-              f"{srv:12.2f} {extra:9.1f}")
-    print(f"\nbest of {args.reps} runs each; 'x raw' = rate / best raw aiobotocore parallel loop of "
-          f"the same layout and op; 'peak +MiB' = high-water RSS during the phase minus RSS "
-          f"before it (worst run). Process peak RSS: {_status_kib('VmHWM') / 1024:.0f} MiB "
-          f"(last phase; the source and destination arrays hold {2 * total / MiB:.0f} MiB).")
+    print(f"{'layout':13s} {'op':4s} {'variant':38s} {'MiB/s':>7s} {'x raw':>6s} "
+          f"{'client':>7s} {'server':>7s} {'x raw':>6s} {'peak':>7s}")
+    print(f"{'':13s} {'':4s} {'':38s} {'best':>7s} {'wall':>6s} "
+          f"{'cpu s/GiB':>15s} {'cpu':>6s} {'+MiB':>7s}")
+    for layout, op, name, rate, ratio, client, srv, cpu_ratio, extra in table:
+        print(f"{layout:13s} {op:4s} {name:38s} {rate:7.1f} {ratio:6.2f} {client:7.2f} "
+              f"{srv:7.2f} {cpu_ratio:6.2f} {extra:7.1f}")
+    print(f"\nMiB/s: best of {args.reps} runs. 'x raw wall' = that / the best raw aiobotocore "
+          f"parallel loop of the same layout and op. cpu: median client / server (weed) CPU "
+          f"seconds per GiB; 'x raw cpu' = (raw best's client+server cpu) / (this row's): the "
+          f"throughput ratio when the machine's cores are the bottleneck, robust to other load. "
+          f"'peak +MiB': high-water RSS during the phase minus RSS before it (worst run). "
+          f"Process high-water RSS: {_status_kib('VmHWM') / 1024:.0f} MiB (the source and "
+          f"destination arrays hold {2 * total / MiB:.0f} MiB).")
     return 0
 
 

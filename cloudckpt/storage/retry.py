@@ -56,10 +56,8 @@ else:  # pragma: no cover - Python 3.10
 
 
 class Retrier:
-    """Runs attempts of one operation at a time under the store's concurrency limit.
-
-    ``slots`` is held only while an attempt runs (not while sleeping between attempts).
-    """
+    """Runs the attempts of one operation under the store's concurrency limit: ``slots`` is
+    held only while an attempt runs (not while sleeping between attempts)."""
 
     def __init__(self, *, options: RetryOptions, stats: StoreStats, slots: asyncio.Semaphore,
                  classify: Callable[[BaseException, str, str | None, str], Verdict]):
@@ -69,11 +67,10 @@ class Retrier:
         self.classify = classify
 
     async def call(self, op: str, key: str | None, attempt: Callable[[int], Awaitable[T]],
-                   *, where: str, hold_slot: bool = True) -> T:
+                   *, where: str) -> T:
         """Run ``attempt(n)`` (n = 1, 2, ...) until it returns, fails for good, or runs out of
         attempts or time. ``key`` is the store-relative key (or None), ``where`` the store URL
-        (messages name ``where/key``). ``hold_slot`` False runs without taking a concurrency slot
-        (for requests issued while the caller already holds one)."""
+        (messages name ``where/key``)."""
         name = f"{where.rstrip('/')}/{key}" if key else where
         opts = self.options
         loop = asyncio.get_running_loop()
@@ -86,12 +83,10 @@ class Retrier:
             if remaining <= 0:
                 raise self._exhausted(op, key, name, n - 1, last, "deadline passed") from last
             try:
-                if hold_slot:
-                    async with self.slots:
-                        self._count(op, n)
-                        return await _with_timeout(attempt(n), min(opts.attempt_timeout, remaining))
-                self._count(op, n)
-                return await _with_timeout(attempt(n), min(opts.attempt_timeout, remaining))
+                async with self.slots:  # the cap counts from when the attempt starts
+                    self._count(op, n)
+                    cap = min(opts.attempt_timeout, max(deadline - loop.time(), 0.001))
+                    return await _with_timeout(attempt(n), cap)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - classified below

@@ -212,8 +212,11 @@ class S3Store:
 
     async def get(self, key: str) -> bytes:
         """The whole object. The first GET asks for one read piece (16 MiB or ``part_size``); a
-        larger object's rest is fetched in concurrent ranged GETs. Store memory is taken from the
-        byte budget before any request slot, so gets and ranged reads cannot deadlock."""
+        larger object's rest is fetched in concurrent ranged GETs into one buffer, then copied
+        once into the returned ``bytes``: budgeted at twice its size (clipped to the budget).
+        Memory is taken from the byte budget before any request slot, so gets and ranged reads
+        cannot deadlock; a get waiting for room may hold its first piece outside the budget. For
+        large objects, ``read_ranges`` into a caller buffer needs no store memory at all."""
         phys = self._phys(key)
         budget = self._conn.budget
         first = self.options.part_size or READ_PIECE
@@ -225,8 +228,8 @@ class S3Store:
         got = sum(len(c) for c in chunks)
         if got == total:
             return b"".join(chunks)
-        # A large object: room for all of it, then the rest in parallel pieces.
-        held = await budget.acquire(total)
+        # A large object: room for it and its copy, then the rest in parallel pieces.
+        held = await budget.acquire(2 * total)
         try:
             buf = bytearray(total)
             view = memoryview(buf)

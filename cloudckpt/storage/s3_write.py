@@ -2,10 +2,12 @@
 
 Conditional create (``mode="create"``):
 - ``native``: ``If-None-Match: *`` on PutObject / CompleteMultipartUpload; the server answers
-  412 when the key exists and lets exactly one of concurrent creates win. Honoured by AWS S3
-  (since 2024-08), SeaweedFS 4.48 (verified here), and current MinIO, Ceph RGW and R2.
-- ``fallback``, for servers that ignore the header (older releases of those servers and other
-  S3 gateways; ``conditional_create="auto"`` finds out with a probe object, once per store): a
+  412 when the key exists and lets exactly one of concurrent creates win. Verified on SeaweedFS
+  4.48 (8 concurrent creates: one winner); documented by AWS S3 since 2024-08 and by current
+  MinIO and Cloudflare R2 (not verified here).
+- ``fallback``, for servers that accept the header and ignore it (older MinIO / SeaweedFS
+  releases and other S3 gateways or emulators; ``conditional_create="auto"``, the default, finds
+  out with a probe object once per store and logs a warning when it falls back): a
   claim protocol over multipart uploads, needing only strongly consistent ListMultipartUploads
   and HeadObject. Each creator (1) stops with ObjectExists if the key exists, (2) starts a
   multipart upload of the key, (3) lists the key's unfinished uploads: if it sees any other (not
