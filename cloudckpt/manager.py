@@ -385,12 +385,13 @@ class CheckpointManager:
         return handle
 
     def _has_objects(self, step: int) -> bool:
-        """Whether anything is stored under step ``step`` yet (True when that cannot be told:
-        the cleanup it enables is harmless, and rank 0 must not fail before the collective)."""
+        """Whether anything is stored under step ``step`` yet, finished objects or unfinished
+        uploads of a killed attempt (True when that cannot be told: the cleanup it enables is
+        harmless, and rank 0 must not fail before the collective)."""
         async def _any() -> bool:
             async for _ in self.store.list(step_dir(step)):
                 return True
-            return False
+            return bool(await self.store.list_uploads(step_dir(step)))
 
         try:
             return run_coroutine(_any())

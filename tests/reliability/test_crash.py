@@ -155,7 +155,6 @@ def kill_cycle(world: ProcessWorld, run: Run, point: KillPoint, scratch: Path,
     run.check_loads(previous)
 
     # 4. a new save of the same step
-    killed_objects = [k for k in run.step_contents(step)[0] if k.startswith("data/")]
     retried = run.save(world, step, 1)
     if complete:
         for outcome in retried:
@@ -169,12 +168,8 @@ def kill_cycle(world: ProcessWorld, run: Run, point: KillPoint, scratch: Path,
         keys, unfinished = run.step_contents(step)
         assert keys == sorted(["manifest.msgpack", *manifest.objects]), \
             f"{point}: leftovers of the killed attempt after the new save"
-        known_bug = unfinished and not killed_objects  # see the test right after this one
-        assert known_bug or unfinished == [], f"{point}: unfinished uploads left: {unfinished}"
+        assert unfinished == [], f"{point}: unfinished uploads left: {unfinished}"
     run.check_loads(step)
-    if not complete and known_bug:
-        pytest.xfail("known bug (test_killed_attempt_with_only_unfinished_uploads_is_cleaned_"
-                     f"after_a_new_save): uploads left: {unfinished}")
     return {"step": step, "complete_after_kill": complete}
 
 
@@ -238,10 +233,6 @@ def test_stale_manifest_upload_is_cleaned_after_a_new_save(tmp_path):
     assert not stale.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: CheckpointManager.save runs the clean-up of a "
-                   "killed earlier attempt only when _has_objects(step) sees a finished object; "
-                   "an attempt killed before any object completed leaves only multipart uploads, "
-                   "which are then never aborted (the step is complete, so prune skips it too)")
 def test_killed_attempt_with_only_unfinished_uploads_is_cleaned_after_a_new_save(s3_server,
                                                                                    storage):
     """What a job killed during its first multipart parts leaves: unfinished uploads under the
