@@ -189,9 +189,10 @@ class S3Store:
                 elif fatal is None:
                     fatal = err
             if fatal is not None:
-                raise ClientError({"Error": {"Code": fatal.get("Code", ""),
-                                             "Message": fatal.get("Message", "")}},
-                                  "DeleteObjects")
+                raise ClientError({"Error": {
+                    "Code": fatal.get("Code", ""),
+                    "Message": f"{fatal.get('Key', '')}: {fatal.get('Message', '')}"}},
+                    "DeleteObjects")
             if retry:
                 pending = retry
                 raise TransientServerError(f"{len(retry)} keys not deleted yet")

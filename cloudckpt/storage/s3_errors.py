@@ -114,8 +114,8 @@ def classify(exc: BaseException, op: str, key: str | None, where: str) -> Verdic
             return Verdict(False, StorageError(f"{op}{name}: precondition failed", key=key,
                                                operation=op))
         cls = CODE_TABLE.get(code) or STATUS_TABLE.get(status) or StorageError
-        return Verdict(False, cls(f"{op}{name}: {status} {code}: {message}", key=key,
-                                  operation=op))
+        what = " ".join(str(x) for x in (status or "", code) if x)
+        return Verdict(False, cls(f"{op}{name}: {what}: {message}", key=key, operation=op))
     if isinstance(exc, (bex.NoCredentialsError, bex.PartialCredentialsError)):
         return Verdict(False, ConfigError(
             "no usable AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "

@@ -106,6 +106,9 @@ def test_read_only_identity_cannot_write(s3_server, s3_url):
         with pytest.raises(AccessDenied):
             await store.put("k", b"x")
         assert store.stats.total_requests == 1
+        with pytest.raises(AccessDenied):
+            await store.delete(["k"])
+        assert [x async for x in store.list()] == []  # reading is allowed
 
     _run(s3_url, options, body)
 
