@@ -64,7 +64,7 @@ async def put(store: "S3Store", key: str, phys: str, views, create: bool) -> Obj
     conn = store._conn
     size = sum(len(v) for v in views)
     token = secrets.token_hex(12)
-    if create and await _create_strategy(store) == "fallback":
+    if create and await _create_strategy(store, phys) == "fallback":
         return await _fallback_create(store, key, phys, views, size, token)
     if size <= conn.options.multipart_threshold:
         return await _single_put(store, key, phys, views, size, create, token)
@@ -266,15 +266,16 @@ async def _exists(store, key: str) -> bool:
 # --- conditional create ----------------------------------------------------------------------
 
 
-async def _create_strategy(store) -> str:
-    """``native`` or ``fallback``: fixed by the options, or probed once per connection."""
+async def _create_strategy(store, phys: str) -> str:
+    """``native`` or ``fallback``: fixed by the options, or probed once per connection (next to
+    ``phys``, where the caller is allowed to write)."""
     conn = store._conn
     if conn.create_strategy is not None:
         return conn.create_strategy
     async with conn.create_lock:
         if conn.create_strategy is None:
             try:
-                conn.create_strategy = await _probe_conditional_put(store)
+                conn.create_strategy = await _probe_conditional_put(store, phys)
             except AccessDenied:
                 # No right to write a probe at the root: try the header; not remembered.
                 return "native"
@@ -284,22 +285,24 @@ async def _create_strategy(store) -> str:
     return conn.create_strategy
 
 
-async def _probe_conditional_put(store) -> str:
+async def _probe_conditional_put(store, phys: str) -> str:
     """Put a probe object twice with If-None-Match: * and see whether the second one fails."""
     conn = store._conn
-    probe = f"{conn.anchor}.cloudckpt-probe-{secrets.token_hex(8)}"
+    probe = f"{phys[:phys.rfind('/') + 1]}.cloudckpt-probe-{secrets.token_hex(8)}"
 
     async def attempt(n: int) -> None:
         client = await conn.client()
         await client.put_object(Bucket=conn.bucket, Key=probe, Body=b"probe", IfNoneMatch="*")
 
     where = f"s3://{conn.bucket}/{conn.anchor}"
-    await conn.retrier.call("probe", None, attempt, where=where)
     try:
-        await conn.retrier.call("probe", None, attempt, where=where)
-        strategy = "fallback"
-    except ObjectExists:
-        strategy = "native"
+        try:
+            # A refusal here can only be our own first write, re-sent after a lost answer.
+            await conn.retrier.call("probe", None, attempt, where=where)
+            await conn.retrier.call("probe", None, attempt, where=where)
+            strategy = "fallback"
+        except ObjectExists:
+            strategy = "native"
     finally:
         async def delete(n: int) -> None:
             client = await conn.client()
