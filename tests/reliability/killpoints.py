@@ -272,8 +272,10 @@ def long_kill_points() -> list[KillPoint]:
                 points.append(K(f"long: job, rank {rank} {when} part {n}", rank, "store",
                                 "upload_part", "data", n=n, when=when, scope="job"))
             for phase in ("save planning", "save global planning", "save upload"):
+                # once the upload exchange is over, rank 0 commits whatever rank 1 does
+                commits = phase == "save upload" and when == "after" and rank == 1
                 points.append(K(f"long: rank {rank} {when} {phase}", rank, "agree", phase,
-                                when=when))
+                                when=when, may_commit=commits))
             points.append(K(f"long: file rank {rank} {when} data put 2", rank, "store", "put",
                             "data", n=2, when=when, backend="file"))
     points.append(K("long: job, rank 0 half manifest", 0, "body", when="half", scope="job"))

@@ -136,18 +136,18 @@ def kill_cycle(world: ProcessWorld, run: Run, point: KillPoint, scratch: Path,
     # 2. the killed step is not complete (or, past the commit point, complete and exact)
     infos = {i.step: i for i in run.mgr.list()}
     complete = step in infos and infos[step].complete
+    if complete:  # recorded first, so that a failure here does not derail the next cycles
+        run.committed[step] = 0
     if not point.may_commit:
         assert not complete, f"{point}: the killed save is listed complete"
         with pytest.raises(CheckpointNotFound):
             run.mgr.info(step)
         with pytest.raises(CheckpointNotFound):
             cloudckpt.load_full(url, storage=run.storage)
-    assert [i.step for i in infos.values() if i.complete] == \
-        sorted(run.committed) + ([step] if complete else [])
+    assert [i.step for i in infos.values() if i.complete] == sorted(run.committed)
     latest = run.mgr.latest()
     assert latest is not None and latest.step == (step if complete else previous)
     if complete:
-        run.committed[step] = 0
         run.check_loads(step)
         figures.add("crash kills that had committed")
 
@@ -302,6 +302,8 @@ def test_whole_job_killed_at_random_instants(crash_world, runs, tmp_path, figure
                 pass
         thread.join(120)
         assert not thread.is_alive()
+        if "ok" in result:  # the save won the race: the harness does not know its ranks died
+            crash_world.close()
         figures.add("crash kills (timed, job)")
         infos = {i.step: i for i in run.mgr.list()}
         complete = step in infos and infos[step].complete
