@@ -54,7 +54,7 @@ def _round_at_fault_rate(world2, s3_server, proxy, url, rate, kinds, figures, *,
     proxy.reset_counters()
     proxy.configure(rate=rate, kinds=kinds, delay_s=0.05,
                     schedule=list(kinds) if seed_kinds else [])
-    # "native": the once-per-connection probe of "auto" has its own test (a known bug below)
+    # "native": the once-per-connection probe of "auto" has its own test below
     through_proxy = storage_for(s3_server, endpoint_url=proxy.endpoint_url,
                                 conditional_create="native")
     saved = world2.run(save_step, url, 7, 3, storage=through_proxy, options=SAVE_OPTIONS)
@@ -93,11 +93,6 @@ def test_save_and_load_under_faults_long(world2, s3_server, s3_url, fault_proxy,
                          seed_kinds=False)
 
 
-@pytest.mark.xfail(strict=True, raises=cloudckpt.CheckpointExists,
-                   reason="BUG: the conditional-create probe (S3 'auto') takes a 412 on the "
-                          "retry of its own first PUT, whose answer was lost, for 'the server "
-                          "honours If-None-Match' failing: ObjectExists escapes, and the save "
-                          "fails with a false CheckpointExists")
 def test_lost_answer_to_the_conditional_create_probe(s3_server, s3_url, fault_proxy):
     """Single process: requests are (1) HEAD manifest, (2) PUT data, (3) PUT probe object: its
     answer is lost (the server stored it). Nothing was committed at ``s3_url``, so the save must
