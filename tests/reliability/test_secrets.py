@@ -150,8 +150,7 @@ def _save_load_retries_and_failures(s3_server, s3_url, fault_proxy) -> None:
     cloudckpt.load_full(s3_url + "/a", storage=good)
     fault_proxy.configure(rate=0.2, kinds=("503", "500", "reset", "truncate"),
                           schedule=["503", "reset", "truncate"])
-    faulty = storage_for(s3_server, endpoint_url=fault_proxy.endpoint_url,
-                         conditional_create="native")
+    faulty = storage_for(s3_server, endpoint_url=fault_proxy.endpoint_url)
     cloudckpt.save(_state(), s3_url + "/b", storage=faulty, options=SAVE_OPTIONS)
     cloudckpt.load_full(s3_url + "/b", storage=faulty)
     fault_proxy.configure(rate=0.0, schedule=[])

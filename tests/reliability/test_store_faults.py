@@ -17,6 +17,7 @@ import pytest
 import cloudckpt
 from cloudckpt.errors import CheckpointNotFound
 from cloudckpt.storage import RetryOptions
+from cloudckpt.testing.faultproxy import FaultProxy
 from tests.reliability.conftest import SAVE_OPTIONS, storage_for
 from tests.reliability.ranks import load_step, save_step
 from tests.reliability.states import differences, full_expected
@@ -54,9 +55,7 @@ def _round_at_fault_rate(world2, s3_server, proxy, url, rate, kinds, figures, *,
     proxy.reset_counters()
     proxy.configure(rate=rate, kinds=kinds, delay_s=0.05,
                     schedule=list(kinds) if seed_kinds else [])
-    # "native": the once-per-connection probe of "auto" has its own test below
-    through_proxy = storage_for(s3_server, endpoint_url=proxy.endpoint_url,
-                                conditional_create="native")
+    through_proxy = storage_for(s3_server, endpoint_url=proxy.endpoint_url)
     saved = world2.run(save_step, url, 7, 3, storage=through_proxy, options=SAVE_OPTIONS)
     assert all(o["ok"] for o in saved), saved
     loaded = world2.run(load_step, url, 7, 3, storage=through_proxy)
@@ -86,11 +85,10 @@ def test_save_and_load_at_ten_percent_mixed_faults(world2, s3_server, s3_url, fa
 @pytest.mark.slow
 @pytest.mark.parametrize("rate", [0.10, 0.25])
 @pytest.mark.parametrize("round_", range(5))
-def test_save_and_load_under_faults_long(world2, s3_server, s3_url, fault_proxy, figures, rate,
-                                         round_):
-    fault_proxy._rng.seed(1000 * round_ + int(rate * 100))
-    _round_at_fault_rate(world2, s3_server, fault_proxy, s3_url, rate, ALL_KINDS, figures,
-                         seed_kinds=False)
+def test_save_and_load_under_faults_long(world2, s3_server, s3_url, figures, rate, round_):
+    with FaultProxy(s3_server.endpoint_url, seed=1000 * round_ + int(rate * 100)) as proxy:
+        _round_at_fault_rate(world2, s3_server, proxy, s3_url, rate, ALL_KINDS, figures,
+                             seed_kinds=False)
 
 
 def test_lost_answer_to_the_conditional_create_probe(s3_server, s3_url, fault_proxy):
