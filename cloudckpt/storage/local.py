@@ -9,6 +9,9 @@
 - Blocking file I/O runs on a private thread pool of ``concurrency`` threads.
 - Keys map to paths below the root; an object cannot also be a "directory" of other keys
   (``StorageError``), unlike on S3. Empty directories are pruned when their last key is deleted.
+- Symlinks are followed only while they stay inside the root: an object or directory that
+  leads outside it is refused (``AccessDenied``) and left out of listings, so a crafted
+  checkpoint directory cannot make a load read arbitrary files.
 - Stats count one ``get`` per coalesced span, like S3Store, so request counts compare.
 """
 
@@ -142,8 +145,10 @@ class LocalStore:
         size = sum(len(v) for v in views)
         fsync = self.options.fsync
 
+        root = self.root
+
         def write() -> ObjectInfo:
-            tmp = _write_temp(path, views, fsync)
+            tmp = _write_temp(root, path, views, fsync)
             try:
                 if mode == "create":
                     _link_exclusive(tmp, path)
@@ -169,6 +174,7 @@ class LocalStore:
         def remove() -> None:
             for path in paths:
                 try:
+                    _check_inside(root, path.parent)
                     os.unlink(path)
                 except FileNotFoundError:
                     continue
@@ -180,12 +186,16 @@ class LocalStore:
 
     async def head(self, key: str) -> ObjectInfo:
         path = self._path(key)
-        return await self._run("head", key, lambda: _info(key, _stat_file(path)))
+        root = self.root
+        return await self._run("head", key, lambda: _info(key, _stat_file(root, path)))
 
     async def get(self, key: str) -> bytes:
         path = self._path(key)
 
+        root = self.root
+
         def read() -> bytes:
+            _check_inside(root, path)
             try:
                 with open(path, "rb") as f:
                     return f.read()
@@ -206,7 +216,8 @@ class LocalStore:
         pieces = plan_pieces(offsets, lengths, gap=self.options.coalesce_gap,
                              max_piece=self.options.part_size or READ_PIECE)
         if pieces:
-            fd = await self._run("get", key, lambda: os.open(path, os.O_RDONLY), count=0)
+            root = self.root
+            fd = await self._run("get", key, lambda: _open_inside(root, path), count=0)
             try:
                 size = os.fstat(fd).st_size
                 for r in ranges:
@@ -278,17 +289,34 @@ def _info(key: str, st: os.stat_result) -> ObjectInfo:
                       last_modified=st.st_mtime)
 
 
-def _stat_file(path: Path) -> os.stat_result:
+def _check_inside(root: Path, path: Path) -> None:
+    """Refuse a path that leaves ``root`` through a symlink (PermissionError -> AccessDenied).
+    A missing path is fine here (the operation itself reports it)."""
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
+        raise PermissionError(errno.EACCES, "refused: a symlink leads outside the store root",
+                              str(path))
+
+
+def _open_inside(root: Path, path: Path) -> int:
+    _check_inside(root, path)
+    return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+
+
+def _stat_file(root: Path, path: Path) -> os.stat_result:
+    _check_inside(root, path)
     st = os.stat(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(errno.ENOENT, "not a file", str(path))
     return st
 
 
-def _write_temp(path: Path, views: Sequence[memoryview], fsync: bool) -> Path:
+def _write_temp(root: Path, path: Path, views: Sequence[memoryview], fsync: bool) -> Path:
     tmp = path.parent / f".{path.name}{_TMP_MARK}{secrets.token_hex(8)}"
     for _ in range(5):  # a concurrent delete may prune the directory between the two calls
         os.makedirs(path.parent, exist_ok=True)
+        _check_inside(root, path.parent)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
                          0o644)
@@ -381,11 +409,21 @@ def _walk_files(root: Path, rel_dir: str, *, temps: bool = False):
             if entry.is_dir(follow_symlinks=False):
                 stack.append(f"{rel}{entry.name}/")
             elif entry.is_file() and (_TMP_MARK in entry.name) == temps:
+                if entry.is_symlink() and not _is_inside(root, Path(entry.path)):
+                    continue
                 yield f"{rel}{entry.name}", entry
 
 
-def _has_files(path: Path) -> bool:
-    return any(True for _ in _walk_files(path, ""))
+def _is_inside(root: Path, path: Path) -> bool:
+    try:
+        _check_inside(root, path)
+        return True
+    except PermissionError:
+        return False
+
+
+def _has_files(root: Path, rel_dir: str) -> bool:
+    return any(True for _ in _walk_files(root, rel_dir))
 
 
 def _list_tree(root: Path, prefix: str, delimiter: str | None) -> list:
@@ -401,9 +439,11 @@ def _list_tree(root: Path, prefix: str, delimiter: str | None) -> list:
             if not rel.startswith(prefix):
                 continue
             if entry.is_dir(follow_symlinks=False):
-                if _has_files(Path(entry.path)):
+                if _has_files(root, rel + "/"):
                     out.append(CommonPrefix(rel + "/"))
             elif entry.is_file() and _TMP_MARK not in entry.name:
+                if entry.is_symlink() and not _is_inside(root, Path(entry.path)):
+                    continue
                 out.append(_info(rel, entry.stat()))
         return sorted(out, key=lambda x: x.key if isinstance(x, ObjectInfo) else x.prefix)
     files = sorted((rel, entry) for rel, entry in _walk_files(root, hint) if rel.startswith(prefix))

@@ -290,3 +290,32 @@ def test_local_store_atomic_create_and_hidden_temp_files(tmp_path):
         await store.close()
 
     asyncio.run(main())
+
+
+def test_local_store_refuses_symlinks_leading_outside(tmp_path):
+    from cloudckpt.errors import AccessDenied
+    from cloudckpt.storage import ReadRange
+
+    outside = tmp_path / "secret"
+    outside.write_bytes(b"do not read")
+    (tmp_path / "elsewhere").mkdir()
+    root = tmp_path / "root"
+    (root / "data").mkdir(parents=True)
+    (root / "data" / "evil.bin").symlink_to(outside)
+    (root / "escape").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (root / "data" / "real.bin").write_bytes(b"fine")
+    (root / "data" / "alias.bin").symlink_to(root / "data" / "real.bin")  # inside: followed
+
+    async def main():
+        store = LocalStore(root)
+        for call in (lambda: store.get("data/evil.bin"), lambda: store.head("data/evil.bin"),
+                     lambda: store.read_ranges("data/evil.bin", [ReadRange(0, 4)]),
+                     lambda: store.put("escape/x", b"x")):
+            with pytest.raises(AccessDenied, match="symlink"):
+                await call()
+        assert await store.get("data/alias.bin") == b"fine"
+        assert [x.key async for x in store.list()] == ["data/alias.bin", "data/real.bin"]
+        assert not os.listdir(tmp_path / "elsewhere")
+        await store.close()
+
+    asyncio.run(main())
