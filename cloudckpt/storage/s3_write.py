@@ -14,7 +14,9 @@ Conditional create (``mode="create"``):
   stale) it aborts its own, backs off and starts over, (4) checks again that the key does not
   exist, (5) uploads and completes. Two creators cannot both pass (3): the later one to start
   its upload sees the earlier one's upload, unless that one already completed, which (4) sees.
-  Contention costs retries (bounded by the retry deadline), never a second winner.
+  Contention costs retries (bounded by the retry deadline), never a second winner. Uploads
+  initiated more than 15 minutes before ours (server clock) are taken for crashed creators and
+  ignored: a creator slower than that between (2) and (5) could lose its exclusivity.
 
 A create that ends in 412 (or a completion retry in NoSuchUpload) checks the object's
 ``x-amz-meta-cloudckpt-put`` token to tell its own success whose answer was lost (our retry, or

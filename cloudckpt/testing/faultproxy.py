@@ -77,8 +77,8 @@ class FaultProxy:
                   methods: Iterable[str] | None | bool = False,
                   ignore_conditional_writes: bool | None = None) -> None:
         """Change the fault plan. ``schedule`` lists the faults (or None) of the next requests,
-        before ``rate`` applies again; ``methods`` limits faults to those HTTP methods (None:
-        all)."""
+        whatever their method, before ``fail_all`` / ``rate`` apply again; ``methods`` limits
+        those two to the given HTTP methods (None: all)."""
         with self._lock:
             if rate is not None:
                 if not 0.0 <= rate <= 1.0:
