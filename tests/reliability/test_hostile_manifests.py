@@ -190,10 +190,6 @@ def test_object_keys_outside_the_root_are_refused_on_s3(s3_target, figures):
     s3_target.write_manifest(s3_target.valid)
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING (hardening): LocalStore follows a symlink inside "
-                                       "the checkpoint root that points outside it, so a "
-                                       "checkpoint directory crafted with symlinks can make a "
-                                       "load read any file the process can read")
 def test_symlinked_object_pointing_outside_the_root(local_target):
     t = local_target
     link = t.root / "data" / ATTEMPT / "evil.bin"
