@@ -21,6 +21,7 @@ import aiohttp.payload
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 
+from cloudckpt.storage.redact import install_redaction
 from cloudckpt.errors import ConfigError
 from cloudckpt.storage.options import StorageOptions
 
@@ -87,6 +88,7 @@ async def open_client(options: StorageOptions, stack: contextlib.AsyncExitStack)
 
     Raises ``ConfigError`` when no credentials can be found at all.
     """
+    install_redaction()  # botocore's DEBUG records would otherwise show session tokens
     session = AioSession(profile=options.profile) if options.profile else AioSession()
     endpoint = resolve_endpoint(options)
     if options.access_key_id is None and await session.get_credentials() is None:

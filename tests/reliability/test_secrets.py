@@ -177,10 +177,6 @@ def test_no_secret_key_in_debug_logs_of_save_load_retries_and_failures(
     figures.add("log records checked for secrets", text.count("\n") + 1)
 
 
-@pytest.mark.xfail(strict=True, reason="FINDING: botocore's own DEBUG records (botocore.auth "
-                                       "CanonicalRequest, botocore.endpoint 'Sending http "
-                                       "request' headers) carry the x-amz-security-token; "
-                                       "cloudckpt does not redact the loggers it drives")
 def test_no_session_token_in_debug_logs(s3_server, s3_url, fault_proxy, debug_log):
     _save_load_retries_and_failures(s3_server, s3_url, fault_proxy)
     _assert_clean(debug_log(), s3_server, "the DEBUG logs", tokens=True)
