@@ -242,6 +242,14 @@ class ByteBudget:
             raise
         return n
 
+    def try_acquire(self, n: int) -> int | None:
+        """Take ``clip(n)`` bytes if that needs no waiting (and nobody waits); else None."""
+        n = self.clip(n)
+        if n == 0 or (not self._waiters and self.used + n <= self.limit):
+            self._take(n)
+            return n
+        return None
+
     def _take(self, n: int) -> None:
         self.used += n
         self.peak = max(self.peak, self.used)

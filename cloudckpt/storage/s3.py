@@ -215,8 +215,9 @@ class S3Store:
         """The whole object. The first GET asks for one read piece (16 MiB or ``part_size``); a
         larger object's rest is fetched in concurrent ranged GETs into one buffer, then copied
         once into the returned ``bytes``: budgeted at twice its size (clipped to the budget).
-        Memory is taken from the byte budget before any request slot, so gets and ranged reads
-        cannot deadlock; a get waiting for room may hold its first piece outside the budget. For
+        Memory comes from the byte budget before any request slot, so gets and ranged reads
+        cannot deadlock; when the budget has no room for a large object at once, its first piece
+        is dropped while waiting (and fetched again) rather than held outside the budget. For
         large objects, ``read_ranges`` into a caller buffer needs no store memory at all."""
         phys = self._phys(key)
         budget = self._conn.budget
@@ -224,14 +225,18 @@ class S3Store:
         held = await budget.acquire(first)
         try:
             chunks, total = await self._get_first(key, phys, first)
-        finally:
-            budget.release(held)
-        got = sum(len(c) for c in chunks)
-        if got == total:
-            return b"".join(chunks)
-        # A large object: room for it and its copy, then the rest in parallel pieces.
-        held = await budget.acquire(2 * total)
-        try:
+            got = sum(len(c) for c in chunks)
+            if got == total:
+                return b"".join(chunks)
+            # A large object: room for it and its copy, then the rest in parallel pieces.
+            more = budget.try_acquire(budget.clip(2 * total) - held)
+            if more is not None:
+                held += more
+            else:
+                budget.release(held)
+                held = 0
+                chunks, got = [], 0
+                held = await budget.acquire(2 * total)
             buf = bytearray(total)
             view = memoryview(buf)
             pos = 0

@@ -313,6 +313,8 @@ def test_large_gets_share_a_small_budget_without_deadlock(s3_server, s3_url):
         got = await asyncio.wait_for(asyncio.gather(*(store.get(k) for k in objects)), 120)
         assert got == list(objects.values())
         assert store._conn.budget.peak <= 16 * MiB and store._conn.budget.used == 0
-        assert store.stats.requests["get"] == 6 * 3  # 5 MiB first piece + two more pieces each
+        # 5 MiB first piece + two more pieces each; a get that found no room dropped its first
+        # piece and read it again
+        assert store.stats.requests["get"] >= 6 * 3
 
     _run(s3_url, options, body)

@@ -246,6 +246,19 @@ def test_byte_budget_clips_and_survives_cancellation():
     asyncio.run(asyncio.wait_for(main(), 5))
 
 
+def test_byte_budget_try_acquire_never_waits_or_overtakes():
+    async def main():
+        budget = ByteBudget(10)
+        assert budget.try_acquire(6) == 6 and budget.try_acquire(5) is None
+        waiter = asyncio.ensure_future(budget.acquire(5))
+        await asyncio.sleep(0)
+        assert budget.try_acquire(1) is None  # someone is waiting: no overtaking
+        budget.release(6)
+        assert await waiter == 5 and budget.try_acquire(0) == 0
+
+    asyncio.run(asyncio.wait_for(main(), 5))
+
+
 def test_byte_budget_is_first_come_first_served():
     asyncio.run(asyncio.wait_for(_budget_order(), 5))
 
