@@ -398,6 +398,8 @@ def _dir_hint(prefix: str) -> str:
 def _walk_files(root: Path, rel_dir: str, *, temps: bool = False):
     """(relative key, DirEntry) of every regular file below ``root/rel_dir`` (no symlinked dirs);
     temporary files only when ``temps``."""
+    if rel_dir and not _is_inside(root, root / rel_dir):
+        return
     stack = [rel_dir]
     while stack:
         rel = stack.pop()
@@ -428,6 +430,8 @@ def _has_files(root: Path, rel_dir: str) -> bool:
 
 def _list_tree(root: Path, prefix: str, delimiter: str | None) -> list:
     hint = _dir_hint(prefix)
+    if hint and not _is_inside(root, root / hint):
+        return []
     if delimiter == "/":  # one directory level is enough
         out: list = []
         try:

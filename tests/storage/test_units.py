@@ -328,6 +328,11 @@ def test_local_store_refuses_symlinks_leading_outside(tmp_path):
                 await call()
         assert await store.get("data/alias.bin") == b"fine"
         assert [x.key async for x in store.list()] == ["data/alias.bin", "data/real.bin"]
+        (tmp_path / "elsewhere" / "file").write_bytes(b"outside")
+        assert [x async for x in store.list("escape/")] == []
+        assert [x async for x in store.list("escape/", delimiter="/")] == []
+        assert [x.prefix async for x in store.list(delimiter="/")] == ["data/"]
+        (tmp_path / "elsewhere" / "file").unlink()
         assert not os.listdir(tmp_path / "elsewhere")
         await store.close()
 
