@@ -28,8 +28,8 @@ from tests.reliability.hostile import (COLUMNS, HOSTILE_INTS, HOSTILE_KEYS, chec
 
 pytestmark = pytest.mark.timeout(3600)
 
-CI_LOCAL_CASES = int(os.environ.get("CLOUDCKPT_FUZZ_CASES", "1500"))
-CI_S3_CASES = int(os.environ.get("CLOUDCKPT_S3_FUZZ_CASES", "200"))
+CI_LOCAL_CASES = int(os.environ.get("CLOUDCKPT_FUZZ_CASES", "2500"))
+CI_S3_CASES = int(os.environ.get("CLOUDCKPT_S3_FUZZ_CASES", "300"))
 LONG_CASES = int(os.environ.get("CLOUDCKPT_LONG_FUZZ_CASES", "30000"))
 
 _ints = st.one_of(st.sampled_from(HOSTILE_INTS), st.integers(-2**63, 2**64 - 1),
