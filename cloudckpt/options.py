@@ -34,7 +34,9 @@ class SaveOptions:
 class LoadOptions:
     """How a load reads and shares data.
 
-    - ``broadcast``: read a region that several ranks need once and broadcast it.
+    - ``broadcast``: read a region that several ranks need once and broadcast it. ``None``
+      (the default) broadcasts for remote stores (``s3://``) only: on a local or shared
+      filesystem every rank reading the page cache beats sending the bytes over gloo.
     - ``min_broadcast_bytes``: regions smaller than this are read by every rank that needs them.
     - ``broadcast_batch_bytes``: regions going to the same group are sent in broadcasts of up to
       this many bytes (larger regions are cut into slabs), so the source fetches the next batch
@@ -47,7 +49,7 @@ class LoadOptions:
     - ``timeout``: seconds any collective may wait for a peer before every rank fails.
     """
 
-    broadcast: bool = True
+    broadcast: bool | None = None
     min_broadcast_bytes: int = 32 << 10
     broadcast_batch_bytes: int = 32 << 20
     max_read_bytes: int = 256 << 20

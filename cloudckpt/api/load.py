@@ -37,6 +37,7 @@ from cloudckpt.planning import (PieceSpec, Region, assign_readers, decode_local_
 from cloudckpt.reader import fetch_region, fetch_regions
 from cloudckpt.runtime import run_coroutine, shared_store, wait_for_pending_save, submit
 from cloudckpt.stateful import resolve_stateful, restore_stateful
+from cloudckpt.storage import local_path
 from cloudckpt.statedict import flatten_state_dict, set_by_path, torch_dtype, unflatten_state_dict
 from cloudckpt.transport import Broadcaster, ControlChannel
 
@@ -213,7 +214,9 @@ async def _fetch_into(store, manifest, reads, dests, max_bytes: int) -> int:
 def _move_data(store, manifest, plans, channel, dests, options: LoadOptions):
     """Fetch own regions and run the broadcasts. Returns (fetched, received, broadcast count)."""
     mine = plans[channel.rank].reads
-    if channel.size == 1 or not options.broadcast:
+    broadcast = options.broadcast if options.broadcast is not None else \
+        local_path(store.url) is None
+    if channel.size == 1 or not broadcast:
         return run_coroutine(_fetch_into(store, manifest, mine, dests, options.max_read_bytes)), 0, 0
 
     broadcaster = Broadcaster(channel)
