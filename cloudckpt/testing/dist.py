@@ -396,6 +396,10 @@ class ProcessWorld:
                 self._start_locked()
             self._call_id += 1
             call_id = self._call_id
+            if not all(_worker_alive(pid) for pid in self._pids):
+                # a worker died between calls (killed from outside): start a fresh world
+                self._kill_locked()
+                self._start_locked()
             try:
                 for conn in self._conns:
                     conn.send(("call", call_id, list(sys.path), payload))
@@ -474,6 +478,17 @@ class ProcessWorld:
 
 
 # -- worker side (runs in a process forked by the zygote) ---------------------------------------
+
+
+def _worker_alive(pid: int) -> bool:
+    """Whether worker ``pid`` still runs (not gone, not a zombie); no waiting."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
 
 
 def _watch_owner(owner_pid: int, zygote_pid: int) -> None:
