@@ -30,8 +30,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cloudckpt.storage import ReadRange, StorageOptions, open_store  # noqa: E402
-from cloudckpt.testing.s3server import S3Server  # noqa: E402
+from cloudckpt.storage import ReadRange, StorageOptions, open_store
+from cloudckpt.testing.s3server import S3Server
 
 MiB = 1024 * 1024
 
@@ -51,7 +51,7 @@ class PeakRSS:
     """High-water RSS of one phase: resets the kernel's VmHWM (clear_refs 5) where allowed, and
     also samples VmRSS every 5 ms as a fallback."""
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self.start = _status_kib("VmRSS")
         try:
             with open("/proc/self/clear_refs", "w") as f:
@@ -204,7 +204,7 @@ def _variants(concurrencies, store_default):
 
 
 def _run_variant(info, variant, keys, views, dviews, options) -> tuple[float, float]:
-    name, op, c, kind, mode = variant
+    _, op, c, kind, mode = variant
     if kind == "boto3":
         client = info.boto3_client()
         client.list_objects_v2(Bucket=info.bucket, MaxKeys=1)

@@ -24,8 +24,18 @@ from cloudckpt.storage.options import RetryOptions, StorageOptions
 from cloudckpt.storage.s3 import S3Store
 
 __all__ = [
-    "CommonPrefix", "LocalStore", "ObjectInfo", "ObjectStore", "ReadRange", "RetryOptions",
-    "S3Store", "StorageOptions", "StoreStats", "UploadInfo", "open_store", "local_path",
+    "CommonPrefix",
+    "LocalStore",
+    "ObjectInfo",
+    "ObjectStore",
+    "ReadRange",
+    "RetryOptions",
+    "S3Store",
+    "StorageOptions",
+    "StoreStats",
+    "UploadInfo",
+    "local_path",
+    "open_store",
 ]
 
 

@@ -12,8 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterable, Literal, Protocol, Sequence, Union, runtime_checkable
+from typing import (
+    Literal,
+    Protocol,
+    Union,
+    runtime_checkable,
+)
 
 from cloudckpt.errors import ConfigError
 
@@ -120,7 +126,7 @@ class ObjectStore(Protocol):
     async def close(self) -> None:
         """Release connections and threads (idempotent). A child's close does nothing."""
 
-    def child(self, prefix: str) -> "ObjectStore":
+    def child(self, prefix: str) -> ObjectStore:
         """A store rooted at ``prefix`` under this one, sharing connections, limits and stats."""
 
 
@@ -143,7 +149,7 @@ def check_prefix(prefix: str) -> str:
     """Validate a listing / child prefix: like a key, but empty and a trailing ``/`` are fine."""
     if prefix == "":
         return prefix
-    check_key(prefix[:-1] if prefix.endswith("/") else prefix)
+    check_key(prefix.removesuffix("/"))
     return prefix
 
 

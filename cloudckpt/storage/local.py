@@ -23,8 +23,9 @@ import errno
 import os
 import re
 import secrets
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterable, Sequence, TypeVar
+from typing import TypeVar
 
 from cloudckpt.errors import (
     AccessDenied,
@@ -114,7 +115,7 @@ class LocalStore:
         except OSError as exc:
             raise StorageError(f"{op} {name}: {exc}", key=key, operation=op) from exc
 
-    def child(self, prefix: str) -> "LocalStore":
+    def child(self, prefix: str) -> LocalStore:
         prefix = check_prefix(prefix).strip("/")
         if not prefix:
             return self
@@ -129,7 +130,7 @@ class LocalStore:
         if pool is not None:
             await asyncio.get_running_loop().run_in_executor(None, pool.shutdown)
 
-    async def __aenter__(self) -> "LocalStore":
+    async def __aenter__(self) -> LocalStore:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -8,8 +8,8 @@ Pure (no I/O): shared by every backend.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from cloudckpt.checksum import crc32c
 from cloudckpt.errors import ChecksumError
@@ -84,8 +84,8 @@ class Scatter:
             off, stop, out = members[i]
             if off >= end:
                 break
-            a = pos if pos > off else off
-            b = end if end < stop else stop
+            a = max(off, pos)
+            b = min(stop, end)
             if a < b:
                 if src is None:
                     src = chunk if isinstance(chunk, memoryview) else memoryview(chunk)

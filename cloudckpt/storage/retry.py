@@ -15,8 +15,9 @@ import asyncio
 import logging
 import random
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable, TypeVar
+from typing import TypeVar
 
 from cloudckpt.errors import RetriesExhausted
 from cloudckpt.storage.base import StoreStats
@@ -89,7 +90,7 @@ class Retrier:
                     return await _with_timeout(attempt(n), cap)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - classified below
+            except Exception as exc:
                 verdict = self.classify(exc, op, key, name)
                 if not verdict.retry:
                     if verdict.error is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 from botocore.exceptions import ClientError
 
@@ -32,10 +32,26 @@ from cloudckpt.storage.base import (
     run_all,
 )
 from cloudckpt.storage.options import StorageOptions
-from cloudckpt.storage.ranges import Scatter, bad_crc_ranges, checksum_error, crc_of, plan_pieces
+from cloudckpt.storage.ranges import (
+    Scatter,
+    bad_crc_ranges,
+    checksum_error,
+    crc_of,
+    plan_pieces,
+)
 from cloudckpt.storage.retry import Retrier
-from cloudckpt.storage.s3_client import iter_body, open_client, parse_content_range, parse_s3_url
-from cloudckpt.storage.s3_errors import TransientServerError, TruncatedBody, classify, error_code
+from cloudckpt.storage.s3_client import (
+    iter_body,
+    open_client,
+    parse_content_range,
+    parse_s3_url,
+)
+from cloudckpt.storage.s3_errors import (
+    TransientServerError,
+    TruncatedBody,
+    classify,
+    error_code,
+)
 from cloudckpt.storage.spreading import Spreader, merge_sorted
 
 logger = logging.getLogger("cloudckpt.storage")
@@ -140,7 +156,7 @@ class S3Store:
     async def _call(self, op: str, key: str | None, attempt, **kw):
         return await self._conn.retrier.call(op, key, attempt, where=self.url, **kw)
 
-    def child(self, prefix: str) -> "S3Store":
+    def child(self, prefix: str) -> S3Store:
         prefix = check_prefix(prefix).strip("/")
         if not prefix:
             return self
@@ -151,7 +167,7 @@ class S3Store:
         if not self._sub:
             await self._conn.close()
 
-    async def __aenter__(self) -> "S3Store":
+    async def __aenter__(self) -> S3Store:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -421,4 +437,4 @@ def _info(key: str, size, resp: dict) -> ObjectInfo:
                       last_modified=modified.timestamp() if modified is not None else None)
 
 
-__all__ = ["S3Store", "S3Connection", "error_code"]
+__all__ = ["S3Connection", "S3Store", "error_code"]

@@ -14,16 +14,16 @@ import contextlib
 import io
 import os
 import re
-from typing import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from urllib.parse import urlparse
 
 import aiohttp.payload
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 
-from cloudckpt.storage.redact import install_redaction
 from cloudckpt.errors import ConfigError
 from cloudckpt.storage.options import StorageOptions
+from cloudckpt.storage.redact import install_redaction
 
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$", re.IGNORECASE)
 
@@ -63,7 +63,7 @@ def resolve_endpoint(options: StorageOptions) -> str | None:
 
 def _is_aws(endpoint: str | None) -> bool:
     host = urlparse(endpoint).hostname or "" if endpoint else ""
-    return host.endswith(".amazonaws.com") or host.endswith(".amazonaws.com.cn")
+    return host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
 
 
 def _config(options: StorageOptions, style: str) -> AioConfig:

@@ -33,7 +33,12 @@ import secrets
 from typing import TYPE_CHECKING
 
 from cloudckpt.checksum import crc32c
-from cloudckpt.errors import AccessDenied, ObjectExists, ObjectNotFound, RetriesExhausted
+from cloudckpt.errors import (
+    AccessDenied,
+    ObjectExists,
+    ObjectNotFound,
+    RetriesExhausted,
+)
 from cloudckpt.storage.base import ObjectInfo, UploadInfo, run_all, slice_views
 from cloudckpt.storage.options import choose_part_size
 from cloudckpt.storage.s3_client import BodyPayload, crc32c_b64
@@ -61,7 +66,7 @@ async def _crc(views) -> int:
     return run()
 
 
-async def put(store: "S3Store", key: str, phys: str, views, create: bool) -> ObjectInfo:
+async def put(store: S3Store, key: str, phys: str, views, create: bool) -> ObjectInfo:
     """Store ``views`` (concatenated) at ``phys``; see the module docstring for ``create``."""
     conn = store._conn
     size = sum(len(v) for v in views)

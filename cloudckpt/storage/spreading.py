@@ -10,7 +10,7 @@ anchor URL with the same N. Listings merge the N sorted listings back into one.
 from __future__ import annotations
 
 import heapq
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from cloudckpt.checksum import crc32c
 
@@ -47,7 +47,7 @@ async def merge_sorted(iterators: list[AsyncIterator], sort_key: Callable) -> As
     heapq.heapify(heap)
     last = None
     while heap:
-        key, idx, item = heapq.heappop(heap)
+        _, idx, item = heapq.heappop(heap)
         if item != last:
             yield item
             last = item

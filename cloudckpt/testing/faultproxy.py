@@ -29,13 +29,13 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import aiohttp
 from aiohttp import web
 from yarl import URL
 
-__all__ = ["FaultProxy", "FAULT_KINDS"]
+__all__ = ["FAULT_KINDS", "FaultProxy"]
 
 FAULT_KINDS = ("503", "500", "reset", "delay", "truncate")
 _FAILING_KINDS = ("503", "500", "reset", "truncate")
@@ -160,7 +160,7 @@ class FaultProxy:
         thread.join(30)
         self.port = None
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> FaultProxy:
         self.start()
         return self
 

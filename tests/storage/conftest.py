@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Awaitable, Callable
 
 import pytest
 

@@ -10,10 +10,15 @@ import numpy as np
 import pytest
 
 from cloudckpt.checksum import crc32c
-from cloudckpt.errors import AccessDenied, ObjectExists, ObjectNotFound, RetriesExhausted
+from cloudckpt.errors import (
+    AccessDenied,
+    ObjectExists,
+    ObjectNotFound,
+    RetriesExhausted,
+)
 from cloudckpt.storage import ObjectInfo, ReadRange, RetryOptions, open_store
 
-from .conftest import FAST_RETRY, s3_options
+from .conftest import s3_options
 
 MiB = 1024 * 1024
 

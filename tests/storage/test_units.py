@@ -42,7 +42,7 @@ def test_storage_never_imports_torch():
 
     code = ("import sys, cloudckpt.storage, cloudckpt.testing.faultproxy; "
             "sys.exit('torch' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
 def test_options_hide_secrets_and_validate():
@@ -194,7 +194,7 @@ def test_retrier_never_retries_final_errors():
 
 def test_retrier_caps_attempts_and_each_attempt():
     async def main():
-        retrier, stats = _retrier(RetryOptions(max_attempts=4, base_delay=0.0, max_delay=0.0,
+        retrier, _ = _retrier(RetryOptions(max_attempts=4, base_delay=0.0, max_delay=0.0,
                                                attempt_timeout=0.01),
                                   lambda exc: Verdict(True))
 
