@@ -52,7 +52,7 @@ class LoadOptions:
     broadcast: bool | None = None
     min_broadcast_bytes: int = 32 << 10
     broadcast_batch_bytes: int = 32 << 20
-    max_read_bytes: int = 256 << 20
+    max_read_bytes: int = 192 << 20
     max_broadcast_groups: int = 64
     share_manifest: bool = True
     timeout: float = 600.0
