@@ -77,12 +77,12 @@ def locate_region(manifest, region) -> RegionSpan:
     )
 
 
-def _prepare(manifest, region):
+def _prepare(manifest, region, span: RegionSpan | None = None):
     """Buffer, verified block ranges and a finisher that views the region in the buffer."""
     record = manifest.tensors[region.name]
     chunk = record.chunks[region.chunk_index]
     dtype = torch_dtype(record.dtype)
-    span = locate_region(manifest, region)
+    span = span or locate_region(manifest, region)
     if span.length == 0:
         empty = torch.empty(tuple(region.lengths), dtype=dtype)
         return span, [], lambda: empty
@@ -127,16 +127,17 @@ async def fetch_regions(store, manifest, regions: Sequence, *,
     by_object: dict[str, list] = defaultdict(list)
     for region in regions:
         span = locate_region(manifest, region)
-        by_object[span.object_key].append((span.start, max(span.length, 1), region))
+        by_object[span.object_key].append((span, region))
     batches: list[tuple[str, list, int]] = []
     for key, entries in by_object.items():
-        entries.sort(key=lambda e: e[0])
+        entries.sort(key=lambda e: e[0].start)
         current, size = [], 0
-        for start, length, region in entries:
+        for span, region in entries:
+            length = max(span.length, 1)
             if current and size + length > batch_limit:
                 batches.append((key, current, size))
                 current, size = [], 0
-            current.append(region)
+            current.append((span, region))
             size += length
         if current:
             batches.append((key, current, size))
@@ -151,12 +152,12 @@ async def fetch_regions(store, manifest, regions: Sequence, *,
             await lock.wait_for(lambda: in_flight == 0 or in_flight + need <= max_bytes)
             in_flight += need
         try:
-            prepared = [_prepare(manifest, r) for r in members]
+            prepared = [_prepare(manifest, r, span) for span, r in members]
             ranges = [rng for _, rs, _ in prepared for rng in rs]
             if ranges:
                 await store.read_ranges(key, ranges)
             total += sum(r.length for r in ranges)
-            for region, (_, _, finish) in zip(members, prepared):
+            for (_, region), (_, _, finish) in zip(members, prepared):
                 tensor = finish()
                 if asyncio.iscoroutinefunction(consume):
                     await consume(region, tensor)

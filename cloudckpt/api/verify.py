@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from cloudckpt.api.load import read_manifest
 from cloudckpt.errors import CloudCkptError
+from cloudckpt.planning import Region
 from cloudckpt.reader import fetch_region
 from cloudckpt.runtime import run_coroutine, shared_store
 
@@ -27,14 +28,6 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)
     objects_checked: int = 0
     bytes_checked: int = 0
-
-
-@dataclass(frozen=True)
-class _WholeChunk:
-    name: str
-    chunk_index: int
-    src_offsets: tuple
-    lengths: tuple
 
 
 def verify(url: str, *, storage=None, progress=None) -> VerifyReport:
@@ -70,7 +63,8 @@ async def _verify(url, store, manifest, progress) -> VerifyReport:
         key = manifest.objects[chunk.object_index]
         if key in bad_objects:
             return
-        region = _WholeChunk(name, index, (0,) * len(chunk.sizes), tuple(chunk.sizes))
+        region = Region(name, index, (0,) * len(chunk.sizes), tuple(chunk.sizes),
+                        chunk.byte_length)
         async with semaphore:
             try:
                 await fetch_region(store, manifest, region)
