@@ -53,3 +53,34 @@ def tensor_from_bytes(buf, dtype: torch.dtype, shape) -> torch.Tensor:
     if n == 0:
         return torch.empty(shape, dtype=dtype)
     return raw.view(dtype).reshape(shape)
+
+
+class BufferPool:
+    """Reusable flat ``uint8`` CPU buffers of one size, for data passing through on its way to a
+    destination (fetched windows, broadcast batches).
+
+    A fresh large allocation costs a page fault per 4 KiB the first time it is written (about as
+    much CPU as the copy itself); a pool hands the same, already touched, memory out again.
+    ``take()`` returns a free buffer or allocates one; ``give()`` returns it. Thread-safe. The
+    pool does not bound how many buffers exist: callers bound what they hold at once. Buffers
+    are freed with the pool.
+    """
+
+    def __init__(self, size: int):
+        import threading
+
+        self.size = int(size)
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self.allocated = 0
+
+    def take(self) -> torch.Tensor:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            self.allocated += 1
+        return torch.empty(self.size, dtype=torch.uint8)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)

@@ -6,8 +6,11 @@ A *region* is a box inside one stored chunk (see :class:`cloudckpt.planning.Regi
   :class:`~cloudckpt.errors.ChecksumError` naming the object and byte range), and returns the
   region as a tensor of the stored dtype (a strided view into a buffer cloudckpt owns). Bytes
   are only ever handed out after verification, so nothing corrupt reaches a destination.
-- :func:`fetch_regions` runs many fetches concurrently with at most ``max_bytes`` of buffers
-  alive at once; the store bounds and coalesces the requests themselves.
+- :func:`fetch_regions` reads many regions through bounded windows (see
+  :mod:`cloudckpt.planning.windows`) into pooled buffers, with at most ``max_bytes`` of buffers
+  alive at once, and hands each verified part to a consumer; the store bounds and coalesces the
+  requests themselves. :func:`read_windows` / :func:`window_boxes` are the same steps for a
+  caller that owns the buffer (broadcast batches).
 - Nothing here runs collectives.
 """
 
@@ -17,17 +20,21 @@ import asyncio
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from cloudckpt.buffers import BufferPool, byte_view
 from cloudckpt.errors import ManifestError
+from cloudckpt.planning.windows import Window, plan_windows, row_major_strides
 from cloudckpt.storage import ReadRange
 from cloudckpt.statedict import torch_dtype
 
 
-#: ``consume`` calls for regions at least this large run in a worker thread.
+#: ``consume`` calls for buffers holding at least this many bytes run in a worker thread.
 _THREAD_COPY_BYTES = 1 << 20
+#: every window starts at a multiple of this in a shared buffer (dtype views need alignment).
+WINDOW_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -42,19 +49,12 @@ class RegionSpan:
     strides: tuple[int, ...]  # element strides of the stored chunk (row-major)
 
 
-def _row_major_strides(sizes: Sequence[int]) -> tuple[int, ...]:
-    strides = [1] * len(sizes)
-    for i in range(len(sizes) - 2, -1, -1):
-        strides[i] = strides[i + 1] * max(int(sizes[i + 1]), 1)
-    return tuple(strides)
-
-
 def locate_region(manifest, region) -> RegionSpan:
     """Compute the block-aligned byte span of ``region`` inside its stored chunk."""
     record = manifest.tensors[region.name]
     chunk = record.chunks[region.chunk_index]
     itemsize = torch.empty((), dtype=torch_dtype(record.dtype)).element_size()
-    strides = _row_major_strides(chunk.sizes)
+    strides = row_major_strides(chunk.sizes)
     block = manifest.checksum_block_size
     if math.prod(region.lengths) == 0:
         return RegionSpan(manifest.objects[chunk.object_index], chunk.byte_offset, 0, 0, 0, strides)
@@ -110,66 +110,185 @@ async def fetch_region(store, manifest, region) -> torch.Tensor:
     return finish()
 
 
-async def fetch_regions(store, manifest, regions: Sequence, *,
-                        consume: Callable[[object, torch.Tensor], Awaitable[None] | None],
-                        max_bytes: int = 256 << 20) -> int:
-    """Fetch every region, calling ``consume(region, tensor)`` as each one is verified.
+def layout_windows(windows: Sequence[Window]) -> tuple[list[int], int]:
+    """Byte offset of each window in a shared buffer (each one aligned), and the bytes used."""
+    offsets, pos = [], 0
+    for w in windows:
+        offsets.append(pos)
+        pos += -(-w.length // WINDOW_ALIGN) * WINDOW_ALIGN
+    return offsets, pos
 
-    Regions of one object are read together (one ``read_ranges`` call per batch of up to
-    ``max_bytes / 4`` bytes, in object order), so the store coalesces neighbouring regions into
-    few large GETs and runs them concurrently. At most ``max_bytes`` of fetched buffers are alive
-    at once (a region larger than that is fetched alone). ``consume`` may be a coroutine
-    function; a plain one runs in a worker thread for large regions (so copies never stall the
-    event loop), hence it must be safe to call from several threads on disjoint regions. Returns
-    the bytes fetched.
+
+def window_ranges(windows: Sequence[Window], buf: torch.Tensor) -> dict[str, list[ReadRange]]:
+    """Per object key, the block ranges that read ``windows`` into ``buf`` (a flat uint8 CPU
+    tensor) at :func:`layout_windows` offsets, each with its crc32c."""
+    offsets, total = layout_windows(windows)
+    if total > buf.numel():
+        raise ValueError(f"windows need {total} bytes, the buffer holds {buf.numel()}")
+    mv = memoryview(buf.numpy()).cast("B")
+    by_key: dict[str, list[ReadRange]] = defaultdict(list)
+    for w, off in zip(windows, offsets):
+        ranges = by_key[w.object_key]
+        for j, crc in enumerate(w.crc32c):
+            lo = j * w.block_size
+            n = min(w.block_size, w.length - lo)
+            ranges.append(ReadRange(offset=w.start + lo, length=n, out=mv[off + lo:off + lo + n],
+                                    crc32c=crc))
+    return by_key
+
+
+async def read_windows(store, windows: Sequence[Window], buf: torch.Tensor) -> int:
+    """Fetch ``windows`` into ``buf`` (a flat uint8 CPU tensor) at :func:`layout_windows`
+    offsets; every block is crc-verified by the store before this returns (a mismatch raises
+    :class:`~cloudckpt.errors.ChecksumError`). Returns the bytes fetched."""
+    by_key = window_ranges(windows, buf)
+    await asyncio.gather(*(store.read_ranges(k, rs) for k, rs in by_key.items()))
+    return sum(w.length for w in windows)
+
+
+def direct_ranges(manifest, region, targets: Sequence[torch.Tensor],
+                  window_bytes: int) -> list[list[ReadRange]] | None:
+    """Block ranges that land ``region`` straight in ``targets`` (its destinations), grouped in
+    windows of about ``window_bytes``; None when that is not possible.
+
+    Possible when the region's elements are one contiguous run of its chunk and every target is
+    a contiguous CPU tensor of the stored dtype and the region's shape. The ranges deliver to
+    sinks: a target is written only with verified bytes (see :class:`ReadRange`).
     """
-    batch_limit = max(max_bytes // 4, 1)
-    by_object: dict[str, list] = defaultdict(list)
-    for region in regions:
-        span = locate_region(manifest, region)
-        by_object[span.object_key].append((span, region))
-    batches: list[tuple[str, list, int]] = []
-    for key, entries in by_object.items():
-        entries.sort(key=lambda e: e[0].start)
-        current, size = [], 0
-        for span, region in entries:
-            length = max(span.length, 1)
-            if current and size + length > batch_limit:
-                batches.append((key, current, size))
-                current, size = [], 0
-            current.append((span, region))
-            size += length
-        if current:
-            batches.append((key, current, size))
+    record = manifest.tensors[region.name]
+    dtype = torch_dtype(record.dtype)
+    lengths = tuple(int(n) for n in region.lengths)
+    numel = math.prod(lengths)
+    if numel == 0 or not targets or any(
+            t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous()
+            or tuple(t.shape) != lengths for t in targets):
+        return None
+    chunk = record.chunks[region.chunk_index]
+    strides = row_major_strides(chunk.sizes)
+    first = sum(int(o) * s for o, s in zip(region.src_offsets, strides))
+    last = sum((int(o) + n - 1) * s for o, n, s in zip(region.src_offsets, lengths, strides))
+    if last - first + 1 != numel:
+        return None
+    itemsize = record.itemsize
+    lo, hi = first * itemsize, (last + 1) * itemsize
+    if hi > chunk.byte_length:
+        raise ManifestError("region reaches past the chunk's bytes",
+                            path=f'tensors["{region.name}"].chunks[{region.chunk_index}]')
+    block = manifest.checksum_block_size
+    crcs = chunk.crc32c
+    views = [byte_view(t) for t in targets]
+    per_window = max(1, window_bytes // block)
+    b0, b1 = lo // block, -(-hi // block)
+    windows: list[list[ReadRange]] = []
+    for wb in range(b0, b1, per_window):
+        ranges = []
+        for b in range(wb, min(wb + per_window, b1)):
+            blo, bhi = b * block, min((b + 1) * block, chunk.byte_length)
+            a, z = max(blo, lo), min(bhi, hi)
+            ranges.append(ReadRange(offset=chunk.byte_offset + blo, length=bhi - blo,
+                                    crc32c=crcs[b],
+                                    sinks=tuple((a - blo, v[a - lo:z - lo]) for v in views)))
+        windows.append(ranges)
+    return windows
 
-    lock = asyncio.Condition()
-    in_flight = 0
+
+def window_boxes(window: Window, buf: torch.Tensor, offset: int, dtype: torch.dtype):
+    """``(SubBox, tensor)`` for each part of the region held by ``window``, whose bytes are at
+    ``offset`` in ``buf``: views of the stored dtype into ``buf`` (no copy)."""
+    n = window.length // window.itemsize
+    flat = buf[offset:offset + n * window.itemsize].view(dtype)
+    base = flat.storage_offset()
+    for sub in window.boxes:
+        yield sub, flat.as_strided(sub.lengths, window.strides, base + sub.first)
+
+
+async def fetch_regions(store, manifest, regions: Sequence, *,
+                        consume: Callable[[object, tuple, torch.Tensor], None],
+                        targets: Callable[[object], Sequence[torch.Tensor]] | None = None,
+                        max_bytes: int = 192 << 20, window_bytes: int = 16 << 20) -> int:
+    """Fetch every region into its destinations. Returns the bytes fetched.
+
+    When ``targets(region)`` gives destinations that :func:`direct_ranges` can fill, the
+    verified bytes land there directly (one copy from the received data, no buffer of ours).
+    Otherwise the region is read through windows of at most ``window_bytes`` (see
+    :mod:`cloudckpt.planning.windows`) into pooled buffers (at most ``max_bytes`` of them, at
+    least one, reused from window to window) and ``consume(region, offsets, tensor)`` is called
+    for each verified part: ``tensor`` is a view (stored dtype) of the part of ``region``
+    starting at ``offsets`` (relative to the region's origin), valid only during the call.
+    ``consume`` runs in a worker thread when a buffer holds 1 MiB or more (so copies never stall
+    the event loop), hence it must be safe to call from several threads on disjoint parts.
+
+    Pieces of one object are read together (one ``read_ranges`` call per batch of about
+    ``window_bytes``, in object order), so the store coalesces neighbouring regions into few
+    large GETs; at most ``max_bytes // window_bytes`` batches are in flight.
+    """
+    # per object: (start, nbytes, ranges of a direct piece or None, window, region, dtype)
+    entries: dict[str, list] = defaultdict(list)
+    slab = window_bytes
+    for region in regions:
+        direct = direct_ranges(manifest, region, targets(region), window_bytes) \
+            if targets is not None else None
+        if direct is not None:
+            for ranges in direct:
+                key = manifest.objects[manifest.tensors[region.name].chunks[
+                    region.chunk_index].object_index]
+                entries[key].append((ranges[0].offset, sum(r.length for r in ranges), ranges,
+                                     None, region, None))
+            continue
+        dtype = torch_dtype(manifest.tensors[region.name].dtype)
+        for w in plan_windows(manifest, region, window_bytes):
+            entries[w.object_key].append((w.start, w.length, None, w, region, dtype))
+            slab = max(slab, w.length)
+    if not entries:
+        return 0
+    slab = -(-slab // WINDOW_ALIGN) * WINDOW_ALIGN
+    batches: list[tuple[str, list]] = []
+    for key, members in entries.items():
+        members.sort(key=lambda e: e[0])
+        current, size = [], 0
+        for entry in members:
+            length = -(-entry[1] // WINDOW_ALIGN) * WINDOW_ALIGN
+            if current and size + length > slab:
+                batches.append((key, current))
+                current, size = [], 0
+            current.append(entry)
+            size += length
+        batches.append((key, current))
+
+    pool = BufferPool(slab)
+    slots = asyncio.Semaphore(max(1, max_bytes // slab))
     total = 0
 
-    async def one(key: str, members: list, need: int) -> None:
-        nonlocal in_flight, total
-        async with lock:
-            await lock.wait_for(lambda: in_flight == 0 or in_flight + need <= max_bytes)
-            in_flight += need
-        try:
-            prepared = [_prepare(manifest, r, span) for span, r in members]
-            ranges = [rng for _, rs, _ in prepared for rng in rs]
-            if ranges:
+    async def one(key: str, members: list) -> None:
+        nonlocal total
+        async with slots:
+            windows = [e[3] for e in members if e[3] is not None]
+            buf = pool.take() if windows else None
+            try:
+                ranges = [r for e in members if e[2] is not None for r in e[2]]
+                if windows:
+                    ranges += window_ranges(windows, buf)[key]
+                ranges.sort(key=lambda r: r.offset)
                 await store.read_ranges(key, ranges)
-            total += sum(r.length for r in ranges)
-            for (_, region), (_, _, finish) in zip(members, prepared):
-                tensor = finish()
-                if asyncio.iscoroutinefunction(consume):
-                    await consume(region, tensor)
-                elif tensor.numel() * tensor.element_size() >= _THREAD_COPY_BYTES:
-                    await asyncio.to_thread(consume, region, tensor)  # keep the loop serving I/O
-                else:
-                    consume(region, tensor)
-            del prepared, ranges
-        finally:
-            async with lock:
-                in_flight -= need
-                lock.notify_all()
+                fetched = sum(r.length for r in ranges)
+                if windows:
+                    offsets, _ = layout_windows(windows)
+                    parts = [(w, e[4], e[5]) for w, e in
+                             zip(windows, (e for e in members if e[3] is not None))]
+
+                    def copy_out() -> None:
+                        for (w, region, dtype), off in zip(parts, offsets):
+                            for sub, tensor in window_boxes(w, buf, off, dtype):
+                                consume(region, sub.offsets, tensor)
+
+                    if sum(w.length for w in windows) >= _THREAD_COPY_BYTES:
+                        await asyncio.to_thread(copy_out)  # keep the loop serving I/O
+                    else:
+                        copy_out()
+                total += fetched
+            finally:
+                if buf is not None:
+                    pool.give(buf)
 
     tasks = [asyncio.ensure_future(one(*b)) for b in batches]
     try:

@@ -32,9 +32,12 @@ from cloudckpt import layout
 from cloudckpt.errors import CheckpointNotFound, ManifestError, ObjectNotFound
 from cloudckpt.manifest import decode_manifest
 from cloudckpt.options import LoadOptions, LoadResult
-from cloudckpt.planning import (PieceSpec, Region, assign_readers, decode_local_load_plan,
+from cloudckpt.planning import (PieceSpec, assign_readers, decode_local_load_plan,
                                 encode_local_load_plan, plan_local_load)
-from cloudckpt.reader import fetch_region, fetch_regions
+from cloudckpt.buffers import BufferPool
+from cloudckpt.planning.windows import plan_windows
+from cloudckpt.reader import (WINDOW_ALIGN, fetch_regions, layout_windows, read_windows,
+                              window_boxes)
 from cloudckpt.runtime import run_coroutine, shared_store, wait_for_pending_save, submit
 from cloudckpt.stateful import resolve_stateful, restore_stateful
 from cloudckpt.storage import local_path
@@ -204,11 +207,23 @@ async def _fetch_into(store, manifest, reads, dests, max_bytes: int) -> int:
         by_region[_region_key(item)].append(item)
     regions = [items[0] for items in by_region.values()]
 
-    def consume(region, tensor):
+    def consume(region, offsets, tensor):
         for item in by_region[_region_key(region)]:
-            _dest_view(dests, item).copy_(tensor)
+            _sub_view(_dest_view(dests, item), offsets, tensor.shape).copy_(tensor)
 
-    return await fetch_regions(store, manifest, regions, consume=consume, max_bytes=max_bytes)
+    def targets(region):
+        return [_dest_view(dests, item) for item in by_region[_region_key(region)]]
+
+    return await fetch_regions(store, manifest, regions, consume=consume, targets=targets,
+                               max_bytes=max_bytes)
+
+
+def _sub_view(view: torch.Tensor, offsets, lengths) -> torch.Tensor:
+    """The box ``offsets`` + ``lengths`` of ``view``."""
+    for dim, (off, n) in enumerate(zip(offsets, lengths)):
+        if off or n != view.shape[dim]:
+            view = view.narrow(dim, off, n)
+    return view
 
 
 def _move_data(store, manifest, plans, channel, dests, options: LoadOptions):
@@ -238,66 +253,77 @@ def _move_data(store, manifest, plans, channel, dests, options: LoadOptions):
             own_reads.append(item)
     own = submit(_fetch_into(store, manifest, own_reads, dests, options.max_read_bytes // 2))
 
-    # large regions travel as slabs, so buffers stay small and fetch overlaps broadcast
-    parts = _split_broadcasts(assignment.broadcasts, sorted(kept), options.broadcast_batch_bytes)
+    # regions travel as checksum-aligned windows: the source reads them straight into the batch
+    # buffer (verified in place) and every member copies the parts it needs out of it
+    parts = _window_parts(manifest, assignment.broadcasts, sorted(kept), _WINDOW_BYTES)
     batches = _batch_broadcasts(assignment.broadcasts, parts, options.broadcast_batch_bytes)
     broadcaster.prepare(sorted({members for members, _, _ in batches}))
     fetched = received = 0
     my_batches = [k for k, (members, _, _) in enumerate(batches) if channel.rank in members]
     pending: dict[int, Any] = {}
-
+    slab = max([layout_windows([p.window for p in b[2]])[1] for b in batches] or [0]) + WINDOW_ALIGN
+    pool = BufferPool(slab)
     window_bytes = max(options.max_read_bytes // 4, options.broadcast_batch_bytes)
 
     def prefetch(pos: int) -> None:
         """Start fetching this rank's source batches among the next ones, within a byte budget,
         so its reads overlap the broadcasts of other sources."""
-        ahead = sum(sum(p.region.nbytes for p in batches[k][2]) for k in pending)
+        ahead = sum(_batch_bytes(batches[k][2]) for k in pending)
         for k in my_batches[pos:pos + 8]:
             _, src, batch_parts = batches[k]
             if src != channel.rank or k in pending:
                 continue
-            size = sum(p.region.nbytes for p in batch_parts)
+            size = _batch_bytes(batch_parts)
             if pending and ahead + size > window_bytes:
                 break
-            pending[k] = submit(_pack_regions(store, manifest, [p.region for p in batch_parts]))
+            pending[k] = submit(_pack_windows(store, [p.window for p in batch_parts], pool))
             ahead += size
 
+    dtypes = {name: torch_dtype(manifest.tensors[name].dtype)
+              for name in {assignment.broadcasts[i].region.name for i in kept}}
     failure: BaseException | None = None
     try:
         prefetch(0)
         for pos, k in enumerate(my_batches):
             members, src, batch_parts = batches[k]
             prefetch(pos + 1)
-            layout, total = _batch_layout([part.region for part in batch_parts])
-            # the last byte says whether the source could fetch and verify the batch: a failing
-            # source still takes part (with status 0), so no peer is left waiting in a broadcast
+            windows = [p.window for p in batch_parts]
+            layout, total = layout_windows(windows)
+            # the byte after the payload says whether the source could fetch and verify the
+            # batch: a failing source still takes part (with status 0), so no peer is left
+            # waiting in a broadcast
             if src == channel.rank:
                 try:
                     buf = pending.pop(k).result()
-                    fetched += total
+                    fetched += sum(w.length for w in windows)
                 except Exception as exc:  # reported to every rank by the final agree()
                     failure = failure or exc
-                    buf = torch.zeros(total + 1, dtype=torch.uint8)
+                    buf = pool.take()
+                    buf[total] = 0
             else:
-                buf = torch.empty(total + 1, dtype=torch.uint8)
-            if broadcaster.device.type != "cpu":
-                buf = buf.to(broadcaster.device)
-            broadcaster.broadcast(buf, src=src, members=members)
-            if int(buf[total].item()) != 1:
-                if failure is None:
-                    failure = RuntimeError(f"rank {src} could not read the data it broadcasts")
-                continue
-            if src != channel.rank:
-                received += total
-            for part, offset in zip(batch_parts, layout):
-                region = part.region
-                dtype = torch_dtype(manifest.tensors[region.name].dtype)
-                piece = buf[offset:offset + region.nbytes].view(dtype).reshape(tuple(region.lengths))
-                for item in items_by_broadcast.get(part.broadcast, ()):
-                    view = _dest_view(dests, item)
-                    if part.dim >= 0:
-                        view = view.narrow(part.dim, part.start, region.lengths[part.dim])
-                    view.copy_(piece)
+                buf = pool.take()
+            try:
+                wire = buf[:total + 1]
+                if broadcaster.device.type != "cpu":
+                    wire = wire.to(broadcaster.device)
+                broadcaster.broadcast(wire, src=src, members=members)
+                if int(wire[total].item()) != 1:
+                    if failure is None:
+                        failure = RuntimeError(f"rank {src} could not read the data it broadcasts")
+                    continue
+                if src != channel.rank:
+                    received += sum(w.length for w in windows)
+                for part, offset in zip(batch_parts, layout):
+                    items = items_by_broadcast.get(part.broadcast, ())
+                    if not items:
+                        continue
+                    dtype = dtypes[assignment.broadcasts[part.broadcast].region.name]
+                    for sub, piece in window_boxes(part.window, wire, offset, dtype):
+                        for item in items:
+                            _sub_view(_dest_view(dests, item), sub.offsets,
+                                      sub.lengths).copy_(piece)
+            finally:
+                pool.give(buf)
     finally:
         for fut in pending.values():
             fut.cancel()
@@ -305,6 +331,10 @@ def _move_data(store, manifest, plans, channel, dests, options: LoadOptions):
     if failure is not None:
         raise failure
     return fetched + own_fetched, received, len(my_batches)
+
+
+#: bytes per broadcast window (the unit a source fetches and verifies before sending).
+_WINDOW_BYTES = 16 << 20
 
 
 def _keep_busiest_groups(broadcasts, limit: int) -> set[int]:
@@ -318,43 +348,26 @@ def _keep_busiest_groups(broadcasts, limit: int) -> set[int]:
 
 @dataclass(frozen=True)
 class _Part:
-    """A slab of broadcast ``broadcast``'s region: rows ``start`` on ``dim`` (-1: the whole)."""
+    """One window of broadcast ``broadcast``'s region."""
 
     broadcast: int
-    region: Any
-    dim: int = -1
-    start: int = 0
+    window: Any
 
 
-def _split_broadcasts(broadcasts, indices, slab_bytes: int) -> list[_Part]:
-    """Cut regions larger than ``slab_bytes`` into slabs along their first dimension longer than
-    one (in order). Pure: every rank gets the same list."""
-    parts: list[_Part] = []
-    for i in indices:
-        region = broadcasts[i].region
-        dims = [d for d, n in enumerate(region.lengths) if n > 1]
-        if region.nbytes <= slab_bytes or not dims:
-            parts.append(_Part(i, region))
-            continue
-        dim = dims[0]
-        rows = region.lengths[dim]
-        row_bytes = region.nbytes // rows
-        step = max(1, slab_bytes // max(row_bytes, 1))
-        for start in range(0, rows, step):
-            n = min(step, rows - start)
-            offsets = list(region.src_offsets)
-            offsets[dim] += start
-            lengths = list(region.lengths)
-            lengths[dim] = n
-            sub = Region(region.name, region.chunk_index, tuple(offsets), tuple(lengths),
-                         row_bytes * n)
-            parts.append(_Part(i, sub, dim, start))
-    return parts
+def _window_parts(manifest, broadcasts, indices, window_bytes: int) -> list[_Part]:
+    """The windows of every kept broadcast's region, in order. Pure: identical on every rank."""
+    return [_Part(i, w) for i in indices
+            for w in plan_windows(manifest, broadcasts[i].region, window_bytes)]
+
+
+def _batch_bytes(parts) -> int:
+    return layout_windows([p.window for p in parts])[1]
 
 
 def _batch_broadcasts(broadcasts, parts: list[_Part], batch_bytes: int):
     """Group ``parts`` (in global order) by their broadcast's (group, src), in order of first
-    appearance, cut into batches of at most ``batch_bytes``.
+    appearance, cut into batches of at most ``batch_bytes`` (a window larger than that travels
+    alone).
 
     Batches of different (group, src) are then interleaved round-robin. Returns
     ``[(members, src, [parts])]``, identical on every rank.
@@ -364,13 +377,14 @@ def _batch_broadcasts(broadcasts, parts: list[_Part], batch_bytes: int):
     for part in parts:
         b = broadcasts[part.broadcast]
         key = (tuple(b.group), b.src)
+        size = -(-part.window.length // WINDOW_ALIGN) * WINDOW_ALIGN
         batch = open_batch.get(key)
-        if batch is None or (batch[3] and batch[3] + part.region.nbytes > batch_bytes):
+        if batch is None or (batch[3] and batch[3] + size > batch_bytes):
             batch = [tuple(b.group), b.src, [], 0]
             open_batch[key] = batch
             batches.append(batch)
         batch[2].append(part)
-        batch[3] += part.region.nbytes
+        batch[3] += size
     # interleave sources round-robin, so every source's reads run while others broadcast
     queues: dict[tuple, list] = {}
     for batch in batches:
@@ -384,30 +398,17 @@ def _batch_broadcasts(broadcasts, parts: list[_Part], batch_bytes: int):
     return [(m, s, p) for m, s, p, _ in ordered]
 
 
-_ALIGN = 16  # every region starts at a multiple of this in a batch buffer (dtype views need it)
-
-
-def _batch_layout(regions) -> tuple[list[int], int]:
-    """Byte offset of each region in a batch buffer, and the payload size (aligned layout)."""
-    offsets, pos = [], 0
-    for region in regions:
-        offsets.append(pos)
-        pos += -(-region.nbytes // _ALIGN) * _ALIGN
-    return offsets, pos
-
-
-async def _pack_regions(store, manifest, regions) -> torch.Tensor:
-    """Fetch regions (verified) into one flat uint8 buffer laid out by :func:`_batch_layout`,
-    followed by one status byte set to 1."""
-    parts = await asyncio.gather(*(fetch_region(store, manifest, r) for r in regions))
-    layout, total = _batch_layout(regions)
-    out = torch.zeros(total + 1, dtype=torch.uint8)
-    for region, part, offset in zip(regions, parts, layout):
-        if region.nbytes:
-            target = out[offset:offset + region.nbytes].view(part.dtype).reshape(part.shape)
-            target.copy_(part)
-    out[total] = 1
-    return out
+async def _pack_windows(store, windows, pool: BufferPool) -> torch.Tensor:
+    """Fetch ``windows`` (verified) into a pooled buffer laid out by :func:`layout_windows`,
+    followed by one status byte set to 1. The caller gives the buffer back to ``pool``."""
+    buf = pool.take()
+    try:
+        await read_windows(store, windows, buf)
+    except BaseException:
+        pool.give(buf)
+        raise
+    buf[layout_windows(windows)[1]] = 1
+    return buf
 
 
 def _assign_value(original, resolved, found, path: tuple, value) -> None:

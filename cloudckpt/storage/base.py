@@ -56,12 +56,20 @@ class UploadInfo:
 @dataclass(frozen=True)
 class ReadRange:
     """``length`` bytes at ``offset`` of one object. ``out`` (exactly ``length`` bytes, writable)
-    receives them if given; ``crc32c`` is verified when given."""
+    receives them if given; ``crc32c`` is verified when given.
+
+    ``sinks`` (instead of ``out``; needs ``crc32c``): ``(position, view)`` pairs; bytes
+    ``[position, position + len(view))`` of the range are copied into ``view`` only after the
+    whole range has been verified. A sink of a range that fails verification keeps its previous
+    contents, so sinks may be a caller's final destination (a tensor's memory) while ``out`` is
+    written as bytes arrive, before verification.
+    """
 
     offset: int
     length: int
     out: memoryview | None = None
     crc32c: int | None = None
+    sinks: tuple[tuple[int, memoryview], ...] = ()
 
 
 @dataclass
@@ -102,9 +110,10 @@ class ObjectStore(Protocol):
         ``read_ranges`` with destination buffers."""
 
     async def read_ranges(self, key: str, ranges: Sequence[ReadRange]) -> list[memoryview]:
-        """One view per range, in order (the range's ``out`` when given). Close ranges are
-        coalesced, others fetched concurrently; a range with ``crc32c`` is verified and a mismatch
-        raises ``ChecksumError``; a range past the end raises ``InvalidRange``."""
+        """One view per range, in order (the range's ``out`` when given, an empty view for a range
+        with ``sinks``). Close ranges are coalesced, others fetched concurrently; a range with
+        ``crc32c`` is verified and a mismatch raises ``ChecksumError``; a range past the end
+        raises ``InvalidRange``. Sinks are written only with verified bytes."""
 
     async def head(self, key: str) -> ObjectInfo:
         """Size and etag of ``key`` (``ObjectNotFound`` if missing)."""
@@ -195,6 +204,14 @@ def check_ranges(ranges: Sequence[ReadRange]) -> list[memoryview | None]:
     for r in ranges:
         if r.offset < 0 or r.length < 0:
             raise ConfigError(f"bad read range offset={r.offset} length={r.length}")
+        if r.sinks:
+            if r.out is not None or r.crc32c is None:
+                raise ConfigError("ReadRange.sinks need crc32c and exclude out")
+            for pos, view in r.sinks:
+                if not isinstance(view, memoryview) or view.readonly or view.format != "B" \
+                        or view.ndim != 1 or pos < 0 or pos + len(view) > r.length:
+                    raise ConfigError("a ReadRange sink must be a writable flat byte view "
+                                      "inside the range")
         if r.out is None:
             outs.append(None)
             continue

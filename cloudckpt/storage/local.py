@@ -50,7 +50,8 @@ from cloudckpt.storage.base import (
     run_all,
 )
 from cloudckpt.storage.options import StorageOptions
-from cloudckpt.storage.ranges import bad_crc_ranges, checksum_error, crc_of, plan_pieces
+from cloudckpt.storage.ranges import (HeldRange, bad_crc_ranges, checksum_error, crc_of,
+                                      plan_pieces)
 
 T = TypeVar("T")
 _TMP_MARK = ".cloudckpt-tmp-"
@@ -210,8 +211,9 @@ class LocalStore:
     async def read_ranges(self, key: str, ranges: Sequence[ReadRange]) -> list[memoryview]:
         path = self._path(key)
         outs = check_ranges(ranges)
-        views = [o if o is not None else memoryview(bytearray(r.length))
-                 for r, o in zip(ranges, outs)]
+        held = [HeldRange(r) if r.sinks else None for r in ranges]
+        views = [o if o is not None else memoryview(bytearray(0 if h is not None else r.length))
+                 for r, o, h in zip(ranges, outs, held)]
         offsets = [r.offset for r in ranges]
         lengths = [r.length for r in ranges]
         pieces = plan_pieces(offsets, lengths, gap=self.options.coalesce_gap,
@@ -232,14 +234,23 @@ class LocalStore:
                         for i in piece.members:
                             lo, hi = max(offsets[i], piece.start), min(offsets[i] + lengths[i],
                                                                        piece.end)
-                            _pread_into(fd, views[i][lo - offsets[i]:hi - offsets[i]], lo)
+                            if held[i] is not None:  # verified, then copied to the sinks
+                                part = memoryview(bytearray(hi - lo))
+                                _pread_into(fd, part, lo)
+                                held[i].add(lo - offsets[i], part)
+                            else:
+                                _pread_into(fd, views[i][lo - offsets[i]:hi - offsets[i]], lo)
                     return run
 
                 await run_all(self._run("get", key, reader(p)) for p in pieces)
             finally:
                 os.close(fd)
             self.stats.bytes_received += sum(p.length for p in pieces)
-        crcs = [r.crc32c for r in ranges]
+        for i, h in enumerate(held):
+            if h is not None and not h.ok:
+                raise checksum_error(self.url, key, offsets[i], lengths[i],
+                                     ranges[i].crc32c & 0xFFFFFFFF, h.actual)
+        crcs = [None if h is not None else r.crc32c for r, h in zip(ranges, held)]
         for i in await bad_crc_ranges(offsets, crcs, views):
             raise checksum_error(self.url, key, offsets[i], lengths[i], crcs[i] & 0xFFFFFFFF,
                                  await crc_of(views[i]))

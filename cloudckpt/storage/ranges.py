@@ -8,8 +8,11 @@ Pure (no I/O): shared by every backend.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from cloudckpt.checksum import crc32c
 from cloudckpt.errors import ChecksumError
@@ -91,6 +94,81 @@ class Scatter:
                     src = chunk if isinstance(chunk, memoryview) else memoryview(chunk)
                 out[a - off:b - off] = src[a - pos:b - pos]
             i += 1
+
+
+class HeldRange:
+    """A range delivered to sinks: collects its bytes as they arrive (references to the received
+    chunks, no copy), keeps a running crc32c while they come in order, and once all ``length``
+    bytes are there checks the crc and copies the verified bytes into the sinks.
+
+    Used as the ``out`` of a :class:`Scatter` member (slice assignment) or fed directly with
+    :meth:`add`. Thread-safe. ``ok`` is None until complete, then whether the crc matched;
+    ``actual`` is the crc found. With ``loop`` given, the check and the copy of a completed range
+    run in that loop's default executor and ``done`` is the future to await; otherwise they run
+    in the thread that delivers the last byte.
+    """
+
+    def __init__(self, rng, loop: asyncio.AbstractEventLoop | None = None):
+        self.range = rng
+        self.ok: bool | None = None
+        self.actual: int | None = None
+        self.done: asyncio.Future | None = None
+        self._loop = loop
+        self._parts: list[tuple[int, memoryview]] = []
+        self._got = 0
+        self._next = 0
+        self._crc = 0
+        self._in_order = True
+        self._lock = threading.Lock()
+        if rng.length == 0:
+            self._finish()
+
+    def __setitem__(self, where: slice, src) -> None:
+        self.add(where.start or 0, src)
+
+    def add(self, pos: int, src) -> None:
+        """Bytes ``src`` at ``pos`` inside the range (``src`` must stay unchanged until complete)."""
+        view = src if isinstance(src, memoryview) else memoryview(src)
+        with self._lock:
+            self._parts.append((pos, view))
+            if self._in_order and pos == self._next:
+                self._crc = crc32c(view, self._crc)
+                self._next += len(view)
+            else:
+                self._in_order = False
+            self._got += len(view)
+            complete = self._got >= self.range.length
+        if complete:
+            if self._loop is not None:
+                self.done = self._loop.run_in_executor(None, self._finish)
+            else:
+                self._finish()
+
+    def _finish(self) -> None:
+        parts = sorted(self._parts, key=lambda p: p[0])
+        crc = self._crc
+        if not self._in_order:
+            crc = 0
+            for _, view in parts:
+                crc = crc32c(view, crc)
+        self.actual = crc
+        self.ok = crc == self.range.crc32c & 0xFFFFFFFF
+        if self.ok:
+            for pos, sink in self.range.sinks:
+                _copy_parts(parts, pos, sink)
+        self._parts = []
+
+
+def _copy_parts(parts: list[tuple[int, memoryview]], pos: int, sink: memoryview) -> None:
+    """Copy bytes ``[pos, pos + len(sink))`` of the range held as ``parts`` into ``sink`` (numpy
+    copies release the GIL)."""
+    end = pos + len(sink)
+    dst = np.frombuffer(sink, dtype=np.uint8)
+    for at, view in parts:
+        lo, hi = max(at, pos), min(at + len(view), end)
+        if lo < hi:
+            dst[lo - pos:hi - pos] = np.frombuffer(view, dtype=np.uint8, count=hi - lo,
+                                                   offset=lo - at)
 
 
 async def crc_of(view: memoryview) -> int:

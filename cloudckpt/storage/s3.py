@@ -33,6 +33,7 @@ from cloudckpt.storage.base import (
 )
 from cloudckpt.storage.options import StorageOptions
 from cloudckpt.storage.ranges import (
+    HeldRange,
     Scatter,
     bad_crc_ranges,
     checksum_error,
@@ -306,23 +307,36 @@ class S3Store:
         offsets = [r.offset for r in ranges]
         lengths = [r.length for r in ranges]
         budget = self._conn.budget
-        held = await budget.acquire(sum(r.length for r, o in zip(ranges, outs) if o is None))
+        loop = asyncio.get_running_loop()
+        held = [HeldRange(r, loop) if r.sinks else None for r in ranges]
+        held_bytes = sum(r.length for r, o, h in zip(ranges, outs, held) if o is None and h is None)
+        held_budget = await budget.acquire(held_bytes)
         try:
-            views = [o if o is not None else memoryview(bytearray(r.length))
-                     for r, o in zip(ranges, outs)]
-            await self._fetch_into(key, phys, offsets, lengths, views,
-                                   gap=self.options.coalesce_gap)
-            crcs = [r.crc32c for r in ranges]
-            for i in await bad_crc_ranges(offsets, crcs, views):
+            views = [h if h is not None else o if o is not None
+                     else memoryview(bytearray(r.length))
+                     for r, o, h in zip(ranges, outs, held)]
+            try:
+                await self._fetch_into(key, phys, offsets, lengths, views,
+                                       gap=self.options.coalesce_gap)
+            finally:  # copies into sinks must be over before the caller sees an outcome
+                await _settle(held)
+            crcs = [None if h is not None else r.crc32c for r, h in zip(ranges, held)]
+            bad = await bad_crc_ranges(offsets, crcs, views)
+            bad += [i for i, h in enumerate(held) if h is not None and not h.ok]
+            for i in sorted(bad):
                 # One more read of just that range (a damaged transfer); then it is the object.
-                await self._fetch_into(key, phys, [offsets[i]], [lengths[i]], [views[i]])
-                actual = await crc_of(views[i])
-                if actual != crcs[i] & 0xFFFFFFFF:
+                again = HeldRange(ranges[i], loop) if held[i] is not None else views[i]
+                try:
+                    await self._fetch_into(key, phys, [offsets[i]], [lengths[i]], [again])
+                finally:
+                    await _settle([again] if held[i] is not None else [])
+                actual = again.actual if held[i] is not None else await crc_of(views[i])
+                if actual != ranges[i].crc32c & 0xFFFFFFFF:
                     raise checksum_error(self.url, key, offsets[i], lengths[i],
-                                         crcs[i] & 0xFFFFFFFF, actual)
-            return views
+                                         ranges[i].crc32c & 0xFFFFFFFF, actual)
+            return [memoryview(b"") if h is not None else v for v, h in zip(views, held)]
         finally:
-            budget.release(held)
+            budget.release(held_budget)
 
     async def _fetch_into(self, key: str, phys: str, offsets, lengths, views, *,
                           gap: int = 0) -> None:
@@ -438,3 +452,13 @@ def _info(key: str, size, resp: dict) -> ObjectInfo:
 
 
 __all__ = ["S3Connection", "S3Store", "error_code"]
+
+
+async def _settle(held) -> None:
+    """Wait for the verification and sink copies of completed held ranges."""
+    pending = [h.done for h in held if h is not None and h.done is not None]
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+        for fut in pending:
+            if fut.exception() is not None:
+                raise fut.exception()

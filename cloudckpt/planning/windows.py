@@ -1,0 +1,141 @@
+"""Read windows: how a region's stored bytes are fetched in bounded, checksum-aligned pieces.
+
+A *window* is a run of whole checksum blocks of one stored chunk, at most ``max_bytes`` long
+(never less than one block). A region (a box inside a chunk, :class:`Region`) is read as the
+windows covering the blocks that hold its elements; each window carries the sub-boxes of the
+region whose elements lie in it, so a reader can verify a window's blocks and copy those
+sub-boxes out before the next window arrives, with buffers that never exceed one window.
+
+Contract (pure: ints and tuples, no I/O, no torch):
+- every element of the region belongs to exactly one sub-box of exactly one window;
+- windows of one region never share a block, so no byte is fetched twice for one region;
+- windows whose blocks hold no element of the region are left out (a strided region skips the
+  blocks between its rows when they are whole windows);
+- every window starts on an element boundary, and a window that does not end the region ends on
+  one too, so its bytes (the first ``length // itemsize`` elements) view as the stored dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from cloudckpt.errors import ManifestError
+from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
+
+
+@dataclass(frozen=True)
+class SubBox:
+    """Part of a region inside one window: ``offsets``/``lengths`` relative to the region's own
+    origin, and ``first`` the element index (inside the window's bytes) of its first element."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    first: int
+
+
+@dataclass(frozen=True)
+class Window:
+    """Blocks ``first_block`` .. ``first_block + len(crc32c) - 1`` of a chunk: bytes
+    ``[start, start + length)`` of ``object_key``; ``strides`` are the chunk's element strides."""
+
+    object_key: str
+    start: int
+    length: int
+    first_block: int
+    crc32c: tuple[int, ...]
+    block_size: int
+    itemsize: int
+    strides: tuple[int, ...]
+    boxes: tuple[SubBox, ...]
+
+
+def row_major_strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Element strides of a dense row-major array of ``sizes`` (a zero size counts as one)."""
+    strides = [1] * len(sizes)
+    for i in range(len(sizes) - 2, -1, -1):
+        strides[i] = strides[i + 1] * max(int(sizes[i + 1]), 1)
+    return tuple(strides)
+
+
+def boxes_in_flat_range(offsets: Sequence[int], lengths: Sequence[int], sizes: Sequence[int],
+                        lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Split the part of a box lying in flat element range ``[lo, hi)`` into boxes.
+
+    The box is ``offsets``/``lengths`` inside a row-major array of ``sizes``; returned boxes are
+    ``(offsets, lengths)`` relative to the box's own origin, disjoint, at most ``2 * ndim + 1``,
+    and together hold exactly the box's elements whose flat index is in ``[lo, hi)``.
+    """
+    if not sizes:
+        return [((), ())] if lo <= 0 < hi else []
+    if any(n == 0 for n in lengths) or lo >= hi:
+        return []
+    stride = math.prod(sizes[1:])
+    a0, a1 = offsets[0], offsets[0] + lengths[0]
+    rest = len(sizes) - 1
+    out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    first_row, last_row = lo // stride, hi // stride
+    partial_first = lo % stride != 0
+    if partial_first and a0 <= first_row < a1:
+        row_lo = first_row * stride
+        for o, n in boxes_in_flat_range(offsets[1:], lengths[1:], sizes[1:], lo - row_lo,
+                                        min(hi, row_lo + stride) - row_lo):
+            out.append(((first_row - a0,) + o, (1,) + n))
+    full_lo = max(a0, -(-lo // stride))
+    full_hi = min(a1, hi // stride)
+    if full_lo < full_hi:
+        out.append(((full_lo - a0,) + (0,) * rest, (full_hi - full_lo,) + tuple(lengths[1:])))
+    if hi % stride != 0 and a0 <= last_row < a1 and not (partial_first and last_row == first_row):
+        row_lo = last_row * stride
+        for o, n in boxes_in_flat_range(offsets[1:], lengths[1:], sizes[1:], 0, hi - row_lo):
+            out.append(((last_row - a0,) + o, (1,) + n))
+    return out
+
+
+def plan_windows(manifest, region, max_bytes: int) -> list[Window]:
+    """The windows (see module doc) through which ``region`` of ``manifest`` is read.
+
+    An empty region has no windows. Raises :class:`ManifestError` when the region reaches past
+    its chunk's bytes.
+    """
+    record = manifest.tensors[region.name]
+    chunk = record.chunks[region.chunk_index]
+    itemsize = DTYPE_ITEMSIZE[record.dtype]
+    sizes = tuple(int(s) for s in chunk.sizes)
+    lengths = tuple(int(n) for n in region.lengths)
+    offsets = tuple(int(o) for o in region.src_offsets)
+    if math.prod(lengths) == 0:
+        return []
+    strides = row_major_strides(sizes)
+    first = sum(o * s for o, s in zip(offsets, strides))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
+    if (last + 1) * itemsize > chunk.byte_length:
+        raise ManifestError("region reaches past the chunk's bytes",
+                            path=f'tensors["{region.name}"].chunks[{region.chunk_index}]')
+    block = manifest.checksum_block_size
+    crcs = chunk.crc32c
+    key = manifest.objects[chunk.object_index]
+    per_window = max(1, max_bytes // block)
+    b, b_end = first * itemsize // block, -(-(last + 1) * itemsize // block)
+    while (b * block) % itemsize:  # start on an element boundary (odd block sizes only)
+        b -= 1
+    windows: list[Window] = []
+    while b < b_end:
+        e = min(b + per_window, b_end)
+        while e < b_end and (e * block) % itemsize:  # end on an element boundary
+            e += 1
+        lo_byte = b * block
+        hi_byte = min(e * block, chunk.byte_length)
+        lo_el, hi_el = lo_byte // itemsize, hi_byte // itemsize
+        boxes = boxes_in_flat_range(offsets, lengths, sizes, lo_el, hi_el)
+        if boxes:
+            windows.append(Window(
+                object_key=key, start=chunk.byte_offset + lo_byte, length=hi_byte - lo_byte,
+                first_block=b, crc32c=tuple(crcs[b:e]), block_size=block, itemsize=itemsize,
+                strides=strides,
+                boxes=tuple(SubBox(o, n, sum((off + bo) * s for off, bo, s in
+                                             zip(offsets, o, strides)) - lo_el)
+                            for o, n in boxes)))
+        b = e
+    return windows

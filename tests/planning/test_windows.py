@@ -1,0 +1,112 @@
+"""Read windows: every element of a region in exactly one sub-box of one window, block-aligned
+windows that never share a block, bounded window size, views that land on the right elements."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cloudckpt.errors import ManifestError
+from cloudckpt.planning import Region
+from cloudckpt.planning.windows import boxes_in_flat_range, plan_windows, row_major_strides
+from tests.planning.test_load_plan import manifest_with
+
+
+def _flat_indices(offsets, lengths, sizes):
+    """Flat indices (row-major in ``sizes``) of the box's elements, in box order."""
+    grids = np.meshgrid(*[np.arange(o, o + n) for o, n in zip(offsets, lengths)], indexing="ij")
+    strides = row_major_strides(sizes)
+    return sum((g * s for g, s in zip(grids, strides)), np.zeros(lengths, dtype=np.int64)).reshape(-1)
+
+
+@st.composite
+def boxes(draw):
+    ndim = draw(st.integers(0, 4))
+    sizes = tuple(draw(st.integers(1, 6)) for _ in range(ndim))
+    offsets = tuple(draw(st.integers(0, s - 1)) for s in sizes)
+    lengths = tuple(draw(st.integers(1, s - o)) for s, o in zip(sizes, offsets))
+    return sizes, offsets, lengths
+
+
+@settings(max_examples=300, deadline=None)
+@given(boxes(), st.data())
+def test_boxes_in_flat_range_cover_exactly_the_elements_in_range(box, data):
+    sizes, offsets, lengths = box
+    total = math.prod(sizes)
+    lo = data.draw(st.integers(0, total))
+    hi = data.draw(st.integers(lo, total))
+    parts = boxes_in_flat_range(offsets, lengths, sizes, lo, hi)
+    assert len(parts) <= 2 * len(sizes) + 1
+    got = []
+    for o, n in parts:
+        assert all(x >= 1 for x in n)
+        abs_off = tuple(a + b for a, b in zip(offsets, o))
+        assert all(a + b <= a0 + b0 for a, b, a0, b0 in zip(o, n, (0,) * len(o), lengths))
+        got.extend(_flat_indices(abs_off, n, sizes).tolist())
+    want = [i for i in _flat_indices(offsets, lengths, sizes).tolist() if lo <= i < hi]
+    assert sorted(got) == sorted(want) and len(got) == len(set(got))
+
+
+@settings(max_examples=300, deadline=None)
+@given(boxes(), st.sampled_from(["float32", "int64", "bfloat16", "bool"]),
+       st.sampled_from([1, 3, 4, 8, 16, 24, 64]), st.integers(1, 200))
+def test_windows_cover_region_once_and_view_the_right_bytes(box, dtype, block, max_bytes):
+    sizes, offsets, lengths = box
+    itemsize = {"float32": 4, "int64": 8, "bfloat16": 2, "bool": 1}[dtype]
+    m = manifest_with({"t": (dtype, sizes, [((0,) * len(sizes), sizes)])}, block=block)
+    region = Region("t", 0, offsets, lengths, math.prod(lengths) * itemsize)
+    windows = plan_windows(m, region, max_bytes)
+    chunk_bytes = math.prod(sizes) * itemsize
+    chunk = np.arange(math.prod(sizes), dtype=np.int64)  # element i holds value i
+    seen = np.zeros(lengths, dtype=np.int64)
+    blocks_used: set[int] = set()
+    for w in windows:
+        assert w.start % block == 0 or w.start + w.length == chunk_bytes
+        assert w.start % itemsize == 0  # the view starts on an element
+        assert w.length <= max(max_bytes, block) + block * itemsize
+        nblocks = len(w.crc32c)
+        assert nblocks == -(-w.length // block)
+        mine = set(range(w.first_block, w.first_block + nblocks))
+        assert not (mine & blocks_used)
+        blocks_used |= mine
+        window = chunk[w.start // itemsize:(w.start + w.length) // itemsize]
+        for sub in w.boxes:
+            view = np.lib.stride_tricks.as_strided(
+                window[sub.first:], shape=sub.lengths,
+                strides=tuple(s * 8 for s in w.strides)) if sub.lengths else window[sub.first]
+            abs_off = tuple(a + b for a, b in zip(offsets, sub.offsets))
+            expect = _flat_indices(abs_off, sub.lengths, sizes).reshape(sub.lengths)
+            assert np.array_equal(np.asarray(view), expect)
+            idx = tuple(slice(o, o + n) for o, n in zip(sub.offsets, sub.lengths))
+            seen[idx] += 1
+    assert (seen == 1).all()
+
+
+def test_strided_region_skips_windows_without_its_elements():
+    # rows of 1024 float32 (4 KiB); the region takes 1 column: blocks of 4 KiB hold one row
+    # each, so every block holds an element; with a 2-column region in 8 KiB rows, half skip
+    m = manifest_with({"t": ("float32", (8, 2048), [((0, 0), (8, 2048))])}, block=4096)
+    windows = plan_windows(m, Region("t", 0, (0, 0), (8, 2), 64), 4096)
+    assert [w.first_block for w in windows] == [0, 2, 4, 6, 8, 10, 12, 14]
+
+
+def test_whole_chunk_windows_are_max_bytes_apart():
+    m = manifest_with({"t": ("float32", (1 << 20,), [((0,), (1 << 20,))])}, block=1 << 20)
+    windows = plan_windows(m, Region("t", 0, (0,), (1 << 20,), 4 << 20), 2 << 20)
+    assert [(w.start, w.length) for w in windows] == [(0, 2 << 20), (2 << 20, 2 << 20)]
+    assert [len(w.boxes) for w in windows] == [1, 1]
+
+
+def test_region_past_chunk_is_a_manifest_error():
+    m = manifest_with({"t": ("float32", (4,), [((0,), (4,))])})
+    with pytest.raises(ManifestError):
+        plan_windows(m, Region("t", 0, (2,), (4,), 16), 1 << 20)
+
+
+def test_empty_region_has_no_windows():
+    m = manifest_with({"t": ("float32", (4, 0), [((0, 0), (4, 0))])})
+    assert plan_windows(m, Region("t", 0, (0, 0), (4, 0), 0), 1 << 20) == []
