@@ -39,8 +39,11 @@ class LoadOptions:
       filesystem every rank reading the page cache beats sending the bytes over gloo.
     - ``min_broadcast_bytes``: regions smaller than this are read by every rank that needs them.
     - ``broadcast_batch_bytes``: regions going to the same group are sent in broadcasts of up to
-      this many bytes (larger regions are cut into slabs), so the source fetches the next batch
-      while the current one travels, and buffers stay small.
+      this many bytes (larger regions are cut into checksum-aligned windows of up to 16 MiB or
+      this size, whichever is smaller), so the source fetches the next batch while the current
+      one travels, and buffers stay small. A region of at least 1 MiB (or this size) stored as
+      one contiguous run travels in broadcasts of its own, from the source's destination
+      straight into each receiver's.
     - ``max_read_bytes``: fetched buffers alive at once per rank (bounds memory).
     - ``max_broadcast_groups``: at most this many distinct subgroups are created; regions of the
       least used groups are then read by each rank instead.

@@ -26,7 +26,8 @@ import torch
 
 from cloudckpt.buffers import BufferPool, byte_view
 from cloudckpt.errors import ManifestError
-from cloudckpt.planning.windows import Window, plan_windows, row_major_strides
+from cloudckpt.planning.windows import (RunWindow, Window, plan_run_windows, plan_windows,
+                                         row_major_strides)
 from cloudckpt.storage import ReadRange
 from cloudckpt.statedict import torch_dtype
 
@@ -146,6 +147,15 @@ async def read_windows(store, windows: Sequence[Window], buf: torch.Tensor) -> i
     return sum(w.length for w in windows)
 
 
+def run_ranges(window: RunWindow, views: Sequence[memoryview], base: int = 0) -> list[ReadRange]:
+    """Block ranges that deliver ``window`` (verified) into each of ``views``, flat byte views
+    whose byte 0 is the region's byte ``base``."""
+    return [ReadRange(offset=b.offset, length=b.length, crc32c=b.crc32c,
+                      sinks=tuple((b.keep_at, v[b.region_pos - base:b.region_pos - base + b.keep_len])
+                                  for v in views))
+            for b in window.blocks]
+
+
 def direct_ranges(manifest, region, targets: Sequence[torch.Tensor],
                   window_bytes: int) -> list[list[ReadRange]] | None:
     """Block ranges that land ``region`` straight in ``targets`` (its destinations), grouped in
@@ -155,41 +165,16 @@ def direct_ranges(manifest, region, targets: Sequence[torch.Tensor],
     a contiguous CPU tensor of the stored dtype and the region's shape. The ranges deliver to
     sinks: a target is written only with verified bytes (see :class:`ReadRange`).
     """
-    record = manifest.tensors[region.name]
-    dtype = torch_dtype(record.dtype)
+    dtype = torch_dtype(manifest.tensors[region.name].dtype)
     lengths = tuple(int(n) for n in region.lengths)
-    numel = math.prod(lengths)
-    if numel == 0 or not targets or any(
-            t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous()
-            or tuple(t.shape) != lengths for t in targets):
+    if not targets or any(t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous()
+                          or tuple(t.shape) != lengths for t in targets):
         return None
-    chunk = record.chunks[region.chunk_index]
-    strides = row_major_strides(chunk.sizes)
-    first = sum(int(o) * s for o, s in zip(region.src_offsets, strides))
-    last = sum((int(o) + n - 1) * s for o, n, s in zip(region.src_offsets, lengths, strides))
-    if last - first + 1 != numel:
+    windows = plan_run_windows(manifest, region, window_bytes)
+    if windows is None:
         return None
-    itemsize = record.itemsize
-    lo, hi = first * itemsize, (last + 1) * itemsize
-    if hi > chunk.byte_length:
-        raise ManifestError("region reaches past the chunk's bytes",
-                            path=f'tensors["{region.name}"].chunks[{region.chunk_index}]')
-    block = manifest.checksum_block_size
-    crcs = chunk.crc32c
     views = [byte_view(t) for t in targets]
-    per_window = max(1, window_bytes // block)
-    b0, b1 = lo // block, -(-hi // block)
-    windows: list[list[ReadRange]] = []
-    for wb in range(b0, b1, per_window):
-        ranges = []
-        for b in range(wb, min(wb + per_window, b1)):
-            blo, bhi = b * block, min((b + 1) * block, chunk.byte_length)
-            a, z = max(blo, lo), min(bhi, hi)
-            ranges.append(ReadRange(offset=chunk.byte_offset + blo, length=bhi - blo,
-                                    crc32c=crcs[b],
-                                    sinks=tuple((a - blo, v[a - lo:z - lo]) for v in views)))
-        windows.append(ranges)
-    return windows
+    return [run_ranges(w, views) for w in windows]
 
 
 def window_boxes(window: Window, buf: torch.Tensor, offset: int, dtype: torch.dtype):

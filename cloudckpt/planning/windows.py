@@ -139,3 +139,74 @@ def plan_windows(manifest, region, max_bytes: int) -> list[Window]:
                             for o, n in boxes)))
         b = e
     return windows
+
+
+@dataclass(frozen=True)
+class BlockRead:
+    """One checksum block to read (``offset``/``length`` in its object, with its ``crc32c``)
+    whose bytes ``[keep_at, keep_at + keep_len)`` are the region's bytes starting at
+    ``region_pos`` (the rest of the block is outside the region: verified, then dropped)."""
+
+    offset: int
+    length: int
+    crc32c: int
+    keep_at: int
+    keep_len: int
+    region_pos: int
+
+
+@dataclass(frozen=True)
+class RunWindow:
+    """Bytes ``[lo, hi)`` of a region stored as one contiguous run, read as whole blocks."""
+
+    object_key: str
+    lo: int
+    hi: int
+    blocks: tuple[BlockRead, ...]
+
+
+def plan_run_windows(manifest, region, max_bytes: int) -> list[RunWindow] | None:
+    """The windows of a region whose elements are one contiguous run of its chunk (so its bytes
+    can go straight to a contiguous destination); None for any other region, or an empty one.
+
+    Windows are runs of whole checksum blocks of about ``max_bytes`` (at least one block); they
+    cover the region's bytes in order, without overlap, and every window boundary falls on an
+    element boundary. Raises :class:`ManifestError` when the region reaches past its chunk.
+    """
+    record = manifest.tensors[region.name]
+    chunk = record.chunks[region.chunk_index]
+    lengths = tuple(int(n) for n in region.lengths)
+    numel = math.prod(lengths)
+    if numel == 0:
+        return None
+    strides = row_major_strides(tuple(int(s) for s in chunk.sizes))
+    first = sum(int(o) * s for o, s in zip(region.src_offsets, strides))
+    last = sum((int(o) + n - 1) * s for o, n, s in zip(region.src_offsets, lengths, strides))
+    if last - first + 1 != numel:
+        return None
+    itemsize = DTYPE_ITEMSIZE[record.dtype]
+    lo, hi = first * itemsize, (last + 1) * itemsize
+    if hi > chunk.byte_length:
+        raise ManifestError("region reaches past the chunk's bytes",
+                            path=f'tensors["{region.name}"].chunks[{region.chunk_index}]')
+    block = manifest.checksum_block_size
+    crcs = chunk.crc32c
+    key = manifest.objects[chunk.object_index]
+    per_window = max(1, max_bytes // block)
+    b, b_end = lo // block, -(-hi // block)
+    windows: list[RunWindow] = []
+    while b < b_end:
+        e = min(b + per_window, b_end)
+        while e < b_end and (e * block - lo) % itemsize:  # cut between elements
+            e += 1
+        reads = []
+        for k in range(b, e):
+            blo, bhi = k * block, min((k + 1) * block, chunk.byte_length)
+            a, z = max(blo, lo), min(bhi, hi)
+            reads.append(BlockRead(offset=chunk.byte_offset + blo, length=bhi - blo,
+                                   crc32c=crcs[k], keep_at=a - blo, keep_len=z - a,
+                                   region_pos=a - lo))
+        windows.append(RunWindow(object_key=key, lo=max(b * block, lo) - lo,
+                                 hi=min(e * block, hi) - lo, blocks=tuple(reads)))
+        b = e
+    return windows

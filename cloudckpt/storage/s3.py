@@ -307,29 +307,22 @@ class S3Store:
         offsets = [r.offset for r in ranges]
         lengths = [r.length for r in ranges]
         budget = self._conn.budget
-        loop = asyncio.get_running_loop()
-        held = [HeldRange(r, loop) if r.sinks else None for r in ranges]
+        held = [HeldRange(r) if r.sinks else None for r in ranges]
         held_bytes = sum(r.length for r, o, h in zip(ranges, outs, held) if o is None and h is None)
         held_budget = await budget.acquire(held_bytes)
         try:
             views = [h if h is not None else o if o is not None
                      else memoryview(bytearray(r.length))
                      for r, o, h in zip(ranges, outs, held)]
-            try:
-                await self._fetch_into(key, phys, offsets, lengths, views,
-                                       gap=self.options.coalesce_gap)
-            finally:  # copies into sinks must be over before the caller sees an outcome
-                await _settle(held)
+            await self._fetch_into(key, phys, offsets, lengths, views,
+                                   gap=self.options.coalesce_gap)
             crcs = [None if h is not None else r.crc32c for r, h in zip(ranges, held)]
             bad = await bad_crc_ranges(offsets, crcs, views)
             bad += [i for i, h in enumerate(held) if h is not None and not h.ok]
             for i in sorted(bad):
                 # One more read of just that range (a damaged transfer); then it is the object.
-                again = HeldRange(ranges[i], loop) if held[i] is not None else views[i]
-                try:
-                    await self._fetch_into(key, phys, [offsets[i]], [lengths[i]], [again])
-                finally:
-                    await _settle([again] if held[i] is not None else [])
+                again = HeldRange(ranges[i]) if held[i] is not None else views[i]
+                await self._fetch_into(key, phys, [offsets[i]], [lengths[i]], [again])
                 actual = again.actual if held[i] is not None else await crc_of(views[i])
                 if actual != ranges[i].crc32c & 0xFFFFFFFF:
                     raise checksum_error(self.url, key, offsets[i], lengths[i],
@@ -453,12 +446,3 @@ def _info(key: str, size, resp: dict) -> ObjectInfo:
 
 __all__ = ["S3Connection", "S3Store", "error_code"]
 
-
-async def _settle(held) -> None:
-    """Wait for the verification and sink copies of completed held ranges."""
-    pending = [h.done for h in held if h is not None and h.done is not None]
-    if pending:
-        await asyncio.gather(*pending, return_exceptions=True)
-        for fut in pending:
-            if fut.exception() is not None:
-                raise fut.exception()

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from cloudckpt.errors import ManifestError
 from cloudckpt.planning import Region
-from cloudckpt.planning.windows import boxes_in_flat_range, plan_windows, row_major_strides
+from cloudckpt.planning.windows import (boxes_in_flat_range, plan_run_windows, plan_windows,
+                                         row_major_strides)
 from tests.planning.test_load_plan import manifest_with
 
 
@@ -110,3 +111,32 @@ def test_region_past_chunk_is_a_manifest_error():
 def test_empty_region_has_no_windows():
     m = manifest_with({"t": ("float32", (4, 0), [((0, 0), (4, 0))])})
     assert plan_windows(m, Region("t", 0, (0, 0), (4, 0), 0), 1 << 20) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(boxes(), st.sampled_from(["float32", "int64", "bfloat16", "bool"]),
+       st.sampled_from([1, 3, 4, 8, 16, 24, 64]), st.integers(1, 200))
+def test_run_windows_cover_contiguous_regions_in_order(box, dtype, block, max_bytes):
+    sizes, offsets, lengths = box
+    itemsize = {"float32": 4, "int64": 8, "bfloat16": 2, "bool": 1}[dtype]
+    m = manifest_with({"t": (dtype, sizes, [((0,) * len(sizes), sizes)])}, block=block)
+    region = Region("t", 0, offsets, lengths, math.prod(lengths) * itemsize)
+    flat = _flat_indices(offsets, lengths, sizes)
+    runs = plan_run_windows(m, region, max_bytes)
+    if len(flat) == 0 or flat[-1] - flat[0] + 1 != len(flat):
+        assert runs is None
+        return
+    nbytes = len(flat) * itemsize
+    chunk = np.arange(math.prod(sizes) * itemsize, dtype=np.int64)  # byte i of the chunk
+    got = np.full(nbytes, -1, dtype=np.int64)
+    pos = 0
+    for w in runs:
+        assert w.lo == pos and w.lo % itemsize == 0 and w.hi > w.lo
+        for b in w.blocks:
+            assert b.offset % block == 0 and b.length <= block
+            got[b.region_pos:b.region_pos + b.keep_len] = chunk[b.offset + b.keep_at:
+                                                                b.offset + b.keep_at + b.keep_len]
+        assert sum(b.keep_len for b in w.blocks) == w.hi - w.lo
+        pos = w.hi
+    assert pos == nbytes
+    assert np.array_equal(got, np.arange(flat[0] * itemsize, flat[0] * itemsize + nbytes))
