@@ -112,6 +112,51 @@ def test_read_range_errors(backend):
     backend.run(body)
 
 
+def test_sinks_receive_verified_bytes(backend):
+    data = os.urandom(3 * MiB + 123)
+    blocks = [(o, min(MiB, len(data) - o)) for o in range(0, len(data), MiB)]
+
+    async def body(store):
+        await store.put("obj", data)
+        dest_a = bytearray(len(data))
+        dest_b = bytearray(b"\xee" * 1000)
+        ranges = [ReadRange(o, n, crc32c=crc32c(data[o:o + n]),
+                            sinks=((0, memoryview(dest_a)[o:o + n]),))
+                  for o, n in blocks]
+        # a second sink taking only part of the second block (bytes 10..1010 of it)
+        ranges[1] = ReadRange(ranges[1].offset, ranges[1].length, crc32c=ranges[1].crc32c,
+                              sinks=ranges[1].sinks + ((10, memoryview(dest_b)),))
+        views = await store.read_ranges("obj", ranges)
+        assert [len(v) for v in views] == [0] * len(ranges)
+        assert bytes(dest_a) == data
+        assert bytes(dest_b) == data[MiB + 10:MiB + 1010]
+        with pytest.raises(ConfigError):  # sinks need a crc to verify against
+            await store.read_ranges("obj", [ReadRange(0, 10, sinks=((0, memoryview(dest_b)[:10]),))])
+        with pytest.raises(ConfigError):  # a sink must lie inside its range
+            await store.read_ranges("obj", [ReadRange(0, 10, crc32c=crc32c(data[:10]),
+                                                      sinks=((5, memoryview(dest_b)[:10]),))])
+
+    backend.run(body)
+
+
+def test_sinks_of_a_corrupt_block_keep_their_contents(backend):
+    data = os.urandom(2 * MiB)
+    blocks = [(o, min(MiB, len(data) - o)) for o in range(0, len(data), MiB)]
+    backend.run(lambda store: store.put("ckpt/sinks.bin", data))
+    backend.flip_byte("ckpt/sinks.bin", MiB + 777)
+
+    async def body(store):
+        dest = bytearray(b"\x5a" * len(data))
+        ranges = [ReadRange(o, n, crc32c=crc32c(data[o:o + n]),
+                            sinks=((0, memoryview(dest)[o:o + n]),)) for o, n in blocks]
+        with pytest.raises(ChecksumError) as err:
+            await store.read_ranges("ckpt/sinks.bin", ranges)
+        assert (err.value.offset, err.value.length) == (MiB, MiB)
+        assert bytes(dest[MiB:]) == b"\x5a" * MiB  # nothing of the bad block was written
+
+    backend.run(body)
+
+
 def test_flipped_byte_is_a_checksum_error(backend):
     data = os.urandom(2 * MiB)
     blocks = [(o, min(MiB, len(data) - o)) for o in range(0, len(data), MiB)]

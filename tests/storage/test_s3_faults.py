@@ -153,6 +153,27 @@ def test_truncated_body_resumes_where_it_broke(s3_server, s3_url, fault_proxy):
     assert fault_proxy.counters["truncate"] == 1
 
 
+def test_truncated_body_into_sinks_resumes_and_delivers_once(s3_server, s3_url, fault_proxy):
+    data = os.urandom(8 * MiB)
+    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url)
+
+    async def body(store):
+        await store.put("obj", data)
+        store.stats.reset()
+        fault_proxy.configure(schedule=["truncate"])
+        dest = bytearray(len(data))
+        ranges = [ReadRange(o, MiB, crc32c=crc32c(data[o:o + MiB]),
+                            sinks=((0, memoryview(dest)[o:o + MiB]),))
+                  for o in range(0, len(data), MiB)]
+        await store.read_ranges("obj", ranges)
+        assert bytes(dest) == data
+        assert store.stats.retries == 1
+        assert store.stats.bytes_received < 1.6 * len(data)
+
+    _run(s3_url, options, body)
+    assert fault_proxy.counters["truncate"] == 1
+
+
 def test_lost_create_response_is_recognised(s3_server, s3_url, fault_proxy):
     options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url,
                          conditional_create="native")

@@ -337,3 +337,25 @@ def test_local_store_refuses_symlinks_leading_outside(tmp_path):
         await store.close()
 
     asyncio.run(main())
+
+
+def test_held_range_verifies_out_of_order_parts_before_writing_sinks():
+    from cloudckpt.checksum import crc32c
+    from cloudckpt.storage import ReadRange
+    from cloudckpt.storage.ranges import HeldRange
+
+    data = os.urandom(1000)
+    good, bad = bytearray(300), bytearray(b"\x01" * 300)
+    held = HeldRange(ReadRange(0, 1000, crc32c=crc32c(data),
+                               sinks=((100, memoryview(good)), (700, memoryview(bad)[:300]))))
+    held.add(600, data[600:])     # arrives first: a later piece
+    assert held.ok is None and bytes(good) == bytes(300)  # nothing written before complete
+    held[0:600] = memoryview(data)[:600]
+    assert held.ok is True and held.actual == crc32c(data)
+    assert bytes(good) == data[100:400] and bytes(bad) == data[700:1000]
+
+    dest = bytearray(b"\x07" * 1000)
+    wrong = HeldRange(ReadRange(0, 1000, crc32c=crc32c(data) ^ 1,
+                                sinks=((0, memoryview(dest)),)))
+    wrong.add(0, data)
+    assert wrong.ok is False and bytes(dest) == b"\x07" * 1000  # a failed range writes nothing
