@@ -361,6 +361,9 @@ class Runner:
     def step(self, world, build, phase: str, method: str, action: str, target: str) -> bool:
         from cloudckpt.testing import RankFailedError, WorldTimeoutError
 
+        # write back what earlier steps left dirty (the server's volumes, other files), so that a
+        # step is not throttled by its predecessor's writeback (no method fsyncs by itself)
+        os.sync()
         cpu0 = C.proc_cpu_seconds(self.server.pid)
         try:
             res = world.run(rank_step, method, action, target, timeout=self.args.timeout)

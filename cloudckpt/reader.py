@@ -34,6 +34,9 @@ from cloudckpt.statedict import torch_dtype
 
 #: ``consume`` calls for buffers holding at least this many bytes run in a worker thread.
 _THREAD_COPY_BYTES = 1 << 20
+#: batches landing straight in destinations in flight at once (they hold no buffer of ours: at
+#: most one checksum block of received chunks per request; the store bounds requests too).
+_DIRECT_BATCHES = 8
 #: every window starts at a multiple of this in a shared buffer (dtype views need alignment).
 WINDOW_ALIGN = 64
 
@@ -190,7 +193,7 @@ def window_boxes(window: Window, buf: torch.Tensor, offset: int, dtype: torch.dt
 async def fetch_regions(store, manifest, regions: Sequence, *,
                         consume: Callable[[object, tuple, torch.Tensor], None],
                         targets: Callable[[object], Sequence[torch.Tensor]] | None = None,
-                        max_bytes: int = 192 << 20, window_bytes: int = 16 << 20) -> int:
+                        max_bytes: int = 192 << 20, window_bytes: int = 32 << 20) -> int:
     """Fetch every region into its destinations. Returns the bytes fetched.
 
     When ``targets(region)`` gives destinations that :func:`direct_ranges` can fill, the
@@ -205,7 +208,8 @@ async def fetch_regions(store, manifest, regions: Sequence, *,
 
     Pieces of one object are read together (one ``read_ranges`` call per batch of about
     ``window_bytes``, in object order), so the store coalesces neighbouring regions into few
-    large GETs; at most ``max_bytes // window_bytes`` batches are in flight.
+    large GETs; at most ``max_bytes // window_bytes`` batches through buffers (and 16 landing
+    in destinations) are in flight.
     """
     # per object: (start, nbytes, ranges of a direct piece or None, window, region, dtype)
     entries: dict[str, list] = defaultdict(list)
@@ -241,13 +245,14 @@ async def fetch_regions(store, manifest, regions: Sequence, *,
         batches.append((key, current))
 
     pool = BufferPool(slab)
-    slots = asyncio.Semaphore(max(1, max_bytes // slab))
+    slots = asyncio.Semaphore(max(1, max_bytes // slab))    # batches holding a pool buffer
+    direct_slots = asyncio.Semaphore(_DIRECT_BATCHES)       # batches landing in destinations
     total = 0
 
     async def one(key: str, members: list) -> None:
         nonlocal total
-        async with slots:
-            windows = [e[3] for e in members if e[3] is not None]
+        windows = [e[3] for e in members if e[3] is not None]
+        async with (slots if windows else direct_slots):
             buf = pool.take() if windows else None
             try:
                 ranges = [r for e in members if e[2] is not None for r in e[2]]

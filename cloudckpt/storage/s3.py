@@ -58,8 +58,9 @@ from cloudckpt.storage.spreading import Spreader, merge_sorted
 logger = logging.getLogger("cloudckpt.storage")
 
 DELETE_BATCH = 1000
-#: Largest single GET of a ranged read when ``part_size`` is not set.
-READ_PIECE = 16 * 1024 * 1024
+#: Largest single GET of a ranged read when ``part_size`` is not set (32 MiB GETs cost the client
+#: ~15% less CPU per byte than 16 MiB ones against SeaweedFS here, at the same server cost).
+READ_PIECE = 32 * 1024 * 1024
 
 
 class S3Connection:
@@ -229,7 +230,7 @@ class S3Store:
         return await self._call("head", key, attempt)
 
     async def get(self, key: str) -> bytes:
-        """The whole object. The first GET asks for one read piece (16 MiB or ``part_size``); a
+        """The whole object. The first GET asks for one read piece (32 MiB or ``part_size``); a
         larger object's rest is fetched in concurrent ranged GETs into one buffer, then copied
         once into the returned ``bytes``: budgeted at twice its size (clipped to the budget).
         Memory comes from the byte budget before any request slot, so gets and ranged reads
