@@ -1,15 +1,15 @@
 """Fetching stored regions: block-aligned, crc-verified ranged reads.
 
 A *region* is a box inside one stored chunk (see :class:`cloudckpt.planning.Region`). Contract:
-- :func:`fetch_region` reads the smallest run of whole checksum blocks of the chunk that holds the
-  region, lets the store verify every block's crc32c as it lands (a mismatch raises
-  :class:`~cloudckpt.errors.ChecksumError` naming the object and byte range), and returns the
-  region as a tensor of the stored dtype (a strided view into a buffer cloudckpt owns). Bytes
-  are only ever handed out after verification, so nothing corrupt reaches a destination.
-- :func:`fetch_regions` reads many regions through bounded windows (see
-  :mod:`cloudckpt.planning.windows`) into pooled buffers, with at most ``max_bytes`` of buffers
-  alive at once, and hands each verified part to a consumer; the store bounds and coalesces the
-  requests themselves. :func:`read_windows` / :func:`window_boxes` are the same steps for a
+- Whole checksum blocks are read and the store verifies every block's crc32c (a mismatch raises
+  :class:`~cloudckpt.errors.ChecksumError` naming the object and byte range). Bytes are only
+  ever handed out, or written to a destination, after verification, so nothing corrupt reaches
+  a destination.
+- :func:`fetch_regions` lands regions stored as one run straight in contiguous destinations
+  (verified sinks, see :func:`direct_ranges`) and reads any other region through bounded
+  windows (see :mod:`cloudckpt.planning.windows`) into pooled buffers, with at most
+  ``max_bytes`` of buffers alive at once, handing each verified part to a consumer; the store
+  bounds and coalesces the requests themselves. :func:`read_windows` / :func:`window_boxes` are the same steps for a
   caller that owns the buffer (broadcast batches).
 - Nothing here runs collectives.
 """
@@ -17,17 +17,13 @@ A *region* is a box inside one stored chunk (see :class:`cloudckpt.planning.Regi
 from __future__ import annotations
 
 import asyncio
-import math
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from cloudckpt.buffers import BufferPool, byte_view
-from cloudckpt.errors import ManifestError
-from cloudckpt.planning.windows import (RunWindow, Window, plan_run_windows, plan_windows,
-                                         row_major_strides)
+from cloudckpt.planning.windows import RunWindow, Window, plan_run_windows, plan_windows
 from cloudckpt.storage import ReadRange
 from cloudckpt.statedict import torch_dtype
 
@@ -39,79 +35,6 @@ _THREAD_COPY_BYTES = 1 << 20
 _DIRECT_BATCHES = 8
 #: every window starts at a multiple of this in a shared buffer (dtype views need alignment).
 WINDOW_ALIGN = 64
-
-
-@dataclass(frozen=True)
-class RegionSpan:
-    """Where a region's bytes are: the block-aligned byte span to fetch and how to view it."""
-
-    object_key: str
-    start: int          # byte offset of the span inside the object
-    length: int         # bytes in the span
-    first_block: int    # index of the chunk's first checksum block in the span
-    view_offset: int    # element offset of the region's first element inside the span
-    strides: tuple[int, ...]  # element strides of the stored chunk (row-major)
-
-
-def locate_region(manifest, region) -> RegionSpan:
-    """Compute the block-aligned byte span of ``region`` inside its stored chunk."""
-    record = manifest.tensors[region.name]
-    chunk = record.chunks[region.chunk_index]
-    itemsize = torch.empty((), dtype=torch_dtype(record.dtype)).element_size()
-    strides = row_major_strides(chunk.sizes)
-    block = manifest.checksum_block_size
-    if math.prod(region.lengths) == 0:
-        return RegionSpan(manifest.objects[chunk.object_index], chunk.byte_offset, 0, 0, 0, strides)
-    first = sum(o * s for o, s in zip(region.src_offsets, strides))
-    last = sum((o + n - 1) * s for o, n, s in zip(region.src_offsets, region.lengths, strides))
-    lo, hi = first * itemsize, (last + 1) * itemsize
-    if hi > chunk.byte_length:
-        raise ManifestError("region reaches past the chunk's bytes",
-                            path=f'tensors["{region.name}"].chunks[{region.chunk_index}]')
-    first_block = lo // block
-    span_lo = first_block * block
-    span_hi = min(-(-hi // block) * block, chunk.byte_length)
-    return RegionSpan(
-        object_key=manifest.objects[chunk.object_index],
-        start=chunk.byte_offset + span_lo,
-        length=span_hi - span_lo,
-        first_block=first_block,
-        view_offset=first - span_lo // itemsize,
-        strides=strides,
-    )
-
-
-def _prepare(manifest, region, span: RegionSpan | None = None):
-    """Buffer, verified block ranges and a finisher that views the region in the buffer."""
-    record = manifest.tensors[region.name]
-    chunk = record.chunks[region.chunk_index]
-    dtype = torch_dtype(record.dtype)
-    span = span or locate_region(manifest, region)
-    if span.length == 0:
-        empty = torch.empty(tuple(region.lengths), dtype=dtype)
-        return span, [], lambda: empty
-    buf = torch.empty(span.length, dtype=torch.uint8)
-    mv = memoryview(buf.numpy()).cast("B")
-    block = manifest.checksum_block_size
-    crcs = chunk.crc32c
-    ranges = []
-    pos, blk = 0, span.first_block
-    while pos < span.length:
-        n = min(block, span.length - pos)
-        ranges.append(ReadRange(offset=span.start + pos, length=n, out=mv[pos:pos + n],
-                                crc32c=crcs[blk]))
-        pos += n
-        blk += 1
-    return span, ranges, lambda: buf.view(dtype).as_strided(tuple(region.lengths), span.strides,
-                                                            span.view_offset)
-
-
-async def fetch_region(store, manifest, region) -> torch.Tensor:
-    """Fetch and verify ``region``; return it as a tensor of the stored dtype and region shape."""
-    span, ranges, finish = _prepare(manifest, region)
-    if ranges:
-        await store.read_ranges(span.object_key, ranges)
-    return finish()
 
 
 def layout_windows(windows: Sequence[Window]) -> tuple[list[int], int]:
