@@ -323,6 +323,17 @@ def rank_world1_expected(total_bytes: int, seed: int, info, args: dict) -> dict:
 # -- driver ---------------------------------------------------------------------------------------
 
 
+def method_order(methods, rep: int) -> list[str]:
+    """S3 methods first, then file:// ones, each group reversed on odd repeats: every method of a
+    group takes each position in turn, in particular the first file:// step after the S3 saves
+    (the machine is slowest to write files right after the server wrote its volumes)."""
+    s3 = [m for m in methods if not m.endswith("file")]
+    files = [m for m in methods if m.endswith("file")]
+    if rep % 2:
+        s3, files = s3[::-1], files[::-1]
+    return s3 + files
+
+
 class Runner:
     def __init__(self, args, server):
         self.args, self.server, self.info = args, server, server.info
@@ -397,7 +408,7 @@ class Runner:
             self.warm_up(world, case, case)
             world.run(*build)
             for rep in range(a.repeat):
-                order = list(a.methods) if rep % 2 == 0 else list(reversed(a.methods))
+                order = method_order(a.methods, rep)
                 saved = set()
                 for action in ("save", "load"):
                     for m in order:
@@ -416,7 +427,7 @@ class Runner:
                 self.warm_up(w1, "replicated", "world1")
                 w1.run(*build1)
                 for rep in range(a.repeat):
-                    order = list(a.methods) if rep % 2 == 0 else list(reversed(a.methods))
+                    order = method_order(a.methods, rep)
                     for m in order:
                         if m in saved:
                             self.step(w1, build1, "world1", m, "load",

@@ -60,6 +60,44 @@ def submit(coro: Awaitable[T]) -> concurrent.futures.Future[T]:
     return asyncio.run_coroutine_threadsafe(coro, get_loop())  # type: ignore[arg-type]
 
 
+class BackgroundTask:
+    """A coroutine running on the background loop, started by :func:`start_task`.
+
+    Unlike the future of :func:`submit`, :meth:`cancel_and_wait` returns only once the
+    coroutine has really stopped, so nothing it does (such as writing fetched bytes into a
+    caller's tensors) can happen after that.
+    """
+
+    def __init__(self, task: asyncio.Task):
+        self._task = task
+
+    def result(self) -> Any:
+        """Wait for the coroutine and return its result (or raise its exception)."""
+        return asyncio.run_coroutine_threadsafe(_await_task(self._task), get_loop()).result()
+
+    def cancel_and_wait(self, timeout: float | None = None) -> None:
+        """Cancel the coroutine and wait until it has stopped (its outcome is discarded)."""
+        asyncio.run_coroutine_threadsafe(_cancel_task(self._task), get_loop()).result(timeout)
+
+
+async def _start_task(coro) -> asyncio.Task:
+    return asyncio.ensure_future(coro)
+
+
+async def _await_task(task: asyncio.Task):
+    return await asyncio.shield(task)
+
+
+async def _cancel_task(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def start_task(coro: Awaitable[T]) -> BackgroundTask:
+    """Start ``coro`` on the background loop (see :class:`BackgroundTask`)."""
+    return BackgroundTask(run_coroutine(_start_task(coro)))
+
+
 def run_coroutine(coro: Awaitable[T], timeout: float | None = None) -> T:
     """Run ``coro`` on the background loop and wait for it (at most ``timeout`` seconds).
 

@@ -29,7 +29,7 @@ from cloudckpt.planning import assign_readers
 from cloudckpt.planning.windows import boxes_in_flat_range, plan_run_windows, plan_windows
 from cloudckpt.reader import (WINDOW_ALIGN, fetch_regions, layout_windows, read_windows,
                               run_ranges, window_boxes)
-from cloudckpt.runtime import run_coroutine, submit
+from cloudckpt.runtime import run_coroutine, start_task, submit
 from cloudckpt.statedict import torch_dtype
 from cloudckpt.storage import local_path
 from cloudckpt.transport import Broadcaster
@@ -264,11 +264,11 @@ class _BroadcastSession:
             if parts[0].run is not None:
                 land, pooled = self._landing(parts[0])
                 ranges = run_ranges(parts[0].run, [byte_view(land)], base=parts[0].run.lo)
-                fut = submit(self.store.read_ranges(parts[0].run.object_key, ranges))
+                fut = start_task(self.store.read_ranges(parts[0].run.object_key, ranges))
                 self.pending[k] = (fut, land, pooled)
             else:
                 buf = self.pool.take()
-                fut = submit(read_windows(self.store, [p.window for p in parts], buf))
+                fut = start_task(read_windows(self.store, [p.window for p in parts], buf))
                 self.pending[k] = (fut, buf, buf)
             ahead += size
 
@@ -280,9 +280,10 @@ class _BroadcastSession:
         return sum(p.nbytes for p in parts)
 
     def cancel_pending(self) -> None:
-        """Cancel fetches not consumed (after a failure); their buffers are dropped."""
+        """Stop the fetches not consumed (after a failure) and wait until they have stopped, so
+        none writes into a destination after the load returns; their buffers are dropped."""
         for fut, _, _ in self.pending.values():
-            fut.cancel()
+            fut.cancel_and_wait()
         self.pending.clear()
 
     # -- the batches ----------------------------------------------------------------------------
