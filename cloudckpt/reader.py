@@ -195,7 +195,14 @@ async def fetch_regions(store, manifest, regions: Sequence, *,
                                 consume(region, sub.offsets, tensor)
 
                     if sum(w.length for w in windows) >= _THREAD_COPY_BYTES:
-                        await asyncio.to_thread(copy_out)  # keep the loop serving I/O
+                        # in a worker thread, to keep the loop serving I/O; a cancelled batch
+                        # still waits for its copy before the buffer goes back to the pool
+                        copying = asyncio.ensure_future(asyncio.to_thread(copy_out))
+                        try:
+                            await asyncio.shield(copying)
+                        except asyncio.CancelledError:
+                            await asyncio.gather(copying, return_exceptions=True)
+                            raise
                     else:
                         copy_out()
                 total += fetched

@@ -97,13 +97,21 @@ class LocalStore:
         return self.root.joinpath(*check_key(key).split("/"))
 
     async def _run(self, op: str, key: str | None, fn: Callable[[], T], count: int = 1) -> T:
-        """The choke point: count, run in the pool, translate OS errors."""
+        """The choke point: count, run in the pool, translate OS errors. A cancelled call returns
+        only once its thread is done."""
         for _ in range(count):
             self.stats.count(op)
         loop = asyncio.get_running_loop()
         name = f"{self.url}/{key}" if key else self.url
+        job = loop.run_in_executor(self._shared.executor(), fn)
         try:
-            return await loop.run_in_executor(self._shared.executor(), fn)
+            try:
+                return await asyncio.shield(job)
+            except asyncio.CancelledError:
+                # a thread cannot be stopped: wait for it, so that it never writes into a
+                # caller's buffer after the caller has seen the cancellation
+                await asyncio.gather(job, return_exceptions=True)
+                raise
         except FileNotFoundError as exc:
             raise ObjectNotFound(f"{op} {name}: not found", key=key, operation=op) from exc
         except FileExistsError as exc:

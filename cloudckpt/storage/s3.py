@@ -309,8 +309,8 @@ class S3Store:
         lengths = [r.length for r in ranges]
         budget = self._conn.budget
         held = [HeldRange(r) if r.sinks else None for r in ranges]
-        held_bytes = sum(r.length for r, o, h in zip(ranges, outs, held) if o is None and h is None)
-        held_budget = await budget.acquire(held_bytes)
+        buffered = await budget.acquire(
+            sum(r.length for r, o, h in zip(ranges, outs, held) if o is None and h is None))
         try:
             views = [h if h is not None else o if o is not None
                      else memoryview(bytearray(r.length))
@@ -330,7 +330,7 @@ class S3Store:
                                          ranges[i].crc32c & 0xFFFFFFFF, actual)
             return [memoryview(b"") if h is not None else v for v, h in zip(views, held)]
         finally:
-            budget.release(held_budget)
+            budget.release(buffered)
 
     async def _fetch_into(self, key: str, phys: str, offsets, lengths, views, *,
                           gap: int = 0) -> None:

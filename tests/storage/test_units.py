@@ -359,3 +359,25 @@ def test_held_range_verifies_out_of_order_parts_before_writing_sinks():
                                 sinks=((0, memoryview(dest)),)))
     wrong.add(0, data)
     assert wrong.ok is False and bytes(dest) == b"\x07" * 1000  # a failed range writes nothing
+
+
+def test_local_store_cancelled_call_returns_after_its_thread(tmp_path):
+    import threading
+    import time
+
+    finished = threading.Event()
+
+    def slow():
+        time.sleep(0.2)
+        finished.set()
+
+    async def main():
+        store = LocalStore(str(tmp_path))
+        task = asyncio.ensure_future(store._run("get", "k", slow))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return finished.is_set()
+
+    assert asyncio.run(main())  # the thread was done before the cancellation was seen
