@@ -126,7 +126,8 @@ class ControlChannel:
         """Exchange one phase's outcome. Returns every rank's ``payload`` if all succeeded.
 
         If any rank passes an ``error``, every rank raises the same :class:`CheckpointError`
-        (``"<what> failed on rank(s) ..."``) with each failed rank's :class:`RankFailure`; the
+        (``"<what> failed on rank(s) ..."``; a one-process job: ``"<what>: <message>"``) with
+        each failed rank's :class:`RankFailure`; the
         local error is chained as the cause where there is one. When every failure is of one
         :class:`CheckpointError` subclass (e.g. ``CheckpointExists``), that subclass is raised.
         """
@@ -147,8 +148,12 @@ class ControlChannel:
         if not failures:
             return payloads
         cls = _common_error_class(failures)
-        ranks = ", ".join(str(r) for r in sorted(failures))
-        exc = cls(f"{what} failed on rank(s) {ranks}", failures=failures)
+        if self.size == 1:  # one process: its own message, without the rank bookkeeping
+            exc = cls(f"{what}: {failures[0].message}")
+            exc.failures = failures
+        else:
+            ranks = ", ".join(str(r) for r in sorted(failures))
+            exc = cls(f"{what} failed on rank(s) {ranks}", failures=failures)
         if error is not None and isinstance(exc, type(error)):
             # keep the detecting rank's structured fields (keys, object key, byte range...)
             exc.__dict__.update({k: v for k, v in vars(error).items() if k != "failures"})

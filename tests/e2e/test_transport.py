@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -104,3 +105,20 @@ def test_dead_peer_gives_collective_timeout_not_a_hang(world2):
         raise AssertionError("rank 1 should have died")
     assert 1 in report
     assert 0 not in report or "CollectiveTimeout" in report.get(0, "")
+
+
+def test_one_process_errors_carry_their_own_message(tmp_path):
+    """Without torch.distributed, a failure is still a CheckpointError of the detecting type,
+    with the detector's message and no rank bookkeeping in it."""
+    import cloudckpt
+    from cloudckpt.errors import CheckpointNotFound
+
+    with pytest.raises(CheckpointNotFound) as missing:
+        cloudckpt.load({"a": torch.zeros(2)}, str(tmp_path / "nope"))
+    assert str(missing.value).startswith("load manifest: no committed checkpoint at ")
+    assert "rank" not in str(missing.value) and list(missing.value.failures) == [0]
+    cloudckpt.save({"a": torch.ones(2)}, str(tmp_path / "ck"))
+    with pytest.raises(MissingKeysError) as keys:
+        cloudckpt.load({"b": torch.zeros(2)}, str(tmp_path / "ck"))
+    assert isinstance(keys.value, CheckpointError)
+    assert str(keys.value) == "load planning: 1 names are not in the checkpoint: 'b'"
