@@ -44,7 +44,9 @@ class LoadOptions:
       one travels, and buffers stay small. A region of at least 1 MiB (or this size) stored as
       one contiguous run travels in broadcasts of its own, from the source's destination
       straight into each receiver's.
-    - ``max_read_bytes``: fetched buffers alive at once per rank (bounds memory).
+    - ``max_read_bytes``: fetched buffers alive at once per rank (bounds memory). Regions stored
+      as one run whose destinations are contiguous tensors of the stored dtype need no buffer:
+      their verified blocks are copied straight into the destinations.
     - ``max_broadcast_groups``: at most this many distinct subgroups are created; regions of the
       least used groups are then read by each rank instead.
     - ``share_manifest``: the coordinator reads the manifest and broadcasts it (otherwise every
