@@ -93,12 +93,24 @@ def boxes_in_flat_range(offsets: Sequence[int], lengths: Sequence[int], sizes: S
     return out
 
 
-def plan_windows(manifest, region, max_bytes: int) -> list[Window]:
-    """The windows (see module doc) through which ``region`` of ``manifest`` is read.
+@dataclass(frozen=True)
+class _Place:
+    """Where a non-empty region sits in its chunk: flat element indices of its first and last
+    elements (row-major in the chunk) and what computing them needed."""
 
-    An empty region has no windows. Raises :class:`ManifestError` when the region reaches past
-    its chunk's bytes.
-    """
+    chunk: object
+    itemsize: int
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    first: int
+    last: int
+
+
+def _locate(manifest, region) -> _Place | None:
+    """The region's place in its chunk; None for an empty region. Raises
+    :class:`ManifestError` when the region reaches past the chunk's bytes."""
     record = manifest.tensors[region.name]
     chunk = record.chunks[region.chunk_index]
     itemsize = DTYPE_ITEMSIZE[record.dtype]
@@ -106,13 +118,27 @@ def plan_windows(manifest, region, max_bytes: int) -> list[Window]:
     lengths = tuple(int(n) for n in region.lengths)
     offsets = tuple(int(o) for o in region.src_offsets)
     if math.prod(lengths) == 0:
-        return []
+        return None
     strides = row_major_strides(sizes)
     first = sum(o * s for o, s in zip(offsets, strides))
     last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
     if (last + 1) * itemsize > chunk.byte_length:
         raise ManifestError("region reaches past the chunk's bytes",
                             path=f'tensors["{region.name}"].chunks[{region.chunk_index}]')
+    return _Place(chunk, itemsize, sizes, strides, offsets, lengths, first, last)
+
+
+def plan_windows(manifest, region, max_bytes: int) -> list[Window]:
+    """The windows (see module doc) through which ``region`` of ``manifest`` is read.
+
+    An empty region has no windows. Raises :class:`ManifestError` when the region reaches past
+    its chunk's bytes.
+    """
+    place = _locate(manifest, region)
+    if place is None:
+        return []
+    chunk, itemsize, sizes, strides = place.chunk, place.itemsize, place.sizes, place.strides
+    offsets, lengths, first, last = place.offsets, place.lengths, place.first, place.last
     block = manifest.checksum_block_size
     crcs = chunk.crc32c
     key = manifest.objects[chunk.object_index]
@@ -173,22 +199,11 @@ def plan_run_windows(manifest, region, max_bytes: int) -> list[RunWindow] | None
     cover the region's bytes in order, without overlap, and every window boundary falls on an
     element boundary. Raises :class:`ManifestError` when the region reaches past its chunk.
     """
-    record = manifest.tensors[region.name]
-    chunk = record.chunks[region.chunk_index]
-    lengths = tuple(int(n) for n in region.lengths)
-    numel = math.prod(lengths)
-    if numel == 0:
+    place = _locate(manifest, region)
+    if place is None or place.last - place.first + 1 != math.prod(place.lengths):
         return None
-    strides = row_major_strides(tuple(int(s) for s in chunk.sizes))
-    first = sum(int(o) * s for o, s in zip(region.src_offsets, strides))
-    last = sum((int(o) + n - 1) * s for o, n, s in zip(region.src_offsets, lengths, strides))
-    if last - first + 1 != numel:
-        return None
-    itemsize = DTYPE_ITEMSIZE[record.dtype]
-    lo, hi = first * itemsize, (last + 1) * itemsize
-    if hi > chunk.byte_length:
-        raise ManifestError("region reaches past the chunk's bytes",
-                            path=f'tensors["{region.name}"].chunks[{region.chunk_index}]')
+    chunk, itemsize = place.chunk, place.itemsize
+    lo, hi = place.first * itemsize, (place.last + 1) * itemsize
     block = manifest.checksum_block_size
     crcs = chunk.crc32c
     key = manifest.objects[chunk.object_index]

@@ -24,6 +24,18 @@ def _flat_indices(offsets, lengths, sizes):
     return sum((g * s for g, s in zip(grids, strides)), np.zeros(lengths, dtype=np.int64)).reshape(-1)
 
 
+DTYPES = st.sampled_from(["float32", "int64", "bfloat16", "bool"])
+BLOCKS = st.sampled_from([1, 3, 4, 8, 16, 24, 64])  # odd sizes split elements across blocks
+
+
+def _one_chunk_region(box, dtype: str, block: int):
+    """A manifest holding one tensor of ``box``'s sizes as one chunk, and the box as a region."""
+    sizes, offsets, lengths = box
+    itemsize = {"float32": 4, "int64": 8, "bfloat16": 2, "bool": 1}[dtype]
+    m = manifest_with({"t": (dtype, sizes, [((0,) * len(sizes), sizes)])}, block=block)
+    return m, Region("t", 0, offsets, lengths, math.prod(lengths) * itemsize), itemsize
+
+
 @st.composite
 def boxes(draw):
     ndim = draw(st.integers(0, 4))
@@ -53,13 +65,10 @@ def test_boxes_in_flat_range_cover_exactly_the_elements_in_range(box, data):
 
 
 @settings(max_examples=300, deadline=None)
-@given(boxes(), st.sampled_from(["float32", "int64", "bfloat16", "bool"]),
-       st.sampled_from([1, 3, 4, 8, 16, 24, 64]), st.integers(1, 200))
+@given(boxes(), DTYPES, BLOCKS, st.integers(1, 200))
 def test_windows_cover_region_once_and_view_the_right_bytes(box, dtype, block, max_bytes):
     sizes, offsets, lengths = box
-    itemsize = {"float32": 4, "int64": 8, "bfloat16": 2, "bool": 1}[dtype]
-    m = manifest_with({"t": (dtype, sizes, [((0,) * len(sizes), sizes)])}, block=block)
-    region = Region("t", 0, offsets, lengths, math.prod(lengths) * itemsize)
+    m, region, itemsize = _one_chunk_region(box, dtype, block)
     windows = plan_windows(m, region, max_bytes)
     chunk_bytes = math.prod(sizes) * itemsize
     chunk = np.arange(math.prod(sizes), dtype=np.int64)  # element i holds value i
@@ -114,13 +123,10 @@ def test_empty_region_has_no_windows():
 
 
 @settings(max_examples=300, deadline=None)
-@given(boxes(), st.sampled_from(["float32", "int64", "bfloat16", "bool"]),
-       st.sampled_from([1, 3, 4, 8, 16, 24, 64]), st.integers(1, 200))
+@given(boxes(), DTYPES, BLOCKS, st.integers(1, 200))
 def test_run_windows_cover_contiguous_regions_in_order(box, dtype, block, max_bytes):
     sizes, offsets, lengths = box
-    itemsize = {"float32": 4, "int64": 8, "bfloat16": 2, "bool": 1}[dtype]
-    m = manifest_with({"t": (dtype, sizes, [((0,) * len(sizes), sizes)])}, block=block)
-    region = Region("t", 0, offsets, lengths, math.prod(lengths) * itemsize)
+    m, region, itemsize = _one_chunk_region(box, dtype, block)
     flat = _flat_indices(offsets, lengths, sizes)
     runs = plan_run_windows(m, region, max_bytes)
     if len(flat) == 0 or flat[-1] - flat[0] + 1 != len(flat):
