@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from cloudckpt.errors import CheckpointError, CollectiveTimeout, MissingKeysError
 from cloudckpt.transport import Broadcaster, ControlChannel
