@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -11,27 +10,7 @@ import torch
 
 from cloudckpt import CheckpointManager
 from cloudckpt.manager import step_dir
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def cli_env(s3_server, **overrides) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(s3_server.env())
-    env.update(AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull,
-               CLOUDCKPT_DEBUG="", PYTHONPATH=REPO)
-    for key, value in overrides.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    return env
-
-
-def cli(s3_server, *args, **env_overrides) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cloudckpt", *args], cwd=REPO,
-                          env=cli_env(s3_server, **env_overrides), capture_output=True,
-                          text=True, timeout=120)
+from tests.reliability.stores import REPO, cli, cli_env
 
 
 def state(step: int) -> dict:

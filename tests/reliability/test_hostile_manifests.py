@@ -227,6 +227,16 @@ def _col(doc, name):
     return decode_int_column(doc[section][name]).tolist()
 
 
+def _run_traced(target):
+    """``run_entry_points(target)`` and the peak of Python allocations while it ran."""
+    tracemalloc.start()
+    try:
+        outcome = run_entry_points(target)
+        return outcome, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 @pytest.mark.parametrize("column", ["offsets", "sizes", "byte_length"])
 def test_zlib_bomb_columns_are_refused_with_bounded_memory(target, column):
     """A column whose zlib payload inflates to 256 MiB (its count says a few values)."""
@@ -235,12 +245,7 @@ def test_zlib_bomb_columns_are_refused_with_bounded_memory(target, column):
     bomb = zlib.compress(b"\x00" * (256 << 20), 9)
     doc["chunks"][column] = [col[0], col[1], "zlib", col[3], bomb]
     target.write_manifest(pack(doc))
-    tracemalloc.start()
-    try:
-        outcome = run_entry_points(target)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    outcome, peak = _run_traced(target)
     assert check_refusals(outcome, "zlib bomb") == "refused"
     assert peak < 64 << 20, f"peak {peak / 2**20:.0f} MiB while refusing a zlib bomb"
 
@@ -253,12 +258,7 @@ def test_huge_declared_counts_are_refused_with_bounded_memory(target, count):
     counts[0] = count
     doc["tensors"]["chunk_counts"] = encode_int_column(counts)
     target.write_manifest(pack(doc))
-    tracemalloc.start()
-    try:
-        outcome = run_entry_points(target)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    outcome, peak = _run_traced(target)
     assert check_refusals(outcome, f"{count} chunks") == "refused"
     assert peak < 64 << 20
 
