@@ -83,9 +83,10 @@ def run_ranges(window: RunWindow, views: Sequence[memoryview], base: int = 0) ->
 
 
 def direct_ranges(manifest, region, targets: Sequence[torch.Tensor],
-                  window_bytes: int) -> list[list[ReadRange]] | None:
+                  window_bytes: int) -> list[tuple[str, list[ReadRange]]] | None:
     """Block ranges that land ``region`` straight in ``targets`` (its destinations), grouped in
-    windows of about ``window_bytes``; None when that is not possible.
+    windows of about ``window_bytes`` as ``(object key, ranges)``; None when that is not
+    possible.
 
     Possible when the region's elements are one contiguous run of its chunk and every target is
     a contiguous CPU tensor of the stored dtype and the region's shape. The ranges deliver to
@@ -100,7 +101,7 @@ def direct_ranges(manifest, region, targets: Sequence[torch.Tensor],
     if windows is None:
         return None
     views = [byte_view(t) for t in targets]
-    return [run_ranges(w, views) for w in windows]
+    return [(w.object_key, run_ranges(w, views)) for w in windows]
 
 
 def window_boxes(window: Window, buf: torch.Tensor, offset: int, dtype: torch.dtype):
@@ -141,9 +142,7 @@ async def fetch_regions(store, manifest, regions: Sequence, *,
         direct = direct_ranges(manifest, region, targets(region), window_bytes) \
             if targets is not None else None
         if direct is not None:
-            for ranges in direct:
-                key = manifest.objects[manifest.tensors[region.name].chunks[
-                    region.chunk_index].object_index]
+            for key, ranges in direct:
                 entries[key].append((ranges[0].offset, sum(r.length for r in ranges), ranges,
                                      None, region, None))
             continue

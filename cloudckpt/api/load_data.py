@@ -17,6 +17,7 @@ Contract:
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -253,7 +254,7 @@ class _BroadcastSession:
     def _prefetch(self, pos: int) -> None:
         """Start fetching this rank's source batches among the next ones, within the byte
         budget, so its reads overlap the broadcasts of other sources."""
-        ahead = sum(self._buffered(self.batches[k][2]) for k in self.pending)
+        ahead = sum(entry[3] for entry in self.pending.values())
         for k in self.mine[pos:pos + _LOOKAHEAD]:
             _, src, parts = self.batches[k]
             if src != self.channel.rank or k in self.pending:
@@ -265,15 +266,15 @@ class _BroadcastSession:
                 land, pooled = self._landing(parts[0])
                 ranges = run_ranges(parts[0].run, [byte_view(land)], base=parts[0].run.lo)
                 fut = start_task(self.store.read_ranges(parts[0].run.object_key, ranges))
-                self.pending[k] = (fut, land, pooled)
+                self.pending[k] = (fut, land, pooled, size)
             else:
                 buf = self.pool.take()
                 fut = start_task(read_windows(self.store, [p.window for p in parts], buf))
-                self.pending[k] = (fut, buf, buf)
+                self.pending[k] = (fut, buf, buf, size)
             ahead += size
 
     def _buffered(self, parts) -> int:
-        """Pool bytes a batch holds while in flight (none for a run window landing in place:
+        """Pool bytes a batch will hold while in flight (none for a run window landing in place:
         its bytes go straight to the destination)."""
         if parts[0].run is not None and self._landing_in_place(parts[0]) is not None:
             return 0
@@ -282,8 +283,8 @@ class _BroadcastSession:
     def cancel_pending(self) -> None:
         """Stop the fetches not consumed (after a failure) and wait until they have stopped, so
         none writes into a destination after the load returns; their buffers are dropped."""
-        for fut, _, _ in self.pending.values():
-            fut.cancel_and_wait()
+        for entry in self.pending.values():
+            entry[0].cancel_and_wait()
         self.pending.clear()
 
     # -- the batches ----------------------------------------------------------------------------
@@ -294,7 +295,7 @@ class _BroadcastSession:
             members, src, parts = self.batches[k]
             self._prefetch(pos + 1)
             if src == self.channel.rank:
-                fut, buf, pooled = self.pending.pop(k)
+                fut, buf, pooled, _ = self.pending.pop(k)
                 try:
                     fut.result()
                     ok = True
@@ -308,12 +309,14 @@ class _BroadcastSession:
                 buf = pooled = self.pool.take()
                 ok = True
             try:
-                self._one(members, src, parts, buf, ok)
+                self._one(members, src, parts, buf, ok, in_place=pooled is None)
             finally:
                 if pooled is not None:
                     self.pool.give(pooled)
 
-    def _one(self, members, src, parts, buf: torch.Tensor, ok: bool) -> None:
+    def _one(self, members, src, parts, buf: torch.Tensor, ok: bool, *, in_place: bool) -> None:
+        """Run one batch; ``in_place``: ``buf`` is this rank's first destination of a run
+        window (see :meth:`_landing`)."""
         # first the source says whether it fetched and verified the batch: a failing source
         # still takes part, so no peer is left waiting in a broadcast
         self.status.fill_(1 if ok else 0)
@@ -333,30 +336,24 @@ class _BroadcastSession:
         if src != self.channel.rank:
             self.received += sum(p.nbytes if p.run is not None else p.window.length for p in parts)
         if parts[0].run is not None:
-            self._deliver_run(parts[0], wire)
+            self._deliver_run(parts[0], wire, in_place)
         else:
             self._deliver_windows(parts, wire)
 
-    def _deliver_run(self, part: Part, wire: torch.Tensor) -> None:
-        """Copy a run window's bytes to every destination of this rank that needs them (the
-        one they landed in, if any, already holds them)."""
+    def _deliver_run(self, part: Part, wire: torch.Tensor, in_place: bool) -> None:
+        """Copy a run window's bytes to every destination of this rank that needs them (with
+        ``in_place``, the first one already holds them: they landed there)."""
         items = self.items_by_broadcast.get(part.broadcast, ())
         region = self.broadcasts[part.broadcast].region
         dtype = self.dtypes[region.name]
-        itemsize = torch.empty((), dtype=dtype).element_size()
         elements = wire.view(dtype)
-        lo, hi = part.run.lo // itemsize, part.run.hi // itemsize
+        lo, hi = part.run.lo // dtype.itemsize, part.run.hi // dtype.itemsize
         lengths = tuple(region.lengths)
-        for item in items:
+        for item in items[1:] if in_place else items:
             view = dest_view(self.dests, item)
-            if view.data_ptr() == wire.data_ptr() - part.run.lo and view.is_contiguous() \
-                    and view.dtype == dtype and view.device == wire.device:
-                continue  # landed in place
             pos = 0
             for offsets, sizes in boxes_in_flat_range((0,) * len(lengths), lengths, lengths, lo, hi):
-                n = 1
-                for s in sizes:
-                    n *= s
+                n = math.prod(sizes)
                 sub_view(view, offsets, sizes).copy_(elements[pos:pos + n].view(sizes))
                 pos += n
 

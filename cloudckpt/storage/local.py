@@ -27,6 +27,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+import numpy as np
+
 from cloudckpt.errors import (
     AccessDenied,
     ConfigError,
@@ -244,7 +246,7 @@ class LocalStore:
                             lo, hi = max(offsets[i], piece.start), min(offsets[i] + lengths[i],
                                                                        piece.end)
                             if held[i] is not None:  # verified, then copied to the sinks
-                                part = memoryview(bytearray(hi - lo))
+                                part = memoryview(np.empty(hi - lo, dtype=np.uint8))
                                 _pread_into(fd, part, lo)
                                 held[i].add(lo - offsets[i], part)
                             else:
