@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -67,8 +68,6 @@ class BufferPool:
     """
 
     def __init__(self, size: int):
-        import threading
-
         self.size = int(size)
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
