@@ -240,7 +240,7 @@ def test_server_ignoring_if_none_match_needs_the_fallback(s3_server, s3_url, fau
         bodies = [bytes([i]) * 3000 for i in range(6)]
         results = await asyncio.gather(*(store.put("a/manifest", b, mode="create")
                                          for b in bodies), return_exceptions=True)
-        assert store._conn.create_strategy == "fallback"
+        assert store.connection.create_strategy == "fallback"
         winners = [i for i, r in enumerate(results) if isinstance(r, ObjectInfo)]
         assert len(winners) == 1, results
         assert all(isinstance(r, ObjectExists) for i, r in enumerate(results) if i not in winners)
@@ -282,7 +282,7 @@ def test_concurrency_and_buffer_bounds(s3_server, s3_url, fault_proxy):
                                        *(store.get(f"o{i}") for i in range(8)))
         assert all(bytes(r[0]) == data for r in results[:8])
         assert all(r == data for r in results[8:])
-        assert store._conn.budget.peak <= 4 * MiB
+        assert store.connection.budget.peak <= 4 * MiB
 
     _run(s3_url, options, body)
     assert fault_proxy.counters["max_inflight"] <= 3
@@ -329,7 +329,7 @@ def test_large_gets_share_a_small_budget_without_deadlock(s3_server, s3_url):
         await asyncio.gather(*(store.put(k, v) for k, v in objects.items()))
         got = await asyncio.wait_for(asyncio.gather(*(store.get(k) for k in objects)), 120)
         assert got == list(objects.values())
-        assert store._conn.budget.peak <= 16 * MiB and store._conn.budget.used == 0
+        assert store.connection.budget.peak <= 16 * MiB and store.connection.budget.used == 0
         # 5 MiB first piece + two more pieces each; a get that found no room dropped its first
         # piece and read it again
         assert store.stats.requests["get"] >= 6 * 3
