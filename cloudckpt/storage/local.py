@@ -92,6 +92,12 @@ class LocalStore:
     def __repr__(self) -> str:
         return f"LocalStore({self.url!r})"
 
+    remote = False  #: capabilities: see ``ObjectStore``
+
+    @property
+    def local_root(self) -> str:
+        return str(self.root)
+
     # --- plumbing -------------------------------------------------------------------------------
 
     def _path(self, key: str) -> Path:

@@ -53,6 +53,9 @@ class S3Store:
     used on.
     """
 
+    remote = True  #: capabilities: see ``ObjectStore``
+    local_root = None
+
     def __init__(self, url: str, options: StorageOptions | None = None, *,
                  _conn: S3Connection | None = None, _sub: str = ""):
         bucket, anchor = parse_s3_url(url)

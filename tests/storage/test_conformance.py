@@ -16,7 +16,7 @@ from cloudckpt.errors import (
     ObjectExists,
     ObjectNotFound,
 )
-from cloudckpt.storage import CommonPrefix, ObjectInfo, ReadRange, S3Store
+from cloudckpt.storage import CommonPrefix, ObjectInfo, ObjectStore, ReadRange, S3Store
 
 MiB = 1024 * 1024
 
@@ -305,3 +305,16 @@ def test_child_stores_share_stats_and_nest_keys(backend):
         assert await run.get("step-000000000001/manifest.msgpack") == b"m"
 
     backend.run(body)
+
+
+def test_capabilities_say_what_the_store_is(backend):
+    store = backend.open()
+    child = store.child("run/step")
+    assert isinstance(store, ObjectStore) and isinstance(child, ObjectStore)
+    if backend.kind == "local":
+        assert store.remote is False and child.remote is False
+        assert store.local_root == os.path.abspath(backend.url)
+        assert child.local_root == os.path.join(os.path.abspath(backend.url), "run", "step")
+    else:
+        assert store.remote is True and child.remote is True
+        assert store.local_root is None and child.local_root is None
