@@ -209,6 +209,37 @@ def test_retrier_caps_attempts_and_each_attempt():
     asyncio.run(main())
 
 
+def test_retrier_counts_waits_against_the_operations_deadline():
+    async def main():
+        retrier, stats = _retrier(RetryOptions(deadline=0.2), lambda exc: Verdict(True))
+        calls = []
+
+        async def attempt(n):
+            calls.append(n)
+
+        # an operation whose earlier waits used up its deadline sends nothing more
+        with pytest.raises(RetriesExhausted, match="deadline passed") as err:
+            await retrier.call("get", "k", attempt, where="s3://b",
+                               deadline=asyncio.get_running_loop().time() - 1)
+        assert err.value.attempts == 0
+        # both slots taken for longer than the deadline: the wait ends with it
+        await retrier.slots.acquire()
+        await retrier.slots.acquire()
+        with pytest.raises(RetriesExhausted, match="waiting for a request slot"):
+            await asyncio.wait_for(retrier.call("get", "k", attempt, where="s3://b"), 30)
+        retrier.slots.release()
+        budget = ByteBudget(10)
+        await budget.acquire(10)
+        with pytest.raises(RetriesExhausted, match="waiting for buffer memory"):
+            await retrier.wait(budget.acquire(5), what="buffer memory", op="get", key="k",
+                               where="s3://b", deadline=retrier.deadline())
+        assert budget.used == 10 and not budget._waiters  # the abandoned wait left no trace
+        assert await retrier.call("get", "k", attempt, where="s3://b") is None
+        assert calls == [1] and stats.requests == {"get": 1}
+
+    asyncio.run(main())
+
+
 def test_retrier_full_jitter_bounds(monkeypatch):
     seen = []
     monkeypatch.setattr("cloudckpt.storage.retry.random.uniform",
