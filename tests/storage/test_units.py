@@ -45,6 +45,42 @@ def test_storage_never_imports_torch():
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
+def test_storage_modules_import_one_way_and_use_only_public_names():
+    """No import cycle inside cloudckpt.storage (the package's own __init__ aside), and no
+    module reaches into a private name of another object (``x._name`` with ``x`` not self)."""
+    import ast
+    from pathlib import Path
+
+    import cloudckpt.storage as package
+
+    folder = Path(package.__file__).parent
+    graph, reaching = {}, []
+    for path in folder.glob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        graph[path.stem] = {
+            n.module.rpartition(".")[2] for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("cloudckpt.storage.")}
+        reaching += [f"{path.name}:{n.lineno} {ast.unparse(n)}" for n in ast.walk(tree)
+                     if isinstance(n, ast.Attribute) and n.attr.startswith("_")
+                     and not n.attr.startswith("__")
+                     and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
+    assert {"s3_conn", "s3_read", "s3_write", "verified"} <= set(graph)
+    assert reaching == []
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, f"import cycle: {' -> '.join(path + (module,))}"
+        if module not in done:
+            for dep in graph.get(module, ()):
+                visit(dep, path + (module,))
+            done.add(module)
+
+    for module in graph:
+        visit(module, ())
+
+
 def test_options_hide_secrets_and_validate():
     opts = StorageOptions(access_key_id="AKID", secret_access_key="SECRET", session_token="TOK")
     assert "SECRET" not in repr(opts) and "TOK" not in repr(opts) and "AKID" in repr(opts)
