@@ -12,7 +12,8 @@
 - Symlinks are followed only while they stay inside the root: an object or directory that
   leads outside it is refused (``AccessDenied``) and left out of listings, so a crafted
   checkpoint directory cannot make a load read arbitrary files.
-- Stats count one ``get`` per coalesced span, like S3Store, so request counts compare.
+- Ranged reads run ``verified.read_verified`` (a block failing its crc is read once more), and
+  stats count one ``get`` per coalesced span, like S3Store, so request counts compare.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class _LocalShared:
 class LocalStore:
     """An ``ObjectStore`` over a directory. See ``cloudckpt.storage.base.ObjectStore``."""
 
+    remote = False  #: capabilities: see ``ObjectStore``
+
     def __init__(self, root: str | os.PathLike, options: StorageOptions | None = None, *,
                  _shared: _LocalShared | None = None, _child: bool = False):
         self.root = Path(os.path.abspath(os.fspath(root)))
@@ -91,8 +94,6 @@ class LocalStore:
 
     def __repr__(self) -> str:
         return f"LocalStore({self.url!r})"
-
-    remote = False  #: capabilities: see ``ObjectStore``
 
     @property
     def local_root(self) -> str:
