@@ -32,7 +32,6 @@ from cloudckpt.reader import (WINDOW_ALIGN, fetch_regions, layout_windows, read_
                               run_ranges, window_boxes)
 from cloudckpt.runtime import run_coroutine, start_task, submit
 from cloudckpt.statedict import torch_dtype
-from cloudckpt.storage import local_path
 from cloudckpt.transport import Broadcaster
 
 #: bytes per broadcast window (the unit a source fetches and verifies before sending).
@@ -85,8 +84,7 @@ async def fetch_into(store, manifest, reads, dests, max_bytes: int) -> int:
 def move_data(store, manifest, plans, channel, dests, options: LoadOptions):
     """Fetch own regions and run the broadcasts. Returns (fetched, received, broadcast count)."""
     mine = plans[channel.rank].reads
-    broadcast = options.broadcast if options.broadcast is not None else \
-        local_path(store.url) is None
+    broadcast = options.broadcast if options.broadcast is not None else store.remote
     if channel.size == 1 or not broadcast:
         return run_coroutine(fetch_into(store, manifest, mine, dests, options.max_read_bytes)), 0, 0
 

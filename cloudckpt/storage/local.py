@@ -12,7 +12,8 @@
 - Symlinks are followed only while they stay inside the root: an object or directory that
   leads outside it is refused (``AccessDenied``) and left out of listings, so a crafted
   checkpoint directory cannot make a load read arbitrary files.
-- Stats count one ``get`` per coalesced span, like S3Store, so request counts compare.
+- Ranged reads run ``verified.read_verified`` (a block failing its crc is read once more), and
+  stats count one ``get`` per coalesced span, like S3Store, so request counts compare.
 """
 
 from __future__ import annotations
@@ -48,12 +49,11 @@ from cloudckpt.storage.base import (
     as_views,
     check_key,
     check_prefix,
-    check_ranges,
     run_all,
 )
 from cloudckpt.storage.options import StorageOptions
-from cloudckpt.storage.ranges import (HeldRange, bad_crc_ranges, checksum_error, crc_of,
-                                      plan_pieces)
+from cloudckpt.storage.ranges import HeldRange, plan_pieces
+from cloudckpt.storage.verified import read_verified
 
 T = TypeVar("T")
 _TMP_MARK = ".cloudckpt-tmp-"
@@ -81,6 +81,8 @@ class _LocalShared:
 class LocalStore:
     """An ``ObjectStore`` over a directory. See ``cloudckpt.storage.base.ObjectStore``."""
 
+    remote = False  #: capabilities: see ``ObjectStore``
+
     def __init__(self, root: str | os.PathLike, options: StorageOptions | None = None, *,
                  _shared: _LocalShared | None = None, _child: bool = False):
         self.root = Path(os.path.abspath(os.fspath(root)))
@@ -92,6 +94,10 @@ class LocalStore:
 
     def __repr__(self) -> str:
         return f"LocalStore({self.url!r})"
+
+    @property
+    def local_root(self) -> str:
+        return str(self.root)
 
     # --- plumbing -------------------------------------------------------------------------------
 
@@ -221,51 +227,48 @@ class LocalStore:
 
     async def read_ranges(self, key: str, ranges: Sequence[ReadRange]) -> list[memoryview]:
         path = self._path(key)
-        outs = check_ranges(ranges)
-        held = [HeldRange(r) if r.sinks else None for r in ranges]
-        views = [o if o is not None else memoryview(bytearray(0 if h is not None else r.length))
-                 for r, o, h in zip(ranges, outs, held)]
-        offsets = [r.offset for r in ranges]
-        lengths = [r.length for r in ranges]
+
+        async def fetch(offsets, lengths, targets, *, reread: bool) -> None:
+            await self._fetch_into(key, path, offsets, lengths, targets)
+
+        return await read_verified(key, ranges, fetch, where=self.url)
+
+    async def _fetch_into(self, key: str, path: Path, offsets: Sequence[int],
+                          lengths: Sequence[int], targets: Sequence) -> None:
+        """Read ranges into ``targets`` (flat views, or ``HeldRange``s given freshly read
+        blocks): coalesced into pieces, pieces concurrently in the pool."""
         pieces = plan_pieces(offsets, lengths, gap=self.options.coalesce_gap,
                              max_piece=self.options.part_size or READ_PIECE)
-        if pieces:
-            root = self.root
-            fd = await self._run("get", key, lambda: _open_inside(root, path), count=0)
-            try:
-                size = os.fstat(fd).st_size
-                for r in ranges:
-                    if r.length and r.offset + r.length > size:
-                        raise InvalidRange(
-                            f"{self.url}/{key}: range [{r.offset}, {r.offset + r.length}) is "
-                            f"past the end of the object ({size} bytes)", key=key, operation="get")
+        if not pieces:
+            return
+        root = self.root
+        fd = await self._run("get", key, lambda: _open_inside(root, path), count=0)
+        try:
+            size = os.fstat(fd).st_size
+            for offset, length in zip(offsets, lengths):
+                if length and offset + length > size:
+                    raise InvalidRange(
+                        f"{self.url}/{key}: range [{offset}, {offset + length}) is past the end "
+                        f"of the object ({size} bytes)", key=key, operation="get")
 
-                def reader(piece) -> Callable[[], None]:
-                    def run() -> None:
-                        for i in piece.members:
-                            lo, hi = max(offsets[i], piece.start), min(offsets[i] + lengths[i],
-                                                                       piece.end)
-                            if held[i] is not None:  # verified, then copied to the sinks
-                                part = memoryview(np.empty(hi - lo, dtype=np.uint8))
-                                _pread_into(fd, part, lo)
-                                held[i].add(lo - offsets[i], part)
-                            else:
-                                _pread_into(fd, views[i][lo - offsets[i]:hi - offsets[i]], lo)
-                    return run
+            def reader(piece) -> Callable[[], None]:
+                def run() -> None:
+                    for i in piece.members:
+                        lo = max(offsets[i], piece.start)
+                        hi = min(offsets[i] + lengths[i], piece.end)
+                        target = targets[i]
+                        if isinstance(target, HeldRange):  # verified, then copied to the sinks
+                            part = memoryview(np.empty(hi - lo, dtype=np.uint8))
+                            _pread_into(fd, part, lo)
+                            target.add(lo - offsets[i], part)
+                        else:
+                            _pread_into(fd, target[lo - offsets[i]:hi - offsets[i]], lo)
+                return run
 
-                await run_all(self._run("get", key, reader(p)) for p in pieces)
-            finally:
-                os.close(fd)
-            self.stats.bytes_received += sum(p.length for p in pieces)
-        for i, h in enumerate(held):
-            if h is not None and not h.ok:
-                raise checksum_error(self.url, key, offsets[i], lengths[i],
-                                     ranges[i].crc32c & 0xFFFFFFFF, h.actual)
-        crcs = [None if h is not None else r.crc32c for r, h in zip(ranges, held)]
-        for i in await bad_crc_ranges(offsets, crcs, views):
-            raise checksum_error(self.url, key, offsets[i], lengths[i], crcs[i] & 0xFFFFFFFF,
-                                 await crc_of(views[i]))
-        return views
+            await run_all(self._run("get", key, reader(p)) for p in pieces)
+        finally:
+            os.close(fd)
+        self.stats.bytes_received += sum(p.length for p in pieces)
 
     # --- listings -------------------------------------------------------------------------------
 

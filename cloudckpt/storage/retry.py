@@ -7,6 +7,13 @@ messages): whether the failure is worth another
 attempt, and the ``cloudckpt.errors`` exception to raise when it is not (or when attempts run
 out, as ``RetriesExhausted.last_cause``'s translation). Logs name the operation, key and attempt;
 error texts are the server's code and message, which never carry secrets.
+
+The deadline of an operation counts from when it is called, and every wait inside it counts
+against it: for a request slot (the store's concurrency limit), for buffer memory (the store's
+byte budget, see :meth:`Retrier.wait`), for a request, and between attempts. An operation still
+waiting when its deadline passes stops waiting and raises ``RetriesExhausted`` ("deadline passed
+while waiting for ..."), the error that running out of time between attempts raises: it never
+waits on and then sends a request it has no time left for.
 """
 
 from __future__ import annotations
@@ -41,6 +48,10 @@ class AttemptTimeout(TimeoutError):
     """An attempt ran past ``RetryOptions.attempt_timeout`` (retriable)."""
 
 
+class _WaitExpired(Exception):
+    """A wait for a slot or for memory outlived the operation's deadline."""
+
+
 if sys.version_info >= (3, 11):
     async def _with_timeout(coro: Awaitable[T], seconds: float) -> T:
         try:
@@ -48,12 +59,29 @@ if sys.version_info >= (3, 11):
                 return await coro
         except TimeoutError as exc:
             raise AttemptTimeout(f"attempt exceeded {seconds:.1f}s") from exc
+
+    async def _wait_until(coro: Awaitable[T], deadline: float) -> T:
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await coro
+        except TimeoutError as exc:
+            raise _WaitExpired() from exc
 else:  # pragma: no cover - Python 3.10
     async def _with_timeout(coro: Awaitable[T], seconds: float) -> T:
         try:
             return await asyncio.wait_for(coro, seconds)
         except asyncio.TimeoutError as exc:
             raise AttemptTimeout(f"attempt exceeded {seconds:.1f}s") from exc
+
+    async def _wait_until(coro: Awaitable[T], deadline: float) -> T:
+        try:
+            return await asyncio.wait_for(coro, deadline - asyncio.get_running_loop().time())
+        except asyncio.TimeoutError as exc:
+            raise _WaitExpired() from exc
+
+
+def _name(where: str, key: str | None) -> str:
+    return f"{where.rstrip('/')}/{key}" if key else where
 
 
 class Retrier:
@@ -67,27 +95,52 @@ class Retrier:
         self.slots = slots
         self.classify = classify
 
+    def deadline(self) -> float:
+        """The deadline (event loop time) of an operation starting now."""
+        return asyncio.get_running_loop().time() + self.options.deadline
+
+    async def wait(self, waiting: Awaitable[T], *, what: str, op: str, key: str | None,
+                   where: str, deadline: float) -> T:
+        """Await ``waiting`` (an acquisition that undoes itself when cancelled, such as
+        ``ByteBudget.acquire``) unless ``deadline`` passes first: then ``RetriesExhausted``
+        ("deadline passed while waiting for ``what``"), as for an operation out of time."""
+        try:
+            return await _wait_until(waiting, deadline)
+        except _WaitExpired:
+            name = _name(where, key)
+            raise self._exhausted(op, key, name, 0, None,
+                                  f"deadline passed while waiting for {what}") from None
+
     async def call(self, op: str, key: str | None, attempt: Callable[[int], Awaitable[T]],
-                   *, where: str) -> T:
+                   *, where: str, deadline: float | None = None) -> T:
         """Run ``attempt(n)`` (n = 1, 2, ...) until it returns, fails for good, or runs out of
         attempts or time. ``key`` is the store-relative key (or None), ``where`` the store URL
-        (messages name ``where/key``)."""
-        name = f"{where.rstrip('/')}/{key}" if key else where
+        (messages name ``where/key``). ``deadline`` (event loop time) is that of the operation
+        this call belongs to when it started earlier (see :meth:`deadline`); by default the
+        call starts one. Waiting for a request slot counts against it (module docstring)."""
+        name = _name(where, key)
         opts = self.options
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + opts.deadline
+        if deadline is None:
+            deadline = loop.time() + opts.deadline
         n = 0
         last: BaseException | None = None
         while True:
             n += 1
-            remaining = deadline - loop.time()
-            if remaining <= 0:
+            if deadline - loop.time() <= 0:
                 raise self._exhausted(op, key, name, n - 1, last, "deadline passed") from last
             try:
-                async with self.slots:  # the cap counts from when the attempt starts
-                    self._count(op, n)
-                    cap = min(opts.attempt_timeout, max(deadline - loop.time(), 0.001))
-                    return await _with_timeout(attempt(n), cap)
+                if self.slots.locked():
+                    await _wait_until(self.slots.acquire(), deadline)
+                else:
+                    await self.slots.acquire()  # free: returns at once, no timer needed
+            except _WaitExpired:
+                raise self._exhausted(op, key, name, n - 1, last, "deadline passed while "
+                                      "waiting for a request slot") from last
+            try:  # the slot is held only while the attempt runs; its cap counts from here
+                self._count(op, n)
+                cap = min(opts.attempt_timeout, max(deadline - loop.time(), 0.001))
+                return await _with_timeout(attempt(n), cap)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -98,6 +151,8 @@ class Retrier:
                     raise verdict.error from exc
                 last = exc
                 reason = verdict.reason or type(exc).__name__
+            finally:
+                self.slots.release()
             if n >= opts.max_attempts:
                 raise self._exhausted(op, key, name, n, last, f"{n} attempts failed") from last
             delay = random.uniform(0.0, min(opts.max_delay, opts.base_delay * (2 ** (n - 1))))

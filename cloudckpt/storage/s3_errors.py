@@ -27,7 +27,8 @@ from cloudckpt.errors import (
 )
 from cloudckpt.storage.retry import AttemptTimeout, Verdict
 
-#: Error codes that name a transient server condition.
+#: Error codes that name a transient server condition: the one list of them, used both for whole
+#: requests (``classify``) and for the per-key errors of a DeleteObjects answer.
 RETRIABLE_CODES = frozenset({
     "SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
     "ThrottlingException", "RequestThrottled", "RequestLimitExceeded", "TooManyRequests",
@@ -86,6 +87,11 @@ _TRANSPORT_ERRORS = (
 )
 
 
+def is_retriable(code: str, status: int = 0) -> bool:
+    """Whether an S3 error (code, HTTP status) names a transient condition worth another try."""
+    return code in RETRIABLE_CODES or (status in RETRIABLE_STATUS and code not in CODE_TABLE)
+
+
 def error_code(exc: bex.ClientError) -> tuple[str, int]:
     """(S3 error code, HTTP status) of a ClientError ('' / 0 when absent)."""
     resp = getattr(exc, "response", None) or {}
@@ -105,7 +111,7 @@ def classify(exc: BaseException, op: str, key: str | None, where: str) -> Verdic
     if isinstance(exc, bex.ClientError):
         code, status = error_code(exc)
         message = str(exc.response.get("Error", {}).get("Message", "") or code or status)
-        if code in RETRIABLE_CODES or (status in RETRIABLE_STATUS and code not in CODE_TABLE):
+        if is_retriable(code, status):
             return Verdict(True, reason=f"{status} {code}".strip())
         if status == 412 or code == "PreconditionFailed":
             if op in CREATE_OPS:

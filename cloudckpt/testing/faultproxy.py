@@ -11,6 +11,8 @@ injects faults on a schedule, at a rate, or on every request:
 - ``"truncate"``: forwards, then sends half of the response body (with the full Content-Length)
   and aborts; a response without a body is lost entirely (the server did the work, the client
   sees a reset: an ambiguous outcome).
+- ``"flip"``: forwards, and flips one bit of the response body's middle byte (a transfer that
+  damaged the bytes; never picked at random: name it in ``kinds`` or ``schedule``).
 
 ``ignore_conditional_writes=True`` (needs ``credentials``) strips ``If-None-Match``/``If-Match``
 from requests and re-signs them, so the server behaves like one that ignores conditional writes.
@@ -37,7 +39,7 @@ from yarl import URL
 
 __all__ = ["FAULT_KINDS", "FaultProxy"]
 
-FAULT_KINDS = ("503", "500", "reset", "delay", "truncate")
+FAULT_KINDS = ("503", "500", "reset", "delay", "truncate", "flip")
 _FAILING_KINDS = ("503", "500", "reset", "truncate")
 _HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                           "te", "trailers", "transfer-encoding", "upgrade", "expect"})
@@ -232,7 +234,7 @@ class FaultProxy:
                                 text=_ERROR_XML.format(code=code, message="injected fault"))
         if fault == "delay":
             await asyncio.sleep(self.delay_s)
-        return await self._forward(request, truncate=fault == "truncate")
+        return await self._forward(request, truncate=fault == "truncate", flip=fault == "flip")
 
     def _upstream_headers(self, request: web.Request, url: str) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
@@ -244,7 +246,8 @@ class FaultProxy:
             self._count("resigned")
         return headers
 
-    async def _forward(self, request: web.Request, *, truncate: bool) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, *, truncate: bool,
+                       flip: bool = False) -> web.StreamResponse:
         assert self._session is not None
         target = self.upstream + request.raw_path
         headers = self._upstream_headers(request, f"http://{request.host}{request.raw_path}")
@@ -268,8 +271,12 @@ class FaultProxy:
                 await response.write_eof()
                 return response
             limit = length // 2 if truncate else None
+            flip_at = length // 2 if flip else -1
             sent = 0
             async for chunk in upstream.content.iter_chunked(1 << 16):
+                if sent <= flip_at < sent + len(chunk):
+                    chunk = bytearray(chunk)
+                    chunk[flip_at - sent] ^= 0x01
                 if limit is not None and sent + len(chunk) >= limit:
                     await response.write(chunk[: limit - sent])
                     _reset(request)

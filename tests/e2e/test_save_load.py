@@ -154,6 +154,16 @@ def test_replicated_state_is_written_once_and_read_once(world2, s3_url):
     assert [r["fetched"] for r in slabs] == [r["fetched"] for r in loaded]
 
 
+def test_replicated_state_on_a_local_store_is_read_by_every_rank(world2, tmp_path):
+    """The broadcast default follows the store's ``remote`` capability: none for file://."""
+    url = str(tmp_path / "ckpt")
+    world2.run(rank_replicated, url, "save")
+    loaded = world2.run(rank_replicated, url, "load")
+    assert all(r["ok"] for r in loaded)
+    assert all(r["fetched"] == 8 * 256 * 256 * 4 + 4 * 4 for r in loaded)
+    assert all(r["received"] == 0 for r in loaded)
+
+
 # -- errors, the same on every rank ---------------------------------------------------------------
 
 

@@ -16,7 +16,8 @@ from cloudckpt.errors import (
     ObjectExists,
     ObjectNotFound,
 )
-from cloudckpt.storage import CommonPrefix, ObjectInfo, ReadRange, S3Store
+from cloudckpt.storage import (CommonPrefix, ObjectInfo, ObjectStore, ReadRange, S3Store,
+                               open_store)
 
 MiB = 1024 * 1024
 
@@ -176,6 +177,92 @@ def test_flipped_byte_is_a_checksum_error(backend):
     backend.run(body)
 
 
+def _two_blocks(data: bytes, into: str):
+    """Ranges of the two 1 MiB blocks of ``data`` (crc-checked) into ``out`` buffers or sinks,
+    and the destinations they fill."""
+    dest = [bytearray(b"\x5a" * MiB) for _ in range(2)]
+    ranges = []
+    for i, d in enumerate(dest):
+        crc = crc32c(data[i * MiB:(i + 1) * MiB])
+        ranges.append(ReadRange(i * MiB, MiB, crc32c=crc, out=memoryview(d)) if into == "out"
+                      else ReadRange(i * MiB, MiB, crc32c=crc, sinks=((0, memoryview(d)),)))
+    return ranges, dest
+
+
+@pytest.mark.parametrize("into", ["out", "sinks"])
+def test_a_block_failing_verification_is_read_once_more(backend, into):
+    """Both backends: a block that fails verification is read again, alone, once; a damage that
+    is gone on the second read (here the stored byte is repaired in between) costs nothing
+    more; a damage that stays raises ChecksumError after that one re-read."""
+    data = os.urandom(2 * MiB)
+    backend.run(lambda store: store.put("ckpt/heal.bin", data))
+
+    async def read(store, repair: bool):
+        ranges, dest = _two_blocks(data, into)
+        fetch = store._fetch_into if backend.kind == "local" else store._reader._fetch_into
+        calls = []
+
+        async def fetch_then_repair(*args, **kwargs):
+            await fetch(*args, **kwargs)
+            calls.append(args[2:4])  # (offsets, lengths)
+            if repair and len(calls) == 1:
+                await asyncio.to_thread(backend.flip_byte, "ckpt/heal.bin", MiB + 777)
+
+        if backend.kind == "local":
+            store._fetch_into = fetch_then_repair
+        else:
+            store._reader._fetch_into = fetch_then_repair
+        store.stats.reset()
+        try:
+            await store.read_ranges("ckpt/heal.bin", ranges)
+            error = None
+        except ChecksumError as exc:
+            error = exc
+        return error, dest, calls, store.stats.requests.get("get")
+
+    backend.flip_byte("ckpt/heal.bin", MiB + 777)
+    error, dest, calls, gets = backend.run(lambda store: read(store, repair=True))
+    assert error is None and bytes(dest[0]) + bytes(dest[1]) == data
+    assert calls == [([0, MiB], [MiB, MiB]), ([MiB], [MiB])] and gets == 2
+
+    backend.flip_byte("ckpt/heal.bin", MiB + 777)  # damaged again, for good this time
+    error, dest, calls, gets = backend.run(lambda store: read(store, repair=False))
+    assert isinstance(error, ChecksumError) and (error.offset, error.length) == (MiB, MiB)
+    assert calls == [([0, MiB], [MiB, MiB]), ([MiB], [MiB])] and gets == 2
+    assert bytes(dest[0]) == data[:MiB]
+    if into == "sinks":
+        assert bytes(dest[1]) == b"\x5a" * MiB  # neither read wrote the damaged block
+
+
+def test_a_block_damaged_in_transit_is_read_again(s3_server, s3_url, fault_proxy):
+    """S3 over a real HTTP hop: the first GET's body arrives with one bit flipped (the fault
+    proxy), verification fails, the re-read of that block is clean: the read succeeds."""
+    from tests.storage.conftest import s3_options
+
+    data = os.urandom(2 * MiB)
+    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url)
+
+    async def body(store):
+        await store.put("t.bin", data)
+        for into in ("out", "sinks"):
+            ranges, dest = _two_blocks(data, into)
+            store.stats.reset()
+            fault_proxy.configure(schedule=["flip"])  # the next request: the first GET
+            await store.read_ranges("t.bin", ranges)
+            assert bytes(dest[0]) + bytes(dest[1]) == data
+            assert store.stats.requests["get"] == 2  # the whole object, then the bad block
+
+    async def main():
+        store = open_store(s3_url, options)
+        try:
+            await body(store)
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+    assert fault_proxy.counters["flip"] == 2
+
+
 def test_list_paginates_past_1000_and_batched_delete(backend):
     keys = sorted([f"many/k{i:05d}" for i in range(1050)] + ["many/sub/x", "many/sub/y/z",
                                                               "many/run/data/a", "other"])
@@ -305,3 +392,16 @@ def test_child_stores_share_stats_and_nest_keys(backend):
         assert await run.get("step-000000000001/manifest.msgpack") == b"m"
 
     backend.run(body)
+
+
+def test_capabilities_say_what_the_store_is(backend):
+    store = backend.open()
+    child = store.child("run/step")
+    assert isinstance(store, ObjectStore) and isinstance(child, ObjectStore)
+    if backend.kind == "local":
+        assert store.remote is False and child.remote is False
+        assert store.local_root == os.path.abspath(backend.url)
+        assert child.local_root == os.path.join(os.path.abspath(backend.url), "run", "step")
+    else:
+        assert store.remote is True and child.remote is True
+        assert store.local_root is None and child.local_root is None
