@@ -259,7 +259,8 @@ def cmd_rm(args) -> int:
     """Delete one checkpoint, complete or incomplete: only the keys the layout owns. A step of a
     run (``--step N``, or a URL ending in ``step-<012d>``) goes through
     ``CheckpointManager(run).delete`` and its guards; a run or a folder that is neither is
-    refused (exit 2), and a URL with nothing there is "nothing to remove" (exit 1)."""
+    refused (exit 2), and a URL with nothing there is "nothing to remove" (exit 1). A URL with no
+    manifest that holds step checkpoints is a run, unless it is a step that owns keys itself."""
     from cloudckpt.manager import CheckpointManager, join_url, step_dir
     from cloudckpt.run_cleanup import delete_checkpoint, plan_checkpoint
     from cloudckpt.runtime import run_coroutine
@@ -278,7 +279,8 @@ def cmd_rm(args) -> int:
 
         def delete(progress) -> int:
             return run_coroutine(delete_checkpoint(store, "", progress=progress))
-    if not (plan.has_manifest if plan is not None else _has_manifest(store)):
+    # a run is refused; a step of a run that owns something is a checkpoint whatever it holds
+    if (plan.empty if plan is not None else not _has_manifest(store)):
         others = CheckpointManager(url).list()
         if others:
             raise UsageError(f"{url} is a run with {len(others)} checkpoint(s), not a checkpoint;"
