@@ -27,8 +27,8 @@ Cost contract:
 - :meth:`prune` deletes the complete checkpoints the retention policy does not keep (never the
   newest complete one) and *abandoned* saves: incomplete checkpoints whose newest object or
   upload is older than ``abandoned_after`` seconds (default 3600). Of an abandoned save it removes
-  only owned objects and uploads older than that, so a save that starts again at the same step while a
-  prune runs keeps its fresh objects. A save in progress is therefore never broken by a prune, as
+  only owned objects and uploads older than that, so a save that starts again at the same step
+  while a prune runs keeps its fresh objects. A save in progress is therefore never broken by a prune, as
   long as it keeps producing objects within the grace period. Ages compare the store's
   timestamps with this machine's clock.
 
@@ -54,8 +54,8 @@ from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
 from cloudckpt.layout import DATA_PREFIX, MANIFEST_KEY
 from cloudckpt.retention import RetentionPolicy, select_to_delete
 from cloudckpt.run_cleanup import (DELETE_BATCH, DeletionPlan, carry_out,
-                                    decode_manifest_without_pickle, plan_abandoned,
-                                    plan_checkpoint, plan_stale_attempts)
+                                    decode_manifest_without_pickle, delete_checkpoint,
+                                    plan_abandoned, plan_checkpoint, remove_stale_attempts)
 from cloudckpt.runtime import run_coroutine, shared_store
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "DeletionPlan", "ManagedSaveHandle",
@@ -383,7 +383,7 @@ class CheckpointManager:
     def _after_save(self, step: int, leftovers: bool) -> None:
         try:
             if leftovers:
-                run_coroutine(self._remove_stale_attempts(step))
+                run_coroutine(remove_stale_attempts(self.store, step_dir(step)))
             if self.retention.active:
                 self.prune()
         except Exception as exc:  # the checkpoint is committed: do not fail the save
@@ -430,10 +430,6 @@ class CheckpointManager:
 
     # -- deleting -------------------------------------------------------------------------------
 
-    async def _remove_stale_attempts(self, step: int) -> None:
-        store = self.store
-        await carry_out(store, await plan_stale_attempts(store, step_dir(step)))
-
     def plan_delete(self, step: int) -> DeletionPlan:
         """What :meth:`delete` would remove now (keys relative to the run), removing nothing."""
         return run_coroutine(plan_checkpoint(self.store, step_dir(step)))
@@ -447,11 +443,7 @@ class CheckpointManager:
         not exist removes nothing and returns 0. A step folder that is a symlink leading out of
         a local run raises ``AccessDenied``. Do not delete a step that is being saved.
         """
-        async def _delete() -> int:
-            plan = await plan_checkpoint(self.store, step_dir(step))
-            return await carry_out(self.store, plan, progress=progress)
-
-        return run_coroutine(_delete())
+        return run_coroutine(delete_checkpoint(self.store, step_dir(step), progress=progress))
 
     def prune(self, *, dry_run: bool = False,
               progress: Callable[[int], None] | None = None) -> list[CheckpointInfo]:

@@ -197,3 +197,9 @@ async def delete_checkpoint(store, prefix: str, *,
     """Plan and delete the checkpoint at ``prefix`` (:func:`plan_checkpoint`); returns the number
     of objects removed, the manifest included."""
     return await carry_out(store, await plan_checkpoint(store, prefix), progress=progress)
+
+
+async def remove_stale_attempts(store, prefix: str) -> int:
+    """Plan and delete the leftovers of killed attempts at a just-committed ``prefix``
+    (:func:`plan_stale_attempts`); returns the number of objects removed."""
+    return await carry_out(store, await plan_stale_attempts(store, prefix))
