@@ -17,15 +17,18 @@ Cost contract:
   that step's keys). ``total_bytes`` / ``objects`` / ``world_size`` come from the manifest and are
   read only when asked for (``list(details=True)``, :meth:`info`).
 - Deleting is safe: the manifest goes first (the checkpoint stops being complete before any of its
-  data goes), then every object under the checkpoint's prefix in batches, then its unfinished
-  multipart uploads. Manifest keys are relative to their own checkpoint root and validated (no
-  ``..``), so no other checkpoint's manifest can refer to an object under that prefix: deleting
-  only under the prefix never removes an object a remaining manifest refers to.
+  data goes), then the checkpoint's data objects in batches, then its unfinished multipart
+  uploads. Only keys the checkpoint layout owns go (``manifest.msgpack``, ``data/<attempt>/r<rank>
+  -<n>.bin`` and uploads of them, see :mod:`cloudckpt.layout`); anything else under a step's
+  prefix is left in place and logged. Manifest keys are relative to their own checkpoint root and
+  validated (no ``..``), so no other checkpoint's manifest can refer to an object under that
+  prefix. On a local path, a step folder that is a symlink leading outside the run is refused
+  (``AccessDenied``), nothing removed.
 - :meth:`prune` deletes the complete checkpoints the retention policy does not keep (never the
   newest complete one) and *abandoned* saves: incomplete checkpoints whose newest object or
   upload is older than ``abandoned_after`` seconds (default 3600). Of an abandoned save it removes
-  only objects and uploads older than that, so a save that starts again at the same step while a
-  prune runs keeps its fresh objects. A save in progress is therefore never broken by a prune, as
+  only owned objects and uploads older than that, so a save that starts again at the same step
+  while a prune runs keeps its fresh objects. A save in progress is therefore never broken by a prune, as
   long as it keeps producing objects within the grace period. Ages compare the store's
   timestamps with this machine's clock.
 
@@ -50,12 +53,13 @@ from typing import Any, Callable, Iterable
 from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
 from cloudckpt.layout import DATA_PREFIX, MANIFEST_KEY
 from cloudckpt.retention import RetentionPolicy, select_to_delete
-from cloudckpt.run_cleanup import (DELETE_BATCH, _delete_keys, _remove_stale_attempts,
-                                    decode_manifest_without_pickle, delete_prefix)
+from cloudckpt.run_cleanup import (DELETE_BATCH, DeletionPlan, carry_out,
+                                    decode_manifest_without_pickle, delete_checkpoint,
+                                    plan_abandoned, plan_checkpoint, remove_stale_attempts)
 from cloudckpt.runtime import run_coroutine, shared_store
 
-__all__ = ["CheckpointInfo", "CheckpointManager", "ManagedSaveHandle", "step_dir",
-           "join_url", "DELETE_BATCH"]
+__all__ = ["CheckpointInfo", "CheckpointManager", "DeletionPlan", "ManagedSaveHandle",
+           "step_dir", "join_url", "DELETE_BATCH"]
 
 log = logging.getLogger(__name__)
 
@@ -379,7 +383,7 @@ class CheckpointManager:
     def _after_save(self, step: int, leftovers: bool) -> None:
         try:
             if leftovers:
-                run_coroutine(_remove_stale_attempts(self.store, step_dir(step)))
+                run_coroutine(remove_stale_attempts(self.store, step_dir(step)))
             if self.retention.active:
                 self.prune()
         except Exception as exc:  # the checkpoint is committed: do not fail the save
@@ -426,15 +430,20 @@ class CheckpointManager:
 
     # -- deleting -------------------------------------------------------------------------------
 
+    def plan_delete(self, step: int) -> DeletionPlan:
+        """What :meth:`delete` would remove now (keys relative to the run), removing nothing."""
+        return run_coroutine(plan_checkpoint(self.store, step_dir(step)))
+
     def delete(self, step: int, *, progress: Callable[[int], None] | None = None) -> int:
         """Delete step ``step``'s checkpoint, complete or not; returns the objects removed.
 
-        Manifest first, then every object under its prefix in batches of :data:`DELETE_BATCH`,
-        then its unfinished multipart uploads (see the module docstring for why this never
-        removes an object another checkpoint refers to). Deleting a step that does not exist
-        removes nothing and returns 0. Do not delete a step that is being saved.
+        Manifest first, then the step's data objects in batches of :data:`DELETE_BATCH`, then
+        their unfinished uploads: only keys the checkpoint layout owns (see the module
+        docstring); other keys under the step are left and logged. Deleting a step that does
+        not exist removes nothing and returns 0. A step folder that is a symlink leading out of
+        a local run raises ``AccessDenied``. Do not delete a step that is being saved.
         """
-        return run_coroutine(delete_prefix(self.store, step_dir(step), progress=progress))
+        return run_coroutine(delete_checkpoint(self.store, step_dir(step), progress=progress))
 
     def prune(self, *, dry_run: bool = False,
               progress: Callable[[int], None] | None = None) -> list[CheckpointInfo]:
@@ -444,11 +453,18 @@ class CheckpointManager:
         (never the newest complete one; none at all for a policy without rules) and the
         incomplete ones abandoned for longer than ``abandoned_after`` (unfinished multipart
         uploads included, even of a step that has no finished object). ``dry_run=True`` removes
-        nothing and returns what would have been removed.
+        nothing and returns what would have been removed. Only owned keys go (see
+        :meth:`delete`).
         """
+        return [info for info, _ in self.prune_plans(dry_run=dry_run, progress=progress)]
+
+    def prune_plans(self, *, dry_run: bool = False, progress: Callable[[int], None] | None = None
+                    ) -> list[tuple[CheckpointInfo, DeletionPlan]]:
+        """:meth:`prune`, returning each removed checkpoint with the exact keys and uploads that
+        went (or, with ``dry_run=True``, would go)."""
         return run_coroutine(self._prune(dry_run, progress))
 
-    async def _prune(self, dry_run: bool, progress) -> list[CheckpointInfo]:
+    async def _prune(self, dry_run: bool, progress) -> list[tuple[CheckpointInfo, DeletionPlan]]:
         store = self.store
         steps = await self._scan()
         for upload in await store.list_uploads(""):
@@ -459,42 +475,18 @@ class CheckpointManager:
         doomed_complete = select_to_delete(
             [s for s, st in steps.items() if st.manifest is not None], self.retention)
         cutoff = time.time() - self.abandoned_after
-        removed: list[CheckpointInfo] = []
+        removed: list[tuple[CheckpointInfo, DeletionPlan]] = []
         for step in sorted(steps):
             state = steps[step]
-            info = self._info(step, state)
             if state.manifest is not None:
-                if step in doomed_complete:
-                    removed.append(info)
-                    if not dry_run:
-                        await delete_prefix(store, step_dir(step), progress=progress)
-                continue
-            stale_keys, stale_uploads, fresh = await _abandoned_parts(store, step, state, cutoff)
-            if fresh or not (stale_keys or stale_uploads):
-                continue  # still being written (or vanished): not abandoned
-            removed.append(info)
-            if dry_run:
-                continue
-            await _delete_keys(store, stale_keys, progress)
-            for upload in stale_uploads:
-                await store.abort_upload(upload)
+                if step not in doomed_complete:
+                    continue
+                plan = await plan_checkpoint(store, step_dir(step))
+            else:
+                plan = await plan_abandoned(store, step_dir(step), state.uploads, cutoff)
+                if plan is None or plan.empty:
+                    continue  # still being written (or vanished, or nothing of ours): kept
+            removed.append((self._info(step, state), plan))
+            if not dry_run:
+                await carry_out(store, plan, progress=progress)
         return removed
-
-
-async def _abandoned_parts(store, step: int, state: _StepState, cutoff: float):
-    """Objects and uploads of an incomplete step older than ``cutoff`` (epoch seconds), and
-    whether anything of it is newer (then the save is alive and nothing is removed)."""
-    prefix, stale_keys, stale_uploads, fresh = step_dir(step), [], [], False
-    async for item in store.list(prefix):
-        if item.key == prefix + MANIFEST_KEY:
-            return [], [], True  # committed since the listing
-        if item.last_modified is None or item.last_modified > cutoff:
-            fresh = True
-        else:
-            stale_keys.append(item.key)
-    for upload in state.uploads:
-        if upload.initiated is None or upload.initiated > cutoff:
-            fresh = True
-        else:
-            stale_uploads.append(upload)
-    return stale_keys, stale_uploads, fresh
