@@ -31,6 +31,10 @@ import torch.distributed as dist
 
 from cloudckpt.errors import CheckpointError, CollectiveTimeout, RankFailure
 
+INLINE_BYTES = 504
+"""Payloads up to this size travel in the first (and then only) all-gather of the control channel."""
+_LENGTH_BYTES = 8
+
 _group_lock = threading.Lock()
 _control_groups: dict[tuple, object] = {}
 _broadcast_groups: dict[tuple, object] = {}
@@ -109,23 +113,34 @@ class ControlChannel:
     # -- raw byte collectives -------------------------------------------------------------------
 
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
-        """Every rank contributes ``payload``; every rank gets all payloads in rank order."""
+        """Every rank contributes ``payload``; every rank gets all payloads in rank order.
+
+        One all-gather when every payload fits :data:`INLINE_BYTES` (phase reports, votes), two
+        otherwise (the second only as wide as the longest payload)."""
         if self.size == 1:
             return [bytes(payload)]
+        n = len(payload)
+        slot = bytearray(_LENGTH_BYTES + INLINE_BYTES)
+        slot[:_LENGTH_BYTES] = n.to_bytes(_LENGTH_BYTES, "little")
+        if n <= INLINE_BYTES:
+            slot[_LENGTH_BYTES:_LENGTH_BYTES + n] = payload
         try:
-            n = torch.tensor([len(payload)], dtype=torch.int64)
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in self.ranks]
-            dist.all_gather(sizes, n, group=self.group)
-            lengths = [int(s.item()) for s in sizes]
-            width = max(max(lengths), 1)
+            firsts = [torch.empty(len(slot), dtype=torch.uint8) for _ in self.ranks]
+            dist.all_gather(firsts, torch.frombuffer(slot, dtype=torch.uint8), group=self.group)
+            heads = [bytes(f.numpy().tobytes()) for f in firsts]
+            lengths = [int.from_bytes(h[:_LENGTH_BYTES], "little") for h in heads]
+            width = max(lengths)
+            if width <= INLINE_BYTES:
+                return [h[_LENGTH_BYTES:_LENGTH_BYTES + k] for h, k in zip(heads, lengths)]
             mine = torch.zeros(width, dtype=torch.uint8)
-            if payload:
-                mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if n > INLINE_BYTES:
+                mine[:n] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             outs = [torch.empty(width, dtype=torch.uint8) for _ in self.ranks]
             dist.all_gather(outs, mine, group=self.group)
         except RuntimeError as exc:
             raise self._collective_failed("all_gather", exc) from exc
-        return [bytes(o[:k].numpy().tobytes()) for o, k in zip(outs, lengths)]
+        return [h[_LENGTH_BYTES:_LENGTH_BYTES + k] if k <= INLINE_BYTES
+                else bytes(o[:k].numpy().tobytes()) for h, o, k in zip(heads, outs, lengths)]
 
     def broadcast_bytes(self, payload: bytes | None, *, src: int = 0) -> bytes:
         """Rank ``src`` sends ``payload``; every rank returns it."""
