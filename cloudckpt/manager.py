@@ -220,16 +220,6 @@ class CheckpointManager:
         """URL of step ``step``'s checkpoint."""
         return join_url(self.url, step_dir(step))
 
-    def _rank(self) -> int:
-        try:
-            import torch.distributed as dist
-        except ImportError:  # pragma: no cover - torch is a dependency
-            return 0
-        if not (dist.is_available() and dist.is_initialized()):
-            return 0
-        return dist.get_rank(self.process_group) if self.process_group is not None \
-            else dist.get_rank()
-
     # -- listing --------------------------------------------------------------------------------
 
     async def _scan(self) -> dict[int, _StepState]:
@@ -334,12 +324,13 @@ class CheckpointManager:
         retention policy has a rule, prunes (a failure there is logged, not raised).
         """
         import cloudckpt
+        from cloudckpt.transport import group_rank
 
         url = self.step_url(step)
         self.wait()
         meta = dict(metadata or {})
         meta.setdefault("step", step)
-        coordinator = self._rank() == 0
+        coordinator = group_rank(self.process_group) == 0
         leftovers = coordinator and self._has_objects(step)
         kwargs = dict(process_group=self.process_group, storage=self.storage,
                       allow_pickle=self.allow_pickle, metadata=meta, options=self.save_options)
@@ -410,23 +401,21 @@ class CheckpointManager:
         return step
 
     def _agree_on_latest(self) -> int | None:
+        from cloudckpt.api.reports import LatestStep
         from cloudckpt.transport import ControlChannel
 
         timeout = getattr(self.load_options, "timeout", 600.0)
         channel = ControlChannel(self.process_group, timeout=timeout)
-        if channel.size == 1:
-            latest = self.latest()
-            return latest.step if latest is not None else None
-        payload, error = b"", None
-        if channel.is_coordinator:
-            try:
-                latest = self.latest()
-                payload = str(latest.step if latest is not None else -1).encode()
-            except Exception as exc:  # every rank must learn of it, or the others would hang
-                error = exc
-        payloads = channel.agree("finding the latest checkpoint", payload, error)
-        chosen = int(payloads[0])
-        return None if chosen < 0 else chosen
+        if channel.size == 1:  # one process: the listing's own error, unwrapped
+            return self._latest_step()
+        with channel.phase("finding the latest checkpoint", LatestStep) as finding:
+            if channel.is_coordinator:  # every rank learns of its failure, none hangs
+                finding.report = LatestStep(step=self._latest_step())
+        return finding.reports[0].step
+
+    def _latest_step(self) -> int | None:
+        latest = self.latest()
+        return latest.step if latest is not None else None
 
     # -- deleting -------------------------------------------------------------------------------
 

@@ -78,13 +78,9 @@ def async_save(state_dict: Mapping[str, Any], url: str, *, process_group=None, s
     options = options or SaveOptions()
     prepared = prepare_save(state_dict, url, process_group=process_group, storage=storage,
                             allow_pickle=allow_pickle, metadata=metadata, options=options)
-    error = None
-    try:
+    with prepared.channel.phase("async save staging"):
         _pool.limit_bytes = options.max_async_staging_bytes
         prepared.items = _pool.stage(prepared.items)
-    except BaseException as exc:
-        error = exc
-    prepared.channel.agree("async save staging", b"", error)
     blocked = time.perf_counter() - start
     fut = _executor.submit(finish_save, prepared)
     runtime.set_pending_save(fut)

@@ -5,7 +5,7 @@ Contract:
 - Every destination element is written only with bytes whose checksum block was verified (by
   the store for fetched bytes; by the source rank, which says so before sending, for broadcast
   bytes). A failure leaves destinations possibly half filled and is raised on this rank; the
-  caller's final ``agree()`` turns it into the same error on every rank.
+  caller's ``load`` phase turns it into the same error on every rank.
 - Every rank runs the broadcasts in the same global order (computed identically from the
   exchanged plans), so no rank waits in a broadcast its peers never join; a source that cannot
   fetch still takes part and says so first.
@@ -298,7 +298,7 @@ class _BroadcastSession:
                     fut.result()
                     ok = True
                     self.fetched += sum(p.fetch_bytes for p in parts)
-                except Exception as exc:  # reported to every rank by the final agree()
+                except Exception as exc:  # reported to every rank at the end of the load phase
                     self.failure = self.failure or exc
                     ok = False
             elif parts[0].run is not None:
@@ -320,7 +320,7 @@ class _BroadcastSession:
         self.status.fill_(1 if ok else 0)
         self.broadcaster.broadcast(self.status, src=src, members=members)
         if int(self.status.item()) != 1:
-            # the source records its own error, which the final agree() raises on every rank
+            # the source records its own error, which the load phase raises on every rank
             # (as the source's error type); a receiver just skips the batch
             return
         if parts[0].run is not None:
