@@ -1,16 +1,18 @@
 """``cloudckpt.verify``: read every byte a checkpoint refers to and check every checksum.
 
-Contract: one process, no collective. ``verify`` agrees with ``load``: whatever makes
-``load_full`` refuse a checkpoint whose manifest decodes makes the report not ``ok`` (chunks
-that leave a gap in or overlap a tensor, chunk layouts too irregular to check, dtypes this torch
-cannot hold, data objects missing or shorter than their chunks, corrupted bytes). Only the data
-objects the chunks use are checked for existence and size (one ``head`` each, nothing listed);
-then every non-empty chunk is read in full with each checksum block verified, through windows of
-whole blocks in reused buffers (memory stays under about 128 MiB whatever the chunk sizes, and a
-fixed number of chunks are in progress at once whatever their number). Problems are collected
-(not raised) so one run names every damaged object; the report is ``ok`` only when there are
-none. A missing or undecodable manifest raises, as it does for ``load`` (there is nothing to
-verify against). Pickled values are never unpickled, so one that would not unpickle is not seen.
+``verify`` agrees with ``load``: whatever makes ``load_full`` refuse a checkpoint whose manifest
+decodes makes the report not ``ok``: chunks that leave a gap in or overlap a tensor, chunk
+layouts too irregular to check, dtypes this torch cannot hold (the planner's own checks), data
+objects missing or shorter than their chunks, corrupted bytes. Pickled values are never
+unpickled, so one that would not unpickle is not seen.
+
+Contract: one process, no collective. Each data object the chunks use (and only those: nothing
+is listed) is checked for existence and size (one ``head``), then every non-empty chunk is read
+in full with each checksum block verified, a fixed number of chunks at a time, through windows of
+whole blocks in reused buffers (memory stays under about 128 MiB
+whatever the chunk sizes). Problems are collected (not raised) so one run names every damaged object; the report
+is ``ok`` only when there are none. A missing or invalid manifest raises (there is nothing to
+verify against).
 """
 
 from __future__ import annotations
@@ -66,10 +68,10 @@ def layout_problems(manifest) -> list[str]:
 
 
 async def _verify(url, store, manifest, progress) -> VerifyReport:
-    problems = layout_problems(manifest)
-    # the objects the chunks use, and the end of the last byte they use in each
-    expected = {key: end for key, end in manifest.object_extents().items() if end > 0}
+    problems: list[str] = []
+    expected = {k: end for k, end in manifest.object_extents().items() if end > 0}  # used objects
     bad_objects: set[str] = set()
+    problems += layout_problems(manifest)
 
     async def check_object(key: str, size: int) -> None:
         try:

@@ -160,18 +160,29 @@ class ManifestIndex:
         self.shape = shape
         counts = np.diff(m._chunk_start)
         chunk_tensor = np.repeat(np.arange(n_t, dtype=np.int64), counts)
-        n = len(chunk_tensor)
-        off = np.zeros((n, width), dtype=np.int64)
-        size = np.ones((n, width), dtype=np.int64)
-        mask = np.arange(width) < self.ndims[chunk_tensor][:, None]
-        off[mask] = m._offsets
-        size[mask] = m._sizes
-        rows = np.flatnonzero((size > 0).all(axis=1))
-        order = rows[sort_boxes(chunk_tensor[rows], off[rows], n_t)]
+        # only non-empty chunks are indexed: empty ones cost nothing past this point
+        chunk_nd = self.ndims[chunk_tensor]
+        first_coord = (m._coord_start[chunk_tensor]
+                       + (np.arange(len(chunk_tensor)) - m._chunk_start[chunk_tensor]) * chunk_nd)
+        empty = np.zeros(len(chunk_tensor), dtype=bool)
+        with_dims = np.flatnonzero(chunk_nd > 0)
+        if len(with_dims):
+            empty[with_dims] = np.minimum.reduceat(m._sizes, first_coord[with_dims]) == 0
+        rows = np.flatnonzero(~empty)
+        del chunk_nd, empty, with_dims
+        owner, coord = _ranges(first_coord[rows], first_coord[rows] + self.ndims[chunk_tensor[rows]])
+        mask = np.arange(width) < self.ndims[chunk_tensor[rows]][:, None]
+        off = np.zeros((len(rows), width), dtype=np.int64)
+        size = np.ones((len(rows), width), dtype=np.int64)
+        off[mask] = m._offsets[coord]
+        size[mask] = m._sizes[coord]
+        del owner, coord, mask, first_coord
+        local = sort_boxes(chunk_tensor[rows], off, n_t)
+        order = rows[local]
         self.order = order  # sorted position -> manifest-wide chunk number
         self.s_tensor = chunk_tensor[order]
-        self.s_off = off[order]
-        self.s_end = self.s_off + size[order]
+        self.s_off = off[local]
+        self.s_end = self.s_off + size[local]
         self.seg = np.searchsorted(self.s_tensor, np.arange(n_t + 1)).astype(np.int64)
         has_rows = np.flatnonzero(np.diff(self.seg) > 0)
         self.slab_ok = np.zeros(n_t, dtype=bool)

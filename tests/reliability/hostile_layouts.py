@@ -18,16 +18,21 @@ Layouts:
   are all one box deep).
 - :func:`tiny_cubes`: a ``2 x 2 x ... `` grid of unit cells in ``d`` dims (``2**d`` chunks).
 - :func:`with_defect`: the same layout with one gap or one overlap.
+
+Whole manifests (stored bytes): :func:`empty_chunks` (many zero-element chunks of a 64-dim
+tensor) and :func:`deep_structure`, both through :func:`with_fields`.
 """
 
 from __future__ import annotations
 
 import math
 
+import msgpack
 import numpy as np
 
 from cloudckpt.checksum import block_crcs
-from cloudckpt.manifest import Manifest, encode_manifest
+from cloudckpt.manifest import Manifest, encode_manifest, encode_value
+from cloudckpt.manifest.columns import encode_int_column
 
 ATTEMPT = "0123456789abcdef"
 
@@ -159,7 +164,7 @@ def layout_manifest(layouts: dict, *, checksums: bool = False, block: int = 1 <<
         sizes.append(size.reshape(-1))
         numel.append(np.array([math.prod(s) for s in size.tolist()], dtype=np.int64))
     lengths = np.concatenate(numel) if numel else np.zeros(0, np.int64)
-    byte_offset = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    byte_offset = (np.cumsum(lengths) - lengths).astype(np.int64)
     if checksums:
         crcs = [c for n in lengths.tolist() for c in block_crcs(bytes(n), block)]
     else:
@@ -187,6 +192,59 @@ def write_layout(raw, layouts: dict, *, block: int = 1 << 40) -> Manifest:
     raw.write(DATA_KEY, bytes(manifest.total_bytes()))
     raw.write("manifest.msgpack", encode_manifest(manifest))
     return manifest
+
+
+def with_fields(manifest: Manifest, **fields) -> bytes:
+    """The stored bytes of ``manifest`` with top-level document fields replaced by ``fields``
+    (msgpack-ready values): what an attacker who writes the manifest file can store. Keeps the
+    manifest's framing when the format has one (``cloudckpt.manifest.framing``)."""
+    data = encode_manifest(manifest)
+    try:
+        from cloudckpt.manifest import framing
+    except ImportError:  # format version 1: the document is the file
+        doc = msgpack.unpackb(data, raw=False)
+        doc.update(fields)
+        return msgpack.packb(doc, use_bin_type=True)
+    version, payload = framing.unframe(data)
+    doc = msgpack.unpackb(bytes(payload), raw=False)
+    doc.update(fields)
+    return framing.frame(msgpack.packb(doc, use_bin_type=True), version)
+
+
+def empty_chunks(size: int, ndim: int = 64) -> bytes:
+    """About ``size`` bytes of manifest: a ``(4, 1, ..., 1)`` uint8 tensor of ``ndim`` dims held
+    by one whole chunk and ``size // 4`` zero-element chunks (4 bytes of crc each, ``2 * ndim``
+    coordinates each, the coordinate columns compressing to almost nothing)."""
+    n = max(1, size // 4) + 1
+    offsets = np.zeros((ndim, n), dtype=np.int64)  # dimension-major, as stored
+    sizes = np.ones((ndim, n), dtype=np.int64)
+    sizes[0, 0] = 4
+    sizes[0, 1:] = 0
+    offsets[0, 1:] = np.arange(1, n) % 5
+    lengths = np.zeros(n, dtype=np.int64)
+    lengths[0] = 4
+    crcs = np.zeros(n, dtype="<u4")
+    crcs[0] = block_crcs(bytes(4), 1 << 40)[0]
+    shape = [4] + [1] * (ndim - 1)
+    return with_fields(
+        layout_manifest({}), checksum_block_size=1 << 40,
+        tensors={"names": ["w"], "dtypes": ["uint8"], "ndims": encode_int_column([ndim]),
+                 "shapes": encode_int_column(shape), "chunk_counts": encode_int_column([n])},
+        chunks={"offsets": encode_int_column(offsets.reshape(-1), delta=True),
+                "sizes": encode_int_column(sizes.reshape(-1), delta=True),
+                "object_index": encode_int_column(np.zeros(n, np.int64), delta=True),
+                "byte_offset": encode_int_column(np.zeros(n, np.int64), delta=True),
+                "byte_length": encode_int_column(lengths, delta=True),
+                "crc32c": crcs.tobytes()},
+        structure=encode_value(["d", [["w", ["x", "w"]]]], key="structure", allow_pickle=False))
+
+
+def deep_structure(depth: int) -> bytes:
+    """A one-tensor manifest whose structure is ``depth`` nested one-element lists (msgpack
+    arrays) around nothing: far past any accepted nesting when ``depth`` is large."""
+    manifest = layout_manifest({"w": ((4,), np.zeros((1, 1), np.int64), np.full((1, 1), 4))},
+                               checksums=True)
+    return with_fields(manifest, structure=b"\x91" * depth + b"\xc0")
 
 
 def one_element_request(shape, where=None):
