@@ -15,7 +15,10 @@ this near ``O(n log n)`` (times the number of axes along which boxes differ):
 - the jumps of one group sum to zero by construction, so the largest of them is never checked.
 
 Exactness does not depend on any of them. The work is bounded: a layout needing more than
-``max_entries`` signed boxes in flight is reported as too irregular rather than checked.
+``WORK_FACTOR * (n + 1) + WORK_FLOOR`` signed boxes in flight after any axis raises
+:class:`TooIrregular` rather than being checked (valid layouts measured, random guillotine
+splits up to 64 dims, staircases, spirals, brick walls and products of them included, stay
+under ``4 * (n + 1)``).
 
 :func:`find_defect` also locates a defect: it follows the first failing jump along each axis,
 which yields a box on which ``F`` is a non-zero constant (``< 0``: a gap, ``> 0``: an overlap).
@@ -114,7 +117,7 @@ def _split(bx: _Boxes, j: int, e: _Entries, *, skip: bool):
     b = np.concatenate((e.b[keep], e.b[cut], e.b[cut]))
     w = np.concatenate((e.w[keep], e.w[cut], -e.w[cut]))
     root = np.concatenate((e.root[keep], e.root[cut], e.root[cut]))
-    group_key = gid * (sentinel + 1) + coord
+    group_key = gid * (sentinel + 1) + coord  # < (budget) * (2n + 3): no overflow below ~5e8 boxes
     order = stable_order([group_key, bx.sid[j + 1][b]])
     group_key, b, w, root, coord = group_key[order], b[order], w[order], root[order], coord[order]
     sid = bx.sid[j + 1][b]

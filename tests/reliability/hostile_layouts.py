@@ -246,8 +246,3 @@ def deep_structure(depth: int) -> bytes:
                                checksums=True)
     return with_fields(manifest, structure=b"\x91" * depth + b"\xc0")
 
-
-def one_element_request(shape, where=None):
-    """(offsets, sizes) of a one-element request (the centre of the tensor by default)."""
-    where = tuple(s // 2 for s in shape) if where is None else tuple(where)
-    return where, (1,) * len(shape)

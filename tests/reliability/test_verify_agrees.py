@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 
-import msgpack
 import numpy as np
 import pytest
 import torch
@@ -230,9 +229,7 @@ def saved(request, tmp_path):
     for key in (f"{attempt_dir}/zz-extra.bin", listed_unused, "other/junk.bin",
                 "data/ffffffffffffffff/r00000-0000.bin"):
         raw.write(key, b"x" * 100)
-    doc = msgpack.unpackb(raw.read("manifest.msgpack"), raw=False)
-    doc["objects"].append(listed_unused)
-    raw.write("manifest.msgpack", msgpack.packb(doc, use_bin_type=True))
+    raw.write("manifest.msgpack", hl.with_fields(manifest, objects=[*manifest.objects, listed_unused]))
     return url, storage, used
 
 
