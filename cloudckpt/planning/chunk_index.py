@@ -4,8 +4,10 @@
 over all tensors, that each tensor's chunks are slabs along one dimension tiling it exactly (the
 usual case: FSDP, tensor parallelism, whole tensors). Requests on such tensors are resolved for
 all requests at once by binary search. Any other layout (grids, ragged boxes, columns split at
-different rows) gets a per-tensor :class:`ChunkIndex` (a bounding-box tree), built on first use,
-after a full exact-cover check (:func:`~cloudckpt.planning.coverage.find_cover_defect`).
+different rows) is checked for exact cover on first use, the requested tensors in one sweep
+(:func:`~cloudckpt.planning.cover_sweep.covers_many`); then requests scan the chunks of small
+tensors (vectorised over all requests) and search a per-tensor :class:`ChunkIndex` (a
+bounding-box tree) on larger ones.
 """
 
 from __future__ import annotations
@@ -15,12 +17,17 @@ import numpy as np
 from cloudckpt.errors import CoverageError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
 from cloudckpt.manifest.model import Manifest, TensorRecord
+from cloudckpt.planning.cover_sweep import covers_many
 from cloudckpt.planning.coverage import find_cover_defect, slab_segments_ok, sort_boxes, stable_order
 from cloudckpt.planning.pieces import region_str
 
 
 #: Chunks per leaf of a :class:`ChunkIndex` tree (a leaf's chunks are tested directly).
 LEAF_CHUNKS = 16
+#: Tensors of at most this many non-empty chunks are scanned, not searched through a tree.
+SCAN_CHUNKS = 1024
+#: Most (request, chunk) pairs tested at once by a scan.
+SCAN_PAIRS = 1 << 20
 
 
 def coverage_error(name: str, defect, what: str = "stored chunks") -> CoverageError:
@@ -50,7 +57,8 @@ def _segment_reduce(ufunc, values: np.ndarray, start: np.ndarray, end: np.ndarra
 
 
 class ChunkIndex:
-    """Chunks of one stored tensor, verified to tile it exactly, in a bounding-box tree.
+    """Chunks of one stored tensor in a bounding-box tree (build it over chunks known to tile the
+    tensor exactly: :meth:`ManifestIndex.general` checks first).
 
     The tree halves the chunks at each level, sorted by centre along the axis where the centres
     spread most relative to the chunks' mean extent (a bounding volume hierarchy, built level by
@@ -63,9 +71,6 @@ class ChunkIndex:
     def __init__(self, rec: TensorRecord):
         offsets = np.asarray(rec.chunks.offsets, dtype=np.int64)
         sizes = np.asarray(rec.chunks.sizes, dtype=np.int64)
-        defect = find_cover_defect(rec.shape, offsets, sizes)
-        if defect is not None:
-            raise coverage_error(rec.name, defect)
         self.offsets, self.sizes = offsets, sizes
         self.ends = offsets + sizes
         self.ndim = len(rec.shape)
@@ -205,6 +210,62 @@ class ManifestIndex:
             self.key = self.s_tensor * stride + starts
         self._general: dict[int, ChunkIndex] = {}
         self._position: np.ndarray | None = None
+        self._dim0: tuple[np.ndarray, np.ndarray] | None = None
+        #: per tensor: 1 covered exactly once, -1 gap or overlap, -2 too irregular to check, 0 not
+        #: checked yet (slab layouts are checked above, the others by :meth:`check`)
+        self.verdict = np.where(self.slab_ok, 1, 0).astype(np.int64)
+
+    def check(self, tensors) -> None:
+        """Run the exact-cover check of those ``tensors`` not checked yet, all in one sweep
+        (each gets the verdict it would get alone)."""
+        todo = np.unique(np.asarray(tensors, dtype=np.int64))
+        todo = todo[self.verdict[todo] == 0]
+        if not len(todo):
+            return
+        n_rows = self.seg[todo + 1] - self.seg[todo]
+        self.verdict[todo[n_rows == 0]] = -1  # no chunk holds any of a non-empty tensor
+        some = todo[n_rows > 0]
+        if len(some):
+            owner, pos = _ranges(self.seg[some], self.seg[some + 1])
+            verdict = covers_many(self.s_off[pos], self.s_end[pos], owner, self.shape[some])
+            self.verdict[some] = np.where(verdict == 1, 1, np.where(verdict == 0, -1, -2))
+
+    def coverage_error(self, t: int) -> CoverageError:
+        """The error naming tensor ``t``'s defect (checked, and not covered exactly once)."""
+        name = self.manifest._names[t]
+        if self.verdict[t] == -2:
+            return coverage_error(name, ("irregular", (), ()))
+        rec = self.manifest.tensors[name]
+        defect = find_cover_defect(rec.shape, np.asarray(rec.chunks.offsets), np.asarray(rec.chunks.sizes))
+        return coverage_error(name, defect or ("irregular", (), ()))
+
+    def scan_hits(self, t: np.ndarray, req_off: np.ndarray, req_end: np.ndarray):
+        """For requests on (checked) tensors of few chunks: (request row, sorted chunk position)
+        pairs, the chunks tested being those whose dim-0 start lies within the tensor's longest
+        dim-0 extent before the request (chunks are sorted by dim-0 offset within a tensor);
+        vectorised over all requests, at most :data:`SCAN_PAIRS` pairs at a time."""
+        first, last = self.seg[t], self.seg[t + 1]
+        if self.vectorised and len(t):
+            if self._dim0 is None:
+                ext = self.s_end[:, 0] - self.s_off[:, 0]
+                longest = np.zeros(len(self.seg) - 1, dtype=np.int64)
+                np.maximum.at(longest, self.s_tensor, ext)
+                self._dim0 = (self.s_tensor * self.stride + self.s_off[:, 0], longest)
+            key0, longest = self._dim0
+            base = t * self.stride
+            first = np.maximum(first, np.searchsorted(key0, base + req_off[:, 0] - longest[t], side="right"))
+            last = np.minimum(last, np.searchsorted(key0, base + req_end[:, 0], side="left"))
+        n = np.maximum(last - first, 0)
+        found_r, found_pos = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        cut = np.searchsorted(np.cumsum(n), np.arange(SCAN_PAIRS, int(n.sum()), SCAN_PAIRS), side="right")
+        for lo, hi in zip(np.concatenate(([0], cut)).tolist(), np.concatenate((cut, [len(t)])).tolist()):
+            owner, pos = _ranges(first[lo:hi], last[lo:hi])
+            owner += lo
+            hit = (np.minimum(self.s_end[pos], req_end[owner])
+                   > np.maximum(self.s_off[pos], req_off[owner])).all(axis=1)
+            found_r.append(owner[hit])
+            found_pos.append(pos[hit])
+        return np.concatenate(found_r), np.concatenate(found_pos)
 
     def position_of(self, chunks: np.ndarray) -> np.ndarray:
         """Sorted positions of manifest-wide (non-empty) chunk numbers."""
@@ -215,8 +276,13 @@ class ManifestIndex:
         return self._position[chunks]
 
     def general(self, t: int) -> ChunkIndex:
+        """Tensor ``t``'s lookup tree; raises its :class:`CoverageError` when its chunks do not
+        cover it exactly once."""
         idx = self._general.get(t)
         if idx is None:
+            self.check([t])
+            if self.verdict[t] != 1:
+                raise self.coverage_error(t)
             idx = self._general[t] = ChunkIndex(self.manifest.tensors[self.manifest._names[t]])
         return idx
 
@@ -244,12 +310,7 @@ def manifest_index(m: Manifest) -> ManifestIndex:
 
 def coverage_errors(m: Manifest) -> list[CoverageError]:
     """The :class:`CoverageError` load planning raises for each tensor of ``m`` whose non-empty
-    chunks do not cover it exactly once (the same check: its :class:`ChunkIndex`), tensor order."""
+    chunks do not cover it exactly once (the same check and verdicts), in tensor order."""
     idx = manifest_index(m)
-    errors = []
-    for t in np.flatnonzero(~idx.slab_ok).tolist():
-        try:
-            idx.general(t)
-        except CoverageError as exc:
-            errors.append(exc)
-    return errors
+    idx.check(np.flatnonzero(idx.verdict == 0))
+    return [idx.coverage_error(t) for t in np.flatnonzero(idx.verdict < 0).tolist()]

@@ -34,11 +34,12 @@ WORK_FACTOR = 16
 WORK_FLOOR = 1 << 16
 
 
-def stable_order(columns) -> np.ndarray:
+def stable_order(columns, *, stable: bool = True) -> np.ndarray:
     """Stable lexicographic order of rows given non-negative int columns, most significant first.
 
     Packs the columns into one int64 key when their bit widths fit (one stable argsort, several
-    times faster than ``np.lexsort``), else falls back to ``np.lexsort``.
+    times faster than ``np.lexsort``), else falls back to ``np.lexsort``. ``stable=False``: rows
+    with equal keys may come in any order (a faster sort when they fit).
     """
     columns = [np.asarray(c, dtype=np.int64) for c in columns]
     bits = [max(1, int(c.max(initial=0)).bit_length()) for c in columns]
@@ -47,7 +48,7 @@ def stable_order(columns) -> np.ndarray:
         for c, b in zip(columns[1:], bits[1:]):
             key <<= b
             key |= c
-        return np.argsort(key, kind="stable")
+        return np.argsort(key, kind="stable" if stable else "quicksort")
     return np.lexsort(tuple(reversed(columns)))
 
 
@@ -74,9 +75,15 @@ class _Boxes:
             r = int(inv.max()) + 1
             self.rank_lo[j], self.rank_hi[j] = inv[:rows], inv[rows:]
             self.n_coords[j] = r
-            _, pair = np.unique(inv[:rows] * r + inv[rows:], return_inverse=True)
-            _, sid = np.unique(pair.reshape(-1) * rows + self.sid[j + 1], return_inverse=True)
-            self.sid[j] = sid.reshape(-1)
+            if j == 0:
+                break  # sid[0] is never used (axis 0 is always swept)
+            pair = inv[:rows] * r + inv[rows:]  # < r**2 <= 4 rows**2
+            if j < d - 1:
+                if 4 * rows ** 3 < 1 << 62:  # one key: (pair, sid of the axes after j)
+                    pair = pair * rows + self.sid[j + 1]
+                else:
+                    pair = np.unique(pair, return_inverse=True)[1].reshape(-1) * rows + self.sid[j + 1]
+            self.sid[j] = np.unique(pair, return_inverse=True)[1].reshape(-1)
 
 
 class _Entries:
@@ -117,8 +124,8 @@ def _split(bx: _Boxes, j: int, e: _Entries, *, skip: bool):
     b = np.concatenate((e.b[keep], e.b[cut], e.b[cut]))
     w = np.concatenate((e.w[keep], e.w[cut], -e.w[cut]))
     root = np.concatenate((e.root[keep], e.root[cut], e.root[cut]))
-    group_key = gid * (sentinel + 1) + coord  # < (budget) * (2n + 3): no overflow below ~5e8 boxes
-    order = stable_order([group_key, bx.sid[j + 1][b]])
+    group_key = gid * (sentinel + 1) + coord  # < (entries) * (2n + 3): no overflow below ~5e8 boxes
+    order = stable_order([group_key, bx.sid[j + 1][b]], stable=False)  # equal keys merge anyway
     group_key, b, w, root, coord = group_key[order], b[order], w[order], root[order], coord[order]
     sid = bx.sid[j + 1][b]
     run = np.flatnonzero(np.concatenate(([True], (group_key[1:] != group_key[:-1]) | (sid[1:] != sid[:-1]))))
@@ -148,24 +155,60 @@ def _split(bx: _Boxes, j: int, e: _Entries, *, skip: bool):
     return _Entries(gid_new.astype(np.int64), b, w, root), g_coord
 
 
-def _failing_roots(bx: _Boxes, j0: int, e: _Entries, budget: int, *, stop_at_first: bool,
-                   stats: dict | None = None) -> np.ndarray:
-    """Roots (``e.root`` values) whose signed sum is not zero, checking axes ``j0..``.
+def _failing_roots(bx: _Boxes, j0: int, e: _Entries, budget: np.ndarray, *, stop_at_first: bool,
+                   stats: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(roots whose signed sum is not zero, roots past their work bound), checking axes ``j0..``.
 
-    ``stop_at_first``: return as soon as one failing root is known (any one)."""
+    ``budget[r]``: the most entries root ``r`` may have in flight after any axis; a root past it
+    is dropped and reported as irregular (the accounting is per root, so checking tensors
+    together gives each the verdict it gets alone). ``stop_at_first``: return as soon as one
+    failing root is known (any one)."""
+    irregular = np.zeros(0, dtype=np.int64)
     for j in range(j0, bx.d):
         if not len(e):
-            return np.zeros(0, dtype=np.int64)
+            return np.zeros(0, dtype=np.int64), irregular
         starts = _group_starts(e.gid)
         single = np.diff(np.concatenate((starts, [len(e)]))) == 1  # one non-zero box: fails
         if stop_at_first and single.any():
-            return e.root[starts[single][:1]]
+            return e.root[starts[single][:1]], irregular
         e, _ = _split(bx, j, e, skip=True)
         if stats is not None:
             stats["max_entries"] = max(stats.get("max_entries", 0), len(e))
-        if len(e) > budget:
-            raise TooIrregular(len(e))
-    return np.unique(e.root)
+        count = np.bincount(e.root, minlength=len(budget))
+        over = np.flatnonzero(count > budget)
+        if len(over):
+            irregular = np.union1d(irregular, over)
+            keep = ~np.isin(e.root, over)
+            e = _Entries(e.gid[keep], e.b[keep], e.w[keep], e.root[keep])
+    return np.unique(e.root), irregular
+
+
+def covers_many(lo: np.ndarray, hi: np.ndarray, group: np.ndarray, shapes: np.ndarray) -> np.ndarray:
+    """Exact-cover verdicts of several tensors at once, each exactly what :func:`find_defect`
+    decides alone: per group ``1`` covered exactly once, ``0`` not, ``-1`` too irregular.
+
+    ``lo``/``hi``: ``(n, width)`` non-empty boxes (padded with ``0``/``1``), ``group``: each box's
+    tensor, ``0..G-1`` ascending; ``shapes``: ``(G, width)`` (padded with 1).
+    """
+    n_groups, width = shapes.shape
+    counts = np.bincount(group, minlength=n_groups)
+    axes = np.flatnonzero(((lo != 0) | (hi != shapes[group])).any(axis=0)) if len(lo) else np.zeros(0, np.int64)
+    verdict = np.ones(n_groups, dtype=np.int64)
+    if not len(axes):  # every box is its whole tensor: exact iff alone
+        verdict[counts != 1] = 0
+        return verdict
+    rows_lo = np.concatenate((lo[:, axes], np.zeros((n_groups, len(axes)), np.int64)))
+    rows_hi = np.concatenate((hi[:, axes], shapes[:, axes]))
+    bx = _Boxes(rows_lo, rows_hi)
+    gid = np.concatenate((group, np.arange(n_groups, dtype=np.int64)))
+    order = np.argsort(gid, kind="stable")
+    w = np.concatenate((np.ones(len(lo), np.int64), np.full(n_groups, -1, np.int64)))
+    e = _Entries(gid[order], order.astype(np.int64), w[order], gid[order])
+    budget = WORK_FACTOR * (counts + 1) + WORK_FLOOR
+    failing, irregular = _failing_roots(bx, 0, e, budget, stop_at_first=False)
+    verdict[failing] = 0
+    verdict[irregular] = -1
+    return verdict
 
 
 def _prepare(shape, offsets: np.ndarray, sizes: np.ndarray):
@@ -197,10 +240,13 @@ def find_defect(shape, offsets: np.ndarray, sizes: np.ndarray, *, stats: dict | 
     if not len(axes):  # every box is the whole tensor
         return None if rows == 2 else ("overlap", (0,) * len(shape), shape)
     bx = _Boxes(lo, hi)
-    budget = WORK_FACTOR * rows + WORK_FLOOR
+    budget = np.array([WORK_FACTOR * rows + WORK_FLOOR])
     if stats is not None:
         stats["rows"] = rows
-    if not len(_failing_roots(bx, 0, _initial(rows), budget, stop_at_first=True, stats=stats)):
+    failing, irregular = _failing_roots(bx, 0, _initial(rows), budget, stop_at_first=True, stats=stats)
+    if len(irregular):
+        raise TooIrregular(rows)
+    if not len(failing):
         return None
     region_lo, region_hi = list(lo[-1]), list(hi[-1])
     e = _initial(rows)
@@ -212,7 +258,10 @@ def find_defect(shape, offsets: np.ndarray, sizes: np.ndarray, *, stats: dict | 
         coords = np.unique(np.concatenate((lo[e.b, j], hi[e.b, j])))
         jumps, g_coord = _split(bx, j, e, skip=False)
         jumps.root = jumps.gid.copy()
-        failing = _failing_roots(bx, j + 1, jumps, budget, stop_at_first=False)
+        failing, irregular = _failing_roots(bx, j + 1, jumps, np.full(int(jumps.gid.max()) + 1, budget[0]),
+                                            stop_at_first=False)
+        if len(irregular):
+            raise TooIrregular(rows)
         g = int(failing.min())  # groups are numbered by coordinate: the first failing jump
         x = _coord_value(bx, j, int(g_coord[g]))
         region_lo[j], region_hi[j] = x, int(coords[np.searchsorted(coords, x, side="right")])

@@ -24,7 +24,7 @@ from cloudckpt.errors import MissingKeysError, PlanningError, ShapeMismatchError
 from cloudckpt.manifest.columns import ColumnError, decode_int_column, encode_int_column
 from cloudckpt.manifest.dtypes import MAX_NDIM
 from cloudckpt.manifest.model import Manifest
-from cloudckpt.planning.chunk_index import manifest_index
+from cloudckpt.planning.chunk_index import SCAN_CHUNKS, manifest_index
 from cloudckpt.planning.pieces import PieceSpec
 
 LOAD_PLAN_FORMAT = "cloudckpt.load_plan"
@@ -227,6 +227,16 @@ def plan_local_load(manifest: Manifest, requests: Sequence[PieceSpec], *, rank: 
         parts_r.append(rows_s[req_s])
         parts_pos.append(pos_s)
     rows_g = np.flatnonzero(~slab)
+    if len(rows_g):
+        idx.check(t_arr[rows_g])
+        bad = rows_g[idx.verdict[t_arr[rows_g]] != 1]
+        if len(bad):
+            raise idx.coverage_error(int(t_arr[bad[0]]))
+        few = (idx.seg[t_arr[rows_g] + 1] - idx.seg[t_arr[rows_g]]) <= SCAN_CHUNKS
+        rows_s, rows_g = rows_g[few], rows_g[~few]
+        req_s, pos_s = idx.scan_hits(t_arr[rows_s], off[rows_s], end[rows_s])
+        parts_r.append(rows_s[req_s])
+        parts_pos.append(pos_s)
     rows_g = rows_g[np.argsort(t_arr[rows_g], kind="stable")]
     bounds = np.flatnonzero(np.diff(t_arr[rows_g])) + 1 if len(rows_g) else rows_g
     for rows in np.split(rows_g, bounds) if len(rows_g) else ():

@@ -212,3 +212,33 @@ def test_one_element_lookups_test_few_chunks(family):
     req, chunk = index.overlapping_many(points, points + 1)
     assert sorted(req.tolist()) == list(range(200))  # each point lies in exactly one chunk
     assert index.tested - before <= 200 * 4 * LEAF_CHUNKS < len(off) * 200 / 4, index.tested - before
+
+
+@pytest.mark.parametrize("scan_chunks", [1024, 0], ids=["scan", "tree"])
+@SETTINGS
+@given(layout=tilings(), data=st.data())
+def test_plans_read_each_requested_element_once(scan_chunks, layout, data):
+    """plan_local_load through the scan of small tensors and through the tree (forced): for
+    random requests, the read items are exactly the overlaps with the chunks that meet them."""
+    import cloudckpt.planning.load_plan as load_plan
+
+    shape, off, size = layout
+    manifest = hl.layout_manifest({"w": (shape, off, size)})
+    requests = []
+    for _ in range(data.draw(st.integers(1, 3))):
+        o = [data.draw(st.integers(0, s - 1)) for s in shape]
+        requests.append(PieceSpec("w", "uint8", shape, tuple(o),
+                                  tuple(data.draw(st.integers(1, s - a)) for a, s in zip(o, shape))))
+    saved = load_plan.SCAN_CHUNKS
+    load_plan.SCAN_CHUNKS = scan_chunks
+    try:
+        plan = plan_local_load(manifest, requests, rank=0)
+    finally:
+        load_plan.SCAN_CHUNKS = saved
+    got = sorted((it.request_index, it.chunk_index) for it in plan.reads)
+    ends = off + size
+    want = sorted((r, c) for r, req in enumerate(requests) for c in range(len(off))
+                  if (np.minimum(ends[c], np.add(req.offsets, req.sizes)) > np.maximum(off[c], req.offsets)).all())
+    assert got == want
+    for r, req in enumerate(requests):
+        assert sum(int(np.prod(it.lengths)) for it in plan.reads if it.request_index == r) == int(np.prod(req.sizes))
