@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import cloudckpt
 from cloudckpt import GlobalPiece, LoadOptions, SaveOptions
+from tests.reliability.stores import RawCheckpoint
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int16,
           torch.uint8, torch.bool, torch.complex64]
@@ -392,3 +393,115 @@ def test_odd_views_exported_by_the_cli(tmp_path):
     loaded = load_file(str(out))
     for name, v in state.items():
         assert same(loaded[name], v.resolve_conj().contiguous()), name
+
+
+# -- what a failed load leaves (docs/guide.md, "When a load fails") ------------------------------
+
+BLOCK = 256
+OLD = -7.0
+
+
+class _Holder:
+    """A Stateful object whose state_dict() hands out its own tensor (filled in place)."""
+
+    def __init__(self):
+        self.c = torch.full((300,), OLD)
+        self.loaded = 0
+        self.asked = 0
+
+    def state_dict(self):
+        self.asked += 1
+        return {"c": self.c, "tag": "old"}
+
+    def load_state_dict(self, sd):
+        self.loaded += 1
+
+
+def _failed_load_state() -> dict:
+    return {"a": torch.arange(1000, dtype=torch.float32), "b": torch.arange(500.0) * 3,
+            "obj": {"c": torch.arange(300.0) + 0.5, "tag": "new"}, "step": 42,
+            "cfg": {"name": "new"}}
+
+
+def _failed_load_target() -> tuple[dict, _Holder]:
+    holder = _Holder()
+    return {"a": torch.full((1000,), OLD), "b": torch.full((500,), OLD), "obj": holder,
+            "step": 0, "cfg": {"name": "old"}}, holder
+
+
+def _untouched_values(target: dict, holder: _Holder) -> None:
+    assert target["step"] == 0 and target["cfg"] == {"name": "old"}
+    assert holder.loaded == 0 and holder.asked == 1
+
+
+def test_failed_load_before_data_moves_changes_nothing(tmp_path):
+    url = str(tmp_path / "ck")
+    cloudckpt.save(_failed_load_state(), url)
+    for change, error in ((lambda t: t.__setitem__("extra", torch.zeros(2)),
+                           cloudckpt.MissingKeysError),
+                          (lambda t: t.__setitem__("b", torch.full((499,), OLD)),
+                           cloudckpt.ShapeMismatchError)):
+        target, holder = _failed_load_target()
+        change(target)
+        with pytest.raises(error):
+            cloudckpt.load(target, url)
+        _untouched_values(target, holder)
+        for name in ("a", "b"):
+            assert bool((target[name] == OLD).all()), name
+        assert bool((holder.c == OLD).all())
+
+
+@pytest.mark.parametrize("corrupt", ["a", "obj.c"])
+def test_failed_load_on_a_corrupt_block_writes_only_verified_elements(tmp_path, corrupt):
+    url = str(tmp_path / "ck")
+    state = _failed_load_state()
+    cloudckpt.save(state, url, options=SaveOptions(checksum_block_size=BLOCK, object_size=1024))
+    manifest = cloudckpt.read_manifest(url)
+    chunk = manifest.tensors[corrupt].chunks[0]
+    key = manifest.objects[chunk.object_index]
+    bad_block = 1 if chunk.byte_length > BLOCK else 0
+    RawCheckpoint(url).flip(key, chunk.byte_offset + bad_block * BLOCK + 5)
+
+    target, holder = _failed_load_target()
+    with pytest.raises(cloudckpt.ChecksumError) as failed:
+        cloudckpt.load(target, url)
+    assert key in str(failed.value)
+    _untouched_values(target, holder)
+    got = {"a": target["a"], "b": target["b"], "obj.c": holder.c}
+    want = {"a": state["a"], "b": state["b"], "obj.c": state["obj"]["c"]}
+    for name, dest in got.items():  # every element: its previous value or the checkpoint's
+        assert bool(((dest == OLD) | (dest == want[name])).all()), name
+    per = BLOCK // 4
+    assert bool((got[corrupt][bad_block * per:(bad_block + 1) * per] == OLD).all())
+
+
+def rank_failed_load(url: str) -> dict:
+    """Rank 0 loads tensor "a" (one of its blocks is corrupt), rank 1 loads "b" (intact)."""
+    rank = dist.get_rank()
+    holder = _Holder()
+    target = {("a" if rank == 0 else "b"): torch.full((1000 if rank == 0 else 500,), OLD),
+              "obj": holder, "step": 0, "cfg": {"name": "old"}}
+    try:
+        cloudckpt.load(target, url, strict=False)
+        error = None
+    except cloudckpt.CloudCkptError as exc:
+        error = type(exc).__name__
+    dest = target["a" if rank == 0 else "b"]
+    return {"error": error, "step": target["step"], "name": target["cfg"]["name"],
+            "loaded": holder.loaded, "dest": dest.tolist()}
+
+
+def test_failed_load_on_two_ranks_leaves_the_failing_rank_untouched(world2, tmp_path):
+    url = str(tmp_path / "ck")
+    state = _failed_load_state()
+    cloudckpt.save(state, url, options=SaveOptions(checksum_block_size=BLOCK, object_size=1024))
+    manifest = cloudckpt.read_manifest(url)
+    chunk = manifest.tensors["a"].chunks[0]
+    RawCheckpoint(url).flip(manifest.objects[chunk.object_index], chunk.byte_offset + BLOCK + 5)
+    r0, r1 = world2.run(rank_failed_load, url)
+    assert r0["error"] == r1["error"] == "ChecksumError"
+    assert (r0["step"], r0["name"], r0["loaded"]) == (0, "old", 0)  # the failing rank
+    a = torch.tensor(r0["dest"])
+    assert bool(((a == OLD) | (a == state["a"])).all()) and bool((a[64:128] == OLD).all())
+    b = torch.tensor(r1["dest"])  # its own reads succeeded: loaded
+    assert torch.equal(b, state["b"])
