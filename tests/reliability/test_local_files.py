@@ -291,6 +291,7 @@ def test_a_directory_swapped_for_an_outside_link_never_leads_outside(tmp_path, f
     assert seen["inside"] > 0 and seen["written"] > 0
     figures.add("local swap race rounds", 150)
     figures.add("local swap race refusals", seen["refused"])
+    figures.add("local swap race answers read inside", seen["inside"])
 
 
 async def _collect(aiter):
