@@ -6,6 +6,9 @@ negative-bit views, as save sources and as load destinations, including the one-
 a strided destination that chunk boundaries cut. A destination's memory outside its view is never
 touched. Generated with hypothesis: on LocalStore in this process (world 1), and a smaller set on
 two real ranks over SeaweedFS (read-once broadcasts forced, so run windows land in place).
+
+Also what a failed load leaves in the caller's tensors, values and stateful objects, as
+docs/guide.md ("When a load fails") states it, on 1 and 2 ranks.
 """
 
 from __future__ import annotations
