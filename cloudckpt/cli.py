@@ -307,51 +307,19 @@ def cmd_rm(args) -> int:
     return EXIT_OK
 
 
-def _flatten(tree: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            _flatten(v, f"{prefix}{k}.", out)
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            _flatten(v, f"{prefix}{i}.", out)
-    else:
-        out[prefix[:-1]] = tree
-
-
 def cmd_export(args) -> int:
-    import cloudckpt
+    """Write one consolidated file; see :mod:`cloudckpt.export` for how OUT is written (a fresh,
+    exclusively created temporary file renamed onto OUT; nothing left behind on failure)."""
+    from cloudckpt.export import export, export_kind
 
     out = args.out
-    kind = ".safetensors" if out.endswith(".safetensors") else ".pt" if out.endswith(
-        (".pt", ".pth")) else None
-    if kind is None:
+    if export_kind(out) is None:
         raise UsageError(f"OUT must end with .safetensors or .pt, got {out!r}")
     url = _resolve_checkpoint(args.url, args.step)
-    state = cloudckpt.load_full(url, allow_pickle=args.allow_pickle)
-    tmp = out + ".partial"
-    import torch
-
-    if kind == ".pt":
-        torch.save(state, tmp)
-    else:
-        from safetensors.torch import save_file
-
-        flat: dict[str, Any] = {}
-        _flatten(state, "", flat)
-        tensors = {k: v.contiguous() for k, v in flat.items() if isinstance(v, torch.Tensor)}
-        values = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
-        meta = {"format": "pt", "cloudckpt.source": url}
-        skipped = []
-        for k, v in values.items():
-            try:
-                meta[f"cloudckpt.value.{k}"] = json.dumps(v)
-            except (TypeError, ValueError):
-                skipped.append(k)
-        if skipped:
-            print(f"warning: {len(skipped)} non-tensor value(s) not representable in JSON were "
-                  f"left out: {', '.join(skipped[:5])}", file=sys.stderr)
-        save_file(tensors, tmp, metadata=meta)
-    os.replace(tmp, out)
+    skipped = export(url, out, allow_pickle=args.allow_pickle)
+    if skipped:
+        print(f"warning: {len(skipped)} non-tensor value(s) not representable in JSON were "
+              f"left out: {', '.join(skipped[:5])}", file=sys.stderr)
     print(f"exported {url} -> {out}")
     return EXIT_OK
 
