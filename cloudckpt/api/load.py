@@ -12,10 +12,13 @@ closed by a fail-together exchange):
 3. ``load``: the read-once assignment, computed identically on every rank (broadcast subgroups
    created or reused); each rank fetches its own regions (crc-verified) in the background while
    the broadcast batches run in the one global order, and every region lands in its destination
-   (dtype converted); then values and ``load_state_dict()`` on stateful values.
+   (dtype converted).
+4. ``load restore``: only when every rank has all of its data, values are set and
+   ``load_state_dict()`` is called on stateful values.
 
 Destinations are written only with verified bytes; a rank that fails leaves its tensors possibly
-half filled, and every rank raises the same error.
+half filled, and every rank raises the same error; no rank replaces a value or calls
+``load_state_dict()`` when any rank failed to move its data.
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ def load(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage
     with channel.phase("load"):
         fetched, received, broadcasts = move_data(
             store, manifest, [r.plan for r in planning.reports], channel, wanted.dests, options)
+
+    with channel.phase("load restore"):  # only once every rank has all of its data
         wanted.restore(state_dict, manifest)
 
     if plan.unexpected and channel.is_coordinator:

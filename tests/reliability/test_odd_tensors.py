@@ -494,7 +494,7 @@ def rank_failed_load(url: str) -> dict:
             "loaded": holder.loaded, "dest": dest.tolist()}
 
 
-def test_failed_load_on_two_ranks_leaves_the_failing_rank_untouched(world2, tmp_path):
+def test_failed_load_on_two_ranks_restores_nothing_on_any_rank(world2, tmp_path):
     url = str(tmp_path / "ck")
     state = _failed_load_state()
     cloudckpt.save(state, url, options=SaveOptions(checksum_block_size=BLOCK, object_size=1024))
@@ -504,6 +504,7 @@ def test_failed_load_on_two_ranks_leaves_the_failing_rank_untouched(world2, tmp_
     r0, r1 = world2.run(rank_failed_load, url)
     assert r0["error"] == r1["error"] == "ChecksumError"
     assert (r0["step"], r0["name"], r0["loaded"]) == (0, "old", 0)  # the failing rank
+    assert (r1["step"], r1["name"], r1["loaded"]) == (0, "old", 0)  # its peer: nothing restored
     a = torch.tensor(r0["dest"])
     assert bool(((a == OLD) | (a == state["a"])).all()) and bool((a[64:128] == OLD).all())
     b = torch.tensor(r1["dest"])  # its own reads succeeded: loaded
