@@ -52,7 +52,7 @@ from cloudckpt.layout import DATA_PREFIX, MANIFEST_KEY
 from cloudckpt.retention import RetentionPolicy, select_to_delete
 from cloudckpt.run_cleanup import (DELETE_BATCH, _delete_keys, _remove_stale_attempts,
                                     decode_manifest_without_pickle, delete_prefix)
-from cloudckpt.runtime import run_coroutine, shared_store
+from cloudckpt.runtime import finish_before_exit, run_coroutine, shared_store
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "ManagedSaveHandle", "step_dir",
            "join_url", "DELETE_BATCH"]
@@ -359,6 +359,7 @@ class CheckpointManager:
 
         threading.Thread(target=_follow_up, name=f"cloudckpt-save-step{step}",
                          daemon=True).start()
+        finish_before_exit(handle, url)  # the follow-up work too, not only the save
         self._pending = handle
         return handle
 
