@@ -52,3 +52,83 @@ def test_smoke_without_an_endpoint_starts_and_removes_its_own_server():
     assert "AWS_ENDPOINT_URL is not set: starting a private local S3 server" in res.stdout
     assert "verify: ok" in res.stdout
     assert "are gone now" in res.stdout
+
+
+# -- examples/demo.sh's output helpers (examples/demo_lib.sh) ---------------------------------
+
+TORCHRUN_SUMMARY = """\
+[2026-11-30 12:00:00] torch.distributed.elastic.multiprocessing.api: WARNING Sending process 7 closing signal SIGTERM
+============================================================
+examples/train.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-30_12:00:01
+  host      : node
+  rank      : 1 (local_rank: 1)
+  exitcode  : 143 (pid: 8)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-30_12:00:00
+  host      : node
+  rank      : 0 (local_rank: 0)
+  exitcode  : -9 (pid: 7) (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 7
+============================================================
+"""
+
+
+def _demo_lib(script: str, tmp_path: Path) -> str:
+    """Run `script` in bash after sourcing demo_lib.sh; stdout is a pipe, not a terminal."""
+    res = subprocess.run(["bash", "-c", f". examples/demo_lib.sh\n{script}"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PY": sys.executable, "TMPDIR": str(tmp_path)})
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_demo_titles_have_no_escape_codes_off_a_terminal(tmp_path):
+    out = _demo_lib("say training on 2 processes", tmp_path)
+    assert out == "\n== training on 2 processes\n"
+    assert "\x1b" not in out
+
+
+def test_demo_explains_exit_statuses_in_plain_words(tmp_path):
+    out = _demo_lib("for c in 0 1 130 137 143 139 3; do explain_status $c; done", tmp_path)
+    lines = out.splitlines()
+    assert lines[0] == "finished normally"
+    assert "non-zero" in lines[1]
+    assert lines[2].startswith("interrupted by Ctrl-C")
+    assert lines[3].startswith("killed by SIGKILL (137 = 128 + 9)")
+    assert lines[4].startswith("stopped by SIGTERM (143 = 128 + 15), as a spot preemption")
+    assert lines[5] == "ended by signal 11 (139 = 128 + 11)"
+    assert lines[6] == "failed with status 3"
+
+
+def test_demo_explains_each_rank_of_a_torchrun_summary(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text(TORCHRUN_SUMMARY)
+    out = _demo_lib(f"explain_ranks {log}", tmp_path)
+    assert out.splitlines() == [
+        "rank 0 exited with 137: killed by SIGKILL (137 = 128 + 9), as when a node dies: "
+        "no chance to save anything",
+        "rank 1 exited with 143: stopped by SIGTERM (143 = 128 + 15), as a spot preemption or "
+        "'kubectl delete pod' does",
+    ]
+    log.write_text("no summary here\n")
+    assert _demo_lib(f"explain_ranks {log}", tmp_path) == ""
+
+
+def test_demo_install_step_shows_progress_and_failures(tmp_path):
+    out = _demo_lib("pip_step 'a missing wheel' --no-index --find-links . "
+                    "no-such-package-cloudckpt || echo status=$?", tmp_path)
+    assert out.startswith("  installing a missing wheel ...\n")
+    assert "status=1" in out
+    ok = _demo_lib("pip_step 'an installed package' --no-index pip", tmp_path)
+    assert ok.splitlines()[0] == "  installing an installed package ..."
+    assert re.fullmatch(r"  installed an installed package in \d+ s", ok.splitlines()[-1])
+    assert not list(tmp_path.glob("cloudckpt-demo-pip.*"))  # its log is removed
