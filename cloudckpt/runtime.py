@@ -266,4 +266,7 @@ def _close_all() -> None:
 
 atexit.register(_exit_status_after_failed_save)
 atexit.register(_close_all)
-threading._register_atexit(_wait_for_saves_at_exit)  # what concurrent.futures uses, see above
+try:
+    threading._register_atexit(_wait_for_saves_at_exit)  # as concurrent.futures does, see above
+except RuntimeError:  # first imported while the interpreter exits: no save of ours can be running
+    pass

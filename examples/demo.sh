@@ -97,9 +97,13 @@ cleanup() {
     kill -KILL "$pid" 2>/dev/null || true
   done
   rm -rf "$DEMO_TMP"
+  if [ -e "$DEMO_TMP" ] || [ -n "$(marked_pids)" ]; then
+    echo "demo: could not remove everything: $DEMO_TMP or a process of this demo is left" >&2
+    [ "$rc" -eq 0 ] && rc=1
+  fi
   if [ "$rc" -eq 0 ]; then
     echo "demo: the checkpoints lived at $RUN, on the local S3 server at ${AWS_ENDPOINT_URL:-?}"
-    echo "demo: that server is stopped and its data directory (under $DEMO_TMP) is removed:" \
+    echo "demo: that server is stopped and its data (under $DEMO_TMP) is removed;" \
          "no process of this demo is left; finished in $(elapsed)"
     echo "demo: to keep checkpoints, run 'python -m cloudckpt.testing.s3server' in another" \
          "terminal, eval its export lines, then: torchrun --nproc-per-node 2 examples/train.py" \
@@ -174,7 +178,8 @@ echo "  what happened: rank 1 was stopped by SIGTERM, as a spot preemption would
 echo "  saved step $STOP1 together and exited with status 143 (= 128 + 15, the status of a process"
 echo "  ended by SIGTERM), so that a scheduler can tell a preemption from a crash."
 explain_ranks "$DEMO_TMP/run1.log" | sed 's/^/    /'
-echo "  torchrun exit status: $rc: $(explain_status "$rc")"
+echo "  torchrun exit status: $rc: $(explain_status "$rc");"
+echo "  a wrapper can tell a preemption by train.py's --preempted-marker file (infra/slurm/train.sbatch)"
 
 # -- 4. resume on 1 process, SIGKILL the whole job ----------------------------------------------
 say "resuming on 1 process (saved by 2); SIGKILL of the whole job after step 45"

@@ -22,7 +22,7 @@ explain_status() {
   local code="$1"
   case "$code" in
     0) echo "finished normally" ;;
-    1) echo "failed (torchrun exits 1 whenever one of its processes exits with a non-zero status)" ;;
+    1) echo "a process of the job exited with a non-zero status (torchrun then exits 1, whatever that status was)" ;;
     130) echo "interrupted by Ctrl-C (130 = 128 + 2, SIGINT)" ;;
     137) echo "killed by SIGKILL (137 = 128 + 9), as when a node dies: no chance to save anything" ;;
     143) echo "stopped by SIGTERM (143 = 128 + 15), as a spot preemption or 'kubectl delete pod' does" ;;
@@ -55,7 +55,7 @@ pip_step() {
   beat=$!
   set +e
   "$PY" -m pip install --progress-bar off "$@" 2>&1 | tee "$log" \
-    | { grep --line-buffered -E '^(Collecting|Downloading|Installing collected|Successfully installed)' || true; } \
+    | { grep --line-buffered -E '^(Collecting|Processing|Downloading|Installing collected|Successfully installed)' || true; } \
     | sed -u 's/^/    | /'
   rc=${PIPESTATUS[0]}
   set -e

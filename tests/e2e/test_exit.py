@@ -113,3 +113,12 @@ def test_a_save_failing_at_exit_is_reported_and_exits_1(entry, how, gloo, tmp_pa
     assert lines[0].startswith(LINE.format(url=failed_url)), res.stderr
     assert ("AccessDenied" if "read-only" in how else "BucketNotFound" if "bucket" in how
             else "Error") in lines[0]
+
+
+def test_cloudckpt_first_used_during_exit_imports_cleanly():
+    """Importing the runtime from an atexit handler (threading hooks closed by then) is fine."""
+    code = ("import atexit, importlib\n"
+            "atexit.register(lambda: print(importlib.import_module('cloudckpt.runtime').__name__))\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert (res.returncode, res.stdout, res.stderr) == (0, "cloudckpt.runtime\n", "")
