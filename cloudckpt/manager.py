@@ -56,7 +56,7 @@ from cloudckpt.retention import RetentionPolicy, select_to_delete
 from cloudckpt.run_cleanup import (DELETE_BATCH, DeletionPlan, carry_out,
                                     decode_manifest_without_pickle, delete_checkpoint,
                                     plan_abandoned, plan_checkpoint, remove_stale_attempts)
-from cloudckpt.runtime import run_coroutine, shared_store
+from cloudckpt.runtime import finish_before_exit, run_coroutine, shared_store
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "DeletionPlan", "ManagedSaveHandle",
            "step_dir", "join_url", "DELETE_BATCH"]
@@ -354,6 +354,7 @@ class CheckpointManager:
 
         threading.Thread(target=_follow_up, name=f"cloudckpt-save-step{step}",
                          daemon=True).start()
+        finish_before_exit(handle, url)  # the follow-up work too, not only the save
         self._pending = handle
         return handle
 

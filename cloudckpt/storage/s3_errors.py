@@ -102,6 +102,11 @@ def error_code(exc: bex.ClientError) -> tuple[str, int]:
     return code, status
 
 
+def _bucket_of(where: str) -> str:
+    """The bucket of an ``s3://bucket/...`` location ('?' when it is not one)."""
+    return where.removeprefix("s3://").partition("/")[0] if where.startswith("s3://") else "?"
+
+
 def classify(exc: BaseException, op: str, key: str | None, where: str) -> Verdict:
     """The ``Verdict`` for one failed S3 attempt of operation ``op`` on ``key`` (``where`` names
     the object in messages)."""
@@ -121,6 +126,9 @@ def classify(exc: BaseException, op: str, key: str | None, where: str) -> Verdic
                                                operation=op))
         cls = CODE_TABLE.get(code) or STATUS_TABLE.get(status) or StorageError
         what = " ".join(str(x) for x in (status or "", code) if x)
+        if cls is BucketNotFound:
+            message = (f"the bucket {_bucket_of(where)!r} does not exist: check the bucket name "
+                       "in the URL (and the endpoint), or create the bucket")
         return Verdict(False, cls(f"{op}{name}: {what}: {message}", key=key, operation=op))
     if isinstance(exc, (bex.NoCredentialsError, bex.PartialCredentialsError)):
         return Verdict(False, ConfigError(
