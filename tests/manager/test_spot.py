@@ -1,0 +1,299 @@
+"""SpotNoticePoller against a fake EC2 instance-metadata service on 127.0.0.1 (never the real
+169.254.169.254): IMDSv2 tokens, 404 until a notice, exactly one callback, expired tokens,
+a server that is down or misbehaves, a clean stop; and a notice that ends in a preemption save
+of the current step through PreemptionHandler and a real CheckpointManager (world of one).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import logging
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from cloudckpt import CheckpointManager
+from cloudckpt.preemption import Preempted, PreemptionHandler
+from cloudckpt.spot import (DEFAULT_ENDPOINT, ENDPOINT_ENV, NOTICE_PATH, TOKEN_HEADER, TOKEN_PATH,
+                            TOKEN_TTL_HEADER, SpotNoticeOptions, SpotNoticePoller)
+
+NOTICE = {"action": "terminate", "time": "2026-11-30T19:30:00Z"}
+FAST = dict(interval=0.02, timeout=2.0)
+
+
+class FakeIMDS:
+    """An IMDSv2-only metadata service: PUT token (TTL header required), GET the spot notice with
+    a valid token (401 without one or with an expired one), 404 until a notice is set.
+
+    ``script`` is a list of what the next GETs of the notice meet, consumed one per GET:
+    ``"drop"`` (the connection closes with no answer), an HTTP status (500, ...), or ``None``
+    (normal). ``notice_after`` = n: the notice appears at the n-th normal GET.
+    ``token_uses`` = n: a token is refused (401) after n GETs."""
+
+    def __init__(self, *, notice_after: int | None = None, token_uses: int | None = None,
+                 script=(), notice_body: str | None = None):
+        self.lock = threading.Lock()
+        self.notice_after = notice_after
+        self.token_uses = token_uses
+        self.script = list(script)
+        self.notice_body = notice_body if notice_body is not None else json.dumps(NOTICE)
+        self.notice_on = False
+        self.tokens: dict[str, int] = {}
+        self.log: list[tuple[str, int]] = []  # (method, status or -1 for a dropped connection)
+        self.ttls: list[str] = []
+        self.normal_gets = 0
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, status: int, body: str = "") -> None:
+                data = body.encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                with fake.lock:
+                    fake.log.append((self.command, status))
+
+            def do_PUT(self):
+                if self.path != TOKEN_PATH or not self.headers.get(TOKEN_TTL_HEADER):
+                    return self._answer(400)
+                with fake.lock:
+                    fake.ttls.append(self.headers[TOKEN_TTL_HEADER])
+                    token = f"token-{len(fake.tokens)}"
+                    fake.tokens[token] = 0
+                self._answer(200, token)
+
+            def do_GET(self):
+                with fake.lock:
+                    step = fake.script.pop(0) if fake.script else None
+                if step == "drop":
+                    with fake.lock:
+                        fake.log.append(("GET", -1))
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if step is not None:
+                    return self._answer(step)
+                if self.path != NOTICE_PATH:
+                    return self._answer(404)
+                token = self.headers.get(TOKEN_HEADER)
+                with fake.lock:
+                    uses = fake.tokens.get(token)
+                    if uses is None or (fake.token_uses is not None and uses >= fake.token_uses):
+                        status = 401
+                    else:
+                        fake.tokens[token] = uses + 1
+                        fake.normal_gets += 1
+                        if fake.notice_after is not None and fake.normal_gets >= fake.notice_after:
+                            fake.notice_on = True
+                        status = 200 if fake.notice_on else 404
+                if status == 200:
+                    return self._answer(200, fake.notice_body)
+                self._answer(status)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def set_notice(self) -> None:
+        with self.lock:
+            self.notice_on = True
+
+    def count(self, method: str, status: int | None = None) -> int:
+        with self.lock:
+            return sum(1 for m, s in self.log if m == method and (status is None or s == status))
+
+    def __enter__(self) -> "FakeIMDS":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def wait_until(predicate, what: str, limit: float = 60.0) -> None:
+    """Wait for ``predicate()`` (a generous limit that only catches a hang)."""
+    deadline = time.monotonic() + limit
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.01)
+
+
+class Calls:
+    def __init__(self, fail: bool = False):
+        self.n = 0
+        self.fail = fail
+
+    def __call__(self):
+        self.n += 1
+        if self.fail:
+            raise RuntimeError("callback broke")
+
+
+def test_notice_after_404s_calls_back_exactly_once_and_stops_polling():
+    calls = Calls()
+    with FakeIMDS(notice_after=4) as imds:
+        poller = SpotNoticePoller(calls, options=SpotNoticeOptions(endpoint=imds.endpoint, **FAST))
+        with poller:
+            assert poller.wait_for_notice(60)
+            wait_until(lambda: not poller.running, "the poller to end after the notice")
+        assert calls.n == 1
+        assert poller.notice == NOTICE
+        assert imds.count("GET", 404) == 3 and imds.count("GET", 200) == 1
+        assert imds.count("GET") == 4, "no poll after the notice"
+        assert imds.count("PUT", 200) == 1, "one token serves every poll"
+        assert imds.ttls == ["21600"]
+
+
+def test_expired_token_is_renewed_and_polling_goes_on():
+    calls = Calls()
+    with FakeIMDS(notice_after=7, token_uses=2) as imds:
+        options = SpotNoticeOptions(endpoint=imds.endpoint, token_ttl=300, **FAST)
+        with SpotNoticePoller(calls, options=options) as poller:
+            assert poller.wait_for_notice(60)
+        assert calls.n == 1 and poller.notice == NOTICE
+        assert imds.count("GET", 401) >= 3, "each token was refused after two uses"
+        assert imds.count("PUT", 200) >= 4 and set(imds.ttls) == {"300"}
+
+
+def test_server_down_is_logged_once_and_is_not_fatal(caplog):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+    caplog.set_level(logging.DEBUG, logger="cloudckpt.spot")
+    calls = Calls()
+    failures = lambda: [r for r in caplog.records if "poll failed" in r.getMessage()]  # noqa: E731
+    with SpotNoticePoller(calls, options=SpotNoticeOptions(endpoint=endpoint, **FAST)) as poller:
+        wait_until(lambda: len(failures()) >= 4, "four failed polls")
+        assert poller.running
+    assert not poller.running and calls.n == 0 and poller.notice is None
+    levels = [r.levelno for r in failures()]
+    assert levels[0] == logging.WARNING and set(levels[1:]) == {logging.DEBUG}
+    assert "refused" in failures()[0].getMessage().lower()
+
+
+def test_dropped_connections_and_errors_then_recovery_then_notice(caplog):
+    caplog.set_level(logging.DEBUG, logger="cloudckpt.spot")
+    calls = Calls()
+    with FakeIMDS(notice_after=3, script=["drop", 500, "drop", 503]) as imds:
+        with SpotNoticePoller(calls, options=SpotNoticeOptions(endpoint=imds.endpoint,
+                                                               **FAST)) as poller:
+            assert poller.wait_for_notice(60)
+        assert calls.n == 1
+        assert imds.count("GET", -1) == 2 and imds.count("GET", 500) == 1
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert sum(1 for lvl, m in messages if lvl == logging.WARNING and "poll failed" in m) == 1
+    assert any(lvl == logging.INFO and "work again" in m for lvl, m in messages)
+
+
+def test_stop_is_clean_idempotent_and_start_happens_once():
+    calls = Calls()
+    with FakeIMDS() as imds:  # no notice, ever
+        poller = SpotNoticePoller(calls, options=SpotNoticeOptions(endpoint=imds.endpoint,
+                                                                   interval=0.02))
+        poller.start()
+        with pytest.raises(RuntimeError):
+            poller.start()
+        wait_until(lambda: imds.count("GET", 404) >= 3, "three polls")
+        poller.stop()
+        assert not poller.running
+        seen = imds.count("GET")
+        poller.stop()
+        assert imds.count("GET") == seen and calls.n == 0 and not poller.wait_for_notice(0)
+
+
+def test_a_body_that_is_not_json_is_still_a_notice():
+    calls = Calls()
+    with FakeIMDS(notice_after=1, notice_body="<html>stop</html>") as imds:
+        with SpotNoticePoller(calls, options=SpotNoticeOptions(endpoint=imds.endpoint,
+                                                               **FAST)) as poller:
+            assert poller.wait_for_notice(60)
+    assert calls.n == 1 and poller.notice == {"raw": "<html>stop</html>"}
+
+
+def test_a_failing_callback_is_logged_and_not_called_again(caplog):
+    calls = Calls(fail=True)
+    with FakeIMDS(notice_after=1) as imds:
+        with SpotNoticePoller(calls, options=SpotNoticeOptions(endpoint=imds.endpoint,
+                                                               **FAST)) as poller:
+            assert poller.wait_for_notice(60)
+            wait_until(lambda: not poller.running, "the poller to end")
+        assert calls.n == 1 and imds.count("GET", 200) == 1
+    assert any("callback failed" in r.getMessage() for r in caplog.records)
+
+
+def test_proxy_variables_are_not_used(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_proxy = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, dead_proxy)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    calls = Calls()
+    with FakeIMDS(notice_after=1) as imds:
+        with SpotNoticePoller(calls, options=SpotNoticeOptions(endpoint=imds.endpoint,
+                                                               **FAST)) as poller:
+            assert poller.wait_for_notice(60)
+    assert calls.n == 1
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(interval=0), dict(interval=-1), dict(interval=True), dict(timeout=0),
+    dict(token_ttl=0), dict(token_ttl=21601), dict(token_ttl=1.5),
+    dict(endpoint="169.254.169.254"), dict(endpoint="http://127.0.0.1:1/latest"),
+    dict(endpoint="ftp://127.0.0.1"),
+])
+def test_bad_options_are_rejected(kwargs):
+    with pytest.raises(ValueError):
+        SpotNoticeOptions(**kwargs)
+
+
+def test_endpoint_resolution_order(monkeypatch):
+    monkeypatch.delenv(ENDPOINT_ENV, raising=False)
+    assert SpotNoticeOptions().resolved_endpoint() == DEFAULT_ENDPOINT == "http://169.254.169.254"
+    monkeypatch.setenv(ENDPOINT_ENV, "http://127.0.0.1:9/")
+    assert SpotNoticeOptions().resolved_endpoint() == "http://127.0.0.1:9"
+    assert SpotNoticeOptions(endpoint="http://[::1]:8").resolved_endpoint() == "http://[::1]:8"
+    monkeypatch.setenv(ENDPOINT_ENV, "not a url")
+    with pytest.raises(ValueError, match=ENDPOINT_ENV):
+        SpotNoticeOptions().resolved_endpoint()
+    with pytest.raises(TypeError):
+        SpotNoticePoller("not callable", options=SpotNoticeOptions(endpoint="http://127.0.0.1:9"))
+
+
+def test_notice_leads_to_a_preemption_save_of_the_current_step(tmp_path):
+    """World of one: the notice arrives during step 3; the loop stops at the next step boundary
+    as after a SIGTERM, saves that step and raises Preempted; a restart resumes from it."""
+    url = str(tmp_path / "run")
+    mgr = CheckpointManager(url, keep_last=2)
+    state = {"w": torch.zeros(8), "progress": {"step": 0}}
+    with FakeIMDS() as imds, PreemptionHandler(mgr) as preempt, \
+            SpotNoticePoller(preempt.request, options=SpotNoticeOptions(endpoint=imds.endpoint,
+                                                                        **FAST)) as poller:
+        with pytest.raises(Preempted) as info:
+            for step in range(1, 1000):
+                state["w"] += 1
+                state["progress"]["step"] = step
+                if step == 2:
+                    mgr.save(step, state)          # a regular save before the notice
+                if step == 3:
+                    imds.set_notice()
+                    assert poller.wait_for_notice(60)
+                    assert preempt.requested
+                preempt.checkpoint_if_preempted(step, state)
+    assert info.value.step == 3 and info.value.code == 143 and info.value.signum is None
+    assert imds.count("GET", 200) == 1
+    assert [(i.step, i.complete) for i in mgr.list()] == [(2, True), (3, True)]
+    resumed = {"w": torch.zeros(8), "progress": {"step": 0}}
+    assert CheckpointManager(url).load(resumed) == 3
+    assert torch.equal(resumed["w"], torch.full((8,), 3.0)) and resumed["progress"]["step"] == 3
