@@ -297,3 +297,29 @@ def test_notice_leads_to_a_preemption_save_of_the_current_step(tmp_path):
     resumed = {"w": torch.zeros(8), "progress": {"step": 0}}
     assert CheckpointManager(url).load(resumed) == 3
     assert torch.equal(resumed["w"], torch.full((8,), 3.0)) and resumed["progress"]["step"] == 3
+
+
+def test_train_example_stops_at_a_spot_notice(s3_env, s3_url, tmp_path):
+    """examples/train.py --spot-notices (one process, the metadata endpoint from the standard
+    AWS variable): the notice makes it save the current step and exit 143."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    marker = tmp_path / "preempted"
+    with FakeIMDS(notice_after=1) as imds:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root),
+               ENDPOINT_ENV: imds.endpoint}
+        proc = subprocess.run(
+            [sys.executable, str(root / "examples" / "train.py"), "--url", s3_url,
+             "--steps", "100000", "--save-every", "100000", "--dim", "32", "--layers", "1",
+             "--step-delay", "0.05", "--spot-notices", "--preempted-marker", str(marker)],
+            env=env, capture_output=True, text=True, timeout=240)
+        assert imds.count("GET", 200) == 1
+    assert proc.returncode == 143, proc.stdout[-3000:] + proc.stderr[-3000:]
+    step = int(marker.read_text())
+    assert f"preemption checkpoint of step {step} done" in proc.stdout
+    assert "spot interruption notice" in proc.stderr
+    assert [(i.step, i.complete) for i in CheckpointManager(s3_url).list()] == [(step, True)]
