@@ -1,16 +1,14 @@
-"""SpotNoticePoller against a fake EC2 instance-metadata service on 127.0.0.1 (never the real
-169.254.169.254): IMDSv2 tokens, 404 until a notice, exactly one callback, expired tokens,
-a server that is down or misbehaves, a clean stop; and a notice that ends in a preemption save
-of the current step through PreemptionHandler and a real CheckpointManager (world of one).
+"""SpotNoticePoller against a fake EC2 instance-metadata service on 127.0.0.1
+(cloudckpt.testing.imds; never the real 169.254.169.254): IMDSv2 tokens, 404 until a notice,
+exactly one callback, expired tokens, a server that is down or misbehaves, a clean stop; a
+notice that ends in a preemption save of the current step through PreemptionHandler and a real
+CheckpointManager (world of one), and through examples/train.py --spot-notices.
 """
 
 from __future__ import annotations
 
-import http.server
-import json
 import logging
 import socket
-import threading
 import time
 
 import pytest
@@ -18,106 +16,11 @@ import torch
 
 from cloudckpt import CheckpointManager
 from cloudckpt.preemption import Preempted, PreemptionHandler
-from cloudckpt.spot import (DEFAULT_ENDPOINT, ENDPOINT_ENV, NOTICE_PATH, TOKEN_HEADER, TOKEN_PATH,
-                            TOKEN_TTL_HEADER, SpotNoticeOptions, SpotNoticePoller)
+from cloudckpt.spot import DEFAULT_ENDPOINT, ENDPOINT_ENV, SpotNoticeOptions, SpotNoticePoller
+from cloudckpt.testing.imds import DEFAULT_NOTICE as NOTICE
+from cloudckpt.testing.imds import FakeMetadataServer as FakeIMDS
 
-NOTICE = {"action": "terminate", "time": "2026-11-30T19:30:00Z"}
 FAST = dict(interval=0.02, timeout=2.0)
-
-
-class FakeIMDS:
-    """An IMDSv2-only metadata service: PUT token (TTL header required), GET the spot notice with
-    a valid token (401 without one or with an expired one), 404 until a notice is set.
-
-    ``script`` is a list of what the next GETs of the notice meet, consumed one per GET:
-    ``"drop"`` (the connection closes with no answer), an HTTP status (500, ...), or ``None``
-    (normal). ``notice_after`` = n: the notice appears at the n-th normal GET.
-    ``token_uses`` = n: a token is refused (401) after n GETs."""
-
-    def __init__(self, *, notice_after: int | None = None, token_uses: int | None = None,
-                 script=(), notice_body: str | None = None):
-        self.lock = threading.Lock()
-        self.notice_after = notice_after
-        self.token_uses = token_uses
-        self.script = list(script)
-        self.notice_body = notice_body if notice_body is not None else json.dumps(NOTICE)
-        self.notice_on = False
-        self.tokens: dict[str, int] = {}
-        self.log: list[tuple[str, int]] = []  # (method, status or -1 for a dropped connection)
-        self.ttls: list[str] = []
-        self.normal_gets = 0
-        fake = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _answer(self, status: int, body: str = "") -> None:
-                data = body.encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                with fake.lock:
-                    fake.log.append((self.command, status))
-
-            def do_PUT(self):
-                if self.path != TOKEN_PATH or not self.headers.get(TOKEN_TTL_HEADER):
-                    return self._answer(400)
-                with fake.lock:
-                    fake.ttls.append(self.headers[TOKEN_TTL_HEADER])
-                    token = f"token-{len(fake.tokens)}"
-                    fake.tokens[token] = 0
-                self._answer(200, token)
-
-            def do_GET(self):
-                with fake.lock:
-                    step = fake.script.pop(0) if fake.script else None
-                if step == "drop":
-                    with fake.lock:
-                        fake.log.append(("GET", -1))
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                    return
-                if step is not None:
-                    return self._answer(step)
-                if self.path != NOTICE_PATH:
-                    return self._answer(404)
-                token = self.headers.get(TOKEN_HEADER)
-                with fake.lock:
-                    uses = fake.tokens.get(token)
-                    if uses is None or (fake.token_uses is not None and uses >= fake.token_uses):
-                        status = 401
-                    else:
-                        fake.tokens[token] = uses + 1
-                        fake.normal_gets += 1
-                        if fake.notice_after is not None and fake.normal_gets >= fake.notice_after:
-                            fake.notice_on = True
-                        status = 200 if fake.notice_on else 404
-                if status == 200:
-                    return self._answer(200, fake.notice_body)
-                self._answer(status)
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def set_notice(self) -> None:
-        with self.lock:
-            self.notice_on = True
-
-    def count(self, method: str, status: int | None = None) -> int:
-        with self.lock:
-            return sum(1 for m, s in self.log if m == method and (status is None or s == status))
-
-    def __enter__(self) -> "FakeIMDS":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def wait_until(predicate, what: str, limit: float = 60.0) -> None:
@@ -287,7 +190,7 @@ def test_notice_leads_to_a_preemption_save_of_the_current_step(tmp_path):
                 if step == 2:
                     mgr.save(step, state)          # a regular save before the notice
                 if step == 3:
-                    imds.set_notice()
+                    imds.post_notice()
                     assert poller.wait_for_notice(60)
                     assert preempt.requested
                 preempt.checkpoint_if_preempted(step, state)
