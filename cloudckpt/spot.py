@@ -26,8 +26,8 @@ Contract:
   logged (the first failure at WARNING, further ones at DEBUG, the recovery at INFO) and the next
   poll comes ``interval`` seconds later. Off EC2 the poller therefore only logs one warning.
 - Requests go straight to ``endpoint``, never through ``HTTP(S)_PROXY``; each is bounded by
-  ``timeout``. :meth:`stop` (or leaving the ``with`` block) ends the thread within about two
-  request timeouts and is idempotent.
+  ``timeout``. :meth:`stop` (or leaving the ``with`` block) waits for the poll in progress (at
+  most four requests: token, 401, new token, GET), then the thread has ended; it is idempotent.
 - The endpoint is ``options.endpoint``, else ``AWS_EC2_METADATA_SERVICE_ENDPOINT``, else
   ``http://169.254.169.254``. In a container the token's PUT answer must be allowed one more hop:
   the instance's ``HttpPutResponseHopLimit`` must be at least 2.
@@ -149,7 +149,7 @@ class SpotNoticePoller:
         return self
 
     def stop(self) -> None:
-        """Stop polling and wait for the thread (bounded by the request timeouts)."""
+        """Stop polling and wait for the thread (at most the poll in progress)."""
         self._stop.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():

@@ -77,7 +77,8 @@ def test_infra_has_the_expected_files():
 
 def _readme_table() -> dict[str, str]:
     """infra/README.md's file table: linked path -> its description."""
-    rows = re.findall(r"^\| \[([^\]]+)\]\(\1\) \| (.+) \|$", (INFRA / "README.md").read_text(), re.M)
+    text = (INFRA / "README.md").read_text()
+    rows = re.findall(r"^\| \[([^\]]+)\]\(\1\) \| (.+) \|$", text, re.M)
     return dict(rows)
 
 

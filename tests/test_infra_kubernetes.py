@@ -78,7 +78,8 @@ def test_torchrun_rendezvous_is_elastic_through_the_headless_service():
     # pod 0 hosts the store: <job>-0.<subdomain>:<port>, the headless Service resolving it
     host, port = args.rdzv_endpoint.rsplit(":", 1)
     assert host == f"{job['metadata']['name']}-0.{pod['subdomain']}"
-    assert service["metadata"]["name"] == pod["subdomain"] and service["spec"]["clusterIP"] == "None"
+    assert service["metadata"]["name"] == pod["subdomain"]
+    assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
     assert int(port) in {p["port"] for p in service["spec"]["ports"]}
     assert int(port) in {p["containerPort"] for p in trainer(pod)["ports"]}
