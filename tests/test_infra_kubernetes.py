@@ -94,6 +94,18 @@ def test_torchrun_rendezvous_is_elastic_through_the_headless_service():
         assert batch % (int(args.nproc_per_node) * nodes) == 0, f"--batch {batch}, {nodes} pods"
 
 
+def test_container_script_is_valid_bash():
+    import shutil
+    import subprocess
+
+    container = trainer(manifests()["Job"]["spec"]["template"]["spec"])
+    assert container["command"][:2] == ["/bin/bash", "-c"]
+    bash = shutil.which("bash")
+    assert bash, "bash is needed to check the script"
+    proc = subprocess.run([bash, "-n", "-c", container["args"][0]], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_pod_has_a_sized_dev_shm_and_resource_requests():
     pod = manifests()["Job"]["spec"]["template"]["spec"]
     container = trainer(pod)
