@@ -106,14 +106,16 @@ class S3ServerInfo:
 
     def boto3_client(self, *, readonly: bool = False, access_key: str | None = None,
                      secret_key: str | None = None):
-        """A path-style boto3 S3 client for this endpoint (admin identity unless told otherwise)."""
-        import boto3
+        """A path-style S3 client for this endpoint (admin identity unless told otherwise).
+
+        It is the client ``boto3.client("s3", ...)`` returns, built with botocore directly (which
+        aiobotocore brings): boto3 is not a dependency of cloudckpt, nor of its test extras."""
         from botocore.config import Config
 
         if readonly:
             access_key = access_key or self.readonly_access_key
             secret_key = secret_key or self.readonly_secret_key
-        return boto3.client(
+        return _create_botocore_client(
             "s3",
             endpoint_url=self.endpoint_url,
             aws_access_key_id=access_key or self.access_key,
@@ -129,6 +131,22 @@ class S3ServerInfo:
                 proxies={},
             ),
         )
+
+
+_BOTOCORE_SESSION = None
+_BOTOCORE_LOCK = threading.Lock()
+
+
+def _create_botocore_client(service: str, **kwargs):
+    """``boto3.client(service, **kwargs)`` without boto3: one shared botocore session (its loaded
+    service models are reused, as boto3's default session does), clients created under a lock."""
+    global _BOTOCORE_SESSION
+    import botocore.session
+
+    with _BOTOCORE_LOCK:
+        if _BOTOCORE_SESSION is None:
+            _BOTOCORE_SESSION = botocore.session.get_session()
+        return _BOTOCORE_SESSION.create_client(service, **kwargs)
 
 
 def find_weed() -> str:
