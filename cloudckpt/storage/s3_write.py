@@ -14,9 +14,9 @@ Conditional create (``mode="create"``):
   releases and other S3 gateways or emulators; ``conditional_create="auto"``, the default, finds
   out with a probe object once per store and logs a warning when it falls back): a
   claim protocol over multipart uploads, needing only strongly consistent ListMultipartUploads
-  and HeadObject (a server without ListMultipartUploads (501) cannot make a create exclusive:
-  the create fails with a ``StorageError`` that says so). Each creator (1) stops with ObjectExists if the key exists, (2) starts a
-  multipart upload of the key, (3) lists the key's unfinished uploads: if it sees any other (not
+  and HeadObject (without ListMultipartUploads, 501, no create can be exclusive: it fails with
+  a ``StorageError`` that says so). Each creator (1) stops with ObjectExists if the key exists,
+  (2) starts a multipart upload of the key, (3) lists the key's unfinished uploads: if it sees any other (not
   stale) it aborts its own, backs off and starts over, (4) checks again that the key does not
   exist, (5) uploads and completes. Two creators cannot both pass (3): the later one to start
   its upload sees the earlier one's upload, unless that one already completed, which (4) sees.

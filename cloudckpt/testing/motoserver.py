@@ -48,13 +48,9 @@ _MOTO_SRC = "import sys; from moto.server import main; main(sys.argv[2:])"
 
 def moto_available() -> bool:
     """Whether moto's server mode can be imported here (moto, flask, flask-cors)."""
-    try:
-        import flask  # noqa: F401
-        import flask_cors  # noqa: F401
-        import moto.server  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    from importlib.util import find_spec
+
+    return all(find_spec(name) is not None for name in ("flask", "flask_cors", "moto"))
 
 
 def _free_port() -> int:

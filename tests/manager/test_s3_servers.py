@@ -20,7 +20,8 @@ from cloudckpt.errors import AccessDenied, ChecksumError
 from cloudckpt.manager import step_dir
 from cloudckpt.runtime import run_coroutine
 from tests.reliability.stores import cli
-from tests.storage.conftest import fault_proxy, s3_options  # noqa: F401 - a fixture
+from cloudckpt.testing.faultproxy import FaultProxy
+from tests.storage.conftest import s3_options
 
 
 def state(step: int) -> dict:
@@ -39,6 +40,14 @@ def assert_state(sd: dict, step: int) -> None:
     assert torch.equal(sd["model"]["w"], ref["model"]["w"])
     assert torch.equal(sd["model"]["b"], ref["model"]["b"])
     assert sd["meta"] == ref["meta"]
+
+
+@pytest.fixture
+def fault_proxy(s3_server):
+    """A FaultProxy in front of the session's SeaweedFS (nothing refused until configured)."""
+    with FaultProxy(s3_server.endpoint_url, seed=16, credentials=(
+            s3_server.access_key, s3_server.secret_key, s3_server.region)) as proxy:
+        yield proxy
 
 
 def _warnings(caplog, text: str) -> list[str]:
