@@ -13,6 +13,8 @@ MiB = 1024 * 1024
 MIN_PART_SIZE = 5 * MiB
 MAX_PART_SIZE = 5 * 1024 * MiB
 MAX_PARTS = 10_000
+#: S3's limit on the body of one PutObject (create-mode puts are always one PutObject).
+MAX_PUT_SIZE = 5 * 1024 * MiB
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,9 +59,10 @@ class StorageOptions:
       sinks, held until it is verified: at most about one range per request in flight).
     - ``transport_checksums``: send ``x-amz-checksum-crc32c`` with every body so the server
       rejects bodies damaged in transit.
-    - ``conditional_create``: how ``mode="create"`` is enforced: ``"native"`` (If-None-Match: *),
-      ``"fallback"`` (multipart-upload claim protocol, for servers that ignore the header) or
-      ``"auto"`` (probe the server once per store, then pick).
+    - ``conditional_create``: how ``mode="create"`` is enforced: ``"native"`` (one PutObject
+      with If-None-Match: *, whatever the body's size, so at most 5 GiB), ``"fallback"``
+      (multipart-upload claim protocol, for servers that ignore the header; needs
+      ListMultipartUploads) or ``"auto"`` (probe the server once per store, then pick).
     - ``prefix_spreading``: S3 only. N > 0 stores each key under one of N hashed prefixes of the
       root URL given to ``open_store`` (``root/<h>/key``), spreading a large job over S3's
       per-prefix request-rate partitions. Readers must open the same root with the same N.

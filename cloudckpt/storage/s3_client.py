@@ -4,13 +4,16 @@ zero-copy request body and the streaming response reader.
 The client is created on first use, in the running loop, with a connection pool of
 ``concurrency`` connections, botocore's own retries off (the store's choke point retries), payload
 signing off (TLS or the crc32c header protect bodies; botocore would SHA-256 every body over http)
-and checksums only where an operation requires them.
+and checksums only where an operation requires them. DeleteObjects also carries ``Content-MD5``:
+botocore sends only ``x-amz-checksum-crc32`` there, and servers that predate flexible checksums
+(MinIO before 2025-01, the JuiceFS gateway) answer 400 MissingContentMD5 without it.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import io
 import os
 import re
@@ -112,7 +115,20 @@ async def open_client(options: StorageOptions, stack: contextlib.AsyncExitStack)
         await client.close()
         client = await stack.enter_async_context(
             session.create_client("s3", config=_config(options, "path"), **kwargs))
+    client.meta.events.register("before-call.s3.DeleteObjects", add_content_md5)
     return client
+
+
+def add_content_md5(params, **kwargs) -> None:
+    """botocore ``before-call`` handler: set ``Content-MD5`` (base64 MD5 of the body) on a
+    request that has a body and none yet. Registered for DeleteObjects, whose body is a small
+    XML document; the header is signed with the rest (signing happens later)."""
+    body = params.get("body")
+    headers = params.setdefault("headers", {})
+    if isinstance(body, (bytes, bytearray)) and not any(
+            k.lower() == "content-md5" for k in headers):
+        digest = hashlib.md5(body, usedforsecurity=False).digest()
+        headers["Content-MD5"] = base64.b64encode(digest).decode("ascii")
 
 
 class BodyPayload(aiohttp.payload.Payload):

@@ -33,7 +33,9 @@ class S3Connection:
     ``open_store``: "" or ".../"); ``stats``; ``spreader`` (prefix spreading); ``slots`` (at most
     ``options.concurrency`` requests in flight); ``budget`` (``options.max_buffer_bytes`` of
     store-owned read buffers); ``create_strategy`` (``"native"``, ``"fallback"`` or None until the
-    conditional-create probe ran) with ``create_lock`` serialising that probe.
+    conditional-create probe ran) with ``create_lock`` serialising that probe; what the server
+    was found not to implement: ``batch_delete`` (False once DeleteObjects was refused: single
+    deletes from then on) and ``lists_uploads`` (False once ListMultipartUploads answered 501).
     """
 
     def __init__(self, options: StorageOptions, bucket: str, anchor: str):
@@ -49,6 +51,8 @@ class S3Connection:
         self.create_strategy: str | None = (
             None if options.conditional_create == "auto" else options.conditional_create)
         self.create_lock = asyncio.Lock()
+        self.batch_delete: bool | None = None
+        self.lists_uploads: bool | None = None
         self._client = None
         self._client_lock = asyncio.Lock()
         self._stack: contextlib.AsyncExitStack | None = None

@@ -107,6 +107,24 @@ def _bucket_of(where: str) -> str:
     return where.removeprefix("s3://").partition("/")[0] if where.startswith("s3://") else "?"
 
 
+def cause_code(exc: BaseException) -> tuple[str, int]:
+    """(S3 error code, HTTP status) of the server answer behind ``exc``: ``exc`` itself or the
+    ``ClientError`` it was raised from ('' / 0 when there is none)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, bex.ClientError):
+            return error_code(exc)
+        exc, seen = exc.__cause__, seen + 1
+    return "", 0
+
+
+def is_not_implemented(exc: BaseException) -> bool:
+    """Whether ``exc`` is the server saying it does not implement the request (501
+    NotImplemented): the caller may fall back to another request form."""
+    code, status = cause_code(exc)
+    return code == "NotImplemented" or status == 501
+
+
 def classify(exc: BaseException, op: str, key: str | None, where: str) -> Verdict:
     """The ``Verdict`` for one failed S3 attempt of operation ``op`` on ``key`` (``where`` names
     the object in messages)."""
