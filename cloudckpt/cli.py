@@ -411,6 +411,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = bool(os.environ.get("CLOUDCKPT_DEBUG"))
     try:
+        from cloudckpt.storage import parse_store_url
+
+        parse_store_url(args.url)  # a malformed URL is a usage error before anything runs
         return args.fn(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

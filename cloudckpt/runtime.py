@@ -122,17 +122,17 @@ def shared_store(url: str, options: Any = None):
     stores are cheap and opened per URL. Stores live on the background loop: use them only from
     coroutines run there. They are closed at interpreter exit.
     """
-    from cloudckpt.storage import open_store
+    from cloudckpt.storage import open_store, parse_store_url
 
-    if isinstance(url, str) and url.startswith("s3://"):
-        bucket, _, path = url[len("s3://"):].partition("/")
-        root = f"s3://{bucket}"
+    parsed = parse_store_url(url)  # ConfigError for a malformed URL, before anything is opened
+    if parsed.kind == "s3":
+        root = parsed.bucket_url
         with _lock:
             store = _stores.get((root, options))
             if store is None:
                 store = open_store(root, options)
                 _stores[(root, options)] = store
-        path = path.strip("/")
+        path = parsed.prefix.strip("/")
         return store.child(path) if path else store
     return open_store(url, options)
 
@@ -140,9 +140,12 @@ def shared_store(url: str, options: Any = None):
 def drop_store(url: str, options: Any = None) -> None:
     """Forget (and close) the shared connection of ``url``'s bucket; the next use reconnects
     (e.g. after the credentials in the environment changed)."""
-    if not (isinstance(url, str) and url.startswith("s3://")):
+    from cloudckpt.storage import parse_store_url
+
+    parsed = parse_store_url(url)
+    if parsed.kind != "s3":
         return
-    root = "s3://" + url[len("s3://"):].partition("/")[0]
+    root = parsed.bucket_url
     with _lock:
         store = _stores.pop((root, options), None)
     if store is not None and _loop is not None:

@@ -1,4 +1,4 @@
-"""Plumbing of S3Store: URL parsing, the aiobotocore client with the cheap request settings, the
+"""Plumbing of S3Store: the aiobotocore client with the cheap request settings, the
 zero-copy request body and the streaming response reader.
 
 The client is created on first use, in the running loop, with a connection pool of
@@ -24,30 +24,10 @@ from aiobotocore.session import AioSession
 from cloudckpt.errors import ConfigError
 from cloudckpt.storage.options import StorageOptions
 from cloudckpt.storage.redact import install_redaction
-
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$", re.IGNORECASE)
+from cloudckpt.storage.urls import parse_s3_url  # noqa: F401 - re-exported
 
 #: Bytes handed to the socket per write: bounds the transport's own copy of a body.
 SEND_CHUNK = 256 * 1024
-
-
-def parse_s3_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix/")`` (prefix "" for the bucket)."""
-    parsed = urlparse(url)
-    if parsed.scheme != "s3" or not parsed.netloc:
-        raise ConfigError(f"not an s3:// URL: {url!r}")
-    if parsed.query or parsed.fragment or "@" in parsed.netloc:
-        raise ConfigError(f"s3 URLs take no query, fragment or credentials: {url!r}")
-    bucket = parsed.netloc
-    if not _BUCKET_RE.match(bucket):
-        raise ConfigError(f"bad bucket name {bucket!r} in {url!r}")
-    prefix = parsed.path.strip("/")
-    if prefix:
-        for part in prefix.split("/"):
-            if part in ("", ".", ".."):
-                raise ConfigError(f"bad path {parsed.path!r} in {url!r}")
-        prefix += "/"
-    return bucket, prefix
 
 
 def crc32c_b64(crc: int) -> str:
