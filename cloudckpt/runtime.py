@@ -27,6 +27,7 @@ _loop: asyncio.AbstractEventLoop | None = None
 _thread: threading.Thread | None = None
 _stores: dict[tuple, Any] = {}
 _pending_save: concurrent.futures.Future | None = None
+_default_storage: Any = None
 
 
 def get_loop() -> asyncio.AbstractEventLoop:
@@ -113,11 +114,19 @@ def run_coroutine(coro: Awaitable[T], timeout: float | None = None) -> T:
         raise TimeoutError(f"cloudckpt operation did not finish within {timeout} s") from exc
 
 
+def set_default_storage(options: Any) -> None:
+    """Use ``options`` (a :class:`cloudckpt.storage.StorageOptions`) wherever a call gives none
+    (``storage=None``): the command line sets them from its flags (``--timeout``). ``None``
+    restores the default (the standard AWS chain)."""
+    global _default_storage
+    _default_storage = options
+
+
 def shared_store(url: str, options: Any = None):
     """Return an open store for ``url``, sharing one connection per bucket and options.
 
-    ``options`` is a :class:`cloudckpt.storage.StorageOptions` or ``None`` (the standard AWS
-    chain). For ``s3://bucket/path`` the bucket's store is opened once (one client, one
+    ``options`` is a :class:`cloudckpt.storage.StorageOptions` or ``None`` (those of
+    :func:`set_default_storage`, else the standard AWS chain). For ``s3://bucket/path`` the bucket's store is opened once (one client, one
     connection pool, one request budget) and a child store for ``path`` is returned; local
     stores are cheap and opened per URL. Stores live on the background loop: use them only from
     coroutines run there. They are closed at interpreter exit.
@@ -125,6 +134,8 @@ def shared_store(url: str, options: Any = None):
     from cloudckpt.storage import open_store, parse_store_url
 
     parsed = parse_store_url(url)  # ConfigError for a malformed URL, before anything is opened
+    if options is None:
+        options = _default_storage
     if parsed.kind == "s3":
         root = parsed.bucket_url
         with _lock:
