@@ -31,6 +31,7 @@ import torch
 from cloudckpt.errors import DuplicateKeyError, MissingKeysError, PlanningError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
 from cloudckpt.planning.pieces import PieceSpec
+from cloudckpt.wording import plural
 
 try:  # torch built without distributed support has no DTensor
     from torch.distributed.tensor import DTensor
@@ -281,7 +282,8 @@ def unflatten_state_dict(structure, leaves: Mapping[str, object]) -> dict:
 
     root = build(structure)
     if missing:
-        raise MissingKeysError(f"{len(missing)} leaves missing: {', '.join(map(repr, missing))}", keys=tuple(missing))
+        raise MissingKeysError(f"{plural(len(missing), 'leaf', 'leaves')} missing: "
+                               f"{', '.join(map(repr, missing))}", keys=tuple(missing))
     return root
 
 

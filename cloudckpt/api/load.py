@@ -38,6 +38,7 @@ from cloudckpt.options import LoadOptions, LoadResult
 from cloudckpt.api.load_data import fetch_into, move_data
 from cloudckpt.api.reports import LoadPlanReport
 from cloudckpt.planning import PieceSpec, plan_local_load
+from cloudckpt.planning.hints import unexpected_names_message
 from cloudckpt.runtime import run_coroutine, shared_store, wait_for_pending_save
 from cloudckpt.stateful import resolve_stateful, restore_stateful
 from cloudckpt.statedict import flatten_state_dict, set_by_path, torch_dtype, unflatten_state_dict
@@ -101,11 +102,7 @@ def load(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage
         wanted.restore(state_dict, manifest)
 
     if plan.unexpected and channel.is_coordinator:
-        shown = ", ".join(plan.unexpected[:8]) + (" ..." if len(plan.unexpected) > 8 else "")
-        log.warning("cloudckpt.load: %d stored name(s) were not requested and stay unloaded: %s "
-                    "(a fresh optimizer has no state to fill: gather it with "
-                    "torch.distributed.checkpoint.state_dict.get_state_dict first)",
-                    len(plan.unexpected), shown)
+        log.warning("cloudckpt.load: %s", unexpected_names_message(plan.unexpected))
     return LoadResult(url=url, bytes_fetched=fetched, bytes_received=received,
                       seconds=time.perf_counter() - started,
                       unexpected_keys=tuple(plan.unexpected), broadcasts=broadcasts)
