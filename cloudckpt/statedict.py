@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -207,22 +207,37 @@ def _tensor_pieces(name: str, obj, is_broadcastable) -> tuple[tuple[PieceSpec, t
 
 def copy_mapping(like: Mapping, items: list[tuple]) -> dict:
     """A new mutable mapping holding ``items`` (in order), as close to ``like``'s type as can be
-    built: the same type and attributes for a dict subclass whose shallow copy takes the items
-    back unchanged, else ``OrderedDict`` (OrderedDict subclasses) or ``dict``."""
+    built: for a dict subclass, the same type with the same attributes (a shallow ``copy.copy``,
+    else a bare instance made without calling ``__init__``), when it takes the items back
+    unchanged; else ``OrderedDict`` (OrderedDict subclasses) or ``dict``."""
     if type(like) is dict:
         return dict(items)
     if isinstance(like, dict):
-        try:
-            out = copy.copy(like)
-            if type(out) is type(like) and out is not like:
+        for make in (copy.copy, _bare_copy):
+            try:
+                out = make(like)
+                if type(out) is not type(like) or out is like:
+                    continue
+                out.clear()
                 for k, v in items:
                     out[k] = v
                 got = list(out.items())
                 if len(got) == len(items) and all(gk is k and gv is v for (gk, gv), (k, v) in zip(got, items)):
                     return out
-        except Exception:  # noqa: BLE001 - a user class's copy or __setitem__ may raise anything
-            pass
+            except Exception:  # noqa: BLE001 - a user class's copy or __setitem__ may raise anything
+                continue
     return OrderedDict(items) if isinstance(like, OrderedDict) else dict(items)
+
+
+def _bare_copy(like: dict) -> dict:
+    """An empty instance of ``like``'s class with a copy of its attributes, made the way pickle
+    does (``__new__``, no ``__init__``): for subclasses whose ``__init__`` needs arguments."""
+    out = type(like).__new__(type(like))
+    if hasattr(like, "__dict__"):
+        out.__dict__.update(like.__dict__)
+    if isinstance(like, defaultdict):
+        out.default_factory = like.default_factory
+    return out
 
 
 def rebuild_tuple(like: tuple, items: list) -> tuple:
