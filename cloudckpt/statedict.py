@@ -421,3 +421,24 @@ def set_by_path(root, path, value) -> None:
             continue
         container[key] = new
         return
+
+
+def check_replaceable(root, path) -> None:
+    """Raise :class:`~cloudckpt.errors.PlanningError` unless :func:`set_by_path` can replace the
+    value at ``path`` inside ``root``: the innermost container on the way that is not a tuple
+    (tuples are rebuilt) must take item assignment (a ``mappingproxy`` or a read-only
+    ``Mapping`` does not)."""
+    path = tuple(path)
+    chain = [root]
+    for key in path[:-1]:
+        chain.append(chain[-1][key])
+    for depth in range(len(path) - 1, -1, -1):
+        container = chain[depth]
+        if isinstance(container, tuple):
+            continue
+        if callable(getattr(type(container), "__setitem__", None)):
+            return
+        name = ".".join(str(k) for k in path)
+        raise PlanningError(f"value {name!r} sits in a read-only {type(container).__name__}: a load cannot "
+                            "replace it; pass a dict there (tensors inside are filled in place)")
+    raise PlanningError("cannot set inside a top-level tuple")

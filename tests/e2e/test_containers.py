@@ -6,10 +6,14 @@ when each rank built its dicts in a different key order.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
+import pytest
 import torch
 import torch.distributed as dist
 
 import cloudckpt
+from cloudckpt.errors import PlanningError
 from cloudckpt.cli import main as cli_main
 from tests.planning.containers import (check_loaded_in_place, expected, people_state, problems,
                                        structure_containers)
@@ -48,6 +52,19 @@ def test_containers_save_and_load_on_a_local_path_through_every_entry_point(tmp_
     exported = torch.load(out, weights_only=True)
     assert problems(exported, expected(people_state(), keep_types=False)) == []
     assert cli_main(["verify", url]) == 0
+
+
+def test_a_value_in_a_read_only_mapping_is_refused_before_any_data_moves(tmp_path):
+    url = str(tmp_path / "ckpt")
+    cloudckpt.save({"ro": MappingProxyType({"w": torch.ones(2), "n": 5})}, url)
+    assert problems(cloudckpt.load_full(url), expected({"ro": {"w": torch.ones(2), "n": 5}}, keep_types=False)) == []
+    blank = {"ro": MappingProxyType({"w": torch.zeros(2), "n": 0})}
+    with pytest.raises(PlanningError, match="value 'ro.n' sits in a read-only mappingproxy"):
+        cloudckpt.load(blank, url)
+    assert torch.equal(blank["ro"]["w"], torch.zeros(2))
+    only_tensors = {"ro": MappingProxyType({"w": torch.zeros(2)})}
+    cloudckpt.load(only_tensors, url, strict=False)     # tensors inside are filled in place
+    assert torch.equal(only_tensors["ro"]["w"], torch.ones(2))
 
 
 # -- world 2 over S3 ----------------------------------------------------------------------------

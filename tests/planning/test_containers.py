@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from cloudckpt.errors import PlanningError
 from cloudckpt.manifest import decode_value, encode_value
 from cloudckpt.stateful import path_sort_key, resolve_stateful, restore_stateful
-from cloudckpt.statedict import (copy_mapping, flatten_state_dict, plain_value, rebuild_tuple,
+from cloudckpt.statedict import (check_replaceable, copy_mapping, flatten_state_dict, plain_value, rebuild_tuple,
                                  set_by_path, unflatten_state_dict)
 from tests.planning.containers import (ArgsDict, ArgsOrderedDict, Box, Pair, PlainSubDict, Row, Seq,
                                        exactly, expected, people_state, problems)
@@ -151,6 +151,15 @@ def test_rebuild_tuple_and_set_by_path_keep_tuple_types():
     set_by_path(root, ("a", 0, 1, 0), 9)
     assert type(root["a"]) is Seq and type(root["a"][0]) is Pair and type(root["a"][0][1]) is Row
     assert root["a"][0][1] == (9, 3)
+
+
+def test_check_replaceable_refuses_read_only_mappings_only():
+    root = {"ro": MappingProxyType({"n": 1, "t": (1, [2])}), "rw": Box(t=(1, 2)), "l": [(1,)]}
+    for path in [("rw", "t", 0), ("l", 0, 0), ("ro", "t", 1, 0)]:
+        check_replaceable(root, path)
+    for path in [("ro", "n"), ("ro", "t", 0)]:
+        with pytest.raises(PlanningError, match=r"value 'ro\.[nt].*' sits in a read-only mappingproxy: .*pass a dict"):
+            check_replaceable(root, path)
 
 
 class Probe:
