@@ -212,6 +212,11 @@ def copy_mapping(like: Mapping, items: list[tuple]) -> dict:
     unchanged; else ``OrderedDict`` (OrderedDict subclasses) or ``dict``."""
     if type(like) is dict:
         return dict(items)
+    if type(like) is OrderedDict or type(like) is defaultdict:  # the common ones, directly
+        out = OrderedDict(items) if type(like) is OrderedDict else defaultdict(like.default_factory, items)
+        if getattr(like, "__dict__", None):  # e.g. the _metadata of a module's state dict
+            out.__dict__.update(like.__dict__)
+        return out
     if isinstance(like, dict):
         for make in (copy.copy, _bare_copy):
             try:
@@ -315,7 +320,8 @@ def flatten_state_dict(sd: Mapping, *, is_broadcastable: Callable[[torch.Tensor]
 
     def walk(obj, path: tuple, depth: int):
         if depth > 100:
-            raise PlanningError(f"state dict nested deeper than 100 levels at {path!r}")
+            raise PlanningError(f"state dict nested deeper than 100 levels under {path[:6]!r}: a container that "
+                                "holds itself? break the cycle or flatten the nesting")
         if isinstance(obj, (torch.Tensor, GlobalPiece)) or _ragged(obj):
             name = claim(path)
             tensors[name] = TensorLeaf(name, path, _tensor_pieces(name, obj, is_broadcastable))

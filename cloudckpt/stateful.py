@@ -79,6 +79,8 @@ def resolve_stateful(tree: Any) -> tuple[Any, list[tuple[tuple, Any]]]:
             return node
         if isinstance(node, Mapping):
             items = list(node.items())
+            if all(_is_leaf(v) for _, v in items):  # nothing to resolve below (a module's tensors)
+                return copy_mapping(node, items)
             done: list[Any] = [None] * len(items)
             # visit keys in path order, so state_dict() runs in the same order on every rank
             for i in sorted(range(len(items)), key=lambda j: key_sort_key(items[j][0])):
@@ -94,6 +96,14 @@ def resolve_stateful(tree: Any) -> tuple[Any, list[tuple[tuple, Any]]]:
         return node
 
     return walk(tree, (), 0), found
+
+
+_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
+
+
+def _is_leaf(value: Any) -> bool:
+    """Cheaply known to hold no stateful object: a tensor or a plain scalar."""
+    return type(value) in _SCALARS or isinstance(value, torch.Tensor)
 
 
 def get_path(tree: Any, path: tuple) -> Any:
