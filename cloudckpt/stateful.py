@@ -15,10 +15,11 @@ before keys of any other type (by type name, then ``repr``).
   objects inside its state dict, so it sees them restored.
 
 Containers on the way are copied (a load never writes into a dict that ``state_dict()``
-returned): dicts and their subclasses as the same type with the same attributes (a shallow
-``copy.copy``), when that copy takes the items back unchanged; otherwise, and for mappings that
-are not dicts, as an ``OrderedDict`` (for OrderedDict subclasses) or a plain ``dict``. Lists
-become lists; tuples are rebuilt (namedtuples as themselves) only when something inside changed.
+returned), so ``load_state_dict()`` gets the types its ``state_dict()`` gave: dicts and their
+subclasses as the same type with the same attributes and factory when that can be built
+faithfully (:func:`~cloudckpt.statedict.copy_mapping`), else, and for mappings that are not
+dicts, as an ``OrderedDict`` (OrderedDict subclasses) or a plain ``dict``. Lists become lists;
+tuples are rebuilt (namedtuples as themselves) only when something inside changed.
 """
 
 from __future__ import annotations
