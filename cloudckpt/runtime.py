@@ -137,21 +137,6 @@ def shared_store(url: str, options: Any = None):
     return open_store(url, options)
 
 
-def drop_store(url: str, options: Any = None) -> None:
-    """Forget (and close) the shared connection of ``url``'s bucket; the next use reconnects
-    (e.g. after the credentials in the environment changed)."""
-    if not (isinstance(url, str) and url.startswith("s3://")):
-        return
-    root = "s3://" + url[len("s3://"):].partition("/")[0]
-    with _lock:
-        store = _stores.pop((root, options), None)
-    if store is not None and _loop is not None:
-        try:
-            run_coroutine(store.close(), timeout=30)
-        except Exception:  # closing is best effort: the store is already forgotten
-            pass
-
-
 def set_pending_save(future: concurrent.futures.Future) -> None:
     """Record the background save in flight (one per process)."""
     global _pending_save
