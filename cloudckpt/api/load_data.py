@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from cloudckpt.buffers import BufferPool, byte_view, flat_bytes, is_byte_viewable
+from cloudckpt.dataplane.buffers import BufferPool, byte_view, flat_bytes, is_byte_viewable
 from cloudckpt.options import LoadOptions
 from cloudckpt.planning import assign_readers
 from cloudckpt.planning.windows import boxes_in_flat_range, plan_run_windows, plan_windows
-from cloudckpt.reader import (WINDOW_ALIGN, fetch_regions, layout_windows, read_windows,
+from cloudckpt.dataplane.reader import (WINDOW_ALIGN, fetch_regions, layout_windows, read_windows,
                               run_ranges, window_boxes)
 from cloudckpt.runtime import run_coroutine, start_task, submit
 from cloudckpt.statedict import torch_dtype

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from cloudckpt.buffers import BufferPool, byte_view, is_byte_viewable
+from cloudckpt.dataplane.buffers import BufferPool, byte_view, is_byte_viewable
 from cloudckpt.planning.windows import RunWindow, Window, plan_run_windows, plan_windows
 from cloudckpt.storage import ReadRange
 from cloudckpt.statedict import torch_dtype
@@ -89,7 +89,7 @@ def direct_ranges(manifest, region, targets: Sequence[torch.Tensor],
     possible.
 
     Possible when the region's elements are one contiguous run of its chunk and every target is
-    a byte-viewable tensor (see :mod:`cloudckpt.buffers`) of the stored dtype and the region's
+    a byte-viewable tensor (see :mod:`cloudckpt.dataplane.buffers`) of the stored dtype and the region's
     shape. The ranges deliver to
     sinks: a target is written only with verified bytes (see :class:`ReadRange`).
     """

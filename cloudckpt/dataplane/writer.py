@@ -7,7 +7,7 @@ Contract:
   :func:`cloudckpt.checksum.block_crcs`); the returned :class:`ChunkLocation` says where its
   bytes are. Nothing here knows about manifests or collectives.
 - CPU contiguous tensors are uploaded straight from their memory (no copy). Other tensors (device,
-  strided views, conjugate views: see :mod:`cloudckpt.buffers`) are copied to host one object at a time, with at most ``max_staging_bytes`` of
+  strided views, conjugate views: see :mod:`cloudckpt.dataplane.buffers`) are copied to host one object at a time, with at most ``max_staging_bytes`` of
   such copies alive at once, so memory stays bounded whatever the checkpoint size.
 - Objects upload concurrently; the store bounds requests in flight. On the first failure the
   other uploads are cancelled and the error propagates.
@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from cloudckpt.buffers import byte_view, host_contiguous, is_byte_viewable
+from cloudckpt.dataplane.buffers import byte_view, host_contiguous, is_byte_viewable
 from cloudckpt.checksum import block_crcs
 from cloudckpt.layout import data_key
 

@@ -1,0 +1,11 @@
+"""The data plane: every module that moves checkpoint bytes.
+
+- :mod:`~cloudckpt.dataplane.buffers`: byte views of tensors, pooled buffers;
+- :mod:`~cloudckpt.dataplane.staging`: host copies for async save;
+- :mod:`~cloudckpt.dataplane.writer`: packing a rank's items into data objects, crcs, uploads;
+- :mod:`~cloudckpt.dataplane.reader`: regions -> crc-verified ranged reads, through verified
+  sinks or windows in pooled buffers.
+
+Nothing here runs a collective or knows the save/load protocol: ``cloudckpt.api`` sequences
+the phases and the collectives and calls into this package for the bytes.
+"""
