@@ -35,7 +35,7 @@ from cloudckpt import layout
 from cloudckpt.errors import CheckpointNotFound, ManifestError, ObjectNotFound
 from cloudckpt.manifest import decode_manifest
 from cloudckpt.options import LoadOptions, LoadResult
-from cloudckpt.api.load_data import fetch_into, move_data
+from cloudckpt.dataplane.broadcast import fetch_into, move_data
 from cloudckpt.api.reports import LoadPlanReport
 from cloudckpt.planning import PieceSpec, plan_local_load
 from cloudckpt.runtime import run_coroutine, shared_store, wait_for_pending_save
