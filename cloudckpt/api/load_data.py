@@ -1,0 +1,101 @@
+"""The body of a load's ``load`` phase: moving tensor bytes, own reads and read-once broadcasts.
+
+Used by :mod:`cloudckpt.api.load` (which sequences the surrounding phases). The bytes are the
+data plane's (:mod:`cloudckpt.dataplane`); this module decides which path each read item takes
+and runs the collectives, in an order every rank follows.
+
+Contract:
+- Every destination element is written only with bytes whose checksum block was verified (by
+  the store for fetched bytes; by the source rank, which says so before sending, for broadcast
+  bytes). A failure leaves destinations possibly half filled and is raised on this rank; the
+  caller's ``load`` phase turns it into the same error on every rank.
+- Every rank runs the broadcasts in the same global order (computed identically from the
+  exchanged plans), so no rank waits in a broadcast its peers never join; a source that cannot
+  fetch still takes part and says so first (a 1-byte status broadcast before each batch).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from cloudckpt.dataplane.broadcast import BroadcastSession
+from cloudckpt.dataplane.destinations import fetch_into
+from cloudckpt.options import LoadOptions
+from cloudckpt.planning import assign_readers
+from cloudckpt.planning.groups import select_broadcasts
+from cloudckpt.runtime import run_coroutine, submit
+from cloudckpt.transport import Broadcaster
+
+
+def move_data(store, manifest, plans, channel, dests, options: LoadOptions):
+    """Fetch own regions and run the broadcasts. Returns (fetched, received, broadcast count)."""
+    mine = plans[channel.rank].reads
+    broadcast = options.broadcast if options.broadcast is not None else store.remote
+    if channel.size == 1 or not broadcast:
+        return run_coroutine(fetch_into(store, manifest, mine, dests, options.max_read_bytes)), 0, 0
+
+    broadcaster = Broadcaster(channel)
+    assignment = assign_readers(plans, min_broadcast_bytes=options.min_broadcast_bytes)
+    if broadcaster.can_use_subgroups:
+        kept = select_broadcasts(assignment.broadcasts, options.max_broadcast_groups)
+    elif broadcaster.backend == "gloo":  # a strict subgroup job: whole-channel gloo only
+        kept = select_broadcasts(assignment.broadcasts, options.max_broadcast_groups,
+                                 only_group=tuple(range(channel.size)))
+    else:
+        kept = ()
+    # each of this rank's read items is served by a kept broadcast, or read by the rank itself
+    served_by = assignment.broadcast_of(channel.rank)
+    kept_set = set(kept)
+    items_by_broadcast: dict[int, list] = defaultdict(list)
+    own_reads = []
+    for i, item in enumerate(mine):
+        b = int(served_by[i])
+        if b >= 0 and b in kept_set:
+            items_by_broadcast[b].append(item)
+        else:
+            own_reads.append(item)
+    own = submit(fetch_into(store, manifest, own_reads, dests, options.max_read_bytes // 2))
+    session = None
+    try:
+        session = BroadcastSession(store, manifest, assignment.broadcasts, kept,
+                                   items_by_broadcast, dests, rank=channel.rank,
+                                   device=broadcaster.device,
+                                   batch_bytes=options.broadcast_batch_bytes,
+                                   max_read_bytes=options.max_read_bytes)
+        broadcaster.prepare(session.member_sets)  # every rank creates every group, in order
+        run_broadcasts(session, broadcaster)
+    finally:
+        if session is not None:
+            session.cancel_pending()
+        own_fetched = own.result()  # re-raises the background error, if any
+    if session.failure is not None:
+        raise session.failure
+    return session.fetched + own_fetched, session.received, session.count
+
+
+def run_broadcasts(session: BroadcastSession, broadcaster: Broadcaster) -> None:
+    """Run the session's batches in the global order: for each, the source's status, then (if
+    it could read the batch) the bytes, delivered to this rank's destinations."""
+    status = torch.zeros(1, dtype=torch.uint8, device=broadcaster.device)
+    session.prefetch(0)
+    for pos, batch in enumerate(session.batches):
+        session.prefetch(pos + 1)
+        landing = session.land(pos)
+        try:
+            # first the source says whether it fetched and verified the batch: a failing
+            # source still takes part, so no peer is left waiting in a broadcast
+            status.fill_(1 if landing.ok else 0)
+            broadcaster.broadcast(status, src=batch.src, members=batch.members)
+            if int(status.item()) != 1:
+                # the source recorded its own error, which the load phase raises on every rank
+                # (as the source's error type); a receiver just skips the batch
+                continue
+            wire = landing.wire()
+            if broadcaster.device.type != "cpu":
+                wire = wire.to(broadcaster.device)
+            broadcaster.broadcast(wire, src=batch.src, members=batch.members)
+            session.deliver(landing, wire)
+        finally:
+            session.release(landing)
