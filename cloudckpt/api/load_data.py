@@ -79,9 +79,8 @@ def run_broadcasts(session: BroadcastSession, broadcaster: Broadcaster) -> None:
     """Run the session's batches in the global order: for each, the source's status, then (if
     it could read the batch) the bytes, delivered to this rank's destinations."""
     status = torch.zeros(1, dtype=torch.uint8, device=broadcaster.device)
-    session.prefetch(0)
     for pos, batch in enumerate(session.batches):
-        session.prefetch(pos + 1)
+        session.prefetch(pos)  # this batch, if this rank is its source, and the next ones
         landing = session.land(pos)
         try:
             # first the source says whether it fetched and verified the batch: a failing

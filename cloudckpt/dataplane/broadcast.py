@@ -7,9 +7,8 @@ time, within a byte budget), where each batch lands, and copying what arrived in
 destinations. It runs no collective: :func:`cloudckpt.api.load_data.run_broadcasts` drives it,
 batch by batch, in the one global order::
 
-    session.prefetch(0)
     for pos, batch in enumerate(session.batches):
-        session.prefetch(pos + 1)
+        session.prefetch(pos)          # this batch (if it is this rank's) and the next ones
         landing = session.land(pos)    # the source waits for its verified fetch
         # api: status broadcast (landing.ok), then the data broadcast of landing.wire()
         session.deliver(landing, wire)
@@ -48,7 +47,7 @@ from cloudckpt.statedict import torch_dtype
 WINDOW_BYTES = 16 << 20
 #: regions at least this large that are one contiguous stored run travel as run windows.
 RUN_MIN_BYTES = 1 << 20
-#: a source starts fetching at most this many of its next batches ahead of the broadcasts.
+#: a source starts fetching at most this many batches after the one being broadcast.
 _LOOKAHEAD = 12
 
 
@@ -158,11 +157,12 @@ class BroadcastSession:
     # -- fetching as the source -------------------------------------------------------------------
 
     def prefetch(self, pos: int) -> None:
-        """Start fetching this rank's source batches among ``batches[pos:]`` (at most
-        ``_LOOKAHEAD`` ahead, within the byte budget), so its reads overlap the broadcasts of
-        other sources."""
+        """Start fetching this rank's source batches among ``batches[pos:]`` (batch ``pos``
+        and at most ``_LOOKAHEAD`` after it, within the byte budget), so its reads overlap the
+        broadcasts of other sources. Batch ``pos`` always starts if it has not (the budget
+        only stops fetching ahead), so :meth:`land` never waits for a fetch nobody started."""
         ahead = sum(p.buffered for p in self._pending.values())
-        for k in range(pos, min(pos + _LOOKAHEAD, len(self.batches))):
+        for k in range(pos, min(pos + 1 + _LOOKAHEAD, len(self.batches))):
             batch = self.batches[k]
             if batch.src != self.rank or k in self._pending:
                 continue
@@ -199,6 +199,8 @@ class BroadcastSession:
         failure is recorded in :attr:`failure` and reported as ``ok=False``."""
         batch = self.batches[pos]
         if batch.src == self.rank:
+            if pos not in self._pending:  # not prefetched (see prefetch): start it now
+                self._start(pos, self._buffered(batch))
             fetch = self._pending.pop(pos)
             try:
                 fetch.task.result()
