@@ -91,9 +91,7 @@ def run_broadcasts(session: BroadcastSession, broadcaster: Broadcaster) -> None:
                 # the source recorded its own error, which the load phase raises on every rank
                 # (as the source's error type); a receiver just skips the batch
                 continue
-            wire = landing.wire()
-            if broadcaster.device.type != "cpu":
-                wire = wire.to(broadcaster.device)
+            wire = session.wire(landing)
             broadcaster.broadcast(wire, src=batch.src, members=batch.members)
             session.deliver(landing, wire)
         finally:

@@ -10,7 +10,8 @@ batch by batch, in the one global order::
     for pos, batch in enumerate(session.batches):
         session.prefetch(pos)          # this batch (if it is this rank's) and the next ones
         landing = session.land(pos)    # the source waits for its verified fetch
-        # api: status broadcast (landing.ok), then the data broadcast of landing.wire()
+        wire = session.wire(landing)
+        # api: status broadcast (landing.ok), then (if ok) the data broadcast of wire
         session.deliver(landing, wire)
         session.release(landing)
 
@@ -69,13 +70,6 @@ class Landing:
     @property
     def in_place(self) -> bool:
         return self.pooled is None
-
-    def wire(self) -> torch.Tensor:
-        """The CPU bytes that travel: all of a run batch's landing, the used part of a window
-        batch's buffer."""
-        if isinstance(self.batch, RunBatch):
-            return self.buf
-        return self.buf[:self.batch.layout()[1]]
 
 
 @dataclass(frozen=True)
@@ -215,6 +209,15 @@ class BroadcastSession:
             return Landing(batch, buf, pooled, True)
         buf = self.pool.take()
         return Landing(batch, buf, buf, True)
+
+    def wire(self, landing: Landing) -> torch.Tensor:
+        """The tensor a batch travels in, on :attr:`device`: all of a run batch's landing, the
+        used part of a window batch's buffer (copied to the device for NCCL)."""
+        if isinstance(landing.batch, RunBatch):
+            wire = landing.buf
+        else:
+            wire = landing.buf[:landing.batch.layout()[1]]
+        return wire if self.device.type == "cpu" else wire.to(self.device)
 
     def release(self, landing: Landing) -> None:
         """Give a batch's pool buffer back (after its broadcast, delivered or not)."""
