@@ -25,7 +25,7 @@ from cloudckpt import runtime
 from cloudckpt.errors import SaveInProgress
 from cloudckpt.options import SaveOptions, SaveResult
 from cloudckpt.api.save import finish_save, prepare_save
-from cloudckpt.staging import StagingPool
+from cloudckpt.dataplane.staging import StagingPool
 
 log = logging.getLogger(__name__)
 

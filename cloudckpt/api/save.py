@@ -40,7 +40,7 @@ from cloudckpt.runtime import run_coroutine, shared_store, wait_for_pending_save
 from cloudckpt.stateful import resolve_stateful
 from cloudckpt.statedict import flatten_state_dict, merge_structures
 from cloudckpt.transport import ControlChannel
-from cloudckpt.writer import WriterOptions, write_chunks
+from cloudckpt.dataplane.writer import WriterOptions, write_chunks
 
 _plan_cache = SavePlanCache(maxsize=8)
 
