@@ -10,7 +10,7 @@ piece               what it holds                              lifetime
 ``loop``            the background event loop and its daemon   started by the first coroutine run;
                     thread (:class:`LoopThread`)               stopped by ``reset``; at exit it
                                                                dies with the process
-``stores``          one open store per S3 bucket root and      opened on first use; closed by
+``open_stores``     one open store per S3 bucket root and      opened on first use; closed by
                     ``StorageOptions`` (one client, one        ``reset`` and at interpreter exit
                     connection pool, one request budget)
 ``groups``          the gloo groups cloudckpt created (control those of one default process group:
