@@ -14,6 +14,9 @@ Contract:
   Python process dies (even by SIGKILL); `atexit` stops servers still running at interpreter exit.
 - Secrets never appear in reprs or in weed's command line; they are written only to the 0600
   identities file and printed only by the `export` lines of the command-line entry point.
+- `tls=True` also serves S3 over https on its own port (`info.https_endpoint_url`), with a server
+  certificate for 127.0.0.1 signed by a private CA made for this start (`info.ca_file`, in the
+  work directory): nothing trusts it unless told to.
 
 Command line: `python -m cloudckpt.testing.s3server [--bucket B]` runs a server in the foreground,
 prints the endpoint and `export AWS_...` lines, and stops cleanly on Ctrl-C or SIGTERM.
@@ -30,6 +33,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -69,6 +73,8 @@ class S3ServerInfo:
     bucket: str = DEFAULT_BUCKET
     readonly_access_key: str
     readonly_secret_key: str = field(repr=False)
+    https_endpoint_url: str | None = None
+    ca_file: str | None = None
 
     def env(self) -> dict[str, str]:
         """The standard AWS variables that point an S3 client at this endpoint (admin identity)."""
@@ -138,11 +144,11 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
-def _pick_ports(rng: random.Random) -> dict[str, int]:
+def _pick_ports(rng: random.Random, services: tuple[str, ...] = _SERVICES) -> dict[str, int]:
     """One free HTTP port per service, each with a free gRPC port at +10000."""
     ports: dict[str, int] = {}
     taken: set[int] = set()
-    for service in _SERVICES:
+    for service in services:
         for _ in range(200):
             port = rng.randrange(_PORT_LOW, _PORT_HIGH)
             pair = {port, port + _GRPC_OFFSET}
@@ -204,17 +210,19 @@ class S3Server:
           it); False lets tests observe NoSuchBucket.
       workdir: parent directory for the private work directory (default: the system temp dir).
       ready_timeout: seconds to wait for the S3 port to answer.
+      tls: also serve S3 over https (see the module's contract).
     """
 
     def __init__(self, *, bucket: str = DEFAULT_BUCKET, auto_create_bucket: bool = True,
                  s3_auto_create_bucket: bool = True, workdir: str | os.PathLike | None = None,
-                 ready_timeout: float = READY_TIMEOUT_S) -> None:
+                 ready_timeout: float = READY_TIMEOUT_S, tls: bool = False) -> None:
         if len(bucket) < 3:
             raise ValueError("S3 bucket names need at least 3 characters")
         self.bucket = bucket
         self.auto_create_bucket = auto_create_bucket
         self.s3_auto_create_bucket = s3_auto_create_bucket
         self.ready_timeout = ready_timeout
+        self.tls = tls
         self._parent_dir = None if workdir is None else str(workdir)
         self._proc: subprocess.Popen | None = None
         self._watchdog: subprocess.Popen | None = None
@@ -294,7 +302,7 @@ class S3Server:
         with os.fdopen(fd, "w") as f:
             json.dump(identities, f)
 
-        ports = _pick_ports(rng)
+        ports = _pick_ports(rng, _SERVICES + (("s3https",) if self.tls else ()))
         argv = [find_weed(), f"-logdir={work / 'log'}", "mini",
                 f"-dir={work / 'data'}",
                 "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
@@ -308,6 +316,13 @@ class S3Server:
         for service in ("master", "volume", "filer", "s3", "admin"):
             argv += [f"-{service}.port={ports[service]}",
                      f"-{service}.port.grpc={ports[service] + _GRPC_OFFSET}"]
+        tls = None
+        if self.tls:
+            from cloudckpt.testing.tlsca import make_tls_files
+
+            tls = make_tls_files(work / "tls")
+            argv += [f"-s3.cert.file={tls.cert_file}", f"-s3.key.file={tls.key_file}",
+                     f"-s3.port.https={ports['s3https']}"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         env.pop("S3_BUCKET", None)
         env.pop("S3_TABLE_BUCKET", None)
@@ -323,7 +338,13 @@ class S3Server:
 
         endpoint = f"http://127.0.0.1:{ports['s3']}"
         self._wait_ready(endpoint)
-        info = S3ServerInfo(endpoint_url=endpoint, region=DEFAULT_REGION, bucket=self.bucket, **keys)
+        https = None
+        if tls is not None:
+            https = f"https://127.0.0.1:{ports['s3https']}"
+            self._wait_ready(https, ssl.create_default_context(cafile=tls.ca_file))
+        info = S3ServerInfo(endpoint_url=endpoint, region=DEFAULT_REGION, bucket=self.bucket,
+                            https_endpoint_url=https,
+                            ca_file=tls.ca_file if tls else None, **keys)
         # A signed request with our own keys proves the answering server is ours, not a neighbour's.
         self._check_signed(info)
         return info
@@ -334,8 +355,9 @@ class S3Server:
         except (OSError, TypeError):
             return ""
 
-    def _wait_ready(self, endpoint: str) -> None:
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    def _wait_ready(self, endpoint: str, context: ssl.SSLContext | None = None) -> None:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                             urllib.request.HTTPSHandler(context=context))
         deadline = time.monotonic() + self.ready_timeout
         while True:
             code = self._proc.poll()
@@ -444,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Run a local SeaweedFS S3 endpoint in the foreground (Ctrl-C stops it).")
     parser.add_argument("--bucket", default=DEFAULT_BUCKET, help="bucket created at start")
     parser.add_argument("--workdir", default=None, help="parent of the private work directory")
+    parser.add_argument("--tls", action="store_true",
+                        help="also serve https, with a certificate from a private CA")
     args = parser.parse_args(argv)
 
     stop_requested = threading.Event()
@@ -453,8 +477,11 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    with S3Server(bucket=args.bucket, workdir=args.workdir) as info:
+    with S3Server(bucket=args.bucket, workdir=args.workdir, tls=args.tls) as info:
         print(f"S3 endpoint: {info.endpoint_url}  bucket: {info.bucket}", flush=True)
+        if info.https_endpoint_url:
+            print(f"https endpoint: {info.https_endpoint_url}  (trust it with "
+                  f"AWS_CA_BUNDLE={info.ca_file})", flush=True)
         for key, value in info.env().items():
             print(f"export {key}={value}", flush=True)
         print("Press Ctrl-C to stop.", file=sys.stderr, flush=True)
