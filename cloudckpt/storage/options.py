@@ -43,8 +43,8 @@ class RetryOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class StorageOptions:
-    """Options of an object store. Anything left ``None`` comes from the standard AWS chain, resolved
-    as boto3 resolves it (``AWS_ENDPOINT_URL[_S3]``, ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``,
+    """Options of an object store. Anything left ``None`` comes from the standard AWS chain,
+    resolved as boto3 resolves it (``AWS_ENDPOINT_URL[_S3]``, ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``,
     ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, ``AWS_CA_BUNDLE``, the config
     and credentials files, instance roles; ``AWS_REGION`` where nothing else names a region): the
     order is in ``cloudckpt.storage.aws_config``.
