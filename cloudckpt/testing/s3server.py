@@ -144,11 +144,11 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
-def _pick_ports(rng: random.Random, services: tuple[str, ...] = _SERVICES) -> dict[str, int]:
+def _pick_ports(rng: random.Random) -> dict[str, int]:
     """One free HTTP port per service, each with a free gRPC port at +10000."""
     ports: dict[str, int] = {}
     taken: set[int] = set()
-    for service in services:
+    for service in _SERVICES:
         for _ in range(200):
             port = rng.randrange(_PORT_LOW, _PORT_HIGH)
             pair = {port, port + _GRPC_OFFSET}
@@ -160,6 +160,16 @@ def _pick_ports(rng: random.Random, services: tuple[str, ...] = _SERVICES) -> di
         else:
             raise S3ServerError("no free port pair found on 127.0.0.1")
     return ports
+
+
+def _pick_extra_port(rng: random.Random, ports: dict[str, int]) -> int:
+    """A free port clear of ``ports`` and their gRPC ports (for the https listener)."""
+    taken = {p + d for p in ports.values() for d in (0, _GRPC_OFFSET)}
+    for _ in range(200):
+        port = rng.randrange(_PORT_LOW, _PORT_HIGH)
+        if port not in taken and _port_is_free(port):
+            return port
+    raise S3ServerError("no free port found on 127.0.0.1")
 
 
 # The watchdog: a tiny process in its own session (so Ctrl-C or a group kill of the owner does not
@@ -302,7 +312,9 @@ class S3Server:
         with os.fdopen(fd, "w") as f:
             json.dump(identities, f)
 
-        ports = _pick_ports(rng, _SERVICES + (("s3https",) if self.tls else ()))
+        ports = _pick_ports(rng)
+        if self.tls:
+            ports["s3https"] = _pick_extra_port(rng, ports)
         argv = [find_weed(), f"-logdir={work / 'log'}", "mini",
                 f"-dir={work / 'data'}",
                 "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
