@@ -22,6 +22,7 @@ import torch
 
 import cloudckpt
 from cloudckpt.errors import ConfigError
+from cloudckpt.runtime import drop_store
 from cloudckpt.storage import RetryOptions, StorageOptions, open_store
 from cloudckpt.testing.s3server import S3Server
 from tests.reliability.stores import cli
@@ -121,24 +122,30 @@ def test_every_entry_point_follows_aws_ca_bundle(tls_s3, clean_aws_env, monkeypa
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", tls_s3.secret_key)
     run = tls_s3.url(f"tls-run-{uuid.uuid4().hex[:8]}")
     state = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "step": 7}
+    # The API shares one client per bucket and options, made from the environment of its first
+    # use: start from none, and drop it whenever the environment changes (runtime.drop_store).
+    drop_store(run)
+    try:
+        # Untrusted: the Python API and the command refuse with the same one-line advice.
+        with pytest.raises(ConfigError, match="not trusted.*AWS_CA_BUNDLE"):
+            cloudckpt.save(state, run + "/direct")
+        refused = cli(tls_s3, "ls", run, AWS_ENDPOINT_URL=tls_s3.https_endpoint_url)
+        assert refused.returncode == 2, refused
+        assert "not trusted" in refused.stderr and "AWS_CA_BUNDLE" in refused.stderr, refused
+        assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
 
-    # Untrusted: the Python API and the command refuse with the same one-line advice.
-    with pytest.raises(ConfigError, match="not trusted.*AWS_CA_BUNDLE"):
-        cloudckpt.save(state, run + "/direct", storage=StorageOptions(retry=RETRY))
-    refused = cli(tls_s3, "ls", run, AWS_ENDPOINT_URL=tls_s3.https_endpoint_url)
-    assert refused.returncode == 2, refused
-    assert "not trusted" in refused.stderr and "AWS_CA_BUNDLE" in refused.stderr, refused.stderr
-    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
-
-    # Trusted through AWS_CA_BUNDLE: save/load, the manager, the command.
-    monkeypatch.setenv("AWS_CA_BUNDLE", tls_s3.ca_file)
-    cloudckpt.save(state, run + "/direct")
-    target = {"w": torch.zeros(3, 4), "step": 0}
-    cloudckpt.load(target, run + "/direct")
-    assert torch.equal(target["w"], state["w"]) and target["step"] == 7
-    with cloudckpt.CheckpointManager(run + "/managed") as manager:
-        manager.save(1, state)
-        assert manager.latest().step == 1
+        # Trusted through AWS_CA_BUNDLE: save/load, the manager, the command.
+        drop_store(run)
+        monkeypatch.setenv("AWS_CA_BUNDLE", tls_s3.ca_file)
+        cloudckpt.save(state, run + "/direct")
+        target = {"w": torch.zeros(3, 4), "step": 0}
+        cloudckpt.load(target, run + "/direct")
+        assert torch.equal(target["w"], state["w"]) and target["step"] == 7
+        with cloudckpt.CheckpointManager(run + "/managed") as manager:
+            manager.save(1, state)
+            assert manager.latest().step == 1
+    finally:
+        drop_store(run)
     listed = cli(tls_s3, "ls", run + "/managed", AWS_ENDPOINT_URL=tls_s3.https_endpoint_url,
                  AWS_CA_BUNDLE=tls_s3.ca_file)
     assert listed.returncode == 0, listed
