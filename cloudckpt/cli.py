@@ -12,6 +12,8 @@ cloudckpt export URL OUT [--step N]        one consolidated OUT.safetensors, or 
 ``URL`` is a checkpoint URL, or a run URL with ``--step N``; ``show``, ``verify`` and ``export``
 given a run URL without ``--step`` use its newest complete checkpoint. Credentials and endpoint
 come from the standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...).
+``--timeout SECONDS`` (before the command) gives up on an endpoint that does not answer after
+about SECONDS (default: about 60).
 
 ``rm`` and ``prune`` delete only what the checkpoint layout owns: each checkpoint's
 ``manifest.msgpack`` (first), its ``data/<attempt>/r<rank>-<n>.bin`` objects and unfinished uploads
@@ -42,6 +44,7 @@ from typing import Any, Sequence
 from cloudckpt.errors import (AccessDenied, BucketNotFound, CheckpointNotFound, CloudCkptError,
                               ConfigError, ObjectNotFound)
 from cloudckpt.layout import MANIFEST_KEY
+from cloudckpt.wording import plural
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -163,7 +166,7 @@ def cmd_show(args) -> int:
     print(f"checkpoint  {url}")
     print(f"created     {when}   world size {manifest.world_size}   "
           f"cloudckpt {manifest.cloudckpt_version}")
-    print(f"data        {len(manifest.objects)} objects, "
+    print(f"data        {plural(len(manifest.objects), 'object')}, "
           f"{_human_bytes(manifest.total_bytes())}")
     if manifest.metadata:
         print(f"metadata    {json.dumps(manifest.metadata, default=repr, sort_keys=True)}")
@@ -196,11 +199,12 @@ def cmd_verify(args) -> int:
     with _progress(total, "verifying", unit="B") as bar:
         report = cloudckpt.verify(url, progress=bar.update)
     if report.ok:
-        print(f"OK  {url}: {report.objects_checked} objects, "
+        print(f"OK  {url}: {plural(report.objects_checked, 'object')}, "
               f"{_human_bytes(report.bytes_checked)} checked")
         return EXIT_OK
-    print(f"FAILED  {url}: {len(report.problems)} problem(s) "
-          f"({report.objects_checked} objects, {_human_bytes(report.bytes_checked)} checked)")
+    print(f"FAILED  {url}: {plural(len(report.problems), 'problem')} "
+          f"({plural(report.objects_checked, 'object')}, {_human_bytes(report.bytes_checked)} "
+          "checked)")
     for problem in report.problems:
         print(f"  {problem}")
     return EXIT_FAILED
@@ -210,7 +214,8 @@ def _left_note(url: str, plan, verb: str) -> None:
     """One stderr line about the keys a deletion leaves because the layout does not own them."""
     if plan.left:
         more = ", ..." if plan.left > len(plan.left_examples) else ""
-        print(f"{verb} {plan.left} key(s) under {url} that are not part of a checkpoint: "
+        print(f"{verb} {plural(plan.left, 'key')} under {url} that "
+              f"{'is' if plan.left == 1 else 'are'} not part of a checkpoint: "
               f"{', '.join(plan.left_examples)}{more}", file=sys.stderr)
 
 
@@ -236,7 +241,7 @@ def cmd_prune(args) -> int:
         print("nothing to remove")
     for info, plan in removed:
         state = "complete" if info.complete else "abandoned"
-        counts = f"{len(plan.objects)} objects, {len(plan.uploads)} uploads"
+        counts = f"{plural(len(plan.objects), 'object')}, {plural(len(plan.uploads), 'upload')}"
         print(f"{verb} step {info.step} ({state})  {info.url}  ({counts})")
         if args.dry_run:
             _print_keys(mgr.url, plan)
@@ -283,75 +288,45 @@ def cmd_rm(args) -> int:
     if (plan.empty if plan is not None else not _has_manifest(store)):
         others = CheckpointManager(url).list()
         if others:
-            raise UsageError(f"{url} is a run with {len(others)} checkpoint(s), not a checkpoint;"
-                             f" give one checkpoint URL or --step N")
+            raise UsageError(f"{url} is a run with {plural(len(others), 'checkpoint')}, not a "
+                             "checkpoint; give one checkpoint URL or --step N")
     if plan is None:
         plan = run_coroutine(plan_checkpoint(store, ""))
     if plan.empty and plan.left:
-        raise UsageError(f"{url} is neither a checkpoint nor a run ({plan.left} key(s) there, "
-                         f"none part of a checkpoint); nothing removed")
+        raise UsageError(f"{url} is neither a checkpoint nor a run ({plural(plan.left, 'key')} "
+                         "there, none part of a checkpoint); nothing removed")
     if plan.empty:
         print(f"nothing to remove at {url}", file=sys.stderr)
         return EXIT_FAILED
     state = "" if plan.has_manifest else "incomplete checkpoint, "
     if args.dry_run:
-        print(f"would remove {url} ({state}{len(plan.objects)} objects, "
-              f"{len(plan.uploads)} uploads)")
+        print(f"would remove {url} ({state}{plural(len(plan.objects), 'object')}, "
+              f"{plural(len(plan.uploads), 'upload')})")
         _print_keys(base, plan)
         _left_note(url, plan, "would leave")
         return EXIT_OK
     with _progress(len(plan.objects), "deleting") as bar:
         removed = delete(bar.update)
-    print(f"removed {url} ({state}{removed} objects, {len(plan.uploads)} uploads)")
+    print(f"removed {url} ({state}{plural(removed, 'object')}, "
+          f"{plural(len(plan.uploads), 'upload')})")
     _left_note(url, plan, "left")
     return EXIT_OK
 
 
-def _flatten(tree: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            _flatten(v, f"{prefix}{k}.", out)
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            _flatten(v, f"{prefix}{i}.", out)
-    else:
-        out[prefix[:-1]] = tree
-
-
 def cmd_export(args) -> int:
-    import cloudckpt
+    """Write one consolidated file; see :mod:`cloudckpt.export` for how OUT is written (a fresh,
+    exclusively created temporary file renamed onto OUT; nothing left behind on failure)."""
+    from cloudckpt.export import export, export_kind
 
     out = args.out
-    kind = ".safetensors" if out.endswith(".safetensors") else ".pt" if out.endswith(
-        (".pt", ".pth")) else None
-    if kind is None:
+    if export_kind(out) is None:
         raise UsageError(f"OUT must end with .safetensors or .pt, got {out!r}")
     url = _resolve_checkpoint(args.url, args.step)
-    state = cloudckpt.load_full(url, allow_pickle=args.allow_pickle)
-    tmp = out + ".partial"
-    import torch
-
-    if kind == ".pt":
-        torch.save(state, tmp)
-    else:
-        from safetensors.torch import save_file
-
-        flat: dict[str, Any] = {}
-        _flatten(state, "", flat)
-        tensors = {k: v.contiguous() for k, v in flat.items() if isinstance(v, torch.Tensor)}
-        values = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
-        meta = {"format": "pt", "cloudckpt.source": url}
-        skipped = []
-        for k, v in values.items():
-            try:
-                meta[f"cloudckpt.value.{k}"] = json.dumps(v)
-            except (TypeError, ValueError):
-                skipped.append(k)
-        if skipped:
-            print(f"warning: {len(skipped)} non-tensor value(s) not representable in JSON were "
-                  f"left out: {', '.join(skipped[:5])}", file=sys.stderr)
-        save_file(tensors, tmp, metadata=meta)
-    os.replace(tmp, out)
+    skipped = export(url, out, allow_pickle=args.allow_pickle)
+    if skipped:
+        print(f"warning: {plural(len(skipped), 'non-tensor value')} not representable in "
+              f"JSON {'was' if len(skipped) == 1 else 'were'} "
+              f"left out: {', '.join(skipped[:5])}", file=sys.stderr)
     print(f"exported {url} -> {out}")
     return EXIT_OK
 
@@ -373,9 +348,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cloudckpt", description="Inspect and manage cloudckpt "
                                 "checkpoints in S3-compatible object stores or local paths.")
+    p.add_argument("--timeout", type=_positive_seconds, default=None, metavar="SECONDS",
+                   help="give up on an endpoint that does not answer after about SECONDS "
+                        "(default: about 60; StorageOptions.with_timeout)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, fn, help_: str, *, run_only: bool = False):
@@ -411,6 +396,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = bool(os.environ.get("CLOUDCKPT_DEBUG"))
     try:
+        from cloudckpt.storage import parse_store_url
+
+        parse_store_url(args.url)  # a malformed URL is a usage error before anything runs
+        if args.timeout is not None:
+            from cloudckpt.runtime import set_default_storage
+            from cloudckpt.storage import StorageOptions
+
+            set_default_storage(StorageOptions().with_timeout(args.timeout))
         return args.fn(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

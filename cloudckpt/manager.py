@@ -56,7 +56,8 @@ from cloudckpt.retention import RetentionPolicy, select_to_delete
 from cloudckpt.run_cleanup import (DELETE_BATCH, DeletionPlan, carry_out,
                                     decode_manifest_without_pickle, delete_checkpoint,
                                     plan_abandoned, plan_checkpoint, remove_stale_attempts)
-from cloudckpt.runtime import run_coroutine, shared_store
+from cloudckpt.runtime import finish_before_exit, run_coroutine, shared_store
+from cloudckpt.storage import parse_store_url
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "DeletionPlan", "ManagedSaveHandle",
            "step_dir", "join_url", "DELETE_BATCH"]
@@ -150,7 +151,8 @@ class ManagedSaveHandle(Future):
 
     Done once the save has committed (or failed) *and* the manager's follow-up work (cleanup of
     stale attempts of the same step, automatic pruning) has run. ``result()`` returns the
-    ``SaveResult`` or raises the save's error; a failure of the follow-up work is only logged.
+    ``SaveResult`` or raises the save's error; a failure of the follow-up work does not fail the
+    committed save: it is logged (WARNING) and returned as ``SaveResult.retention_error``.
     ``inner`` is the ``cloudckpt.async_save`` handle.
     """
 
@@ -182,6 +184,7 @@ class CheckpointManager:
             raise ValueError("pass either retention= or the keep_* shortcuts, not both")
         if abandoned_after < 0:
             raise ValueError(f"abandoned_after must be >= 0 seconds, got {abandoned_after}")
+        url = parse_store_url(url).url  # a malformed URL fails here, before any I/O
         self.url = url.rstrip("/") if url.rstrip("/") else url
         self.retention = retention if retention is not None else shortcuts
         self.abandoned_after = float(abandoned_after)
@@ -321,7 +324,9 @@ class CheckpointManager:
         is recorded in the manifest's metadata (``"step"``) unless ``metadata`` already has one.
         Raises ``CheckpointExists`` when the step is already complete. After a successful save,
         rank 0 removes leftovers of earlier killed attempts at the same step and, when the
-        retention policy has a rule, prunes (a failure there is logged, not raised).
+        retention policy has a rule, prunes. A failure there does not fail the committed save:
+        it is logged (WARNING) and returned as the result's ``retention_error`` (``None`` when
+        that work succeeded); :meth:`prune` retries it and raises on failure.
         """
         import cloudckpt
         from cloudckpt.transport import group_rank
@@ -337,7 +342,7 @@ class CheckpointManager:
         if blocking:
             result = cloudckpt.save(state_dict, url, **kwargs)
             if coordinator:
-                self._after_save(step, leftovers)
+                result = self._after_save(step, leftovers, result)
             return result
         inner = cloudckpt.async_save(state_dict, url, **kwargs)
         handle = ManagedSaveHandle(step, url, inner)
@@ -349,11 +354,12 @@ class CheckpointManager:
                 handle.set_exception(exc)
                 return
             if coordinator:
-                self._after_save(step, leftovers)
+                result = self._after_save(step, leftovers, result)
             handle.set_result(result)
 
         threading.Thread(target=_follow_up, name=f"cloudckpt-save-step{step}",
                          daemon=True).start()
+        finish_before_exit(handle, url)  # the follow-up work too, not only the save
         self._pending = handle
         return handle
 
@@ -371,14 +377,18 @@ class CheckpointManager:
         except Exception:  # the save itself will report a broken store
             return True
 
-    def _after_save(self, step: int, leftovers: bool) -> None:
+    def _after_save(self, step: int, leftovers: bool, result):
+        """The clean-up after a committed save: ``result``, with its error (logged) if any."""
         try:
             if leftovers:
                 run_coroutine(remove_stale_attempts(self.store, step_dir(step)))
             if self.retention.active:
                 self.prune()
         except Exception as exc:  # the checkpoint is committed: do not fail the save
-            log.warning("cleanup after saving step %d failed: %s", step, exc)
+            log.warning("step %d is saved, but the clean-up after it failed (checkpoints the "
+                        "retention policy drops may remain; prune() retries): %s", step, exc)
+            return replace(result, retention_error=exc)
+        return result
 
     def load(self, state_dict, *, step: int | None = None, strict: bool = True) -> int | None:
         """Load step ``step`` (default: the newest complete checkpoint) into ``state_dict``.

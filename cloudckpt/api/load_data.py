@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from cloudckpt.buffers import BufferPool, byte_view
+from cloudckpt.buffers import BufferPool, byte_view, flat_bytes, is_byte_viewable
 from cloudckpt.options import LoadOptions
 from cloudckpt.planning import assign_readers
 from cloudckpt.planning.windows import boxes_in_flat_range, plan_run_windows, plan_windows
@@ -233,7 +233,7 @@ class _BroadcastSession:
         start of a pool buffer (to give back after use)."""
         view = self._landing_in_place(part)
         if view is not None:
-            return view.reshape(-1).view(torch.uint8)[part.run.lo:part.run.hi], None
+            return flat_bytes(view)[part.run.lo:part.run.hi], None
         buf = self.pool.take()
         return buf[:part.run.hi - part.run.lo], buf
 
@@ -245,7 +245,7 @@ class _BroadcastSession:
             return None
         view = dest_view(self.dests, items[0])
         dtype = self.dtypes[self.broadcasts[part.broadcast].region.name]
-        if view.device.type == "cpu" and view.dtype == dtype and view.is_contiguous():
+        if view.dtype == dtype and is_byte_viewable(view):
             return view
         return None
 

@@ -33,12 +33,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
+
+import botocore.exceptions
 
 from cloudckpt.errors import ConfigError
 from cloudckpt.storage.options import StorageOptions
 
-__all__ = ["ResolvedS3", "check_ca_bundle", "client_kwargs", "describe", "resolve_region",
-           "verify_arg"]
+__all__ = ["ResolvedS3", "check_ca_bundle", "client_kwargs", "describe", "endpoint_source",
+           "is_aws_endpoint", "resolve_region", "verify_arg"]
+
+_ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 
 
 def resolve_region(options: StorageOptions, session) -> str | None:
@@ -46,6 +51,49 @@ def resolve_region(options: StorageOptions, session) -> str | None:
     ``session`` is the botocore (or aiobotocore) session the client is made from."""
     return (options.region or session.get_config_variable("region")
             or os.environ.get("AWS_REGION") or None)
+
+
+def endpoint_source(options: StorageOptions, session=None) -> tuple[str | None, str]:
+    """``(endpoint URL, the setting that names it)`` in botocore's order (the module's), e.g.
+    ``("http://h:8333", "AWS_ENDPOINT_URL")``; ``(None, "")`` when no setting names one (AWS S3).
+    Without ``session`` only the options and the environment are read (the profile's settings
+    are then not seen)."""
+    if options.endpoint_url:
+        return options.endpoint_url, "StorageOptions.endpoint_url"
+    if session is not None:
+        try:
+            ignore = session.get_config_variable("ignore_configured_endpoint_urls")
+        except botocore.exceptions.BotoCoreError:  # a missing profile: the client says so
+            return None, ""
+    else:
+        ignore = os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true"
+    if ignore:
+        return None, ""
+    for name in _ENDPOINT_VARIABLES:
+        if os.environ.get(name):
+            return os.environ[name], name
+    if session is None:
+        return None, ""
+    try:
+        scoped = session.get_scoped_config()
+        profile = f"AWS profile {session.profile or 'default'!r}"
+        section = scoped.get("services")
+        if section:
+            url = (session.full_config.get("services", {}).get(section, {})
+                   .get("s3", {}).get("endpoint_url"))
+            if url:
+                return url, f"services section {section!r} of {profile}"
+        if scoped.get("endpoint_url"):
+            return scoped["endpoint_url"], f"endpoint_url of {profile}"
+    except botocore.exceptions.BotoCoreError:
+        pass
+    return None, ""
+
+
+def is_aws_endpoint(url: str | None) -> bool:
+    """Whether ``url`` is one of AWS S3's own endpoints (``*.amazonaws.com[.cn]``)."""
+    host = (urlsplit(url).hostname or "") if url else ""
+    return host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
 
 
 def verify_arg(options: StorageOptions) -> bool | str | None:

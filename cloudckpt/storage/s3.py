@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 
 from botocore.exceptions import ClientError
 
-from cloudckpt.errors import ConfigError
+from cloudckpt.errors import ConfigError, ObjectNotFound, StorageError
 from cloudckpt.storage.base import (
     Body,
     CommonPrefix,
@@ -32,9 +32,15 @@ from cloudckpt.storage.base import (
     run_all,
 )
 from cloudckpt.storage.options import StorageOptions
-from cloudckpt.storage.s3_client import parse_s3_url
+from cloudckpt.storage.urls import parse_s3_url
 from cloudckpt.storage.s3_conn import S3Connection
-from cloudckpt.storage.s3_errors import TransientServerError, error_code, is_retriable
+from cloudckpt.storage.s3_errors import (
+    TransientServerError,
+    cause_code,
+    error_code,
+    is_not_implemented,
+    is_retriable,
+)
 from cloudckpt.storage.s3_read import S3Reader, object_info
 from cloudckpt.storage.s3_write import S3Writer
 from cloudckpt.storage.spreading import merge_sorted
@@ -42,6 +48,8 @@ from cloudckpt.storage.spreading import merge_sorted
 logger = logging.getLogger("cloudckpt.storage")
 
 DELETE_BATCH = 1000
+#: Error codes of a server that will not take a DeleteObjects request (besides 501).
+BATCH_DELETE_REFUSALS = frozenset({"NotImplemented", "MissingContentMD5"})
 
 
 class S3Store:
@@ -114,11 +122,31 @@ class S3Store:
         return await self._writer.put(key, self._phys(key), views, mode == "create")
 
     async def delete(self, keys: Iterable[str]) -> None:
+        """Delete ``keys`` with DeleteObjects batches of 1,000 (sent with ``Content-MD5``). A
+        server that refuses the batch request (501 NotImplemented, or 400 MissingContentMD5
+        from a proxy that drops the header) gets single DeleteObject requests instead, from
+        then on for the whole connection (one WARNING)."""
         phys = list(dict.fromkeys(self._phys(k) for k in keys))
         batches = [phys[i:i + DELETE_BATCH] for i in range(0, len(phys), DELETE_BATCH)]
         await run_all(self._delete_batch(b) for b in batches)
 
     async def _delete_batch(self, batch: list[str]) -> None:
+        conn = self._conn
+        if conn.batch_delete is not False:
+            try:
+                await self._delete_objects(batch)
+                return
+            except StorageError as exc:
+                code, status = cause_code(exc)
+                if code not in BATCH_DELETE_REFUSALS and status != 501:
+                    raise
+                if conn.batch_delete is not False:
+                    conn.batch_delete = False
+                    logger.warning("%s refuses DeleteObjects (%s); deleting one object per "
+                                   "request from now on", self.url, f"{status} {code}".strip())
+        await self._delete_singly(batch)
+
+    async def _delete_objects(self, batch: list[str]) -> None:
         pending = list(batch)
 
         async def attempt(n: int) -> None:
@@ -146,6 +174,27 @@ class S3Store:
                 raise TransientServerError(f"{len(retry)} keys not deleted yet")
 
         await self._conn.call("delete", None, attempt, where=self.url)
+
+    async def _delete_singly(self, batch: list[str]) -> None:
+        """DeleteObject for each key, ``concurrency`` at a time; a missing key is fine."""
+        conn = self._conn
+        todo = iter(batch)
+
+        async def delete_one(phys: str) -> None:
+            async def attempt(n: int) -> None:
+                client = await conn.client()
+                await client.delete_object(Bucket=conn.bucket, Key=phys)
+
+            try:
+                await conn.call("delete_object", None, attempt, where=self.url)
+            except ObjectNotFound:
+                pass
+
+        async def worker() -> None:
+            for phys in todo:
+                await delete_one(phys)
+
+        await run_all(worker() for _ in range(min(conn.options.concurrency, len(batch))))
 
     # --- reads ----------------------------------------------------------------------------------
 
@@ -200,10 +249,27 @@ class S3Store:
                 return
 
     async def list_uploads(self, prefix: str = "") -> list[UploadInfo]:
+        """Unfinished multipart uploads under ``prefix``. On a server that does not implement
+        ListMultipartUploads (501) this is always empty (one WARNING per connection): such
+        uploads cannot be found, so clean-up cannot abort them (the server's own expiry of
+        unfinished uploads, where it has one, is then the only clean-up)."""
         check_prefix(prefix)
+        conn = self._conn
+        if conn.lists_uploads is False:
+            return []
         found: list[UploadInfo] = []
         for base in self._bases():
-            found += await self._writer.list_uploads(base + prefix, strip=len(base))
+            try:
+                found += await self._writer.list_uploads(base + prefix, strip=len(base))
+            except StorageError as exc:
+                if not is_not_implemented(exc):
+                    raise
+                if conn.lists_uploads is not False:
+                    conn.lists_uploads = False
+                    logger.warning("%s does not implement ListMultipartUploads: unfinished "
+                                   "multipart uploads cannot be listed or aborted by cloudckpt",
+                                   self.url)
+                return []
         found.sort(key=lambda u: (u.key, u.initiated or 0.0, u.upload_id))
         return found
 

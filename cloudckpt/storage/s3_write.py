@@ -2,16 +2,21 @@
 fallback. Every request goes through ``S3Connection.call``.
 
 Conditional create (``mode="create"``):
-- ``native``: ``If-None-Match: *`` on PutObject / CompleteMultipartUpload; the server answers
-  412 when the key exists and lets exactly one of concurrent creates win. Verified on SeaweedFS
-  4.48 (8 concurrent creates: one winner); documented by AWS S3 since 2024-08 and by current
-  MinIO and Cloudflare R2 (not verified here).
+- ``native``: one PutObject with ``If-None-Match: *``, whatever the body's size (never
+  multipart; bodies over 5 GiB, S3's single-PUT limit, are refused with ``ConfigError``: a
+  manifest is far smaller). The server answers 412 when the key exists and lets exactly one of
+  concurrent creates win. Verified under a race on SeaweedFS 4.48 and moto 5.2 (tests race two
+  stores over HTTP); documented by AWS S3 since 2024-08. The header on CompleteMultipartUpload
+  is not used: Ceph RGW 16 ignores it there (a second create overwrote the first) and on moto
+  and LocalStack two racing completes both succeed, while the single PutObject held on every
+  server that honoured the header at all.
 - ``fallback``, for servers that accept the header and ignore it (older MinIO / SeaweedFS
   releases and other S3 gateways or emulators; ``conditional_create="auto"``, the default, finds
   out with a probe object once per store and logs a warning when it falls back): a
   claim protocol over multipart uploads, needing only strongly consistent ListMultipartUploads
-  and HeadObject. Each creator (1) stops with ObjectExists if the key exists, (2) starts a
-  multipart upload of the key, (3) lists the key's unfinished uploads: if it sees any other (not
+  and HeadObject (without ListMultipartUploads, 501, no create can be exclusive: it fails with
+  a ``StorageError`` that says so). Each creator (1) stops with ObjectExists if the key exists,
+  (2) starts a multipart upload of the key, (3) lists the key's unfinished uploads: if it sees any other (not
   stale) it aborts its own, backs off and starts over, (4) checks again that the key does not
   exist, (5) uploads and completes. Two creators cannot both pass (3): the later one to start
   its upload sees the earlier one's upload, unless that one already completed, which (4) sees.
@@ -35,14 +40,17 @@ import secrets
 from cloudckpt.checksum import crc32c
 from cloudckpt.errors import (
     AccessDenied,
+    ConfigError,
     ObjectExists,
     ObjectNotFound,
     RetriesExhausted,
+    StorageError,
 )
 from cloudckpt.storage.base import ObjectInfo, UploadInfo, run_all, slice_views
-from cloudckpt.storage.options import choose_part_size
-from cloudckpt.storage.s3_client import BodyPayload, crc32c_b64
+from cloudckpt.storage.options import MAX_PUT_SIZE, choose_part_size
+from cloudckpt.storage.s3_client import BodyPayload, crc32c_b64, send_with_body
 from cloudckpt.storage.s3_conn import S3Connection
+from cloudckpt.storage.s3_errors import is_not_implemented
 
 logger = logging.getLogger("cloudckpt.storage")
 
@@ -76,11 +84,17 @@ class S3Writer:
         """Store ``views`` (concatenated) at ``phys``; see the module docstring for ``create``."""
         size = sum(len(v) for v in views)
         token = secrets.token_hex(12)
-        if create and await self._create_strategy(phys) == "fallback":
-            return await self._fallback_create(key, phys, views, size, token)
+        if create:
+            if size > MAX_PUT_SIZE:
+                raise ConfigError(f"create {self.where}/{key}: {size} bytes is more than one "
+                                  f"PutObject takes ({MAX_PUT_SIZE} bytes); create-mode objects "
+                                  "must be smaller")
+            if await self._create_strategy(phys) == "fallback":
+                return await self._fallback_create(key, phys, views, size, token)
+            return await self._single_put(key, phys, views, size, True, token)
         if size <= self.conn.options.multipart_threshold:
-            return await self._single_put(key, phys, views, size, create, token)
-        return await self._multipart_put(key, phys, views, size, create, token)
+            return await self._single_put(key, phys, views, size, False, token)
+        return await self._multipart_put(key, phys, views, size, token)
 
     async def list_uploads(self, prefix: str, *, strip: int) -> list[UploadInfo]:
         """Unfinished multipart uploads whose physical key starts with ``prefix`` (keys returned
@@ -135,7 +149,8 @@ class S3Writer:
             if create:
                 kw["IfNoneMatch"] = "*"
                 kw["Metadata"] = {TOKEN_META: token}
-            resp = await client.put_object(**kw)
+            resp = await send_with_body(client.put_object(**kw), kw["Body"],
+                                        conn.options.retry.read_timeout)
             conn.stats.bytes_sent += size
             return ObjectInfo(key=key, size=size, etag=resp.get("ETag"))
 
@@ -183,7 +198,8 @@ class S3Writer:
                       "Body": BodyPayload(pviews) if stop > start else b""}
                 if crc is not None:
                     kw["ChecksumCRC32C"] = crc32c_b64(crc)
-                resp = await client.upload_part(**kw)
+                resp = await send_with_body(client.upload_part(**kw), kw["Body"],
+                                            conn.options.retry.read_timeout)
                 conn.stats.bytes_sent += stop - start
                 return resp["ETag"]
 
@@ -226,11 +242,13 @@ class S3Writer:
                     return info
             raise
 
-    async def _multipart_put(self, key, phys, views, size, create, token) -> ObjectInfo:
+    async def _multipart_put(self, key, phys, views, size, token) -> ObjectInfo:
+        """An overwrite-mode multipart upload (create mode never goes multipart: module
+        docstring)."""
         upload_id = await self._create_upload(key, phys, token)
         try:
             parts = await self._upload_parts(key, phys, upload_id, views, size)
-            return await self._complete(key, phys, upload_id, parts, size, create, token)
+            return await self._complete(key, phys, upload_id, parts, size, False, token)
         except BaseException:
             self._abort_later(key, phys, upload_id)
             raise
@@ -329,9 +347,18 @@ class S3Writer:
             if await self._head(key, phys) is not None:
                 raise ObjectExists(f"create {self.where}/{key}: the object already exists",
                                    key=key, operation="put")
+            if self.conn.lists_uploads is False:
+                raise self._no_exclusive_create(key)
             upload_id = await self._create_upload(key, phys, token)
             try:
-                uploads = [u for u in await self.list_uploads(phys, strip=0) if u.key == phys]
+                try:
+                    listed = await self.list_uploads(phys, strip=0)
+                except StorageError as exc:
+                    if not is_not_implemented(exc):
+                        raise
+                    self.conn.lists_uploads = False
+                    raise self._no_exclusive_create(key) from exc
+                uploads = [u for u in listed if u.key == phys]
                 mine = next((u.initiated for u in uploads if u.upload_id == upload_id), None)
                 rivals = [u for u in uploads if u.upload_id != upload_id and not (
                     mine is not None and u.initiated is not None
@@ -353,3 +380,9 @@ class S3Writer:
             logger.info("create %s/%s: %d concurrent creators, retrying in %.2fs", self.where,
                         key, len(rivals), delay)
             await asyncio.sleep(delay)
+
+    def _no_exclusive_create(self, key: str) -> StorageError:
+        return StorageError(
+            f"create {self.where}/{key}: the server ignores If-None-Match and does not implement "
+            "ListMultipartUploads, so no create can be exclusive; use a server that supports "
+            "either", key=key, operation="put")
