@@ -27,10 +27,13 @@ import functools
 import os
 import re
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
+# boto3 is the oracle only: no dependency of cloudckpt declares it (tests/test_dependencies.py
+# forbids it in pyproject.toml), but the test extra's moto[s3] requires boto3, so it is installed
+# wherever the suite runs.
 import boto3
 import botocore.exceptions as bex
 import botocore.loaders
@@ -43,6 +46,7 @@ from hypothesis import strategies as st
 from cloudckpt.errors import ConfigError
 from cloudckpt.storage import StorageOptions, aws_config
 from cloudckpt.storage.s3_client import open_client
+from cloudckpt.storage.s3_conn import S3Connection
 from cloudckpt.storage.s3_errors import classify
 
 PROFILE_ENDPOINT = "http://profile-endpoint.test:9000"
@@ -158,6 +162,8 @@ class Outcome:
     region: str | None = None
     resolved: aws_config.ResolvedS3 | None = None
     error: BaseException | None = None
+    #: cloudckpt's only: the setting that named the endpoint (``OpenedClient.endpoint_source``)
+    endpoint_source: str | None = field(default=None, compare=False)
 
 
 def _capture(client, seen: dict):
@@ -181,14 +187,14 @@ def run_cloudckpt(options: StorageOptions, bucket: str) -> Outcome:
     async def main():
         async with contextlib.AsyncExitStack() as stack:
             try:
-                client = await open_client(options, stack)
+                client, _, source = await open_client(options, stack)
             except Exception as exc:
                 return Outcome(error=classify(exc, "head", "k", "s3://b/").error or exc)
             seen: dict = {}
             _capture(client, seen)
             with pytest.raises(_Sent):
                 await client.head_object(Bucket=bucket, Key="k")
-            return _outcome(client, seen)
+            return replace(_outcome(client, seen), endpoint_source=source)
     return asyncio.run(main())
 
 
@@ -234,7 +240,34 @@ def check(case: Case) -> tuple[Outcome, Outcome]:
             return ours, oracle
         assert ours.error is None, (case, ours.error)
         assert ours == oracle, case
+        assert_source_names_endpoint(ours.endpoint_source, oracle.resolved.endpoint_url, case)
         return ours, oracle
+
+
+#: Each setting that can name an endpoint, with the URL the cases give it (all different).
+_SOURCE_URLS = [
+    (r"StorageOptions\.endpoint_url", OPTIONS_ENDPOINT),
+    (r"AWS_ENDPOINT_URL_S3", ENV_S3_ENDPOINT),
+    (r"AWS_ENDPOINT_URL", ENV_ENDPOINT),
+    (r"services section '(\w+)-services' of AWS profile '(\w+)'", SERVICES_ENDPOINT),
+    (r"endpoint_url of AWS profile '(\w+)'", PROFILE_ENDPOINT),
+]
+
+
+def assert_source_names_endpoint(source: str, endpoint_url: str, case: Case) -> None:
+    """The setting ``Endpoint.source`` names (for messages) is the one whose URL boto3 uses, and
+    of the profile in use; ``""`` only where boto3 uses AWS S3's own endpoint."""
+    if not source:
+        assert aws_config.is_aws_endpoint(endpoint_url), (case, endpoint_url)
+        return
+    for pattern, url in _SOURCE_URLS:
+        m = re.fullmatch(pattern, source)
+        if m:
+            assert endpoint_url == url, (case, source, endpoint_url)
+            profile = (case.options.get("profile") or case.env.get("AWS_PROFILE") or "default")
+            assert all(name == profile for name in m.groups()), (case, source)
+            return
+    raise AssertionError(f"unknown endpoint source {source!r}")
 
 
 # --- generated cases -------------------------------------------------------------------------
@@ -329,6 +362,49 @@ def test_a_configured_endpoint_defaults_to_path_style(source):
     assert ours.resolved.addressing_style == "path"
     assert urlsplit(ours.url).path == "/mybucket/k", ours.url
     assert urlsplit(ours.url).hostname.endswith("-endpoint.test"), ours.url
+
+
+async def _store_endpoint(options: StorageOptions):
+    conn = S3Connection(options, "mybucket", "")
+    try:
+        await conn.client()
+        return conn.endpoint
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize("unset", range(6))
+def test_messages_name_the_setting_that_named_the_endpoint(unset):
+    """Every setting that can name an endpoint, stacked; the first ``unset`` of them (in
+    botocore's order) removed: ``Endpoint.source`` names the first left, in the profile in use,
+    and says AWS S3 once none is left."""
+    order = [("options", "StorageOptions.endpoint_url", OPTIONS_ENDPOINT),
+             ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_S3", ENV_S3_ENDPOINT),
+             ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL", ENV_ENDPOINT),
+             ("services", "services section 'other-services' of AWS profile 'other'",
+              SERVICES_ENDPOINT),
+             ("endpoint_url", "endpoint_url of AWS profile 'other'", PROFILE_ENDPOINT)]
+    kept = {name for name, _, _ in order[unset:]}
+    env = {**KEYS, "AWS_PROFILE": "other"}
+    env.update({k: url for k, _, url in order[1:3] if k in kept})
+    profile = {"region": "eu-west-1", **({"endpoint_url": PROFILE_ENDPOINT}
+                                          if "endpoint_url" in kept else {})}
+    if "services" in kept:
+        profile["services"] = {"endpoint_url": SERVICES_ENDPOINT}
+    config = {"other": profile, "default": {"endpoint_url": "http://not-this-profile.test:1"}}
+    options = {"endpoint_url": OPTIONS_ENDPOINT} if "options" in kept else {}
+    case = Case(env=env, config=config, options=options)
+    ours, _ = check(case)
+    with environment(case):  # what the store's messages say (S3Connection builds the Endpoint)
+        described = asyncio.run(_store_endpoint(StorageOptions(**options))).describe()
+    if unset < len(order):
+        _, source, url = order[unset]
+        assert (ours.endpoint_source, ours.resolved.endpoint_url) == (source, url)
+        assert described == f"endpoint {url} (from {source})"
+    else:
+        assert ours.endpoint_source == ""
+        assert ours.resolved.endpoint_url == "https://s3.eu-west-1.amazonaws.com"
+        assert "AWS S3, as no endpoint is configured" in described
 
 
 @pytest.mark.parametrize("where", ["env", "profile"])
