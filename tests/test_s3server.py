@@ -402,3 +402,28 @@ def test_a_busy_port_makes_the_start_retry_on_fresh_ports(monkeypatch):
     finally:
         for blocker in blockers:
             blocker.close()
+
+
+def test_tls_serves_https_with_a_private_ca():
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    import boto3
+    from botocore.config import Config
+
+    with S3Server(bucket="tls-bucket", tls=True) as info:
+        assert info.https_endpoint_url.startswith("https://127.0.0.1:")
+        assert info.https_endpoint_url != info.endpoint_url.replace("http:", "https:")
+        info.boto3_client().put_object(Bucket=info.bucket, Key="k", Body=b"over http")
+        https = boto3.client("s3", endpoint_url=info.https_endpoint_url, region_name=info.region,
+                             aws_access_key_id=info.access_key,
+                             aws_secret_access_key=info.secret_key, verify=info.ca_file,
+                             config=Config(s3={"addressing_style": "path"}, proxies={}))
+        assert https.get_object(Bucket=info.bucket, Key="k")["Body"].read() == b"over http"
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            urllib.request.urlopen(info.https_endpoint_url + "/", timeout=10,
+                                   context=ssl.create_default_context())  # nobody trusts it
+        ca_file = info.ca_file
+        assert Path(ca_file).is_file()
+    assert not Path(ca_file).exists()  # removed with the work directory

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -82,12 +83,18 @@ class RetryOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class StorageOptions:
-    """Options of an object store. Anything left ``None`` comes from the standard AWS chain
-    (``AWS_ENDPOINT_URL[_S3]``, ``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``,
-    ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, config files, instance roles).
+    """Options of an object store. Anything left ``None`` comes from the standard AWS chain,
+    resolved as boto3 resolves it (``AWS_ENDPOINT_URL[_S3]``, ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``,
+    ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, ``AWS_CA_BUNDLE``, the config
+    and credentials files, instance roles; ``AWS_REGION`` where nothing else names a region): the
+    order is in ``cloudckpt.storage.aws_config``.
 
-    - ``addressing_style``: ``"auto"`` means path style for custom endpoints and botocore's default
-      (virtual hosted) for AWS.
+    - ``addressing_style``: ``"path"``, ``"virtual"`` or ``"auto"`` (virtual hosted where the bucket
+      name allows it); None: the profile's ``s3 = addressing_style``, else path style for a
+      configured endpoint and virtual hosted for AWS S3 (as boto3).
+    - ``verify_tls``: None or True verify TLS certificates with the AWS chain of CA bundles
+      (``AWS_CA_BUNDLE``, the profile's ``ca_bundle``, ``REQUESTS_CA_BUNDLE``, then certifi's); a
+      path (str or PathLike) trusts that PEM bundle (a private CA); False turns verification off.
     - ``concurrency``: requests in flight per store (and the size of its connection pool).
     - ``multipart_threshold``: bodies larger than this go multipart; ``part_size`` None picks one
       per body (>= 5 MiB, <= 10,000 parts).
@@ -115,8 +122,8 @@ class StorageOptions:
     secret_access_key: str | None = field(default=None, repr=False)
     session_token: str | None = field(default=None, repr=False)
     profile: str | None = None
-    addressing_style: Literal["auto", "path", "virtual"] = "auto"
-    verify_tls: bool = True
+    addressing_style: Literal["auto", "path", "virtual"] | None = None
+    verify_tls: bool | str | None = None
     concurrency: int = 16
     multipart_threshold: int = 16 * MiB
     part_size: int | None = None
@@ -139,8 +146,15 @@ class StorageOptions:
             raise ConfigError("StorageOptions.coalesce_gap must be >= 0")
         if self.max_buffer_bytes < 1 * MiB:
             raise ConfigError("StorageOptions.max_buffer_bytes must be >= 1 MiB")
-        if self.addressing_style not in ("auto", "path", "virtual"):
+        if self.addressing_style not in (None, "auto", "path", "virtual"):
             raise ConfigError(f"bad addressing_style {self.addressing_style!r}")
+        if isinstance(self.verify_tls, os.PathLike):
+            object.__setattr__(self, "verify_tls", os.fspath(self.verify_tls))
+        verify = self.verify_tls
+        if not isinstance(verify, (bool, str, type(None))) or (
+                isinstance(verify, str) and not verify.strip()):
+            raise ConfigError("StorageOptions.verify_tls must be None, True, False or the path of "
+                              f"a CA bundle (PEM), not {self.verify_tls!r}")
         if self.conditional_create not in ("auto", "native", "fallback"):
             raise ConfigError(f"bad conditional_create {self.conditional_create!r}")
         if not 0 <= self.prefix_spreading <= 4096:

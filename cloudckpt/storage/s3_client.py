@@ -1,6 +1,9 @@
 """Plumbing of S3Store: the aiobotocore client with the cheap request settings, the
 zero-copy request body and the streaming response reader.
 
+Endpoint, region, addressing style, credentials and TLS trust are resolved as boto3 resolves them
+(``aws_config``).
+
 The client is created on first use, in the running loop, with a connection pool of
 ``concurrency`` connections, botocore's own retries off (the store's choke point retries), payload
 signing off (TLS or the crc32c header protect bodies; botocore would SHA-256 every body over http)
@@ -16,21 +19,23 @@ import base64
 import contextlib
 import hashlib
 import io
-import os
+import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from typing import TypeVar
-from urllib.parse import urlparse
+from typing import Any, NamedTuple, TypeVar
 
 import aiohttp.payload
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 
 from cloudckpt.errors import ConfigError
+from cloudckpt.storage import aws_config
 from cloudckpt.storage.options import StorageOptions
 from cloudckpt.storage.redact import install_redaction
 from cloudckpt.storage.urls import parse_s3_url  # noqa: F401 - re-exported
+
+log = logging.getLogger("cloudckpt.storage")
 
 T = TypeVar("T")
 
@@ -43,37 +48,10 @@ def crc32c_b64(crc: int) -> str:
     return base64.b64encode((crc & 0xFFFFFFFF).to_bytes(4, "big")).decode("ascii")
 
 
-def resolve_endpoint(options: StorageOptions) -> str | None:
-    """The endpoint URL from the options, else ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``."""
-    return endpoint_source(options)[0]
-
-
-def endpoint_source(options: StorageOptions) -> tuple[str | None, str]:
-    """(endpoint URL or None, where it was configured): ``StorageOptions.endpoint_url``,
-    ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, or ``""`` when none is (botocore then uses a
-    profile's ``endpoint_url`` or AWS S3)."""
-    if options.endpoint_url:
-        return options.endpoint_url, "StorageOptions.endpoint_url"
-    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
-        if os.environ.get(name):
-            return os.environ[name], name
-    return None, ""
-
-
-def is_aws_endpoint(endpoint: str | None) -> bool:
-    """Whether ``endpoint`` is one of AWS S3's own."""
-    return _is_aws(endpoint)
-
-
-def _is_aws(endpoint: str | None) -> bool:
-    host = urlparse(endpoint).hostname or "" if endpoint else ""
-    return host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
-
-
-def _config(options: StorageOptions, style: str) -> AioConfig:
+def _config(options: StorageOptions, style: str | None) -> AioConfig:
     retry = options.retry
     s3 = {"payload_signing_enabled": False}
-    if style != "auto":
+    if style is not None:  # None: the profile's, else botocore's default
         s3["addressing_style"] = style
     return AioConfig(
         max_pool_connections=options.concurrency,
@@ -87,16 +65,27 @@ def _config(options: StorageOptions, style: str) -> AioConfig:
     )
 
 
+class OpenedClient(NamedTuple):
+    """What ``open_client`` made, and for messages how: ``access_key_id``, the id of the
+    credentials in use (not a secret; None if it cannot be told); ``endpoint_source``, the
+    setting that named ``client.meta.endpoint_url`` (``aws_config.endpoint_source``; ``""``:
+    none did, botocore's default endpoint)."""
+
+    client: Any
+    access_key_id: str | None
+    endpoint_source: str
+
+
 async def open_client(options: StorageOptions, stack: contextlib.AsyncExitStack):
     """Create the aiobotocore S3 client for ``options`` inside ``stack`` (closed with it).
-    Returns ``(client, access key id)``: the id of the credentials in use (not a secret; for
-    messages), None if it cannot be told.
+    Returns an :class:`OpenedClient`: ``(client, access key id, endpoint source)``.
 
-    Raises ``ConfigError`` when no credentials can be found at all.
+    Endpoint, region, addressing style, credentials and CA bundle are resolved as boto3 does
+    (``aws_config``). Raises ``ConfigError`` when no credentials can be found at all, when the CA
+    bundle to use is not a file, or when the endpoint URL is malformed.
     """
     install_redaction()  # botocore's DEBUG records would otherwise show session tokens
     session = AioSession(profile=options.profile) if options.profile else AioSession()
-    endpoint = resolve_endpoint(options)
     access_key_id = options.access_key_id
     if access_key_id is None:
         credentials = await session.get_credentials()
@@ -106,25 +95,24 @@ async def open_client(options: StorageOptions, stack: contextlib.AsyncExitStack)
                 "AWS_PROFILE, or StorageOptions(access_key_id=..., secret_access_key=...)")
         with contextlib.suppress(Exception):  # refreshing may fail here: the request will say
             access_key_id = (await credentials.get_frozen_credentials()).access_key
-    region = options.region or session.get_config_variable("region")
-    if region is None and endpoint is not None:
-        region = "us-east-1"
-    style = options.addressing_style
-    if style == "auto" and endpoint is not None and not _is_aws(endpoint):
-        style = "path"
-    kwargs = dict(region_name=region, endpoint_url=endpoint, verify=options.verify_tls,
-                  aws_access_key_id=options.access_key_id,
-                  aws_secret_access_key=options.secret_access_key,
-                  aws_session_token=options.session_token)
-    client = await stack.enter_async_context(
-        session.create_client("s3", config=_config(options, style), **kwargs))
-    if style == "auto" and not _is_aws(client.meta.endpoint_url):
-        # An endpoint from a profile: custom servers want path-style addressing.
-        await client.close()
-        client = await stack.enter_async_context(
-            session.create_client("s3", config=_config(options, "path"), **kwargs))
+    aws_config.check_ca_bundle(options, session)
+    kwargs = aws_config.client_kwargs(options, session)
+    try:
+        creator = session.create_client(
+            "s3", config=_config(options, options.addressing_style), **kwargs)
+        client = await stack.enter_async_context(creator)
+    except ValueError as exc:
+        if not str(exc).startswith("Invalid endpoint"):  # botocore's own errors: s3_errors
+            raise
+        raise ConfigError(f"bad S3 endpoint URL: {exc} (check StorageOptions.endpoint_url, "
+                          "AWS_ENDPOINT_URL[_S3] and endpoint_url in the AWS profile)") from exc
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("S3 client: %s", aws_config.describe(client))
     client.meta.events.register("before-call.s3.DeleteObjects", add_content_md5)
-    return client, access_key_id
+    url, source = aws_config.endpoint_source(options, session)
+    if url != client.meta.endpoint_url:
+        source = ""  # not named by any setting: botocore's default (AWS S3 for the region)
+    return OpenedClient(client, access_key_id, source)
 
 
 def add_content_md5(params, **kwargs) -> None:

@@ -19,7 +19,8 @@ from cloudckpt.errors import StorageError
 from cloudckpt.storage.base import ByteBudget, StoreStats
 from cloudckpt.storage.options import StorageOptions
 from cloudckpt.storage.retry import Retrier, Verdict
-from cloudckpt.storage.s3_client import endpoint_source, is_aws_endpoint, open_client
+from cloudckpt.storage.aws_config import endpoint_source, is_aws_endpoint
+from cloudckpt.storage.s3_client import open_client
 from cloudckpt.storage.s3_errors import Endpoint, classify
 from cloudckpt.storage.spreading import Spreader
 
@@ -78,13 +79,13 @@ class S3Connection:
             if self._client is None:
                 stack = contextlib.AsyncExitStack()
                 try:
-                    client, access_key_id = await open_client(self.options, stack)
+                    client, access_key_id, source = await open_client(self.options, stack)
                 except BaseException:
                     await stack.aclose()
                     raise
                 url = client.meta.endpoint_url
-                self.endpoint = Endpoint(url=url, source=self.endpoint.source,
-                                         aws=is_aws_endpoint(url), access_key_id=access_key_id)
+                self.endpoint = Endpoint(url=url, source=source, aws=is_aws_endpoint(url),
+                                         access_key_id=access_key_id)
                 self._client, self._stack, self._loop = client, stack, loop
         return self._client
 

@@ -5,13 +5,16 @@ Retried: HTTP 500/502/503/504/429, throttling codes (SlowDown, ...), request tim
 (a body damaged in transit), ConditionalRequestConflict (concurrent conditional writes),
 connection resets, refused or dropped connections, truncated bodies and attempts past their cap.
 Never retried: 403 (AccessDenied), 404 (ObjectNotFound), 412 (ObjectExists for a create,
-otherwise StorageError), 416 (InvalidRange), missing credentials (ConfigError), other 4xx.
+otherwise StorageError), 416 (InvalidRange), missing credentials (ConfigError), TLS failures (an
+untrusted certificate is a ConfigError saying how to trust a private CA), other 4xx.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import aiohttp
 import botocore.exceptions as bex
@@ -104,6 +107,27 @@ def error_code(exc: bex.ClientError) -> tuple[str, int]:
     return code, status
 
 
+def untrusted_certificate(exc: bex.SSLError) -> ConfigError | None:
+    """A one-line ``ConfigError`` for a server certificate that failed verification (None for
+    other TLS failures)."""
+    cause = exc.kwargs.get("error")
+    cert_error = getattr(cause, "certificate_error", cause)  # aiohttp's, else the ssl error
+    if not isinstance(cert_error, ssl.SSLCertVerificationError):
+        if "CERTIFICATE_VERIFY_FAILED" not in str(exc):
+            return None
+        reason = "certificate verify failed"
+    else:
+        reason = cert_error.verify_message or cert_error.reason or "certificate verify failed"
+    url = urlsplit(str(exc.kwargs.get("endpoint_url") or ""))
+    endpoint = f"{url.scheme}://{url.netloc}" if url.netloc else "the S3 endpoint"
+    if "mismatch" in reason or "not valid for" in reason:
+        fix = "use the host name the certificate was issued for in the endpoint URL"
+    else:
+        fix = ("for a private CA, set AWS_CA_BUNDLE (or ca_bundle in the AWS profile) to its "
+               "PEM file, or pass StorageOptions(verify_tls='/path/to/ca.pem')")
+    return ConfigError(f"the TLS certificate of {endpoint} is not trusted ({reason}): {fix}")
+
+
 def _bucket_of(where: str) -> str:
     """The bucket of an ``s3://bucket/...`` location ('?' when it is not one)."""
     return where.removeprefix("s3://").partition("/")[0] if where.startswith("s3://") else "?"
@@ -131,9 +155,10 @@ def is_not_implemented(exc: BaseException) -> bool:
 class Endpoint:
     """Where a store's requests go, and as whom: for messages.
 
-    ``url``: the endpoint URL (None until known); ``source``: where it was configured
-    (``"AWS_ENDPOINT_URL"``, ``"StorageOptions.endpoint_url"``, ...; ``""``: nowhere, botocore's
-    default, i.e. AWS S3 unless a profile names one); ``aws``: whether ``url`` is AWS S3's own;
+    ``url``: the endpoint URL (None until known); ``source``: the setting that named it
+    (``aws_config.endpoint_source``: ``"AWS_ENDPOINT_URL"``, ``"StorageOptions.endpoint_url"``,
+    ``"endpoint_url of AWS profile 'p'"``, ...; ``""``: none, botocore's default, i.e. AWS S3;
+    before the client exists the profile is not read); ``aws``: whether ``url`` is AWS S3's own;
     ``access_key_id``: the id of the credentials in use (never the secret)."""
 
     url: str | None = None
@@ -237,9 +262,13 @@ def classify(exc: BaseException, op: str, key: str | None, where: str,
             "no usable AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
             "AWS_PROFILE, or StorageOptions(access_key_id=..., secret_access_key=...)"))
     if isinstance(exc, (bex.NoRegionError, bex.ParamValidationError, bex.UnknownEndpointError,
-                        bex.InvalidEndpointConfigurationError)):
+                        bex.InvalidEndpointConfigurationError, bex.InvalidRegionError,
+                        bex.ProfileNotFound, bex.InvalidConfigError)):
         return Verdict(False, ConfigError(f"{op}{name}: {exc}"))
     if isinstance(exc, bex.SSLError):
+        untrusted = untrusted_certificate(exc)
+        if untrusted is not None:
+            return Verdict(False, untrusted)
         return Verdict(False, StorageError(f"{op}{name}: TLS failure: {exc}", key=key,
                                            operation=op))
     if isinstance(exc, _TRANSPORT_ERRORS):

@@ -17,6 +17,9 @@ Contract:
   owning Python process dies, even by SIGKILL; `atexit` stops servers still running at exit.
 - Secrets never appear in reprs or in weed's command line; they are written only to the 0600
   identities file and printed only by the `export` lines of the command-line entry point.
+- `tls=True` also serves S3 over https on its own port (`info.https_endpoint_url`), with a server
+  certificate for 127.0.0.1 signed by a private CA made for this start (`info.ca_file`, in the
+  work directory): nothing trusts it unless told to.
 
 Command line: `python -m cloudckpt.testing.s3server [--bucket B]...` runs a server in the
 foreground, creates the buckets named (default `cloudckpt-test`), prints the endpoint and
@@ -36,6 +39,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -82,6 +86,8 @@ class S3ServerInfo:
     bucket: str = DEFAULT_BUCKET
     readonly_access_key: str
     readonly_secret_key: str = field(repr=False)
+    https_endpoint_url: str | None = None
+    ca_file: str | None = None
 
     def env(self) -> dict[str, str]:
         """The standard AWS variables that point an S3 client at this endpoint (admin identity)."""
@@ -196,6 +202,16 @@ def _pick_ports(rng: random.Random) -> dict[str, int]:
     return ports
 
 
+def _pick_extra_port(rng: random.Random, ports: dict[str, int]) -> int:
+    """A free port clear of ``ports`` and their gRPC ports (for the https listener)."""
+    taken = {p + d for p in ports.values() for d in (0, _GRPC_OFFSET)}
+    for _ in range(200):
+        port = rng.randrange(_PORT_LOW, _PORT_HIGH)
+        if port not in taken and _port_is_free(port):
+            return port
+    raise S3ServerError("no free port found on 127.0.0.1")
+
+
 _LIVE_SERVERS: "weakref.WeakSet[S3Server]" = weakref.WeakSet()
 
 
@@ -217,17 +233,19 @@ class S3Server:
           it). False by default, as on S3: a missing bucket gives NoSuchBucket.
       workdir: parent directory for the private work directory (default: the system temp dir).
       ready_timeout: seconds to wait for the S3 port to answer.
+      tls: also serve S3 over https (see the module's contract).
     """
 
     def __init__(self, *, bucket: str = DEFAULT_BUCKET, buckets: tuple[str, ...] = (),
                  auto_create_bucket: bool = True, s3_auto_create_bucket: bool = False,
                  workdir: str | os.PathLike | None = None,
-                 ready_timeout: float = READY_TIMEOUT_S) -> None:
+                 ready_timeout: float = READY_TIMEOUT_S, tls: bool = False) -> None:
         self.bucket = check_bucket_name(bucket)
         self.buckets = tuple(dict.fromkeys(check_bucket_name(b) for b in buckets if b != bucket))
         self.auto_create_bucket = auto_create_bucket
         self.s3_auto_create_bucket = s3_auto_create_bucket
         self.ready_timeout = ready_timeout
+        self.tls = tls
         self._parent_dir = None if workdir is None else str(workdir)
         self._proc: subprocess.Popen | None = None
         self._watchdog: subprocess.Popen | None = None
@@ -314,6 +332,8 @@ class S3Server:
             json.dump(identities, f)
 
         ports = self._ports = _pick_ports(rng)
+        if self.tls:
+            ports["s3https"] = _pick_extra_port(rng, ports)
         weed = find_weed()
         argv = [weed, f"-logdir={work / 'log'}", "mini",
                 f"-dir={work / 'data'}",
@@ -328,6 +348,13 @@ class S3Server:
         for service in ("master", "volume", "filer", "s3", "admin"):
             argv += [f"-{service}.port={ports[service]}",
                      f"-{service}.port.grpc={ports[service] + _GRPC_OFFSET}"]
+        tls = None
+        if self.tls:
+            from cloudckpt.testing.tlsca import make_tls_files
+
+            tls = make_tls_files(work / "tls")
+            argv += [f"-s3.cert.file={tls.cert_file}", f"-s3.key.file={tls.key_file}",
+                     f"-s3.port.https={ports['s3https']}"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         env.pop("S3_BUCKET", None)
         env.pop("S3_TABLE_BUCKET", None)
@@ -344,7 +371,13 @@ class S3Server:
 
         endpoint = f"http://127.0.0.1:{ports['s3']}"
         self._wait_ready(endpoint)
-        info = S3ServerInfo(endpoint_url=endpoint, region=DEFAULT_REGION, bucket=self.bucket, **keys)
+        https = None
+        if tls is not None:
+            https = f"https://127.0.0.1:{ports['s3https']}"
+            self._wait_ready(https, ssl.create_default_context(cafile=tls.ca_file))
+        info = S3ServerInfo(endpoint_url=endpoint, region=DEFAULT_REGION, bucket=self.bucket,
+                            https_endpoint_url=https,
+                            ca_file=tls.ca_file if tls else None, **keys)
         # A signed request with our own keys proves the answering server is ours, not a neighbour's.
         self._check_signed(info)
         return info
@@ -359,8 +392,9 @@ class S3Server:
         except (OSError, TypeError):
             return ""
 
-    def _wait_ready(self, endpoint: str) -> None:
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    def _wait_ready(self, endpoint: str, context: ssl.SSLContext | None = None) -> None:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                             urllib.request.HTTPSHandler(context=context))
         deadline = time.monotonic() + self.ready_timeout
         while True:
             code = self._proc.poll()
@@ -481,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket", action="append", type=_bucket_arg, metavar="NAME",
                         help=f"bucket created at start; repeat for more (default: {DEFAULT_BUCKET})")
     parser.add_argument("--workdir", default=None, help="parent of the private work directory")
+    parser.add_argument("--tls", action="store_true",
+                        help="also serve https, with a certificate from a private CA")
     args = parser.parse_args(argv)
     buckets = list(dict.fromkeys(args.bucket or [DEFAULT_BUCKET]))
 
@@ -491,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    server = S3Server(bucket=buckets[0], buckets=tuple(buckets[1:]), workdir=args.workdir)
+    server = S3Server(bucket=buckets[0], buckets=tuple(buckets[1:]), workdir=args.workdir,
+                      tls=args.tls)
     try:
         info = server.start()
     except S3ServerError as exc:
@@ -503,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         print(f"S3 endpoint: {info.endpoint_url}  buckets: {', '.join(buckets)}", flush=True)
+        if info.https_endpoint_url:
+            print(f"https endpoint: {info.https_endpoint_url}  (trust it with "
+                  f"AWS_CA_BUNDLE={info.ca_file})", flush=True)
         for key, value in info.env().items():
             print(f"export {key}={value}", flush=True)
         print("Press Ctrl-C to stop.", file=sys.stderr, flush=True)
