@@ -231,3 +231,16 @@ def test_deep_nesting_stays_json():
     for _ in range(200):
         deep = [deep]
     json.dumps(jsonable(deep), allow_nan=False)
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:1", "localhost:9000", "s3://bucket", "http://",
+                                      "http://host:port", ""])
+def test_python_api_refuses_an_endpoint_without_scheme_too(endpoint):
+    from cloudckpt.errors import ConfigError
+    from cloudckpt.storage import StorageOptions
+
+    with pytest.raises(ConfigError, match="endpoint|URL") as info:
+        StorageOptions(endpoint_url=endpoint)
+    assert "\n" not in str(info.value)
+    StorageOptions(endpoint_url="http://127.0.0.1:1")  # a URL with a scheme and a host is fine
+    StorageOptions(endpoint_url="https://s3.eu-west-1.amazonaws.com")
