@@ -25,7 +25,7 @@ Mistakes are refused with one line and exit 2 before anything is changed: a malf
 profile, ``ls``/``prune`` given a checkpoint instead of a run (``ls`` suggests ``show``),
 ``--step`` given with a URL that is already a checkpoint, ``export`` into a folder that does not
 exist. A run with no checkpoints (or nothing at the URL) is not a mistake: ``ls`` says "no
-checkpoints under URL" on stderr and exits 0 (``--json``: ``[]``).
+checkpoints under URL" on stderr and exits 0 (``--json``: ``[]``). ``--timeout`` defaults to about 60 seconds.
 
 ``rm`` and ``prune`` delete only what the checkpoint layout owns: each checkpoint's
 ``manifest.msgpack`` (first), its ``data/<attempt>/r<rank>-<n>.bin`` objects and unfinished uploads
@@ -59,6 +59,7 @@ from cloudckpt.layout import MANIFEST_KEY
 from cloudckpt import cli_json
 from cloudckpt.cli_options import (EXIT_USAGE, Parser, UsageError, global_options, seconds,
                                    storage_options, whole_number)
+from cloudckpt.wording import plural
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
@@ -204,7 +205,7 @@ def cmd_show(args) -> int:
     print(f"checkpoint  {url}")
     print(f"created     {when}   world size {manifest.world_size}   "
           f"cloudckpt {manifest.cloudckpt_version}")
-    print(f"data        {len(manifest.objects)} objects, "
+    print(f"data        {plural(len(manifest.objects), 'object')}, "
           f"{_human_bytes(manifest.total_bytes())}")
     if manifest.metadata:
         print(f"metadata    {json.dumps(manifest.metadata, default=repr, sort_keys=True)}")
@@ -240,11 +241,12 @@ def cmd_verify(args) -> int:
         cli_json.emit(cli_json.verify_document(url, report))
         return EXIT_OK if report.ok else EXIT_FAILED
     if report.ok:
-        print(f"OK  {url}: {report.objects_checked} objects, "
+        print(f"OK  {url}: {plural(report.objects_checked, 'object')}, "
               f"{_human_bytes(report.bytes_checked)} checked")
         return EXIT_OK
-    print(f"FAILED  {url}: {len(report.problems)} problem(s) "
-          f"({report.objects_checked} objects, {_human_bytes(report.bytes_checked)} checked)")
+    print(f"FAILED  {url}: {plural(len(report.problems), 'problem')} "
+          f"({plural(report.objects_checked, 'object')}, {_human_bytes(report.bytes_checked)} "
+          "checked)")
     for problem in report.problems:
         print(f"  {problem}")
     return EXIT_FAILED
@@ -254,7 +256,8 @@ def _left_note(url: str, plan, verb: str) -> None:
     """One stderr line about the keys a deletion leaves because the layout does not own them."""
     if plan.left:
         more = ", ..." if plan.left > len(plan.left_examples) else ""
-        print(f"{verb} {plan.left} key(s) under {url} that are not part of a checkpoint: "
+        print(f"{verb} {plural(plan.left, 'key')} under {url} that "
+              f"{'is' if plan.left == 1 else 'are'} not part of a checkpoint: "
               f"{', '.join(plan.left_examples)}{more}", file=sys.stderr)
 
 
@@ -285,7 +288,7 @@ def cmd_prune(args) -> int:
         print("nothing to remove")
     for info, plan in removed:
         state = "complete" if info.complete else "abandoned"
-        counts = f"{len(plan.objects)} objects, {len(plan.uploads)} uploads"
+        counts = f"{plural(len(plan.objects), 'object')}, {plural(len(plan.uploads), 'upload')}"
         print(f"{verb} step {info.step} ({state})  {info.url}  ({counts})")
         if args.dry_run:
             _print_keys(mgr.url, plan)
@@ -335,26 +338,27 @@ def cmd_rm(args) -> int:
     if (plan.empty if plan is not None else not _has_manifest(store)):
         others = _manager(url).list()
         if others:
-            raise UsageError(f"{url} is a run with {len(others)} checkpoint(s), not a checkpoint;"
-                             f" give one checkpoint URL or --step N")
+            raise UsageError(f"{url} is a run with {plural(len(others), 'checkpoint')}, not a "
+                             "checkpoint; give one checkpoint URL or --step N")
     if plan is None:
         plan = run_coroutine(plan_checkpoint(store, ""))
     if plan.empty and plan.left:
-        raise UsageError(f"{url} is neither a checkpoint nor a run ({plan.left} key(s) there, "
-                         f"none part of a checkpoint); nothing removed")
+        raise UsageError(f"{url} is neither a checkpoint nor a run ({plural(plan.left, 'key')} "
+                         "there, none part of a checkpoint); nothing removed")
     if plan.empty:
         print(f"nothing to remove at {url}", file=sys.stderr)
         return EXIT_FAILED
     state = "" if plan.has_manifest else "incomplete checkpoint, "
     if args.dry_run:
-        print(f"would remove {url} ({state}{len(plan.objects)} objects, "
-              f"{len(plan.uploads)} uploads)")
+        print(f"would remove {url} ({state}{plural(len(plan.objects), 'object')}, "
+              f"{plural(len(plan.uploads), 'upload')})")
         _print_keys(base, plan)
         _left_note(url, plan, "would leave")
         return EXIT_OK
     with _progress(len(plan.objects), "deleting") as bar:
         removed = delete(bar.update)
-    print(f"removed {url} ({state}{removed} objects, {len(plan.uploads)} uploads)")
+    print(f"removed {url} ({state}{plural(removed, 'object')}, "
+          f"{plural(len(plan.uploads), 'upload')})")
     _left_note(url, plan, "left")
     return EXIT_OK
 
@@ -376,7 +380,8 @@ def cmd_export(args) -> int:
     url = _resolve_checkpoint(args.url, args.step)
     skipped = export(url, out, allow_pickle=args.allow_pickle, storage=_STORAGE)
     if skipped:
-        print(f"warning: {len(skipped)} non-tensor value(s) not representable in JSON were "
+        print(f"warning: {plural(len(skipped), 'non-tensor value')} not representable in "
+              f"JSON {'was' if len(skipped) == 1 else 'were'} "
               f"left out: {', '.join(skipped[:5])}", file=sys.stderr)
     print(f"exported {url} -> {out}")
     return EXIT_OK
@@ -444,7 +449,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = bool(os.environ.get("CLOUDCKPT_DEBUG"))
     try:
+        from cloudckpt.runtime import set_default_storage
+        from cloudckpt.storage import parse_store_url
+
+        parse_store_url(args.url)  # a malformed URL is a usage error before anything runs
         _STORAGE = storage_options(args)
+        if _STORAGE is not None:  # also for any call below that is given no storage
+            set_default_storage(_STORAGE)
         return args.fn(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

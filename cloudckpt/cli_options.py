@@ -71,7 +71,8 @@ def global_options(parser: argparse.ArgumentParser, *, default: Any) -> None:
                             "AWS_PROFILE, else 'default')")
     group.add_argument("--timeout", type=seconds(positive=True), metavar="SECONDS",
                        default=default,
-                       help="give up on an endpoint that does not answer after about SECONDS")
+                       help="give up on an endpoint that does not answer after about SECONDS "
+                            "(default: about 60; StorageOptions.with_timeout)")
 
 
 def storage_options(args) -> Any:
@@ -93,20 +94,8 @@ def storage_options(args) -> Any:
         return None
     options = StorageOptions(endpoint_url=args.endpoint_url, profile=args.profile)
     if args.timeout is not None:
-        options = _with_timeout(options, args.timeout)
+        options = options.with_timeout(args.timeout)
     return options
-
-
-def _with_timeout(options, seconds: float):
-    """``options.with_timeout(seconds)``: requests give up on an endpoint that does not answer
-    after about ``seconds``."""
-    if hasattr(options, "with_timeout"):
-        return options.with_timeout(seconds)
-    from dataclasses import replace  # until StorageOptions.with_timeout exists
-
-    retry = replace(options.retry, deadline=seconds,
-                    attempt_timeout=min(options.retry.attempt_timeout, seconds))
-    return replace(options, retry=retry)
 
 
 def _usage_from(check, *args) -> None:

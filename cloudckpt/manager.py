@@ -57,6 +57,7 @@ from cloudckpt.run_cleanup import (DELETE_BATCH, DeletionPlan, carry_out,
                                     decode_manifest_without_pickle, delete_checkpoint,
                                     plan_abandoned, plan_checkpoint, remove_stale_attempts)
 from cloudckpt.runtime import finish_before_exit, run_coroutine, shared_store
+from cloudckpt.storage import parse_store_url
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "DeletionPlan", "ManagedSaveHandle",
            "step_dir", "join_url", "DELETE_BATCH"]
@@ -183,6 +184,7 @@ class CheckpointManager:
             raise ValueError("pass either retention= or the keep_* shortcuts, not both")
         if abandoned_after < 0:
             raise ValueError(f"abandoned_after must be >= 0 seconds, got {abandoned_after}")
+        url = parse_store_url(url).url  # a malformed URL fails here, before any I/O
         self.url = url.rstrip("/") if url.rstrip("/") else url
         self.retention = retention if retention is not None else shortcuts
         self.abandoned_after = float(abandoned_after)

@@ -24,6 +24,7 @@ from typing import Callable, Iterable
 
 from cloudckpt.errors import ObjectNotFound, PickleNotAllowed
 from cloudckpt.layout import MANIFEST_KEY, data_key_attempt, owned_key
+from cloudckpt.wording import plural
 
 #: Keys per delete request (the S3 DeleteObjects limit).
 DELETE_BATCH = 1000
@@ -186,8 +187,8 @@ async def carry_out(store, plan: DeletionPlan, *,
     for upload in plan.uploads:
         await store.abort_upload(upload)
     if plan.left:
-        log.info("left %d key(s) under %s/%s that are not part of the checkpoint layout "
-                    "(e.g. %s)", plan.left, getattr(store, "url", "?"), plan.prefix,
+        log.info("left %s under %s/%s that are not part of the checkpoint layout "
+                    "(e.g. %s)", plural(plan.left, "key"), getattr(store, "url", "?"), plan.prefix,
                     ", ".join(plan.left_examples))
     return removed
 

@@ -38,6 +38,7 @@ _loop: asyncio.AbstractEventLoop | None = None
 _thread: threading.Thread | None = None
 _stores: dict[tuple, Any] = {}
 _pending_save: concurrent.futures.Future | None = None
+_default_storage: Any = None
 _finish_at_exit: list[tuple[concurrent.futures.Future, str]] = []
 _failed_at_exit: list[str] = []
 
@@ -128,26 +129,36 @@ def run_coroutine(coro: Awaitable[T], timeout: float | None = None) -> T:
         raise TimeoutError(f"cloudckpt operation did not finish within {timeout} s") from exc
 
 
+def set_default_storage(options: Any) -> None:
+    """Use ``options`` (a :class:`cloudckpt.storage.StorageOptions`) wherever a call gives none
+    (``storage=None``): the command line sets them from its flags (``--timeout``). ``None``
+    restores the default (the standard AWS chain)."""
+    global _default_storage
+    _default_storage = options
+
+
 def shared_store(url: str, options: Any = None):
     """Return an open store for ``url``, sharing one connection per bucket and options.
 
-    ``options`` is a :class:`cloudckpt.storage.StorageOptions` or ``None`` (the standard AWS
-    chain). For ``s3://bucket/path`` the bucket's store is opened once (one client, one
+    ``options`` is a :class:`cloudckpt.storage.StorageOptions` or ``None`` (those of
+    :func:`set_default_storage`, else the standard AWS chain). For ``s3://bucket/path`` the bucket's store is opened once (one client, one
     connection pool, one request budget) and a child store for ``path`` is returned; local
     stores are cheap and opened per URL. Stores live on the background loop: use them only from
     coroutines run there. They are closed at interpreter exit.
     """
-    from cloudckpt.storage import open_store
+    from cloudckpt.storage import open_store, parse_store_url
 
-    if isinstance(url, str) and url.startswith("s3://"):
-        bucket, _, path = url[len("s3://"):].partition("/")
-        root = f"s3://{bucket}"
+    parsed = parse_store_url(url)  # ConfigError for a malformed URL, before anything is opened
+    if options is None:
+        options = _default_storage
+    if parsed.kind == "s3":
+        root = parsed.bucket_url
         with _lock:
             store = _stores.get((root, options))
             if store is None:
                 store = open_store(root, options)
                 _stores[(root, options)] = store
-        path = path.strip("/")
+        path = parsed.prefix.strip("/")
         return store.child(path) if path else store
     return open_store(url, options)
 
@@ -155,9 +166,12 @@ def shared_store(url: str, options: Any = None):
 def drop_store(url: str, options: Any = None) -> None:
     """Forget (and close) the shared connection of ``url``'s bucket; the next use reconnects
     (e.g. after the credentials in the environment changed)."""
-    if not (isinstance(url, str) and url.startswith("s3://")):
+    from cloudckpt.storage import parse_store_url
+
+    parsed = parse_store_url(url)
+    if parsed.kind != "s3":
         return
-    root = "s3://" + url[len("s3://"):].partition("/")[0]
+    root = parsed.bucket_url
     with _lock:
         store = _stores.pop((root, options), None)
     if store is not None and _loop is not None:

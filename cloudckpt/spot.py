@@ -104,7 +104,7 @@ def _check_endpoint(value: str, what: str) -> str:
     parts = urllib.parse.urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/") \
             or parts.query or parts.fragment:
-        raise ValueError(f"{what} must be http(s)://host[:port] with no path, got {value!r}")
+        raise ValueError(f"{what} must be http://host[:port] or https://host[:port] with no path, got {value!r}")
     return value
 
 

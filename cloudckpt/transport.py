@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from cloudckpt.errors import CheckpointError, CollectiveTimeout, RankFailure
+from cloudckpt.wording import ranks_phrase
 
 INLINE_BYTES = 504
 """Payloads up to this size travel in the first (and then only) all-gather of the control channel."""
@@ -60,6 +61,26 @@ def group_rank(process_group=None) -> int:
     if not _distributed():
         return 0
     return group_ranks(process_group).index(dist.get_rank())
+
+
+#: Phase names (protocol steps, also used by tests to place kill points) -> the words users read
+#: in errors. Unknown names are shown as they are.
+PHASE_WORDS = {
+    "save planning": "saving",
+    "save plan exchange": "saving",
+    "save global planning": "saving",
+    "async save staging": "saving (copying to host memory)",
+    "save upload": "saving (writing data)",
+    "save commit": "saving (writing the manifest)",
+    "load manifest": "loading (reading the manifest)",
+    "load planning": "loading",
+    "load": "loading (reading data)",
+}
+
+
+def phase_words(what: str) -> str:
+    """What a user reads for the protocol step ``what`` (see :data:`PHASE_WORDS`)."""
+    return PHASE_WORDS.get(what, what)
 
 
 def describe_failure(rank: int, exc: BaseException) -> RankFailure:
@@ -188,7 +209,8 @@ class ControlChannel:
         """Exchange one phase's outcome. Returns every rank's ``payload`` if all succeeded.
 
         If any rank passes an ``error``, every rank raises the same :class:`CheckpointError`
-        (``"<what> failed on rank(s) ..."``; a one-process job: ``"<what>: <message>"``) with
+        (``"<words> failed on rank 1"`` / ``"... on ranks 0, 2"``; a one-process job:
+        ``"<words>: <message>"``, where ``<words>`` is :func:`phase_words` of ``what``) with
         each failed rank's :class:`RankFailure`; the
         local error is chained as the cause where there is one. When every failure is of one
         :class:`CheckpointError` subclass (e.g. ``CheckpointExists``), that subclass is raised.
@@ -210,12 +232,12 @@ class ControlChannel:
         if not failures:
             return payloads
         cls = _common_error_class(failures)
+        words = phase_words(what)
         if self.size == 1:  # one process: its own message, without the rank bookkeeping
-            exc = cls(f"{what}: {failures[0].message}")
+            exc = cls(f"{words}: {failures[0].message}")
             exc.failures = failures
         else:
-            ranks = ", ".join(str(r) for r in sorted(failures))
-            exc = cls(f"{what} failed on rank(s) {ranks}", failures=failures)
+            exc = cls(f"{words} failed on {ranks_phrase(failures)}", failures=failures)
         if error is not None and isinstance(exc, type(error)):
             # keep the detecting rank's structured fields (keys, object key, byte range...)
             exc.__dict__.update({k: v for k, v in vars(error).items() if k != "failures"})

@@ -38,9 +38,11 @@ from cloudckpt.options import LoadOptions, LoadResult
 from cloudckpt.api.load_data import fetch_into, move_data
 from cloudckpt.api.reports import LoadPlanReport
 from cloudckpt.planning import PieceSpec, plan_local_load
+from cloudckpt.planning.hints import unexpected_names_message
 from cloudckpt.runtime import run_coroutine, shared_store, wait_for_pending_save
 from cloudckpt.stateful import resolve_stateful, restore_stateful
-from cloudckpt.statedict import flatten_state_dict, set_by_path, torch_dtype, unflatten_state_dict
+from cloudckpt.statedict import (check_replaceable, flatten_state_dict, set_by_path, torch_dtype,
+                                 unflatten_state_dict)
 from cloudckpt.transport import ControlChannel
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,7 @@ def load(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage
         if manifest is None:
             manifest = decode_manifest(raw, allow_pickle=allow_pickle)
         wanted = _Wanted.of(state_dict, channel)
+        wanted.check_replaceable(state_dict, manifest)
         plan = plan_local_load(manifest, wanted.requests, rank=channel.rank,
                                value_names=tuple(wanted.flat.values), strict=strict)
         planning.report = LoadPlanReport(plan)
@@ -101,11 +104,7 @@ def load(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage
         wanted.restore(state_dict, manifest)
 
     if plan.unexpected and channel.is_coordinator:
-        shown = ", ".join(plan.unexpected[:8]) + (" ..." if len(plan.unexpected) > 8 else "")
-        log.warning("cloudckpt.load: %d stored name(s) were not requested and stay unloaded: %s "
-                    "(a fresh optimizer has no state to fill: gather it with "
-                    "torch.distributed.checkpoint.state_dict.get_state_dict first)",
-                    len(plan.unexpected), shown)
+        log.warning("cloudckpt.load: %s", unexpected_names_message(plan.unexpected))
     return LoadResult(url=url, bytes_fetched=fetched, bytes_received=received,
                       seconds=time.perf_counter() - started,
                       unexpected_keys=tuple(plan.unexpected), broadcasts=broadcasts)
@@ -185,6 +184,12 @@ class _Wanted:
                 dests.append(tensor)
         return cls(resolved=resolved, found=found, flat=flat, requests=requests, dests=dests)
 
+    def check_replaceable(self, state_dict, manifest) -> None:
+        """Refuse, before any data moves, a stored value the caller's containers cannot take."""
+        for name, leaf in self.flat.values.items():
+            if name in manifest.values and not _under_stateful(leaf.path, self.found):
+                check_replaceable(state_dict, leaf.path)
+
     def restore(self, state_dict, manifest) -> None:
         """Set the loaded non-tensor values, then ``load_state_dict()`` on stateful objects."""
         for name, leaf in self.flat.values.items():
@@ -205,9 +210,9 @@ def _assign_value(original, resolved, found, path: tuple, value) -> None:
     """Set a loaded non-tensor value in the resolved tree, and in the caller's own containers
     unless the path goes through a stateful object (which gets it via load_state_dict)."""
     set_by_path(resolved, path, value)
-    if any(path[:len(p)] == p for p, _ in found):
-        return
-    try:
-        set_by_path(original, path, value)
-    except TypeError:  # a value inside a tuple cannot be replaced in place
-        pass
+    if not _under_stateful(path, found):
+        set_by_path(original, path, value)  # checked replaceable at planning
+
+
+def _under_stateful(path: tuple, found) -> bool:
+    return any(path[:len(p)] == p for p, _ in found)

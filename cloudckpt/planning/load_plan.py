@@ -25,6 +25,7 @@ from cloudckpt.manifest.columns import ColumnError, decode_int_column, encode_in
 from cloudckpt.manifest.dtypes import MAX_NDIM
 from cloudckpt.manifest.model import Manifest
 from cloudckpt.planning.chunk_index import SCAN_CHUNKS, manifest_index
+from cloudckpt.planning.hints import missing_names_message
 from cloudckpt.planning.pieces import PieceSpec
 
 LOAD_PLAN_FORMAT = "cloudckpt.load_plan"
@@ -211,8 +212,7 @@ def plan_local_load(manifest: Manifest, requests: Sequence[PieceSpec], *, rank: 
         if v not in manifest.values and v not in missing:
             missing.append(v)
     if missing and strict:
-        raise MissingKeysError(f"{len(missing)} names are not in the checkpoint: {', '.join(map(repr, missing))}",
-                               keys=tuple(missing))
+        raise MissingKeysError(missing_names_message(missing), keys=tuple(missing))
     wanted = {r.name for r in requests} | set(value_names)
     unexpected = tuple(n for n in list(manifest.tensors) + list(manifest.values) if n not in wanted)
 

@@ -32,7 +32,7 @@ from cloudckpt.storage.base import (
     run_all,
 )
 from cloudckpt.storage.options import StorageOptions
-from cloudckpt.storage.s3_client import parse_s3_url
+from cloudckpt.storage.urls import parse_s3_url
 from cloudckpt.storage.s3_conn import S3Connection
 from cloudckpt.storage.s3_errors import (
     TransientServerError,

@@ -18,9 +18,9 @@ from typing import TypeVar
 from cloudckpt.errors import StorageError
 from cloudckpt.storage.base import ByteBudget, StoreStats
 from cloudckpt.storage.options import StorageOptions
-from cloudckpt.storage.retry import Retrier
-from cloudckpt.storage.s3_client import open_client
-from cloudckpt.storage.s3_errors import classify
+from cloudckpt.storage.retry import Retrier, Verdict
+from cloudckpt.storage.s3_client import endpoint_source, is_aws_endpoint, open_client
+from cloudckpt.storage.s3_errors import Endpoint, classify
 from cloudckpt.storage.spreading import Spreader
 
 T = TypeVar("T")
@@ -32,10 +32,12 @@ class S3Connection:
     Public state: ``options``; ``bucket``; ``anchor`` (the key prefix of the URL given to
     ``open_store``: "" or ".../"); ``stats``; ``spreader`` (prefix spreading); ``slots`` (at most
     ``options.concurrency`` requests in flight); ``budget`` (``options.max_buffer_bytes`` of
-    store-owned read buffers); ``create_strategy`` (``"native"``, ``"fallback"`` or None until the
-    conditional-create probe ran) with ``create_lock`` serialising that probe; what the server
-    was found not to implement: ``batch_delete`` (False once DeleteObjects was refused: single
-    deletes from then on) and ``lists_uploads`` (False once ListMultipartUploads answered 501).
+    store-owned read buffers); ``endpoint`` (where requests go and as whom, for messages: an
+    ``s3_errors.Endpoint``, completed when the client is created); ``create_strategy``
+    (``"native"``, ``"fallback"`` or None until the conditional-create probe ran) with
+    ``create_lock`` serialising that probe; what the server was found not to implement:
+    ``batch_delete`` (False once DeleteObjects was refused: single deletes from then on) and
+    ``lists_uploads`` (False once ListMultipartUploads answered 501).
     """
 
     def __init__(self, options: StorageOptions, bucket: str, anchor: str):
@@ -46,8 +48,11 @@ class S3Connection:
         self.spreader = Spreader(options.prefix_spreading)
         self.slots = asyncio.Semaphore(options.concurrency)
         self.budget = ByteBudget(options.max_buffer_bytes)
+        url, source = endpoint_source(options)
+        self.endpoint = Endpoint(url=url, source=source, aws=url is None or is_aws_endpoint(url),
+                                 access_key_id=options.access_key_id)
         self._retrier = Retrier(options=options.retry, stats=self.stats, slots=self.slots,
-                                classify=classify)
+                                classify=self._classify, describe=self.describe_endpoint)
         self.create_strategy: str | None = (
             None if options.conditional_create == "auto" else options.conditional_create)
         self.create_lock = asyncio.Lock()
@@ -73,12 +78,22 @@ class S3Connection:
             if self._client is None:
                 stack = contextlib.AsyncExitStack()
                 try:
-                    self._client = await open_client(self.options, stack)
+                    client, access_key_id = await open_client(self.options, stack)
                 except BaseException:
                     await stack.aclose()
                     raise
-                self._stack, self._loop = stack, loop
+                url = client.meta.endpoint_url
+                self.endpoint = Endpoint(url=url, source=self.endpoint.source,
+                                         aws=is_aws_endpoint(url), access_key_id=access_key_id)
+                self._client, self._stack, self._loop = client, stack, loop
         return self._client
+
+    def describe_endpoint(self) -> str:
+        """Where this store's requests go, for messages (see ``s3_errors.Endpoint``)."""
+        return self.endpoint.describe()
+
+    def _classify(self, exc: BaseException, op: str, key: str | None, name: str) -> Verdict:
+        return classify(exc, op, key, name, self.endpoint)
 
     # --- the choke point ------------------------------------------------------------------------
 

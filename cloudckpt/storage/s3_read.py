@@ -16,7 +16,7 @@ from cloudckpt.storage.base import ObjectInfo, ReadRange, run_all
 from cloudckpt.storage.ranges import Scatter, plan_pieces
 from cloudckpt.storage.s3_client import iter_body, parse_content_range
 from cloudckpt.storage.s3_conn import S3Connection
-from cloudckpt.storage.s3_errors import TruncatedBody, error_code
+from cloudckpt.storage.s3_errors import TruncatedBody, error_code, is_bare_403
 from cloudckpt.storage.verified import read_verified
 
 #: Largest single GET of a ranged read when ``part_size`` is not set (32 MiB GETs cost the client
@@ -45,10 +45,32 @@ class S3Reader:
 
         async def attempt(n: int) -> ObjectInfo:
             client = await conn.client()
-            resp = await client.head_object(Bucket=conn.bucket, Key=phys)
+            try:
+                resp = await client.head_object(Bucket=conn.bucket, Key=phys)
+            except ClientError as exc:
+                if is_bare_403(exc):
+                    raise await self._reason_of_403(client, phys, exc) from None
+                raise
             return object_info(key, resp.get("ContentLength", 0), resp)
 
         return await conn.call("head", key, attempt, where=self.where)
+
+    async def _reason_of_403(self, client, phys: str, refused: ClientError) -> ClientError:
+        """A HEAD's 403 carries no error code (no body), so one GET of the object's first byte
+        asks why: its 403 names the cause (``SignatureDoesNotMatch``, ``InvalidAccessKeyId``,
+        ``AccessDenied``...). Returns that error, or ``refused`` when the GET says nothing
+        more. Only on this failure path; the GET counts in ``stats`` as a ``get``."""
+        self.conn.stats.count("get")
+        try:
+            resp = await client.get_object(Bucket=self.conn.bucket, Key=phys, Range="bytes=0-0")
+        except ClientError as exc:
+            status = error_code(exc)[1]
+            return exc if status == 403 and not is_bare_403(exc) else refused
+        except Exception:  # noqa: BLE001 - the diagnosis is best effort; the HEAD's 403 stands
+            return refused
+        with contextlib.suppress(Exception):
+            resp["Body"].close()
+        return refused
 
     async def get(self, key: str, phys: str) -> bytes:
         """The whole object. The first GET asks for one read piece (32 MiB or ``part_size``); a

@@ -48,7 +48,7 @@ from cloudckpt.errors import (
 )
 from cloudckpt.storage.base import ObjectInfo, UploadInfo, run_all, slice_views
 from cloudckpt.storage.options import MAX_PUT_SIZE, choose_part_size
-from cloudckpt.storage.s3_client import BodyPayload, crc32c_b64
+from cloudckpt.storage.s3_client import BodyPayload, crc32c_b64, send_with_body
 from cloudckpt.storage.s3_conn import S3Connection
 from cloudckpt.storage.s3_errors import is_not_implemented
 
@@ -149,7 +149,8 @@ class S3Writer:
             if create:
                 kw["IfNoneMatch"] = "*"
                 kw["Metadata"] = {TOKEN_META: token}
-            resp = await client.put_object(**kw)
+            resp = await send_with_body(client.put_object(**kw), kw["Body"],
+                                        conn.options.retry.read_timeout)
             conn.stats.bytes_sent += size
             return ObjectInfo(key=key, size=size, etag=resp.get("ETag"))
 
@@ -197,7 +198,8 @@ class S3Writer:
                       "Body": BodyPayload(pviews) if stop > start else b""}
                 if crc is not None:
                     kw["ChecksumCRC32C"] = crc32c_b64(crc)
-                resp = await client.upload_part(**kw)
+                resp = await send_with_body(client.upload_part(**kw), kw["Body"],
+                                            conn.options.retry.read_timeout)
                 conn.stats.bytes_sent += stop - start
                 return resp["ETag"]
 

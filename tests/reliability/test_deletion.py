@@ -450,7 +450,7 @@ def test_rm_refuses_what_is_neither_a_checkpoint_nor_a_run(target, figures):
         ("", ("--dry-run",), 2, "neither a checkpoint nor a run"),
         ("misc", (), 2, "neither a checkpoint nor a run"),
         (attempt.rsplit("/", 2)[0], (), 2, "neither a checkpoint nor a run"),
-        ("run-a", (), 2, "is a run with 2 checkpoint(s)"),
+        ("run-a", (), 2, "is a run with 2 checkpoints,"),
         ("run-a", ("--dry-run",), 2, "is a run"),
         ("nothing-here", (), 1, "nothing to remove"),
     ]
