@@ -37,11 +37,6 @@ def data_key(attempt: str, rank: int, index: int) -> str:
     return f"{DATA_PREFIX}{attempt}/r{rank:05d}-{index:04d}.bin"
 
 
-def attempt_prefix(attempt: str) -> str:
-    """Key prefix of every data object of one save attempt."""
-    return f"{DATA_PREFIX}{attempt}/"
-
-
 def data_key_attempt(key: str) -> str | None:
     """The attempt id of ``key`` if it is exactly a data object key :func:`data_key` makes
     (relative to the checkpoint root), else ``None``."""

@@ -56,6 +56,7 @@ from cloudckpt.retention import RetentionPolicy, select_to_delete
 from cloudckpt.run_cleanup import (DELETE_BATCH, DeletionPlan, carry_out,
                                     decode_manifest_without_pickle, delete_checkpoint,
                                     plan_abandoned, plan_checkpoint, remove_stale_attempts)
+from cloudckpt.context import current
 from cloudckpt.runtime import finish_before_exit, run_coroutine, shared_store
 from cloudckpt.storage import parse_store_url
 
@@ -193,7 +194,7 @@ class CheckpointManager:
         self.allow_pickle = allow_pickle
         self.save_options = save_options
         self.load_options = load_options
-        self._store = None
+        self._store: tuple[int, object] | None = None  # (runtime generation, store)
         self._pending: ManagedSaveHandle | None = None
 
     def __repr__(self) -> str:
@@ -204,10 +205,12 @@ class CheckpointManager:
     @property
     def store(self):
         """The run root's ``ObjectStore``: cloudckpt's shared store for this URL and storage
-        options (used on cloudckpt's loop only, closed at interpreter exit)."""
-        if self._store is None:
-            self._store = shared_store(self.url, self.storage)  # contacts nothing yet
-        return self._store
+        options (used on cloudckpt's loop only, closed at interpreter exit; opened again after
+        ``runtime.reset()`` closed it, so a manager outlives a reset)."""
+        generation = current().generation
+        if self._store is None or self._store[0] != generation:
+            self._store = (generation, shared_store(self.url, self.storage))  # contacts nothing yet
+        return self._store[1]
 
     def close(self) -> None:
         """Wait for a pending asynchronous save (the shared store stays open). Idempotent."""

@@ -1,8 +1,11 @@
-"""The background event loop that runs every coroutine of cloudckpt.
+"""The functions that run cloudckpt's coroutines and saves, over the process's runtime context.
 
 aiobotocore clients are bound to the loop they were created on, and a caller may already be
 inside an event loop (a notebook, an async trainer). So cloudckpt owns one daemon thread with one
 loop per process, created on first use, and synchronous entry points submit coroutines to it.
+The loop, the shared stores and the saves in flight are pieces of
+:class:`cloudckpt.context.RuntimeContext`, with every other piece of process state; this module
+is their functional interface and holds the exit hooks.
 
 Contract:
 - :func:`run_coroutine` blocks the calling thread until the coroutine finishes and returns its
@@ -17,6 +20,8 @@ Contract:
   fails, stderr gets one line per URL (``cloudckpt: the save to URL did not complete before
   exit: Error: message``) and the process exits with status 1 once the ``atexit`` handlers
   registered after cloudckpt was imported have run (a script's own non-zero status becomes 1 too).
+- :func:`reset` returns the process to the state before cloudckpt's first call (waits for saves,
+  closes stores, stops the loop; see :meth:`cloudckpt.context.RuntimeContext.reset`).
 """
 
 from __future__ import annotations
@@ -31,44 +36,23 @@ import sys
 import threading
 from typing import Any, Awaitable, TypeVar
 
+from cloudckpt.context import current
+
 T = TypeVar("T")
 
-_lock = threading.Lock()
-_loop: asyncio.AbstractEventLoop | None = None
-_thread: threading.Thread | None = None
-_stores: dict[tuple, Any] = {}
-_pending_save: concurrent.futures.Future | None = None
-_default_storage: Any = None
-_finish_at_exit: list[tuple[concurrent.futures.Future, str]] = []
-_failed_at_exit: list[str] = []
+_failed_at_exit: list[str] = []  # URLs whose save failed at exit: the exit status becomes 1
 
 log = logging.getLogger(__name__)
 
 
 def get_loop() -> asyncio.AbstractEventLoop:
     """Return cloudckpt's background loop, starting its thread on first use."""
-    global _loop, _thread
-    with _lock:
-        if _loop is not None and _thread is not None and _thread.is_alive():
-            return _loop
-        loop = asyncio.new_event_loop()
-        ready = threading.Event()
-
-        def _serve() -> None:
-            asyncio.set_event_loop(loop)
-            loop.call_soon(ready.set)
-            loop.run_forever()
-
-        thread = threading.Thread(target=_serve, name="cloudckpt-loop", daemon=True)
-        thread.start()
-        ready.wait()
-        _loop, _thread = loop, thread
-        return loop
+    return current().loop.get()
 
 
 def in_loop_thread() -> bool:
     """True when called from cloudckpt's loop thread."""
-    return _thread is not None and threading.current_thread() is _thread
+    return current().loop.owns_current_thread()
 
 
 def submit(coro: Awaitable[T]) -> concurrent.futures.Future[T]:
@@ -133,8 +117,7 @@ def set_default_storage(options: Any) -> None:
     """Use ``options`` (a :class:`cloudckpt.storage.StorageOptions`) wherever a call gives none
     (``storage=None``): the command line sets them from its flags (``--timeout``). ``None``
     restores the default (the standard AWS chain)."""
-    global _default_storage
-    _default_storage = options
+    current().default_storage = options
 
 
 def shared_store(url: str, options: Any = None):
@@ -144,20 +127,15 @@ def shared_store(url: str, options: Any = None):
     :func:`set_default_storage`, else the standard AWS chain). For ``s3://bucket/path`` the bucket's store is opened once (one client, one
     connection pool, one request budget) and a child store for ``path`` is returned; local
     stores are cheap and opened per URL. Stores live on the background loop: use them only from
-    coroutines run there. They are closed at interpreter exit.
+    coroutines run there. They are closed by :func:`reset` and at interpreter exit.
     """
     from cloudckpt.storage import open_store, parse_store_url
 
     parsed = parse_store_url(url)  # ConfigError for a malformed URL, before anything is opened
     if options is None:
-        options = _default_storage
+        options = current().default_storage
     if parsed.kind == "s3":
-        root = parsed.bucket_url
-        with _lock:
-            store = _stores.get((root, options))
-            if store is None:
-                store = open_store(root, options)
-                _stores[(root, options)] = store
+        store = current().bucket_store(parsed.bucket_url, options)
         path = parsed.prefix.strip("/")
         return store.child(path) if path else store
     return open_store(url, options)
@@ -169,28 +147,18 @@ def drop_store(url: str, options: Any = None) -> None:
     from cloudckpt.storage import parse_store_url
 
     parsed = parse_store_url(url)
-    if parsed.kind != "s3":
-        return
-    root = parsed.bucket_url
-    with _lock:
-        store = _stores.pop((root, options), None)
-    if store is not None and _loop is not None:
-        try:
-            run_coroutine(store.close(), timeout=30)
-        except Exception:  # closing is best effort: the store is already forgotten
-            pass
+    if parsed.kind == "s3":
+        current().drop_bucket_store(parsed.bucket_url, options)
 
 
 def set_pending_save(future: concurrent.futures.Future) -> None:
     """Record the background save in flight (one per process)."""
-    global _pending_save
-    _pending_save = future
+    current().set_pending_save(future)
 
 
 def pending_save() -> concurrent.futures.Future | None:
     """The background save still running, or ``None``."""
-    fut = _pending_save
-    return fut if fut is not None and not fut.done() else None
+    return current().pending_save()
 
 
 def wait_for_pending_save(timeout: float | None = None) -> None:
@@ -209,9 +177,20 @@ def finish_before_exit(future: concurrent.futures.Future, url: str) -> None:
 
     See the module docstring. Futures already done are forgotten at the next registration.
     """
-    with _lock:
-        _finish_at_exit[:] = [(f, u) for f, u in _finish_at_exit if not f.done()]
-        _finish_at_exit.append((future, url))
+    current().finish_before_exit(future, url)
+
+
+def reset() -> None:
+    """Return cloudckpt's process state to what it was before the first call.
+
+    Waits for every async save (their errors stay with their handles), closes the shared stores,
+    stops the loop and save threads, releases the staging buffers and clears the plan caches; the
+    next call starts afresh. cloudckpt's process groups are kept: they live as long as the
+    default process group they belong to and are replaced automatically after it is destroyed,
+    so this may be called on any subset of ranks. Call it when no other cloudckpt call runs in
+    the process. See :mod:`cloudckpt.context`.
+    """
+    current().reset()
 
 
 def _one_line(exc: BaseException) -> str:
@@ -223,9 +202,7 @@ def _wait_for_saves_at_exit() -> None:
     """threading exit hook: finish every registered save still running; report failures."""
     reported: set[str] = set()
     while True:
-        with _lock:
-            running = [(f, u) for f, u in _finish_at_exit if not f.done()]
-            _finish_at_exit.clear()
+        running = current().take_saves_to_finish()
         if not running:
             return
         for future, url in running:
@@ -263,19 +240,7 @@ def _exit_status_after_failed_save() -> None:
 
 
 def _close_all() -> None:
-    with _lock:
-        stores = list(_stores.values())
-        _stores.clear()
-    if _loop is None or not stores:
-        return
-
-    async def _close() -> None:
-        await asyncio.gather(*(s.close() for s in stores), return_exceptions=True)
-
-    try:
-        run_coroutine(_close(), timeout=10)
-    except Exception:  # interpreter is exiting: nothing useful to do with a close failure
-        pass
+    current().close_stores()  # the interpreter is exiting: a close failure changes nothing
 
 
 atexit.register(_exit_status_after_failed_save)

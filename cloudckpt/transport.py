@@ -15,6 +15,11 @@ Knows nothing of storage or checkpoints. Two pieces:
   subgroup, in the same order) and cached for later loads. The backend is the job's: NCCL moves
   CUDA tensors, gloo CPU tensors.
 
+The groups of both (control lanes, broadcast subgroups) are held by the runtime context
+(:class:`cloudckpt.context.GroupCache`) for the default process group they were created in: after
+``destroy_process_group`` and a new ``init_process_group`` they are created anew. A channel
+object itself belongs to the world it was created in.
+
 Without ``torch.distributed`` initialised, the channel is a world of one and every call is local.
 """
 
@@ -29,6 +34,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from cloudckpt.context import current
 from cloudckpt.errors import CheckpointError, CollectiveTimeout, RankFailure
 from cloudckpt.wording import ranks_phrase
 
@@ -36,9 +42,7 @@ INLINE_BYTES = 504
 """Payloads up to this size travel in the first (and then only) all-gather of the control channel."""
 _LENGTH_BYTES = 8
 
-_group_lock = threading.Lock()
-_control_groups: dict[tuple, object] = {}
-_broadcast_groups: dict[tuple, object] = {}
+_classes_lock = threading.Lock()
 
 
 def _distributed() -> bool:
@@ -301,7 +305,7 @@ def _common_error_class(failures: dict[int, RankFailure]) -> type[CheckpointErro
         return CheckpointError
     if issubclass(cls, CheckpointError):
         return cls
-    with _group_lock:
+    with _classes_lock:
         combined = _combined_classes.get(cls)
         if combined is None:
             try:
@@ -312,15 +316,16 @@ def _common_error_class(failures: dict[int, RankFailure]) -> type[CheckpointErro
         return combined
 
 
+def _cached_group(key: tuple, create):
+    """The group of ``key`` among those cloudckpt created in the current default process group
+    (``context.GroupCache``: created once per world, created anew after the default group was
+    destroyed and initialised again)."""
+    return current().groups.get(dist.group.WORLD, key, create)
+
+
 def _control_group(ranks: tuple[int, ...], timeout: float, lane: str):
-    key = (ranks, timeout, lane)
-    with _group_lock:
-        group = _control_groups.get(key)
-        if group is None:
-            group = _new_group(ranks, "gloo", timeout,
-                               every_rank_calls=len(ranks) == dist.get_world_size())
-            _control_groups[key] = group
-        return group
+    return _cached_group(("control", ranks, timeout, lane), lambda: _new_group(
+        ranks, "gloo", timeout, every_rank_calls=len(ranks) == dist.get_world_size()))
 
 
 def _new_group(ranks: tuple[int, ...], backend: str, timeout: float, *, every_rank_calls: bool):
@@ -368,14 +373,9 @@ class Broadcaster:
             # the whole channel: reuse the control group for gloo, the default backend otherwise
             if self.backend == "gloo":
                 return self.channel.group
-        key = (self.backend, ranks, self.channel.timeout)
-        with _group_lock:
-            group = _broadcast_groups.get(key)
-            if group is None:
-                group = _new_group(ranks, self.backend, self.channel.timeout,
-                                   every_rank_calls=True)
-                _broadcast_groups[key] = group
-            return group
+        return _cached_group(("broadcast", self.backend, ranks, self.channel.timeout),
+                             lambda: _new_group(ranks, self.backend, self.channel.timeout,
+                                                every_rank_calls=True))
 
     def broadcast(self, buf: torch.Tensor, *, src: int, members: tuple[int, ...]) -> None:
         """Broadcast ``buf`` (a contiguous tensor on :attr:`device`) from channel rank ``src``."""

@@ -22,16 +22,12 @@ import time
 from typing import Any, Callable, Mapping
 
 from cloudckpt import runtime
+from cloudckpt.context import current
 from cloudckpt.errors import SaveInProgress
 from cloudckpt.options import SaveOptions, SaveResult
 from cloudckpt.api.save import finish_save, prepare_save
-from cloudckpt.staging import StagingPool
 
 log = logging.getLogger(__name__)
-
-_executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloudckpt-save")
-_pool = StagingPool()
-
 
 class SaveHandle:
     """A future for one async save (``done``, ``result``, ``exception``, ``add_done_callback``)."""
@@ -77,16 +73,17 @@ def async_save(state_dict: Mapping[str, Any], url: str, *, process_group=None, s
     options = options or SaveOptions()
     prepared = prepare_save(state_dict, url, process_group=process_group, storage=storage,
                             allow_pickle=allow_pickle, metadata=metadata, options=options)
+    context = current()
     with prepared.channel.phase("async save staging"):
-        _pool.limit_bytes = options.max_async_staging_bytes
-        prepared.items = _pool.stage(prepared.items)
+        pool = context.staging_pool(options.max_async_staging_bytes)
+        prepared.items = pool.stage(prepared.items)
     blocked = time.perf_counter() - start
-    fut = _executor.submit(finish_save, prepared)
+    fut = context.save_executor().submit(finish_save, prepared)
     runtime.set_pending_save(fut)
     runtime.finish_before_exit(fut, url)
-    return SaveHandle(fut, url, blocked, _pool.allocations)
+    return SaveHandle(fut, url, blocked, pool.allocations)
 
 
 def staging_allocations() -> int:
     """How many staging buffers were allocated so far in this process (reuse keeps it flat)."""
-    return _pool.allocations
+    return current().staging_allocations

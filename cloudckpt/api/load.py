@@ -35,8 +35,9 @@ from cloudckpt import layout
 from cloudckpt.errors import CheckpointNotFound, ManifestError, ObjectNotFound
 from cloudckpt.manifest import decode_manifest
 from cloudckpt.options import LoadOptions, LoadResult
-from cloudckpt.api.load_data import fetch_into, move_data
+from cloudckpt.api.load_data import move_data
 from cloudckpt.api.reports import LoadPlanReport
+from cloudckpt.dataplane.destinations import fetch_into
 from cloudckpt.planning import PieceSpec, plan_local_load
 from cloudckpt.planning.hints import unexpected_names_message
 from cloudckpt.runtime import run_coroutine, shared_store, wait_for_pending_save

@@ -29,21 +29,19 @@ from typing import Any, Mapping
 import msgpack
 
 from cloudckpt import layout
+from cloudckpt.context import current
 from cloudckpt.api.reports import SavePlanning, SavePlanReport, UploadReport
 from cloudckpt.errors import CheckpointExists, ObjectExists, ObjectNotFound
 from cloudckpt.manifest import encode_manifest, encode_value
 from cloudckpt.options import SaveOptions, SaveResult
-from cloudckpt.planning import (GlobalSavePlan, LocalSavePlan, SavePlanCache, WrittenChunks,
+from cloudckpt.planning import (GlobalSavePlan, LocalSavePlan, WrittenChunks,
                                 assemble_manifest, encode_written_chunks, key_digest,
                                 plan_global_save, save_plan_cache_key)
 from cloudckpt.runtime import run_coroutine, shared_store, wait_for_pending_save
 from cloudckpt.stateful import resolve_stateful
 from cloudckpt.statedict import flatten_state_dict, merge_structures
 from cloudckpt.transport import ControlChannel
-from cloudckpt.writer import WriterOptions, write_chunks
-
-_plan_cache = SavePlanCache(maxsize=8)
-
+from cloudckpt.dataplane.writer import WriterOptions, write_chunks
 
 @dataclass
 class PreparedSave:
@@ -87,7 +85,8 @@ def prepare_save(state_dict, url, *, process_group=None, storage=None, allow_pic
     options = options or SaveOptions()
     channel = ControlChannel(process_group, timeout=options.timeout)
     started = time.perf_counter()
-    cached = _plan_cache.held() if options.use_plan_cache else {}
+    plan_cache = current().save_plans
+    cached = plan_cache.held() if options.use_plan_cache else {}
 
     with channel.phase("save planning", SavePlanning) as planning:
         local = _plan_locally(state_dict, channel, allow_pickle)
@@ -103,7 +102,7 @@ def prepare_save(state_dict, url, *, process_group=None, storage=None, allow_pic
     plan_cached = all(digest in r.cached_plans for r in planning.reports)
     plan = cached[digest] if plan_cached else _plan_globally(channel, local.plan, options)
     if options.use_plan_cache:
-        _plan_cache.put(key, plan)
+        plan_cache.put(key, plan)
 
     items = [(w.chunk_id, local.tensors[w.piece_index]) for w in plan.writes]
     owned = {name: local.values[name] for name, owner in plan.value_owner.items()

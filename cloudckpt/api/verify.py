@@ -24,12 +24,12 @@ import numpy as np
 import torch
 
 from cloudckpt.api.load import read_manifest
-from cloudckpt.buffers import BufferPool
+from cloudckpt.dataplane.buffers import BufferPool
 from cloudckpt.errors import CloudCkptError
 from cloudckpt.planning import Region
 from cloudckpt.planning.chunk_index import coverage_errors
 from cloudckpt.planning.windows import plan_windows
-from cloudckpt.reader import read_windows
+from cloudckpt.dataplane.reader import read_windows
 from cloudckpt.runtime import run_coroutine, shared_store
 from cloudckpt.statedict import torch_dtype
 

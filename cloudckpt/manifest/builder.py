@@ -71,16 +71,6 @@ class ManifestBuilder:
         self._blobs[name] = encode_value(value, key=name, allow_pickle=allow_pickle)
         self._values[name] = value
 
-    def set_encoded_value(self, name: str, data: bytes) -> None:
-        """Store a value another rank encoded with ``encode_value`` (validated, never unpickled)."""
-        if name in self._tensors:
-            raise PlanningError(f"manifest already holds tensor {name!r}")
-        if is_pickled(data, key=name):
-            self._values.pop(name, None)  # decoded (unpickled) by build(): the saver opted in
-        else:
-            self._values[name] = decode_plain(data, path=value_path(name))
-        self._blobs[name] = bytes(data)
-
     def build(self) -> Manifest:
         encode_value(self.metadata, key="metadata", allow_pickle=False)
         encode_value(self.structure, key="structure", allow_pickle=False)

@@ -397,10 +397,6 @@ class Manifest:
     def num_chunks(self) -> int:
         return int(self._chunk_start[-1])
 
-    def value_blob(self, name: str) -> bytes:
-        """The encoded bytes of value ``name`` (as stored)."""
-        return self._value_blobs[name]
-
     def total_bytes(self) -> int:
         """Bytes of tensor data referenced by the manifest (sum of chunk byte lengths)."""
         return int(self._byte_length.sum())

@@ -2,6 +2,8 @@
 read-once-broadcast assignment, with msgpack codecs. No I/O, no torch, no collectives."""
 
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
+from cloudckpt.planning import load_plan as _load_plan
+from cloudckpt.planning import local_plan as _local_plan
 from cloudckpt.planning.assemble import (
     WrittenChunks,
     assemble_manifest,
@@ -20,16 +22,23 @@ from cloudckpt.planning.load_plan import (
     plan_local_load,
 )
 from cloudckpt.planning.local_plan import LocalSavePlan, decode_local_save_plan, encode_local_save_plan
+from cloudckpt.planning.lru import LRUCache
 from cloudckpt.planning.pieces import PieceHeader, PieceSpec, PieceTable, region_str
 from cloudckpt.planning.readers import DEFAULT_MIN_BROADCAST_BYTES, Broadcast, ReadAssignment, assign_readers
 from cloudckpt.planning.save_plan import GlobalSavePlan, ManifestSkeleton, WriteItem, plan_global_save
 
 __all__ = [
     "DEFAULT_MIN_BROADCAST_BYTES", "DTYPE_ITEMSIZE", "Broadcast", "GlobalSavePlan", "LocalLoadPlan",
-    "LocalSavePlan", "ManifestSkeleton", "PieceHeader", "PieceSpec", "PieceTable", "ReadAssignment",
+    "LRUCache", "LocalSavePlan", "ManifestSkeleton", "PieceHeader", "PieceSpec", "PieceTable", "ReadAssignment",
     "ReadItem", "ReadTable", "Region", "SavePlanCache", "WriteItem", "WrittenChunks", "assemble_manifest",
-    "assign_readers", "decode_written_chunks", "encode_written_chunks",
+    "assign_readers", "clear_header_caches", "decode_written_chunks", "encode_written_chunks",
     "decode_local_load_plan", "decode_local_save_plan", "encode_local_load_plan", "encode_local_save_plan",
     "find_cover_defect", "key_digest", "plan_global_save", "plan_local_load", "region_str",
     "save_plan_cache_key",
 ]
+
+
+def clear_header_caches() -> None:
+    """Forget the plan headers the plan codecs memoise (pure memos: only memory is freed)."""
+    _load_plan.HEADER_CACHE.clear()
+    _local_plan.HEADER_CACHE.clear()

@@ -10,10 +10,9 @@ holds the key's :func:`key_digest`; otherwise ranks exchange full local plans an
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 
+from cloudckpt.planning.lru import LRUCache
 from cloudckpt.planning.save_plan import GlobalSavePlan
 
 
@@ -35,44 +34,36 @@ def key_digest(key: tuple[bytes, ...]) -> bytes:
 
 
 class SavePlanCache:
-    """LRU of ``key -> GlobalSavePlan`` holding at most ``maxsize`` plans; thread-safe."""
+    """LRU of ``key -> GlobalSavePlan`` holding at most ``maxsize`` plans; thread-safe.
+
+    Entries are held by :func:`key_digest`; ``hits`` / ``misses`` count :meth:`get` calls."""
 
     def __init__(self, maxsize: int = 8):
         if maxsize < 1:
             raise ValueError("maxsize must be at least 1")
         self.maxsize = maxsize
-        self._plans: "OrderedDict[bytes, GlobalSavePlan]" = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
+        self._plans: LRUCache[bytes, GlobalSavePlan] = LRUCache(maxsize)
+
+    @property
+    def hits(self) -> int:
+        return self._plans.hits
+
+    @property
+    def misses(self) -> int:
+        return self._plans.misses
 
     def get(self, key: tuple[bytes, ...]) -> GlobalSavePlan | None:
-        digest = key_digest(key)
-        with self._lock:
-            plan = self._plans.get(digest)
-            if plan is None:
-                self.misses += 1
-                return None
-            self._plans.move_to_end(digest)
-            self.hits += 1
-            return plan
+        return self._plans.get(key_digest(key))
 
     def held(self) -> dict[bytes, GlobalSavePlan]:
         """A snapshot of the cached plans by key digest (what this rank can reuse)."""
-        with self._lock:
-            return dict(self._plans)
+        return self._plans.snapshot()
 
     def put(self, key: tuple[bytes, ...], plan: GlobalSavePlan) -> None:
-        digest = key_digest(key)
-        with self._lock:
-            self._plans[digest] = plan
-            self._plans.move_to_end(digest)
-            while len(self._plans) > self.maxsize:
-                self._plans.popitem(last=False)
+        self._plans.put(key_digest(key), plan)
 
     def clear(self) -> None:
-        with self._lock:
-            self._plans.clear()
+        self._plans.clear()
 
     def __len__(self) -> int:
         return len(self._plans)

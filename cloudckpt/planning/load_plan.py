@@ -11,8 +11,6 @@ cast like ``torch.Tensor.to``). Read sizes (``nbytes``) are always in the stored
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -26,6 +24,7 @@ from cloudckpt.manifest.dtypes import MAX_NDIM
 from cloudckpt.manifest.model import Manifest
 from cloudckpt.planning.chunk_index import SCAN_CHUNKS, manifest_index
 from cloudckpt.planning.hints import missing_names_message
+from cloudckpt.planning.lru import LRUCache
 from cloudckpt.planning.pieces import PieceSpec
 
 LOAD_PLAN_FORMAT = "cloudckpt.load_plan"
@@ -264,8 +263,8 @@ def plan_local_load(manifest: Manifest, requests: Sequence[PieceSpec], *, rank: 
     return LocalLoadPlan(rank, table, unexpected, tuple(missing) if not strict else ())
 
 
-_HEADERS: "OrderedDict[bytes, tuple[tuple[str, ...], np.ndarray]]" = OrderedDict()
-_HEADERS_LOCK = threading.Lock()
+HEADER_CACHE: "LRUCache[bytes, tuple[tuple[str, ...], np.ndarray]]" = LRUCache(16)
+"""Decoded load plan headers by their bytes (a memo of a pure decode: never stale)."""
 
 
 def _pack_header(names, ndims) -> bytes:
@@ -276,11 +275,9 @@ def _unpack_header(data) -> tuple[tuple[str, ...], np.ndarray]:
     """Names and ndims of a load plan; identical headers (the usual case) decode once and are shared."""
     if not isinstance(data, bytes):
         raise PlanningError("bad load plan header")
-    with _HEADERS_LOCK:
-        hit = _HEADERS.get(data)
-        if hit is not None:
-            _HEADERS.move_to_end(data)
-            return hit
+    hit = HEADER_CACHE.get(data)
+    if hit is not None:
+        return hit
     try:
         names, ndims = msgpack.unpackb(data, raw=False)
         ndims_arr = np.array(ndims, dtype=np.int64)
@@ -292,10 +289,7 @@ def _unpack_header(data) -> tuple[tuple[str, ...], np.ndarray]:
         raise PlanningError("bad load plan header")
     hit = (tuple(names), ndims_arr)
     hit[1].flags.writeable = False
-    with _HEADERS_LOCK:
-        _HEADERS[data] = hit
-        while len(_HEADERS) > 16:
-            _HEADERS.popitem(last=False)
+    HEADER_CACHE.put(data, hit)
     return hit
 
 

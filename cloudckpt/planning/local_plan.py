@@ -11,8 +11,6 @@ is a stable hash of the layout.
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,12 +19,12 @@ import numpy as np
 
 from cloudckpt.errors import LayoutMismatchError, PlanningError
 from cloudckpt.manifest.columns import ColumnError, decode_int_column, encode_int_column
+from cloudckpt.planning.lru import LRUCache
 from cloudckpt.planning.pieces import PieceHeader, PieceSpec, PieceTable
 
 SAVE_PLAN_FORMAT = "cloudckpt.save_plan"
-_HEADER_CACHE: "OrderedDict[bytes, PieceHeader]" = OrderedDict()
-_HEADER_CACHE_SIZE = 16
-_HEADER_LOCK = threading.Lock()
+HEADER_CACHE: "LRUCache[bytes, PieceHeader]" = LRUCache(16)
+"""Decoded save plan headers by their bytes (a memo of a pure decode: never stale)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,16 +103,10 @@ def encode_local_save_plan(plan: LocalSavePlan) -> bytes:
 
 def _header(data: bytes) -> PieceHeader:
     """Decoded header, shared between plans whose header bytes are identical (the common case)."""
-    with _HEADER_LOCK:
-        header = _HEADER_CACHE.get(data)
-        if header is not None:
-            _HEADER_CACHE.move_to_end(data)
-            return header
-    header = PieceHeader.unpack(data)
-    with _HEADER_LOCK:
-        _HEADER_CACHE[bytes(data)] = header
-        while len(_HEADER_CACHE) > _HEADER_CACHE_SIZE:
-            _HEADER_CACHE.popitem(last=False)
+    header = HEADER_CACHE.get(data)
+    if header is None:
+        header = PieceHeader.unpack(data)
+        HEADER_CACHE.put(bytes(data), header)
     return header
 
 

@@ -233,14 +233,14 @@ def rank_plan_cache_votes(root: str) -> list[bool]:
     """Three saves of one layout: the second reuses the cached plan; before the third, rank 1
     forgets its plans (a restarted rank), so every rank re-plans; the fourth reuses again, and a
     fifth, where rank 0 disables the cache, re-plans everywhere."""
-    from cloudckpt.api import save as save_module
+    from cloudckpt.context import current
 
     rank, world = _rank()
-    save_module._plan_cache.clear()
+    current().save_plans.clear()
     cached = []
     for i in range(5):
         if i == 2 and rank == 1:
-            save_module._plan_cache.clear()
+            current().save_plans.clear()
         options = cloudckpt.SaveOptions(use_plan_cache=not (i == 4 and rank == 0))
         result = cloudckpt.save(build_state(world, rank), f"{root}/{i}", options=options)
         cached.append(result.plan_cached)

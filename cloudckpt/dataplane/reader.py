@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence, Union
 
 import torch
 
-from cloudckpt.buffers import BufferPool, byte_view, is_byte_viewable
+from cloudckpt.dataplane.buffers import BufferPool, byte_view, is_byte_viewable
+from cloudckpt.planning import Region
+from cloudckpt.planning.batching import Span, batch_by_object
+from cloudckpt.planning.parts import aligned, layout_windows
 from cloudckpt.planning.windows import RunWindow, Window, plan_run_windows, plan_windows
 from cloudckpt.storage import ReadRange
 from cloudckpt.statedict import torch_dtype
@@ -33,19 +37,6 @@ _THREAD_COPY_BYTES = 1 << 20
 #: batches landing straight in destinations in flight at once (they hold no buffer of ours: at
 #: most one checksum block of received chunks per request; the store bounds requests too).
 _DIRECT_BATCHES = 8
-#: every window starts at a multiple of this in a shared buffer (dtype views need alignment).
-WINDOW_ALIGN = 64
-
-
-def layout_windows(windows: Sequence[Window]) -> tuple[list[int], int]:
-    """Byte offset of each window in a shared buffer (each one aligned), and the bytes used."""
-    offsets, pos = [], 0
-    for w in windows:
-        offsets.append(pos)
-        pos += -(-w.length // WINDOW_ALIGN) * WINDOW_ALIGN
-    return offsets, pos
-
-
 def window_ranges(windows: Sequence[Window], buf: torch.Tensor) -> dict[str, list[ReadRange]]:
     """Per object key, the block ranges that read ``windows`` into ``buf`` (a flat uint8 CPU
     tensor) at :func:`layout_windows` offsets, each with its crc32c."""
@@ -89,7 +80,7 @@ def direct_ranges(manifest, region, targets: Sequence[torch.Tensor],
     possible.
 
     Possible when the region's elements are one contiguous run of its chunk and every target is
-    a byte-viewable tensor (see :mod:`cloudckpt.buffers`) of the stored dtype and the region's
+    a byte-viewable tensor (see :mod:`cloudckpt.dataplane.buffers`) of the stored dtype and the region's
     shape. The ranges deliver to
     sinks: a target is written only with verified bytes (see :class:`ReadRange`).
     """
@@ -115,6 +106,52 @@ def window_boxes(window: Window, buf: torch.Tensor, offset: int, dtype: torch.dt
         yield sub, flat.as_strided(sub.lengths, window.strides, base + sub.first)
 
 
+@dataclass(frozen=True)
+class DirectPiece:
+    """Whole checksum blocks of a region stored as one run, landing straight in its
+    destinations through verified sinks (see :func:`direct_ranges`): no buffer of ours."""
+
+    object_key: str
+    ranges: tuple[ReadRange, ...]
+
+    @property
+    def span(self) -> Span:
+        return Span(self.object_key, self.ranges[0].offset, sum(r.length for r in self.ranges))
+
+
+@dataclass(frozen=True)
+class WindowPiece:
+    """A window of ``region`` read into a pooled buffer, then handed out as views of ``dtype``
+    (the stored one) to the consumer."""
+
+    window: Window
+    region: Region
+    dtype: torch.dtype
+
+    @property
+    def span(self) -> Span:
+        return Span(self.window.object_key, self.window.start, self.window.length)
+
+
+Piece = Union[DirectPiece, WindowPiece]
+
+
+def plan_pieces(manifest, regions: Sequence, targets, window_bytes: int) -> list[Piece]:
+    """How every region is read: direct pieces when ``targets(region)`` can take it in place
+    (see :func:`direct_ranges`), windows of at most ``window_bytes`` otherwise."""
+    pieces: list[Piece] = []
+    for region in regions:
+        direct = direct_ranges(manifest, region, targets(region), window_bytes) \
+            if targets is not None else None
+        if direct is not None:
+            pieces.extend(DirectPiece(key, tuple(ranges)) for key, ranges in direct)
+            continue
+        dtype = torch_dtype(manifest.tensors[region.name].dtype)
+        pieces.extend(WindowPiece(w, region, dtype)
+                      for w in plan_windows(manifest, region, window_bytes))
+    return pieces
+
+
 async def fetch_regions(store, manifest, regions: Sequence, *,
                         consume: Callable[[object, tuple, torch.Tensor], None],
                         targets: Callable[[object], Sequence[torch.Tensor]] | None = None,
@@ -132,90 +169,71 @@ async def fetch_regions(store, manifest, regions: Sequence, *,
     the event loop), hence it must be safe to call from several threads on disjoint parts.
 
     Pieces of one object are read together (one ``read_ranges`` call per batch of about
-    ``window_bytes``, in object order), so the store coalesces neighbouring regions into few
-    large GETs; at most ``max_bytes // window_bytes`` batches through buffers (and 16 landing
-    in destinations) are in flight.
+    ``window_bytes``, in object order: :func:`~cloudckpt.planning.batching.batch_by_object`),
+    so the store coalesces neighbouring regions into few large GETs; at most
+    ``max_bytes // window_bytes`` batches through buffers (and 8 landing in destinations) are in
+    flight.
     """
-    # per object: (start, nbytes, ranges of a direct piece or None, window, region, dtype)
-    entries: dict[str, list] = defaultdict(list)
-    slab = window_bytes
-    for region in regions:
-        direct = direct_ranges(manifest, region, targets(region), window_bytes) \
-            if targets is not None else None
-        if direct is not None:
-            for key, ranges in direct:
-                entries[key].append((ranges[0].offset, sum(r.length for r in ranges), ranges,
-                                     None, region, None))
-            continue
-        dtype = torch_dtype(manifest.tensors[region.name].dtype)
-        for w in plan_windows(manifest, region, window_bytes):
-            entries[w.object_key].append((w.start, w.length, None, w, region, dtype))
-            slab = max(slab, w.length)
-    if not entries:
+    pieces = plan_pieces(manifest, regions, targets, window_bytes)
+    if not pieces:
         return 0
-    slab = -(-slab // WINDOW_ALIGN) * WINDOW_ALIGN
-    batches: list[tuple[str, list]] = []
-    for key, members in entries.items():
-        members.sort(key=lambda e: e[0])
-        current, size = [], 0
-        for entry in members:
-            length = -(-entry[1] // WINDOW_ALIGN) * WINDOW_ALIGN
-            if current and size + length > slab:
-                batches.append((key, current))
-                current, size = [], 0
-            current.append(entry)
-            size += length
-        batches.append((key, current))
-
+    slab = aligned(max([window_bytes] + [p.window.length for p in pieces
+                                         if isinstance(p, WindowPiece)]))
+    batches = [[pieces[i] for i in b.members]
+               for b in batch_by_object([p.span for p in pieces], slab)]
     pool = BufferPool(slab)
     slots = asyncio.Semaphore(max(1, max_bytes // slab))    # batches holding a pool buffer
     direct_slots = asyncio.Semaphore(_DIRECT_BATCHES)       # batches landing in destinations
-    total = 0
-
-    async def one(key: str, members: list) -> None:
-        nonlocal total
-        windows = [e[3] for e in members if e[3] is not None]
-        async with (slots if windows else direct_slots):
-            buf = pool.take() if windows else None
-            try:
-                ranges = [r for e in members if e[2] is not None for r in e[2]]
-                if windows:
-                    ranges += window_ranges(windows, buf)[key]
-                ranges.sort(key=lambda r: r.offset)
-                await store.read_ranges(key, ranges)
-                fetched = sum(r.length for r in ranges)
-                if windows:
-                    offsets, _ = layout_windows(windows)
-                    parts = [(w, e[4], e[5]) for w, e in
-                             zip(windows, (e for e in members if e[3] is not None))]
-
-                    def copy_out() -> None:
-                        for (w, region, dtype), off in zip(parts, offsets):
-                            for sub, tensor in window_boxes(w, buf, off, dtype):
-                                consume(region, sub.offsets, tensor)
-
-                    if sum(w.length for w in windows) >= _THREAD_COPY_BYTES:
-                        # in a worker thread, to keep the loop serving I/O; a cancelled batch
-                        # still waits for its copy before the buffer goes back to the pool
-                        copying = asyncio.ensure_future(asyncio.to_thread(copy_out))
-                        try:
-                            await asyncio.shield(copying)
-                        except asyncio.CancelledError:
-                            await asyncio.gather(copying, return_exceptions=True)
-                            raise
-                    else:
-                        copy_out()
-                total += fetched
-            finally:
-                if buf is not None:
-                    pool.give(buf)
-
-    tasks = [asyncio.ensure_future(one(*b)) for b in batches]
+    tasks = [asyncio.ensure_future(_read_batch(store, batch, pool, consume, slots, direct_slots))
+             for batch in batches]
     try:
-        await asyncio.gather(*tasks)
+        return sum(await asyncio.gather(*tasks))
     except BaseException:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-    return total
+
+
+async def _read_batch(store, batch: Sequence[Piece], pool: BufferPool, consume, slots,
+                      direct_slots) -> int:
+    """One ``read_ranges`` call for ``batch`` (pieces of one object, in byte order), then the
+    windows' parts handed to ``consume``. Returns the bytes fetched."""
+    windows = [p for p in batch if isinstance(p, WindowPiece)]
+    key = batch[0].span.object_key
+    async with (slots if windows else direct_slots):
+        buf = pool.take() if windows else None
+        try:
+            ranges = [r for p in batch if isinstance(p, DirectPiece) for r in p.ranges]
+            if windows:
+                ranges += window_ranges([p.window for p in windows], buf)[key]
+            ranges.sort(key=lambda r: r.offset)
+            await store.read_ranges(key, ranges)
+            if windows:
+                await _copy_out(windows, buf, consume)
+            return sum(r.length for r in ranges)
+        finally:
+            if buf is not None:
+                pool.give(buf)
+
+
+async def _copy_out(windows: Sequence[WindowPiece], buf: torch.Tensor, consume) -> None:
+    """Hand every verified part of ``windows`` (in ``buf`` at their layout offsets) to
+    ``consume``; in a worker thread for 1 MiB or more, to keep the loop serving I/O."""
+    offsets, _ = layout_windows([p.window for p in windows])
+
+    def copy_out() -> None:
+        for piece, off in zip(windows, offsets):
+            for sub, tensor in window_boxes(piece.window, buf, off, piece.dtype):
+                consume(piece.region, sub.offsets, tensor)
+
+    if sum(p.window.length for p in windows) < _THREAD_COPY_BYTES:
+        copy_out()
+        return
+    # a cancelled batch still waits for its copy before the buffer goes back to the pool
+    copying = asyncio.ensure_future(asyncio.to_thread(copy_out))
+    try:
+        await asyncio.shield(copying)
+    except asyncio.CancelledError:
+        await asyncio.gather(copying, return_exceptions=True)
+        raise

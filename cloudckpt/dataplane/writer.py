@@ -2,13 +2,15 @@
 
 Contract:
 - Items are packed in the order given into objects of about ``object_size`` bytes (an item larger
-  than that gets an object of its own); objects are named by :func:`cloudckpt.layout.data_key`.
+  than that gets an object of its own: :func:`cloudckpt.planning.batching.pack_in_order`);
+  objects are named by :func:`cloudckpt.layout.data_key`.
 - Every item gets a crc32c per ``checksum_block_size`` block of its bytes (see
   :func:`cloudckpt.checksum.block_crcs`); the returned :class:`ChunkLocation` says where its
   bytes are. Nothing here knows about manifests or collectives.
-- CPU contiguous tensors are uploaded straight from their memory (no copy). Other tensors (device,
-  strided views, conjugate views: see :mod:`cloudckpt.buffers`) are copied to host one object at a time, with at most ``max_staging_bytes`` of
-  such copies alive at once, so memory stays bounded whatever the checkpoint size.
+- CPU contiguous tensors are uploaded straight from their memory (no copy). Other tensors
+  (device, strided views, conjugate views: see :mod:`cloudckpt.dataplane.buffers`) are copied
+  to host one object at a time, with at most ``max_staging_bytes`` of such copies alive at
+  once, so memory stays bounded whatever the checkpoint size.
 - Objects upload concurrently; the store bounds requests in flight. On the first failure the
   other uploads are cancelled and the error propagates.
 """
@@ -21,9 +23,10 @@ from typing import Sequence
 
 import torch
 
-from cloudckpt.buffers import byte_view, host_contiguous, is_byte_viewable
+from cloudckpt.dataplane.buffers import byte_view, host_contiguous, is_byte_viewable
 from cloudckpt.checksum import block_crcs
 from cloudckpt.layout import data_key
+from cloudckpt.planning.batching import pack_in_order
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,22 +59,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def pack_objects(sizes: Sequence[int], object_size: int) -> list[list[int]]:
-    """Group item indices (in order) into objects of about ``object_size`` bytes."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    filled = 0
-    for i, n in enumerate(sizes):
-        if current and filled + n > object_size:
-            groups.append(current)
-            current, filled = [], 0
-        current.append(i)
-        filled += n
-    if current:
-        groups.append(current)
-    return groups
-
-
 async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank: int,
                        attempt: str, options: WriterOptions = WriterOptions()
                        ) -> tuple[list[ChunkLocation], WriteStats]:
@@ -80,7 +67,7 @@ async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank
     Returns one :class:`ChunkLocation` per item, in the order of ``items``.
     """
     sizes = [_nbytes(t) for _, t in items]
-    groups = pack_objects(sizes, options.object_size)
+    groups = pack_in_order(sizes, options.object_size)
     locations: list[ChunkLocation | None] = [None] * len(items)
     staging_budget = _ByteBudget(options.max_staging_bytes)
 

@@ -1,0 +1,107 @@
+"""Broadcast parts: how each broadcast region of a load is cut for the wire.
+
+A region several ranks need (a :class:`~cloudckpt.planning.readers.Broadcast`) travels as parts:
+
+- a :class:`RunPart` when the region is at least ``run_min_bytes`` and its elements are one
+  contiguous run of its chunk: a :class:`~cloudckpt.planning.windows.RunWindow` of about
+  ``window_bytes``, which the source reads straight into its destination and every receiver
+  takes straight into its own (one broadcast each);
+- a :class:`WindowPart` otherwise: a checksum-aligned
+  :class:`~cloudckpt.planning.windows.Window`, batched with others through a shared buffer in
+  which every window starts at a multiple of :data:`WINDOW_ALIGN` (see :func:`layout_windows`).
+
+Pure (ints and tuples, no I/O, no torch): every rank computes the same parts from the same
+broadcasts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+from cloudckpt.planning.windows import RunWindow, Window, plan_run_windows, plan_windows
+
+#: every window starts at a multiple of this in a shared buffer (dtype views need alignment).
+WINDOW_ALIGN = 64
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of :data:`WINDOW_ALIGN`."""
+    return -(-nbytes // WINDOW_ALIGN) * WINDOW_ALIGN
+
+
+def layout_windows(windows: Sequence[Window]) -> tuple[list[int], int]:
+    """Byte offset of each window in a shared buffer (each one aligned), and the bytes used."""
+    offsets, pos = [], 0
+    for w in windows:
+        offsets.append(pos)
+        pos += aligned(w.length)
+    return offsets, pos
+
+
+@dataclass(frozen=True)
+class WindowPart:
+    """Window ``window`` of broadcast ``broadcast``'s region, carried in a batch buffer."""
+
+    broadcast: int
+    window: Window
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this part takes in a batch buffer and on the wire (aligned)."""
+        return aligned(self.window.length)
+
+    @property
+    def fetch_bytes(self) -> int:
+        """Bytes the source reads from the store for this part."""
+        return self.window.length
+
+    @property
+    def payload_bytes(self) -> int:
+        """Stored bytes this part carries to a receiver."""
+        return self.window.length
+
+
+@dataclass(frozen=True)
+class RunPart:
+    """Run window ``run`` of broadcast ``broadcast``'s region: its own broadcast, straight
+    between destinations."""
+
+    broadcast: int
+    run: RunWindow
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this part takes on the wire: the region's bytes ``[run.lo, run.hi)``."""
+        return self.run.hi - self.run.lo
+
+    @property
+    def fetch_bytes(self) -> int:
+        """Bytes the source reads from the store (whole checksum blocks)."""
+        return sum(b.length for b in self.run.blocks)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Region bytes this part carries to a receiver."""
+        return self.run.hi - self.run.lo
+
+
+Part = Union[WindowPart, RunPart]
+
+
+def plan_parts(manifest, broadcasts, indices: Sequence[int], window_bytes: int,
+               run_min_bytes: int) -> list[Part]:
+    """The parts of broadcasts ``indices`` (in that order): run parts for a region of at least
+    ``run_min_bytes`` stored as one run, window parts otherwise; each region's parts in byte
+    order. Raises :class:`~cloudckpt.errors.ManifestError` for a region past its chunk's bytes.
+    """
+    parts: list[Part] = []
+    for i in indices:
+        region = broadcasts[i].region
+        runs = plan_run_windows(manifest, region, window_bytes) \
+            if region.nbytes >= run_min_bytes else None
+        if runs is not None:
+            parts.extend(RunPart(i, r) for r in runs)
+        else:
+            parts.extend(WindowPart(i, w) for w in plan_windows(manifest, region, window_bytes))
+    return parts

@@ -1,0 +1,71 @@
+"""Broadcast parts (planning/parts.py): run parts for large regions stored as one run, tiling
+the region's bytes in order; window parts otherwise; buffer layout aligned."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cloudckpt.planning import Broadcast, Region
+from cloudckpt.planning.parts import (WINDOW_ALIGN, RunPart, WindowPart, layout_windows,
+                                      plan_parts)
+from cloudckpt.planning.windows import plan_windows
+from tests.planning.test_load_plan import manifest_with
+
+ITEMSIZE = {"float32": 4, "int64": 8, "bfloat16": 2, "bool": 1}
+
+
+@st.composite
+def cases(draw):
+    dtype = draw(st.sampled_from(sorted(ITEMSIZE)))
+    sizes = (draw(st.integers(1, 40)), draw(st.integers(1, 12)))
+    m = manifest_with({"t": (dtype, sizes, [((0, 0), sizes)])},
+                      block=draw(st.sampled_from([8, 16, 24, 64])))
+    broadcasts = []
+    for _ in range(draw(st.integers(1, 4))):
+        r0 = draw(st.integers(0, sizes[0] - 1))
+        rows = draw(st.integers(1, sizes[0] - r0))
+        c0 = draw(st.sampled_from([0, draw(st.integers(0, sizes[1] - 1))]))
+        cols = sizes[1] - c0 if c0 == 0 else draw(st.integers(1, sizes[1] - c0))
+        n = rows * cols * ITEMSIZE[dtype]
+        broadcasts.append(Broadcast(Region("t", 0, (r0, c0), (rows, cols), n), 0, (0, 1)))
+    return m, broadcasts
+
+
+@settings(max_examples=200, deadline=None)
+@given(cases(), st.integers(1, 200), st.integers(0, 400), st.data())
+def test_parts_follow_the_rule_and_tile_each_region(case, window_bytes, run_min, data):
+    m, bs = case
+    indices = data.draw(st.permutations(range(len(bs))))
+    parts = plan_parts(m, bs, indices, window_bytes, run_min)
+    # broadcasts in the order given, each one's parts together
+    order = [p.broadcast for p in parts]
+    assert order == sorted(order, key=indices.index)
+    for i in indices:
+        region = bs[i].region
+        mine = [p for p in parts if p.broadcast == i]
+        one_run = math.prod(region.lengths) == region.lengths[0] * m.tensors["t"].shape[1] \
+            or region.lengths[0] == 1
+        if region.nbytes >= run_min and one_run:
+            assert mine and all(isinstance(p, RunPart) for p in mine)
+            assert [(p.run.lo, p.run.hi) for p in mine][0][0] == 0
+            assert all(a.run.hi == b.run.lo for a, b in zip(mine, mine[1:]))
+            assert mine[-1].run.hi == region.nbytes
+            assert sum(p.payload_bytes for p in mine) == region.nbytes == sum(p.nbytes for p in mine)
+            assert all(p.fetch_bytes >= p.nbytes for p in mine)
+        else:
+            assert all(isinstance(p, WindowPart) for p in mine)
+            assert [p.window for p in mine] == plan_windows(m, region, window_bytes)
+            assert all(p.nbytes % WINDOW_ALIGN == 0 and p.nbytes - WINDOW_ALIGN < p.fetch_bytes
+                       == p.payload_bytes <= p.nbytes for p in mine)
+
+
+def test_layout_windows_aligns_every_window():
+    m = manifest_with({"t": ("float32", (100,), [((0,), (100,))])}, block=12)
+    ws = plan_windows(m, Region("t", 0, (0,), (100,), 400), 36)
+    offsets, total = layout_windows(ws)
+    assert all(o % WINDOW_ALIGN == 0 for o in offsets)
+    assert all(b - a >= w.length for a, b, w in zip(offsets, offsets[1:] + [total], ws))
+    assert total == sum(-(-w.length // WINDOW_ALIGN) * WINDOW_ALIGN for w in ws)
