@@ -1,6 +1,8 @@
 """The ``cloudckpt`` command (also ``python -m cloudckpt``).
 
 ```
+cloudckpt [--endpoint-url URL] [--profile NAME] [--timeout SECONDS] COMMAND ...
+cloudckpt --version
 cloudckpt ls RUN_URL                       checkpoints of a run: step, time, size, objects, world size, complete
 cloudckpt show URL [--step N]              tensors (name, dtype, shape, chunks, bytes) and values
 cloudckpt verify URL [--step N]            read every object, check every checksum
@@ -11,9 +13,19 @@ cloudckpt export URL OUT [--step N]        one consolidated OUT.safetensors, or 
 
 ``URL`` is a checkpoint URL, or a run URL with ``--step N``; ``show``, ``verify`` and ``export``
 given a run URL without ``--step`` use its newest complete checkpoint. Credentials and endpoint
-come from the standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...).
-``--timeout SECONDS`` (before the command) gives up on an endpoint that does not answer after
-about SECONDS (default: about 60).
+come from the standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...);
+``--endpoint-url``, ``--profile`` and ``--timeout`` (accepted before or after the command, as
+``aws`` does) override them for one run: they make the one ``StorageOptions`` every command uses
+(:func:`storage_options`). An endpoint must be an ``http://`` or ``https://`` URL (exit 2
+otherwise). ``ls``, ``show``, ``verify`` and ``prune`` take ``--json``: one JSON document on
+stdout, shapes in :mod:`cloudckpt.cli_json`.
+
+Mistakes are refused with one line and exit 2 before anything is changed: a malformed option
+(argparse's errors are one line here, with a pointer to ``--help``), a bad endpoint or unknown
+profile, ``ls``/``prune`` given a checkpoint instead of a run (``ls`` suggests ``show``),
+``--step`` given with a URL that is already a checkpoint, ``export`` into a folder that does not
+exist. A run with no checkpoints (or nothing at the URL) is not a mistake: ``ls`` says "no
+checkpoints under URL" on stderr and exits 0 (``--json``: ``[]``). ``--timeout`` defaults to about 60 seconds.
 
 ``rm`` and ``prune`` delete only what the checkpoint layout owns: each checkpoint's
 ``manifest.msgpack`` (first), its ``data/<attempt>/r<rank>-<n>.bin`` objects and unfinished uploads
@@ -44,13 +56,12 @@ from typing import Any, Sequence
 from cloudckpt.errors import (AccessDenied, BucketNotFound, CheckpointNotFound, CloudCkptError,
                               ConfigError, ObjectNotFound)
 from cloudckpt.layout import MANIFEST_KEY
+from cloudckpt import cli_json
+from cloudckpt.cli_options import (EXIT_USAGE, Parser, UsageError, global_options, seconds,
+                                   storage_options, whole_number)
 from cloudckpt.wording import plural
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-
-
-class UsageError(Exception):
-    """A command-line mistake detected after parsing (exit status 2)."""
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -87,10 +98,14 @@ def _progress(total: int | None, desc: str, unit: str = "obj"):
                 leave=False, disable=not sys.stderr.isatty())
 
 
+#: The StorageOptions of this run of the command (None: the AWS chain); set by :func:`main`.
+_STORAGE = None
+
+
 def _open(url: str):
     from cloudckpt.runtime import shared_store
 
-    return shared_store(url, None)  # closed at exit
+    return shared_store(url, _STORAGE)  # closed at exit
 
 
 def _has_manifest(store) -> bool:
@@ -105,13 +120,17 @@ def _has_manifest(store) -> bool:
 
 def _resolve_checkpoint(url: str, step: int | None) -> str:
     """The checkpoint URL meant by ``url`` / ``--step`` (newest complete of a run by default)."""
-    from cloudckpt.manager import CheckpointManager, join_url, step_dir
+    from cloudckpt.manager import join_url, step_dir
 
+    is_checkpoint = _has_manifest(_open(url))
     if step is not None:
+        if is_checkpoint:
+            raise UsageError(f"{url} is a checkpoint already; give its run's URL with --step "
+                             f"{step}, or drop --step")
         return join_url(url, step_dir(step))
-    if _has_manifest(_open(url)):
+    if is_checkpoint:
         return url
-    latest = CheckpointManager(url).latest()
+    latest = _manager(url).latest()
     if latest is None:
         raise CheckpointNotFound(f"no complete checkpoint at {url} (nor a run with one)")
     print(f"using the newest complete checkpoint: step {latest.step} ({latest.url})",
@@ -119,18 +138,35 @@ def _resolve_checkpoint(url: str, step: int | None) -> str:
     return latest.url
 
 
+def _manager(url: str, **kwargs):
+    from cloudckpt.manager import CheckpointManager
+
+    return CheckpointManager(url, storage=_STORAGE, **kwargs)
+
+
+def _refuse_checkpoint_as_run(url: str, command: str) -> None:
+    """``ls``/``prune`` given a checkpoint (a manifest at URL) instead of a run: a UsageError."""
+    if _has_manifest(_open(url)):
+        raise UsageError(f"{url} is a checkpoint, not a run: {command} takes a run's URL; "
+                         f"to see this checkpoint use: cloudckpt show {url}")
+
+
 # -- commands -----------------------------------------------------------------------------------
 
 
 def cmd_ls(args) -> int:
-    from cloudckpt.manager import CheckpointManager
-
-    mgr = CheckpointManager(args.url)
+    mgr = _manager(args.url)
     infos = mgr.list()
+    if not infos:
+        _refuse_checkpoint_as_run(args.url, "ls")
     with _progress(sum(i.complete for i in infos), "reading manifests") as bar:
         infos = mgr.list(details=True, progress=bar.update) if infos else infos
+    if args.json:
+        cli_json.emit(cli_json.ls_document(infos))
     if not infos:
         print(f"no checkpoints under {args.url}", file=sys.stderr)
+        return EXIT_OK
+    if args.json:
         return EXIT_OK
     rows = [(i.step, _fmt_time(i.created_at), _human_bytes(i.total_bytes),
              "-" if i.objects is None else i.objects,
@@ -154,13 +190,16 @@ def cmd_show(args) -> int:
     url = _resolve_checkpoint(args.url, args.step)
     pickled: tuple[str, ...] = ()
     if args.allow_pickle:
-        manifest = cloudckpt.read_manifest(url, allow_pickle=True)
+        manifest = cloudckpt.read_manifest(url, allow_pickle=True, storage=_STORAGE)
     else:
         try:
             raw = run_coroutine(_open(url).get(MANIFEST_KEY))
         except ObjectNotFound as exc:
             raise CheckpointNotFound(f"no complete checkpoint at {url}") from exc
         manifest, pickled = decode_manifest_without_pickle(raw)
+    if args.json:
+        cli_json.emit(cli_json.show_document(url, manifest, pickled))
+        return EXIT_OK
     created = getattr(manifest, "created_at", None)
     when = _fmt_time(datetime.fromtimestamp(created).astimezone()) if created else "-"
     print(f"checkpoint  {url}")
@@ -197,7 +236,10 @@ def cmd_verify(args) -> int:
         raw = run_coroutine(_open(url).get(MANIFEST_KEY))
         total = decode_manifest_without_pickle(raw)[0].total_bytes()
     with _progress(total, "verifying", unit="B") as bar:
-        report = cloudckpt.verify(url, progress=bar.update)
+        report = cloudckpt.verify(url, progress=bar.update, storage=_STORAGE)
+    if args.json:
+        cli_json.emit(cli_json.verify_document(url, report))
+        return EXIT_OK if report.ok else EXIT_FAILED
     if report.ok:
         print(f"OK  {url}: {plural(report.objects_checked, 'object')}, "
               f"{_human_bytes(report.bytes_checked)} checked")
@@ -230,12 +272,17 @@ def _print_keys(base: str, plan) -> None:
 
 
 def cmd_prune(args) -> int:
-    from cloudckpt.manager import CheckpointManager
-
-    mgr = CheckpointManager(args.url, keep_last=args.keep_last, keep_every=args.keep_every,
-                            abandoned_after=args.abandoned_after)
+    mgr = _manager(args.url, keep_last=args.keep_last, keep_every=args.keep_every,
+                   abandoned_after=args.abandoned_after)
+    if not mgr.list():
+        _refuse_checkpoint_as_run(args.url, "prune")
     with _progress(None, "deleting") as bar:
         removed = mgr.prune_plans(dry_run=args.dry_run, progress=bar.update)
+    if args.json:
+        cli_json.emit(cli_json.prune_document(mgr.url, removed, args.dry_run))
+        for info, plan in removed:
+            _left_note(info.url, plan, "would leave" if args.dry_run else "left")
+        return EXIT_OK
     verb = "would remove" if args.dry_run else "removed"
     if not removed:
         print("nothing to remove")
@@ -266,13 +313,16 @@ def cmd_rm(args) -> int:
     ``CheckpointManager(run).delete`` and its guards; a run or a folder that is neither is
     refused (exit 2), and a URL with nothing there is "nothing to remove" (exit 1). A URL with no
     manifest that holds step checkpoints is a run, unless it is a step that owns keys itself."""
-    from cloudckpt.manager import CheckpointManager, join_url, step_dir
+    from cloudckpt.manager import join_url, step_dir
     from cloudckpt.run_cleanup import delete_checkpoint, plan_checkpoint
     from cloudckpt.runtime import run_coroutine
 
     located = (args.url, args.step) if args.step is not None else _step_of_url(args.url)
     if located is not None:
-        mgr, step = CheckpointManager(located[0]), located[1]
+        if args.step is not None and _has_manifest(_open(args.url)):
+            raise UsageError(f"{args.url} is a checkpoint already; give its run's URL with "
+                             f"--step {args.step}, or drop --step")
+        mgr, step = _manager(located[0]), located[1]
         url, base = join_url(mgr.url, step_dir(step)), mgr.url
         plan = mgr.plan_delete(step)  # refuses a step folder that leads out of the run
 
@@ -286,7 +336,7 @@ def cmd_rm(args) -> int:
             return run_coroutine(delete_checkpoint(store, "", progress=progress))
     # a run is refused; a step of a run that owns something is a checkpoint whatever it holds
     if (plan.empty if plan is not None else not _has_manifest(store)):
-        others = CheckpointManager(url).list()
+        others = _manager(url).list()
         if others:
             raise UsageError(f"{url} is a run with {plural(len(others), 'checkpoint')}, not a "
                              "checkpoint; give one checkpoint URL or --step N")
@@ -321,8 +371,14 @@ def cmd_export(args) -> int:
     out = args.out
     if export_kind(out) is None:
         raise UsageError(f"OUT must end with .safetensors or .pt, got {out!r}")
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise UsageError(f"cannot write {out}: the folder {folder} does not exist; create it "
+                         "first")
+    if os.path.isdir(out):
+        raise UsageError(f"cannot write {out}: it is a folder; give a file name")
     url = _resolve_checkpoint(args.url, args.step)
-    skipped = export(url, out, allow_pickle=args.allow_pickle)
+    skipped = export(url, out, allow_pickle=args.allow_pickle, storage=_STORAGE)
     if skipped:
         print(f"warning: {plural(len(skipped), 'non-tensor value')} not representable in "
               f"JSON {'was' if len(skipped) == 1 else 'were'} "
@@ -334,76 +390,72 @@ def cmd_export(args) -> int:
 # -- entry point --------------------------------------------------------------------------------
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cloudckpt", description="Inspect and manage cloudckpt "
-                                "checkpoints in S3-compatible object stores or local paths.")
-    p.add_argument("--timeout", type=_positive_seconds, default=None, metavar="SECONDS",
-                   help="give up on an endpoint that does not answer after about SECONDS "
-                        "(default: about 60; StorageOptions.with_timeout)")
+    from cloudckpt import __version__
+
+    p = Parser(prog="cloudckpt", description="Inspect and manage cloudckpt checkpoints in "
+                "S3-compatible object stores or local paths.")
+    p.add_argument("--version", action="version", version=f"cloudckpt {__version__}",
+                   help="print the version and exit")
+    global_options(p, default=None)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, fn, help_: str, *, run_only: bool = False):
+    def add(name: str, fn, help_: str, *, run_only: bool = False, json_: bool = False):
         sp = sub.add_parser(name, help=help_, description=help_)
-        sp.add_argument("url", metavar="RUN_URL" if run_only else "URL")
+        sp.add_argument("url", metavar="RUN_URL" if run_only else "URL",
+                        help="a run's URL (s3://BUCKET/PATH, file:///PATH or a path)" if run_only
+                        else "a checkpoint's URL, or a run's (its newest complete checkpoint, "
+                             "or the one of --step)")
         if not run_only:
-            sp.add_argument("--step", type=_non_negative_int, default=None,
-                            help="a step of the run at URL")
+            sp.add_argument("--step", type=whole_number(0), default=None, metavar="N",
+                            help="the checkpoint of step N of the run at URL")
+        if json_:
+            sp.add_argument("--json", action="store_true",
+                            help="print one JSON document on stdout (for scripts)")
+        global_options(sp, default=argparse.SUPPRESS)
         sp.set_defaults(fn=fn)
         return sp
 
-    add("ls", cmd_ls, "list the checkpoints of a run", run_only=True)
-    sp = add("show", cmd_show, "show a checkpoint's tensors and values")
-    sp.add_argument("--allow-pickle", action="store_true", help="decode pickled values")
-    add("verify", cmd_verify, "read every object of a checkpoint and check every checksum")
-    sp = add("prune", cmd_prune, "apply a retention policy to a run", run_only=True)
-    sp.add_argument("--keep-last", type=_non_negative_int, required=True, metavar="N")
-    sp.add_argument("--keep-every", type=_positive_int, default=None, metavar="K")
-    sp.add_argument("--abandoned-after", type=float, default=3600.0, metavar="SECONDS",
+    add("ls", cmd_ls, "list the checkpoints of a run", run_only=True, json_=True)
+    sp = add("show", cmd_show, "show a checkpoint's tensors and values", json_=True)
+    sp.add_argument("--allow-pickle", action="store_true",
+                    help="decode pickled values (runs code from the checkpoint: trusted only)")
+    add("verify", cmd_verify, "read every object of a checkpoint and check every checksum",
+        json_=True)
+    sp = add("prune", cmd_prune, "apply a retention policy to a run", run_only=True, json_=True)
+    sp.add_argument("--keep-last", type=whole_number(0), required=True, metavar="N",
+                    help="keep the N newest complete checkpoints (required)")
+    sp.add_argument("--keep-every", type=whole_number(1), default=None, metavar="K",
+                    help="also keep every checkpoint whose step is a multiple of K")
+    sp.add_argument("--abandoned-after", type=seconds(positive=False), default=3600.0,
+                    metavar="SECONDS",
                     help="age after which an incomplete checkpoint is abandoned (default 3600)")
     sp.add_argument("--dry-run", action="store_true", help="say what would be removed")
     sp = add("rm", cmd_rm, "delete one checkpoint (manifest first, then its objects)")
     sp.add_argument("--dry-run", action="store_true",
                     help="list every object and upload that would be removed")
     sp = add("export", cmd_export, "write a checkpoint as one .safetensors or .pt file")
-    sp.add_argument("out", metavar="OUT")
-    sp.add_argument("--allow-pickle", action="store_true", help="decode pickled values")
+    sp.add_argument("out", metavar="OUT",
+                    help="the file to write, ending in .safetensors or .pt, in a folder that "
+                         "exists")
+    sp.add_argument("--allow-pickle", action="store_true",
+                    help="decode pickled values (runs code from the checkpoint: trusted only)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns (and, as a console script, exits with) the status."""
+    global _STORAGE
     args = build_parser().parse_args(argv)
     debug = bool(os.environ.get("CLOUDCKPT_DEBUG"))
     try:
+        from cloudckpt.runtime import set_default_storage
         from cloudckpt.storage import parse_store_url
 
         parse_store_url(args.url)  # a malformed URL is a usage error before anything runs
-        if args.timeout is not None:
-            from cloudckpt.runtime import set_default_storage
-            from cloudckpt.storage import StorageOptions
-
-            set_default_storage(StorageOptions().with_timeout(args.timeout))
+        _STORAGE = storage_options(args)
+        if _STORAGE is not None:  # also for any call below that is given no storage
+            set_default_storage(_STORAGE)
         return args.fn(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -415,7 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             exc, (UsageError, ConfigError, AccessDenied, BucketNotFound)) else EXIT_FAILED
         kind = "error" if isinstance(exc, (CloudCkptError, UsageError, OSError)) else \
             f"internal error ({type(exc).__name__})"
-        print(f"cloudckpt {args.command}: {kind}: {exc}", file=sys.stderr)
+        text = " ".join(str(exc).split())
+        print(f"cloudckpt {args.command}: {kind}: {text}", file=sys.stderr)
         return status
 
 

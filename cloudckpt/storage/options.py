@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from typing import Literal
+from urllib.parse import urlsplit
 
 from cloudckpt.errors import ConfigError
 
@@ -161,12 +162,37 @@ class StorageOptions:
             raise ConfigError("StorageOptions.prefix_spreading must be between 0 and 4096")
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ConfigError("give both access_key_id and secret_access_key, or neither")
+        if self.endpoint_url is not None:
+            check_endpoint_url(self.endpoint_url, "StorageOptions.endpoint_url")
 
     def with_timeout(self, seconds: float) -> StorageOptions:
         """A copy whose requests give up on an unresponsive endpoint after about ``seconds``
         (:meth:`RetryOptions.within`), e.g. ``StorageOptions().with_timeout(10)``; the rest
         still comes from the AWS chain."""
         return replace(self, retry=self.retry.within(seconds))
+
+
+def check_endpoint_url(url: str, source: str) -> None:
+    """Raise ``ConfigError`` (one line naming ``source``, e.g. ``AWS_ENDPOINT_URL``) unless
+    ``url`` is an ``http://`` or ``https://`` URL with a host: ``127.0.0.1:9000`` (no scheme),
+    ``s3://bucket`` or ``""`` are refused before any client is made. Pure (no I/O)."""
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"{source} is empty: give the endpoint as http://HOST[:PORT] or "
+                          "https://HOST[:PORT], or leave it unset for AWS S3")
+    try:
+        parsed = urlsplit(url.strip())
+        parsed.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError as exc:
+        raise ConfigError(f"{source} {url!r} is not a valid URL ({exc}): give "
+                          "http://HOST[:PORT] or https://HOST[:PORT]") from exc
+    if parsed.scheme.lower() not in ("http", "https") or not parsed.hostname:
+        raise ConfigError(f"{source} {url!r} is not an endpoint URL: it needs http:// or "
+                          f"https:// and a host, e.g. http://{_host_hint(url)}")
+
+
+def _host_hint(url: str) -> str:
+    rest = url.split("://", 1)[-1].strip("/")
+    return rest if rest and " " not in rest else "127.0.0.1:9000"
 
 
 def choose_part_size(size: int, requested: int | None = None, *, default: int = 16 * MiB) -> int:
