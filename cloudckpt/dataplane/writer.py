@@ -80,7 +80,7 @@ async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank
                 lambda: [host_contiguous(items[i][1]) for i in members])
             views = [byte_view(t) for t in tensors]
             crcs = await asyncio.to_thread(
-                lambda: [block_crcs(v, options.checksum_block_size) for v in views])
+                lambda vs=views: [block_crcs(v, options.checksum_block_size) for v in vs])
             offset = 0
             for i, view, crc in zip(members, views, crcs):
                 locations[i] = ChunkLocation(items[i][0], key, offset, len(view), crc)
