@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -99,7 +98,8 @@ class ManagedSaveHandle(Future):
     stale attempts of the same step, automatic pruning) has run. ``result()`` returns the
     ``SaveResult`` or raises the save's error; a failure of the follow-up work does not fail the
     committed save: it is logged (WARNING) and returned as ``SaveResult.retention_error``.
-    ``inner`` is the ``cloudckpt.async_save`` handle.
+    ``inner`` is the ``cloudckpt.async_save`` handle. Done-callbacks run on cloudckpt's save
+    thread, as those of ``inner`` do: they must not wait for another async save.
     """
 
     def __init__(self, step: int, url: str, inner: Any):
@@ -286,8 +286,9 @@ class CheckpointManager:
                 result = self._after_save(step, leftovers, result)
             handle.set_result(result)
 
-        threading.Thread(target=_follow_up, name=f"cloudckpt-save-step{step}",
-                         daemon=True).start()
+        # on the context's save thread, queued behind this save's upload and commit (so
+        # ``inner.result()`` is already there): no thread of its own per save
+        current().save_executor().submit(_follow_up)
         finish_before_exit(handle, url)  # the follow-up work too, not only the save
         self._pending = handle
         return handle
