@@ -36,6 +36,10 @@ In a ``torch.distributed`` job, :meth:`save` and :meth:`load` are collective (ev
 process group calls them with the same step); the pruning after a save and the choice of the
 step to load are made by rank 0 of the group. :meth:`list`, :meth:`latest`, :meth:`delete` and
 :meth:`prune` are plain calls of one process.
+
+The manager composes: step paths and the reading of a listing (:mod:`cloudckpt.run_layout`,
+pure), listing and pruning a run (:mod:`cloudckpt.pruning`), planning and carrying out
+deletions (:mod:`cloudckpt.run_cleanup`), keep rules (:mod:`cloudckpt.retention`).
 """
 
 from __future__ import annotations
