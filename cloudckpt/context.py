@@ -22,7 +22,8 @@ piece               what it holds                              lifetime
 ``staging``         host copies of async saves                 created by the first async save;
                     (``StagingPool``), reused between saves    buffers released by ``reset``
 ``save_executor``   the one thread that runs async saves'      created by the first async save;
-                    uploads and commits                        shut down by ``reset``
+                    uploads and commits (and then the          shut down by ``reset``
+                    manager's follow-up work)
 ``pending_save``,   the async save in flight; every save       until done; ``reset`` and exit wait
 ``finish_at_exit``  that interpreter exit must complete        for them (``runtime`` exit hooks)
 ==================  =========================================  ===================================
@@ -254,7 +255,8 @@ class RuntimeContext:
         return pool.allocations if pool is not None else 0
 
     def save_executor(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The one thread running async saves' uploads and commits."""
+        """The one thread running async saves' uploads and commits (and the manager's follow-up
+        work after each, queued behind it)."""
         with self._lock:
             if self._save_executor is None:
                 self._save_executor = concurrent.futures.ThreadPoolExecutor(

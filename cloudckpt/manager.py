@@ -36,59 +36,40 @@ In a ``torch.distributed`` job, :meth:`save` and :meth:`load` are collective (ev
 process group calls them with the same step); the pruning after a save and the choice of the
 step to load are made by rank 0 of the group. :meth:`list`, :meth:`latest`, :meth:`delete` and
 :meth:`prune` are plain calls of one process.
+
+The manager composes: step paths and the reading of a listing (:mod:`cloudckpt.run_layout`,
+pure), listing and pruning a run (:mod:`cloudckpt.pruning`), planning and carrying out
+deletions (:mod:`cloudckpt.run_cleanup`), keep rules (:mod:`cloudckpt.retention`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
-import threading
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
 
-from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
-from cloudckpt.layout import DATA_PREFIX, MANIFEST_KEY
-from cloudckpt.retention import RetentionPolicy, select_to_delete
-from cloudckpt.run_cleanup import (DELETE_BATCH, DeletionPlan, carry_out,
-                                    decode_manifest_without_pickle, delete_checkpoint,
-                                    plan_abandoned, plan_checkpoint, remove_stale_attempts)
 from cloudckpt.context import current
+from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
+from cloudckpt.layout import MANIFEST_KEY
+from cloudckpt.pruning import HEAD_CONCURRENCY, prune_run, scan_run, step_has_objects
+from cloudckpt.retention import RetentionPolicy
+from cloudckpt.run_cleanup import (DELETE_BATCH, DeletionPlan, decode_manifest_without_pickle,
+                                   delete_checkpoint, plan_checkpoint, remove_stale_attempts)
+from cloudckpt.run_layout import StepState, join_url, step_dir
+from cloudckpt.run_layout import LIST_DELIMITER, classify_listing, parse_step_dir  # noqa: F401
 from cloudckpt.runtime import finish_before_exit, run_coroutine, shared_store
 from cloudckpt.storage import parse_store_url
 
+# Also importable from here, where they used to live: step_dir, parse_step_dir, join_url,
+# classify_listing, LIST_DELIMITER (cloudckpt.run_layout); DeletionPlan, DELETE_BATCH,
+# decode_manifest_without_pickle (cloudckpt.run_cleanup).
 __all__ = ["CheckpointInfo", "CheckpointManager", "DeletionPlan", "ManagedSaveHandle",
            "step_dir", "join_url", "DELETE_BATCH"]
 
 log = logging.getLogger(__name__)
-
-LIST_DELIMITER = "/" + DATA_PREFIX          # "/data/"
-_STEP_RE = re.compile(r"^step-(\d{12,})/$")
-_HEAD_CONCURRENCY = 32
-
-
-def step_dir(step: int) -> str:
-    """Key prefix of step ``step`` inside a run: ``step-<step:012d>/``."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"a step is an int >= 0, got {step!r}")
-    return f"step-{step:012d}/"
-
-
-def parse_step_dir(prefix: str) -> int | None:
-    """The step of a canonical ``step-<digits>/`` prefix, or ``None`` for anything else."""
-    m = _STEP_RE.match(prefix)
-    if m is None:
-        return None
-    step = int(m.group(1))
-    return step if step_dir(step) == prefix else None
-
-
-def join_url(base: str, relative: str) -> str:
-    """``base`` (a run or checkpoint URL, or a path) joined with a relative key prefix."""
-    return base.rstrip("/") + "/" + relative.strip("/")
 
 
 def _utc(epoch: float | None) -> datetime | None:
@@ -114,39 +95,6 @@ class CheckpointInfo:
     world_size: int | None = None
 
 
-@dataclass
-class _StepState:
-    """What one walk of the run root says about one step (internal)."""
-
-    manifest: Any = None        # ObjectInfo of the manifest when complete
-    has_data: bool = False      # a data/ common prefix was listed
-    uploads: tuple = ()         # UploadInfo of unfinished multipart uploads (prune only)
-
-
-def classify_listing(items: Iterable[Any]) -> dict[int, _StepState]:
-    """Group the entries of a ``delimiter="/data/"`` listing of a run root by step.
-
-    Entries are ``ObjectInfo`` (``.key``) or ``CommonPrefix`` (``.prefix``); anything that is not
-    ``step-<012d>/manifest.msgpack`` or ``step-<012d>/data/`` is ignored.
-    """
-    steps: dict[int, _StepState] = {}
-    for item in items:
-        prefix = getattr(item, "prefix", None)
-        if prefix is not None:
-            head, sep, rest = prefix.rpartition(LIST_DELIMITER)
-            step = parse_step_dir(head + "/") if sep and not rest else None
-            if step is not None:
-                steps.setdefault(step, _StepState()).has_data = True
-            continue
-        key = item.key
-        head, sep, name = key.rpartition("/")
-        if name == MANIFEST_KEY:
-            step = parse_step_dir(head + sep)
-            if step is not None:
-                steps.setdefault(step, _StepState()).manifest = item
-    return steps
-
-
 class ManagedSaveHandle(Future):
     """The ``concurrent.futures.Future`` returned by ``CheckpointManager.save(..., blocking=False)``.
 
@@ -154,7 +102,8 @@ class ManagedSaveHandle(Future):
     stale attempts of the same step, automatic pruning) has run. ``result()`` returns the
     ``SaveResult`` or raises the save's error; a failure of the follow-up work does not fail the
     committed save: it is logged (WARNING) and returned as ``SaveResult.retention_error``.
-    ``inner`` is the ``cloudckpt.async_save`` handle.
+    ``inner`` is the ``cloudckpt.async_save`` handle. Done-callbacks run on cloudckpt's save
+    thread, as those of ``inner`` do: they must not wait for another async save.
     """
 
     def __init__(self, step: int, url: str, inner: Any):
@@ -228,26 +177,7 @@ class CheckpointManager:
 
     # -- listing --------------------------------------------------------------------------------
 
-    async def _scan(self) -> dict[int, _StepState]:
-        store = self.store
-        items = [item async for item in store.list("", delimiter=LIST_DELIMITER)]
-        steps = classify_listing(items)
-        suspects = [s for s, st in steps.items() if st.manifest is None]
-        if suspects:
-            sem = asyncio.Semaphore(_HEAD_CONCURRENCY)
-
-            async def _head(step: int):
-                async with sem:
-                    try:
-                        return step, await store.head(step_dir(step) + MANIFEST_KEY)
-                    except ObjectNotFound:
-                        return step, None
-
-            for step, info in await asyncio.gather(*(_head(s) for s in suspects)):
-                steps[step].manifest = info
-        return steps
-
-    def _info(self, step: int, state: _StepState) -> CheckpointInfo:
+    def _info(self, step: int, state: StepState) -> CheckpointInfo:
         m = state.manifest
         return CheckpointInfo(
             step=step, url=self.step_url(step), complete=m is not None,
@@ -262,7 +192,7 @@ class CheckpointManager:
         ``total_bytes``, ``objects`` and ``world_size``; ``progress(n)`` is called as manifests
         are read.
         """
-        steps = run_coroutine(self._scan())
+        steps = run_coroutine(scan_run(self.store))
         infos = [self._info(s, steps[s]) for s in sorted(steps)]
         if details:
             infos = run_coroutine(self._with_details(infos, progress))
@@ -281,14 +211,14 @@ class CheckpointManager:
             except ObjectNotFound as exc:
                 raise CheckpointNotFound(f"no complete checkpoint at {self.step_url(step)}") \
                     from exc
-            base = self._info(step, _StepState(manifest=head))
+            base = self._info(step, StepState(manifest=head))
             return (await self._with_details([base], None))[0]
 
         return run_coroutine(_one())
 
     async def _with_details(self, infos: list[CheckpointInfo],
                             progress: Callable[[int], None] | None) -> list[CheckpointInfo]:
-        sem = asyncio.Semaphore(_HEAD_CONCURRENCY)
+        sem = asyncio.Semaphore(HEAD_CONCURRENCY)
 
         async def _one(info: CheckpointInfo) -> CheckpointInfo:
             if not info.complete:
@@ -360,8 +290,9 @@ class CheckpointManager:
                 result = self._after_save(step, leftovers, result)
             handle.set_result(result)
 
-        threading.Thread(target=_follow_up, name=f"cloudckpt-save-step{step}",
-                         daemon=True).start()
+        # on the context's save thread, queued behind this save's upload and commit (so
+        # ``inner.result()`` is already there): no thread of its own per save
+        current().save_executor().submit(_follow_up)
         finish_before_exit(handle, url)  # the follow-up work too, not only the save
         self._pending = handle
         return handle
@@ -370,13 +301,8 @@ class CheckpointManager:
         """Whether anything is stored under step ``step`` yet, finished objects or unfinished
         uploads of a killed attempt (True when that cannot be told: the cleanup it enables is
         harmless, and rank 0 must not fail before the collective)."""
-        async def _any() -> bool:
-            async for _ in self.store.list(step_dir(step)):
-                return True
-            return bool(await self.store.list_uploads(step_dir(step)))
-
         try:
-            return run_coroutine(_any())
+            return run_coroutine(step_has_objects(self.store, step))
         except Exception:  # the save itself will report a broken store
             return True
 
@@ -464,31 +390,6 @@ class CheckpointManager:
                     ) -> list[tuple[CheckpointInfo, DeletionPlan]]:
         """:meth:`prune`, returning each removed checkpoint with the exact keys and uploads that
         went (or, with ``dry_run=True``, would go)."""
-        return run_coroutine(self._prune(dry_run, progress))
-
-    async def _prune(self, dry_run: bool, progress) -> list[tuple[CheckpointInfo, DeletionPlan]]:
-        store = self.store
-        steps = await self._scan()
-        for upload in await store.list_uploads(""):
-            step = parse_step_dir(upload.key.split("/", 1)[0] + "/")
-            if step is not None:
-                state = steps.setdefault(step, _StepState())
-                state.uploads = state.uploads + (upload,)
-        doomed_complete = select_to_delete(
-            [s for s, st in steps.items() if st.manifest is not None], self.retention)
-        cutoff = time.time() - self.abandoned_after
-        removed: list[tuple[CheckpointInfo, DeletionPlan]] = []
-        for step in sorted(steps):
-            state = steps[step]
-            if state.manifest is not None:
-                if step not in doomed_complete:
-                    continue
-                plan = await plan_checkpoint(store, step_dir(step))
-            else:
-                plan = await plan_abandoned(store, step_dir(step), state.uploads, cutoff)
-                if plan is None or plan.empty:
-                    continue  # still being written (or vanished, or nothing of ours): kept
-            removed.append((self._info(step, state), plan))
-            if not dry_run:
-                await carry_out(store, plan, progress=progress)
-        return removed
+        removed = run_coroutine(prune_run(self.store, self.retention, self.abandoned_after,
+                                          dry_run=dry_run, progress=progress))
+        return [(self._info(step, state), plan) for step, state, plan in removed]

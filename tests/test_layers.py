@@ -98,3 +98,71 @@ def test_only_the_api_drives_the_data_plane():
         <= {"cloudckpt.dataplane.staging"}
     users = [m for m in users if m != "cloudckpt.context"]
     assert users and all(m.startswith("cloudckpt.api.") for m in users), users
+
+
+def _private_uses(module: str, source: str) -> list[str]:
+    """Underscore names of *other* cloudckpt modules that ``source`` (the text of ``module``)
+    uses: ``from cloudckpt.x import _y`` and ``<cloudckpt.x>._y`` through any name bound to a
+    cloudckpt module (``import cloudckpt.x as m``, ``from cloudckpt import x``). Dunders are
+    public (``__version__``)."""
+    def private(name: str) -> bool:
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+    tree = ast.parse(source)
+    bound: dict[str, str] = {}      # local name -> the cloudckpt module it names
+    found: list[str] = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            for a in n.names:
+                if a.name.startswith("cloudckpt"):
+                    if a.asname:
+                        bound[a.asname] = a.name
+                    else:
+                        bound[a.name.split(".")[0]] = a.name.split(".")[0]
+        elif isinstance(n, ast.ImportFrom) and (n.module or "").startswith("cloudckpt"):
+            for a in n.names:
+                target = f"{n.module}.{a.name}"
+                if target in MODULES:
+                    bound[a.asname or a.name] = target
+                elif private(a.name) and n.module != module:
+                    found.append(f"{module} imports {n.module}.{a.name}")
+    for n in ast.walk(tree):
+        if not isinstance(n, ast.Attribute):
+            continue
+        chain, root = [n.attr], n.value
+        while isinstance(root, ast.Attribute):
+            chain.append(root.attr)
+            root = root.value
+        if not isinstance(root, ast.Name) or root.id not in bound:
+            continue
+        owner = bound[root.id]
+        for attr in reversed(chain[1:]):   # descend while the chain names submodules
+            if f"{owner}.{attr}" not in MODULES:
+                break
+            owner = f"{owner}.{attr}"
+        else:
+            if private(n.attr) and owner != module:
+                found.append(f"{module} uses {owner}.{n.attr}")
+    return found
+
+
+def test_the_private_name_scan_finds_each_form():
+    src = ("import cloudckpt.runtime as rt\nfrom cloudckpt import context\n"
+           "from cloudckpt.run_cleanup import _Sorter, carry_out\nimport cloudckpt\n"
+           "rt._one_line(1); context._CONTEXT; cloudckpt.run_layout._STEP_RE\n"
+           "context.current(); cloudckpt.__version__; rt.__name__\n")
+    assert sorted(_private_uses("cloudckpt.manager", src)) == [
+        "cloudckpt.manager imports cloudckpt.run_cleanup._Sorter",
+        "cloudckpt.manager uses cloudckpt.context._CONTEXT",
+        "cloudckpt.manager uses cloudckpt.run_layout._STEP_RE",
+        "cloudckpt.manager uses cloudckpt.runtime._one_line"]
+    assert _private_uses("cloudckpt.runtime", "from cloudckpt.runtime import _one_line\n") == []
+
+
+def test_no_module_uses_another_modules_private_names():
+    """A module's underscore names are its own: what another module needs is public (the
+    manager once imported run_cleanup's helpers). ``cloudckpt.testing`` (test support) aside."""
+    found = [use for name, path in MODULES.items()
+             if not (name == "cloudckpt.testing" or name.startswith("cloudckpt.testing."))
+             for use in _private_uses(name, path.read_text())]
+    assert found == []

@@ -1,0 +1,84 @@
+"""Listing a run and pruning it: which steps a store holds, which of them the retention policy
+and the grace period for abandoned saves let go, and their removal.
+
+Works on one ``ObjectStore`` opened at the run root (keys relative to it; the step prefixes of
+:mod:`cloudckpt.run_layout`), on the caller's event loop; no torch, no collectives. What goes is
+always planned by :mod:`cloudckpt.run_cleanup` and removed by its ``carry_out`` (owned keys only,
+manifest first). Costs and guarantees are those stated in :mod:`cloudckpt.manager`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+from cloudckpt.errors import ObjectNotFound
+from cloudckpt.layout import MANIFEST_KEY
+from cloudckpt.retention import RetentionPolicy, select_to_delete
+from cloudckpt.run_cleanup import DeletionPlan, carry_out, plan_abandoned, plan_checkpoint
+from cloudckpt.run_layout import LIST_DELIMITER, StepState, add_uploads, classify_listing, step_dir
+
+__all__ = ["HEAD_CONCURRENCY", "prune_run", "scan_run", "step_has_objects"]
+
+#: HEAD / GET requests of manifests a listing keeps in flight at once.
+HEAD_CONCURRENCY = 32
+
+
+async def scan_run(store) -> dict[int, StepState]:
+    """Every step of the run by one ``delimiter="/data/"`` walk of its root, plus one HEAD of the
+    manifest of each step that looks incomplete (so a complete step is never reported
+    incomplete, including after SeaweedFS 4.48's paging skips keys after a ``data/`` prefix)."""
+    items = [item async for item in store.list("", delimiter=LIST_DELIMITER)]
+    steps = classify_listing(items)
+    suspects = [s for s, st in steps.items() if st.manifest is None]
+    if suspects:
+        sem = asyncio.Semaphore(HEAD_CONCURRENCY)
+
+        async def _head(step: int):
+            async with sem:
+                try:
+                    return step, await store.head(step_dir(step) + MANIFEST_KEY)
+                except ObjectNotFound:
+                    return step, None
+
+        for step, info in await asyncio.gather(*(_head(s) for s in suspects)):
+            steps[step].manifest = info
+    return steps
+
+
+async def step_has_objects(store, step: int) -> bool:
+    """Whether anything is stored under step ``step``: a finished object or an unfinished
+    upload (of a killed attempt, say)."""
+    async for _ in store.list(step_dir(step)):
+        return True
+    return bool(await store.list_uploads(step_dir(step)))
+
+
+async def prune_run(store, retention: RetentionPolicy, abandoned_after: float, *,
+                    dry_run: bool = False, progress: Callable[[int], None] | None = None
+                    ) -> list[tuple[int, StepState, DeletionPlan]]:
+    """Remove (unless ``dry_run``) the complete steps ``retention`` does not keep and the
+    incomplete ones whose owned objects and uploads are all older than ``abandoned_after``
+    seconds (by this machine's clock); return each with its listing state and the plan that was
+    (or would be) carried out, oldest step first. Each step is planned just before it is
+    removed, so a save that resumes at an abandoned step keeps its fresh objects."""
+    steps = add_uploads(await scan_run(store), await store.list_uploads(""))
+    doomed_complete = select_to_delete(
+        [s for s, st in steps.items() if st.manifest is not None], retention)
+    cutoff = time.time() - abandoned_after
+    removed: list[tuple[int, StepState, DeletionPlan]] = []
+    for step in sorted(steps):
+        state = steps[step]
+        if state.manifest is not None:
+            if step not in doomed_complete:
+                continue
+            plan = await plan_checkpoint(store, step_dir(step))
+        else:
+            plan = await plan_abandoned(store, step_dir(step), state.uploads, cutoff)
+            if plan is None or plan.empty:
+                continue  # still being written (or vanished, or nothing of ours): kept
+        removed.append((step, state, plan))
+        if not dry_run:
+            await carry_out(store, plan, progress=progress)
+    return removed
