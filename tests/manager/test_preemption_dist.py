@@ -120,7 +120,7 @@ def test_listing_failure_on_rank_0_fails_every_rank_at_once(world2, s3_url):
         assert results[0]["message"] == results[1]["message"], (which, results)
         assert "CheckpointError" in results[0]["types"] and \
             "AccessDenied" in results[0]["types"], (which, results)
-        assert "rank(s) 0" in results[0]["message"], (which, results)
+        assert "failed on rank 0 " in results[0]["message"], (which, results)
 
 
 def check_while_saving_in_background(url: str) -> dict:
