@@ -14,6 +14,7 @@ refused (its type would not survive). msgpack extension types used:
 
 from __future__ import annotations
 
+import itertools
 import json
 import pickle
 
@@ -26,6 +27,7 @@ EXT_BIGINT = 2
 EXT_PICKLE = 3
 MAX_DEPTH = 200
 _MAX_BIGINT_BYTES = 1 << 16
+_CONTAINERS = (list, tuple, dict)
 _INT_MIN, _UINT_MAX = -(1 << 63), (1 << 64) - 1
 
 
@@ -130,12 +132,48 @@ def _decode(data, *, path: str, pickle_mode: str):
             return pickle.loads(payload)  # noqa: S301 - explicit opt-in by the loader
         raise ValueError(f"unknown msgpack extension type {code}")
 
+    unpickled: set[int] = set()  # ids of unpickled objects: leaves, whatever their depth
+
+    def hook_noting(code: int, payload: bytes):
+        obj = hook(code, payload)
+        if code == EXT_PICKLE:
+            unpickled.add(id(obj))
+        return obj
+
     try:
-        return msgpack.unpackb(bytes(data), ext_hook=hook, raw=False, strict_map_key=False)
+        value = msgpack.unpackb(bytes(data), ext_hook=hook_noting, raw=False, strict_map_key=False)
     except PickleNotAllowed:
         raise
     except Exception as exc:  # noqa: BLE001 - anything from malformed input or unpickling
         raise ManifestError(f"undecodable value ({type(exc).__name__}: {exc})", path=path) from exc
+    if _depth_exceeds(value, unpickled):
+        raise ManifestError(f"nested deeper than {MAX_DEPTH} levels (the encoder writes no deeper)",
+                            path=path)
+    return value
+
+
+def _depth_exceeds(value, leaves: set[int]) -> bool:
+    """Whether ``value`` nests deeper than :data:`MAX_DEPTH` (as :func:`encode_value` counts:
+    the value itself at depth 0, a dict key or item one deeper than its container). Walks one
+    level at a time, holding only the non-empty containers of the next level."""
+    level, depth = [value], 0
+    while level:
+        deeper = []
+        for node in level:
+            if id(node) in leaves:
+                continue
+            t = type(node)
+            if t is dict:
+                children = itertools.chain(node.keys(), node.values())
+            elif t is list or t is tuple:
+                children = node
+            else:
+                continue
+            if depth == MAX_DEPTH and len(node):
+                return True
+            deeper.extend(c for c in children if type(c) in _CONTAINERS and len(c))
+        level, depth = deeper, depth + 1
+    return False
 
 
 def decode_value(data, *, key: str, allow_pickle):
