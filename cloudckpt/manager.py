@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
 
+from cloudckpt.api.manifest_io import fetch_manifest_bytes
 from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
 from cloudckpt.layout import DATA_PREFIX, MANIFEST_KEY
 from cloudckpt.retention import RetentionPolicy, select_to_delete
@@ -295,7 +296,7 @@ class CheckpointManager:
                 return info
             async with sem:
                 try:
-                    raw = await self.store.get(step_dir(info.step) + MANIFEST_KEY)
+                    raw = await fetch_manifest_bytes(self.store, step_dir(info.step) + MANIFEST_KEY)
                 except ObjectNotFound:  # deleted since the listing
                     return replace(info, complete=False, created_at=None)
             manifest, _ = decode_manifest_without_pickle(raw)

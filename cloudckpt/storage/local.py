@@ -23,6 +23,7 @@ import errno
 import os
 import re
 import secrets
+import stat
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -34,6 +35,7 @@ from cloudckpt.errors import (
     ConfigError,
     InvalidRange,
     ObjectExists,
+    ObjectTooLarge,
     ObjectNotFound,
     StorageError,
 )
@@ -202,18 +204,41 @@ class LocalStore:
         root = self.root
         return await self._run("head", key, lambda: _info(key, _stat_file(root, path)))
 
-    async def get(self, key: str) -> bytes:
+    async def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """The whole file. Only a regular file is read (opened non-blocking, so a FIFO or a
+        device cannot hang the call; anything else is ``ObjectNotFound``); with ``max_bytes``,
+        its size is checked (``ObjectTooLarge``) before a byte is read."""
         path = self._path(key)
 
         root = self.root
+        url = self.url
+
+        def too_large(size: int) -> ObjectTooLarge:
+            return ObjectTooLarge(f"get {url}/{key}: {size} bytes, more than the {max_bytes} "
+                                  f"allowed", key=key, operation="get", size=size, limit=max_bytes)
 
         def read() -> bytes:
             _check_inside(root, path)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
             try:
-                with open(path, "rb") as f:
-                    return f.read()
-            except IsADirectoryError as exc:
-                raise FileNotFoundError(errno.ENOENT, "not a file", str(path)) from exc
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise FileNotFoundError(errno.ENOENT, "not a regular file", str(path))
+                if max_bytes is not None and st.st_size > max_bytes:
+                    raise too_large(st.st_size)
+                with open(fd, "rb", closefd=False) as f:
+                    if max_bytes is None:
+                        return f.read()
+                    pieces, total, want = [], 0, min(st.st_size, max_bytes) + 1
+                    while piece := f.read(want):  # the size read so far, then what it grew by
+                        pieces.append(piece)
+                        total += len(piece)
+                        if total > max_bytes:
+                            raise too_large(total)
+                        want = min(1 << 20, max_bytes + 1 - total)
+                return b"".join(pieces) if len(pieces) != 1 else pieces[0]
+            finally:
+                os.close(fd)
 
         data = await self._run("get", key, read)
         self.stats.bytes_received += len(data)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 
 from botocore.exceptions import ClientError
 
-from cloudckpt.errors import ConfigError, InvalidRange, StorageError
+from cloudckpt.errors import ConfigError, InvalidRange, ObjectTooLarge, StorageError
 from cloudckpt.storage import s3_write
 from cloudckpt.storage.base import (
     Body,
@@ -229,20 +229,24 @@ class S3Store:
 
         return await self._call("head", key, attempt)
 
-    async def get(self, key: str) -> bytes:
+    async def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         """The whole object. The first GET asks for one read piece (32 MiB or ``part_size``); a
         larger object's rest is fetched in concurrent ranged GETs into one buffer, then copied
         once into the returned ``bytes``: budgeted at twice its size (clipped to the budget).
         Memory comes from the byte budget before any request slot, so gets and ranged reads
         cannot deadlock; when the budget has no room for a large object at once, its first piece
         is dropped while waiting (and fetched again) rather than held outside the budget. For
-        large objects, ``read_ranges`` into a caller buffer needs no store memory at all."""
+        large objects, ``read_ranges`` into a caller buffer needs no store memory at all. With
+        ``max_bytes``, an object larger than that raises ``ObjectTooLarge`` as soon as the
+        first answer's headers give its size, before its body is read."""
         phys = self._phys(key)
         budget = self._conn.budget
         first = self.options.part_size or READ_PIECE
+        if max_bytes is not None:
+            first = max(1, min(first, max_bytes + 1))
         held = await budget.acquire(first)
         try:
-            chunks, total = await self._get_first(key, phys, first)
+            chunks, total = await self._get_first(key, phys, first, max_bytes)
             got = sum(len(c) for c in chunks)
             if got == total:
                 return b"".join(chunks)
@@ -267,8 +271,10 @@ class S3Store:
         finally:
             budget.release(held)
 
-    async def _get_first(self, key: str, phys: str, first: int) -> tuple[list, int]:
-        """The first ``first`` bytes of the object (as chunks) and its total size."""
+    async def _get_first(self, key: str, phys: str, first: int,
+                         max_bytes: int | None = None) -> tuple[list, int]:
+        """The first ``first`` bytes of the object (as chunks) and its total size
+        (``ObjectTooLarge``, the body unread, when that is over ``max_bytes``)."""
 
         async def attempt(n: int) -> tuple[list, int]:
             client = await self._conn.client()
@@ -287,6 +293,10 @@ class S3Store:
             total = crange[2] if crange and crange[2] is not None else length
             done = False
             try:
+                if max_bytes is not None and total > max_bytes:
+                    raise ObjectTooLarge(f"get {self.url}/{key}: {total} bytes, more than the "
+                                         f"{max_bytes} allowed", key=key, operation="get",
+                                         size=total, limit=max_bytes)
                 chunks, got = [], 0
                 async for chunk in iter_body(body):
                     chunks.append(chunk)
