@@ -1,7 +1,8 @@
 """Planning and manifest benchmark on simulated FSDP-like jobs (pure Python, one process).
 
-    python benchmarks/planning.py                      # 256 and 1,024 ranks x 2,000 tensors
+    python benchmarks/planning.py                      # 256 and 1,024 ranks x 2,000 tensors, hostile
     python benchmarks/planning.py --ranks 64 --tensors 500 --repeat 1
+    python benchmarks/planning.py --only hostile       # the hostile-manifest section alone
 
 Every sharded tensor is split over all ranks along dim 0 (torch.chunk sizes, so the last ranks
 hold fewer rows or none); a few hundred small tensors are replicated on every rank. Prints the
@@ -10,6 +11,14 @@ planning time when loaded by another world size, manifest encode/decode time and
 size of a pickle of the same information. Targets (from the issue): global plan < 1 s at 256
 ranks and < 5 s at 1,024; cached < 50 ms; manifest <= 40 bytes per chunk and smaller than the
 pickle; decode >= 1 million chunks per second.
+
+Hostile-manifest section: manifests an attacker (or a strange saver) could write, built by
+``tests/reliability/hostile_layouts.py``: a ``(K, K)`` tensor whose columns are split at different
+rows (K = 24,000) and its transpose, many zero-element chunks of a 64-dim tensor (0.4 MB and 4 MB
+of manifest), a structure nested 100,000 deep. For each: manifest bytes, peak Python memory
+(tracemalloc) and seconds of ``decode_manifest``, of planning a one-element load on first use of
+the manifest (chunk index and exact-cover check included) and again, and of the exact-cover check
+alone. Seconds are best of ``--repeat``; nothing is asserted.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import argparse
 import pickle
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -174,13 +184,86 @@ def run(world: int, n_sharded: int, n_replicated: int, load_world: int, repeat: 
             "pickle_ratio": pickled / len(data), "decode_rate": chunks / t_mdec, "load": t_load}
 
 
+def traced(fn):
+    """(peak bytes of Python allocations while ``fn()`` ran, its result or the exception)."""
+    tracemalloc.start()
+    try:
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - a refusal is a result here
+            result = exc
+        return tracemalloc.get_traced_memory()[1], result
+    finally:
+        tracemalloc.stop()
+
+
+def hostile(repeat: int, sizes: list[str]) -> None:
+    from cloudckpt.planning import find_cover_defect
+    from tests.reliability import hostile_layouts as hl
+
+    cases = {
+        "columns": ("column split K=24,000", lambda: hl.layout_manifest_bytes({"w": hl.column_split(24_000)})),
+        "rows": ("row split K=24,000", lambda: hl.layout_manifest_bytes({"w": hl.row_split(24_000)})),
+        "empty-0.4": ("empty 64-dim chunks, 0.4 MB", lambda: hl.empty_chunks(400_000)),
+        "empty-4": ("empty 64-dim chunks, 4 MB", lambda: hl.empty_chunks(4_000_000)),
+        "deep": ("structure nested 100,000 deep", lambda: hl.deep_structure(100_000)),
+    }
+    print(f"\n== hostile manifests (seconds: best of {repeat}; memory: tracemalloc peak) ==")
+    print(f"{'manifest':32} {'bytes':>10} | {'decode':>17} | {'plan 1 element, first':>22} | "
+          f"{'again':>8} | {'cover check':>11}")
+    mib = 1 << 20
+    for key in sizes:
+        label, make = cases[key]
+        data = make()
+        peak, manifest = traced(lambda: decode_manifest(data))
+        if isinstance(manifest, Exception):
+            t_dec, _ = best_of(repeat, lambda: _refused(decode_manifest, data))
+            print(f"{label:32} {len(data):>10,} | {t_dec:7.3f} s {peak / mib:5.0f} MiB | "
+                  f"refused: {type(manifest).__name__}: {str(manifest)[:60]}")
+            continue
+        t_dec, _ = best_of(repeat, lambda: decode_manifest(data))
+        name = max(manifest.tensors, key=lambda n: len(manifest.tensors[n].chunks))
+        rec = manifest.tensors[name]
+        where = tuple(s // 2 for s in rec.shape)
+        request = [PieceSpec(name, rec.dtype, rec.shape, where, (1,) * len(rec.shape))]
+        firsts, plan_peak = [], 0
+        for _ in range(repeat):  # a fresh manifest each time: first use builds its index
+            fresh = decode_manifest(data)
+            t0 = time.perf_counter()
+            plan_local_load(fresh, request, rank=0)
+            firsts.append(time.perf_counter() - t0)
+        fresh = decode_manifest(data)
+        plan_peak, _ = traced(lambda: plan_local_load(fresh, request, rank=0))
+        t_again, plan = best_of(repeat, lambda: plan_local_load(fresh, request, rank=0))
+        off, size = (np.asarray(rec.chunks.offsets), np.asarray(rec.chunks.sizes))
+        t_cover, defect = best_of(repeat, lambda: find_cover_defect(rec.shape, off, size))
+        assert len(plan.reads) == 1 and defect is None
+        print(f"{label:32} {len(data):>10,} | {t_dec:7.3f} s {peak / mib:5.0f} MiB | "
+              f"{min(firsts):8.3f} s {plan_peak / mib:6.0f} MiB | {t_again * 1e3:5.1f} ms | "
+              f"{t_cover:9.3f} s")
+
+
+def _refused(fn, *args):
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--tensors", type=int, default=2000)
     ap.add_argument("--replicated", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--only", choices=["jobs", "hostile"], help="run one section (default: both)")
+    ap.add_argument("--hostile", nargs="+", default=["columns", "rows", "empty-0.4", "empty-4", "deep"],
+                    help="hostile manifests to run (columns rows empty-0.4 empty-4 deep)")
     args = ap.parse_args()
+    if args.only != "jobs":
+        hostile(args.repeat, args.hostile)
+    if args.only == "hostile":
+        return
     results = [run(w, args.tensors, args.replicated, max(1, w * 3 // 4), args.repeat) for w in args.ranks]
     print("\ntargets:")
     for r in results:

@@ -36,6 +36,8 @@ _LAZY = {
     "RetentionPolicy": ("cloudckpt.retention", "RetentionPolicy"),
     "PreemptionHandler": ("cloudckpt.preemption", "PreemptionHandler"),
     "Preempted": ("cloudckpt.preemption", "Preempted"),
+    "SpotNoticePoller": ("cloudckpt.spot", "SpotNoticePoller"),
+    "SpotNoticeOptions": ("cloudckpt.spot", "SpotNoticeOptions"),
     "ManagedSaveHandle": ("cloudckpt.manager", "ManagedSaveHandle"),
 }
 

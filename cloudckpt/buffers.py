@@ -1,9 +1,14 @@
 """Byte views of tensors: the one place that turns tensor memory into buffers and back.
 
-- :func:`byte_view` returns a flat ``uint8`` memoryview of a CPU, contiguous tensor's memory with
-  no copy (any dtype, bfloat16 and bool included; 0-d and empty tensors too).
-- :func:`host_contiguous` returns the tensor itself when it already is a CPU contiguous tensor,
-  otherwise a contiguous CPU copy (device tensors, non-contiguous views).
+- :func:`is_byte_viewable` says whether a tensor's memory *is* its values in row-major order: a
+  dense CPU tensor that torch calls contiguous (size-1 dimensions may have any stride, 0-d and
+  empty tensors count) with no lazy conjugate / negative bit. Only such a tensor is read or
+  written as bytes; any other one goes through a copy (sources) or ``copy_`` (destinations).
+- :func:`flat_bytes` / :func:`byte_view` give a flat ``uint8`` tensor / memoryview of such a
+  tensor's memory with no copy (any dtype, bfloat16 and bool included), whatever the strides of
+  its size-1 dimensions.
+- :func:`host_contiguous` returns the tensor itself when it is byte-viewable, otherwise a
+  contiguous CPU copy of its values (device tensors, strided views, conjugate views).
 - :func:`tensor_from_bytes` views a byte buffer as a tensor of a dtype and shape (no copy).
 """
 
@@ -15,25 +20,40 @@ import threading
 import torch
 
 
+def is_byte_viewable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory holds exactly its values in row-major order (see module doc)."""
+    return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
+
+
 def host_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """``t`` if it is a dense, contiguous CPU tensor; a contiguous CPU copy otherwise."""
-    if t.device.type == "cpu" and t.is_contiguous() and t.layout == torch.strided:
+    """``t`` if it is byte-viewable; a contiguous CPU copy of its values otherwise."""
+    if is_byte_viewable(t):
         return t
-    return t.detach().to("cpu").contiguous()
+    return t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` tensor over a byte-viewable tensor's memory (no copy).
+
+    Raises ``ValueError`` for any other tensor: call :func:`host_contiguous` first.
+    """
+    if not is_byte_viewable(t):
+        raise ValueError("a byte view needs a contiguous CPU tensor without conjugate/negative bit")
+    # a contiguous tensor's size-1 dimensions may carry any stride: re-stride it as the flat run
+    # it is, so the dtype view below never sees a stride other than 1
+    flat = t.detach().as_strided((t.numel(),), (1,))
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
-    """A flat uint8 memoryview of a CPU contiguous tensor's bytes (no copy).
+    """A flat uint8 memoryview of a byte-viewable tensor's bytes (no copy).
 
-    Raises ``ValueError`` for non-contiguous or device tensors: call :func:`host_contiguous` first.
+    Raises ``ValueError`` for any other tensor: call :func:`host_contiguous` first.
     """
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError("byte_view needs a contiguous CPU tensor")
-    if t.numel() == 0:
+    flat = flat_bytes(t)
+    if flat.numel() == 0:
         return memoryview(b"")
-    flat = t.detach().reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
     return memoryview(flat.numpy()).cast("B")
 
 
@@ -44,7 +64,7 @@ def tensor_from_bytes(buf, dtype: torch.dtype, shape) -> torch.Tensor:
     itemsize = torch.empty((), dtype=dtype).element_size()
     mv = memoryview(buf).cast("B") if not isinstance(buf, torch.Tensor) else None
     if isinstance(buf, torch.Tensor):
-        raw = buf.reshape(-1).view(torch.uint8)
+        raw = flat_bytes(buf)
     elif len(mv) == 0:
         return torch.empty(shape, dtype=dtype)
     else:

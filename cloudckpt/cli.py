@@ -5,13 +5,26 @@ cloudckpt ls RUN_URL                       checkpoints of a run: step, time, siz
 cloudckpt show URL [--step N]              tensors (name, dtype, shape, chunks, bytes) and values
 cloudckpt verify URL [--step N]            read every object, check every checksum
 cloudckpt prune RUN_URL --keep-last N [--keep-every K] [--abandoned-after S] [--dry-run]
-cloudckpt rm URL [--step N]                delete one checkpoint (manifest first)
+cloudckpt rm URL [--step N] [--dry-run]    delete one checkpoint (manifest first)
 cloudckpt export URL OUT [--step N]        one consolidated OUT.safetensors, or OUT.pt (torch.save)
 ```
 
 ``URL`` is a checkpoint URL, or a run URL with ``--step N``; ``show``, ``verify`` and ``export``
 given a run URL without ``--step`` use its newest complete checkpoint. Credentials and endpoint
 come from the standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...).
+``--timeout SECONDS`` (before the command) gives up on an endpoint that does not answer after
+about SECONDS (default: about 60).
+
+``rm`` and ``prune`` delete only what the checkpoint layout owns: each checkpoint's
+``manifest.msgpack`` (first), its ``data/<attempt>/r<rank>-<n>.bin`` objects and unfinished uploads
+of those keys. Other keys under a checkpoint are left, and a line on stderr says so. ``rm`` takes a
+checkpoint, complete or not (an incomplete one: its data objects and uploads); given a run it
+refuses (exit 2), given a URL that is neither a checkpoint nor a run (a folder of runs, other
+files) it refuses (exit 2, nothing removed), given a URL with nothing there it exits 1. A step of
+a run (``--step N``, or a URL ending in ``step-<012d>``) is deleted through
+``CheckpointManager(run).delete``: on a local path, a step folder that is a symlink leading out of
+the run is refused (``AccessDenied``, exit 2). ``--dry-run`` lists every object and upload that
+would go, one per line, and removes nothing.
 
 Exit status: 0 success; 1 the operation failed (checkpoint missing, verification failed, storage
 error); 2 usage error, bad URL, missing or refused credentials, missing bucket; 130 interrupted.
@@ -32,6 +45,7 @@ from typing import Any, Sequence
 from cloudckpt.errors import (AccessDenied, BucketNotFound, CheckpointNotFound, CloudCkptError,
                               ConfigError, ObjectNotFound)
 from cloudckpt.layout import MANIFEST_KEY
+from cloudckpt.wording import plural
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -197,7 +211,7 @@ def cmd_show(args) -> int:
     print(f"checkpoint  {url}")
     print(f"created     {when}   world size {manifest.world_size}   "
           f"cloudckpt {manifest.cloudckpt_version}")
-    print(f"data        {len(manifest.objects)} objects, "
+    print(f"data        {plural(len(manifest.objects), 'object')}, "
           f"{_human_bytes(manifest.total_bytes())}")
     if manifest.metadata:
         print(f"metadata    {_metadata_text(manifest.metadata)}")
@@ -227,16 +241,36 @@ def cmd_verify(args) -> int:
     with _progress(total, "verifying", unit="B") as bar:
         report = cloudckpt.verify(url, progress=bar.update)
     if report.ok:
-        print(f"OK  {url}: {report.objects_checked} objects, "
+        print(f"OK  {url}: {plural(report.objects_checked, 'object')}, "
               f"{_human_bytes(report.bytes_checked)} checked")
     else:
-        print(f"FAILED  {url}: {len(report.problems)} problem(s) "
-              f"({report.objects_checked} objects, {_human_bytes(report.bytes_checked)} checked)")
+        print(f"FAILED  {url}: {plural(len(report.problems), 'problem')} "
+              f"({plural(report.objects_checked, 'object')}, {_human_bytes(report.bytes_checked)} "
+              "checked)")
     for problem in report.problems:
         print(f"  {problem}")
     for note in report.notes:
         print(f"  note: {note}")
     return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _left_note(url: str, plan, verb: str) -> None:
+    """One stderr line about the keys a deletion leaves because the layout does not own them."""
+    if plan.left:
+        more = ", ..." if plan.left > len(plan.left_examples) else ""
+        print(f"{verb} {plural(plan.left, 'key')} under {url} that "
+              f"{'is' if plan.left == 1 else 'are'} not part of a checkpoint: "
+              f"{', '.join(plan.left_examples)}{more}", file=sys.stderr)
+
+
+def _print_keys(base: str, plan) -> None:
+    """Every object and upload of ``plan`` (keys relative to ``base``), one per line."""
+    from cloudckpt.manager import join_url
+
+    for key in plan.objects:
+        print(f"  {join_url(base, key)}")
+    for upload in plan.uploads:
+        print(f"  upload {join_url(base, upload.key)} {upload.upload_id}")
 
 
 def cmd_prune(args) -> int:
@@ -245,81 +279,98 @@ def cmd_prune(args) -> int:
     mgr = CheckpointManager(args.url, keep_last=args.keep_last, keep_every=args.keep_every,
                             abandoned_after=args.abandoned_after)
     with _progress(None, "deleting") as bar:
-        removed = mgr.prune(dry_run=args.dry_run, progress=bar.update)
+        removed = mgr.prune_plans(dry_run=args.dry_run, progress=bar.update)
     verb = "would remove" if args.dry_run else "removed"
     if not removed:
         print("nothing to remove")
-    for info in removed:
+    for info, plan in removed:
         state = "complete" if info.complete else "abandoned"
-        print(f"{verb} step {info.step} ({state})  {info.url}")
+        counts = f"{plural(len(plan.objects), 'object')}, {plural(len(plan.uploads), 'upload')}"
+        print(f"{verb} step {info.step} ({state})  {info.url}  ({counts})")
+        if args.dry_run:
+            _print_keys(mgr.url, plan)
+        _left_note(info.url, plan, "would leave" if args.dry_run else "left")
     return EXIT_OK
+
+
+def _step_of_url(url: str) -> tuple[str, int] | None:
+    """(run URL, step) when ``url``'s last segment is a step folder ``step-<012d>`` of a run."""
+    from cloudckpt.manager import parse_step_dir
+
+    parent, _, last = url.rstrip("/").rpartition("/")
+    step = parse_step_dir(last + "/")
+    if step is None or not parent.strip("/") or parent.endswith((":", "/")):
+        return None  # no run above it (a bucket, a filesystem root, a relative name)
+    return parent, step
 
 
 def cmd_rm(args) -> int:
-    from cloudckpt.manager import CheckpointManager, delete_prefix, join_url, step_dir
+    """Delete one checkpoint, complete or incomplete: only the keys the layout owns. A step of a
+    run (``--step N``, or a URL ending in ``step-<012d>``) goes through
+    ``CheckpointManager(run).delete`` and its guards; a run or a folder that is neither is
+    refused (exit 2), and a URL with nothing there is "nothing to remove" (exit 1). A URL with no
+    manifest that holds step checkpoints is a run, unless it is a step that owns keys itself."""
+    from cloudckpt.manager import CheckpointManager, join_url, step_dir
+    from cloudckpt.run_cleanup import delete_checkpoint, plan_checkpoint
     from cloudckpt.runtime import run_coroutine
 
-    url = join_url(args.url, step_dir(args.step)) if args.step is not None else args.url
-    store = _open(url)
-    if args.step is None and not _has_manifest(store):
-        others = [i for i in CheckpointManager(url).list()]
+    located = (args.url, args.step) if args.step is not None else _step_of_url(args.url)
+    if located is not None:
+        mgr, step = CheckpointManager(located[0]), located[1]
+        url, base = join_url(mgr.url, step_dir(step)), mgr.url
+        plan = mgr.plan_delete(step)  # refuses a step folder that leads out of the run
+
+        def delete(progress) -> int:
+            return mgr.delete(step, progress=progress)
+    else:
+        url = base = args.url
+        store, plan = _open(url), None
+
+        def delete(progress) -> int:
+            return run_coroutine(delete_checkpoint(store, "", progress=progress))
+    # a run is refused; a step of a run that owns something is a checkpoint whatever it holds
+    if (plan.empty if plan is not None else not _has_manifest(store)):
+        others = CheckpointManager(url).list()
         if others:
-            raise UsageError(f"{url} is a run with {len(others)} checkpoint(s), not a checkpoint;"
-                             f" give one checkpoint URL or --step N")
-    with _progress(None, "deleting") as bar:
-        removed = run_coroutine(delete_prefix(store, "", progress=bar.update))
-    if removed == 0:
+            raise UsageError(f"{url} is a run with {plural(len(others), 'checkpoint')}, not a "
+                             "checkpoint; give one checkpoint URL or --step N")
+    if plan is None:
+        plan = run_coroutine(plan_checkpoint(store, ""))
+    if plan.empty and plan.left:
+        raise UsageError(f"{url} is neither a checkpoint nor a run ({plural(plan.left, 'key')} "
+                         "there, none part of a checkpoint); nothing removed")
+    if plan.empty:
         print(f"nothing to remove at {url}", file=sys.stderr)
         return EXIT_FAILED
-    print(f"removed {url} ({removed} objects)")
+    state = "" if plan.has_manifest else "incomplete checkpoint, "
+    if args.dry_run:
+        print(f"would remove {url} ({state}{plural(len(plan.objects), 'object')}, "
+              f"{plural(len(plan.uploads), 'upload')})")
+        _print_keys(base, plan)
+        _left_note(url, plan, "would leave")
+        return EXIT_OK
+    with _progress(len(plan.objects), "deleting") as bar:
+        removed = delete(bar.update)
+    print(f"removed {url} ({state}{plural(removed, 'object')}, "
+          f"{plural(len(plan.uploads), 'upload')})")
+    _left_note(url, plan, "left")
     return EXIT_OK
 
 
-def _flatten(tree: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            _flatten(v, f"{prefix}{k}.", out)
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            _flatten(v, f"{prefix}{i}.", out)
-    else:
-        out[prefix[:-1]] = tree
-
-
 def cmd_export(args) -> int:
-    import cloudckpt
+    """Write one consolidated file; see :mod:`cloudckpt.export` for how OUT is written (a fresh,
+    exclusively created temporary file renamed onto OUT; nothing left behind on failure)."""
+    from cloudckpt.export import export, export_kind
 
     out = args.out
-    kind = ".safetensors" if out.endswith(".safetensors") else ".pt" if out.endswith(
-        (".pt", ".pth")) else None
-    if kind is None:
+    if export_kind(out) is None:
         raise UsageError(f"OUT must end with .safetensors or .pt, got {out!r}")
     url = _resolve_checkpoint(args.url, args.step)
-    state = cloudckpt.load_full(url, allow_pickle=args.allow_pickle)
-    tmp = out + ".partial"
-    import torch
-
-    if kind == ".pt":
-        torch.save(state, tmp)
-    else:
-        from safetensors.torch import save_file
-
-        flat: dict[str, Any] = {}
-        _flatten(state, "", flat)
-        tensors = {k: v.contiguous() for k, v in flat.items() if isinstance(v, torch.Tensor)}
-        values = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
-        meta = {"format": "pt", "cloudckpt.source": url}
-        skipped = []
-        for k, v in values.items():
-            try:
-                meta[f"cloudckpt.value.{k}"] = json.dumps(v)
-            except (TypeError, ValueError):
-                skipped.append(k)
-        if skipped:
-            print(f"warning: {len(skipped)} non-tensor value(s) not representable in JSON were "
-                  f"left out: {', '.join(skipped[:5])}", file=sys.stderr)
-        save_file(tensors, tmp, metadata=meta)
-    os.replace(tmp, out)
+    skipped = export(url, out, allow_pickle=args.allow_pickle)
+    if skipped:
+        print(f"warning: {plural(len(skipped), 'non-tensor value')} not representable in "
+              f"JSON {'was' if len(skipped) == 1 else 'were'} "
+              f"left out: {', '.join(skipped[:5])}", file=sys.stderr)
     print(f"exported {url} -> {out}")
     return EXIT_OK
 
@@ -341,9 +392,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cloudckpt", description="Inspect and manage cloudckpt "
                                 "checkpoints in S3-compatible object stores or local paths.")
+    p.add_argument("--timeout", type=_positive_seconds, default=None, metavar="SECONDS",
+                   help="give up on an endpoint that does not answer after about SECONDS "
+                        "(default: about 60; StorageOptions.with_timeout)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, fn, help_: str, *, run_only: bool = False):
@@ -365,7 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--abandoned-after", type=float, default=3600.0, metavar="SECONDS",
                     help="age after which an incomplete checkpoint is abandoned (default 3600)")
     sp.add_argument("--dry-run", action="store_true", help="say what would be removed")
-    add("rm", cmd_rm, "delete one checkpoint (manifest first, then its objects)")
+    sp = add("rm", cmd_rm, "delete one checkpoint (manifest first, then its objects)")
+    sp.add_argument("--dry-run", action="store_true",
+                    help="list every object and upload that would be removed")
     sp = add("export", cmd_export, "write a checkpoint as one .safetensors or .pt file")
     sp.add_argument("out", metavar="OUT")
     sp.add_argument("--allow-pickle", action="store_true", help="decode pickled values")
@@ -377,6 +440,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = bool(os.environ.get("CLOUDCKPT_DEBUG"))
     try:
+        from cloudckpt.storage import parse_store_url
+
+        parse_store_url(args.url)  # a malformed URL is a usage error before anything runs
+        if args.timeout is not None:
+            from cloudckpt.runtime import set_default_storage
+            from cloudckpt.storage import StorageOptions
+
+            set_default_storage(StorageOptions().with_timeout(args.timeout))
         return args.fn(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -187,6 +187,10 @@ class CheckpointNotFound(CheckpointError, FileNotFoundError):
     """No committed checkpoint (no manifest) at that URL."""
 
 
+class ProtocolError(CloudCkptError, ValueError):
+    """A message between ranks is malformed (the ranks run different cloudckpt versions?)."""
+
+
 class CollectiveTimeout(CheckpointError, TimeoutError):
     """A peer did not answer a collective within the configured timeout (dead or hung rank)."""
 

@@ -17,15 +17,18 @@ Cost contract:
   that step's keys). ``total_bytes`` / ``objects`` / ``world_size`` come from the manifest and are
   read only when asked for (``list(details=True)``, :meth:`info`).
 - Deleting is safe: the manifest goes first (the checkpoint stops being complete before any of its
-  data goes), then every object under the checkpoint's prefix in batches, then its unfinished
-  multipart uploads. Manifest keys are relative to their own checkpoint root and validated (no
-  ``..``), so no other checkpoint's manifest can refer to an object under that prefix: deleting
-  only under the prefix never removes an object a remaining manifest refers to.
+  data goes), then the checkpoint's data objects in batches, then its unfinished multipart
+  uploads. Only keys the checkpoint layout owns go (``manifest.msgpack``, ``data/<attempt>/r<rank>
+  -<n>.bin`` and uploads of them, see :mod:`cloudckpt.layout`); anything else under a step's
+  prefix is left in place and logged. Manifest keys are relative to their own checkpoint root and
+  validated (no ``..``), so no other checkpoint's manifest can refer to an object under that
+  prefix. On a local path, a step folder that is a symlink leading outside the run is refused
+  (``AccessDenied``), nothing removed.
 - :meth:`prune` deletes the complete checkpoints the retention policy does not keep (never the
   newest complete one) and *abandoned* saves: incomplete checkpoints whose newest object or
   upload is older than ``abandoned_after`` seconds (default 3600). Of an abandoned save it removes
-  only objects and uploads older than that, so a save that starts again at the same step while a
-  prune runs keeps its fresh objects. A save in progress is therefore never broken by a prune, as
+  only owned objects and uploads older than that, so a save that starts again at the same step
+  while a prune runs keeps its fresh objects. A save in progress is therefore never broken by a prune, as
   long as it keeps producing objects within the grace period. Ages compare the store's
   timestamps with this machine's clock.
 
@@ -51,12 +54,14 @@ from cloudckpt.api.manifest_io import fetch_manifest_bytes
 from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
 from cloudckpt.layout import DATA_PREFIX, MANIFEST_KEY
 from cloudckpt.retention import RetentionPolicy, select_to_delete
-from cloudckpt.run_cleanup import (DELETE_BATCH, _delete_keys, _remove_stale_attempts,
-                                    decode_manifest_without_pickle, delete_prefix)
-from cloudckpt.runtime import run_coroutine, shared_store
+from cloudckpt.run_cleanup import (DELETE_BATCH, DeletionPlan, carry_out,
+                                    decode_manifest_without_pickle, delete_checkpoint,
+                                    plan_abandoned, plan_checkpoint, remove_stale_attempts)
+from cloudckpt.runtime import finish_before_exit, run_coroutine, shared_store
+from cloudckpt.storage import parse_store_url
 
-__all__ = ["CheckpointInfo", "CheckpointManager", "ManagedSaveHandle", "step_dir",
-           "join_url", "DELETE_BATCH"]
+__all__ = ["CheckpointInfo", "CheckpointManager", "DeletionPlan", "ManagedSaveHandle",
+           "step_dir", "join_url", "DELETE_BATCH"]
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +152,8 @@ class ManagedSaveHandle(Future):
 
     Done once the save has committed (or failed) *and* the manager's follow-up work (cleanup of
     stale attempts of the same step, automatic pruning) has run. ``result()`` returns the
-    ``SaveResult`` or raises the save's error; a failure of the follow-up work is only logged.
+    ``SaveResult`` or raises the save's error; a failure of the follow-up work does not fail the
+    committed save: it is logged (WARNING) and returned as ``SaveResult.retention_error``.
     ``inner`` is the ``cloudckpt.async_save`` handle.
     """
 
@@ -179,6 +185,7 @@ class CheckpointManager:
             raise ValueError("pass either retention= or the keep_* shortcuts, not both")
         if abandoned_after < 0:
             raise ValueError(f"abandoned_after must be >= 0 seconds, got {abandoned_after}")
+        url = parse_store_url(url).url  # a malformed URL fails here, before any I/O
         self.url = url.rstrip("/") if url.rstrip("/") else url
         self.retention = retention if retention is not None else shortcuts
         self.abandoned_after = float(abandoned_after)
@@ -216,16 +223,6 @@ class CheckpointManager:
     def step_url(self, step: int) -> str:
         """URL of step ``step``'s checkpoint."""
         return join_url(self.url, step_dir(step))
-
-    def _rank(self) -> int:
-        try:
-            import torch.distributed as dist
-        except ImportError:  # pragma: no cover - torch is a dependency
-            return 0
-        if not (dist.is_available() and dist.is_initialized()):
-            return 0
-        return dist.get_rank(self.process_group) if self.process_group is not None \
-            else dist.get_rank()
 
     # -- listing --------------------------------------------------------------------------------
 
@@ -328,22 +325,25 @@ class CheckpointManager:
         is recorded in the manifest's metadata (``"step"``) unless ``metadata`` already has one.
         Raises ``CheckpointExists`` when the step is already complete. After a successful save,
         rank 0 removes leftovers of earlier killed attempts at the same step and, when the
-        retention policy has a rule, prunes (a failure there is logged, not raised).
+        retention policy has a rule, prunes. A failure there does not fail the committed save:
+        it is logged (WARNING) and returned as the result's ``retention_error`` (``None`` when
+        that work succeeded); :meth:`prune` retries it and raises on failure.
         """
         import cloudckpt
+        from cloudckpt.transport import group_rank
 
         url = self.step_url(step)
         self.wait()
         meta = dict(metadata or {})
         meta.setdefault("step", step)
-        coordinator = self._rank() == 0
+        coordinator = group_rank(self.process_group) == 0
         leftovers = coordinator and self._has_objects(step)
         kwargs = dict(process_group=self.process_group, storage=self.storage,
                       allow_pickle=self.allow_pickle, metadata=meta, options=self.save_options)
         if blocking:
             result = cloudckpt.save(state_dict, url, **kwargs)
             if coordinator:
-                self._after_save(step, leftovers)
+                result = self._after_save(step, leftovers, result)
             return result
         inner = cloudckpt.async_save(state_dict, url, **kwargs)
         handle = ManagedSaveHandle(step, url, inner)
@@ -355,11 +355,12 @@ class CheckpointManager:
                 handle.set_exception(exc)
                 return
             if coordinator:
-                self._after_save(step, leftovers)
+                result = self._after_save(step, leftovers, result)
             handle.set_result(result)
 
         threading.Thread(target=_follow_up, name=f"cloudckpt-save-step{step}",
                          daemon=True).start()
+        finish_before_exit(handle, url)  # the follow-up work too, not only the save
         self._pending = handle
         return handle
 
@@ -377,14 +378,18 @@ class CheckpointManager:
         except Exception:  # the save itself will report a broken store
             return True
 
-    def _after_save(self, step: int, leftovers: bool) -> None:
+    def _after_save(self, step: int, leftovers: bool, result):
+        """The clean-up after a committed save: ``result``, with its error (logged) if any."""
         try:
             if leftovers:
-                run_coroutine(_remove_stale_attempts(self.store, step_dir(step)))
+                run_coroutine(remove_stale_attempts(self.store, step_dir(step)))
             if self.retention.active:
                 self.prune()
         except Exception as exc:  # the checkpoint is committed: do not fail the save
-            log.warning("cleanup after saving step %d failed: %s", step, exc)
+            log.warning("step %d is saved, but the clean-up after it failed (checkpoints the "
+                        "retention policy drops may remain; prune() retries): %s", step, exc)
+            return replace(result, retention_error=exc)
+        return result
 
     def load(self, state_dict, *, step: int | None = None, strict: bool = True) -> int | None:
         """Load step ``step`` (default: the newest complete checkpoint) into ``state_dict``.
@@ -407,35 +412,38 @@ class CheckpointManager:
         return step
 
     def _agree_on_latest(self) -> int | None:
+        from cloudckpt.api.reports import LatestStep
         from cloudckpt.transport import ControlChannel
 
         timeout = getattr(self.load_options, "timeout", 600.0)
         channel = ControlChannel(self.process_group, timeout=timeout)
-        if channel.size == 1:
-            latest = self.latest()
-            return latest.step if latest is not None else None
-        payload, error = b"", None
-        if channel.is_coordinator:
-            try:
-                latest = self.latest()
-                payload = str(latest.step if latest is not None else -1).encode()
-            except Exception as exc:  # every rank must learn of it, or the others would hang
-                error = exc
-        payloads = channel.agree("finding the latest checkpoint", payload, error)
-        chosen = int(payloads[0])
-        return None if chosen < 0 else chosen
+        if channel.size == 1:  # one process: the listing's own error, unwrapped
+            return self._latest_step()
+        with channel.phase("finding the latest checkpoint", LatestStep) as finding:
+            if channel.is_coordinator:  # every rank learns of its failure, none hangs
+                finding.report = LatestStep(step=self._latest_step())
+        return finding.reports[0].step
+
+    def _latest_step(self) -> int | None:
+        latest = self.latest()
+        return latest.step if latest is not None else None
 
     # -- deleting -------------------------------------------------------------------------------
+
+    def plan_delete(self, step: int) -> DeletionPlan:
+        """What :meth:`delete` would remove now (keys relative to the run), removing nothing."""
+        return run_coroutine(plan_checkpoint(self.store, step_dir(step)))
 
     def delete(self, step: int, *, progress: Callable[[int], None] | None = None) -> int:
         """Delete step ``step``'s checkpoint, complete or not; returns the objects removed.
 
-        Manifest first, then every object under its prefix in batches of :data:`DELETE_BATCH`,
-        then its unfinished multipart uploads (see the module docstring for why this never
-        removes an object another checkpoint refers to). Deleting a step that does not exist
-        removes nothing and returns 0. Do not delete a step that is being saved.
+        Manifest first, then the step's data objects in batches of :data:`DELETE_BATCH`, then
+        their unfinished uploads: only keys the checkpoint layout owns (see the module
+        docstring); other keys under the step are left and logged. Deleting a step that does
+        not exist removes nothing and returns 0. A step folder that is a symlink leading out of
+        a local run raises ``AccessDenied``. Do not delete a step that is being saved.
         """
-        return run_coroutine(delete_prefix(self.store, step_dir(step), progress=progress))
+        return run_coroutine(delete_checkpoint(self.store, step_dir(step), progress=progress))
 
     def prune(self, *, dry_run: bool = False,
               progress: Callable[[int], None] | None = None) -> list[CheckpointInfo]:
@@ -445,11 +453,18 @@ class CheckpointManager:
         (never the newest complete one; none at all for a policy without rules) and the
         incomplete ones abandoned for longer than ``abandoned_after`` (unfinished multipart
         uploads included, even of a step that has no finished object). ``dry_run=True`` removes
-        nothing and returns what would have been removed.
+        nothing and returns what would have been removed. Only owned keys go (see
+        :meth:`delete`).
         """
+        return [info for info, _ in self.prune_plans(dry_run=dry_run, progress=progress)]
+
+    def prune_plans(self, *, dry_run: bool = False, progress: Callable[[int], None] | None = None
+                    ) -> list[tuple[CheckpointInfo, DeletionPlan]]:
+        """:meth:`prune`, returning each removed checkpoint with the exact keys and uploads that
+        went (or, with ``dry_run=True``, would go)."""
         return run_coroutine(self._prune(dry_run, progress))
 
-    async def _prune(self, dry_run: bool, progress) -> list[CheckpointInfo]:
+    async def _prune(self, dry_run: bool, progress) -> list[tuple[CheckpointInfo, DeletionPlan]]:
         store = self.store
         steps = await self._scan()
         for upload in await store.list_uploads(""):
@@ -460,42 +475,18 @@ class CheckpointManager:
         doomed_complete = select_to_delete(
             [s for s, st in steps.items() if st.manifest is not None], self.retention)
         cutoff = time.time() - self.abandoned_after
-        removed: list[CheckpointInfo] = []
+        removed: list[tuple[CheckpointInfo, DeletionPlan]] = []
         for step in sorted(steps):
             state = steps[step]
-            info = self._info(step, state)
             if state.manifest is not None:
-                if step in doomed_complete:
-                    removed.append(info)
-                    if not dry_run:
-                        await delete_prefix(store, step_dir(step), progress=progress)
-                continue
-            stale_keys, stale_uploads, fresh = await _abandoned_parts(store, step, state, cutoff)
-            if fresh or not (stale_keys or stale_uploads):
-                continue  # still being written (or vanished): not abandoned
-            removed.append(info)
-            if dry_run:
-                continue
-            await _delete_keys(store, stale_keys, progress)
-            for upload in stale_uploads:
-                await store.abort_upload(upload)
+                if step not in doomed_complete:
+                    continue
+                plan = await plan_checkpoint(store, step_dir(step))
+            else:
+                plan = await plan_abandoned(store, step_dir(step), state.uploads, cutoff)
+                if plan is None or plan.empty:
+                    continue  # still being written (or vanished, or nothing of ours): kept
+            removed.append((self._info(step, state), plan))
+            if not dry_run:
+                await carry_out(store, plan, progress=progress)
         return removed
-
-
-async def _abandoned_parts(store, step: int, state: _StepState, cutoff: float):
-    """Objects and uploads of an incomplete step older than ``cutoff`` (epoch seconds), and
-    whether anything of it is newer (then the save is alive and nothing is removed)."""
-    prefix, stale_keys, stale_uploads, fresh = step_dir(step), [], [], False
-    async for item in store.list(prefix):
-        if item.key == prefix + MANIFEST_KEY:
-            return [], [], True  # committed since the listing
-        if item.last_modified is None or item.last_modified > cutoff:
-            fresh = True
-        else:
-            stale_keys.append(item.key)
-    for upload in state.uploads:
-        if upload.initiated is None or upload.initiated > cutoff:
-            fresh = True
-        else:
-            stale_uploads.append(upload)
-    return stale_keys, stale_uploads, fresh

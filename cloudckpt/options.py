@@ -65,7 +65,14 @@ class LoadOptions:
 
 @dataclass(frozen=True)
 class SaveResult:
-    """What a save did. ``bytes_written``/``objects`` count every rank's data objects."""
+    """What a save did. ``bytes_written``/``objects`` count every rank's data objects.
+
+    ``retention_error`` is set only by ``CheckpointManager.save``, on the rank that prunes (rank
+    0): the exception of the clean-up after the commit (removing a killed attempt's leftovers,
+    then pruning by the retention policy) when it failed. The checkpoint itself is committed and
+    loadable; what the policy meant to delete may still be there (``CheckpointManager.prune``
+    retries it and raises on failure). ``None`` when that work succeeded or did not run.
+    """
 
     url: str
     bytes_written: int
@@ -74,6 +81,7 @@ class SaveResult:
     rank_bytes_written: int = 0
     attempt: str = ""
     plan_cached: bool = False
+    retention_error: Exception | None = None
 
     @property
     def throughput_mb_s(self) -> float:

@@ -13,13 +13,17 @@ Contract:
 
 - The signal handler only sets a flag; nothing is saved inside the handler.
 - :meth:`should_stop` is called by every rank at the same step boundaries. Every ``check_every``
-  steps it does one all-reduce (MAX) of the flag over a dedicated gloo group, so a signal that
-  reached one rank only is seen by all of them, at the same step. Between checks it returns
-  ``False`` without communicating. Once it returned ``True`` it keeps returning ``True``.
+  steps it does one exchange of the flag on cloudckpt's control channel (on a gloo group of its
+  own, apart from the training's and from the saves'), so a signal that reached one rank only is seen by all of them, at the same step.
+  Between checks it returns ``False`` without communicating. Once it returned ``True`` it keeps
+  returning ``True``.
 - :meth:`save_and_exit` saves that step synchronously through the manager on every rank
   (skipped when the step is already complete, e.g. saved by the regular schedule) and raises
   :class:`Preempted`, a ``SystemExit`` whose code is ``exit_code`` (default 143, the status of a
   process ended by SIGTERM, so orchestrators see a preemption rather than a finished job).
+- Both exchanges fail together: an error on one rank (rank 0 failing to list the run, say) is
+  raised as the same :class:`~cloudckpt.errors.CheckpointError` on every rank at once, instead of
+  leaving the others waiting for the timeout.
 - Without ``torch.distributed`` initialised (or in a world of one) everything is local.
 - Handlers are installed by :meth:`install` (or ``with``) from the main thread and the previous
   ones are restored by :meth:`uninstall`.
@@ -27,7 +31,6 @@ Contract:
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import signal
 import threading
@@ -59,9 +62,9 @@ class Preempted(SystemExit):
 class PreemptionHandler:
     """Turns a termination signal on any rank into one agreed save and a clean exit.
 
-    Constructing it is collective in a distributed job (it creates a gloo group over the ranks of
-    ``manager.process_group``, or of ``process_group`` when given); ``timeout`` bounds its
-    all-reduce. ``check_every`` (>= 1) sets how many steps pass between agreements.
+    Constructing it is collective in a distributed job (it opens the control channel over the
+    ranks of ``manager.process_group``, or of ``process_group`` when given); ``timeout`` bounds
+    its exchanges. ``check_every`` (>= 1) sets how many steps pass between agreements.
     """
 
     def __init__(self, manager: CheckpointManager, *, check_every: int = 1,
@@ -78,28 +81,13 @@ class PreemptionHandler:
         self._signum: int | None = None
         self._agreed = False
         self._previous: dict[int, Any] = {}
-        self._group, self._size = self._make_group(
-            process_group if process_group is not None else manager.process_group)
+        from cloudckpt.transport import ControlChannel
 
-    def _make_group(self, process_group):
-        try:
-            import torch.distributed as dist
-        except ImportError:  # pragma: no cover - torch is a dependency
-            return None, 1
-        if not (dist.is_available() and dist.is_initialized()):
-            return None, 1
-        if process_group is None:
-            ranks = list(range(dist.get_world_size()))
-        else:
-            ranks = list(dist.get_process_group_ranks(process_group))
-        if len(ranks) == 1:
-            return None, 1
-        # the whole world: every rank calls new_group (torch numbers groups per process);
-        # a subgroup: only its members do (local synchronisation)
-        group = dist.new_group(ranks, backend="gloo",
-                               timeout=_dt.timedelta(seconds=self.timeout),
-                               use_local_synchronization=len(ranks) != dist.get_world_size())
-        return group, len(ranks)
+        # a lane of its own: the checks run in the training loop while an async save's
+        # background phases use the protocol lane
+        self._channel = ControlChannel(
+            process_group if process_group is not None else manager.process_group,
+            timeout=self.timeout, lane="preemption")
 
     # -- signals --------------------------------------------------------------------------------
 
@@ -151,15 +139,14 @@ class PreemptionHandler:
         if step % self.check_every != 0:
             return False
         local = self._flag.is_set()
-        if self._group is None:
+        if self._channel.size == 1:
             agreed = local
         else:
-            import torch
-            import torch.distributed as dist
+            from cloudckpt.api.reports import StopVote
 
-            flag = torch.tensor([1 if local else 0], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-            agreed = bool(flag.item())
+            with self._channel.phase(f"preemption check at step {step}", StopVote) as check:
+                check.report = StopVote(stop=local)
+            agreed = any(vote.stop for vote in check.reports)
         if agreed:
             self._agreed = True
             who = f"signal {self._signum} on this rank" if self._signum is not None else \
@@ -187,20 +174,15 @@ class PreemptionHandler:
             self.save_and_exit(step, state_dict)
 
     def _coordinator_says_exists(self, step: int) -> bool:
-        rank0 = self._group is None or self._group_rank() == 0
-        exists = False
-        if rank0:
-            exists = any(i.step == step and i.complete for i in self.manager.list())
-        if self._group is None:
-            return exists
-        import torch
-        import torch.distributed as dist
+        if self._channel.size == 1:  # one process: the listing's own error, unwrapped
+            return self._step_saved(step)
+        from cloudckpt.api.reports import StepSaved
 
-        flag = torch.tensor([1 if exists else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)  # only rank 0 may be 1
-        return bool(flag.item())
+        with self._channel.phase(f"preemption: checking whether step {step} is saved",
+                                 StepSaved) as check:
+            if self._channel.is_coordinator:
+                check.report = StepSaved(saved=self._step_saved(step))
+        return check.reports[0].saved
 
-    def _group_rank(self) -> int:
-        import torch.distributed as dist
-
-        return dist.get_rank(self._group)
+    def _step_saved(self, step: int) -> bool:
+        return any(i.step == step and i.complete for i in self.manager.list())

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from cloudckpt.buffers import BufferPool, byte_view
+from cloudckpt.buffers import BufferPool, byte_view, is_byte_viewable
 from cloudckpt.planning.windows import RunWindow, Window, plan_run_windows, plan_windows
 from cloudckpt.storage import ReadRange
 from cloudckpt.statedict import torch_dtype
@@ -89,12 +89,13 @@ def direct_ranges(manifest, region, targets: Sequence[torch.Tensor],
     possible.
 
     Possible when the region's elements are one contiguous run of its chunk and every target is
-    a contiguous CPU tensor of the stored dtype and the region's shape. The ranges deliver to
+    a byte-viewable tensor (see :mod:`cloudckpt.buffers`) of the stored dtype and the region's
+    shape. The ranges deliver to
     sinks: a target is written only with verified bytes (see :class:`ReadRange`).
     """
     dtype = torch_dtype(manifest.tensors[region.name].dtype)
     lengths = tuple(int(n) for n in region.lengths)
-    if not targets or any(t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous()
+    if not targets or any(not is_byte_viewable(t) or t.dtype != dtype
                           or tuple(t.shape) != lengths for t in targets):
         return None
     windows = plan_run_windows(manifest, region, window_bytes)

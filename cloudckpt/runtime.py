@@ -10,6 +10,13 @@ Contract:
 - :func:`get_loop` returns the loop (for ``asyncio.run_coroutine_threadsafe``).
 - Stores opened through :func:`shared_store` share one connection per bucket and options, and
   are closed at exit.
+- Nothing is lost at exit: a save registered with :func:`finish_before_exit` that is still running
+  when the interpreter starts to exit is completed first, while this loop and every executor are
+  still alive (the wait runs as a ``threading`` exit hook, ahead of ``concurrent.futures``' own,
+  so it also precedes the join of non-daemon threads and every ``atexit`` handler). If such a save
+  fails, stderr gets one line per URL (``cloudckpt: the save to URL did not complete before
+  exit: Error: message``) and the process exits with status 1 once the ``atexit`` handlers
+  registered after cloudckpt was imported have run (a script's own non-zero status becomes 1 too).
 """
 
 from __future__ import annotations
@@ -17,6 +24,10 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import concurrent.futures.thread  # registers its exit hook first, so that ours runs before it
+import logging
+import os
+import sys
 import threading
 from typing import Any, Awaitable, TypeVar
 
@@ -27,6 +38,11 @@ _loop: asyncio.AbstractEventLoop | None = None
 _thread: threading.Thread | None = None
 _stores: dict[tuple, Any] = {}
 _pending_save: concurrent.futures.Future | None = None
+_default_storage: Any = None
+_finish_at_exit: list[tuple[concurrent.futures.Future, str]] = []
+_failed_at_exit: list[str] = []
+
+log = logging.getLogger(__name__)
 
 
 def get_loop() -> asyncio.AbstractEventLoop:
@@ -113,26 +129,36 @@ def run_coroutine(coro: Awaitable[T], timeout: float | None = None) -> T:
         raise TimeoutError(f"cloudckpt operation did not finish within {timeout} s") from exc
 
 
+def set_default_storage(options: Any) -> None:
+    """Use ``options`` (a :class:`cloudckpt.storage.StorageOptions`) wherever a call gives none
+    (``storage=None``): the command line sets them from its flags (``--timeout``). ``None``
+    restores the default (the standard AWS chain)."""
+    global _default_storage
+    _default_storage = options
+
+
 def shared_store(url: str, options: Any = None):
     """Return an open store for ``url``, sharing one connection per bucket and options.
 
-    ``options`` is a :class:`cloudckpt.storage.StorageOptions` or ``None`` (the standard AWS
-    chain). For ``s3://bucket/path`` the bucket's store is opened once (one client, one
+    ``options`` is a :class:`cloudckpt.storage.StorageOptions` or ``None`` (those of
+    :func:`set_default_storage`, else the standard AWS chain). For ``s3://bucket/path`` the bucket's store is opened once (one client, one
     connection pool, one request budget) and a child store for ``path`` is returned; local
     stores are cheap and opened per URL. Stores live on the background loop: use them only from
     coroutines run there. They are closed at interpreter exit.
     """
-    from cloudckpt.storage import open_store
+    from cloudckpt.storage import open_store, parse_store_url
 
-    if isinstance(url, str) and url.startswith("s3://"):
-        bucket, _, path = url[len("s3://"):].partition("/")
-        root = f"s3://{bucket}"
+    parsed = parse_store_url(url)  # ConfigError for a malformed URL, before anything is opened
+    if options is None:
+        options = _default_storage
+    if parsed.kind == "s3":
+        root = parsed.bucket_url
         with _lock:
             store = _stores.get((root, options))
             if store is None:
                 store = open_store(root, options)
                 _stores[(root, options)] = store
-        path = path.strip("/")
+        path = parsed.prefix.strip("/")
         return store.child(path) if path else store
     return open_store(url, options)
 
@@ -140,9 +166,12 @@ def shared_store(url: str, options: Any = None):
 def drop_store(url: str, options: Any = None) -> None:
     """Forget (and close) the shared connection of ``url``'s bucket; the next use reconnects
     (e.g. after the credentials in the environment changed)."""
-    if not (isinstance(url, str) and url.startswith("s3://")):
+    from cloudckpt.storage import parse_store_url
+
+    parsed = parse_store_url(url)
+    if parsed.kind != "s3":
         return
-    root = "s3://" + url[len("s3://"):].partition("/")[0]
+    root = parsed.bucket_url
     with _lock:
         store = _stores.pop((root, options), None)
     if store is not None and _loop is not None:
@@ -175,6 +204,64 @@ def wait_for_pending_save(timeout: float | None = None) -> None:
         concurrent.futures.wait([fut], timeout=timeout)
 
 
+def finish_before_exit(future: concurrent.futures.Future, url: str) -> None:
+    """Make interpreter exit wait for ``future`` (a save to ``url``) and report its failure.
+
+    See the module docstring. Futures already done are forgotten at the next registration.
+    """
+    with _lock:
+        _finish_at_exit[:] = [(f, u) for f, u in _finish_at_exit if not f.done()]
+        _finish_at_exit.append((future, url))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or repr(exc)
+    return f"{type(exc).__name__}: {text}"
+
+
+def _wait_for_saves_at_exit() -> None:
+    """threading exit hook: finish every registered save still running; report failures."""
+    reported: set[str] = set()
+    while True:
+        with _lock:
+            running = [(f, u) for f, u in _finish_at_exit if not f.done()]
+            _finish_at_exit.clear()
+        if not running:
+            return
+        for future, url in running:
+            log.info("cloudckpt: finishing the save to %s before exit", url)
+            try:
+                exc = future.exception()
+            except concurrent.futures.CancelledError as cancelled:
+                exc = cancelled
+            except KeyboardInterrupt as interrupted:
+                exc = interrupted
+                future.cancel()
+            if exc is None or url in reported:
+                continue
+            reported.add(url)
+            _failed_at_exit.append(url)
+            try:
+                print(f"cloudckpt: the save to {url} did not complete before exit: "
+                      f"{_one_line(exc)}", file=sys.stderr, flush=True)
+            except (OSError, ValueError):  # stderr closed: the exit status still tells
+                pass
+
+
+def _exit_status_after_failed_save() -> None:
+    """atexit handler (registered first, so it runs after those registered later): exit 1
+    when a save failed at exit."""
+    if not _failed_at_exit:
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    os._exit(1)
+
+
 def _close_all() -> None:
     with _lock:
         stores = list(_stores.values())
@@ -191,4 +278,9 @@ def _close_all() -> None:
         pass
 
 
+atexit.register(_exit_status_after_failed_save)
 atexit.register(_close_all)
+try:
+    threading._register_atexit(_wait_for_saves_at_exit)  # as concurrent.futures does, see above
+except RuntimeError:  # first imported while the interpreter exits: no save of ours can be running
+    pass

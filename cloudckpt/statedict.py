@@ -1,10 +1,22 @@
 """Nested state dicts <-> dotted names, and torch tensors -> pure piece descriptors.
 
-No I/O and no collectives. :func:`flatten_state_dict` walks dicts (always), and lists / tuples
-that contain a tensor somewhere; everything else is a value leaf (a whole list of floats is one
-value). Leaf names join the path with dots (``"optim.state.0.exp_avg"``; list indices and int keys
-as numbers). A ``structure`` (msgpack-able) records the nesting with exact container types and
+No I/O and no collectives. :func:`flatten_state_dict` walks mappings (always), and lists /
+tuples that contain a tensor somewhere; everything else is a value leaf (a whole list of floats
+is one value). Leaf names join the path with dots (``"optim.state.0.exp_avg"``; list indices and
+int keys as numbers). A ``structure`` (msgpack-able) records the nesting with container kinds and
 key types, so :func:`unflatten_state_dict` rebuilds it.
+
+Containers as people write them. Any ``Mapping`` with str / int keys is a dict node (its key
+order kept): ``dict``, ``OrderedDict``, ``defaultdict``, a subclass whose ``__init__`` takes
+required arguments, a mapping that is not a dict. A mapping with any other key type is one value
+leaf, unless it holds a tensor (refused: :class:`~cloudckpt.errors.PlanningError`). Subclasses of
+``list`` and ``tuple`` (namedtuples too) count as lists and tuples. Only the kind is recorded
+(``"o"`` for an ``OrderedDict`` or subclass, ``"d"`` for every other mapping), so rebuilding from
+the structure alone gives the closest type that can be built: ``OrderedDict`` for OrderedDict
+and its subclasses, ``dict`` for every other mapping (a ``defaultdict`` loses its factory),
+``list`` / ``tuple`` for their subclasses. Inside a value leaf, containers are stored the same
+way (:func:`plain_value`): mappings as ``dict``, list and tuple subclasses as ``list`` /
+``tuple``. A load *in place* keeps the caller's own containers: it fills them.
 
 Tensor leaves: a plain ``torch.Tensor`` is one piece covering the whole tensor (replicated if
 other ranks hold it too); a ``DTensor`` gives the box(es) of its local shard (Shard / Replicate /
@@ -20,8 +32,9 @@ Structure nodes: ``["d", [[key, node], ...]]`` dict, ``["o", ...]`` OrderedDict,
 
 from __future__ import annotations
 
+import copy
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -31,6 +44,7 @@ import torch
 from cloudckpt.errors import DuplicateKeyError, MissingKeysError, PlanningError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
 from cloudckpt.planning.pieces import PieceSpec
+from cloudckpt.wording import plural
 
 try:  # torch built without distributed support has no DTensor
     from torch.distributed.tensor import DTensor
@@ -192,6 +206,60 @@ def _tensor_pieces(name: str, obj, is_broadcastable) -> tuple[tuple[PieceSpec, t
     return tuple(out)
 
 
+def copy_mapping(like: Mapping, items: list[tuple]) -> dict:
+    """A new mutable mapping holding ``items`` (in order), as close to ``like``'s type as can be
+    built: for a dict subclass, the same type with the same attributes (a shallow ``copy.copy``,
+    else a bare instance made without calling ``__init__``), when it takes the items back
+    unchanged; else ``OrderedDict`` (OrderedDict subclasses) or ``dict``."""
+    if type(like) is dict:
+        return dict(items)
+    if type(like) is OrderedDict or type(like) is defaultdict:  # the common ones, directly
+        out = OrderedDict(items) if type(like) is OrderedDict else defaultdict(like.default_factory, items)
+        if getattr(like, "__dict__", None):  # e.g. the _metadata of a module's state dict
+            out.__dict__.update(like.__dict__)
+        return out
+    if isinstance(like, dict):
+        for make in (copy.copy, _bare_copy):
+            try:
+                out = make(like)
+                if type(out) is not type(like) or out is like:
+                    continue
+                out.clear()
+                for k, v in items:
+                    out[k] = v
+                got = list(out.items())
+                if len(got) == len(items) and all(gk is k and gv is v for (gk, gv), (k, v) in zip(got, items)):
+                    return out
+            except Exception:  # noqa: BLE001 - a user class's copy or __setitem__ may raise anything
+                continue
+    return OrderedDict(items) if isinstance(like, OrderedDict) else dict(items)
+
+
+def _bare_copy(like: dict) -> dict:
+    """An empty instance of ``like``'s class with a copy of its attributes, made the way pickle
+    does (``__new__``, no ``__init__``): for subclasses whose ``__init__`` needs arguments."""
+    out = type(like).__new__(type(like))
+    if hasattr(like, "__dict__"):
+        out.__dict__.update(like.__dict__)
+    if isinstance(like, defaultdict):
+        out.default_factory = like.default_factory
+    return out
+
+
+def rebuild_tuple(like: tuple, items: list) -> tuple:
+    """A tuple of ``items`` of ``like``'s type when it can be built (namedtuples by field,
+    other subclasses from the items), else a plain tuple."""
+    if type(like) is tuple:
+        return tuple(items)
+    try:
+        out = type(like)._make(items) if hasattr(like, "_fields") else type(like)(items)
+        if type(out) is type(like) and len(out) == len(items) and all(a is b for a, b in zip(out, items)):
+            return out
+    except Exception:  # noqa: BLE001 - a user class's constructor may raise anything
+        pass
+    return tuple(items)
+
+
 def _holds_tensor(obj, depth: int = 0) -> bool:
     if isinstance(obj, (torch.Tensor, GlobalPiece)):
         return True
@@ -199,9 +267,33 @@ def _holds_tensor(obj, depth: int = 0) -> bool:
         return False
     if isinstance(obj, Mapping):
         return any(_holds_tensor(v, depth + 1) for v in obj.values())
-    if type(obj) in (list, tuple):
+    if isinstance(obj, (list, tuple)):
         return any(_holds_tensor(v, depth + 1) for v in obj)
     return False
+
+
+def plain_value(value, depth: int = 0):
+    """``value`` with its containers as the exact types the value codec stores: mappings as
+    ``dict``, list and tuple subclasses as ``list`` / ``tuple`` (see module doc); ``value``
+    itself when it holds no other container type. Scalars are not touched (the codec refuses
+    the types it cannot keep, naming them)."""
+    if depth > 200:  # the codec refuses it, saying so
+        return value
+    t = type(value)
+    if isinstance(value, Mapping):
+        items = [(k, v if type(v) in _SCALARS else plain_value(v, depth + 1)) for k, v in value.items()]
+        if t is dict and all(a is b for (_, a), b in zip(items, value.values())):
+            return value
+        return dict(items)
+    if isinstance(value, (list, tuple)):
+        items = [v if type(v) in _SCALARS else plain_value(v, depth + 1) for v in value]
+        if (t is list or t is tuple) and all(a is b for a, b in zip(items, value)):
+            return value
+        return items if isinstance(value, list) else tuple(items)
+    return value
+
+
+_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
 
 
 def _ragged(obj) -> bool:
@@ -229,7 +321,8 @@ def flatten_state_dict(sd: Mapping, *, is_broadcastable: Callable[[torch.Tensor]
 
     def walk(obj, path: tuple, depth: int):
         if depth > 100:
-            raise PlanningError(f"state dict nested deeper than 100 levels at {path!r}")
+            raise PlanningError(f"state dict nested deeper than 100 levels under {path[:6]!r}: a container that "
+                                "holds itself? break the cycle or flatten the nesting")
         if isinstance(obj, (torch.Tensor, GlobalPiece)) or _ragged(obj):
             name = claim(path)
             tensors[name] = TensorLeaf(name, path, _tensor_pieces(name, obj, is_broadcastable))
@@ -239,19 +332,21 @@ def flatten_state_dict(sd: Mapping, *, is_broadcastable: Callable[[torch.Tensor]
             if any(type(k) not in (str, int) for k in keys):
                 if _holds_tensor(obj):
                     bad = next(k for k in keys if type(k) not in (str, int))
-                    raise PlanningError(f"key {bad!r} at {path!r}: dicts holding tensors need str or int keys")
+                    raise PlanningError(f"key {bad!r} at {path!r}: a dict holding tensors needs str or int keys "
+                                        f"(got {type(bad).__name__}); convert the keys, e.g. to str")
             else:
                 tag = "o" if isinstance(obj, OrderedDict) else "d"
                 return [tag, [[k, walk(v, path + (k,), depth + 1)] for k, v in obj.items()]]
-        elif type(obj) in (list, tuple) and _holds_tensor(obj):
-            return ["l" if type(obj) is list else "t", [walk(v, path + (i,), depth + 1) for i, v in enumerate(obj)]]
+        elif isinstance(obj, (list, tuple)) and _holds_tensor(obj):
+            return ["l" if isinstance(obj, list) else "t", [walk(v, path + (i,), depth + 1) for i, v in enumerate(obj)]]
         name = claim(path)
-        values[name] = ValueLeaf(name, path, obj)
+        values[name] = ValueLeaf(name, path, plain_value(obj))
         return ["v", name]
 
     bad = [k for k in sd.keys() if type(k) not in (str, int)]
     if bad:
-        raise PlanningError(f"top-level key {bad[0]!r}: a state dict needs str or int keys")
+        raise PlanningError(f"top-level key {bad[0]!r}: a state dict needs str or int keys "
+                            f"(got {type(bad[0]).__name__}); convert the keys, e.g. to str")
     return FlatStateDict(tensors, values, walk(sd, (), 0))
 
 
@@ -281,7 +376,8 @@ def unflatten_state_dict(structure, leaves: Mapping[str, object]) -> dict:
 
     root = build(structure)
     if missing:
-        raise MissingKeysError(f"{len(missing)} leaves missing: {', '.join(map(repr, missing))}", keys=tuple(missing))
+        raise MissingKeysError(f"{plural(len(missing), 'leaf', 'leaves')} missing: "
+                               f"{', '.join(map(repr, missing))}", keys=tuple(missing))
     return root
 
 
@@ -327,9 +423,30 @@ def set_by_path(root, path, value) -> None:
         if isinstance(container, tuple):
             items = list(container)
             items[key] = new
-            new = type(container)(items) if type(container) is tuple else type(container)(*items)
+            new = rebuild_tuple(container, items)
             if depth == 0:
                 raise PlanningError("cannot set inside a top-level tuple")
             continue
         container[key] = new
         return
+
+
+def check_replaceable(root, path) -> None:
+    """Raise :class:`~cloudckpt.errors.PlanningError` unless :func:`set_by_path` can replace the
+    value at ``path`` inside ``root``: the innermost container on the way that is not a tuple
+    (tuples are rebuilt) must take item assignment (a ``mappingproxy`` or a read-only
+    ``Mapping`` does not)."""
+    path = tuple(path)
+    chain = [root]
+    for key in path[:-1]:
+        chain.append(chain[-1][key])
+    for depth in range(len(path) - 1, -1, -1):
+        container = chain[depth]
+        if isinstance(container, tuple):
+            continue
+        if callable(getattr(type(container), "__setitem__", None)):
+            return
+        name = ".".join(str(k) for k in path)
+        raise PlanningError(f"value {name!r} sits in a read-only {type(container).__name__}: a load cannot "
+                            "replace it; pass a dict there (tensors inside are filled in place)")
+    raise PlanningError("cannot set inside a top-level tuple")

@@ -5,9 +5,11 @@ Knows nothing of storage or checkpoints. Two pieces:
 - :class:`ControlChannel`: byte payloads (plans, statuses, manifests) exchanged over a dedicated
   gloo group with its own timeout, so cloudckpt's control traffic never interleaves with the
   training's collectives on the default group, and a dead peer turns into
-  :class:`~cloudckpt.errors.CollectiveTimeout` instead of a hang. :meth:`ControlChannel.agree`
-  implements *fail together*: every rank contributes its status; if any rank failed, every rank
-  raises the same :class:`~cloudckpt.errors.CheckpointError` naming each failed rank's cause.
+  :class:`~cloudckpt.errors.CollectiveTimeout` instead of a hang. :meth:`ControlChannel.phase`
+  is the one primitive of a protocol step, *fail together*: run a block on every rank, then
+  exchange every rank's typed report (or its error) with :meth:`ControlChannel.agree`; if any
+  rank failed, every rank raises the same :class:`~cloudckpt.errors.CheckpointError` naming each
+  failed rank's cause.
 - :class:`Broadcaster`: broadcasts of flat uint8 tensors inside subgroups of the channel's ranks.
   Subgroups are created deterministically (every rank of the channel calls ``new_group`` for every
   subgroup, in the same order) and cached for later loads. The backend is the job's: NCCL moves
@@ -21,23 +23,64 @@ from __future__ import annotations
 import datetime as _dt
 import threading
 import traceback as _tb
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import msgpack
 import torch
 import torch.distributed as dist
 
 from cloudckpt.errors import CheckpointError, CollectiveTimeout, RankFailure
+from cloudckpt.wording import ranks_phrase
+
+INLINE_BYTES = 504
+"""Payloads up to this size travel in the first (and then only) all-gather of the control channel."""
+_LENGTH_BYTES = 8
 
 _group_lock = threading.Lock()
 _control_groups: dict[tuple, object] = {}
 _broadcast_groups: dict[tuple, object] = {}
 
 
-def _global_ranks(process_group) -> tuple[int, ...]:
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_ranks(process_group=None) -> tuple[int, ...]:
+    """The global ranks of ``process_group`` (default: the world) in group order; ``(0,)``
+    without ``torch.distributed``. The one place cloudckpt resolves a process group."""
+    if not _distributed():
+        return (0,)
     if process_group is None or process_group is dist.GroupMember.WORLD:
         return tuple(range(dist.get_world_size()))
     return tuple(dist.get_process_group_ranks(process_group))
+
+
+def group_rank(process_group=None) -> int:
+    """This process's rank within ``process_group`` (0 is the coordinator; 0 without
+    ``torch.distributed``). No collective. Raises ``ValueError`` for a non-member."""
+    if not _distributed():
+        return 0
+    return group_ranks(process_group).index(dist.get_rank())
+
+
+#: Phase names (protocol steps, also used by tests to place kill points) -> the words users read
+#: in errors. Unknown names are shown as they are.
+PHASE_WORDS = {
+    "save planning": "saving",
+    "save plan exchange": "saving",
+    "save global planning": "saving",
+    "async save staging": "saving (copying to host memory)",
+    "save upload": "saving (writing data)",
+    "save commit": "saving (writing the manifest)",
+    "load manifest": "loading (reading the manifest)",
+    "load planning": "loading",
+    "load": "loading (reading data)",
+}
+
+
+def phase_words(what: str) -> str:
+    """What a user reads for the protocol step ``what`` (see :data:`PHASE_WORDS`)."""
+    return PHASE_WORDS.get(what, what)
 
 
 def describe_failure(rank: int, exc: BaseException) -> RankFailure:
@@ -46,27 +89,39 @@ def describe_failure(rank: int, exc: BaseException) -> RankFailure:
     return RankFailure(rank=rank, error_type=type(exc).__name__, message=str(exc), traceback=tb)
 
 
+class PhaseReport(Protocol):
+    """What a rank tells the others at the end of a :class:`Phase`: a record with an explicit
+    codec; ``encode`` never returns empty bytes, ``decode`` raises
+    :class:`~cloudckpt.errors.ProtocolError` on malformed bytes."""
+
+    def encode(self) -> bytes: ...
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "PhaseReport": ...
+
+
 class ControlChannel:
     """Small-payload collectives among the ranks of ``process_group`` (default: the world).
 
     ``timeout`` bounds every collective: a peer that does not answer in time makes every waiting
     rank raise :class:`CollectiveTimeout`. Ranks are numbered 0..size-1 within the group; rank 0
-    is the coordinator.
+    is the coordinator. ``lane`` names the gloo group the channel uses (created once per ranks,
+    timeout and lane): exchanges of one lane must never run from two threads at once, exchanges
+    of different lanes may (the preemption checks of a training loop use their own lane while an
+    async save's background phases use ``"protocol"``).
     """
 
-    def __init__(self, process_group=None, *, timeout: float = 600.0):
+    def __init__(self, process_group=None, *, timeout: float = 600.0, lane: str = "protocol"):
         self.timeout = float(timeout)
-        self.distributed = dist.is_available() and dist.is_initialized()
+        self.distributed = _distributed()
+        self.ranks: tuple[int, ...] = group_ranks(process_group)
+        self.rank = group_rank(process_group)
         if not self.distributed:
-            self.ranks: tuple[int, ...] = (0,)
-            self.rank = 0
             self.group = None
             self.backend = "gloo"
             return
-        self.ranks = _global_ranks(process_group)
-        self.rank = self.ranks.index(dist.get_rank())
         self.backend = str(dist.get_backend(process_group)).lower()
-        self.group = _control_group(self.ranks, self.timeout)
+        self.group = _control_group(self.ranks, self.timeout, lane)
 
     @property
     def size(self) -> int:
@@ -79,23 +134,34 @@ class ControlChannel:
     # -- raw byte collectives -------------------------------------------------------------------
 
     def all_gather_bytes(self, payload: bytes) -> list[bytes]:
-        """Every rank contributes ``payload``; every rank gets all payloads in rank order."""
+        """Every rank contributes ``payload``; every rank gets all payloads in rank order.
+
+        One all-gather when every payload fits :data:`INLINE_BYTES` (phase reports, votes), two
+        otherwise (the second only as wide as the longest payload)."""
         if self.size == 1:
             return [bytes(payload)]
+        n = len(payload)
+        slot = bytearray(_LENGTH_BYTES + INLINE_BYTES)
+        slot[:_LENGTH_BYTES] = n.to_bytes(_LENGTH_BYTES, "little")
+        if n <= INLINE_BYTES:
+            slot[_LENGTH_BYTES:_LENGTH_BYTES + n] = payload
         try:
-            n = torch.tensor([len(payload)], dtype=torch.int64)
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in self.ranks]
-            dist.all_gather(sizes, n, group=self.group)
-            lengths = [int(s.item()) for s in sizes]
-            width = max(max(lengths), 1)
+            firsts = [torch.empty(len(slot), dtype=torch.uint8) for _ in self.ranks]
+            dist.all_gather(firsts, torch.frombuffer(slot, dtype=torch.uint8), group=self.group)
+            heads = [bytes(f.numpy().tobytes()) for f in firsts]
+            lengths = [int.from_bytes(h[:_LENGTH_BYTES], "little") for h in heads]
+            width = max(lengths)
+            if width <= INLINE_BYTES:
+                return [h[_LENGTH_BYTES:_LENGTH_BYTES + k] for h, k in zip(heads, lengths)]
             mine = torch.zeros(width, dtype=torch.uint8)
-            if payload:
-                mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if n > INLINE_BYTES:
+                mine[:n] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             outs = [torch.empty(width, dtype=torch.uint8) for _ in self.ranks]
             dist.all_gather(outs, mine, group=self.group)
         except RuntimeError as exc:
             raise self._collective_failed("all_gather", exc) from exc
-        return [bytes(o[:k].numpy().tobytes()) for o, k in zip(outs, lengths)]
+        return [h[_LENGTH_BYTES:_LENGTH_BYTES + k] if k <= INLINE_BYTES
+                else bytes(o[:k].numpy().tobytes()) for h, o, k in zip(heads, outs, lengths)]
 
     def broadcast_bytes(self, payload: bytes | None, *, src: int = 0) -> bytes:
         """Rank ``src`` sends ``payload``; every rank returns it."""
@@ -122,11 +188,29 @@ class ControlChannel:
 
     # -- fail together --------------------------------------------------------------------------
 
+    def phase(self, what: str, report: type[PhaseReport] | None = None) -> Phase:
+        """One step of a protocol, run on every rank of the channel and closed by an agreement::
+
+            with channel.phase("save upload", UploadReport) as upload:
+                ...                                   # this rank's work (may raise)
+                upload.report = UploadReport(...)     # optional: what this rank tells the others
+            upload.reports                            # every rank's report, rank order
+
+        Every rank must enter the same phases in the same order. Leaving the block exchanges
+        every rank's outcome (:meth:`agree`, named ``what``): if the block raised on any rank
+        (any ``BaseException``; encoding the report included), every rank raises the same
+        :class:`CheckpointError` on leaving it. Otherwise :attr:`Phase.reports` holds every rank's
+        report decoded with ``report.decode`` (``None`` where a rank set none: a coordinator-only
+        result is ``reports[0]``). A phase costs one exchange of the encoded reports.
+        """
+        return Phase(self, what, report)
+
     def agree(self, what: str, payload: bytes = b"", error: BaseException | None = None) -> list[bytes]:
         """Exchange one phase's outcome. Returns every rank's ``payload`` if all succeeded.
 
         If any rank passes an ``error``, every rank raises the same :class:`CheckpointError`
-        (``"<what> failed on rank(s) ..."``; a one-process job: ``"<what>: <message>"``) with
+        (``"<words> failed on rank 1"`` / ``"... on ranks 0, 2"``; a one-process job:
+        ``"<words>: <message>"``, where ``<words>`` is :func:`phase_words` of ``what``) with
         each failed rank's :class:`RankFailure`; the
         local error is chained as the cause where there is one. When every failure is of one
         :class:`CheckpointError` subclass (e.g. ``CheckpointExists``), that subclass is raised.
@@ -148,12 +232,12 @@ class ControlChannel:
         if not failures:
             return payloads
         cls = _common_error_class(failures)
+        words = phase_words(what)
         if self.size == 1:  # one process: its own message, without the rank bookkeeping
-            exc = cls(f"{what}: {failures[0].message}")
+            exc = cls(f"{words}: {failures[0].message}")
             exc.failures = failures
         else:
-            ranks = ", ".join(str(r) for r in sorted(failures))
-            exc = cls(f"{what} failed on rank(s) {ranks}", failures=failures)
+            exc = cls(f"{words} failed on {ranks_phrase(failures)}", failures=failures)
         if error is not None and isinstance(exc, type(error)):
             # keep the detecting rank's structured fields (keys, object key, byte range...)
             exc.__dict__.update({k: v for k, v in vars(error).items() if k != "failures"})
@@ -164,6 +248,40 @@ class ControlChannel:
             f"control {op} among ranks {list(self.ranks)} failed or timed out after "
             f"{self.timeout:.0f} s (a peer died or hung): {exc}"
         )
+
+
+class Phase:
+    """A protocol step in progress (see :meth:`ControlChannel.phase`).
+
+    ``report``: this rank's report, set inside the block (an instance of the phase's report
+    type), or left ``None``. ``reports``: after the block, every rank's report in rank order.
+    """
+
+    def __init__(self, channel: ControlChannel, what: str, report_type: type | None):
+        self.channel = channel
+        self.what = what
+        self.report_type = report_type
+        self.report = None
+        self.reports: tuple = ()
+
+    def __enter__(self) -> "Phase":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        error, payload = exc, b""
+        if error is None and self.report is not None:
+            try:
+                if self.report_type is None or not isinstance(self.report, self.report_type):
+                    raise TypeError(f"{self.what}: the report must be a "
+                                    f"{getattr(self.report_type, '__name__', 'None')}, got "
+                                    f"{type(self.report).__name__}")
+                payload = self.report.encode()
+            except BaseException as encode_error:  # reported to every rank like the block's own
+                error = encode_error
+        payloads = self.channel.agree(self.what, payload, error)  # raises if any rank failed
+        decode = self.report_type.decode if self.report_type is not None else None
+        self.reports = tuple(decode(p) if p and decode is not None else None for p in payloads)
+        return False
 
 
 _combined_classes: dict[type, type] = {}
@@ -194,8 +312,8 @@ def _common_error_class(failures: dict[int, RankFailure]) -> type[CheckpointErro
         return combined
 
 
-def _control_group(ranks: tuple[int, ...], timeout: float):
-    key = (ranks, timeout)
+def _control_group(ranks: tuple[int, ...], timeout: float, lane: str):
+    key = (ranks, timeout, lane)
     with _group_lock:
         group = _control_groups.get(key)
         if group is None:

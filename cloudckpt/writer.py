@@ -7,7 +7,7 @@ Contract:
   :func:`cloudckpt.checksum.block_crcs`); the returned :class:`ChunkLocation` says where its
   bytes are. Nothing here knows about manifests or collectives.
 - CPU contiguous tensors are uploaded straight from their memory (no copy). Other tensors (device,
-  non-contiguous) are copied to host one object at a time, with at most ``max_staging_bytes`` of
+  strided views, conjugate views: see :mod:`cloudckpt.buffers`) are copied to host one object at a time, with at most ``max_staging_bytes`` of
   such copies alive at once, so memory stays bounded whatever the checkpoint size.
 - Objects upload concurrently; the store bounds requests in flight. On the first failure the
   other uploads are cancelled and the error propagates.
@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from cloudckpt.buffers import byte_view, host_contiguous
+from cloudckpt.buffers import byte_view, host_contiguous, is_byte_viewable
 from cloudckpt.checksum import block_crcs
 from cloudckpt.layout import data_key
 
@@ -87,7 +87,7 @@ async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank
     async def upload(obj_index: int, members: list[int]) -> int:
         key = data_key(attempt, rank, obj_index)
         needs_copy = sum(sizes[i] for i in members
-                         if not _is_host_contiguous(items[i][1]))
+                         if not is_byte_viewable(items[i][1]))
         async with staging_budget.hold(needs_copy):
             tensors = await asyncio.to_thread(
                 lambda: [host_contiguous(items[i][1]) for i in members])
@@ -112,10 +112,6 @@ async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
     return [loc for loc in locations if loc is not None], WriteStats(sum(written), len(groups))
-
-
-def _is_host_contiguous(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.is_contiguous()
 
 
 class _ByteBudget:

@@ -11,7 +11,11 @@
 # 5. resumes on 2 processes from the last complete checkpoint and finishes: the steps trained
 #    twice show the same loss, i.e. the loss continues where the killed run stopped;
 # 6. lists, prunes and verifies the run's checkpoints with the `cloudckpt` CLI;
-# 7. stops the server (an EXIT trap: no weed process is left behind, whatever happens).
+# 7. stops the server (an EXIT trap: no weed process is left behind, whatever happens) and says
+#    where the checkpoints lived.
+#
+# Output: plain text when stdout is not a terminal (no escape codes); install progress one line
+# per package; exit statuses explained in words (helpers in examples/demo_lib.sh).
 #
 # Env: DEMO_STEPS (default 60), DEMO_STEP_DELAY (seconds slept per step, default 0.15),
 #      PYTHON (interpreter, default python).
@@ -23,7 +27,8 @@ STEPS="${DEMO_STEPS:-60}"
 DELAY="${DEMO_STEP_DELAY:-0.15}"
 T_START=$(date +%s)
 
-say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+# shellcheck source=examples/demo_lib.sh
+. examples/demo_lib.sh
 elapsed() { echo "$(( $(date +%s) - T_START )) s"; }
 
 # -- 1. install -------------------------------------------------------------------------------
@@ -39,12 +44,10 @@ if ! installed; then
     echo "  python3 -m venv .venv && . .venv/bin/activate && bash examples/demo.sh" >&2
     exit 2
   fi
-  say "installing torch==2.13.0, then cloudckpt[test] (editable)"
+  say "installing torch==2.13.0, then cloudckpt[test] (editable): a few minutes"
   # torch first and pinned: any other torch spec may download a much larger build
-  # (pip's notes about absent local index folders are dropped from the output)
-  quiet() { "$@" 2> >(sed '/is ignored: it is neither a file nor a directory/d' >&2); }
-  quiet "$PY" -m pip install --quiet torch==2.13.0
-  quiet "$PY" -m pip install --quiet -e '.[test]'
+  pip_step "torch==2.13.0" torch==2.13.0
+  pip_step "cloudckpt[test]" -e '.[test]'
   installed || { echo "demo: installation did not give a working cloudckpt" >&2; exit 1; }
 fi
 echo "demo: $("$PY" -c 'import torch, cloudckpt; print("torch", torch.__version__, "| cloudckpt", cloudckpt.__version__)')  ($(elapsed))"
@@ -54,6 +57,7 @@ DEMO_MARK="cloudckpt-demo-$$-$T_START"
 DEMO_TMP="$(mktemp -d "${TMPDIR:-/tmp}/cloudckpt-demo.XXXXXX")"
 export CLOUDCKPT_DEMO_RUN="$DEMO_MARK"
 SERVER_PID=""
+RUN=""
 JOB_PID=""
 JOB_MARK=""
 
@@ -93,8 +97,17 @@ cleanup() {
     kill -KILL "$pid" 2>/dev/null || true
   done
   rm -rf "$DEMO_TMP"
+  if [ -e "$DEMO_TMP" ] || [ -n "$(marked_pids)" ]; then
+    echo "demo: could not remove everything: $DEMO_TMP or a process of this demo is left" >&2
+    [ "$rc" -eq 0 ] && rc=1
+  fi
   if [ "$rc" -eq 0 ]; then
-    echo "demo: server stopped; no process of this demo is left; finished in $(elapsed)"
+    echo "demo: the checkpoints lived at $RUN, on the local S3 server at ${AWS_ENDPOINT_URL:-?}"
+    echo "demo: that server is stopped and its data (under $DEMO_TMP) is removed;" \
+         "no process of this demo is left; finished in $(elapsed)"
+    echo "demo: to keep checkpoints, run 'python -m cloudckpt.testing.s3server' in another" \
+         "terminal, eval its export lines, then: torchrun --nproc-per-node 2 examples/train.py" \
+         "--url s3://cloudckpt-test/my-run"
   else
     echo "demo: FAILED (exit $rc) after $(elapsed); logs were in $DEMO_TMP (removed)" >&2
   fi
@@ -106,7 +119,7 @@ trap 'exit 143' TERM
 
 # -- 2. local S3 server -----------------------------------------------------------------------
 say "starting a local S3 server: python -m cloudckpt.testing.s3server"
-"$PY" -m cloudckpt.testing.s3server --workdir "$DEMO_TMP" >"$DEMO_TMP/server.out" 2>"$DEMO_TMP/server.err" &
+"$PY" -m cloudckpt.testing.s3server --bucket cloudckpt-test --workdir "$DEMO_TMP" >"$DEMO_TMP/server.out" 2>"$DEMO_TMP/server.err" &
 SERVER_PID=$!
 for _ in $(seq 600); do
   grep -q '^export AWS_SECRET_ACCESS_KEY=' "$DEMO_TMP/server.out" 2>/dev/null && break
@@ -159,9 +172,14 @@ start_job 2 "$DEMO_TMP/run1.log"
 wait_for "$DEMO_TMP/run1.log" '^step +24 '
 kill -TERM "$(cat "$DEMO_TMP/pids/rank1.pid")"
 rc=0; finish_job "$DEMO_TMP/run1.log" || rc=$?
-echo "  torchrun exit status: $rc (the ranks exited with 143 after the preemption save)"
 grep -q 'preemption checkpoint of step' "$DEMO_TMP/run1.log" || { echo "demo: no preemption save" >&2; exit 1; }
 STOP1=$(awk '$3 == 2 { s = $1 } END { print s }' "$LOSSES")
+echo "  what happened: rank 1 was stopped by SIGTERM, as a spot preemption would; every rank then"
+echo "  saved step $STOP1 together and exited with status 143 (= 128 + 15, the status of a process"
+echo "  ended by SIGTERM), so that a scheduler can tell a preemption from a crash."
+explain_ranks "$DEMO_TMP/run1.log" | sed 's/^/    /'
+echo "  torchrun exit status: $rc: $(explain_status "$rc");"
+echo "  a wrapper can tell a preemption by train.py's --preempted-marker file (infra/slurm/train.sbatch)"
 
 # -- 4. resume on 1 process, SIGKILL the whole job ----------------------------------------------
 say "resuming on 1 process (saved by 2); SIGKILL of the whole job after step 45"
@@ -169,7 +187,8 @@ start_job 1 "$DEMO_TMP/run2.log"
 wait_for "$DEMO_TMP/run2.log" '^step +45 '
 kill_job KILL     # torchrun and its worker, as when a node dies
 rc=0; finish_job "$DEMO_TMP/run2.log" || rc=$?
-echo "  torchrun exit status: $rc (killed)"
+echo "  torchrun exit status: $rc: $(explain_status "$rc")"
+echo "  nothing was saved at the kill: the next run resumes from the last complete checkpoint"
 RESUMED2=$(sed -nE 's/^train: resumed from step ([0-9]+).*/\1/p' "$DEMO_TMP/run2.log")
 [ "$RESUMED2" = "$STOP1" ] || { echo "demo: expected a resume from step $STOP1, got '$RESUMED2'" >&2; exit 1; }
 STOP2=$(awk '$3 == 1 { s = $1 } END { print s }' "$LOSSES")

@@ -13,7 +13,8 @@ What it shows:
 - SIGTERM on any rank (a spot interruption, ``kubectl delete pod``, Slurm's ``--signal``; sent
   to torchrun, it is forwarded to every worker) goes through ``cloudckpt.PreemptionHandler``:
   every rank stops at the same step, saves it and exits with status 143 (torchrun itself then
-  exits 1: ``--preempted-marker FILE`` tells a wrapper script that this was a preemption).
+  exits 1: ``--preempted-marker FILE`` tells a wrapper script that this was a preemption);
+  with ``--spot-notices``, an EC2 spot interruption notice does the same (``cloudckpt.spot``).
 
 The data is synthetic and deterministic: the global batch of step ``s`` is a function of ``s``
 only (token sequences of a seeded Markov chain), split over the ranks. A resumed run, on any
@@ -255,6 +256,9 @@ def parse_args(argv=None):
                    help="sleep this long after each step (to leave time to interrupt a demo)")
     p.add_argument("--pid-dir", help="write rank<R>.pid files here (to signal a given rank)")
     p.add_argument("--loss-log", help="append 'step loss world_size' lines to this file (rank 0)")
+    p.add_argument("--spot-notices", action="store_true",
+                   help="also stop as on SIGTERM at an EC2 spot interruption notice (polled by "
+                        "local rank 0 from the instance metadata: cloudckpt.SpotNoticePoller)")
     p.add_argument("--preempted-marker",
                    help="every rank creates this file after a preemption save (a wrapper around "
                         "torchrun, which exits 1 either way, can then exit 143)")
@@ -294,7 +298,8 @@ def train(args, rank, world, device, url, say) -> int:
     mgr = cloudckpt.CheckpointManager(url, keep_last=args.keep_last)
     loss_log = open(args.loss_log, "a") if args.loss_log and rank == 0 else None
 
-    with cloudckpt.PreemptionHandler(mgr) as preempt, (loss_log or nullcontext()):
+    with cloudckpt.PreemptionHandler(mgr) as preempt, (loss_log or nullcontext()), \
+            spot_notices(args, preempt):
         t0 = time.perf_counter()
         start = restore(mgr, model, optim)
         if start:
@@ -332,7 +337,8 @@ def train(args, rank, world, device, url, say) -> int:
                 save_async(mgr, step, checkpoint_state(model, optim, step), say)
             if preempt.should_stop(step):   # collective: every rank, every step
                 t = time.perf_counter()
-                say(f"train: SIGTERM received: saving step {step} and exiting")
+                say(f"train: stop requested (SIGTERM or spot notice): saving step {step} and "
+                    "exiting")
                 try:
                     preempt.save_and_exit(step, checkpoint_state(model, optim, step))
                 except Preempted:  # saved on every rank: exit with status 143
@@ -347,6 +353,14 @@ def train(args, rank, world, device, url, say) -> int:
         mgr.close()  # wait for the last asynchronous save (and its pruning)
     say(f"train: finished step {args.steps}")
     return 0
+
+
+def spot_notices(args, preempt):
+    """With --spot-notices, local rank 0 polls for a spot interruption notice, which stops the
+    job as a SIGTERM does (the handler's agreement reaches every rank); else nothing."""
+    if not args.spot_notices or int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return nullcontext()
+    return cloudckpt.SpotNoticePoller(preempt.request)
 
 
 def save_async(mgr, step: int, state: dict, say) -> None:

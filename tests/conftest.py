@@ -1,5 +1,7 @@
 """Shared fixtures: one local SeaweedFS per session, a fresh S3 prefix per test, and persistent
-gloo worlds of 2, 3 and 4 ranks whose workers see the server through the standard AWS variables.
+gloo worlds of 2, 3 and 4 ranks whose workers see the server through the standard AWS variables;
+a second S3 implementation (moto's server mode, started on first use) for the storage
+conformance suite and the compatibility tests.
 
 Put tests under tests/<area>/ with an __init__.py so that functions run on workers are importable
 as `tests.<area>.<module>.<function>`.
@@ -13,6 +15,7 @@ import uuid
 import pytest
 
 from cloudckpt.testing.dist import ProcessWorld
+from cloudckpt.testing.motoserver import MotoServer
 from cloudckpt.testing.s3server import S3Server, S3ServerInfo
 
 
@@ -23,11 +26,29 @@ def s3_server() -> S3ServerInfo:
         yield info
 
 
+def _test_prefix(server: S3ServerInfo, request) -> str:
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name).strip("-")[:60]
+    return server.url(f"{name}-{uuid.uuid4().hex[:8]}")
+
+
 @pytest.fixture
 def s3_url(s3_server: S3ServerInfo, request) -> str:
     """A fresh, unique prefix for this test: `s3://<bucket>/<testname>-<random>` (no slash)."""
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name).strip("-")[:60]
-    return s3_server.url(f"{name}-{uuid.uuid4().hex[:8]}")
+    return _test_prefix(s3_server, request)
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> S3ServerInfo:
+    """The session's moto S3 endpoint (a subprocess; any credentials are accepted, checksums
+    are not checked: see cloudckpt.testing.motoserver)."""
+    with MotoServer() as info:
+        yield info
+
+
+@pytest.fixture
+def moto_url(moto_server: S3ServerInfo, request) -> str:
+    """A fresh, unique prefix for this test on the moto server."""
+    return _test_prefix(moto_server, request)
 
 
 @pytest.fixture

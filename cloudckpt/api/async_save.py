@@ -10,13 +10,12 @@ Contract:
 - One save in flight per process: a new ``async_save`` (or a sync ``save``/``load``) first waits
   for the previous one (``wait_for_previous=False`` raises :class:`SaveInProgress` instead).
 - ``handle.result()`` returns the :class:`SaveResult` or raises the save's error, the same on
-  every rank. At interpreter exit an unfinished save is completed (and its failure logged),
-  never silently dropped.
+  every rank. At interpreter exit an unfinished save is completed, never dropped; its failure
+  is reported on stderr and the exit status is 1 (see :mod:`cloudckpt.runtime`).
 """
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import logging
 import time
@@ -78,33 +77,16 @@ def async_save(state_dict: Mapping[str, Any], url: str, *, process_group=None, s
     options = options or SaveOptions()
     prepared = prepare_save(state_dict, url, process_group=process_group, storage=storage,
                             allow_pickle=allow_pickle, metadata=metadata, options=options)
-    error = None
-    try:
+    with prepared.channel.phase("async save staging"):
         _pool.limit_bytes = options.max_async_staging_bytes
         prepared.items = _pool.stage(prepared.items)
-    except BaseException as exc:
-        error = exc
-    prepared.channel.agree("async save staging", b"", error)
     blocked = time.perf_counter() - start
     fut = _executor.submit(finish_save, prepared)
     runtime.set_pending_save(fut)
+    runtime.finish_before_exit(fut, url)
     return SaveHandle(fut, url, blocked, _pool.allocations)
 
 
 def staging_allocations() -> int:
     """How many staging buffers were allocated so far in this process (reuse keeps it flat)."""
     return _pool.allocations
-
-
-def _finish_at_exit() -> None:
-    fut = runtime.pending_save()
-    if fut is None:
-        return
-    log.warning("cloudckpt: waiting for an unfinished async save before exit")
-    try:
-        fut.result()
-    except BaseException as exc:  # reported, not raised: the interpreter is exiting
-        log.error("cloudckpt: the async save running at exit failed: %s", exc)
-
-
-atexit.register(_finish_at_exit)

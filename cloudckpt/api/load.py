@@ -1,20 +1,24 @@
 """``cloudckpt.load`` / ``load_full`` / ``read_manifest``: the distributed load protocol.
 
 Every rank of the process group calls :func:`load` with the state dict it wants filled (its own
-sharding, any world size). Phases, each closed by a fail-together exchange:
+sharding, any world size). Phases (each a :meth:`~cloudckpt.transport.ControlChannel.phase`,
+closed by a fail-together exchange):
 
-1. manifest: the coordinator reads it and broadcasts the bytes (or every rank reads it, with
-   ``share_manifest=False``); every rank decodes and validates it.
-2. plan: flatten the state dict (after ``state_dict()`` on stateful values), plan the reads of
-   every requested piece (strict: missing names fail), exchange the plans.
-3. read-once assignment: computed identically on every rank; broadcast subgroups created or
-   reused.
-4. data: each rank fetches its own regions (crc-verified) in the background while the broadcast
-   batches run in the one global order; every region lands in its destination (dtype converted).
-5. values and ``load_state_dict()`` on stateful values.
+1. ``load manifest``: the coordinator reads it and checks the stored objects' extents; the bytes
+   are then broadcast (or every rank reads them, with ``share_manifest=False``).
+2. ``load planning``: every rank decodes and validates the manifest, flattens the state dict
+   (after ``state_dict()`` on stateful values), plans the reads of every requested piece (strict:
+   missing names fail) and reports its plan (:class:`~cloudckpt.api.reports.LoadPlanReport`).
+3. ``load``: the read-once assignment, computed identically on every rank (broadcast subgroups
+   created or reused); each rank fetches its own regions (crc-verified) in the background while
+   the broadcast batches run in the one global order, and every region lands in its destination
+   (dtype converted).
+4. ``load restore``: only when every rank has all of its data, values are set and
+   ``load_state_dict()`` is called on stateful values.
 
 Destinations are written only with verified bytes; a rank that fails leaves its tensors possibly
-half filled, and every rank raises the same error.
+half filled, and every rank raises the same error; no rank replaces a value or calls
+``load_state_dict()`` when any rank failed to move its data.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -32,11 +37,13 @@ from cloudckpt.manifest import decode_manifest
 from cloudckpt.options import LoadOptions, LoadResult
 from cloudckpt.api.load_data import fetch_into, move_data
 from cloudckpt.api.manifest_io import fetch_manifest_bytes
-from cloudckpt.planning import (PieceSpec, decode_local_load_plan, encode_local_load_plan,
-                                plan_local_load)
+from cloudckpt.api.reports import LoadPlanReport
+from cloudckpt.planning import PieceSpec, plan_local_load
+from cloudckpt.planning.hints import unexpected_names_message
 from cloudckpt.runtime import run_coroutine, shared_store, wait_for_pending_save
 from cloudckpt.stateful import resolve_stateful, restore_stateful
-from cloudckpt.statedict import flatten_state_dict, set_by_path, torch_dtype, unflatten_state_dict
+from cloudckpt.statedict import (check_replaceable, flatten_state_dict, set_by_path, torch_dtype,
+                                 unflatten_state_dict)
 from cloudckpt.transport import ControlChannel
 
 log = logging.getLogger(__name__)
@@ -71,56 +78,34 @@ def load(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage
     started = time.perf_counter()
     store = shared_store(url, storage)
 
-    raw, error, manifest = b"", None, None
-    if channel.is_coordinator or not options.share_manifest:
-        try:
+    raw, manifest = b"", None
+    with channel.phase("load manifest"):
+        if channel.is_coordinator or not options.share_manifest:
             raw = read_manifest_bytes(url, storage)
-            if channel.is_coordinator:
-                manifest = decode_manifest(raw, allow_pickle=allow_pickle)
-                run_coroutine(check_object_extents(store, manifest))
-        except BaseException as exc:
-            error = exc
-    channel.agree("load manifest", b"", error)
+        if channel.is_coordinator:
+            manifest = decode_manifest(raw, allow_pickle=allow_pickle)
+            run_coroutine(check_object_extents(store, manifest))
     if options.share_manifest:
         raw = channel.broadcast_bytes(raw if channel.is_coordinator else None)
 
-    error, payload = None, b""
-    try:
+    with channel.phase("load planning", LoadPlanReport) as planning:
         if manifest is None:
             manifest = decode_manifest(raw, allow_pickle=allow_pickle)
-        broadcastable = _broadcast_predicate(channel)
-        resolved, found = resolve_stateful(state_dict)
-        flat = flatten_state_dict(resolved, is_broadcastable=broadcastable)
-        requests, dests = [], []
-        for leaf in flat.tensors.values():
-            for spec, tensor in leaf.pieces:
-                requests.append(spec)
-                dests.append(tensor)
-        plan = plan_local_load(manifest, requests, rank=channel.rank,
-                               value_names=tuple(flat.values), strict=strict)
-        payload = encode_local_load_plan(plan)
-    except BaseException as exc:
-        error = exc
-    raw_plans = channel.agree("load planning", payload, error)
+        wanted = _Wanted.of(state_dict, channel)
+        wanted.check_replaceable(state_dict, manifest)
+        plan = plan_local_load(manifest, wanted.requests, rank=channel.rank,
+                               value_names=tuple(wanted.flat.values), strict=strict)
+        planning.report = LoadPlanReport(plan)
 
-    error = None
-    fetched = received = broadcasts = 0
-    try:
-        plans = [decode_local_load_plan(b) for b in raw_plans]
-        fetched, received, broadcasts = move_data(store, manifest, plans, channel, dests, options)
-        for name, leaf in flat.values.items():
-            if name in manifest.values:
-                _assign_value(state_dict, resolved, found, leaf.path, manifest.values[name])
-        restore_stateful(resolved, found)
-    except BaseException as exc:
-        error = exc
-    channel.agree("load", b"", error)
+    with channel.phase("load"):
+        fetched, received, broadcasts = move_data(
+            store, manifest, [r.plan for r in planning.reports], channel, wanted.dests, options)
+
+    with channel.phase("load restore"):  # only once every rank has all of its data
+        wanted.restore(state_dict, manifest)
+
     if plan.unexpected and channel.is_coordinator:
-        shown = ", ".join(plan.unexpected[:8]) + (" ..." if len(plan.unexpected) > 8 else "")
-        log.warning("cloudckpt.load: %d stored name(s) were not requested and stay unloaded: %s "
-                    "(a fresh optimizer has no state to fill: gather it with "
-                    "torch.distributed.checkpoint.state_dict.get_state_dict first)",
-                    len(plan.unexpected), shown)
+        log.warning("cloudckpt.load: %s", unexpected_names_message(plan.unexpected))
     return LoadResult(url=url, bytes_fetched=fetched, bytes_received=received,
                       seconds=time.perf_counter() - started,
                       unexpected_keys=tuple(plan.unexpected), broadcasts=broadcasts)
@@ -178,6 +163,44 @@ async def check_object_extents(store, manifest) -> None:
 # -- helpers ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Wanted:
+    """What a load fills on this rank: the flattened state dict, each requested piece with its
+    destination tensor, and the stateful objects found on the way."""
+
+    resolved: Any
+    found: list
+    flat: Any
+    requests: list
+    dests: list
+
+    @classmethod
+    def of(cls, state_dict, channel: ControlChannel) -> "_Wanted":
+        resolved, found = resolve_stateful(state_dict)
+        flat = flatten_state_dict(resolved, is_broadcastable=_broadcast_predicate(channel))
+        requests, dests = [], []
+        for leaf in flat.tensors.values():
+            for spec, tensor in leaf.pieces:
+                requests.append(spec)
+                dests.append(tensor)
+        return cls(resolved=resolved, found=found, flat=flat, requests=requests, dests=dests)
+
+    def check_replaceable(self, state_dict, manifest) -> None:
+        """Refuse, before any data moves, a stored value the caller's containers cannot take."""
+        for name, leaf in self.flat.values.items():
+            if name in manifest.values and not _under_stateful(leaf.path, self.found):
+                check_replaceable(state_dict, leaf.path)
+
+    def restore(self, state_dict, manifest) -> None:
+        """Set the loaded non-tensor values, then ``load_state_dict()`` on stateful objects."""
+        for name, leaf in self.flat.values.items():
+            if name in manifest.values:
+                _assign_value(state_dict, self.resolved, self.found, leaf.path,
+                              manifest.values[name])
+        restore_stateful(self.resolved, self.found)
+
+
+
 def _broadcast_predicate(channel: ControlChannel):
     """Destinations the job's broadcast backend can carry: CUDA for NCCL, CPU for gloo."""
     device_type = "cuda" if channel.backend == "nccl" else "cpu"
@@ -188,9 +211,9 @@ def _assign_value(original, resolved, found, path: tuple, value) -> None:
     """Set a loaded non-tensor value in the resolved tree, and in the caller's own containers
     unless the path goes through a stateful object (which gets it via load_state_dict)."""
     set_by_path(resolved, path, value)
-    if any(path[:len(p)] == p for p, _ in found):
-        return
-    try:
-        set_by_path(original, path, value)
-    except TypeError:  # a value inside a tuple cannot be replaced in place
-        pass
+    if not _under_stateful(path, found):
+        set_by_path(original, path, value)  # checked replaceable at planning
+
+
+def _under_stateful(path: tuple, found) -> bool:
+    return any(path[:len(p)] == p for p, _ in found)

@@ -5,7 +5,7 @@ Contract:
 - Every destination element is written only with bytes whose checksum block was verified (by
   the store for fetched bytes; by the source rank, which says so before sending, for broadcast
   bytes). A failure leaves destinations possibly half filled and is raised on this rank; the
-  caller's final ``agree()`` turns it into the same error on every rank.
+  caller's ``load`` phase turns it into the same error on every rank.
 - Every rank runs the broadcasts in the same global order (computed identically from the
   exchanged plans), so no rank waits in a broadcast its peers never join; a source that cannot
   fetch still takes part and says so first.
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from cloudckpt.buffers import BufferPool, byte_view
+from cloudckpt.buffers import BufferPool, byte_view, flat_bytes, is_byte_viewable
 from cloudckpt.options import LoadOptions
 from cloudckpt.planning import assign_readers
 from cloudckpt.planning.windows import boxes_in_flat_range, plan_run_windows, plan_windows
@@ -32,7 +32,6 @@ from cloudckpt.reader import (WINDOW_ALIGN, fetch_regions, layout_windows, read_
                               run_ranges, window_boxes)
 from cloudckpt.runtime import run_coroutine, start_task, submit
 from cloudckpt.statedict import torch_dtype
-from cloudckpt.storage import local_path
 from cloudckpt.transport import Broadcaster
 
 #: bytes per broadcast window (the unit a source fetches and verifies before sending).
@@ -85,8 +84,7 @@ async def fetch_into(store, manifest, reads, dests, max_bytes: int) -> int:
 def move_data(store, manifest, plans, channel, dests, options: LoadOptions):
     """Fetch own regions and run the broadcasts. Returns (fetched, received, broadcast count)."""
     mine = plans[channel.rank].reads
-    broadcast = options.broadcast if options.broadcast is not None else \
-        local_path(store.url) is None
+    broadcast = options.broadcast if options.broadcast is not None else store.remote
     if channel.size == 1 or not broadcast:
         return run_coroutine(fetch_into(store, manifest, mine, dests, options.max_read_bytes)), 0, 0
 
@@ -235,7 +233,7 @@ class _BroadcastSession:
         start of a pool buffer (to give back after use)."""
         view = self._landing_in_place(part)
         if view is not None:
-            return view.reshape(-1).view(torch.uint8)[part.run.lo:part.run.hi], None
+            return flat_bytes(view)[part.run.lo:part.run.hi], None
         buf = self.pool.take()
         return buf[:part.run.hi - part.run.lo], buf
 
@@ -247,7 +245,7 @@ class _BroadcastSession:
             return None
         view = dest_view(self.dests, items[0])
         dtype = self.dtypes[self.broadcasts[part.broadcast].region.name]
-        if view.device.type == "cpu" and view.dtype == dtype and view.is_contiguous():
+        if view.dtype == dtype and is_byte_viewable(view):
             return view
         return None
 
@@ -300,7 +298,7 @@ class _BroadcastSession:
                     fut.result()
                     ok = True
                     self.fetched += sum(p.fetch_bytes for p in parts)
-                except Exception as exc:  # reported to every rank by the final agree()
+                except Exception as exc:  # reported to every rank at the end of the load phase
                     self.failure = self.failure or exc
                     ok = False
             elif parts[0].run is not None:
@@ -322,7 +320,7 @@ class _BroadcastSession:
         self.status.fill_(1 if ok else 0)
         self.broadcaster.broadcast(self.status, src=src, members=members)
         if int(self.status.item()) != 1:
-            # the source records its own error, which the final agree() raises on every rank
+            # the source records its own error, which the load phase raises on every rank
             # (as the source's error type); a receiver just skips the batch
             return
         if parts[0].run is not None:

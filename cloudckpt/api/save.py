@@ -1,16 +1,20 @@
 """``cloudckpt.save``: the distributed save protocol.
 
-Every rank of the process group calls :func:`save` with its own state dict. Phases (each ends in
-a fail-together exchange on the control channel, so a failure anywhere raises the same
+Every rank of the process group calls :func:`save` with its own state dict. Phases (each a
+:meth:`~cloudckpt.transport.ControlChannel.phase`: it runs on every rank and ends in a
+fail-together exchange, so a failure anywhere raises the same
 :class:`~cloudckpt.errors.CheckpointError` on every rank, within the channel's timeout):
 
-1. plan: ``state_dict()`` on stateful values, flatten, local plan, fingerprint; the coordinator
-   refuses an existing checkpoint (``CheckpointExists``) and picks the attempt id.
-2. global plan: reused from the cache when every rank's fingerprint matches a cached plan,
-   otherwise local plans are exchanged (msgpack) and every rank computes the same global plan.
-3. write: each rank uploads the items it owns under ``data/<attempt>/``.
-4. commit: the coordinator assembles the manifest from everyone's chunk locations and values and
-   writes it in ``create`` mode. Its presence is the commit.
+1. ``save planning``: ``state_dict()`` on stateful values, flatten, local plan; the coordinator
+   refuses an existing checkpoint (``CheckpointExists``) and picks the attempt id. Every rank
+   reports its plan's fingerprint and its plan-cache vote (:class:`~cloudckpt.api.reports.SavePlanning`).
+2. global plan: reused from the cache when every rank holds the plan of these fingerprints;
+   otherwise ``save plan exchange`` (local plans, msgpack) and ``save global planning`` (every
+   rank computes the same global plan).
+3. ``save upload``: each rank uploads the items it owns under ``data/<attempt>/`` and reports
+   where they landed (:class:`~cloudckpt.api.reports.UploadReport`).
+4. ``save commit``: the coordinator assembles the manifest from everyone's reports and writes it
+   in ``create`` mode. Its presence is the commit.
 
 :func:`prepare_save` (phases 1-2) and :func:`finish_save` (phases 3-4) are separate so that
 ``async_save`` can stage data between them and run the rest in the background.
@@ -23,15 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import msgpack
-import torch
 
 from cloudckpt import layout
+from cloudckpt.api.reports import SavePlanning, SavePlanReport, UploadReport
 from cloudckpt.errors import CheckpointExists, ObjectExists, ObjectNotFound
-from cloudckpt.manifest import decode_value, encode_manifest, encode_value
+from cloudckpt.manifest import encode_manifest, encode_value
 from cloudckpt.options import SaveOptions, SaveResult
-from cloudckpt.planning import (LocalSavePlan, SavePlanCache, WrittenChunks, assemble_manifest,
-                                decode_local_save_plan, decode_written_chunks,
-                                encode_local_save_plan, encode_written_chunks, key_digest,
+from cloudckpt.planning import (GlobalSavePlan, LocalSavePlan, SavePlanCache, WrittenChunks,
+                                assemble_manifest, encode_written_chunks, key_digest,
                                 plan_global_save, save_plan_cache_key)
 from cloudckpt.runtime import run_coroutine, shared_store, wait_for_pending_save
 from cloudckpt.stateful import resolve_stateful
@@ -51,7 +54,7 @@ class PreparedSave:
     options: SaveOptions
     storage: Any
     attempt: str
-    plan: Any                      # GlobalSavePlan
+    plan: GlobalSavePlan
     items: list                    # [(chunk_id, tensor)] this rank writes
     values: dict[str, bytes]       # encoded values this rank owns
     structure: Any
@@ -84,111 +87,126 @@ def prepare_save(state_dict, url, *, process_group=None, storage=None, allow_pic
     options = options or SaveOptions()
     channel = ControlChannel(process_group, timeout=options.timeout)
     started = time.perf_counter()
-    error: BaseException | None = None
-    payload = b""
-    try:
-        resolved, _ = resolve_stateful(state_dict)
-        flat = flatten_state_dict(resolved)
-        pieces, tensors = [], []
-        for leaf in flat.tensors.values():
-            for spec, tensor in leaf.pieces:
-                pieces.append(spec)
-                tensors.append(tensor)
-        value_names = tuple(flat.values)
-        encoded_values = {name: encode_value(v.value, key=name, allow_pickle=allow_pickle)
-                          for name, v in flat.values.items()}
-        local = LocalSavePlan(rank=channel.rank, world_size=channel.size,
-                              pieces=tuple(pieces), value_names=value_names)
-        attempt = ""
-        if channel.is_coordinator:
-            _refuse_existing(url, storage)
-            attempt = layout.new_attempt_id()
-        payload = msgpack.packb([local.fingerprint(), attempt])
-    except BaseException as exc:  # reported to every rank by agree()
-        error = exc
-    gathered = channel.agree("save planning", payload, error)
-    fingerprints = tuple(msgpack.unpackb(g)[0] for g in gathered)
-    attempt = msgpack.unpackb(gathered[0])[1]
+    cached = _plan_cache.held() if options.use_plan_cache else {}
 
-    key = save_plan_cache_key(fingerprints, replicas_to_lowest_rank=options.replicas_to_lowest_rank)
+    with channel.phase("save planning", SavePlanning) as planning:
+        local = _plan_locally(state_dict, channel, allow_pickle)
+        attempt = _new_attempt(url, storage) if channel.is_coordinator else ""
+        planning.report = SavePlanning(fingerprint=local.plan.fingerprint(), attempt=attempt,
+                                       cached_plans=tuple(cached))
+
+    key = save_plan_cache_key([r.fingerprint for r in planning.reports],
+                              replicas_to_lowest_rank=options.replicas_to_lowest_rank)
     key = key + (msgpack.packb(list(channel.ranks)),)
-    plan = _plan_cache.get(key) if options.use_plan_cache else None
-    # caches can differ between ranks (a restarted rank): reuse only if every rank hits
-    votes = channel.all_gather_bytes(msgpack.packb([plan is not None, key_digest(key)]))
-    plan_cached = all(msgpack.unpackb(v)[0] for v in votes) and \
-        len({bytes(msgpack.unpackb(v)[1]) for v in votes}) == 1
-    if not plan_cached:
-        raw_plans = channel.all_gather_bytes(encode_local_save_plan(local))
-        error = None
-        try:
-            plan = plan_global_save([decode_local_save_plan(b) for b in raw_plans],
-                                    rank=channel.rank,
-                                    replicas_to_lowest_rank=options.replicas_to_lowest_rank)
-        except BaseException as exc:
-            error = exc
-        channel.agree("save global planning", b"", error)
-        if options.use_plan_cache:
-            _plan_cache.put(key, plan)
+    digest = key_digest(key)
+    # caches can differ between ranks (a restarted rank): reuse only if every rank holds it
+    plan_cached = all(digest in r.cached_plans for r in planning.reports)
+    plan = cached[digest] if plan_cached else _plan_globally(channel, local.plan, options)
+    if options.use_plan_cache:
+        _plan_cache.put(key, plan)
 
-    items = [(w.chunk_id, tensors[w.piece_index]) for w in plan.writes]
-    owned = {name: encoded_values[name] for name, owner in plan.value_owner.items()
-             if owner == channel.rank and name in encoded_values}
+    items = [(w.chunk_id, local.tensors[w.piece_index]) for w in plan.writes]
+    owned = {name: local.values[name] for name, owner in plan.value_owner.items()
+             if owner == channel.rank and name in local.values}
     return PreparedSave(url=url, channel=channel, options=options, storage=storage,
-                        attempt=attempt, plan=plan, items=items, values=owned,
-                        structure=flat.structure, metadata=dict(metadata or {}),
+                        attempt=planning.reports[0].attempt, plan=plan, items=items, values=owned,
+                        structure=local.structure, metadata=dict(metadata or {}),
                         allow_pickle=allow_pickle, plan_cached=plan_cached, started=started)
 
 
 def finish_save(p: PreparedSave) -> SaveResult:
     """Phases 3-4: upload this rank's items, then commit. Collective."""
     channel = p.channel
-    error: BaseException | None = None
-    payload = b""
-    rank_bytes = 0
-    try:
-        store = shared_store(p.url, p.storage)
-        wopts = WriterOptions(object_size=p.options.object_size,
-                              checksum_block_size=p.options.checksum_block_size,
-                              max_staging_bytes=p.options.max_staging_bytes)
-        locations, stats = run_coroutine(
-            write_chunks(store, p.items, rank=channel.rank, attempt=p.attempt, options=wopts))
-        rank_bytes = stats.bytes_written
-        payload = msgpack.packb([encode_written_chunks(_written_chunks(channel.rank, locations,
-                                                                       p.values)),
-                                 p.plan.skeleton.digest(), stats.bytes_written, stats.objects,
-                                 encode_value(p.structure, key="structure", allow_pickle=False)])
-    except BaseException as exc:
-        error = exc
-    gathered = channel.agree("save upload", payload, error)
+    with channel.phase("save upload", UploadReport) as upload:
+        upload.report = _upload(p)
 
-    error = None
-    total_bytes = total_objects = 0
-    try:
-        reports = [msgpack.unpackb(g) for g in gathered]
-        total_bytes = sum(r[2] for r in reports)
-        total_objects = sum(r[3] for r in reports)
+    with channel.phase("save commit"):
         if channel.is_coordinator:
-            if len({bytes(r[1]) for r in reports}) != 1:
-                raise RuntimeError("ranks disagree on the global save plan (plan cache out of sync)")
-            manifest = assemble_manifest(
-                p.plan.skeleton, [decode_written_chunks(r[0]) for r in reports],
-                world_size=channel.size, checksum_block_size=p.options.checksum_block_size,
-                metadata=p.metadata, allow_pickle=p.allow_pickle,
-                # ranks may hold different keys (pipeline stages): the union of their nestings
-                structure=merge_structures([decode_value(r[4], key="structure", allow_pickle=False)
-                                            for r in reports]))
-            store = shared_store(p.url, p.storage)
-            try:
-                run_coroutine(store.put(layout.MANIFEST_KEY, encode_manifest(manifest),
-                                        mode="create"))
-            except ObjectExists as exc:
-                raise CheckpointExists(f"a checkpoint was committed at {p.url} meanwhile") from exc
-    except BaseException as exc:
-        error = exc
-    channel.agree("save commit", b"", error)
-    return SaveResult(url=p.url, bytes_written=total_bytes, objects=total_objects,
-                      seconds=time.perf_counter() - p.started, rank_bytes_written=rank_bytes,
+            _commit(p, upload.reports)
+
+    reports = upload.reports
+    return SaveResult(url=p.url, bytes_written=sum(r.bytes_written for r in reports),
+                      objects=sum(r.objects for r in reports),
+                      seconds=time.perf_counter() - p.started,
+                      rank_bytes_written=reports[channel.rank].bytes_written,
                       attempt=p.attempt, plan_cached=p.plan_cached)
+
+
+# -- the work of each phase -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _LocalSave:
+    """What phase 1 leaves on this rank: its local plan, the tensor of each planned piece, its
+    encoded values and its nesting."""
+
+    plan: LocalSavePlan
+    tensors: list
+    values: dict[str, bytes]
+    structure: Any
+
+
+def _plan_locally(state_dict, channel: ControlChannel, allow_pickle: bool) -> _LocalSave:
+    resolved, _ = resolve_stateful(state_dict)
+    flat = flatten_state_dict(resolved)
+    pieces, tensors = [], []
+    for leaf in flat.tensors.values():
+        for spec, tensor in leaf.pieces:
+            pieces.append(spec)
+            tensors.append(tensor)
+    values = {name: encode_value(v.value, key=name, allow_pickle=allow_pickle)
+              for name, v in flat.values.items()}
+    plan = LocalSavePlan(rank=channel.rank, world_size=channel.size, pieces=tuple(pieces),
+                         value_names=tuple(flat.values))
+    return _LocalSave(plan=plan, tensors=tensors, values=values, structure=flat.structure)
+
+
+def _new_attempt(url: str, storage) -> str:
+    """The coordinator's part of planning: refuse a committed checkpoint, pick the attempt id."""
+    _refuse_existing(url, storage)
+    return layout.new_attempt_id()
+
+
+def _plan_globally(channel: ControlChannel, local: LocalSavePlan,
+                   options: SaveOptions) -> GlobalSavePlan:
+    with channel.phase("save plan exchange", SavePlanReport) as exchange:
+        exchange.report = SavePlanReport(local)
+    with channel.phase("save global planning"):
+        plan = plan_global_save([r.plan for r in exchange.reports], rank=channel.rank,
+                                replicas_to_lowest_rank=options.replicas_to_lowest_rank)
+    return plan
+
+
+def _upload(p: PreparedSave) -> UploadReport:
+    rank = p.channel.rank
+    store = shared_store(p.url, p.storage)
+    wopts = WriterOptions(object_size=p.options.object_size,
+                          checksum_block_size=p.options.checksum_block_size,
+                          max_staging_bytes=p.options.max_staging_bytes)
+    locations, stats = run_coroutine(
+        write_chunks(store, p.items, rank=rank, attempt=p.attempt, options=wopts))
+    return UploadReport(
+        written=encode_written_chunks(_written_chunks(rank, locations, p.values)),
+        plan_digest=p.plan.skeleton.digest(), bytes_written=stats.bytes_written,
+        objects=stats.objects,
+        structure=encode_value(p.structure, key="structure", allow_pickle=False))
+
+
+def _commit(p: PreparedSave, reports: tuple[UploadReport, ...]) -> None:
+    """The coordinator's part of the commit: assemble the manifest, write it in create mode."""
+    if len({r.plan_digest for r in reports}) != 1:
+        raise RuntimeError("ranks disagree on the global save plan (plan cache out of sync)")
+    manifest = assemble_manifest(
+        p.plan.skeleton, [r.written_chunks() for r in reports],
+        world_size=p.channel.size, checksum_block_size=p.options.checksum_block_size,
+        metadata=p.metadata, allow_pickle=p.allow_pickle,
+        # ranks may hold different keys (pipeline stages): the union of their nestings
+        structure=merge_structures([r.structure_value() for r in reports]))
+    store = shared_store(p.url, p.storage)
+    try:
+        run_coroutine(store.put(layout.MANIFEST_KEY, encode_manifest(manifest), mode="create"))
+    except ObjectExists as exc:
+        raise CheckpointExists(f"a checkpoint was committed at {p.url} meanwhile") from exc
 
 
 def _refuse_existing(url: str, storage) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 
 import msgpack
 
@@ -88,13 +89,26 @@ def encode_value(value, *, key: str, allow_pickle: bool) -> bytes:
         if not allow_pickle:
             raise UnsupportedValueError(
                 f"value {key!r} cannot be stored exactly with msgpack: {exc.what} at {exc.where}; "
-                "pass allow_pickle=True (on save and on load) to pickle it"
+                + _pickle_hint(value)
             ) from exc
         try:
             data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as pexc:  # noqa: BLE001 - pickle raises anything
             raise UnsupportedValueError(f"value {key!r} can be neither msgpacked nor pickled: {pexc}") from pexc
         return msgpack.packb(msgpack.ExtType(EXT_PICKLE, data), use_bin_type=True)
+
+
+def _pickle_hint(value) -> str:
+    """What to do about a value msgpack cannot hold: ``allow_pickle=True`` only when pickle can
+    hold it (tried with ``pickle.dumps``; nothing is unpickled), else store plain data."""
+    try:
+        pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - pickle raises anything
+        why = re.sub(r" at 0x[0-9a-fA-F]+", "", str(exc).split("\n")[0])[:120]
+        return (f"pickle cannot hold it either ({type(exc).__name__}: {why}), so allow_pickle "
+                "would not help: store plain data instead (numbers, strings, lists, dicts, "
+                "tensors; for a function or a lambda, the name or parameters it is built from)")
+    return "pass allow_pickle=True (on save and on load) to pickle it"
 
 
 class _PickledMarker:

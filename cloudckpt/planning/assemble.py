@@ -20,6 +20,7 @@ from cloudckpt.errors import PlanningError
 from cloudckpt.manifest.columns import ColumnError, decode_int_column, decode_u32, encode_int_column, encode_u32
 from cloudckpt.manifest.model import DEFAULT_CHECKSUM_BLOCK_SIZE, Manifest, crc_counts
 from cloudckpt.planning.save_plan import ManifestSkeleton
+from cloudckpt.wording import plural
 
 WRITTEN_FORMAT = "cloudckpt.written"
 
@@ -125,7 +126,8 @@ def assemble_manifest(skeleton: ManifestSkeleton, written: Sequence[WrittenChunk
             blobs[name] = blob
     if (owner < 0).any():
         missing = np.flatnonzero(owner < 0)
-        raise PlanningError(f"{len(missing)} chunks were not reported written (first chunk id {int(missing[0])})")
+        raise PlanningError(f"{plural(len(missing), 'chunk')} {'was' if len(missing) == 1 else 'were'}"
+                            f" not reported written (first chunk id {int(missing[0])})")
     if (blen != skeleton.nbytes).any():
         c = int(np.flatnonzero(blen != skeleton.nbytes)[0])
         raise PlanningError(f"chunk {c} has {int(blen[c])} bytes written, the plan expects {int(skeleton.nbytes[c])}")

@@ -1,10 +1,10 @@
 """A bounded cache of global save plans, keyed by every rank's plan fingerprint.
 
-Protocol (run by save.py): each rank computes ``local_plan.fingerprint()`` (16 bytes); ranks
-all-gather the fingerprints, so every rank builds the same key with :func:`save_plan_cache_key`.
-Caches of different ranks can still differ (a rank restarted, or evicted the entry), so ranks
-also exchange "hit + :func:`key_digest`" and reuse the cached plan only if every rank reports a
-hit for the same digest; otherwise they all-gather full local plans and re-plan.
+Protocol (run by save.py): each rank reports ``local_plan.fingerprint()`` (16 bytes) together
+with the digests of the plans it holds (:meth:`SavePlanCache.held`, its vote) in one exchange, so
+every rank builds the same key with :func:`save_plan_cache_key`. Caches of different ranks can
+differ (a rank restarted, or evicted the entry), so the cached plan is reused only if every rank
+holds the key's :func:`key_digest`; otherwise ranks exchange full local plans and re-plan.
 """
 
 from __future__ import annotations
@@ -56,6 +56,11 @@ class SavePlanCache:
             self._plans.move_to_end(digest)
             self.hits += 1
             return plan
+
+    def held(self) -> dict[bytes, GlobalSavePlan]:
+        """A snapshot of the cached plans by key digest (what this rank can reuse)."""
+        with self._lock:
+            return dict(self._plans)
 
     def put(self, key: tuple[bytes, ...], plan: GlobalSavePlan) -> None:
         digest = key_digest(key)

@@ -2,22 +2,22 @@
 
 Boxes are given as ``(n, ndim)`` int arrays of offsets and sizes, already known to lie inside the
 shape. :func:`find_cover_defect` handles any layout: slabs along one dimension (FSDP, tensor
-parallel) in ``O(n log n)``, grids and ragged boxes by counting coverage on the grid of distinct
-cut points, and pathological layouts pairwise. :func:`slab_segments_ok` checks the common slab
-case for many tensors at once, vectorised.
+parallel) directly, everything else (grids, ragged boxes, staircases, columns split at different
+rows) by the signed sweep of :mod:`cloudckpt.planning.cover_sweep`, in ``O(n log n)`` per axis
+along which boxes differ for the layouts it was measured on, with a hard bound on its work.
+:func:`slab_segments_ok` checks the common slab case for many tensors at once, vectorised.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import numpy as np
 
-_MAX_RASTER_DIMS = 6
-_MAX_RASTER_CELLS = 1 << 20
+from cloudckpt.planning import cover_sweep
+from cloudckpt.planning.cover_sweep import stable_order
 
-Defect = tuple  # (kind: "gap" | "overlap", offsets: tuple[int, ...], sizes: tuple[int, ...])
+Defect = tuple  # (kind: "gap" | "overlap" | "irregular", offsets: tuple[int, ...], sizes: tuple[int, ...])
 
 
 def _slab_defect(shape, offsets: np.ndarray, sizes: np.ndarray):
@@ -63,55 +63,13 @@ def _slab_defect(shape, offsets: np.ndarray, sizes: np.ndarray):
     return None
 
 
-def _raster_defect(shape, offsets: np.ndarray, sizes: np.ndarray, cuts):
-    d = len(shape)
-    ends = offsets + sizes
-    lo = [np.searchsorted(cuts[j], offsets[:, j]) for j in range(d)]
-    hi = [np.searchsorted(cuts[j], ends[:, j]) for j in range(d)]
-    grid = tuple(len(c) - 1 for c in cuts)
-    diff = np.zeros(tuple(g + 1 for g in grid), dtype=np.int64)
-    for corner in itertools.product((0, 1), repeat=d):
-        index = tuple(hi[j] if corner[j] else lo[j] for j in range(d))
-        np.add.at(diff, index, -1 if sum(corner) % 2 else 1)
-    for j in range(d):
-        np.cumsum(diff, axis=j, out=diff)
-    cover = diff[tuple(slice(0, g) for g in grid)]
-    bad = np.argwhere(cover != 1)
-    if not len(bad):
-        return None
-    cell = bad[0]
-    kind = "gap" if cover[tuple(cell)] == 0 else "overlap"
-    o = tuple(int(cuts[j][cell[j]]) for j in range(d))
-    s = tuple(int(cuts[j][cell[j] + 1] - cuts[j][cell[j]]) for j in range(d))
-    return (kind, o, s)
-
-
-def _pairwise_defect(shape, offsets: np.ndarray, sizes: np.ndarray):
-    order = np.argsort(offsets[:, 0], kind="stable")
-    offsets, sizes = offsets[order], sizes[order]
-    ends = offsets + sizes
-    start0 = offsets[:, 0]
-    for i in range(len(offsets)):
-        j_end = int(np.searchsorted(start0, ends[i, 0], side="left"))
-        if j_end <= i + 1:
-            continue
-        lo = np.maximum(offsets[i + 1:j_end], offsets[i])
-        hi = np.minimum(ends[i + 1:j_end], ends[i])
-        hit = np.flatnonzero((hi > lo).all(axis=1))
-        if len(hit):
-            h = int(hit[0])
-            return ("overlap", tuple(lo[h].tolist()), tuple((hi[h] - lo[h]).tolist()))
-    covered = sum(math.prod(s) for s in sizes.tolist())
-    if covered < math.prod(shape):
-        return ("gap", (0,) * len(shape), tuple(shape))  # somewhere inside: layout too irregular to locate cheaply
-    return None
-
-
 def find_cover_defect(shape, offsets: np.ndarray, sizes: np.ndarray):
     """Return None if the boxes cover ``shape`` exactly once, else ``(kind, offsets, sizes)``.
 
     ``kind`` is ``"gap"`` (elements no box covers) or ``"overlap"`` (elements covered twice);
-    the region is a box inside the defect. Empty boxes are ignored.
+    the region is a box inside the defect. Empty boxes are ignored. ``"irregular"`` (region: the
+    whole tensor) means the layout needs more work than :mod:`cover_sweep` allows for its size
+    (no layout cloudckpt saves comes near it): callers refuse it like a defect.
     """
     shape = tuple(int(s) for s in shape)
     d = len(shape)
@@ -119,7 +77,7 @@ def find_cover_defect(shape, offsets: np.ndarray, sizes: np.ndarray):
     sizes = np.asarray(sizes, dtype=np.int64)
     if offsets.ndim != 2:  # flat input: only meaningful for ndim >= 1
         offsets, sizes = offsets.reshape(-1, max(d, 1))[:, :d], sizes.reshape(-1, max(d, 1))[:, :d]
-    keep = sizes.prod(axis=1) > 0 if d else np.ones(len(sizes), dtype=bool)
+    keep = (sizes > 0).all(axis=1) if d else np.ones(len(sizes), dtype=bool)
     offsets, sizes = offsets[keep], sizes[keep]
     n = len(offsets)
     if math.prod(shape) == 0:
@@ -131,12 +89,10 @@ def find_cover_defect(shape, offsets: np.ndarray, sizes: np.ndarray):
     slab = _slab_defect(shape, offsets, sizes)
     if slab is not False:
         return slab
-    if d <= _MAX_RASTER_DIMS:
-        ends = offsets + sizes
-        cuts = [np.unique(np.concatenate(([0, shape[j]], offsets[:, j], ends[:, j]))) for j in range(d)]
-        if math.prod(len(c) - 1 for c in cuts) <= max(_MAX_RASTER_CELLS, 64 * n):
-            return _raster_defect(shape, offsets, sizes, cuts)
-    return _pairwise_defect(shape, offsets, sizes)
+    try:
+        return cover_sweep.find_defect(shape, offsets, sizes)
+    except cover_sweep.TooIrregular:
+        return ("irregular", (0,) * d, shape)
 
 
 def slab_segments_ok(seg_start: np.ndarray, row_shape: np.ndarray, offsets: np.ndarray,
@@ -174,23 +130,6 @@ def slab_segments_ok(seg_start: np.ndarray, row_shape: np.ndarray, offsets: np.n
     prev_ok[1:] = (k[1:] == k[:-1]) & (start[1:] == end[:-1]) & (count[1:] == 1) & (count[:-1] == 1)
     bad |= ~first & ~prev_ok
     return ~np.logical_or.reduceat(bad, seg_start[:-1])
-
-
-def stable_order(columns) -> np.ndarray:
-    """Stable lexicographic order of rows given non-negative int columns, most significant first.
-
-    Packs the columns into one int64 key when their bit widths fit (one stable argsort, several
-    times faster than ``np.lexsort``), else falls back to ``np.lexsort``.
-    """
-    columns = [np.asarray(c, dtype=np.int64) for c in columns]
-    bits = [max(1, int(c.max(initial=0)).bit_length()) for c in columns]
-    if sum(bits) <= 62 and all(int(c.min(initial=0)) >= 0 for c in columns):
-        key = columns[0].copy()
-        for c, b in zip(columns[1:], bits[1:]):
-            key <<= b
-            key |= c
-        return np.argsort(key, kind="stable")
-    return np.lexsort(tuple(reversed(columns)))
 
 
 def sort_boxes(tensor: np.ndarray, offsets: np.ndarray, n_tensors: int) -> np.ndarray:

@@ -24,7 +24,8 @@ from cloudckpt.errors import MissingKeysError, PlanningError, ShapeMismatchError
 from cloudckpt.manifest.columns import ColumnError, decode_int_column, encode_int_column
 from cloudckpt.manifest.dtypes import MAX_NDIM
 from cloudckpt.manifest.model import Manifest
-from cloudckpt.planning.chunk_index import manifest_index
+from cloudckpt.planning.chunk_index import SCAN_CHUNKS, manifest_index
+from cloudckpt.planning.hints import missing_names_message
 from cloudckpt.planning.pieces import PieceSpec
 
 LOAD_PLAN_FORMAT = "cloudckpt.load_plan"
@@ -211,8 +212,7 @@ def plan_local_load(manifest: Manifest, requests: Sequence[PieceSpec], *, rank: 
         if v not in manifest.values and v not in missing:
             missing.append(v)
     if missing and strict:
-        raise MissingKeysError(f"{len(missing)} names are not in the checkpoint: {', '.join(map(repr, missing))}",
-                               keys=tuple(missing))
+        raise MissingKeysError(missing_names_message(missing), keys=tuple(missing))
     wanted = {r.name for r in requests} | set(value_names)
     unexpected = tuple(n for n in list(manifest.tensors) + list(manifest.values) if n not in wanted)
 
@@ -226,11 +226,24 @@ def plan_local_load(manifest: Manifest, requests: Sequence[PieceSpec], *, rank: 
         req_s, pos_s = idx.slab_hits(t_arr[rows_s], off[rows_s], end[rows_s])
         parts_r.append(rows_s[req_s])
         parts_pos.append(pos_s)
-    for r in np.flatnonzero(~slab).tolist():
-        t = int(t_arr[r])
+    rows_g = np.flatnonzero(~slab)
+    if len(rows_g):
+        idx.check(t_arr[rows_g])
+        bad = rows_g[idx.verdict[t_arr[rows_g]] != 1]
+        if len(bad):
+            raise idx.coverage_error(int(t_arr[bad[0]]))
+        few = (idx.seg[t_arr[rows_g] + 1] - idx.seg[t_arr[rows_g]]) <= SCAN_CHUNKS
+        rows_s, rows_g = rows_g[few], rows_g[~few]
+        req_s, pos_s = idx.scan_hits(t_arr[rows_s], off[rows_s], end[rows_s])
+        parts_r.append(rows_s[req_s])
+        parts_pos.append(pos_s)
+    rows_g = rows_g[np.argsort(t_arr[rows_g], kind="stable")]
+    bounds = np.flatnonzero(np.diff(t_arr[rows_g])) + 1 if len(rows_g) else rows_g
+    for rows in np.split(rows_g, bounds) if len(rows_g) else ():
+        t = int(t_arr[rows[0]])
         nd = int(idx.ndims[t])
-        hits = idx.general(t).overlapping(off[r, :nd], end[r, :nd])
-        parts_r.append(np.full(len(hits), r, dtype=np.int64))
+        req, hits = idx.general(t).overlapping_many(off[rows, :nd], end[rows, :nd])
+        parts_r.append(rows[req])
         parts_pos.append(idx.position_of(int(idx.chunk_start[t]) + hits))
     item_r = np.concatenate(parts_r) if parts_r else np.zeros(0, dtype=np.int64)
     pos = np.concatenate(parts_pos) if parts_pos else np.zeros(0, dtype=np.int64)

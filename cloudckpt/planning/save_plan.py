@@ -278,6 +278,9 @@ def _check_coverage(names, shapes, ndims, gshape, chunk_start, u_g, u_off, u_siz
         defect = find_cover_defect(shapes[g], u_off[s:e, :nd], u_size[s:e, :nd])
         if defect is not None:
             kind, o, sz = defect
+            if kind == "irregular":
+                raise CoverageError(f"tensor {names[g]!r}: pieces are laid out too irregularly to check "
+                                    "that they cover it exactly once; use a regular sharding")
             what = "leave a gap" if kind == "gap" else "overlap (only identical replicas may overlap)"
             raise CoverageError(f"tensor {names[g]!r}: pieces {what} at {region_str(o, sz)}")
 

@@ -2,13 +2,13 @@
 ``LocalStore`` (directories). Never imports torch.
 
 ``open_store(url, options)`` picks the backend: ``s3://bucket/prefix`` -> ``S3Store``;
-``file:///path`` or a plain path -> ``LocalStore``.
+``file:///path`` or a plain path -> ``LocalStore``; anything else is refused
+(``parse_store_url``, :mod:`cloudckpt.storage.urls`).
 """
 
 from __future__ import annotations
 
 import os
-from urllib.parse import unquote, urlparse
 
 from cloudckpt.errors import ConfigError
 from cloudckpt.storage.base import (
@@ -22,6 +22,7 @@ from cloudckpt.storage.base import (
 from cloudckpt.storage.local import LocalStore
 from cloudckpt.storage.options import RetryOptions, StorageOptions
 from cloudckpt.storage.s3 import S3Store
+from cloudckpt.storage.urls import StoreURL, parse_store_url
 
 __all__ = [
     "CommonPrefix",
@@ -33,42 +34,29 @@ __all__ = [
     "S3Store",
     "StorageOptions",
     "StoreStats",
+    "StoreURL",
     "UploadInfo",
     "local_path",
     "open_store",
+    "parse_store_url",
 ]
 
 
 def local_path(url: str | os.PathLike) -> str | None:
-    """The filesystem path of a ``file://`` URL or plain path; None for other schemes.
-    Raises ``ConfigError`` for a malformed ``file://`` URL."""
-    text = os.fspath(url)
-    if not isinstance(text, str):
-        raise ConfigError(f"a store URL must be a string, not {type(text).__name__}")
-    if text.startswith("file:"):
-        parsed = urlparse(text)
-        if parsed.netloc not in ("", "localhost") or parsed.query or parsed.fragment:
-            raise ConfigError(f"unsupported file URL {text!r} (use file:///absolute/path)")
-        path = unquote(parsed.path)
-        if not path.startswith("/"):
-            raise ConfigError(f"file URL needs an absolute path: {text!r}")
-        return path
-    if "://" in text:
-        return None
-    if not text.strip():
-        raise ConfigError("empty store URL")
-    return text
+    """The filesystem path of a ``file://`` URL or plain path; None for an ``s3://`` URL.
+    Raises ``ConfigError`` for anything else (see :mod:`cloudckpt.storage.urls`)."""
+    parsed = parse_store_url(url)
+    return parsed.path if parsed.kind == "local" else None
 
 
 def open_store(url: str | os.PathLike, options: StorageOptions | None = None) -> ObjectStore:
-    """The store for ``url``: ``S3Store`` for ``s3://``, ``LocalStore`` for ``file://`` or a plain
-    path. Nothing is contacted yet. Unknown schemes or malformed URLs raise ``ConfigError``."""
+    """The store for ``url``: ``S3Store`` for ``s3://BUCKET[/PATH]``, ``LocalStore`` for
+    ``file:///PATH`` or a plain path. Nothing is contacted yet. Anything else, and malformed
+    URLs (``s3:/b``, ``S3://b``, ``gs://b``, ``s3://``...), raise ``ConfigError`` with a hint
+    (:func:`cloudckpt.storage.urls.parse_store_url`)."""
     if options is not None and not isinstance(options, StorageOptions):
         raise ConfigError("options must be a StorageOptions")
-    text = os.fspath(url) if isinstance(url, os.PathLike) else url
-    if isinstance(text, str) and text.startswith("s3://"):
-        return S3Store(text, options or StorageOptions())
-    path = local_path(text)
-    if path is None:
-        raise ConfigError(f"unsupported store URL {text!r}: use s3://, file:// or a path")
-    return LocalStore(path, options)
+    parsed = parse_store_url(url)
+    if parsed.kind == "s3":
+        return S3Store(parsed.url, options or StorageOptions())
+    return LocalStore(parsed.path, options)

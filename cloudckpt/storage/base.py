@@ -96,10 +96,23 @@ class StoreStats:
 
 @runtime_checkable
 class ObjectStore(Protocol):
-    """An async object store rooted at ``url``. Bound to the event loop it is first used on."""
+    """An async object store rooted at ``url``. Bound to the event loop it is first used on.
+
+    Besides ``url`` and ``stats``, a store states what it is, so that layers above storage ask
+    it instead of parsing its URL or testing its type (capabilities are fixed for a store's life
+    and the same for its children):
+
+    - ``remote``: its requests cross a network and cost per request (S3): a region that several
+      ranks need is better fetched by one and broadcast (the default of ``LoadOptions.broadcast``).
+      False where reads are cheap local I/O (``LocalStore``).
+    - ``local_root``: the directory of this machine's filesystem that holds the objects, as files
+      named by their keys (``LocalStore``); None when the objects are not files here (S3).
+    """
 
     url: str
     stats: StoreStats
+    remote: bool
+    local_root: str | None
 
     async def put(self, key: str, body: Body, *, mode: PutMode = "overwrite") -> ObjectInfo:
         """Store ``body`` under ``key``. ``create`` raises ``ObjectExists`` if the key exists

@@ -11,8 +11,13 @@
   (``StorageError``), unlike on S3. Empty directories are pruned when their last key is deleted.
 - Symlinks are followed only while they stay inside the root: an object or directory that
   leads outside it is refused (``AccessDenied``) and left out of listings, so a crafted
-  checkpoint directory cannot make a load read arbitrary files.
-- Stats count one ``get`` per coalesced span, like S3Store, so request counts compare.
+  checkpoint directory cannot make a load read arbitrary files. The check and the open are one
+  step (see :mod:`cloudckpt.storage.local_paths`: every component is opened relative to its
+  checked parent directory, never following a link): swapping a directory for a symlink while
+  the store works cannot make it read, write, list or delete anything outside the root. A child
+  store's root is the parent's. Only regular files are objects (a FIFO or device is not found).
+- Ranged reads run ``verified.read_verified`` (a block failing its crc is read once more), and
+  stats count one ``get`` per coalesced span, like S3Store, so request counts compare.
 """
 
 from __future__ import annotations
@@ -23,10 +28,9 @@ import errno
 import os
 import re
 import secrets
-import stat
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -50,12 +54,12 @@ from cloudckpt.storage.base import (
     as_views,
     check_key,
     check_prefix,
-    check_ranges,
     run_all,
 )
+from cloudckpt.storage.local_paths import Jail, dir_level, has_files, read_whole, walk_files
 from cloudckpt.storage.options import StorageOptions
-from cloudckpt.storage.ranges import (HeldRange, bad_crc_ranges, checksum_error, crc_of,
-                                      plan_pieces)
+from cloudckpt.storage.ranges import HeldRange, plan_pieces
+from cloudckpt.storage.verified import read_verified
 
 T = TypeVar("T")
 _TMP_MARK = ".cloudckpt-tmp-"
@@ -83,9 +87,13 @@ class _LocalShared:
 class LocalStore:
     """An ``ObjectStore`` over a directory. See ``cloudckpt.storage.base.ObjectStore``."""
 
+    remote = False  #: capabilities: see ``ObjectStore``
+
     def __init__(self, root: str | os.PathLike, options: StorageOptions | None = None, *,
-                 _shared: _LocalShared | None = None, _child: bool = False):
+                 _shared: _LocalShared | None = None, _child: bool = False,
+                 _jail: Jail | None = None):
         self.root = Path(os.path.abspath(os.fspath(root)))
+        self._jail = _jail or Jail(self.root)
         self._shared = _shared or _LocalShared(options or StorageOptions())
         self._child = _child
         self.options = self._shared.options
@@ -95,10 +103,14 @@ class LocalStore:
     def __repr__(self) -> str:
         return f"LocalStore({self.url!r})"
 
+    @property
+    def local_root(self) -> str:
+        return str(self.root)
+
     # --- plumbing -------------------------------------------------------------------------------
 
-    def _path(self, key: str) -> Path:
-        return self.root.joinpath(*check_key(key).split("/"))
+    def _parts(self, key: str) -> list[str]:
+        return check_key(key).split("/")
 
     async def _run(self, op: str, key: str | None, fn: Callable[[], T], count: int = 1) -> T:
         """The choke point: count, run in the pool, translate OS errors. A cancelled call returns
@@ -134,7 +146,7 @@ class LocalStore:
         if not prefix:
             return self
         return LocalStore(self.root.joinpath(*prefix.split("/")), _shared=self._shared,
-                          _child=True)
+                          _child=True, _jail=self._jail.child(prefix.split("/")))
 
     async def close(self) -> None:
         if self._child:
@@ -155,88 +167,78 @@ class LocalStore:
     async def put(self, key: str, body: Body, *, mode: PutMode = "overwrite") -> ObjectInfo:
         if mode not in ("overwrite", "create"):
             raise ConfigError(f"bad put mode {mode!r}")
-        path = self._path(key)
+        parts = self._parts(key)
         views = as_views(body)
         size = sum(len(v) for v in views)
         fsync = self.options.fsync
-
-        root = self.root
+        jail = self._jail
 
         def write() -> ObjectInfo:
-            tmp = _write_temp(root, path, views, fsync)
-            try:
-                if mode == "create":
-                    _link_exclusive(tmp, path)
-                else:
-                    os.replace(tmp, path)
-                    tmp = None
-            finally:
-                if tmp is not None:
-                    _unlink_quietly(tmp)
-            if fsync:
-                _fsync_dir(path.parent)
-            st = os.stat(path)
-            return _info(key, st)
+            for _ in range(5):  # a concurrent delete may prune the directory as we reach it
+                with jail.walk(parts[:-1], create=True) as d:
+                    path = At(d.fd, parts[-1])
+                    tmp = _write_temp(path, views, fsync)
+                    if tmp is None:
+                        continue
+                    try:
+                        if mode == "create":
+                            _link_exclusive(tmp, path)
+                        else:
+                            os.replace(tmp.name, path.name, src_dir_fd=d.fd, dst_dir_fd=d.fd)
+                            tmp = None
+                    finally:
+                        if tmp is not None:
+                            _unlink_quietly(tmp)
+                    if fsync:
+                        os.fsync(d.fd)
+                    return _info(key, os.stat(path.name, dir_fd=d.fd, follow_symlinks=False))
+            raise FileNotFoundError(errno.ENOENT, "directory vanished", key)
 
         info = await self._run("put", key, write)
         self.stats.bytes_sent += size
         return info
 
     async def delete(self, keys: Iterable[str]) -> None:
-        paths = [self._path(k) for k in keys]
-        root = self.root
+        paths = [self._parts(k) for k in keys]
+        jail = self._jail
 
         def remove() -> None:
-            for path in paths:
+            for parts in paths:
                 try:
-                    _check_inside(root, path.parent)
-                    os.unlink(path)
+                    with jail.walk(parts[:-1]) as d:
+                        os.unlink(parts[-1], dir_fd=d.fd)  # a link itself, never its target
+                        d.prune()
                 except FileNotFoundError:
                     continue
-                _prune_dirs(path.parent, root)
 
         await self._run("delete", None, remove, count=max(1, -(-len(paths) // 1000)))
 
     # --- reads ----------------------------------------------------------------------------------
 
     async def head(self, key: str) -> ObjectInfo:
-        path = self._path(key)
-        root = self.root
-        return await self._run("head", key, lambda: _info(key, _stat_file(root, path)))
+        parts = self._parts(key)
+        jail = self._jail
+
+        def stat() -> ObjectInfo:
+            with jail.walk(parts[:-1]) as d:
+                return _info(key, d.stat_file(parts[-1]))
+
+        return await self._run("head", key, stat)
 
     async def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
-        """The whole file. Only a regular file is read (opened non-blocking, so a FIFO or a
-        device cannot hang the call; anything else is ``ObjectNotFound``); with ``max_bytes``,
-        its size is checked (``ObjectTooLarge``) before a byte is read."""
-        path = self._path(key)
-
-        root = self.root
-        url = self.url
+        """The whole file (only a regular file: a FIFO or device is ``ObjectNotFound``); with
+        ``max_bytes``, its size is checked (``ObjectTooLarge``) before a byte is read."""
+        parts = self._parts(key)
+        jail, url = self._jail, self.url
 
         def too_large(size: int) -> ObjectTooLarge:
             return ObjectTooLarge(f"get {url}/{key}: {size} bytes, more than the {max_bytes} "
                                   f"allowed", key=key, operation="get", size=size, limit=max_bytes)
 
         def read() -> bytes:
-            _check_inside(root, path)
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            fd = _open_inside(jail, parts)
             try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise FileNotFoundError(errno.ENOENT, "not a regular file", str(path))
-                if max_bytes is not None and st.st_size > max_bytes:
-                    raise too_large(st.st_size)
-                with open(fd, "rb", closefd=False) as f:
-                    if max_bytes is None:
-                        return f.read()
-                    pieces, total, want = [], 0, min(st.st_size, max_bytes) + 1
-                    while piece := f.read(want):  # the size read so far, then what it grew by
-                        pieces.append(piece)
-                        total += len(piece)
-                        if total > max_bytes:
-                            raise too_large(total)
-                        want = min(1 << 20, max_bytes + 1 - total)
-                return b"".join(pieces) if len(pieces) != 1 else pieces[0]
+                return read_whole(fd, max_bytes, too_large)
             finally:
                 os.close(fd)
 
@@ -245,52 +247,49 @@ class LocalStore:
         return data
 
     async def read_ranges(self, key: str, ranges: Sequence[ReadRange]) -> list[memoryview]:
-        path = self._path(key)
-        outs = check_ranges(ranges)
-        held = [HeldRange(r) if r.sinks else None for r in ranges]
-        views = [o if o is not None else memoryview(bytearray(0 if h is not None else r.length))
-                 for r, o, h in zip(ranges, outs, held)]
-        offsets = [r.offset for r in ranges]
-        lengths = [r.length for r in ranges]
+        parts = self._parts(key)
+
+        async def fetch(offsets, lengths, targets, *, reread: bool) -> None:
+            await self._fetch_into(key, parts, offsets, lengths, targets)
+
+        return await read_verified(key, ranges, fetch, where=self.url)
+
+    async def _fetch_into(self, key: str, parts: Sequence[str], offsets: Sequence[int],
+                          lengths: Sequence[int], targets: Sequence) -> None:
+        """Read ranges into ``targets`` (flat views, or ``HeldRange``s given freshly read
+        blocks): coalesced into pieces, pieces concurrently in the pool."""
         pieces = plan_pieces(offsets, lengths, gap=self.options.coalesce_gap,
                              max_piece=self.options.part_size or READ_PIECE)
-        if pieces:
-            root = self.root
-            fd = await self._run("get", key, lambda: _open_inside(root, path), count=0)
-            try:
-                size = os.fstat(fd).st_size
-                for r in ranges:
-                    if r.length and r.offset + r.length > size:
-                        raise InvalidRange(
-                            f"{self.url}/{key}: range [{r.offset}, {r.offset + r.length}) is "
-                            f"past the end of the object ({size} bytes)", key=key, operation="get")
+        if not pieces:
+            return
+        jail = self._jail
+        fd = await self._run("get", key, lambda: _open_inside(jail, parts), count=0)
+        try:
+            size = os.fstat(fd).st_size
+            for offset, length in zip(offsets, lengths):
+                if length and offset + length > size:
+                    raise InvalidRange(
+                        f"{self.url}/{key}: range [{offset}, {offset + length}) is past the end "
+                        f"of the object ({size} bytes)", key=key, operation="get")
 
-                def reader(piece) -> Callable[[], None]:
-                    def run() -> None:
-                        for i in piece.members:
-                            lo, hi = max(offsets[i], piece.start), min(offsets[i] + lengths[i],
-                                                                       piece.end)
-                            if held[i] is not None:  # verified, then copied to the sinks
-                                part = memoryview(np.empty(hi - lo, dtype=np.uint8))
-                                _pread_into(fd, part, lo)
-                                held[i].add(lo - offsets[i], part)
-                            else:
-                                _pread_into(fd, views[i][lo - offsets[i]:hi - offsets[i]], lo)
-                    return run
+            def reader(piece) -> Callable[[], None]:
+                def run() -> None:
+                    for i in piece.members:
+                        lo = max(offsets[i], piece.start)
+                        hi = min(offsets[i] + lengths[i], piece.end)
+                        target = targets[i]
+                        if isinstance(target, HeldRange):  # verified, then copied to the sinks
+                            part = memoryview(np.empty(hi - lo, dtype=np.uint8))
+                            _pread_into(fd, part, lo)
+                            target.add(lo - offsets[i], part)
+                        else:
+                            _pread_into(fd, target[lo - offsets[i]:hi - offsets[i]], lo)
+                return run
 
-                await run_all(self._run("get", key, reader(p)) for p in pieces)
-            finally:
-                os.close(fd)
-            self.stats.bytes_received += sum(p.length for p in pieces)
-        for i, h in enumerate(held):
-            if h is not None and not h.ok:
-                raise checksum_error(self.url, key, offsets[i], lengths[i],
-                                     ranges[i].crc32c & 0xFFFFFFFF, h.actual)
-        crcs = [None if h is not None else r.crc32c for r, h in zip(ranges, held)]
-        for i in await bad_crc_ranges(offsets, crcs, views):
-            raise checksum_error(self.url, key, offsets[i], lengths[i], crcs[i] & 0xFFFFFFFF,
-                                 await crc_of(views[i]))
-        return views
+            await run_all(self._run("get", key, reader(p)) for p in pieces)
+        finally:
+            os.close(fd)
+        self.stats.bytes_received += sum(p.length for p in pieces)
 
     # --- listings -------------------------------------------------------------------------------
 
@@ -300,7 +299,7 @@ class LocalStore:
         if delimiter == "":
             raise ConfigError("delimiter must be None or non-empty")
         items = await self._run("list", prefix or None,
-                                lambda: _list_tree(self.root, prefix, delimiter))
+                                lambda: _list_tree(self._jail, prefix, delimiter))
         for item in items:
             yield item
 
@@ -309,14 +308,14 @@ class LocalStore:
 
         def scan() -> list[UploadInfo]:
             found = []
-            for rel, entry in _walk_files(self.root, _dir_hint(prefix), temps=True):
-                m = _TMP_RE.match(entry.name)
+            for rel, st in walk_files(self._jail, _dir_hint(prefix), temps=True, mark=_TMP_MARK):
+                name = rel.rpartition("/")[2]
+                m = _TMP_RE.match(name)
                 if not m:
                     continue
-                key = rel[: len(rel) - len(entry.name)] + m.group("name")
+                key = rel[: len(rel) - len(name)] + m.group("name")
                 if key.startswith(prefix):
-                    found.append(UploadInfo(key=key, upload_id=entry.name,
-                                            initiated=entry.stat().st_mtime))
+                    found.append(UploadInfo(key=key, upload_id=name, initiated=st.st_mtime))
             return sorted(found, key=lambda u: (u.key, u.initiated or 0.0, u.upload_id))
 
         return await self._run("list_uploads", prefix or None, scan)
@@ -325,8 +324,17 @@ class LocalStore:
         m = _TMP_RE.match(upload.upload_id)
         if not m or "/" in upload.upload_id:
             raise ConfigError(f"not a LocalStore upload id: {upload.upload_id!r}")
-        path = self._path(upload.key).parent / upload.upload_id
-        await self._run("abort_multipart", upload.key, lambda: _unlink_quietly(path))
+        parts = self._parts(upload.key)
+        jail = self._jail
+
+        def abort() -> None:
+            try:
+                with jail.walk(parts[:-1]) as d:
+                    _unlink_quietly(At(d.fd, upload.upload_id))
+            except FileNotFoundError:
+                pass
+
+        await self._run("abort_multipart", upload.key, abort)
 
 
 # --- blocking helpers (run in the pool) --------------------------------------------------------
@@ -337,42 +345,28 @@ def _info(key: str, st: os.stat_result) -> ObjectInfo:
                       last_modified=st.st_mtime)
 
 
-def _check_inside(root: Path, path: Path) -> None:
-    """Refuse a path that leaves ``root`` through a symlink (PermissionError -> AccessDenied).
-    A missing path is fine here (the operation itself reports it)."""
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(path)
-    if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
-        raise PermissionError(errno.EACCES, "refused: a symlink leads outside the store root",
-                              str(path))
+class At(NamedTuple):
+    """A name in a directory open as ``dir_fd`` (every write below the root goes through one)."""
+
+    dir_fd: int
+    name: str
 
 
-def _open_inside(root: Path, path: Path) -> int:
-    _check_inside(root, path)
-    return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+def _open_inside(jail: Jail, parts: Sequence[str]) -> int:
+    """A read-only fd of the object at ``parts`` (see :mod:`cloudckpt.storage.local_paths`)."""
+    with jail.walk(parts[:-1]) as d:
+        return d.open_file(parts[-1])
 
 
-def _stat_file(root: Path, path: Path) -> os.stat_result:
-    _check_inside(root, path)
-    st = os.stat(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(errno.ENOENT, "not a file", str(path))
-    return st
-
-
-def _write_temp(root: Path, path: Path, views: Sequence[memoryview], fsync: bool) -> Path:
-    tmp = path.parent / f".{path.name}{_TMP_MARK}{secrets.token_hex(8)}"
-    for _ in range(5):  # a concurrent delete may prune the directory between the two calls
-        os.makedirs(path.parent, exist_ok=True)
-        _check_inside(root, path.parent)
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
-                         0o644)
-            break
-        except FileNotFoundError:
-            continue
-    else:
-        raise FileNotFoundError(errno.ENOENT, "directory vanished", str(path.parent))
+def _write_temp(path: At, views: Sequence[memoryview], fsync: bool) -> At | None:
+    """A new temporary file next to ``path`` holding ``views``; None when the directory was
+    removed meanwhile (the caller walks to it again)."""
+    tmp = At(path.dir_fd, f".{path.name}{_TMP_MARK}{secrets.token_hex(8)}")
+    try:
+        fd = os.open(tmp.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | getattr(os, "O_CLOEXEC", 0), 0o644, dir_fd=tmp.dir_fd)
+    except FileNotFoundError:
+        return None
     try:
         _preallocate(fd, sum(len(v) for v in views))
         for v in views:
@@ -402,10 +396,11 @@ def _preallocate(fd: int, size: int) -> None:
             raise
 
 
-def _link_exclusive(tmp: Path, path: Path) -> None:
-    """Publish ``tmp`` at ``path`` unless ``path`` exists (FileExistsError)."""
+def _link_exclusive(tmp: At, path: At) -> None:
+    """Publish ``tmp`` at ``path`` (same directory) unless ``path`` exists (FileExistsError)."""
+    d = path.dir_fd
     try:
-        os.link(tmp, path)
+        os.link(tmp.name, path.name, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
         return
     except FileExistsError:
         raise
@@ -414,33 +409,17 @@ def _link_exclusive(tmp: Path, path: Path) -> None:
                              errno.EMLINK, errno.ENOSYS):
             raise
     # No hard links here: claim the name with O_EXCL, then move the content over it.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(path.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644,
+                 dir_fd=d)
     os.close(fd)
-    os.replace(tmp, path)
+    os.replace(tmp.name, path.name, src_dir_fd=d, dst_dir_fd=d)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _unlink_quietly(path: At) -> None:
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: Path) -> None:
-    try:
-        os.unlink(path)
+        os.unlink(path.name, dir_fd=path.dir_fd)
     except FileNotFoundError:
         pass
-
-
-def _prune_dirs(directory: Path, root: Path) -> None:
-    while directory != root and root in directory.parents:
-        try:
-            os.rmdir(directory)
-        except OSError:
-            return
-        directory = directory.parent
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> None:
@@ -457,65 +436,24 @@ def _dir_hint(prefix: str) -> str:
     return prefix[: prefix.rfind("/") + 1]
 
 
-def _walk_files(root: Path, rel_dir: str, *, temps: bool = False):
-    """(relative key, DirEntry) of every regular file below ``root/rel_dir`` (no symlinked dirs);
-    temporary files only when ``temps``."""
-    if rel_dir and not _is_inside(root, root / rel_dir):
-        return
-    stack = [rel_dir]
-    while stack:
-        rel = stack.pop()
-        try:
-            entries = list(os.scandir(root / rel if rel else root))
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                stack.append(f"{rel}{entry.name}/")
-            elif entry.is_file() and (_TMP_MARK in entry.name) == temps:
-                if entry.is_symlink() and not _is_inside(root, Path(entry.path)):
-                    continue
-                yield f"{rel}{entry.name}", entry
-
-
-def _is_inside(root: Path, path: Path) -> bool:
-    try:
-        _check_inside(root, path)
-        return True
-    except PermissionError:
-        return False
-
-
-def _has_files(root: Path, rel_dir: str) -> bool:
-    return any(True for _ in _walk_files(root, rel_dir))
-
-
-def _list_tree(root: Path, prefix: str, delimiter: str | None) -> list:
+def _list_tree(jail: Jail, prefix: str, delimiter: str | None) -> list:
     hint = _dir_hint(prefix)
-    if hint and not _is_inside(root, root / hint):
-        return []
     if delimiter == "/":  # one directory level is enough
         out: list = []
-        try:
-            entries = list(os.scandir(root / hint if hint else root))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        for entry in entries:
-            rel = hint + entry.name
-            if not rel.startswith(prefix):
+        for rel, st in dir_level(jail, hint, _TMP_MARK):
+            if not rel.rstrip("/").startswith(prefix):
                 continue
-            if entry.is_dir(follow_symlinks=False):
-                if _has_files(root, rel + "/"):
-                    out.append(CommonPrefix(rel + "/"))
-            elif entry.is_file() and _TMP_MARK not in entry.name:
-                if entry.is_symlink() and not _is_inside(root, Path(entry.path)):
-                    continue
-                out.append(_info(rel, entry.stat()))
+            if st is None:
+                if has_files(jail, rel, _TMP_MARK):
+                    out.append(CommonPrefix(rel))
+            else:
+                out.append(_info(rel, st))
         return sorted(out, key=lambda x: x.key if isinstance(x, ObjectInfo) else x.prefix)
-    files = sorted((rel, entry) for rel, entry in _walk_files(root, hint) if rel.startswith(prefix))
+    files = sorted((rel, st) for rel, st in walk_files(jail, hint, temps=False, mark=_TMP_MARK)
+                   if rel.startswith(prefix))
     out = []
     last_prefix = None
-    for rel, entry in files:
+    for rel, st in files:
         if delimiter:
             cut = rel.find(delimiter, len(prefix))
             if cut >= 0:
@@ -524,5 +462,5 @@ def _list_tree(root: Path, prefix: str, delimiter: str | None) -> list:
                     out.append(CommonPrefix(common))
                     last_prefix = common
                 continue
-        out.append(_info(rel, entry.stat()))
+        out.append(_info(rel, st))
     return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from cloudckpt.errors import ConfigError
@@ -13,31 +13,71 @@ MiB = 1024 * 1024
 MIN_PART_SIZE = 5 * MiB
 MAX_PART_SIZE = 5 * 1024 * MiB
 MAX_PARTS = 10_000
+#: S3's limit on the body of one PutObject (create-mode puts are always one PutObject).
+MAX_PUT_SIZE = 5 * 1024 * MiB
 
 
 @dataclass(frozen=True, kw_only=True)
 class RetryOptions:
-    """How one storage operation retries.
+    """How one storage operation retries, and when it gives up.
 
     ``max_attempts`` counts every request of the operation (1 = no retry). Between attempts the
-    store sleeps ``uniform(0, min(max_delay, base_delay * 2**retry))`` seconds (full jitter). Each
-    attempt is cut at ``attempt_timeout`` seconds; the whole operation (attempts and sleeps) at
-    ``deadline`` seconds, after which ``RetriesExhausted`` is raised with the last cause.
+    store sleeps ``uniform(0, min(max_delay, base_delay * 2**retry))`` seconds (full jitter).
+
+    Time limits, from the smallest unit up (defaults in brackets):
+
+    - ``connect_timeout`` [5 s]: to open a connection. A live endpoint accepts in milliseconds;
+      an address that drops packets (firewall, wrong host) is noticed after this long.
+    - ``read_timeout`` [20 s]: silence allowed while waiting for the server: for the first byte
+      of its answer once the request is sent, and between two reads of a response body. It is
+      not a bound on a transfer: a slow large GET or upload that keeps moving bytes is never cut
+      by it. Servers answer in milliseconds, and those that need long (S3's
+      CompleteMultipartUpload, CopyObject) send keep-alive bytes meanwhile.
+    - ``max_stalls`` [3]: an operation whose attempts got no answer at all (a connect or read
+      timeout) this many times in a row gives up (``RetriesExhausted``, "no answer"). So an
+      endpoint that accepts connections but never answers fails an operation after about
+      ``max_stalls * read_timeout`` = 60 s, and a closed port after ``max_attempts`` quick
+      refusals (about 10 s), instead of running to the deadline.
+    - ``attempt_timeout`` [300 s]: one whole attempt, transfer included (a cap for requests whose
+      upload stalls, where ``read_timeout`` does not apply yet).
+    - ``deadline`` [300 s]: the whole operation (its attempts, the sleeps between them and every
+      wait for a request slot or buffer memory), after which ``RetriesExhausted`` is raised with
+      the last cause.
+
+    :meth:`within` builds options from one number (the CLI's ``--timeout``).
     """
 
     max_attempts: int = 8
     base_delay: float = 0.1
     max_delay: float = 5.0
-    attempt_timeout: float = 60.0
+    connect_timeout: float = 5.0
+    read_timeout: float = 20.0
+    max_stalls: int = 3
+    attempt_timeout: float = 300.0
     deadline: float = 300.0
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ConfigError("RetryOptions.max_attempts must be >= 1")
+        if self.max_stalls < 1:
+            raise ConfigError("RetryOptions.max_stalls must be >= 1")
         if self.base_delay < 0 or self.max_delay < 0:
             raise ConfigError("RetryOptions delays must be >= 0")
-        if self.attempt_timeout <= 0 or self.deadline <= 0:
+        if min(self.attempt_timeout, self.deadline, self.connect_timeout, self.read_timeout) <= 0:
             raise ConfigError("RetryOptions timeouts must be > 0")
+
+    def within(self, seconds: float) -> RetryOptions:
+        """These options with an unresponsive endpoint given up on after about ``seconds``:
+        ``read_timeout = seconds / max_stalls`` and ``connect_timeout`` at most that. A live
+        server that answers slowly still has ``read_timeout`` of silence per read, and transfers
+        are still bounded by ``attempt_timeout`` / ``deadline`` only, which are kept (raised to
+        ``seconds`` if smaller)."""
+        if not seconds > 0:
+            raise ConfigError(f"a timeout must be > 0 seconds, got {seconds}")
+        read = seconds / self.max_stalls
+        return replace(self, read_timeout=read, connect_timeout=min(self.connect_timeout, read),
+                       attempt_timeout=max(self.attempt_timeout, seconds),
+                       deadline=max(self.deadline, seconds))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,13 +97,16 @@ class StorageOptions:
       sinks, held until it is verified: at most about one range per request in flight).
     - ``transport_checksums``: send ``x-amz-checksum-crc32c`` with every body so the server
       rejects bodies damaged in transit.
-    - ``conditional_create``: how ``mode="create"`` is enforced: ``"native"`` (If-None-Match: *),
-      ``"fallback"`` (multipart-upload claim protocol, for servers that ignore the header) or
-      ``"auto"`` (probe the server once per store, then pick).
+    - ``conditional_create``: how ``mode="create"`` is enforced: ``"native"`` (one PutObject
+      with If-None-Match: *, whatever the body's size, so at most 5 GiB), ``"fallback"``
+      (multipart-upload claim protocol, for servers that ignore the header; needs
+      ListMultipartUploads) or ``"auto"`` (probe the server once per store, then pick).
     - ``prefix_spreading``: S3 only. N > 0 stores each key under one of N hashed prefixes of the
       root URL given to ``open_store`` (``root/<h>/key``), spreading a large job over S3's
       per-prefix request-rate partitions. Readers must open the same root with the same N.
     - ``fsync``: LocalStore only: fsync files and directories before a put returns.
+    - ``retry``: attempts and time limits of each request (:class:`RetryOptions`: a dead
+      endpoint fails an operation within about a minute by default; :meth:`with_timeout`).
     """
 
     endpoint_url: str | None = None
@@ -104,6 +147,12 @@ class StorageOptions:
             raise ConfigError("StorageOptions.prefix_spreading must be between 0 and 4096")
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ConfigError("give both access_key_id and secret_access_key, or neither")
+
+    def with_timeout(self, seconds: float) -> StorageOptions:
+        """A copy whose requests give up on an unresponsive endpoint after about ``seconds``
+        (:meth:`RetryOptions.within`), e.g. ``StorageOptions().with_timeout(10)``; the rest
+        still comes from the AWS chain."""
+        return replace(self, retry=self.retry.within(seconds))
 
 
 def choose_part_size(size: int, requested: int | None = None, *, default: int = 16 * MiB) -> int:

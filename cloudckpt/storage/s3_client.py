@@ -1,20 +1,26 @@
-"""Plumbing of S3Store: URL parsing, the aiobotocore client with the cheap request settings, the
+"""Plumbing of S3Store: the aiobotocore client with the cheap request settings, the
 zero-copy request body and the streaming response reader.
 
 The client is created on first use, in the running loop, with a connection pool of
 ``concurrency`` connections, botocore's own retries off (the store's choke point retries), payload
 signing off (TLS or the crc32c header protect bodies; botocore would SHA-256 every body over http)
-and checksums only where an operation requires them.
+and checksums only where an operation requires them. DeleteObjects also carries ``Content-MD5``:
+botocore sends only ``x-amz-checksum-crc32`` there, and servers that predate flexible checksums
+(MinIO before 2025-01, the JuiceFS gateway) answer 400 MissingContentMD5 without it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
+import hashlib
 import io
 import os
 import re
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import TypeVar
 from urllib.parse import urlparse
 
 import aiohttp.payload
@@ -24,30 +30,12 @@ from aiobotocore.session import AioSession
 from cloudckpt.errors import ConfigError
 from cloudckpt.storage.options import StorageOptions
 from cloudckpt.storage.redact import install_redaction
+from cloudckpt.storage.urls import parse_s3_url  # noqa: F401 - re-exported
 
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$", re.IGNORECASE)
+T = TypeVar("T")
 
 #: Bytes handed to the socket per write: bounds the transport's own copy of a body.
 SEND_CHUNK = 256 * 1024
-
-
-def parse_s3_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix/")`` (prefix "" for the bucket)."""
-    parsed = urlparse(url)
-    if parsed.scheme != "s3" or not parsed.netloc:
-        raise ConfigError(f"not an s3:// URL: {url!r}")
-    if parsed.query or parsed.fragment or "@" in parsed.netloc:
-        raise ConfigError(f"s3 URLs take no query, fragment or credentials: {url!r}")
-    bucket = parsed.netloc
-    if not _BUCKET_RE.match(bucket):
-        raise ConfigError(f"bad bucket name {bucket!r} in {url!r}")
-    prefix = parsed.path.strip("/")
-    if prefix:
-        for part in prefix.split("/"):
-            if part in ("", ".", ".."):
-                raise ConfigError(f"bad path {parsed.path!r} in {url!r}")
-        prefix += "/"
-    return bucket, prefix
 
 
 def crc32c_b64(crc: int) -> str:
@@ -57,8 +45,24 @@ def crc32c_b64(crc: int) -> str:
 
 def resolve_endpoint(options: StorageOptions) -> str | None:
     """The endpoint URL from the options, else ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``."""
-    return (options.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
-            or os.environ.get("AWS_ENDPOINT_URL") or None)
+    return endpoint_source(options)[0]
+
+
+def endpoint_source(options: StorageOptions) -> tuple[str | None, str]:
+    """(endpoint URL or None, where it was configured): ``StorageOptions.endpoint_url``,
+    ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, or ``""`` when none is (botocore then uses a
+    profile's ``endpoint_url`` or AWS S3)."""
+    if options.endpoint_url:
+        return options.endpoint_url, "StorageOptions.endpoint_url"
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        if os.environ.get(name):
+            return os.environ[name], name
+    return None, ""
+
+
+def is_aws_endpoint(endpoint: str | None) -> bool:
+    """Whether ``endpoint`` is one of AWS S3's own."""
+    return _is_aws(endpoint)
 
 
 def _is_aws(endpoint: str | None) -> bool:
@@ -73,8 +77,8 @@ def _config(options: StorageOptions, style: str) -> AioConfig:
         s3["addressing_style"] = style
     return AioConfig(
         max_pool_connections=options.concurrency,
-        connect_timeout=min(10.0, retry.attempt_timeout),
-        read_timeout=retry.attempt_timeout,
+        connect_timeout=min(retry.connect_timeout, retry.attempt_timeout),
+        read_timeout=min(retry.read_timeout, retry.attempt_timeout),  # silence per read
         retries={"total_max_attempts": 1, "mode": "standard"},
         s3=s3,
         signature_version="s3v4",
@@ -85,16 +89,23 @@ def _config(options: StorageOptions, style: str) -> AioConfig:
 
 async def open_client(options: StorageOptions, stack: contextlib.AsyncExitStack):
     """Create the aiobotocore S3 client for ``options`` inside ``stack`` (closed with it).
+    Returns ``(client, access key id)``: the id of the credentials in use (not a secret; for
+    messages), None if it cannot be told.
 
     Raises ``ConfigError`` when no credentials can be found at all.
     """
     install_redaction()  # botocore's DEBUG records would otherwise show session tokens
     session = AioSession(profile=options.profile) if options.profile else AioSession()
     endpoint = resolve_endpoint(options)
-    if options.access_key_id is None and await session.get_credentials() is None:
-        raise ConfigError(
-            "no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
-            "AWS_PROFILE, or StorageOptions(access_key_id=..., secret_access_key=...)")
+    access_key_id = options.access_key_id
+    if access_key_id is None:
+        credentials = await session.get_credentials()
+        if credentials is None:
+            raise ConfigError(
+                "no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                "AWS_PROFILE, or StorageOptions(access_key_id=..., secret_access_key=...)")
+        with contextlib.suppress(Exception):  # refreshing may fail here: the request will say
+            access_key_id = (await credentials.get_frozen_credentials()).access_key
     region = options.region or session.get_config_variable("region")
     if region is None and endpoint is not None:
         region = "us-east-1"
@@ -112,7 +123,20 @@ async def open_client(options: StorageOptions, stack: contextlib.AsyncExitStack)
         await client.close()
         client = await stack.enter_async_context(
             session.create_client("s3", config=_config(options, "path"), **kwargs))
-    return client
+    client.meta.events.register("before-call.s3.DeleteObjects", add_content_md5)
+    return client, access_key_id
+
+
+def add_content_md5(params, **kwargs) -> None:
+    """botocore ``before-call`` handler: set ``Content-MD5`` (base64 MD5 of the body) on a
+    request that has a body and none yet. Registered for DeleteObjects, whose body is a small
+    XML document; the header is signed with the rest (signing happens later)."""
+    body = params.get("body")
+    headers = params.setdefault("headers", {})
+    if isinstance(body, (bytes, bytearray)) and not any(
+            k.lower() == "content-md5" for k in headers):
+        digest = hashlib.md5(body, usedforsecurity=False).digest()
+        headers["Content-MD5"] = base64.b64encode(digest).decode("ascii")
 
 
 class BodyPayload(aiohttp.payload.Payload):
@@ -129,6 +153,8 @@ class BodyPayload(aiohttp.payload.Payload):
         self._views = list(views)
         self._size = sum(len(v) for v in self._views)
         self._pos = 0
+        self.progress_at = time.monotonic()  #: when the socket last took bytes (or creation)
+        self.sent = False  #: the whole body was handed to the socket
 
     def __len__(self) -> int:
         return self._size
@@ -164,14 +190,49 @@ class BodyPayload(aiohttp.payload.Payload):
         await self.write_with_length(writer, None)
 
     async def write_with_length(self, writer, content_length: int | None) -> None:
+        self.sent = False
+        self.progress_at = time.monotonic()
         remaining = self._size if content_length is None else min(content_length, self._size)
         for v in self._views:
             for start in range(0, len(v), SEND_CHUNK):
                 if remaining <= 0:
-                    return
+                    break
                 piece = v[start:start + min(SEND_CHUNK, remaining)]
                 await writer.write(piece)
+                self.progress_at = time.monotonic()
                 remaining -= len(piece)
+        self.sent = True
+
+
+class SendStall(TimeoutError):
+    """The endpoint took no byte of a request body for the read timeout (retried, a stall)."""
+
+
+async def send_with_body(request: Awaitable[T], body, silence: float) -> T:
+    """Await ``request``, which sends ``body`` (a :class:`BodyPayload`, or bytes). While the body
+    is not fully sent, ``silence`` seconds without the socket taking a byte of it (a server that
+    never answers ``100 Continue``, or stops reading) cancel the request and raise
+    :class:`SendStall`. Once it is sent, the client's read timeout watches the answer."""
+    task = asyncio.ensure_future(request)
+    if not isinstance(body, BodyPayload):
+        return await task
+    try:
+        while True:
+            wait = body.progress_at + silence - time.monotonic()
+            if body.sent:
+                return await task
+            if wait <= 0:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise SendStall(f"the endpoint took no byte of the request body for {silence:g} s")
+            await asyncio.wait({task}, timeout=wait)
+            if task.done():
+                return task.result()
+    except BaseException:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        raise
 
 
 async def iter_body(body) -> AsyncIterator[bytes]:

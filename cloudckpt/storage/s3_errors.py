@@ -11,6 +11,7 @@ otherwise StorageError), 416 (InvalidRange), missing credentials (ConfigError), 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import aiohttp
 import botocore.exceptions as bex
@@ -26,8 +27,10 @@ from cloudckpt.errors import (
     StorageError,
 )
 from cloudckpt.storage.retry import AttemptTimeout, Verdict
+from cloudckpt.storage.s3_client import SendStall
 
-#: Error codes that name a transient server condition.
+#: Error codes that name a transient server condition: the one list of them, used both for whole
+#: requests (``classify``) and for the per-key errors of a DeleteObjects answer.
 RETRIABLE_CODES = frozenset({
     "SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
     "ThrottlingException", "RequestThrottled", "RequestLimitExceeded", "TooManyRequests",
@@ -86,6 +89,11 @@ _TRANSPORT_ERRORS = (
 )
 
 
+def is_retriable(code: str, status: int = 0) -> bool:
+    """Whether an S3 error (code, HTTP status) names a transient condition worth another try."""
+    return code in RETRIABLE_CODES or (status in RETRIABLE_STATUS and code not in CODE_TABLE)
+
+
 def error_code(exc: bex.ClientError) -> tuple[str, int]:
     """(S3 error code, HTTP status) of a ClientError ('' / 0 when absent)."""
     resp = getattr(exc, "response", None) or {}
@@ -96,17 +104,122 @@ def error_code(exc: bex.ClientError) -> tuple[str, int]:
     return code, status
 
 
-def classify(exc: BaseException, op: str, key: str | None, where: str) -> Verdict:
+def _bucket_of(where: str) -> str:
+    """The bucket of an ``s3://bucket/...`` location ('?' when it is not one)."""
+    return where.removeprefix("s3://").partition("/")[0] if where.startswith("s3://") else "?"
+
+
+def cause_code(exc: BaseException) -> tuple[str, int]:
+    """(S3 error code, HTTP status) of the server answer behind ``exc``: ``exc`` itself or the
+    ``ClientError`` it was raised from ('' / 0 when there is none)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, bex.ClientError):
+            return error_code(exc)
+        exc, seen = exc.__cause__, seen + 1
+    return "", 0
+
+
+def is_not_implemented(exc: BaseException) -> bool:
+    """Whether ``exc`` is the server saying it does not implement the request (501
+    NotImplemented): the caller may fall back to another request form."""
+    code, status = cause_code(exc)
+    return code == "NotImplemented" or status == 501
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a store's requests go, and as whom: for messages.
+
+    ``url``: the endpoint URL (None until known); ``source``: where it was configured
+    (``"AWS_ENDPOINT_URL"``, ``"StorageOptions.endpoint_url"``, ...; ``""``: nowhere, botocore's
+    default, i.e. AWS S3 unless a profile names one); ``aws``: whether ``url`` is AWS S3's own;
+    ``access_key_id``: the id of the credentials in use (never the secret)."""
+
+    url: str | None = None
+    source: str = ""
+    aws: bool = False
+    access_key_id: str | None = None
+
+    def describe(self) -> str:
+        """``"endpoint http://host:port (from AWS_ENDPOINT_URL)"``; for AWS S3 reached because
+        nothing was configured, also how to point elsewhere."""
+        where = f"endpoint {self.url}" if self.url else "the default endpoint"
+        if self.source:
+            return f"{where} (from {self.source})"
+        if self.aws or self.url is None:
+            return (f"{where}: AWS S3, as no endpoint is configured (for another S3-compatible "
+                    "store set AWS_ENDPOINT_URL or StorageOptions(endpoint_url=...))")
+        return f"{where} (from the AWS profile)"
+
+    def key_words(self) -> str:
+        return f"access key id {self.access_key_id!r}" if self.access_key_id else \
+            "the access key id in use"
+
+
+#: Codes that say the credentials themselves were refused, with what to check.
+_REFUSED = {
+    "SignatureDoesNotMatch": "the secret key does not match {key} (the request signature is "
+                             "wrong): check AWS_SECRET_ACCESS_KEY, or the profile's "
+                             "aws_secret_access_key, for that key",
+    "InvalidAccessKeyId": "{key} is unknown to {endpoint}: check AWS_ACCESS_KEY_ID or "
+                          "AWS_PROFILE, and that the key belongs to this endpoint",
+    "InvalidToken": "the session token of {key} is invalid: refresh the temporary credentials "
+                    "(AWS_SESSION_TOKEN, aws sso login, the role)",
+    "ExpiredToken": "the session token of {key} has expired: refresh the temporary credentials "
+                    "(AWS_SESSION_TOKEN, aws sso login, the role)",
+    "TokenRefreshRequired": "the session token of {key} must be refreshed: refresh the "
+                            "temporary credentials (AWS_SESSION_TOKEN, aws sso login, the role)",
+}
+_BARE_403 = frozenset({"", "403", "Forbidden"})
+
+
+def is_bare_403(exc: BaseException) -> bool:
+    """A 403 without an error code (HEAD answers have no body to carry one)."""
+    if not isinstance(exc, bex.ClientError):
+        return False
+    code, status = error_code(exc)
+    return status == 403 and code in _BARE_403
+
+
+def _denied_message(op: str, name: str, code: str, message: str, endpoint: Endpoint) -> str:
+    key = endpoint.key_words()
+    where = endpoint.url or "the endpoint"
+    if code in _REFUSED:
+        what = _REFUSED[code].format(key=key, endpoint=where)
+        return f"{op}{name}: the credentials were refused (403 {code}): {what}"
+    if code in _BARE_403:
+        return (f"{op}{name}: access denied or credentials refused (403 without a reason): "
+                f"check {key} and its secret key, and that this identity may {op} here "
+                f"({endpoint.describe()})")
+    return (f"{op}{name}: access denied (403 {code}: {message}): {key} may not {op} here: "
+            "check that identity's permissions (IAM or bucket policy; a read-only key cannot "
+            "save or delete)")
+
+
+def _is_stall(exc: BaseException) -> bool:
+    """An attempt that got no answer at all: a connect timeout, or silence past the read
+    timeout (the server taking no byte of the request body, no answer, or a body that stops)."""
+    return isinstance(exc, (bex.ConnectTimeoutError, bex.ReadTimeoutError, SendStall,
+                            aiohttp.ServerTimeoutError, aiohttp.ConnectionTimeoutError))
+
+
+def classify(exc: BaseException, op: str, key: str | None, where: str,
+             endpoint: Endpoint | None = None) -> Verdict:
     """The ``Verdict`` for one failed S3 attempt of operation ``op`` on ``key`` (``where`` names
-    the object in messages)."""
+    the object in messages; ``endpoint``, where the request went, for refusals)."""
     name = f" {where}"
+    endpoint = endpoint or Endpoint()
     if isinstance(exc, CloudCkptError):
         return Verdict(False)
     if isinstance(exc, bex.ClientError):
         code, status = error_code(exc)
         message = str(exc.response.get("Error", {}).get("Message", "") or code or status)
-        if code in RETRIABLE_CODES or (status in RETRIABLE_STATUS and code not in CODE_TABLE):
+        if is_retriable(code, status):
             return Verdict(True, reason=f"{status} {code}".strip())
+        if (CODE_TABLE.get(code) or STATUS_TABLE.get(status)) is AccessDenied:
+            return Verdict(False, AccessDenied(_denied_message(op, name, code, message, endpoint),
+                                               key=key, operation=op))
         if status == 412 or code == "PreconditionFailed":
             if op in CREATE_OPS:
                 return Verdict(False, ObjectExists(f"{op}{name}: the object already exists",
@@ -115,6 +228,9 @@ def classify(exc: BaseException, op: str, key: str | None, where: str) -> Verdic
                                                operation=op))
         cls = CODE_TABLE.get(code) or STATUS_TABLE.get(status) or StorageError
         what = " ".join(str(x) for x in (status or "", code) if x)
+        if cls is BucketNotFound:
+            message = (f"the bucket {_bucket_of(where)!r} does not exist: check the bucket name "
+                       "in the URL (and the endpoint), or create the bucket")
         return Verdict(False, cls(f"{op}{name}: {what}: {message}", key=key, operation=op))
     if isinstance(exc, (bex.NoCredentialsError, bex.PartialCredentialsError)):
         return Verdict(False, ConfigError(
@@ -127,7 +243,7 @@ def classify(exc: BaseException, op: str, key: str | None, where: str) -> Verdic
         return Verdict(False, StorageError(f"{op}{name}: TLS failure: {exc}", key=key,
                                            operation=op))
     if isinstance(exc, _TRANSPORT_ERRORS):
-        return Verdict(True, reason=f"{type(exc).__name__}: {exc}"[:200])
+        return Verdict(True, reason=f"{type(exc).__name__}: {exc}"[:200], stalled=_is_stall(exc))
     if isinstance(exc, bex.BotoCoreError):
         return Verdict(False, StorageError(f"{op}{name}: {exc}", key=key, operation=op))
     return Verdict(False)

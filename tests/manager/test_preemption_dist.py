@@ -81,3 +81,76 @@ def test_sigterm_on_one_rank_saves_same_step_and_resumes(world2, s3_env, s3_url,
     assert mgr.load(sd) == r0["step"]
     assert torch.equal(sd["w"], torch.full((16,), float(r0["step"])))
     assert sd["progress"] == {"step": r0["step"]}
+
+
+def fail_while_listing(url: str, which: str) -> dict:
+    """Every rank: a manager whose store refuses rank 0's credentials (rank 0 is the only rank
+    that lists), then the collective step that lists; returns what each rank raised."""
+    import torch.distributed as dist
+
+    from cloudckpt.preemption import PreemptionHandler
+    from cloudckpt.storage import StorageOptions
+
+    rank = dist.get_rank()
+    mgr = CheckpointManager(url, storage=StorageOptions(access_key_id="nobody",
+                                                       secret_access_key="wrong-secret"))
+    handler = PreemptionHandler(mgr, timeout=120.0)  # far longer than the harness's 60 s
+    try:
+        if which == "save_and_exit":
+            if rank == 1:
+                handler.request()
+            assert handler.should_stop(1)
+            handler.save_and_exit(1, {"w": torch.zeros(4)})
+        else:
+            mgr.load({"w": torch.zeros(4)})
+    except Exception as exc:
+        return {"raised": True, "types": [c.__name__ for c in type(exc).__mro__],
+                "message": str(exc)}
+    return {"raised": False}
+
+
+def test_listing_failure_on_rank_0_fails_every_rank_at_once(world2, s3_url):
+    """Rank 0's listing raising makes both ranks raise the same error, well before the 120 s
+    collective timeout: the harness gives the call 60 s, so a rank left waiting for the
+    timeout fails this test with WorldTimeoutError."""
+    for which in ("save_and_exit", "load"):
+        results = world2.run(fail_while_listing, s3_url, which, timeout=60)
+        assert [r["raised"] for r in results] == [True, True], (which, results)
+        assert results[0]["types"] == results[1]["types"], (which, results)
+        assert results[0]["message"] == results[1]["message"], (which, results)
+        assert "CheckpointError" in results[0]["types"] and \
+            "AccessDenied" in results[0]["types"], (which, results)
+        assert "rank(s) 0" in results[0]["message"], (which, results)
+
+
+def check_while_saving_in_background(url: str) -> dict:
+    """Every rank: an async save in flight while the training loop keeps checking for a stop;
+    the first rank whose save is done asks for the stop, so every rank checks equally often."""
+    from cloudckpt.preemption import PreemptionHandler
+
+    mgr = CheckpointManager(url)
+    handler = PreemptionHandler(mgr)
+    sd = {"w": torch.arange(4 << 20, dtype=torch.float32), "step": 1}
+    handle = mgr.save(1, sd, blocking=False)
+    handle.add_done_callback(lambda _h: handler.request())
+    checks = 1
+    while not handler.should_stop(checks):
+        checks += 1
+    return {"checks": checks, "bytes": handle.result().bytes_written}
+
+
+def test_stop_checks_run_alongside_a_background_save(world2, s3_url):
+    """The stop checks (training thread) and an async save's phases (background thread) use
+    different gloo groups, so neither corrupts nor blocks the other."""
+    results = world2.run(check_while_saving_in_background, s3_url, timeout=120)
+    assert results[0]["checks"] == results[1]["checks"]
+    assert results[0]["bytes"] == results[1]["bytes"] == 16 << 20
+    loaded = world2.run(resume_everywhere_w, s3_url)
+    assert loaded == [1, 1]
+
+
+def resume_everywhere_w(url: str) -> int | None:
+    sd = {"w": torch.zeros(4 << 20), "step": 0}
+    step = CheckpointManager(url).load(sd)
+    assert torch.equal(sd["w"], torch.arange(4 << 20, dtype=torch.float32)) and sd["step"] == 1
+    return step

@@ -22,7 +22,8 @@ def boxes(*pairs):
     ((6,), [((0,), (5,))], ("gap", (5,), (1,))),
     ((4, 4), [((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 4))], None),
     ((4, 4), [((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 2))], ("gap", (2, 2), (2, 2))),
-    ((4, 4), [((0, 0), (3, 3)), ((2, 2), (2, 2)), ((0, 3), (4, 1)), ((3, 0), (1, 3))], ("overlap", (2, 2), (1, 1))),
+    # both cells of the reported (1, 2) region are covered twice (boxes 1+2 and 2+3)
+    ((4, 4), [((0, 0), (3, 3)), ((2, 2), (2, 2)), ((0, 3), (4, 1)), ((3, 0), (1, 3))], ("overlap", (2, 2), (1, 2))),
     ((4, 4), [((0, 0), (4, 4)), ((0, 0), (1, 1))], ("overlap", (0, 0), (1, 1))),
     ((), [((), ())], None),
     ((), [], ("gap", (), ())),
@@ -34,7 +35,7 @@ def test_defects(shape, pairs, expected):
     assert find_cover_defect(shape, off, size) == expected
 
 
-def test_high_dimensional_layouts_use_the_pairwise_check():
+def test_high_dimensional_ragged_layouts():
     shape = (2,) * 7
     halves = boxes(((0,) * 7, (1,) + (2,) * 6), ((1,) + (0,) * 6, (1,) + (2,) * 6))
     assert find_cover_defect(shape, *halves) is None

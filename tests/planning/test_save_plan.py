@@ -224,6 +224,10 @@ def test_plan_cache_is_bounded_lru_and_keyed_by_every_fingerprint():
     cache.get(key)  # refresh
     cache.put((b"b",), g)
     assert len(cache) == 2 and cache.get((b"a",)) is None and cache.get(key) is g
+    held = cache.held()  # the vote: a snapshot by digest, unaffected by later changes
+    assert held == {key_digest((b"b",)): g, key_digest(key): g}
+    cache.clear()
+    assert len(held) == 2 and cache.held() == {}
     assert key_digest(key) == key_digest(tuple(key)) and len(key_digest(key)) == 16
     assert key_digest((b"ab", b"c")) != key_digest((b"a", b"bc"))
 

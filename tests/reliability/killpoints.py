@@ -8,7 +8,8 @@ event happens:
   the save protocol (``ControlChannel.agree(what=...)``): phase boundaries.
 - ``store``: the n-th request of one storage operation (``put``, ``create_multipart``,
   ``upload_part``, ``complete_multipart``, ``head``, ...), on data objects or on the manifest,
-  just before it is issued or just after it returned (S3Store and LocalStore choke points).
+  just before it is issued or just after it returned (the choke points
+  ``S3Connection.call`` and ``LocalStore._run``).
 - ``body``: the manifest PUT's body is being sent: ``half`` of it went out (the request can never
   complete) or ``sent`` (all of it went out, the answer was not read: an ambiguous commit).
 - ``link``: LocalStore only: the manifest's temporary file is written, not yet linked into place.
@@ -116,7 +117,7 @@ def armed(point: KillPoint | None, rank: int, pids=()):
         patch(ControlChannel, "agree", agree)
     elif point.kind in ("store", "body"):
         from cloudckpt.storage.local import LocalStore
-        from cloudckpt.storage.s3 import S3Store
+        from cloudckpt.storage.s3_conn import S3Connection
 
         sending = threading.Event()
         op_wanted = point.target if point.kind == "store" else "put"
@@ -136,7 +137,7 @@ def armed(point: KillPoint | None, rank: int, pids=()):
                         trigger.fire()
             return call
 
-        patch(S3Store, "_call", wrap_call(S3Store.__dict__["_call"]))
+        patch(S3Connection, "call", wrap_call(S3Connection.__dict__["call"]))
         patch(LocalStore, "_run", wrap_call(LocalStore.__dict__["_run"]))
         if point.kind == "body":
             from cloudckpt.storage.s3_client import BodyPayload
@@ -294,7 +295,7 @@ def rendezvous_before_manifest(directory: str | None, parties: int, timeout: flo
         yield
         return
     from cloudckpt.storage.local import LocalStore
-    from cloudckpt.storage.s3 import S3Store
+    from cloudckpt.storage.s3_conn import S3Connection
 
     def wait() -> None:
         open(os.path.join(directory, f"at-manifest-{os.getpid()}"), "w").close()
@@ -313,9 +314,9 @@ def rendezvous_before_manifest(directory: str | None, parties: int, timeout: flo
             return await orig(self, op, key, *args, **kwargs)
         return call
 
-    undo = [(S3Store, "_call", S3Store.__dict__["_call"]),
+    undo = [(S3Connection, "call", S3Connection.__dict__["call"]),
             (LocalStore, "_run", LocalStore.__dict__["_run"])]
-    S3Store._call = wrap(undo[0][2])
+    S3Connection.call = wrap(undo[0][2])
     LocalStore._run = wrap(undo[1][2])
     try:
         yield

@@ -84,7 +84,9 @@ def test_wrong_credentials_are_access_denied_after_one_request(s3_server, s3_url
         cloudckpt.save(_state(), s3_url, storage=options)
     assert isinstance(denied.value, PermissionError)
     _assert_clean(_all_text(denied.value), s3_server, "the save's error")
-    assert fault_proxy.counters["requests"] == 1, fault_proxy.counters  # one HEAD, no retry
+    # one HEAD, and one GET asking why (a HEAD's 403 carries no reason); no retry
+    assert fault_proxy.counters["requests"] == 2, fault_proxy.counters
+    assert "credentials were refused" in str(denied.value)
 
     cloudckpt.save(_state(), s3_url, storage=storage_for(s3_server))  # a real checkpoint
     fault_proxy.reset_counters()

@@ -73,6 +73,51 @@ def test_every_request_failing_ends_at_the_deadline(s3_server, s3_url, fault_pro
     assert fault_proxy.counters["requests"] >= err.attempts
 
 
+@pytest.mark.timeout(120)  # without the deadline on waits these would wait forever
+def test_waiting_for_a_request_slot_or_memory_counts_against_the_deadline(s3_server, s3_url):
+    """Issue 13: with every request slot (or all buffer memory) taken, an operation stops
+    waiting when its retry deadline passes and raises RetriesExhausted, having sent nothing;
+    the wait leaves the slot and the budget as they were."""
+    retry = RetryOptions(max_attempts=3, base_delay=0.01, max_delay=0.05, deadline=1.0)
+    short = s3_options(s3_server, concurrency=1, max_buffer_bytes=MiB, retry=retry)
+    data = os.urandom(1000)
+    _run(s3_url, s3_options(s3_server), lambda store: store.put("k", data))
+
+    async def listing(store):
+        return [x.key async for x in store.list()]
+
+    operations = {
+        "head": lambda store: store.head("k"),
+        "put": lambda store: store.put("other", data),
+        "list": listing,
+        "get": lambda store: store.read_ranges("k", [ReadRange(0, 10, out=memoryview(bytearray(10)))]),
+    }
+
+    async def waits(store):
+        conn = store.connection
+        await conn.client()  # connected: only the waits below can use up the deadline
+        async with conn.slots:  # the one slot, held by a request that never ends
+            for op, call in operations.items():
+                with pytest.raises(RetriesExhausted) as err:
+                    await asyncio.wait_for(call(store), 30)
+                assert (err.value.operation, err.value.attempts) == (op, 0)
+                assert "deadline passed while waiting for a request slot" in str(err.value)
+        assert not conn.slots.locked()
+        held = await conn.budget.acquire(conn.budget.limit)  # all the store's buffer memory
+        try:
+            for call in (store.get("k"), store.read_ranges("k", [ReadRange(0, 10)])):
+                with pytest.raises(RetriesExhausted) as err:
+                    await asyncio.wait_for(call, 30)
+                assert (err.value.operation, err.value.attempts) == ("get", 0)
+                assert "deadline passed while waiting for buffer memory" in str(err.value)
+        finally:
+            conn.budget.release(held)
+        assert conn.budget.used == 0 and not conn.slots.locked()
+        return store.stats.total_requests
+
+    assert _run(s3_url, short, waits) == 0  # nothing was sent once out of time
+
+
 def test_attempts_are_capped(s3_server, s3_url, fault_proxy):
     fault_proxy.configure(fail_all=True, kinds=("503",))
     options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url,
@@ -240,7 +285,7 @@ def test_server_ignoring_if_none_match_needs_the_fallback(s3_server, s3_url, fau
         bodies = [bytes([i]) * 3000 for i in range(6)]
         results = await asyncio.gather(*(store.put("a/manifest", b, mode="create")
                                          for b in bodies), return_exceptions=True)
-        assert store._conn.create_strategy == "fallback"
+        assert store.connection.create_strategy == "fallback"
         winners = [i for i, r in enumerate(results) if isinstance(r, ObjectInfo)]
         assert len(winners) == 1, results
         assert all(isinstance(r, ObjectExists) for i, r in enumerate(results) if i not in winners)
@@ -282,7 +327,7 @@ def test_concurrency_and_buffer_bounds(s3_server, s3_url, fault_proxy):
                                        *(store.get(f"o{i}") for i in range(8)))
         assert all(bytes(r[0]) == data for r in results[:8])
         assert all(r == data for r in results[8:])
-        assert store._conn.budget.peak <= 4 * MiB
+        assert store.connection.budget.peak <= 4 * MiB
 
     _run(s3_url, options, body)
     assert fault_proxy.counters["max_inflight"] <= 3
@@ -329,7 +374,7 @@ def test_large_gets_share_a_small_budget_without_deadlock(s3_server, s3_url):
         await asyncio.gather(*(store.put(k, v) for k, v in objects.items()))
         got = await asyncio.wait_for(asyncio.gather(*(store.get(k) for k in objects)), 120)
         assert got == list(objects.values())
-        assert store._conn.budget.peak <= 16 * MiB and store._conn.budget.used == 0
+        assert store.connection.budget.peak <= 16 * MiB and store.connection.budget.used == 0
         # 5 MiB first piece + two more pieces each; a get that found no room dropped its first
         # piece and read it again
         assert store.stats.requests["get"] >= 6 * 3

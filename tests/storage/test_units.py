@@ -45,6 +45,42 @@ def test_storage_never_imports_torch():
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
+def test_storage_modules_import_one_way_and_use_only_public_names():
+    """No import cycle inside cloudckpt.storage (the package's own __init__ aside), and no
+    module reaches into a private name of another object (``x._name`` with ``x`` not self)."""
+    import ast
+    from pathlib import Path
+
+    import cloudckpt.storage as package
+
+    folder = Path(package.__file__).parent
+    graph, reaching = {}, []
+    for path in folder.glob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        graph[path.stem] = {
+            n.module.rpartition(".")[2] for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("cloudckpt.storage.")}
+        reaching += [f"{path.name}:{n.lineno} {ast.unparse(n)}" for n in ast.walk(tree)
+                     if isinstance(n, ast.Attribute) and n.attr.startswith("_")
+                     and not n.attr.startswith("__")
+                     and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
+    assert {"s3_conn", "s3_read", "s3_write", "verified"} <= set(graph)
+    assert reaching == []
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, f"import cycle: {' -> '.join(path + (module,))}"
+        if module not in done:
+            for dep in graph.get(module, ()):
+                visit(dep, path + (module,))
+            done.add(module)
+
+    for module in graph:
+        visit(module, ())
+
+
 def test_options_hide_secrets_and_validate():
     opts = StorageOptions(access_key_id="AKID", secret_access_key="SECRET", session_token="TOK")
     assert "SECRET" not in repr(opts) and "TOK" not in repr(opts) and "AKID" in repr(opts)
@@ -205,6 +241,37 @@ def test_retrier_caps_attempts_and_each_attempt():
             await retrier.call("put", "k", hang, where="s3://b")
         assert err.value.attempts == 4 and isinstance(err.value.last_cause, TimeoutError)
         assert "put s3://b/k" in str(err.value)
+
+    asyncio.run(main())
+
+
+def test_retrier_counts_waits_against_the_operations_deadline():
+    async def main():
+        retrier, stats = _retrier(RetryOptions(deadline=0.2), lambda exc: Verdict(True))
+        calls = []
+
+        async def attempt(n):
+            calls.append(n)
+
+        # an operation whose earlier waits used up its deadline sends nothing more
+        with pytest.raises(RetriesExhausted, match="deadline passed") as err:
+            await retrier.call("get", "k", attempt, where="s3://b",
+                               deadline=asyncio.get_running_loop().time() - 1)
+        assert err.value.attempts == 0
+        # both slots taken for longer than the deadline: the wait ends with it
+        await retrier.slots.acquire()
+        await retrier.slots.acquire()
+        with pytest.raises(RetriesExhausted, match="waiting for a request slot"):
+            await asyncio.wait_for(retrier.call("get", "k", attempt, where="s3://b"), 30)
+        retrier.slots.release()
+        budget = ByteBudget(10)
+        await budget.acquire(10)
+        with pytest.raises(RetriesExhausted, match="waiting for buffer memory"):
+            await retrier.wait(budget.acquire(5), what="buffer memory", op="get", key="k",
+                               where="s3://b", deadline=retrier.deadline())
+        assert budget.used == 10 and not budget._waiters  # the abandoned wait left no trace
+        assert await retrier.call("get", "k", attempt, where="s3://b") is None
+        assert calls == [1] and stats.requests == {"get": 1}
 
     asyncio.run(main())
 

@@ -1,0 +1,206 @@
+"""The typed reports ranks exchange at the end of a protocol phase (``ControlChannel.phase``).
+
+Each report is a small frozen dataclass with an explicit msgpack codec, no pickle:
+
+- plain records (:class:`SavePlanning`, :class:`UploadReport`, :class:`LatestStep`,
+  :class:`StopVote`, :class:`StepSaved`) encode as one map ``{"record": <name>, <field>: <value>,
+  ...}`` of msgpack-native fields (``bool``, ``int``, ``str``, ``bytes``, ``X | None``,
+  ``tuple[X, ...]``), checked against the annotations both when built and when decoded;
+- plan reports (:class:`SavePlanReport`, :class:`LoadPlanReport`) carry a local plan in the
+  planning package's own versioned columnar codec.
+
+``decode`` accepts exactly what ``encode`` writes: anything else (not msgpack, another record,
+a missing, extra or mistyped field) raises :class:`~cloudckpt.errors.ProtocolError` naming the
+record and what is wrong. Peers are ranks of the same job, so this guards against version skew
+and bugs, not against an attacker; the limits of the decoders still apply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgpack
+
+from cloudckpt.errors import PlanningError, ProtocolError
+from cloudckpt.manifest import decode_value
+from cloudckpt.planning import (LocalLoadPlan, LocalSavePlan, WrittenChunks,
+                                decode_local_load_plan, decode_local_save_plan,
+                                decode_written_chunks, encode_local_load_plan,
+                                encode_local_save_plan)
+
+__all__ = ["LatestStep", "LoadPlanReport", "SavePlanReport", "SavePlanning", "StepSaved",
+           "StopVote", "UploadReport"]
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is tuple:
+        item, ellipsis = typing.get_args(hint)
+        assert ellipsis is Ellipsis, "only tuple[X, ...] fields are supported"
+        return isinstance(value, tuple) and all(_conforms(v, item) for v in value)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+class _Record:
+    """Base of the plain records: a frozen dataclass whose ``RECORD`` names it on the wire."""
+
+    RECORD: ClassVar[str]
+
+    @classmethod
+    def _hints(cls) -> dict[str, Any]:
+        hints = cls.__dict__.get("_cached_hints")
+        if hints is None:
+            every = typing.get_type_hints(cls)
+            hints = {f.name: every[f.name] for f in dataclasses.fields(cls)}
+            cls._cached_hints = hints
+        return hints
+
+    @classmethod
+    def _wrong_fields(cls, fields: dict) -> str | None:
+        hints = cls._hints()
+        if set(fields) != set(hints):
+            missing = sorted(set(hints) - set(fields))
+            extra = sorted(set(fields) - set(hints), key=repr)
+            return f"fields missing {missing}, unexpected {extra}"
+        for name, hint in hints.items():
+            if not _conforms(fields[name], hint):
+                return f"field {name!r} is {type(fields[name]).__name__}, not {hint}"
+        return None
+
+    def __post_init__(self) -> None:
+        wrong = self._wrong_fields({f.name: getattr(self, f.name)
+                                    for f in dataclasses.fields(self)})
+        if wrong is not None:
+            raise TypeError(f"{type(self).__name__}: {wrong}")
+
+    def encode(self) -> bytes:
+        doc = {"record": self.RECORD}
+        doc.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        return msgpack.packb(doc, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, raw: bytes):
+        try:
+            doc = msgpack.unpackb(raw, raw=False, use_list=False)
+        except Exception as exc:  # msgpack raises several types on garbage
+            raise _malformed(cls.RECORD, f"not msgpack ({exc})") from exc
+        if not isinstance(doc, dict) or doc.get("record") != cls.RECORD:
+            got = doc.get("record") if isinstance(doc, dict) else type(doc).__name__
+            raise _malformed(cls.RECORD, f"got {got!r} instead")
+        fields = {k: v for k, v in doc.items() if k != "record"}
+        wrong = cls._wrong_fields(fields)
+        if wrong is not None:
+            raise _malformed(cls.RECORD, wrong)
+        return cls(**fields)
+
+
+def _malformed(record: str, detail: str) -> ProtocolError:
+    return ProtocolError(f"malformed {record} report from a peer rank: {detail} "
+                         "(run the same cloudckpt version on every rank)")
+
+
+# -- save -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavePlanning(_Record):
+    """Save phase 1: the rank's local plan fingerprint, the attempt id (the coordinator's; ``""``
+    elsewhere) and its plan-cache vote: the key digests of the global plans it holds."""
+
+    RECORD: ClassVar[str] = "save planning"
+    fingerprint: bytes
+    attempt: str
+    cached_plans: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class UploadReport(_Record):
+    """Save phase 3: where the rank's chunks landed (an encoded :class:`WrittenChunks`, with the
+    values it owns), the digest of its global plan, what it wrote, and its encoded nesting."""
+
+    RECORD: ClassVar[str] = "save upload"
+    written: bytes
+    plan_digest: bytes
+    bytes_written: int
+    objects: int
+    structure: bytes
+
+    def written_chunks(self) -> WrittenChunks:
+        return decode_written_chunks(self.written)
+
+    def structure_value(self) -> Any:
+        return decode_value(self.structure, key="structure", allow_pickle=False)
+
+
+@dataclass(frozen=True)
+class SavePlanReport:
+    """Save phase 2 (when the plan cache cannot serve every rank): the rank's local plan."""
+
+    plan: LocalSavePlan
+
+    def encode(self) -> bytes:
+        return encode_local_save_plan(self.plan)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "SavePlanReport":
+        try:
+            return cls(decode_local_save_plan(raw))
+        except PlanningError as exc:
+            raise _malformed("save plan", str(exc)) from exc
+
+
+# -- load -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadPlanReport:
+    """Load phase 2: the rank's local load plan."""
+
+    plan: LocalLoadPlan
+
+    def encode(self) -> bytes:
+        return encode_local_load_plan(self.plan)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "LoadPlanReport":
+        try:
+            return cls(decode_local_load_plan(raw))
+        except PlanningError as exc:
+            raise _malformed("load plan", str(exc)) from exc
+
+
+# -- manager and preemption -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class LatestStep(_Record):
+    """The coordinator's choice of the step to load: the newest complete one, or ``None``."""
+
+    RECORD: ClassVar[str] = "latest step"
+    step: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StopVote(_Record):
+    """Whether this rank received a stop signal (preemption)."""
+
+    RECORD: ClassVar[str] = "stop vote"
+    stop: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSaved(_Record):
+    """The coordinator's view of whether the step to save on preemption is already complete."""
+
+    RECORD: ClassVar[str] = "step saved"
+    saved: bool
