@@ -47,6 +47,7 @@ Progress bars (tqdm) are drawn on stderr when it is a terminal.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -80,6 +81,38 @@ def _human_bytes(n: int | None) -> str:
 
 def _fmt_time(value: datetime | None) -> str:
     return value.astimezone().strftime("%Y-%m-%d %H:%M:%S") if value is not None else "-"
+
+
+def _fmt_epoch(seconds: float) -> str:
+    """A manifest's creation time (unix seconds), or the number itself when it is no time."""
+    try:
+        return _fmt_time(datetime.fromtimestamp(seconds).astimezone())
+    except (OverflowError, OSError, ValueError):
+        return f"{seconds!r} (not a valid time)"
+
+
+def _safe_repr(value: Any, depth: int = 0) -> str:
+    """``repr(value)`` that never fails: an int of more than 256 bits is shown by its size
+    (``repr`` refuses ints of more than 4300 digits), containers show their first 20 items and
+    8 levels."""
+    t = type(value)
+    if t is int and value.bit_length() > 256:
+        return f"<int of {value.bit_length()} bits>"
+    if t in (list, tuple, dict):
+        if depth >= 8:
+            return "[...]" if t is list else "(...)" if t is tuple else "{...}"
+        items = list(itertools.islice(value.items() if t is dict else value, 20))
+        parts = [f"{_safe_repr(k, depth + 1)}: {_safe_repr(v, depth + 1)}" for k, v in items] \
+            if t is dict else [_safe_repr(v, depth + 1) for v in items]
+        if len(value) > 20:
+            parts.append("...")
+        text = ", ".join(parts)
+        return f"[{text}]" if t is list else f"{{{text}}}" if t is dict else \
+            f"({text},)" if len(value) == 1 else f"({text})"
+    try:
+        return repr(value)
+    except (ValueError, RecursionError) as exc:
+        return f"<{t.__name__} that cannot be displayed: {exc}>"
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out=None) -> None:
@@ -177,44 +210,55 @@ def cmd_ls(args) -> int:
 
 
 def _value_summary(value: Any, limit: int = 60) -> str:
-    text = repr(value)
+    text = _safe_repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _metadata_text(metadata: dict) -> str:
+    try:
+        return json.dumps(metadata, default=_safe_repr, sort_keys=True)
+    except (TypeError, ValueError, RecursionError):  # keys json cannot hold, huge ints
+        return _value_summary(metadata, 200)
+
+
+def _manifest_bytes(url: str) -> bytes:
+    from cloudckpt.api.manifest_io import fetch_manifest_bytes
+    from cloudckpt.runtime import run_coroutine
+
+    try:
+        return run_coroutine(fetch_manifest_bytes(_open(url)))
+    except ObjectNotFound as exc:
+        raise CheckpointNotFound(f"no complete checkpoint at {url} ({exc})") from exc
 
 
 def cmd_show(args) -> int:
     import cloudckpt
 
     from cloudckpt.manager import decode_manifest_without_pickle
-    from cloudckpt.runtime import run_coroutine
 
     url = _resolve_checkpoint(args.url, args.step)
     pickled: tuple[str, ...] = ()
     if args.allow_pickle:
         manifest = cloudckpt.read_manifest(url, allow_pickle=True, storage=_STORAGE)
     else:
-        try:
-            raw = run_coroutine(_open(url).get(MANIFEST_KEY))
-        except ObjectNotFound as exc:
-            raise CheckpointNotFound(f"no complete checkpoint at {url}") from exc
-        manifest, pickled = decode_manifest_without_pickle(raw)
+        manifest, pickled = decode_manifest_without_pickle(_manifest_bytes(url))
     if args.json:
         cli_json.emit(cli_json.show_document(url, manifest, pickled))
         return EXIT_OK
     created = getattr(manifest, "created_at", None)
-    when = _fmt_time(datetime.fromtimestamp(created).astimezone()) if created else "-"
+    when = _fmt_epoch(created) if created else "-"
     print(f"checkpoint  {url}")
     print(f"created     {when}   world size {manifest.world_size}   "
           f"cloudckpt {manifest.cloudckpt_version}")
     print(f"data        {plural(len(manifest.objects), 'object')}, "
           f"{_human_bytes(manifest.total_bytes())}")
     if manifest.metadata:
-        print(f"metadata    {json.dumps(manifest.metadata, default=repr, sort_keys=True)}")
+        print(f"metadata    {_metadata_text(manifest.metadata)}")
     print(f"\ntensors ({len(manifest.tensors)})")
     rows = []
     for name, rec in sorted(manifest.tensors.items()):
-        nbytes = sum(int(c.byte_length) for c in rec.chunks)
-        rows.append((name, rec.dtype, str(tuple(rec.shape)),
-                     len(rec.chunks), nbytes))
+        rows.append((name, rec.dtype, str(tuple(rec.shape)), len(rec.chunks),
+                     int(rec.chunks.byte_length.sum())))
     _table(("name", "dtype", "shape", "chunks", "bytes"), rows)
     print(f"\nvalues ({len(manifest.values)})")
     rows = [(name, "pickled", "(not unpickled; use --allow-pickle)") if name in pickled
@@ -231,10 +275,8 @@ def cmd_verify(args) -> int:
     total = None
     if sys.stderr.isatty():
         from cloudckpt.manager import decode_manifest_without_pickle
-        from cloudckpt.runtime import run_coroutine
 
-        raw = run_coroutine(_open(url).get(MANIFEST_KEY))
-        total = decode_manifest_without_pickle(raw)[0].total_bytes()
+        total = decode_manifest_without_pickle(_manifest_bytes(url))[0].total_bytes()
     with _progress(total, "verifying", unit="B") as bar:
         report = cloudckpt.verify(url, progress=bar.update, storage=_STORAGE)
     if args.json:
@@ -243,13 +285,15 @@ def cmd_verify(args) -> int:
     if report.ok:
         print(f"OK  {url}: {plural(report.objects_checked, 'object')}, "
               f"{_human_bytes(report.bytes_checked)} checked")
-        return EXIT_OK
-    print(f"FAILED  {url}: {plural(len(report.problems), 'problem')} "
-          f"({plural(report.objects_checked, 'object')}, {_human_bytes(report.bytes_checked)} "
-          "checked)")
+    else:
+        print(f"FAILED  {url}: {plural(len(report.problems), 'problem')} "
+              f"({plural(report.objects_checked, 'object')}, {_human_bytes(report.bytes_checked)} "
+              "checked)")
     for problem in report.problems:
         print(f"  {problem}")
-    return EXIT_FAILED
+    for note in report.notes:
+        print(f"  note: {note}")
+    return EXIT_OK if report.ok else EXIT_FAILED
 
 
 def _left_note(url: str, plan, verb: str) -> None:

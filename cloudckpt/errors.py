@@ -50,6 +50,17 @@ class AccessDenied(StorageError, PermissionError):
     """The store refused the credentials or the operation (403). Never retried."""
 
 
+class ObjectTooLarge(StorageError, ValueError):
+    """A size-limited read (``get(key, max_bytes=...)``) found the object larger than the limit;
+    its body was not read. ``size`` and ``limit`` say by how much."""
+
+    def __init__(self, message: str, *, key: str | None = None, operation: str | None = None,
+                 size: int | None = None, limit: int | None = None):
+        super().__init__(message, key=key, operation=operation)
+        self.size = size
+        self.limit = limit
+
+
 class InvalidRange(StorageError, ValueError):
     """A ranged read reached past the end of the object (416)."""
 

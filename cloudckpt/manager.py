@@ -52,6 +52,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
 
 from cloudckpt.context import current
+from cloudckpt.api.manifest_io import fetch_manifest_bytes
 from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
 from cloudckpt.layout import MANIFEST_KEY
 from cloudckpt.pruning import HEAD_CONCURRENCY, prune_run, scan_run, step_has_objects
@@ -225,7 +226,7 @@ class CheckpointManager:
                 return info
             async with sem:
                 try:
-                    raw = await self.store.get(step_dir(info.step) + MANIFEST_KEY)
+                    raw = await fetch_manifest_bytes(self.store, step_dir(info.step) + MANIFEST_KEY)
                 except ObjectNotFound:  # deleted since the listing
                     return replace(info, complete=False, created_at=None)
             manifest, _ = decode_manifest_without_pickle(raw)

@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from cloudckpt.api.manifest_io import fetch_manifest_bytes
 from cloudckpt.errors import ObjectNotFound, PickleNotAllowed
 from cloudckpt.layout import MANIFEST_KEY, data_key_attempt, owned_key
 from cloudckpt.wording import plural
@@ -37,23 +38,30 @@ log = logging.getLogger(__name__)
 def decode_manifest_without_pickle(raw: bytes):
     """Decode and validate manifest bytes without ever unpickling: returns the ``Manifest`` (each
     pickled value replaced by ``None``) and the names of the pickled values. For listings and
-    inspection, where the values themselves are not needed."""
-    import msgpack
+    inspection, where the values themselves are not needed. The bytes are checked and parsed
+    once; anything malformed (pickle outside the values included) raises ``ManifestError``."""
+    from dataclasses import replace
 
-    from cloudckpt.manifest import decode_manifest, encode_value, is_pickled
+    from cloudckpt.manifest import encode_value, is_pickled
+    from cloudckpt.manifest.codec import manifest_from_document, read_document
 
+    document = read_document(raw)
     try:
-        return decode_manifest(raw, allow_pickle=False), ()
-    except PickleNotAllowed:
-        pass
-    doc = msgpack.unpackb(raw, raw=False, strict_map_key=True)  # the codec's top-level map
-    values, pickled = dict(doc["values"]), []
+        return manifest_from_document(document, allow_pickle=False), ()
+    except PickleNotAllowed as exc:
+        refused = exc
+    values = document.fields.get("values")
+    if type(values) is not dict:
+        raise refused
+    values, pickled = dict(values), []
     for name, blob in values.items():
-        if is_pickled(blob, key=name):
+        if type(name) is str and type(blob) is bytes and is_pickled(blob, key=name):
             values[name] = encode_value(None, key=name, allow_pickle=False)
             pickled.append(name)
-    doc["values"] = values
-    return decode_manifest(msgpack.packb(doc, use_bin_type=True), allow_pickle=False), \
+    if not pickled:  # the pickle is elsewhere (metadata, structure): refused as it is
+        raise refused
+    fields = {**document.fields, "values": values}
+    return manifest_from_document(replace(document, fields=fields), allow_pickle=False), \
         tuple(sorted(pickled))
 
 
@@ -132,7 +140,8 @@ async def plan_stale_attempts(store, prefix: str) -> DeletionPlan:
     """After a save committed at ``prefix``: the data objects and uploads of the other (killed)
     attempts at that prefix, and unfinished uploads of the manifest's key (a killed attempt's
     commit). The committed manifest and the objects of its own attempt stay."""
-    manifest, _ = decode_manifest_without_pickle(await store.get(prefix + MANIFEST_KEY))
+    raw = await fetch_manifest_bytes(store, prefix + MANIFEST_KEY)
+    manifest, _ = decode_manifest_without_pickle(raw)
     used = {data_key_attempt(k) for k in manifest.objects} - {None}
 
     def stale(rel: str) -> bool:

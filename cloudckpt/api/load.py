@@ -36,6 +36,7 @@ from cloudckpt.errors import CheckpointNotFound, ManifestError, ObjectNotFound
 from cloudckpt.manifest import decode_manifest
 from cloudckpt.options import LoadOptions, LoadResult
 from cloudckpt.api.load_data import move_data
+from cloudckpt.api.manifest_io import fetch_manifest_bytes
 from cloudckpt.api.reports import LoadPlanReport
 from cloudckpt.dataplane.destinations import fetch_into
 from cloudckpt.planning import PieceSpec, plan_local_load
@@ -51,15 +52,15 @@ log = logging.getLogger(__name__)
 
 def read_manifest(url: str, *, storage=None, allow_pickle: bool = False):
     """Read and validate the manifest of the checkpoint at ``url`` (no collective)."""
-    return decode_manifest(_read_manifest_bytes(url, storage), allow_pickle=allow_pickle)
+    return decode_manifest(read_manifest_bytes(url, storage), allow_pickle=allow_pickle)
 
 
-def _read_manifest_bytes(url: str, storage) -> bytes:
+def read_manifest_bytes(url: str, storage) -> bytes:
     store = shared_store(url, storage)
     try:
-        return run_coroutine(store.get(layout.MANIFEST_KEY))
+        return run_coroutine(fetch_manifest_bytes(store, layout.MANIFEST_KEY))
     except ObjectNotFound as exc:
-        raise CheckpointNotFound(f"no committed checkpoint at {url} (no manifest)") from exc
+        raise CheckpointNotFound(f"no committed checkpoint at {url} (no manifest: {exc})") from exc
 
 
 def load(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage=None,
@@ -81,7 +82,7 @@ def load(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage
     raw, manifest = b"", None
     with channel.phase("load manifest"):
         if channel.is_coordinator or not options.share_manifest:
-            raw = _read_manifest_bytes(url, storage)
+            raw = read_manifest_bytes(url, storage)
         if channel.is_coordinator:
             manifest = decode_manifest(raw, allow_pickle=allow_pickle)
             run_coroutine(check_object_extents(store, manifest))

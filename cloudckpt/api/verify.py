@@ -12,7 +12,9 @@ in full with each checksum block verified, a fixed number of chunks at a time, t
 whole blocks in reused buffers (memory stays under about 128 MiB
 whatever the chunk sizes). Problems are collected (not raised) so one run names every damaged object; the report
 is ``ok`` only when there are none. A missing or invalid manifest raises (there is nothing to
-verify against).
+verify against); a manifest's own checksum (format version 2) is checked before it is decoded,
+and a manifest without one (version 1, written by an older cloudckpt) is reported in ``notes``
+(a warning, not a problem: the data is verified all the same).
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cloudckpt.api.load import read_manifest
+from cloudckpt.api.load import read_manifest_bytes
 from cloudckpt.dataplane.buffers import BufferPool
 from cloudckpt.errors import CloudCkptError
+from cloudckpt.manifest import decode_manifest
+from cloudckpt.manifest.framing import stored_version
 from cloudckpt.planning import Region
 from cloudckpt.planning.chunk_index import coverage_errors
 from cloudckpt.planning.windows import plan_windows
@@ -47,13 +51,22 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)
     objects_checked: int = 0
     bytes_checked: int = 0
+    notes: list[str] = field(default_factory=list)  # warnings that do not make it fail
+
+
+#: The note of a manifest without a checksum of its own.
+UNCHECKSUMMED = ("the manifest has no checksum of its own (format version 1, written by an "
+                 "older cloudckpt): damage to it cannot be detected; the data was verified")
 
 
 def verify(url: str, *, storage=None, progress=None) -> VerifyReport:
     """Verify the checkpoint at ``url``. ``progress(nbytes)`` is called as bytes are checked."""
-    manifest = read_manifest(url, storage=storage, allow_pickle="inspect")  # never unpickles
+    raw = read_manifest_bytes(url, storage)
+    manifest = decode_manifest(raw, allow_pickle="inspect")  # never unpickles
+    notes = [UNCHECKSUMMED] if stored_version(raw) == 1 else []
+    del raw
     store = shared_store(url, storage)
-    return run_coroutine(_verify(url, store, manifest, progress))
+    return run_coroutine(_verify(url, store, manifest, progress, notes))
 
 
 def layout_problems(manifest) -> list[str]:
@@ -67,7 +80,7 @@ def layout_problems(manifest) -> list[str]:
     return problems
 
 
-async def _verify(url, store, manifest, progress) -> VerifyReport:
+async def _verify(url, store, manifest, progress, notes) -> VerifyReport:
     problems: list[str] = []
     expected = {k: end for k, end in manifest.object_extents().items() if end > 0}  # used objects
     bad_objects: set[str] = set()
@@ -125,7 +138,7 @@ async def _verify(url, store, manifest, progress) -> VerifyReport:
 
     await asyncio.gather(*(worker() for _ in range(_IN_FLIGHT)))
     return VerifyReport(url=url, ok=not problems, problems=sorted(problems),
-                        objects_checked=len(expected), bytes_checked=checked)
+                        objects_checked=len(expected), bytes_checked=checked, notes=notes)
 
 
 def _nonempty_chunks(manifest):

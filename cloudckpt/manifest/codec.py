@@ -1,9 +1,11 @@
-"""msgpack encoding of a :class:`~cloudckpt.manifest.model.Manifest` (format ``cloudckpt`` v1).
+"""msgpack encoding of a :class:`~cloudckpt.manifest.model.Manifest` (format ``cloudckpt``).
 
-Top level: a msgpack map with string keys::
+Stored bytes: format version 2 frames the msgpack document with a header carrying the crc32c of
+the whole manifest, checked before anything is decoded (:mod:`cloudckpt.manifest.framing`);
+version 1 (still read) is the document alone. The document is a msgpack map with string keys::
 
     format              "cloudckpt"
-    version             1
+    version             2 (1 in a version 1 manifest: always the version of the frame)
     cloudckpt_version   str
     created_at          float (unix time)
     world_size          int
@@ -21,19 +23,42 @@ tensor in tensor order; ``shapes`` concatenates every tensor's shape; ``offsets`
 per tensor, its chunks' coordinates dimension-major (all dim-0 offsets of its chunks, then all
 dim-1 offsets, ...), delta-encoded across the whole column, which makes regular shardings
 compress to almost nothing. ``crc32c`` holds ``max(1, ceil(byte_length / checksum_block_size))``
-values per chunk. Unknown top-level keys are ignored (additive fields do not bump the version).
+values per chunk. Unknown top-level keys are skipped without being decoded (additive fields do
+not bump the version).
+
+Decoding costs memory in proportion to the manifest's size: a manifest may declare at most
+:data:`DIMS_PER_BYTE` chunk coordinates (the ``ndim`` of every chunk) per byte of its own size,
+a shape dimension counting as two (it is held as an int64 and in a Python tuple), checked before
+those columns are inflated; the coordinates are inflated block by block straight into their
+final layout. The encoder stores these columns uncompressed whenever compression would break
+that rule (uncompressed, a dimension takes at least one byte and a coordinate two, its offset
+and its size), so every manifest it writes is within it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import msgpack
 import numpy as np
 
 from cloudckpt.errors import ManifestError, UnsupportedManifestVersion
-from cloudckpt.manifest.columns import ColumnError, decode_int_column, decode_u32, encode_int_column, encode_u32
-from cloudckpt.manifest.dtypes import MAX_NDIM
+from cloudckpt.manifest.columns import (ColumnError, decode_int_column, decode_u32,
+                                        encode_int_column, encode_u32, iter_int_column)
+from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE, MAX_NDIM
+from cloudckpt.manifest.framing import frame, unframe
 from cloudckpt.manifest.model import FORMAT_NAME, FORMAT_VERSION, Manifest
 from cloudckpt.manifest.values import decode_plain, encode_value
+
+#: Largest manifest read or decoded (bytes); a larger one is refused before it is read.
+MAX_MANIFEST_BYTES = 1 << 31
+#: Most chunk coordinates a manifest may declare per byte of its size, a shape dimension
+#: counting as two (a coordinate costs 16 bytes once decoded: its offset and its size).
+DIMS_PER_BYTE = 2
+_FIELDS = frozenset({"format", "version", "cloudckpt_version", "created_at", "world_size",
+                     "checksum_block_size", "metadata", "structure", "objects", "tensors",
+                     "chunks", "values"})
+_DTYPE_NAMES = {name: name for name in DTYPE_ITEMSIZE}  # one str object per dtype name
 
 
 def _dim_major_index(counts: np.ndarray, ndims: np.ndarray) -> np.ndarray:
@@ -51,8 +76,11 @@ def _dim_major_index(counts: np.ndarray, ndims: np.ndarray) -> np.ndarray:
     return coord_start[coord_tensor] + dim * counts[coord_tensor] + np.repeat(chunk_local, chunk_ndim)
 
 
-def encode_manifest(m: Manifest) -> bytes:
-    """Encode a manifest as msgpack bytes (deterministic for a given manifest)."""
+def encode_manifest(m: Manifest, *, format_version: int = FORMAT_VERSION) -> bytes:
+    """Encode a manifest as its stored bytes (deterministic for a given manifest).
+
+    ``format_version=1`` writes the old unchecksummed layout (tests, tools for old readers).
+    """
     ndims = m._ndims
     counts = np.diff(m._chunk_start)
     perm = _dim_major_index(counts, ndims)
@@ -60,34 +88,99 @@ def encode_manifest(m: Manifest) -> bytes:
     size_dm = np.empty_like(m._sizes)
     off_dm[perm] = m._offsets
     size_dm[perm] = m._sizes
-    doc = {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "cloudckpt_version": m.cloudckpt_version,
-        "created_at": m.created_at,
-        "world_size": m.world_size,
-        "checksum_block_size": m.checksum_block_size,
-        "metadata": encode_value(m.metadata, key="metadata", allow_pickle=False),
-        "structure": encode_value(m.structure, key="structure", allow_pickle=False),
-        "objects": list(m.objects),
-        "tensors": {
-            "names": list(m._names),
-            "dtypes": list(m._dtypes),
-            "ndims": encode_int_column(ndims),
-            "shapes": encode_int_column([d for s in m._shapes for d in s]),
-            "chunk_counts": encode_int_column(counts),
-        },
-        "chunks": {
-            "offsets": encode_int_column(off_dm, delta=True),
-            "sizes": encode_int_column(size_dm, delta=True),
-            "object_index": encode_int_column(m._object_index, delta=True),
-            "byte_offset": encode_int_column(m._byte_offset, delta=True),
-            "byte_length": encode_int_column(m._byte_length, delta=True),
-            "crc32c": encode_u32(m._crcs),
-        },
-        "values": dict(m._value_blobs),
-    }
-    return msgpack.packb(doc, use_bin_type=True)
+    flat_shapes = m._shape_flat
+    declared = 2 * len(flat_shapes) + len(off_dm)
+
+    def document(compress: bool) -> bytes:
+        return msgpack.packb({
+            "format": FORMAT_NAME,
+            "version": format_version,
+            "cloudckpt_version": m.cloudckpt_version,
+            "created_at": m.created_at,
+            "world_size": m.world_size,
+            "checksum_block_size": m.checksum_block_size,
+            "metadata": encode_value(m.metadata, key="metadata", allow_pickle=False),
+            "structure": encode_value(m.structure, key="structure", allow_pickle=False),
+            "objects": list(m.objects),
+            "tensors": {
+                "names": list(m._names),
+                "dtypes": list(m._dtypes),
+                "ndims": encode_int_column(ndims),
+                "shapes": encode_int_column(flat_shapes, compress=compress),
+                "chunk_counts": encode_int_column(counts),
+            },
+            "chunks": {
+                "offsets": encode_int_column(off_dm, delta=True, compress=compress),
+                "sizes": encode_int_column(size_dm, delta=True, compress=compress),
+                "object_index": encode_int_column(m._object_index, delta=True),
+                "byte_offset": encode_int_column(m._byte_offset, delta=True),
+                "byte_length": encode_int_column(m._byte_length, delta=True),
+                "crc32c": encode_u32(m._crcs),
+            },
+            "values": dict(m._value_blobs),
+        }, use_bin_type=True)
+
+    data = frame(document(True), format_version)
+    if declared > DIMS_PER_BYTE * len(data):  # stay decodable: uncompressed, >= 1 byte each
+        data = frame(document(False), format_version)
+    return data
+
+
+@dataclass(frozen=True, eq=False)
+class ManifestDocument:
+    """The checked top level of stored manifest bytes (see :func:`read_document`)."""
+
+    version: int   # format version of the stored bytes: 1 (no checksum) or 2
+    size: int      # bytes stored
+    fields: dict   # the known top-level fields, decoded by msgpack, not validated yet
+
+
+def _refuse_ext(code, data):
+    raise ValueError(f"msgpack extension type {code} is not allowed at the manifest top level")
+
+
+def read_document(data, *, max_bytes: int = MAX_MANIFEST_BYTES) -> ManifestDocument:
+    """Check the frame (size, checksum) of stored manifest bytes and decode their top-level map.
+
+    Unknown top-level fields are skipped without building them; a duplicated known field,
+    a non-string key and bytes after the map are refused. Raises
+    :class:`~cloudckpt.errors.ManifestError` (or :class:`UnsupportedManifestVersion`).
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ManifestError("manifest must be bytes")
+    size = memoryview(data).nbytes
+    if size > max_bytes:
+        raise ManifestError(f"manifest is {size} bytes, more than max_bytes={max_bytes}")
+    version, payload = unframe(data)
+    length = len(payload)
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, ext_hook=_refuse_ext,
+                                max_buffer_size=max(1, length))
+    fields: dict = {}
+    try:
+        unpacker.feed(payload)
+        del payload
+        try:
+            entries = unpacker.read_map_header()
+        except ValueError as exc:
+            raise ManifestError("manifest is not a msgpack map") from exc
+        for _ in range(entries):
+            key = unpacker.unpack()
+            if type(key) is not str:
+                raise ManifestError(f"top-level key of type {type(key).__name__}, not str")
+            if key not in _FIELDS:
+                unpacker.skip()
+            elif key in fields:
+                raise ManifestError("field appears twice", path=key)
+            else:
+                fields[key] = unpacker.unpack()
+        rest = length - unpacker.tell()
+        if rest:
+            raise ManifestError(f"{rest} bytes after the manifest's msgpack map")
+    except ManifestError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - malformed input raises many kinds
+        raise ManifestError(f"not a msgpack manifest ({type(exc).__name__}: {exc})") from exc
+    return ManifestDocument(version, size, fields)
 
 
 def _field(doc: dict, key: str, types, path: str | None = None):
@@ -109,36 +202,56 @@ def _column(section: dict, key: str, path: str, **kw) -> np.ndarray:
         raise ManifestError(str(exc), path=f"{path}.{key}") from exc
 
 
-def _refuse_ext(code, data):
-    raise ValueError(f"msgpack extension type {code} is not allowed at the manifest top level")
+def _chunk_major(section: dict, key: str, counts: np.ndarray, ndims: np.ndarray,
+                 ncoords: int) -> np.ndarray:
+    """Decode a dimension-major coordinate column straight into chunk-major order, block by
+    block (no permutation array, no second copy of the column)."""
+    if key not in section:
+        raise ManifestError("missing column", path=f"chunks.{key}")
+    coord_start = np.concatenate(([0], np.cumsum(counts * ndims))).astype(np.int64)
+    out = np.empty(ncoords, dtype=np.int64)
+    try:
+        for start, values in iter_int_column(section[key], expected=ncoords):
+            pos = np.arange(start, start + len(values), dtype=np.int64)
+            t = np.searchsorted(coord_start, pos, side="right") - 1  # tensor of each coordinate
+            within = pos - coord_start[t]
+            count = counts[t]
+            dim = within // count
+            out[coord_start[t] + (within - dim * count) * ndims[t] + dim] = values
+    except ColumnError as exc:
+        raise ManifestError(str(exc), path=f"chunks.{key}") from exc
+    out.flags.writeable = False
+    return out
 
 
 def decode_manifest(data: bytes, *, allow_pickle: bool | str = False,
-                    max_bytes: int = 1 << 31) -> Manifest:
+                    max_bytes: int = MAX_MANIFEST_BYTES) -> Manifest:
     """Decode and fully validate manifest bytes from an untrusted source.
 
     Raises :class:`~cloudckpt.errors.UnsupportedManifestVersion` for another format or version,
     :class:`~cloudckpt.errors.PickleNotAllowed` for pickled values unless ``allow_pickle``
     (``allow_pickle="inspect"`` decodes them to opaque markers, never unpickling), and
-    :class:`~cloudckpt.errors.ManifestError` (with ``path``) for anything else malformed.
+    :class:`~cloudckpt.errors.ManifestError` (with ``path``) for anything else malformed: a
+    checksum mismatch, a manifest over ``max_bytes``, chunks whose bytes overlap, ...
     """
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ManifestError("manifest must be bytes")
-    if len(data) > max_bytes:
-        raise ManifestError(f"manifest is {len(data)} bytes, more than max_bytes={max_bytes}")
-    try:
-        doc = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, ext_hook=_refuse_ext)
-    except Exception as exc:  # noqa: BLE001 - malformed input raises many kinds
-        raise ManifestError(f"not a msgpack manifest ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(doc, dict):
-        raise ManifestError("manifest is not a msgpack map")
+    return manifest_from_document(read_document(data, max_bytes=max_bytes),
+                                  allow_pickle=allow_pickle)
+
+
+def manifest_from_document(document: ManifestDocument, *,
+                           allow_pickle: bool | str = False) -> Manifest:
+    """Validate the fields of a :class:`ManifestDocument` into a :class:`Manifest` (see
+    :func:`decode_manifest`). Does not modify the document."""
+    doc = document.fields
     if doc.get("format") != FORMAT_NAME:
-        raise UnsupportedManifestVersion(f"format {doc.get('format')!r} is not {FORMAT_NAME!r}", path="format")
+        raise UnsupportedManifestVersion(f"format {doc.get('format')!r:.80} is not {FORMAT_NAME!r}",
+                                         path="format")
     version = doc.get("version")
-    if type(version) is not int or version != FORMAT_VERSION:
+    if type(version) is not int or version != document.version:
         raise UnsupportedManifestVersion(
-            f"manifest version {version!r} is not supported (this cloudckpt reads version {FORMAT_VERSION})",
-            path="version")
+            f"manifest version {version!r:.40} is not supported here (a "
+            f"{'framed' if document.version > 1 else 'header-less'} manifest is version "
+            f"{document.version})", path="version")
     world_size = _field(doc, "world_size", int)
     created_at = _field(doc, "created_at", (int, float))
     cloudckpt_version = _field(doc, "cloudckpt_version", str)
@@ -150,7 +263,8 @@ def decode_manifest(data: bytes, *, allow_pickle: bool | str = False,
     chunks = _field(doc, "chunks", dict)
     values = _field(doc, "values", dict)
     names = _field(tensors, "names", list, "tensors.names")
-    dtypes = _field(tensors, "dtypes", list, "tensors.dtypes")
+    dtypes = [_DTYPE_NAMES.get(d, d) if type(d) is str else d
+              for d in _field(tensors, "dtypes", list, "tensors.dtypes")]
     n_tensors = len(names)
     crc_bytes = _field(chunks, "crc32c", bytes, "chunks.crc32c")
     try:
@@ -160,29 +274,32 @@ def decode_manifest(data: bytes, *, allow_pickle: bool | str = False,
     ndims = _column(tensors, "ndims", "tensors", expected=n_tensors)
     if n_tensors and (ndims.min() < 0 or ndims.max() > MAX_NDIM):
         raise ManifestError(f"tensor ndims must be in 0..{MAX_NDIM}", path="tensors.ndims")
-    flat_shapes = _column(tensors, "shapes", "tensors", expected=int(ndims.sum()))
     counts = _column(tensors, "chunk_counts", "tensors", expected=n_tensors)
     if n_tensors and counts.min() < 0:
         raise ManifestError("negative chunk count", path="tensors.chunk_counts")
-    nchunks = int(counts.sum())
-    if nchunks > len(crcs):  # every chunk carries at least one crc: bounds what follows
-        raise ManifestError(f"{nchunks} chunks but only {len(crcs)} crc32c values", path="chunks")
+    # every chunk carries at least one crc: bounds what follows (each count first: no overflow)
+    if n_tensors and (counts.max() > len(crcs) or int(counts.sum()) > len(crcs)):
+        raise ManifestError(f"{int(counts.astype(np.float64).sum()):.0f} chunks but only "
+                            f"{len(crcs)} crc32c values", path="chunks")
+    nchunks, nshape = int(counts.sum()), int(ndims.sum())
     ncoords = int((counts * ndims).sum())
-    off_dm = _column(chunks, "offsets", "chunks", expected=ncoords)
-    size_dm = _column(chunks, "sizes", "chunks", expected=ncoords)
-    perm = _dim_major_index(counts, ndims)
-    shape_start = np.concatenate(([0], np.cumsum(ndims))).astype(np.int64)
-    shapes = [tuple(flat_shapes[shape_start[i]:shape_start[i + 1]].tolist()) for i in range(n_tensors)]
+    if 2 * nshape + ncoords > DIMS_PER_BYTE * document.size:
+        raise ManifestError(
+            f"declares {nshape} shape dimensions and {ncoords} chunk coordinates, more than "
+            f"{DIMS_PER_BYTE} per byte of its {document.size} bytes", path="tensors")
+    shapes = _column(tensors, "shapes", "tensors", expected=nshape)
+    offsets = _chunk_major(chunks, "offsets", counts, ndims, ncoords)
+    sizes = _chunk_major(chunks, "sizes", counts, ndims, ncoords)
     blobs = {}
     for name, blob in values.items():
         if type(blob) is not bytes:
-            raise ManifestError("encoded value must be bytes", path=f"values[{name!r}]")
+            raise ManifestError("encoded value must be bytes", path=f"values[{name!r:.80}]")
         blobs[name] = blob
     return Manifest(
         world_size=world_size, created_at=created_at, cloudckpt_version=cloudckpt_version,
         metadata=metadata, checksum_block_size=block, objects=objects, tensor_names=names,
-        tensor_dtypes=dtypes, tensor_shapes=shapes, chunk_counts=counts,
-        chunk_offsets=off_dm[perm], chunk_sizes=size_dm[perm],
+        tensor_dtypes=dtypes, tensor_shapes=shapes, tensor_ndims=ndims, chunk_counts=counts,
+        chunk_offsets=offsets, chunk_sizes=sizes,
         chunk_object_index=_column(chunks, "object_index", "chunks", expected=nchunks),
         chunk_byte_offset=_column(chunks, "byte_offset", "chunks", expected=nchunks),
         chunk_byte_length=_column(chunks, "byte_length", "chunks", expected=nchunks),

@@ -9,8 +9,10 @@ A column is the msgpack array ``[transform, width, compression, count, payload]`
 - ``compression``: ``"none"`` or ``"zlib"`` (applied to the packed integers);
 - ``count``: number of values; ``payload``: bytes.
 
-Decoding never trusts the input: the caller states how many values it expects, and a payload
-that inflates past ``count * width`` bytes is refused before it is inflated further.
+Decoding never trusts the input: the caller states how many values it expects, a payload that
+inflates past ``count * width`` bytes is refused before it is inflated further, and decoding
+proceeds block by block (:func:`iter_int_column`), so a highly compressed payload never
+inflates into more than one block besides the caller's result.
 """
 
 from __future__ import annotations
@@ -53,12 +55,12 @@ def encode_int_column(values, *, delta: bool = False, compress: bool = True) -> 
     return ["delta" if delta else "raw", width, compression, int(arr.size), payload]
 
 
-def decode_int_column(column, *, expected: int | None = None, max_count: int | None = None) -> np.ndarray:
-    """Decode a column into a read-only int64 array.
+#: Values per block when a column is decoded piecewise (bounds the temporary memory).
+BLOCK = 1 << 16
+_FEED = 1 << 16  # compressed bytes handed to zlib at once
 
-    ``expected``: the exact number of values required; ``max_count``: an upper bound when the
-    count is not known beforehand. Raises :class:`ColumnError` on any malformation.
-    """
+
+def _header(column, expected: int | None, max_count: int | None):
     if not isinstance(column, (list, tuple)) or len(column) != 5:
         raise ColumnError("column must be a 5-element array")
     transform, width, compression, count, payload = column
@@ -76,22 +78,78 @@ def decode_int_column(column, *, expected: int | None = None, max_count: int | N
         raise ColumnError(f"column has {count} values, at most {max_count} allowed")
     if not isinstance(payload, (bytes, bytearray)):
         raise ColumnError("column payload must be bytes")
-    nbytes = count * width
-    if compression == "zlib":
-        inflater = zlib.decompressobj()
-        try:
-            raw = inflater.decompress(payload, nbytes)
-        except zlib.error as exc:
-            raise ColumnError(f"corrupt zlib column payload: {exc}") from exc
-        if len(raw) != nbytes or not inflater.eof or inflater.unconsumed_tail or inflater.unused_data:
-            raise ColumnError(f"zlib column payload does not inflate to exactly {nbytes} bytes")
-    else:
-        raw = payload
-        if len(raw) != nbytes:
-            raise ColumnError(f"column payload has {len(raw)} bytes, expected {nbytes}")
-    out = np.frombuffer(raw, dtype=f"<i{width}").astype(np.int64)
-    if transform == "delta" and out.size:
-        np.cumsum(out, out=out)
+    return transform, width, compression, count, payload
+
+
+def _raw_pieces(payload, compression: str, nbytes: int, step: int):
+    """The column's packed integers, ``step`` bytes at a time (the last piece may be shorter)."""
+    if compression == "none":
+        if len(payload) != nbytes:
+            raise ColumnError(f"column payload has {len(payload)} bytes, expected {nbytes}")
+        view = memoryview(payload)
+        for pos in range(0, nbytes, step):
+            yield view[pos:pos + step]
+        return
+    inflater = zlib.decompressobj()
+    source = memoryview(payload)
+    pos, tail, produced, pending = 0, b"", 0, bytearray()
+    try:
+        while produced < nbytes:
+            if not tail:  # feed the input in bounded pieces: unconsumed_tail is a copy
+                if pos >= len(source):
+                    raise ColumnError(f"zlib column payload inflates to {produced} bytes, "
+                                      f"expected {nbytes}")
+                tail, pos = source[pos:pos + _FEED], pos + _FEED
+            piece = inflater.decompress(tail, min(step - len(pending), nbytes - produced))
+            tail = inflater.unconsumed_tail
+            if piece:
+                produced += len(piece)
+                pending += piece
+                if len(pending) == step or produced == nbytes:
+                    yield bytes(pending)
+                    pending = bytearray()
+            elif inflater.eof:
+                raise ColumnError(f"zlib column payload inflates to {produced} bytes, "
+                                  f"expected {nbytes}")
+        extra = inflater.decompress(bytes(tail) + bytes(source[pos:]), 1)
+    except zlib.error as exc:
+        raise ColumnError(f"corrupt zlib column payload: {exc}") from exc
+    if extra or not inflater.eof or inflater.unconsumed_tail or inflater.unused_data:
+        raise ColumnError(f"zlib column payload does not inflate to exactly {nbytes} bytes")
+
+
+def iter_int_column(column, *, expected: int | None = None, max_count: int | None = None,
+                    block: int = BLOCK):
+    """Decode a column piecewise: yields ``(start, values)``, ``values`` an int64 array of at most
+    ``block`` values (delta already undone) starting at value ``start``, in order.
+
+    Never holds more than one block of the column at once besides its payload, whatever the
+    compression ratio. Raises :class:`ColumnError` on any malformation (possibly after some
+    blocks were yielded: the caller discards what it got).
+    """
+    transform, width, compression, count, payload = _header(column, expected, max_count)
+    start, carry = 0, 0
+    for raw in _raw_pieces(payload, compression, count * width, block * width):
+        values = np.frombuffer(raw, dtype=f"<i{width}").astype(np.int64)
+        if transform == "delta":
+            np.cumsum(values, out=values)
+            values += carry
+            carry = int(values[-1])
+        yield start, values
+        start += len(values)
+
+
+def decode_int_column(column, *, expected: int | None = None, max_count: int | None = None) -> np.ndarray:
+    """Decode a column into a read-only int64 array.
+
+    ``expected``: the exact number of values required; ``max_count``: an upper bound when the
+    count is not known beforehand. Raises :class:`ColumnError` on any malformation. Memory: the
+    result and one block (see :func:`iter_int_column`).
+    """
+    _, _, _, count, _ = _header(column, expected, max_count)
+    out = np.empty(count, dtype=np.int64)
+    for start, values in iter_int_column(column, expected=expected, max_count=max_count):
+        out[start:start + len(values)] = values
     out.flags.writeable = False
     return out
 

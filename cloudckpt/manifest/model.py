@@ -11,7 +11,8 @@ says where, like ``tensors["w"].chunks[3]``.
 
 from __future__ import annotations
 
-import json
+import functools
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,70 +23,16 @@ import numpy as np
 
 from cloudckpt.errors import ManifestError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE, MAX_ELEMENTS, MAX_NDIM
+from cloudckpt.manifest.validation import (check_shape, flat_dims, tensor_path,
+                                           validate_object_key, validate_structure)
 from cloudckpt.manifest.values import decode_value, value_path
 
 FORMAT_NAME = "cloudckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Format versions this cloudckpt reads (1: no checksum; 2: framed with a crc32c).
+SUPPORTED_VERSIONS = (1, 2)
 DEFAULT_CHECKSUM_BLOCK_SIZE = 4 << 20
 MAX_CHECKSUM_BLOCK_SIZE = 1 << 40
-
-
-def tensor_path(name: str) -> str:
-    """The manifest path of tensor ``name``, like ``tensors["w"]``."""
-    return f"tensors[{json.dumps(name)}]"
-
-
-def validate_object_key(key) -> str | None:
-    """Return why ``key`` is not a safe object key relative to a checkpoint root, or None.
-
-    Refused: non-strings, empty keys, absolute paths, backslashes, empty / ``.`` / ``..`` segments,
-    control characters.
-    """
-    if type(key) is not str:
-        return "object key must be a string"
-    if not key:
-        return "object key is empty"
-    if key.startswith("/"):
-        return f"object key {key!r} is absolute"
-    if "\\" in key:
-        return f"object key {key!r} contains a backslash"
-    if any(ord(c) < 32 or ord(c) == 127 for c in key):
-        return f"object key {key!r} contains a control character"
-    for seg in key.split("/"):
-        if seg in ("", ".", ".."):
-            return f"object key {key!r} has an empty, '.' or '..' segment"
-    return None
-
-
-_STRUCTURE_TAGS = {"d": "dict", "o": "OrderedDict", "l": "list", "t": "tuple"}
-
-
-def validate_structure(structure, tensor_names: Mapping | set, value_names: Mapping | set) -> None:
-    """Check a structure mapping (see ``cloudckpt.statedict``): nodes ``[tag, body]`` with tags
-    d/o (body: ``[[key, node], ...]``, keys str or int), l/t (body: ``[node, ...]``), x (a tensor
-    name of this manifest) or v (a value name). Raises ManifestError(path="structure")."""
-    stack = [(structure, 0)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > 200:
-            raise ManifestError("nested deeper than 200 levels", path="structure")
-        if type(node) is not list or len(node) != 2 or type(node[0]) is not str:
-            raise ManifestError(f"malformed node {node!r:.80}", path="structure")
-        tag, body = node
-        if tag == "x" or tag == "v":
-            names = tensor_names if tag == "x" else value_names
-            if type(body) is not str or body not in names:
-                raise ManifestError(f"refers to unknown {'tensor' if tag == 'x' else 'value'} {body!r:.80}",
-                                    path="structure")
-        elif tag in _STRUCTURE_TAGS and type(body) is list:
-            for child in body:
-                if tag in ("d", "o"):
-                    if type(child) is not list or len(child) != 2 or type(child[0]) not in (str, int):
-                        raise ManifestError(f"malformed {_STRUCTURE_TAGS[tag]} entry {child!r:.80}", path="structure")
-                    child = child[1]
-                stack.append((child, depth + 1))
-        else:
-            raise ManifestError(f"malformed node {node!r:.80}", path="structure")
 
 
 def crc_counts(byte_length: np.ndarray, block_size: int) -> np.ndarray:
@@ -194,9 +141,18 @@ class _TensorMap(Mapping):
 
 
 def _ro(a, dtype) -> np.ndarray:
+    """A read-only 1-D copy of ``a``; an array that already is one (the decoder's, which owns
+    its data) is taken as it is."""
+    if (isinstance(a, np.ndarray) and a.dtype == dtype and a.ndim == 1 and a.base is None
+            and not a.flags.writeable):
+        return a
     arr = np.array(a, dtype=dtype, copy=True).reshape(-1)
     arr.flags.writeable = False
     return arr
+
+
+#: Coordinates checked at once (bounds the temporary memory of validation).
+_BLOCK = 1 << 16
 
 
 class Manifest:
@@ -208,7 +164,9 @@ class Manifest:
     chunk-major (each chunk contributes its tensor's ndim numbers); ``chunk_crcs`` flat uint32,
     ``max(1, ceil(byte_length / checksum_block_size))`` per chunk. ``value_blobs`` maps names to
     :func:`~cloudckpt.manifest.encode_value` bytes; ``values`` (optional) the same values already
-    decoded. Pickled values are decoded only if ``allow_pickle``.
+    decoded. Pickled values are decoded only if ``allow_pickle``. With ``tensor_ndims`` (the
+    decoder's form), ``tensor_shapes`` is every shape's dims concatenated in one int array: no
+    Python tuple is made until a shape is asked for.
     """
 
     def __init__(self, *, world_size: int, created_at: float, cloudckpt_version: str, metadata: dict,
@@ -216,7 +174,7 @@ class Manifest:
                  tensor_dtypes: Sequence[str], tensor_shapes: Sequence[Sequence[int]], chunk_counts,
                  chunk_offsets, chunk_sizes, chunk_object_index, chunk_byte_offset, chunk_byte_length,
                  chunk_crcs, value_blobs: Mapping[str, bytes], values: Mapping[str, object] | None = None,
-                 structure: object = None, allow_pickle: bool = False):
+                 structure: object = None, allow_pickle: bool = False, tensor_ndims=None):
         if type(world_size) is not int or world_size < 1:
             raise ManifestError(f"world_size must be a positive int, got {world_size!r}", path="world_size")
         if type(created_at) not in (int, float) or not math.isfinite(created_at):
@@ -240,7 +198,7 @@ class Manifest:
                 raise ManifestError(why, path=f"objects[{i}]")
         if len(set(self.objects)) != len(self.objects):
             raise ManifestError("duplicate object keys", path="objects")
-        self._init_tensors(tensor_names, tensor_dtypes, tensor_shapes, chunk_counts)
+        self._init_tensors(tensor_names, tensor_dtypes, tensor_shapes, tensor_ndims, chunk_counts)
         self._init_chunks(chunk_offsets, chunk_sizes, chunk_object_index, chunk_byte_offset,
                           chunk_byte_length, chunk_crcs)
         self._init_values(value_blobs, values, allow_pickle)
@@ -250,10 +208,22 @@ class Manifest:
 
     # --- construction and validation ------------------------------------------------------
 
-    def _init_tensors(self, names, dtypes, shapes, counts) -> None:
-        names, dtypes, shapes = list(names), list(dtypes), list(shapes)
+    def _init_tensors(self, names, dtypes, shapes, ndims, counts) -> None:
+        names, dtypes = tuple(names), tuple(dtypes)
         n = len(names)
-        if len(dtypes) != n or len(shapes) != n:
+        if ndims is None:  # a sequence of shapes
+            shapes = tuple(s if type(s) is tuple else tuple(s) for s in shapes)
+            if len(shapes) != n:
+                raise ManifestError("tensor names, dtypes and shapes differ in length", path="tensors")
+            self.__dict__["_shapes"] = shapes
+            ndims = np.fromiter(map(len, shapes), dtype=np.int64, count=n)
+            flat = flat_dims(shapes, int(ndims.sum())) if n and ndims.max() <= MAX_NDIM else None
+        else:  # columnar: every dim in one array
+            ndims, flat = _ro(ndims, np.int64), _ro(shapes, np.int64)
+            if len(ndims) != n or (n and (ndims.min() < 0 or ndims.max() > MAX_NDIM)) \
+                    or int(ndims.sum()) != len(flat):
+                raise ManifestError("tensor shapes do not match the tensors", path="tensors")
+        if len(dtypes) != n:
             raise ManifestError("tensor names, dtypes and shapes differ in length", path="tensors")
         index: dict[str, int] = {}
         for i, name in enumerate(names):
@@ -262,29 +232,41 @@ class Manifest:
             if name in index:
                 raise ManifestError("duplicate tensor name", path=tensor_path(name))
             index[name] = i
-        norm_shapes = []
-        for name, dtype, shape in zip(names, dtypes, shapes):
-            where = tensor_path(name)
+        for name, dtype in zip(names, dtypes):
             if type(dtype) is not str or dtype not in DTYPE_ITEMSIZE:
-                raise ManifestError(f"dtype {dtype!r} is not allowed", path=f"{where}.dtype")
-            shape = tuple(shape)
-            if len(shape) > MAX_NDIM:
-                raise ManifestError(f"{len(shape)} dims, at most {MAX_NDIM} allowed", path=f"{where}.shape")
-            if any(type(s) is not int or s < 0 for s in shape):
-                raise ManifestError(f"bad shape {shape!r}", path=f"{where}.shape")
-            if math.prod(shape) * DTYPE_ITEMSIZE[dtype] > MAX_ELEMENTS:
-                raise ManifestError(f"shape {shape!r} is too large", path=f"{where}.shape")
-            norm_shapes.append(shape)
+                raise ManifestError(f"dtype {dtype!r:.80} is not allowed", path=f"{tensor_path(name)}.dtype")
+        starts = np.concatenate(([0], np.cumsum(ndims))).astype(np.int64)
+        has = ndims > 0
+        if flat is None:  # odd dims (not ints, beyond int64, too many): check one by one
+            for t in range(n):
+                check_shape(names[t], dtypes[t], shapes[t])
+            flat = np.fromiter(itertools.chain.from_iterable(shapes), dtype=np.int64, count=int(starts[-1]))
+        elif flat.size:  # vectorised; suspects get the exact check
+            negative = np.zeros(n, dtype=bool)
+            negative[has] = np.minimum.reduceat(flat, starts[:-1][has]) < 0
+            logs = flat.astype(np.float64)
+            np.log2(np.maximum(logs, 1.0, out=logs), out=logs)
+            log_bytes = np.log2([DTYPE_ITEMSIZE[d] for d in dtypes])
+            log_bytes[has] += np.add.reduceat(logs, starts[:-1][has])
+            del logs
+            for t in np.flatnonzero(negative | (log_bytes > 59.5)).tolist():
+                check_shape(names[t], dtypes[t], tuple(flat[starts[t]:starts[t + 1]].tolist()))
+        numel = np.ones(n, dtype=np.int64)  # no overflow: every product is at most 2**60
+        if has.any():
+            numel[has] = np.multiply.reduceat(flat, starts[:-1][has])
         counts = np.asarray(counts, dtype=np.int64).reshape(-1)
         if len(counts) != n:
             raise ManifestError("chunk counts do not match the tensors", path="tensors")
         if n and counts.min() < 0:
             raise ManifestError("negative chunk count", path=tensor_path(names[int(np.argmin(counts))]))
-        self._names = tuple(names)
-        self._dtypes = tuple(dtypes)
-        self._shapes = tuple(norm_shapes)
+        flat.flags.writeable = False
+        starts.flags.writeable = False
+        self._names = names
+        self._dtypes = dtypes
         self._name_index = index
-        self._ndims = np.array([len(s) for s in norm_shapes], dtype=np.int64)
+        self._ndims = ndims
+        self._numel = numel
+        self._shape_flat, self._shape_start = flat, starts
         self._chunk_start = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
         self._coord_start = np.concatenate(([0], np.cumsum(counts * self._ndims))).astype(np.int64)
 
@@ -305,24 +287,14 @@ class Manifest:
         n_tensors = len(self._names)
         chunk_tensor = np.repeat(np.arange(n_tensors, dtype=np.int64), np.diff(self._chunk_start))
         chunk_ndim = self._ndims[chunk_tensor]
-        coord_chunk = np.repeat(np.arange(nchunks, dtype=np.int64), chunk_ndim)
         chunk_coord_start = self._coord_start[chunk_tensor] + (
             np.arange(nchunks, dtype=np.int64) - self._chunk_start[chunk_tensor]) * chunk_ndim
-        dim = np.arange(ncoords, dtype=np.int64) - np.repeat(chunk_coord_start, chunk_ndim)
-        shape_flat = np.array([d for s in self._shapes for d in s], dtype=np.int64)
-        shape_start = np.concatenate(([0], np.cumsum(self._ndims)))[:-1].astype(np.int64)
-        limit = shape_flat[shape_start[chunk_tensor[coord_chunk]] + dim] if ncoords else shape_flat[:0]
-        bad = (sizes < 0) | (offsets < 0) | (offsets > limit) | (sizes > limit - offsets)
-        if bad.any():
-            c = int(coord_chunk[int(np.flatnonzero(bad)[0])])
-            s, nd = int(chunk_coord_start[c]), int(chunk_ndim[c])
-            raise ManifestError(
-                f"box offsets={tuple(offsets[s:s + nd].tolist())} sizes={tuple(sizes[s:s + nd].tolist())} "
-                f"is not inside shape {self._shapes[int(chunk_tensor[c])]}", path=self._chunk_path(c))
+        self._check_boxes(offsets, sizes, chunk_tensor, chunk_ndim, chunk_coord_start)
         numel = np.ones(nchunks, dtype=np.int64)
         has_dims = chunk_ndim > 0
-        if has_dims.any():
+        if has_dims.any():  # no overflow: sizes are inside shapes, whose products fit
             numel[has_dims] = np.multiply.reduceat(sizes, chunk_coord_start[has_dims])
+        del chunk_ndim, chunk_coord_start, has_dims
         itemsizes = np.array([DTYPE_ITEMSIZE[d] for d in self._dtypes], dtype=np.int64)
         expected = numel * itemsizes[chunk_tensor]
         for arr, field in ((object_index, "object_index"), (byte_offset, "byte_offset")):
@@ -337,9 +309,10 @@ class Manifest:
                 f"byte_length {int(byte_length[c])} does not match {int(numel[c])} elements of "
                 f"{self._dtypes[int(chunk_tensor[c])]} ({int(expected[c])} bytes)",
                 path=self._chunk_path(c, ".byte_length"))
+        del bad, expected, chunk_tensor
         total = np.concatenate(([0], np.cumsum(numel)))
         covered = total[self._chunk_start[1:]] - total[self._chunk_start[:-1]]
-        tensor_numel = np.array([math.prod(s) for s in self._shapes], dtype=np.int64)
+        tensor_numel = self._numel
         total_f = np.concatenate(([0.0], np.cumsum(numel, dtype=np.float64)))  # guards int64 wrap-around
         covered_f = total_f[self._chunk_start[1:]] - total_f[self._chunk_start[:-1]]
         bad = (covered != tensor_numel) | (covered_f > 2.0 ** 61)
@@ -348,8 +321,11 @@ class Manifest:
             raise ManifestError(
                 f"chunks hold {int(covered[t])} elements, the tensor has {int(tensor_numel[t])}",
                 path=tensor_path(self._names[t]))
+        del total, total_f, numel
+        self._check_no_shared_bytes(object_index, byte_offset, byte_length)
         ncrc = crc_counts(byte_length, self.checksum_block_size)
         crc_start = np.concatenate(([0], np.cumsum(ncrc))).astype(np.int64)
+        del ncrc
         crcs = np.asarray(crcs)
         if crcs.ndim != 1 or len(crcs) != int(crc_start[-1]):
             raise ManifestError(f"{len(crcs)} crc32c values, expected {int(crc_start[-1])} "
@@ -361,6 +337,43 @@ class Manifest:
         self._offsets, self._sizes = offsets, sizes
         self._object_index, self._byte_offset, self._byte_length = object_index, byte_offset, byte_length
         self._crcs, self._crc_start = crcs, crc_start
+
+    def _check_boxes(self, offsets, sizes, chunk_tensor, chunk_ndim, chunk_coord_start) -> None:
+        """Every chunk's box lies inside its tensor's shape (checked block by block)."""
+        shape_flat, shape_start = self._shape_flat, self._shape_start
+        for a in range(0, len(offsets), _BLOCK):
+            pos = np.arange(a, min(a + _BLOCK, len(offsets)), dtype=np.int64)
+            # chunk of each coordinate: the last one starting at or before it (0-dim chunks
+            # start where the next one does)
+            chunk = np.searchsorted(chunk_coord_start, pos, side="right") - 1
+            limit = shape_flat[shape_start[chunk_tensor[chunk]] + pos - chunk_coord_start[chunk]]
+            off, size = offsets[pos[0]:pos[-1] + 1], sizes[pos[0]:pos[-1] + 1]
+            bad = (size < 0) | (off < 0) | (off > limit) | (size > limit - off)
+            if bad.any():
+                c = int(chunk[int(np.flatnonzero(bad)[0])])
+                s, nd = int(chunk_coord_start[c]), int(chunk_ndim[c])
+                raise ManifestError(
+                    f"box offsets={tuple(offsets[s:s + nd].tolist())} sizes={tuple(sizes[s:s + nd].tolist())} "
+                    f"is not inside shape {self._shape(int(chunk_tensor[c]))}", path=self._chunk_path(c))
+
+    def _check_no_shared_bytes(self, object_index, byte_offset, byte_length) -> None:
+        """No two chunks' byte ranges in one object overlap (O(n log n)): one stored byte
+        belongs to one chunk, so the bytes referenced never exceed the bytes stored."""
+        held = np.flatnonzero(byte_length > 0)
+        order = held[np.lexsort((byte_offset[held], object_index[held]))]
+        del held
+        if len(order) < 2:
+            return
+        obj, start = object_index[order], byte_offset[order]
+        end = start + byte_length[order]
+        bad = (obj[1:] == obj[:-1]) & (start[1:] < end[:-1])
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            first, second = int(order[i]), int(order[i + 1])
+            raise ManifestError(
+                f"bytes [{int(start[i + 1])}, {int(end[i + 1])}) of object "
+                f"{self.objects[int(obj[i])]!r} are also those of {self._chunk_path(first)} "
+                f"([{int(start[i])}, {int(end[i])}))", path=self._chunk_path(second))
 
     def _init_values(self, value_blobs, values, allow_pickle) -> None:
         blobs: dict[str, bytes] = {}
@@ -389,7 +402,19 @@ class Manifest:
             self._object_index[c0:c1], self._byte_offset[c0:c1], self._byte_length[c0:c1],
             self._crc_start[c0:c1 + 1] - self._crc_start[c0], self._crcs[self._crc_start[c0]:self._crc_start[c1]],
         )
-        return TensorRecord(self._names[t], self._dtypes[t], self._shapes[t], table)
+        return TensorRecord(self._names[t], self._dtypes[t], self._shape(t), table)
+
+    def _shape(self, t: int) -> tuple[int, ...]:
+        """Tensor ``t``'s shape."""
+        shapes = self.__dict__.get("_shapes")
+        if shapes is not None:
+            return shapes[t]
+        return tuple(self._shape_flat[self._shape_start[t]:self._shape_start[t + 1]].tolist())
+
+    @functools.cached_property
+    def _shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Every tensor's shape (made on first use when decoded)."""
+        return tuple(self._shape(t) for t in range(len(self._names)))
 
     # --- queries -----------------------------------------------------------------------------
 

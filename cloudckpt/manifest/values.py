@@ -27,6 +27,7 @@ EXT_BIGINT = 2
 EXT_PICKLE = 3
 MAX_DEPTH = 200
 _MAX_BIGINT_BYTES = 1 << 16
+_OPEN = frozenset({list, dict})
 _INT_MIN, _UINT_MAX = -(1 << 63), (1 << 64) - 1
 
 
@@ -117,17 +118,31 @@ class _PickledMarker:
         return "<pickled value>"
 
 
+class _Tuple:
+    """A tuple's msgpack payload, decoded once its container is (see :func:`_resolve`)."""
+
+    __slots__ = ("payload",)
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+
+
+_NESTED = _OPEN | {_Tuple}
+
+
+class _TooDeep(Exception):
+    pass
+
+
 def _decode(data, *, path: str, pickle_mode: str):
     """pickle_mode: 'refuse' (raise PickleNotAllowed), 'allow' (unpickle), 'inspect' (marker)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ManifestError("encoded value must be bytes", path=path)
+    unpickled: set[int] = set()  # ids of unpickled objects: leaves, whatever they hold
 
     def hook(code: int, payload: bytes):
-        if code == EXT_TUPLE:
-            inner = msgpack.unpackb(payload, ext_hook=hook, raw=False, strict_map_key=False)
-            if type(inner) is not list:
-                raise ValueError("tuple payload is not an array")
-            return tuple(inner)
+        if code == EXT_TUPLE:  # not decoded here: nested calls would nest C stacks (a crash)
+            return _Tuple(payload)
         if code == EXT_BIGINT:
             if not 0 < len(payload) <= _MAX_BIGINT_BYTES:
                 raise ValueError("bad big integer payload")
@@ -141,15 +156,76 @@ def _decode(data, *, path: str, pickle_mode: str):
                 )
             if pickle_mode == "inspect":
                 return _PickledMarker()
-            return pickle.loads(payload)  # noqa: S301 - explicit opt-in by the loader
+            obj = pickle.loads(payload)  # noqa: S301 - explicit opt-in by the loader
+            unpickled.add(id(obj))
+            return obj
         raise ValueError(f"unknown msgpack extension type {code}")
 
     try:
-        return msgpack.unpackb(bytes(data), ext_hook=hook, raw=False, strict_map_key=False)
+        root = msgpack.unpackb(bytes(data), ext_hook=hook, raw=False, strict_map_key=False)
+        return _resolve(root, hook, unpickled)
     except PickleNotAllowed:
         raise
+    except _TooDeep:
+        raise ManifestError(f"nested deeper than {MAX_DEPTH} levels (the encoder writes no deeper)",
+                            path=path) from None
     except Exception as exc:  # noqa: BLE001 - anything from malformed input or unpickling
         raise ManifestError(f"undecodable value ({type(exc).__name__}: {exc})", path=path) from exc
+
+
+def _resolve(root, hook, leaves: set[int]):
+    """``root`` with every :class:`_Tuple` decoded into its tuple, bottom-up, with an explicit
+    stack (no recursion, whatever the nesting); raises :class:`_TooDeep` for a value nested
+    deeper than :data:`MAX_DEPTH` as :func:`encode_value` counts it (the value at depth 0, a
+    container's items and dict keys one deeper). A tuple's payload is dropped once decoded.
+    """
+
+    # a frame: [kind, items, indices of the items to resolve, depth, node, position in the
+    # parent, changed]; only non-empty lists and dicts and tuples are ever opened
+    def open_frame(node, depth: int, pos):
+        t = type(node)
+        if t is _Tuple:
+            items = msgpack.unpackb(node.payload, ext_hook=hook, raw=False, strict_map_key=False)
+            if type(items) is not list:
+                raise ValueError("tuple payload is not an array")
+        elif (t is list or t is dict) and len(node) and id(node) not in leaves:
+            items = node if t is list else [x for kv in node.items() for x in kv]
+        else:
+            return None
+        if items and depth >= MAX_DEPTH:
+            raise _TooDeep
+        todo = [i for i, c in enumerate(items)
+                if type(c) is _Tuple or (type(c) in _OPEN and len(c))] \
+            if not _NESTED.isdisjoint(map(type, items)) else []
+        todo.reverse()
+        return [tuple if t is _Tuple else t, items, todo, depth, node, pos, t is _Tuple]
+
+    frame = open_frame(root, 0, None)
+    if frame is None:
+        return root
+    stack = [frame]
+    while True:
+        frame = stack[-1]
+        if frame[2]:
+            i = frame[2].pop()
+            child = open_frame(frame[1][i], frame[3] + 1, i)
+            if child is not None:
+                stack.append(child)
+            continue
+        stack.pop()
+        kind, items = frame[0], frame[1]
+        if kind is tuple:
+            done = tuple(items)
+        elif kind is dict and frame[6]:  # a key or an item changed: rebuilt
+            done = dict(zip(items[::2], items[1::2]))
+        else:
+            done = frame[4]  # a list changed in place, or an unchanged dict
+        if not stack:
+            return done
+        if done is not frame[4]:
+            parent = stack[-1]
+            parent[1][frame[5]] = done
+            parent[6] = True
 
 
 def decode_value(data, *, key: str, allow_pickle):

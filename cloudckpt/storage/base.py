@@ -118,9 +118,10 @@ class ObjectStore(Protocol):
         """Store ``body`` under ``key``. ``create`` raises ``ObjectExists`` if the key exists
         (exactly one of several concurrent creates wins). Large bodies go multipart."""
 
-    async def get(self, key: str) -> bytes:
+    async def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         """The whole object (``ObjectNotFound`` if missing). For large objects prefer
-        ``read_ranges`` with destination buffers."""
+        ``read_ranges`` with destination buffers. With ``max_bytes``, an object larger than
+        that raises ``ObjectTooLarge`` before its body is read."""
 
     async def read_ranges(self, key: str, ranges: Sequence[ReadRange]) -> list[memoryview]:
         """One view per range, in order (the range's ``out`` when given, an empty view for a range

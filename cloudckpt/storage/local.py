@@ -39,6 +39,7 @@ from cloudckpt.errors import (
     ConfigError,
     InvalidRange,
     ObjectExists,
+    ObjectTooLarge,
     ObjectNotFound,
     StorageError,
 )
@@ -55,7 +56,7 @@ from cloudckpt.storage.base import (
     check_prefix,
     run_all,
 )
-from cloudckpt.storage.local_paths import Jail, dir_level, has_files, walk_files
+from cloudckpt.storage.local_paths import Jail, dir_level, has_files, read_whole, walk_files
 from cloudckpt.storage.options import StorageOptions
 from cloudckpt.storage.ranges import HeldRange, plan_pieces
 from cloudckpt.storage.verified import read_verified
@@ -224,13 +225,22 @@ class LocalStore:
 
         return await self._run("head", key, stat)
 
-    async def get(self, key: str) -> bytes:
+    async def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """The whole file (only a regular file: a FIFO or device is ``ObjectNotFound``); with
+        ``max_bytes``, its size is checked (``ObjectTooLarge``) before a byte is read."""
         parts = self._parts(key)
-        jail = self._jail
+        jail, url = self._jail, self.url
+
+        def too_large(size: int) -> ObjectTooLarge:
+            return ObjectTooLarge(f"get {url}/{key}: {size} bytes, more than the {max_bytes} "
+                                  f"allowed", key=key, operation="get", size=size, limit=max_bytes)
 
         def read() -> bytes:
-            with open(_open_inside(jail, parts), "rb") as f:
-                return f.read()
+            fd = _open_inside(jail, parts)
+            try:
+                return read_whole(fd, max_bytes, too_large)
+            finally:
+                os.close(fd)
 
         data = await self._run("get", key, read)
         self.stats.bytes_received += len(data)

@@ -16,6 +16,7 @@ Contract:
   is "not found"), so a crafted directory cannot hang or feed a read.
 - The root path itself is trusted (opened normally, following links, as the user named it).
 - Pure ``os`` calls, blocking: LocalStore runs them in its thread pool.
+- :func:`read_whole` reads an opened file whole, bounded by a size checked before reading.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 #: symlinks followed within one resolution before giving up (like the kernel's 40).
@@ -319,3 +320,25 @@ def dir_level(jail: Jail, rel_dir: str, mark: str) -> list[tuple[str, os.stat_re
 
 def has_files(jail: Jail, rel_dir: str, mark: str) -> bool:
     return any(True for _ in walk_files(jail, rel_dir, temps=False, mark=mark))
+
+
+def read_whole(fd: int, max_bytes: int | None = None,
+               too_large: Callable[[int], Exception] = ValueError) -> bytes:
+    """The contents of the open regular file ``fd`` from offset 0 (the fd is left open). With
+    ``max_bytes``: ``too_large(size)`` is raised before a byte is read when the file's size is
+    over it, and as soon as more than that has been read, should the file grow meanwhile."""
+    if max_bytes is None:
+        with open(fd, "rb", closefd=False) as f:
+            return f.read()
+    size = os.fstat(fd).st_size
+    if size > max_bytes:
+        raise too_large(size)
+    pieces, total, want = [], 0, size + 1
+    with open(fd, "rb", closefd=False) as f:
+        while piece := f.read(want):  # the size seen so far, then what it grew by
+            pieces.append(piece)
+            total += len(piece)
+            if total > max_bytes:
+                raise too_large(total)
+            want = min(1 << 20, max_bytes + 1 - total)
+    return b"".join(pieces) if len(pieces) != 1 else pieces[0]

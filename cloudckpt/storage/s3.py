@@ -201,9 +201,11 @@ class S3Store:
     async def head(self, key: str) -> ObjectInfo:
         return await self._reader.head(key, self._phys(key))
 
-    async def get(self, key: str) -> bytes:
-        """The whole object (see ``S3Reader.get`` for how its memory is budgeted)."""
-        return await self._reader.get(key, self._phys(key))
+    async def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """The whole object (see ``S3Reader.get`` for how its memory is budgeted). With
+        ``max_bytes``, an object larger than that raises ``ObjectTooLarge`` as soon as the first
+        answer's headers give its size, before its body is read."""
+        return await self._reader.get(key, self._phys(key), max_bytes=max_bytes)
 
     async def read_ranges(self, key: str, ranges: Sequence[ReadRange]) -> list[memoryview]:
         return await self._reader.read_ranges(key, self._phys(key), ranges)

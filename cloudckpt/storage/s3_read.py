@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from botocore.exceptions import ClientError
 
-from cloudckpt.errors import InvalidRange
+from cloudckpt.errors import InvalidRange, ObjectTooLarge
 from cloudckpt.storage.base import ObjectInfo, ReadRange, run_all
 from cloudckpt.storage.ranges import Scatter, plan_pieces
 from cloudckpt.storage.s3_client import iter_body, parse_content_range
@@ -72,7 +72,7 @@ class S3Reader:
             resp["Body"].close()
         return refused
 
-    async def get(self, key: str, phys: str) -> bytes:
+    async def get(self, key: str, phys: str, *, max_bytes: int | None = None) -> bytes:
         """The whole object. The first GET asks for one read piece (32 MiB or ``part_size``); a
         larger object's rest is fetched in concurrent ranged GETs into one buffer, then copied
         once into the returned ``bytes``: budgeted at twice its size (clipped to the budget).
@@ -80,14 +80,18 @@ class S3Reader:
         cannot deadlock; when the budget has no room for a large object at once, its first piece
         is dropped while waiting (and fetched again) rather than held outside the budget. Every
         wait and request counts against one deadline. For large objects, ``read_ranges`` into a
-        caller buffer needs no store memory at all."""
+        caller buffer needs no store memory at all. With ``max_bytes``, an object larger than
+        that raises ``ObjectTooLarge`` as soon as the first answer's headers give its size,
+        before its body is read (and the first GET asks for at most ``max_bytes + 1``)."""
         conn = self.conn
         budget = conn.budget
         deadline = conn.deadline()
         first = self.piece
+        if max_bytes is not None:
+            first = max(1, min(first, max_bytes + 1))
         held = await conn.reserve(first, op="get", key=key, where=self.where, deadline=deadline)
         try:
-            chunks, total = await self._get_first(key, phys, first, deadline)
+            chunks, total = await self._get_first(key, phys, first, deadline, max_bytes)
             got = sum(len(c) for c in chunks)
             if got == total:
                 return b"".join(chunks)
@@ -114,9 +118,10 @@ class S3Reader:
         finally:
             budget.release(held)
 
-    async def _get_first(self, key: str, phys: str, first: int, deadline: float
-                         ) -> tuple[list, int]:
-        """The first ``first`` bytes of the object (as chunks) and its total size."""
+    async def _get_first(self, key: str, phys: str, first: int, deadline: float,
+                         max_bytes: int | None = None) -> tuple[list, int]:
+        """The first ``first`` bytes of the object (as chunks) and its total size
+        (``ObjectTooLarge``, the body unread, when that is over ``max_bytes``)."""
         conn = self.conn
 
         async def attempt(n: int) -> tuple[list, int]:
@@ -136,6 +141,10 @@ class S3Reader:
             total = crange[2] if crange and crange[2] is not None else length
             done = False
             try:
+                if max_bytes is not None and total > max_bytes:
+                    raise ObjectTooLarge(f"get {self.where}/{key}: {total} bytes, more than the "
+                                         f"{max_bytes} allowed", key=key, operation="get",
+                                         size=total, limit=max_bytes)
                 chunks, got = [], 0
                 async for chunk in iter_body(body):
                     chunks.append(chunk)

@@ -1,9 +1,12 @@
-"""How ``tests/data/manifest_v1.msgpack`` was made (and what it must keep decoding to).
+"""How ``tests/data/manifest_v1.msgpack`` and ``manifest_v2.msgpack`` were made (and what they must
+keep decoding to): the same content in format version 1 (the msgpack document alone) and 2 (the
+document framed with its crc32c).
 
-Regenerate only when deliberately creating a new golden file for a NEW format version (the v1
-file must stay as it is, forever)::
+Generate a file only when deliberately creating the golden file of a NEW format version (the
+existing files must stay as they are, forever)::
 
-    python -m tests.manifest.golden tests/data/manifest_v1.msgpack
+    python -m tests.manifest.golden tests/data/manifest_v1.msgpack 1
+    python -m tests.manifest.golden tests/data/manifest_v2.msgpack 2
 
 Content: 5 tensors (2-D sharded over two objects, bfloat16 vector, int64 scalar, an empty tensor
 with no chunks, a 2x2 grid of int8 chunks), values of every exact type (tuple, big int, bytes,
@@ -76,7 +79,7 @@ def build() -> Manifest:
 
 
 if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else "tests/data/manifest_v1.msgpack"
-    with open(out, "wb") as f:
-        f.write(encode_manifest(build()))
-    print(f"wrote {out}")
+    out, version = sys.argv[1], int(sys.argv[2])
+    with open(out, "xb") as f:  # never overwrite a golden file
+        f.write(encode_manifest(build(), format_version=version))
+    print(f"wrote {out} (format version {version})")

@@ -19,6 +19,7 @@ from cloudckpt.errors import (
 )
 from cloudckpt.manifest import ManifestBuilder, decode_manifest, encode_manifest, encode_value
 from cloudckpt.manifest.columns import encode_int_column, encode_u32
+from cloudckpt.manifest.framing import frame, unframe
 
 KEYS = ("data/a/r0.bin", "data/a/r1.bin")
 
@@ -37,11 +38,13 @@ def small_manifest(**kw):
 
 
 def doc_of(m=None):
-    return msgpack.unpackb(encode_manifest(m or small_manifest()), raw=False)
+    """The msgpack document of a manifest (inside its checksummed frame)."""
+    return msgpack.unpackb(unframe(encode_manifest(m or small_manifest()))[1], raw=False)
 
 
 def pack(doc) -> bytes:
-    return msgpack.packb(doc, use_bin_type=True)
+    """Stored bytes of a (possibly hostile) document, framed with a correct checksum."""
+    return frame(msgpack.packb(doc, use_bin_type=True))
 
 
 def test_round_trip_keeps_everything():
@@ -87,7 +90,8 @@ def mutated(path: str, fn):
 
 CASES = [
     ("format", lambda v: "other", UnsupportedManifestVersion, "format"),
-    ("version", lambda v: 2, UnsupportedManifestVersion, "version"),
+    ("version", lambda v: 3, UnsupportedManifestVersion, "version"),
+    ("version", lambda v: 1, UnsupportedManifestVersion, "version"),  # a v1 document in a v2 frame
     ("version", lambda v: "1", UnsupportedManifestVersion, "version"),
     ("world_size", None, ManifestError, "world_size"),
     ("world_size", lambda v: "2", ManifestError, "world_size"),
@@ -168,9 +172,17 @@ def test_element_count_must_match_the_shape():
 
 
 @pytest.mark.parametrize("data,needle", [
-    (b"\xc1", "not a msgpack"),
-    (msgpack.packb([1, 2]), "not a msgpack map"),
-    (msgpack.packb(msgpack.ExtType(1, b"")), "extension"),
+    (b"", "empty"),
+    (b"\xc1", "header truncated"),
+    (b"\xc1ckpt\r\n\x1a\x02\x00", "header truncated"),
+    (msgpack.packb([1, 2]), "not a cloudckpt manifest"),
+    (msgpack.packb(msgpack.ExtType(1, b"")), "not a cloudckpt manifest"),
+    (frame(msgpack.packb([1, 2])), "not a msgpack map"),
+    (frame(b"\xc1"), "not a msgpack map"),
+    (frame(msgpack.packb({"format": msgpack.ExtType(1, b"")})), "extension"),
+    (frame(msgpack.packb({1: 2})), "top-level key"),
+    (frame(b"\x82\xa6format\xa1a\xa6format\xa1b"), "field appears twice"),
+    (frame(msgpack.packb({"format": "cloudckpt"}) + b"\xc0"), "1 bytes after"),
     ("text", "must be bytes"),
 ])
 def test_not_a_manifest(data, needle):

@@ -1,6 +1,7 @@
-"""The checked-in v1 manifest must keep decoding, to the same content, in every later version.
+"""The checked-in v1 and v2 manifests must keep decoding, to the same content, in every later
+version; this version writes the v2 file byte for byte (the format cannot drift silently).
 
-How the file was made: tests/manifest/golden.py (never regenerate the v1 file)."""
+How the files were made: tests/manifest/golden.py (never regenerate them)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,43 @@ from pathlib import Path
 import pytest
 
 from cloudckpt.checksum import block_crcs
-from cloudckpt.errors import PickleNotAllowed
+from cloudckpt.errors import ManifestError, PickleNotAllowed
 from cloudckpt.manifest import FORMAT_NAME, FORMAT_VERSION, ChunkRecord, decode_manifest, encode_manifest
+from cloudckpt.manifest.framing import stored_version
 from tests.manifest import golden
 
-GOLDEN = Path(__file__).resolve().parents[1] / "data" / "manifest_v1.msgpack"
+DATA = Path(__file__).resolve().parents[1] / "data"
+GOLDEN = {1: DATA / "manifest_v1.msgpack", 2: DATA / "manifest_v2.msgpack"}
+
+
+@pytest.fixture(scope="module", params=sorted(GOLDEN), ids=lambda v: f"v{v}")
+def version(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def manifest():
-    return decode_manifest(GOLDEN.read_bytes(), allow_pickle=True)
+def manifest(version):
+    data = GOLDEN[version].read_bytes()
+    assert stored_version(data) == version
+    return decode_manifest(data, allow_pickle=True)
+
+
+def test_this_version_writes_the_golden_bytes(version):
+    """v2 is what this cloudckpt writes; v1 is what it writes when asked for the old layout."""
+    assert (FORMAT_NAME, FORMAT_VERSION) == ("cloudckpt", 2)
+    assert encode_manifest(golden.build(), format_version=version) == GOLDEN[version].read_bytes()
+
+
+def test_every_bit_of_the_v2_golden_file_is_checked():
+    data = GOLDEN[2].read_bytes()
+    for bit in range(8 * len(data)):
+        flipped = bytearray(data)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(ManifestError):
+            decode_manifest(bytes(flipped), allow_pickle=True)
 
 
 def test_header_fields(manifest):
-    assert (FORMAT_NAME, FORMAT_VERSION) == ("cloudckpt", 1)
     assert manifest.world_size == 2
     assert manifest.created_at == 1700000000.5
     assert manifest.cloudckpt_version == "0.1.0"
@@ -64,9 +88,9 @@ def test_values_and_structure(manifest):
     assert manifest.structure == golden.STRUCTURE
 
 
-def test_pickled_value_needs_opt_in():
+def test_pickled_value_needs_opt_in(version):
     with pytest.raises(PickleNotAllowed, match="allow_pickle=True") as exc:
-        decode_manifest(GOLDEN.read_bytes())
+        decode_manifest(GOLDEN[version].read_bytes())
     assert exc.value.path == 'values["frac"]'
 
 

@@ -22,9 +22,9 @@ def manifest_with(tensors, values=None, block=1 << 20):
     from cloudckpt.manifest import DTYPE_ITEMSIZE
 
     b = ManifestBuilder(world_size=2, checksum_block_size=block, created_at=0.0)
+    pos = 0  # chunks follow each other in the one object (no two share bytes)
     for name, (dtype, shape, boxes) in tensors.items():
         b.add_tensor(name, dtype, shape)
-        pos = 0
         for off, size in boxes:
             n = int(np.prod(size, dtype=np.int64)) * DTYPE_ITEMSIZE[dtype]
             b.add_chunk(name, off, size, "data/x/r0.bin", pos, n, [0] * int(crc_counts(np.array([n]), block)[0]))

@@ -28,6 +28,7 @@ import cloudckpt
 from cloudckpt import errors
 from cloudckpt.manifest import encode_value
 from cloudckpt.manifest.columns import decode_int_column, encode_int_column
+from cloudckpt.manifest.framing import frame, unframe
 from tests.reliability.stores import RawCheckpoint
 
 SECRET = b"TOP-SECRET-SENTINEL " * 64
@@ -176,12 +177,21 @@ def make_target(url: str, *, storage=None, s3_server=None, area: Path | None = N
     return target
 
 
+def doc_of(data: bytes) -> dict:
+    """The msgpack document inside stored manifest bytes (either format version)."""
+    return msgpack.unpackb(unframe(data)[1], raw=False, strict_map_key=False)
+
+
 def valid_doc(target: Target) -> dict:
-    return msgpack.unpackb(target.valid, raw=False, strict_map_key=False)
+    """The msgpack document inside the target's (checksummed) manifest."""
+    return doc_of(target.valid)
 
 
-def pack(doc) -> bytes:
-    return msgpack.packb(doc, use_bin_type=True)
+def pack(doc, version: int = 2) -> bytes:
+    """Stored bytes of a (possibly hostile) document: framed with a correct checksum (version
+    2, the checksum then tests nothing, the validation behind it everything), or bare
+    (version 1, no checksum at all)."""
+    return frame(msgpack.packb(doc, use_bin_type=True), version)
 
 
 # -- running and judging ---------------------------------------------------------------------------

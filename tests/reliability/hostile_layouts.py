@@ -211,10 +211,11 @@ def with_fields(manifest: Manifest, **fields) -> bytes:
     return framing.frame(msgpack.packb(doc, use_bin_type=True), version)
 
 
-def empty_chunks(size: int, ndim: int = 64) -> bytes:
+def empty_chunks(size: int, ndim: int = 64, *, pad: int = 0) -> bytes:
     """About ``size`` bytes of manifest: a ``(4, 1, ..., 1)`` uint8 tensor of ``ndim`` dims held
     by one whole chunk and ``size // 4`` zero-element chunks (4 bytes of crc each, ``2 * ndim``
-    coordinates each, the coordinate columns compressing to almost nothing)."""
+    coordinates each, the coordinate columns compressing to almost nothing). ``pad`` bytes more
+    in a top-level field no decoder reads (an attacker's way past a bound set by the size)."""
     n = max(1, size // 4) + 1
     offsets = np.zeros((ndim, n), dtype=np.int64)  # dimension-major, as stored
     sizes = np.ones((ndim, n), dtype=np.int64)
@@ -236,7 +237,8 @@ def empty_chunks(size: int, ndim: int = 64) -> bytes:
                 "byte_offset": encode_int_column(np.zeros(n, np.int64), delta=True),
                 "byte_length": encode_int_column(lengths, delta=True),
                 "crc32c": crcs.tobytes()},
-        structure=encode_value(["d", [["w", ["x", "w"]]]], key="structure", allow_pickle=False))
+        structure=encode_value(["d", [["w", ["x", "w"]]]], key="structure", allow_pickle=False),
+        **({"x_padding": bytes(pad)} if pad else {}))
 
 
 def deep_structure(depth: int) -> bytes:

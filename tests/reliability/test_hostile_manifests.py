@@ -24,8 +24,8 @@ from cloudckpt import errors
 from cloudckpt.checksum import block_crcs
 from cloudckpt.manifest import ManifestBuilder, encode_manifest
 from cloudckpt.manifest.columns import encode_int_column
-from tests.reliability.hostile import (HOSTILE_KEYS, SECRET, check_refusals, make_target, pack,
-                                       run_entry_points, valid_doc)
+from tests.reliability.hostile import (HOSTILE_KEYS, SECRET, check_refusals, doc_of, make_target,
+                                       pack, run_entry_points, valid_doc)
 from tests.reliability.stores import REPO, cli
 
 pytestmark = pytest.mark.timeout(300)
@@ -68,8 +68,9 @@ def test_the_untouched_target_loads(target):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("version", 2), ("version", 0), ("version", "1"), ("version", 1.0), ("version", None),
-    ("version", True), ("format", "other"), ("format", None), ("format", b"cloudckpt"),
+    ("version", 3), ("version", 1), ("version", 0), ("version", "2"), ("version", 2.0),
+    ("version", None), ("version", True), ("format", "other"), ("format", None),
+    ("format", b"cloudckpt"),
 ])
 def test_unknown_formats_and_versions(target, field, value, figures):
     doc = valid_doc(target)
@@ -397,7 +398,7 @@ def booby_trapped(tmp_path):
     url = tmp_path / "run" / "step-000000000001"
     marker = tmp_path / "marker"
     cloudckpt.save({"w": torch.arange(4), "trap": 1}, str(url))
-    doc = msgpack.unpackb((url / "manifest.msgpack").read_bytes(), raw=False)
+    doc = doc_of((url / "manifest.msgpack").read_bytes())
     doc["values"]["trap"] = _pickled_blob(_Boom(str(marker)))
     (url / "manifest.msgpack").write_bytes(pack(doc))
     return url, marker
@@ -430,7 +431,7 @@ def test_pickle_in_metadata_or_structure_is_refused_even_with_opt_in(tmp_path, w
     url = tmp_path / "ckpt"
     marker = tmp_path / "marker"
     cloudckpt.save({"w": torch.arange(4)}, str(url))
-    doc = msgpack.unpackb((url / "manifest.msgpack").read_bytes(), raw=False)
+    doc = doc_of((url / "manifest.msgpack").read_bytes())
     doc[where] = _pickled_blob(_Boom(str(marker)))
     (url / "manifest.msgpack").write_bytes(pack(doc))
     for fn in (lambda: cloudckpt.read_manifest(str(url), allow_pickle=True),

@@ -1,7 +1,8 @@
 """Fuzzed manifests, end to end: hypothesis mutates a real checkpoint's manifest (fields replaced by
 hostile values of any type, fields deleted, integer columns re-encoded with hostile numbers,
 crc tables cut, object keys escaping the root, value blobs of every extension type, structure
-mappings, raw byte flips and cuts), writes it into the store, and runs ``read_manifest``,
+mappings, raw byte flips and cuts; framed with a correct checksum, or one in five bare, as format
+version 1), writes it into the store, and runs ``read_manifest``,
 ``load_full`` and ``load`` on it. The rules of ``hostile.py`` hold for every case: refused ->
 ``ManifestError`` everywhere and an untouched destination; accepted -> only cloudckpt integrity,
 storage or planning errors; never a file outside the root, never a write; and the process's
@@ -134,13 +135,16 @@ def _mutate(doc: dict, data) -> None:
 
 def _manifest_case(target, data) -> bytes:
     doc = valid_doc(target)
+    # 1 in 5: a bare format version 1 manifest (no checksum): byte damage reaches the decoder
+    version = 1 if data.draw(st.integers(0, 4), label="bare v1") == 0 else 2
+    doc["version"] = version
     for _ in range(data.draw(st.integers(1, 3), label="mutations")):
         try:
             _mutate(doc, data)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError):
             pass  # an earlier mutation broke what this one wanted to edit: keep the doc as is
     try:
-        raw = bytearray(pack(doc))
+        raw = bytearray(pack(doc, version))
     except (OverflowError, ValueError, TypeError):  # msgpack cannot hold what was drawn
         raw = bytearray(target.valid)
     if data.draw(st.integers(0, 9), label="byte-level") == 0:  # 1 in 10: damage the bytes too

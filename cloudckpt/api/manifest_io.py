@@ -1,0 +1,28 @@
+"""Reading a checkpoint's stored manifest bytes, their size bounded before anything is read.
+
+No torch, no collective: used by ``load``, ``verify``, the manager's listings and clean-up and
+the command line alike, so that every reader of a manifest gets the same bound.
+"""
+
+from __future__ import annotations
+
+from cloudckpt.errors import ManifestError, ObjectTooLarge
+from cloudckpt.layout import MANIFEST_KEY
+from cloudckpt.manifest.codec import MAX_MANIFEST_BYTES
+
+
+async def fetch_manifest_bytes(store, key: str = MANIFEST_KEY, *,
+                               max_bytes: int = MAX_MANIFEST_BYTES) -> bytes:
+    """The stored bytes of the manifest at ``key`` in ``store`` (not decoded, not checked).
+
+    A manifest larger than ``max_bytes`` is refused with a
+    :class:`~cloudckpt.errors.ManifestError` before its body is read (a LocalStore checks the
+    file's size first; S3 the size in the first answer's headers). No manifest raises
+    :class:`~cloudckpt.errors.ObjectNotFound`; so does, on a LocalStore, a manifest that is not
+    a regular file (a FIFO, a directory: never opened for a blocking read).
+    """
+    try:
+        return await store.get(key, max_bytes=max_bytes)
+    except ObjectTooLarge as exc:
+        raise ManifestError(f"manifest {key} is {exc.size} bytes, more than the {max_bytes} a "
+                            f"manifest may have (refused without reading it)") from exc
