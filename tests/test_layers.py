@@ -166,3 +166,55 @@ def test_no_module_uses_another_modules_private_names():
              if not (name == "cloudckpt.testing" or name.startswith("cloudckpt.testing."))
              for use in _private_uses(name, path.read_text())]
     assert found == []
+
+
+def _manifest_private_names() -> set[str]:
+    """Underscore attributes and methods of :class:`~cloudckpt.manifest.model.Manifest`, from its
+    source: ``self._x = ...`` (also ``self._x, self._y = ...``), ``self.__dict__["_x"]`` and its
+    ``def _x``."""
+    tree = ast.parse(MODULES["cloudckpt.manifest.model"].read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Manifest")
+    names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    for n in ast.walk(cls):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+            names.add(n.attr)
+        elif (isinstance(n, ast.Subscript) and isinstance(n.value, ast.Attribute)
+              and n.value.attr == "__dict__" and isinstance(n.slice, ast.Constant)):
+            names.add(n.slice.value)
+    return {x for x in names if x.startswith("_") and not x.endswith("__")}
+
+
+def _reads_of(names: set[str], module: str, source: str) -> list[str]:
+    """``<expr>._x`` (``_x`` in ``names``) where ``<expr>`` is not ``self``, and
+    ``<expr>.__dict__`` lookups of those names."""
+    found = []
+    for n in ast.walk(ast.parse(source)):
+        if (isinstance(n, ast.Attribute) and n.attr in names
+                and not (isinstance(n.value, ast.Name) and n.value.id == "self")):
+            found.append(f"{module}:{n.lineno} reads {ast.unparse(n)}")
+        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.args
+              and isinstance(n.func.value, ast.Attribute) and n.func.value.attr == "__dict__"
+              and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str)
+              and n.args[0].value.startswith("_cloudckpt")):
+            found.append(f"{module}:{n.lineno} keeps {n.args[0].value} in an object's __dict__")
+    return found
+
+
+def test_the_manifest_scan_finds_each_form():
+    names = _manifest_private_names()
+    assert {"_offsets", "_sizes", "_shapes", "_name_index", "_chunk_start", "_record"} <= names
+    src = ("def f(m, idx):\n    m._offsets; idx.manifest._shapes; m.columns.offsets; m.shapes\n"
+           "    m.__dict__.get('_cloudckpt_index')\n"
+           "class A:\n    def g(self):\n        return self._offsets\n")
+    assert _reads_of(names, "x", src) == ["x:2 reads m._offsets", "x:2 reads idx.manifest._shapes",
+                                          "x:3 keeps _cloudckpt_index in an object's __dict__"]
+
+
+def test_no_module_reads_the_manifests_private_attributes():
+    """What other modules need of a manifest is public (``Manifest.columns``, ``.shapes``,
+    ``.derived``): the codec, the chunk index and load planning once read its underscore
+    attributes and kept the chunk index in its ``__dict__``."""
+    names = _manifest_private_names()
+    found = [use for name, path in MODULES.items() if name != "cloudckpt.manifest.model"
+             for use in _reads_of(names, name, path.read_text())]
+    assert found == []

@@ -11,6 +11,7 @@ from cloudckpt.manifest.model import (
     ChunkRecord,
     ChunkTable,
     Manifest,
+    ManifestColumns,
     TensorRecord,
     crc_counts,
     tensor_path,
@@ -21,7 +22,8 @@ from cloudckpt.manifest.values import decode_value, encode_value, is_pickled, va
 
 __all__ = [
     "DEFAULT_CHECKSUM_BLOCK_SIZE", "DTYPE_ITEMSIZE", "FORMAT_NAME", "FORMAT_VERSION", "MAX_NDIM",
-    "ChunkRecord", "ChunkTable", "Manifest", "ManifestBuilder", "TensorRecord", "crc_counts",
+    "ChunkRecord", "ChunkTable", "Manifest", "ManifestBuilder", "ManifestColumns", "TensorRecord",
+    "crc_counts",
     "decode_manifest", "decode_value", "encode_manifest", "encode_value", "expected_crc_count",
     "is_pickled", "tensor_path", "validate_object_key", "validate_structure", "value_path",
 ]

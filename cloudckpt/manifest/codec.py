@@ -81,14 +81,15 @@ def encode_manifest(m: Manifest, *, format_version: int = FORMAT_VERSION) -> byt
 
     ``format_version=1`` writes the old unchecksummed layout (tests, tools for old readers).
     """
-    ndims = m._ndims
-    counts = np.diff(m._chunk_start)
+    cols = m.columns
+    ndims = cols.ndims
+    counts = np.diff(cols.chunk_start)
     perm = _dim_major_index(counts, ndims)
-    off_dm = np.empty_like(m._offsets)
-    size_dm = np.empty_like(m._sizes)
-    off_dm[perm] = m._offsets
-    size_dm[perm] = m._sizes
-    flat_shapes = m._shape_flat
+    off_dm = np.empty_like(cols.offsets)
+    size_dm = np.empty_like(cols.sizes)
+    off_dm[perm] = cols.offsets
+    size_dm[perm] = cols.sizes
+    flat_shapes = cols.shape_flat
     declared = 2 * len(flat_shapes) + len(off_dm)
 
     def document(compress: bool) -> bytes:
@@ -103,8 +104,8 @@ def encode_manifest(m: Manifest, *, format_version: int = FORMAT_VERSION) -> byt
             "structure": encode_value(m.structure, key="structure", allow_pickle=False),
             "objects": list(m.objects),
             "tensors": {
-                "names": list(m._names),
-                "dtypes": list(m._dtypes),
+                "names": list(cols.names),
+                "dtypes": list(cols.dtypes),
                 "ndims": encode_int_column(ndims),
                 "shapes": encode_int_column(flat_shapes, compress=compress),
                 "chunk_counts": encode_int_column(counts),
@@ -112,12 +113,12 @@ def encode_manifest(m: Manifest, *, format_version: int = FORMAT_VERSION) -> byt
             "chunks": {
                 "offsets": encode_int_column(off_dm, delta=True, compress=compress),
                 "sizes": encode_int_column(size_dm, delta=True, compress=compress),
-                "object_index": encode_int_column(m._object_index, delta=True),
-                "byte_offset": encode_int_column(m._byte_offset, delta=True),
-                "byte_length": encode_int_column(m._byte_length, delta=True),
-                "crc32c": encode_u32(m._crcs),
+                "object_index": encode_int_column(cols.object_index, delta=True),
+                "byte_offset": encode_int_column(cols.byte_offset, delta=True),
+                "byte_length": encode_int_column(cols.byte_length, delta=True),
+                "crc32c": encode_u32(cols.crcs),
             },
-            "values": dict(m._value_blobs),
+            "values": dict(cols.value_blobs),
         }, use_bin_type=True)
 
     data = frame(document(True), format_version)

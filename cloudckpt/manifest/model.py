@@ -140,6 +140,36 @@ class _TensorMap(Mapping):
         return len(self._m._names)
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class ManifestColumns:
+    """A manifest's columns, read-only (every array has ``flags.writeable == False``; writing
+    raises ``ValueError``). Tensors in tensor order: ``names``, ``dtypes``, ``name_index``
+    (name -> tensor number), ``ndims``, ``shape_flat`` (every shape's dims concatenated, tensor
+    ``t``'s at ``shape_start[t]:shape_start[t + 1]``), ``chunk_start`` (tensor ``t``'s chunks are
+    ``chunk_start[t]:chunk_start[t + 1]``), ``coord_start`` (the same for coordinates). Per chunk,
+    grouped by tensor: ``object_index``, ``byte_offset``, ``byte_length``, ``crc_start`` (chunk
+    ``c``'s crcs are ``crcs[crc_start[c]:crc_start[c + 1]]``); ``offsets`` / ``sizes`` flat,
+    chunk-major (each chunk its tensor's ndim numbers). ``value_blobs``: name -> encoded value.
+    """
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    name_index: Mapping[str, int]
+    ndims: np.ndarray
+    shape_flat: np.ndarray
+    shape_start: np.ndarray
+    chunk_start: np.ndarray
+    coord_start: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+    object_index: np.ndarray
+    byte_offset: np.ndarray
+    byte_length: np.ndarray
+    crcs: np.ndarray
+    crc_start: np.ndarray
+    value_blobs: Mapping[str, bytes]
+
+
 def _ro(a, dtype) -> np.ndarray:
     """A read-only 1-D copy of ``a``; an array that already is one (the decoder's, which owns
     its data) is taken as it is."""
@@ -205,6 +235,7 @@ class Manifest:
         if structure is not None:
             validate_structure(structure, self._name_index, self._value_blobs)
         self.tensors: Mapping[str, TensorRecord] = _TensorMap(self)
+        self._derived: dict = {}
 
     # --- construction and validation ------------------------------------------------------
 
@@ -259,16 +290,17 @@ class Manifest:
             raise ManifestError("chunk counts do not match the tensors", path="tensors")
         if n and counts.min() < 0:
             raise ManifestError("negative chunk count", path=tensor_path(names[int(np.argmin(counts))]))
-        flat.flags.writeable = False
-        starts.flags.writeable = False
+        chunk_start = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        coord_start = np.concatenate(([0], np.cumsum(counts * ndims))).astype(np.int64)
+        for arr in (flat, starts, ndims, numel, chunk_start, coord_start):
+            arr.flags.writeable = False
         self._names = names
         self._dtypes = dtypes
         self._name_index = index
         self._ndims = ndims
         self._numel = numel
         self._shape_flat, self._shape_start = flat, starts
-        self._chunk_start = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-        self._coord_start = np.concatenate(([0], np.cumsum(counts * self._ndims))).astype(np.int64)
+        self._chunk_start, self._coord_start = chunk_start, coord_start
 
     def _chunk_path(self, chunk: int, field: str = "") -> str:
         t = int(np.searchsorted(self._chunk_start, chunk, side="right")) - 1
@@ -417,6 +449,30 @@ class Manifest:
         return tuple(self._shape(t) for t in range(len(self._names)))
 
     # --- queries -----------------------------------------------------------------------------
+
+    @functools.cached_property
+    def columns(self) -> ManifestColumns:
+        """The manifest's columns, read-only (see :class:`ManifestColumns`); no copy is made."""
+        return ManifestColumns(
+            self._names, self._dtypes, MappingProxyType(self._name_index), self._ndims,
+            self._shape_flat, self._shape_start, self._chunk_start, self._coord_start,
+            self._offsets, self._sizes, self._object_index, self._byte_offset, self._byte_length,
+            self._crcs, self._crc_start, MappingProxyType(self._value_blobs))
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Every tensor's shape, in tensor order (made on first use when decoded)."""
+        return self._shapes
+
+    def derived(self, key: str, factory):
+        """A value derived from this manifest (immutable, so the value never goes stale):
+        ``factory(self)`` on the first call with ``key``, the same object on every later one,
+        kept as long as the manifest is (e.g. load planning's chunk index). Not locked: two
+        threads asking at once may both call ``factory``; one result is kept."""
+        value = self._derived.get(key)
+        if value is None:
+            value = self._derived.setdefault(key, factory(self))
+        return value
 
     @property
     def num_chunks(self) -> int:

@@ -150,37 +150,38 @@ class ManifestIndex:
     """Manifest-wide chunk index (see module doc). Build with :func:`manifest_index`."""
 
     def __init__(self, m: Manifest):
-        names = m._names
-        n_t = len(names)
+        cols = m.columns
+        n_t = len(cols.names)
         self.manifest = m
-        self.tensor_of = m._name_index
-        self.ndims = m._ndims
-        self.itemsizes = np.array([DTYPE_ITEMSIZE[d] for d in m._dtypes], dtype=np.int64)
-        self.chunk_start = m._chunk_start
+        self.names = cols.names
+        self.tensor_of = cols.name_index
+        self.ndims = cols.ndims
+        self.itemsizes = np.array([DTYPE_ITEMSIZE[d] for d in cols.dtypes], dtype=np.int64)
+        self.chunk_start = cols.chunk_start
         width = int(self.ndims.max(initial=0)) or 1
         self.width = width
         shape = np.ones((n_t, width), dtype=np.int64)
-        for t, s in enumerate(m._shapes):
+        for t, s in enumerate(m.shapes):
             shape[t, :len(s)] = s
         self.shape = shape
-        counts = np.diff(m._chunk_start)
+        counts = np.diff(cols.chunk_start)
         chunk_tensor = np.repeat(np.arange(n_t, dtype=np.int64), counts)
         # only non-empty chunks are indexed: empty ones cost nothing past this point
         chunk_nd = self.ndims[chunk_tensor]
-        first_coord = (m._coord_start[chunk_tensor]
-                       + (np.arange(len(chunk_tensor)) - m._chunk_start[chunk_tensor]) * chunk_nd)
+        first_coord = (cols.coord_start[chunk_tensor]
+                       + (np.arange(len(chunk_tensor)) - cols.chunk_start[chunk_tensor]) * chunk_nd)
         empty = np.zeros(len(chunk_tensor), dtype=bool)
         with_dims = np.flatnonzero(chunk_nd > 0)
         if len(with_dims):
-            empty[with_dims] = np.minimum.reduceat(m._sizes, first_coord[with_dims]) == 0
+            empty[with_dims] = np.minimum.reduceat(cols.sizes, first_coord[with_dims]) == 0
         rows = np.flatnonzero(~empty)
         del chunk_nd, empty, with_dims
         owner, coord = _ranges(first_coord[rows], first_coord[rows] + self.ndims[chunk_tensor[rows]])
         mask = np.arange(width) < self.ndims[chunk_tensor[rows]][:, None]
         off = np.zeros((len(rows), width), dtype=np.int64)
         size = np.ones((len(rows), width), dtype=np.int64)
-        off[mask] = m._offsets[coord]
-        size[mask] = m._sizes[coord]
+        off[mask] = cols.offsets[coord]
+        size[mask] = cols.sizes[coord]
         del owner, coord, mask, first_coord
         local = sort_boxes(chunk_tensor[rows], off, n_t)
         order = rows[local]
@@ -232,7 +233,7 @@ class ManifestIndex:
 
     def coverage_error(self, t: int) -> CoverageError:
         """The error naming tensor ``t``'s defect (checked, and not covered exactly once)."""
-        name = self.manifest._names[t]
+        name = self.names[t]
         if self.verdict[t] == -2:
             return coverage_error(name, ("irregular", (), ()))
         rec = self.manifest.tensors[name]
@@ -283,7 +284,7 @@ class ManifestIndex:
             self.check([t])
             if self.verdict[t] != 1:
                 raise self.coverage_error(t)
-            idx = self._general[t] = ChunkIndex(self.manifest.tensors[self.manifest._names[t]])
+            idx = self._general[t] = ChunkIndex(self.manifest.tensors[self.names[t]])
         return idx
 
     def slab_hits(self, t: np.ndarray, req_off: np.ndarray, req_end: np.ndarray):
@@ -301,11 +302,8 @@ class ManifestIndex:
 
 
 def manifest_index(m: Manifest) -> ManifestIndex:
-    """The (cached) index of ``m``."""
-    idx = m.__dict__.get("_cloudckpt_index")
-    if idx is None:
-        idx = m.__dict__["_cloudckpt_index"] = ManifestIndex(m)
-    return idx
+    """The index of ``m``, built once per manifest (kept in :meth:`Manifest.derived`)."""
+    return m.derived("planning.chunk_index", ManifestIndex)
 
 
 def coverage_errors(m: Manifest) -> list[CoverageError]:

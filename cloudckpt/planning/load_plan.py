@@ -178,7 +178,7 @@ def plan_local_load(manifest: Manifest, requests: Sequence[PieceSpec], *, rank: 
     """
     idx = manifest_index(manifest)
     width = idx.width
-    shapes = manifest._shapes
+    shapes = manifest.shapes
     names: list[str] = []
     name_pos: dict[str, int] = {}
     ndims: list[int] = []

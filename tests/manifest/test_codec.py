@@ -222,3 +222,38 @@ def test_decoded_arrays_are_views_not_objects():
     chunks = m.tensors["w"].chunks
     assert chunks.offsets.shape == (4, 1) and np.array_equal(chunks.byte_offset, [0, 0, 8, 8])
     assert chunks[1:3] == [chunks[1], chunks[2]]
+
+
+@pytest.mark.parametrize("how", ["built", "decoded"])
+def test_the_column_view_is_read_only(how):
+    import dataclasses
+    m = small_manifest()
+    if how == "decoded":
+        m = decode_manifest(encode_manifest(m))
+    cols = m.columns
+    assert cols.names == ("w", "s") and cols.name_index["s"] == 1 and list(cols.chunk_start) == [0, 4, 5]
+    assert list(cols.offsets) == [0, 2, 4, 6] and m.shapes == ((8,), ())
+    arrays = {f.name: getattr(cols, f.name) for f in dataclasses.fields(cols)
+              if isinstance(getattr(cols, f.name), np.ndarray)}
+    assert len(arrays) == 12
+    for name, arr in arrays.items():
+        assert not arr.flags.writeable, name
+        if arr.size:
+            with pytest.raises(ValueError):
+                arr[0] = arr[0]
+    with pytest.raises(TypeError):
+        cols.name_index["x"] = 2
+    with pytest.raises(TypeError):
+        cols.value_blobs["x"] = b""
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cols.offsets = np.zeros(4, np.int64)
+    assert m.columns is cols
+
+
+def test_derived_values_are_made_once_per_manifest():
+    m, other = small_manifest(), small_manifest()
+    made = []
+    assert m.derived("k", lambda x: made.append(x) or len(made)) == 1
+    assert m.derived("k", lambda x: made.append(x) or len(made)) == 1
+    assert other.derived("k", lambda x: made.append(x) or len(made)) == 2
+    assert made == [m, other]
