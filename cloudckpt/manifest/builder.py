@@ -14,7 +14,7 @@ import numpy as np
 
 from cloudckpt.errors import PlanningError
 from cloudckpt.manifest.model import DEFAULT_CHECKSUM_BLOCK_SIZE, Manifest
-from cloudckpt.manifest.values import decode_plain, encode_value, is_pickled, value_path
+from cloudckpt.manifest.values import encode_value
 
 
 def _version() -> str:
