@@ -64,7 +64,7 @@ def global_options(parser: argparse.ArgumentParser, *, default: Any) -> None:
     subcommands so that a value given before the command is kept)."""
     group = parser.add_argument_group("global options (before or after the command)")
     group.add_argument("--endpoint-url", metavar="URL", default=default,
-                       help="S3 endpoint, http(s)://HOST[:PORT] (default: AWS_ENDPOINT_URL_S3, "
+                       help="S3 endpoint, http://HOST[:PORT] or https://... (default: AWS_ENDPOINT_URL_S3, "
                             "AWS_ENDPOINT_URL, the profile's, else AWS S3)")
     group.add_argument("--profile", metavar="NAME", default=default,
                        help="profile of the AWS config and credentials files (default: "
