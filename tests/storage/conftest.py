@@ -32,6 +32,17 @@ FAST_RETRY = RetryOptions(max_attempts=10, base_delay=0.01, max_delay=0.2, attem
                           deadline=120.0)
 
 
+def run_on_store(url, options, fn):
+    """Open a store for ``url``, run ``await fn(store)`` in a fresh event loop, close the store."""
+    async def main():
+        store = open_store(url, options)
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+    return asyncio.run(main())
+
+
 def s3_options(info: S3ServerInfo, **overrides) -> StorageOptions:
     """Options pointing at ``info`` (admin identity), with quick retries."""
     fields = dict(endpoint_url=info.endpoint_url, region=info.region,

@@ -21,19 +21,12 @@ from cloudckpt.storage import ObjectInfo, open_store
 from cloudckpt.storage import s3_write
 from cloudckpt.storage.s3_client import add_content_md5
 
-from .conftest import s3_options
+from .conftest import run_on_store, s3_options
 
 MiB = 1024 * 1024
 
 
-def _run(url, options, fn):
-    async def main():
-        store = open_store(url, options)
-        try:
-            return await fn(store)
-        finally:
-            await store.close()
-    return asyncio.run(main())
+_run = run_on_store
 
 
 async def _put_all(store, keys):

@@ -16,21 +16,14 @@ from cloudckpt.errors import (
     ObjectNotFound,
     RetriesExhausted,
 )
-from cloudckpt.storage import ObjectInfo, ReadRange, RetryOptions, open_store
+from cloudckpt.storage import ObjectInfo, ReadRange, RetryOptions
 
-from .conftest import s3_options
+from .conftest import run_on_store, s3_options
 
 MiB = 1024 * 1024
 
 
-def _run(url, options, fn):
-    async def main():
-        store = open_store(url, options)
-        try:
-            return await fn(store)
-        finally:
-            await store.close()
-    return asyncio.run(main())
+_run = run_on_store
 
 
 def test_200_mib_put_and_get_at_20_percent_faults(s3_server, s3_url, fault_proxy):
