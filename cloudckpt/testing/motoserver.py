@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -35,13 +33,13 @@ from cloudckpt.testing.s3server import (
     DEFAULT_REGION,
     S3ServerError,
     S3ServerInfo,
+    stop_server_process,
 )
 
 __all__ = ["MotoServer", "moto_available"]
 
 READY_TIMEOUT_S = 60.0
 START_ATTEMPTS = 3
-STOP_GRACE_S = 10.0
 # argv[1] is the work directory: it marks the process for the watchdog.
 _MOTO_SRC = "import sys; from moto.server import main; main(sys.argv[2:])"
 
@@ -169,23 +167,9 @@ class MotoServer:
 
     def _kill_and_clean(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            try:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=STOP_GRACE_S)
-            except ProcessLookupError:
-                pass
         watchdog, self._watchdog = self._watchdog, None
-        if watchdog is not None:
-            if watchdog.poll() is None:
-                watchdog.kill()
-            watchdog.wait()
-        if self._workdir is not None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
-            self._workdir = None
+        workdir, self._workdir = self._workdir, None
+        stop_server_process(proc, watchdog, workdir)
 
     def __enter__(self) -> S3ServerInfo:
         return self.start()

@@ -221,6 +221,27 @@ def _stop_live_servers() -> None:
         server.stop()
 
 
+def stop_server_process(proc: subprocess.Popen | None, watchdog: subprocess.Popen | None,
+                        workdir: str | None) -> None:
+    """Stop a launched server (SIGTERM, then SIGKILL after ``STOP_GRACE_S``), end its watchdog
+    and remove its work directory. Each argument may be None (already gone)."""
+    if proc is not None and proc.poll() is None:
+        try:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=STOP_GRACE_S)
+        except ProcessLookupError:
+            pass
+    if watchdog is not None:
+        if watchdog.poll() is None:
+            watchdog.kill()
+        watchdog.wait()
+    if workdir is not None:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 class S3Server:
     """One local SeaweedFS S3 endpoint; a context manager whose `__enter__` returns S3ServerInfo.
 
@@ -454,23 +475,9 @@ class S3Server:
 
     def _kill_and_clean(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            try:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=STOP_GRACE_S)
-            except ProcessLookupError:
-                pass
         watchdog, self._watchdog = self._watchdog, None
-        if watchdog is not None:
-            if watchdog.poll() is None:
-                watchdog.kill()
-            watchdog.wait()
-        if self._workdir is not None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
-            self._workdir = None
+        workdir, self._workdir = self._workdir, None
+        stop_server_process(proc, watchdog, workdir)
         if proc is not None:
             remove_sockets(self._grpc_sockets())
         self._ports = {}
