@@ -21,7 +21,7 @@ from cloudckpt.storage import RetryOptions, StorageOptions, open_store
 from cloudckpt.storage.s3_client import _config
 from cloudckpt.storage.s3_errors import Endpoint
 from cloudckpt.testing.deadend import SilentServer, TrickleServer, closed_port
-from tests.reliability.stores import REPO, cli_env
+from tests.reliability.stores import cli_env
 
 QUICK = RetryOptions(base_delay=0.01, max_delay=0.05, connect_timeout=1.0, read_timeout=0.5,
                      max_stalls=2, deadline=120.0)

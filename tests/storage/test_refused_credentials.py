@@ -88,7 +88,7 @@ def test_read_only_identity_is_access_denied_with_what_to_check(s3_server, s3_ur
             await store.close()
 
     for op, text in asyncio.run(main()).items():
-        assert f"access denied (403 AccessDenied" in text, text
+        assert "access denied (403 AccessDenied" in text, text
         assert f"access key id {s3_server.readonly_access_key!r} may not {op} here" in text
         assert "a read-only key cannot save or delete" in text
         assert "credentials were refused" not in text
