@@ -192,12 +192,23 @@ def _flatten(tree: Any, prefix: str, out: dict[str, Any]) -> None:
 
 
 def _safetensors_parts(state, url: str):
-    """(tensors, metadata, names of values left out) of a consolidated state."""
+    """(tensors, metadata, names of values left out) of a consolidated state; ``ConfigError``
+    for a tensor of a dtype safetensors cannot hold (complex128)."""
     import torch
+
+    from cloudckpt.errors import ConfigError, SafetensorsHeaderError
+    from cloudckpt.hf.header import safetensors_dtype
 
     flat: dict[str, Any] = {}
     _flatten(state, "", flat)
     tensors = {k: v.contiguous() for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    for k, v in tensors.items():
+        try:
+            safetensors_dtype(v.dtype)
+        except SafetensorsHeaderError as exc:
+            raise ConfigError(f"tensor {k} is {str(v.dtype).removeprefix('torch.')}, which "
+                              "safetensors cannot hold; export to .pt, or with --format "
+                              "safetensors (which leaves it out)") from exc
     meta = {"format": "pt", "cloudckpt.source": url}
     skipped = []
     for k, v in flat.items():
