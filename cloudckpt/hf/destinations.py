@@ -11,6 +11,8 @@ an existing file:
 - :class:`S3Folder`: a file is gathered in memory (its size is known from its header) and put
   in ``create`` mode (``ObjectExists`` if the key exists); a file over the 5 GiB a single
   PutObject takes (only a single tensor that large) is uploaded multipart in overwrite mode.
+  An interrupted upload is cancelled (a request the server had already taken may still
+  complete: that file then remains, never an index naming it).
 
 :meth:`existing` lists the names an export would clash with (``*.safetensors`` and
 ``*.safetensors.index.json`` directly in the folder, hidden names excepted); :meth:`remove`
@@ -25,7 +27,7 @@ from collections.abc import Sequence
 
 from cloudckpt.errors import ConfigError, ExportTargetNotEmpty, ObjectExists
 from cloudckpt.export import finish_file, temp_name
-from cloudckpt.runtime import run_coroutine, shared_store
+from cloudckpt.runtime import run_coroutine, shared_store, submit
 from cloudckpt.storage import CommonPrefix
 from cloudckpt.storage.options import MAX_PUT_SIZE
 
@@ -159,10 +161,14 @@ class _S3File:
             raise AssertionError(f"{self.name}: {self.used} bytes written, {len(self.buffer)} "
                                  "planned")
         mode = "create" if self.used <= MAX_PUT_SIZE else "overwrite"
+        pending = submit(self.folder.store.put(self.name, self.buffer, mode=mode))
         try:
-            run_coroutine(self.folder.store.put(self.name, self.buffer, mode=mode))
+            pending.result()
         except ObjectExists as exc:
             raise _taken(self.folder.where, self.name) from exc
+        except BaseException:
+            pending.cancel()  # interrupted: stop the upload rather than let it finish later
+            raise
         finally:
             self.buffer = None
 

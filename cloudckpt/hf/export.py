@@ -95,6 +95,8 @@ def export_safetensors(url: str, dst: str, prefix: str | None = None, dtype=None
     skipped_values = tuple(n for n in manifest.values if prefix is None or n.startswith(prefix))
     plan = plan_shards(tensors, max_shard_bytes, METADATA)
 
+    reader = TensorReader(url, manifest=manifest, storage=storage,
+                          options=options or LoadOptions(max_read_bytes=DEFAULT_READ_BYTES))
     folder = S3Folder(dst, storage) if dst_url.kind == "s3" else LocalFolder(dst_url.path)
     try:
         found = folder.existing()
@@ -103,8 +105,6 @@ def export_safetensors(url: str, dst: str, prefix: str | None = None, dtype=None
                 f"{folder.where} already holds {', '.join(found[:3])}"
                 f"{' ...' if len(found) > 3 else ''}; export into an empty folder or remove "
                 "those files first (nothing was written)", names=tuple(found))
-        reader = TensorReader(url, manifest=manifest, storage=storage,
-                              options=options or LoadOptions(max_read_bytes=DEFAULT_READ_BYTES))
         written = _write_all(folder, plan, reader, window_bytes, progress)
     finally:
         folder.close()

@@ -4,9 +4,11 @@ export's planning (files, boxes, windows) covers every byte once, in order, with
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,3 +184,16 @@ def test_shards_and_windows_lay_out_every_byte_once(spec, max_shard, window):
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors)
     assert index["weight_map"] == {t.name: f.name for f in files for t in f.tensors}
     assert INDEX_FILE == "model.safetensors.index.json"
+
+
+def test_header_and_shards_are_pure():
+    """No I/O, no torch: only these imports (the export's planning runs on the manifest)."""
+    import cloudckpt.hf
+
+    allowed = {"__future__", "json", "math", "collections.abc", "dataclasses", "types",
+               "cloudckpt.errors", "cloudckpt.hf.header"}
+    for name in ("header.py", "shards.py"):
+        tree = ast.parse((Path(cloudckpt.hf.__file__).parent / name).read_text())
+        used = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        used |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert used <= allowed, (name, used - allowed)
