@@ -27,6 +27,8 @@ Contract:
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -108,7 +110,7 @@ def export_safetensors(url: str, dst: str, prefix: str | None = None, dtype=None
         written = _write_all(folder, plan, reader, window_bytes, progress)
     finally:
         folder.close()
-    return ExportResult(dst=dst, files=tuple(written), tensors=len(tensors),
+    return ExportResult(dst=os.fspath(dst), files=tuple(written), tensors=len(tensors),
                         total_size=plan.total_size, skipped_values=skipped_values,
                         skipped_tensors=skipped_tensors, seconds=time.perf_counter() - started)
 
@@ -157,8 +159,6 @@ def _write_all(folder, plan, reader: TensorReader, window_bytes: int, progress) 
             _write_file(folder, shard, reader, window, progress)
             written.append(shard.name)
         if len(plan.files) > 1:
-            import json
-
             index = json.dumps(plan.index(), indent=2, sort_keys=True).encode() + b"\n"
             folder.sync()  # the shards' names are on disk before the index names them
             f = folder.open(INDEX_FILE, len(index))
