@@ -39,6 +39,7 @@ _LAZY = {
     "SpotNoticePoller": ("cloudckpt.spot", "SpotNoticePoller"),
     "SpotNoticeOptions": ("cloudckpt.spot", "SpotNoticeOptions"),
     "ManagedSaveHandle": ("cloudckpt.manager", "ManagedSaveHandle"),
+    "export_safetensors": ("cloudckpt.hf.export", "export_safetensors"),
 }
 
 

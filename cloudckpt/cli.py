@@ -9,6 +9,8 @@ cloudckpt verify URL [--step N]            read every object, check every checks
 cloudckpt prune RUN_URL --keep-last N [--keep-every K] [--abandoned-after S] [--dry-run]
 cloudckpt rm URL [--step N] [--dry-run]    delete one checkpoint (manifest first)
 cloudckpt export URL OUT [--step N]        one consolidated OUT.safetensors, or OUT.pt (torch.save)
+cloudckpt export URL DST --format safetensors [--prefix P] [--dtype D] [--max-shard-size S]
+                                           a Hugging Face folder (local or s3://): cli_export
 ```
 
 ``URL`` is a checkpoint URL, or a run URL with ``--step N``; ``show``, ``verify`` and ``export``
@@ -410,8 +412,12 @@ def cmd_rm(args) -> int:
 def cmd_export(args) -> int:
     """Write one consolidated file; see :mod:`cloudckpt.export` for how OUT is written (a fresh,
     exclusively created temporary file renamed onto OUT; nothing left behind on failure)."""
+    from cloudckpt import cli_export
     from cloudckpt.export import export, export_kind
 
+    if cli_export.wants_folder(args):
+        return cli_export.cmd_export_folder(args, _resolve_checkpoint(args.url, args.step),
+                                            _STORAGE, _progress)
     out = args.out
     if export_kind(out) is None:
         raise UsageError(f"OUT must end with .safetensors or .pt, got {out!r}")
@@ -435,7 +441,7 @@ def cmd_export(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cloudckpt import __version__
+    from cloudckpt import __version__, cli_export
 
     p = Parser(prog="cloudckpt", description="Inspect and manage cloudckpt checkpoints in "
                 "S3-compatible object stores or local paths.")
@@ -481,9 +487,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("export", cmd_export, "write a checkpoint as one .safetensors or .pt file")
     sp.add_argument("out", metavar="OUT",
                     help="the file to write, ending in .safetensors or .pt, in a folder that "
-                         "exists")
+                         "exists (with --format: a folder or s3:// prefix)")
     sp.add_argument("--allow-pickle", action="store_true",
                     help="decode pickled values (runs code from the checkpoint: trusted only)")
+    cli_export.add_options(sp)
     return p
 
 

@@ -201,3 +201,20 @@ class StagingMemoryError(CloudCkptError, MemoryError):
 
 class SaveInProgress(CloudCkptError, RuntimeError):
     """An async save is still running and the caller asked not to wait for it."""
+
+
+# --- Hugging Face safetensors ------------------------------------------------------------------
+
+
+class SafetensorsHeaderError(IntegrityError):
+    """A safetensors header is malformed or hostile (a bad length, bad JSON, an unknown dtype,
+    offsets out of range, overlapping or leaving holes). Nothing is allocated from it."""
+
+
+class ExportTargetNotEmpty(CloudCkptError, FileExistsError):
+    """A safetensors export found safetensors files or an index at its destination already (or
+    another export took a name first); it writes nothing over them. ``names`` lists them."""
+
+    def __init__(self, message: str, *, names: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.names = names

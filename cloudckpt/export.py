@@ -73,6 +73,11 @@ def _temp_token() -> str:
     return secrets.token_hex(8)
 
 
+def temp_name(name: str) -> str:
+    """A fresh temporary name for ``name`` in its folder: ``.<name>.<random>.partial``."""
+    return f".{name}.{_temp_token()}.partial"
+
+
 def write_new_file(out: str, write: Callable[[BinaryIO], None]) -> None:
     """Create or replace ``out`` with what ``write(file)`` writes to a fresh temporary file
     (see module doc)."""
@@ -84,7 +89,7 @@ def write_new_file(out: str, write: Callable[[BinaryIO], None]) -> None:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
-            _finish(fd)
+            finish_file(fd)
         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
     def remove(dir_fd: int, tmp: str) -> None:
@@ -110,7 +115,7 @@ def write_new_file_by_path(out: str, write: Callable[[str], None]) -> None:
             write(f"{_PROC_FD}/{fd}/{name}")
             made = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | _FLAGS, dir_fd=fd)
             try:
-                _finish(made)
+                finish_file(made)
             finally:
                 os.close(made)
             os.replace(name, name, src_dir_fd=fd, dst_dir_fd=dir_fd)
@@ -134,7 +139,7 @@ def _with_temp(out: str, create, fill, remove) -> None:
     dir_fd = os.open(folder, _DIR)
     try:
         for _ in range(_ATTEMPTS):
-            tmp = f".{name}.{_temp_token()}.partial"
+            tmp = temp_name(name)
             try:
                 fd = create(dir_fd, tmp)
                 break
@@ -155,7 +160,7 @@ def _with_temp(out: str, create, fill, remove) -> None:
         os.close(dir_fd)
 
 
-def _finish(fd: int) -> None:
+def finish_file(fd: int) -> None:
     """The usual mode (0666 less the umask), then to disk."""
     os.fchmod(fd, 0o666 & ~_umask())
     os.fsync(fd)
@@ -187,12 +192,23 @@ def _flatten(tree: Any, prefix: str, out: dict[str, Any]) -> None:
 
 
 def _safetensors_parts(state, url: str):
-    """(tensors, metadata, names of values left out) of a consolidated state."""
+    """(tensors, metadata, names of values left out) of a consolidated state; ``ConfigError``
+    for a tensor of a dtype safetensors cannot hold (complex128)."""
     import torch
+
+    from cloudckpt.errors import ConfigError, SafetensorsHeaderError
+    from cloudckpt.hf.header import safetensors_dtype
 
     flat: dict[str, Any] = {}
     _flatten(state, "", flat)
     tensors = {k: v.contiguous() for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    for k, v in tensors.items():
+        try:
+            safetensors_dtype(v.dtype)
+        except SafetensorsHeaderError as exc:
+            raise ConfigError(f"tensor {k} is {str(v.dtype).removeprefix('torch.')}, which "
+                              "safetensors cannot hold; export to .pt, or with --format "
+                              "safetensors (which leaves it out)") from exc
     meta = {"format": "pt", "cloudckpt.source": url}
     skipped = []
     for k, v in flat.items():
