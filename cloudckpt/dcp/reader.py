@@ -33,6 +33,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import uuid
 
 import torch
@@ -114,11 +115,14 @@ def check_value(data: bytes, fqn: str):
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+        named = re.search(r"GLOBAL ([\w.]+)", text)
+        why = f"it names {named.group(1)}" if named else " ".join(text.split())[:120]
         raise PickleNotAllowed(
             f"value {fqn!r} of the DCP checkpoint cannot be read by torch.load(weights_only=True) "
-            f"({' '.join(str(exc).split())[:160]}); DCP's planner would unpickle it with "
-            "weights_only=False, which runs any code it names: pass allow_pickle=True to "
-            "cloudckpt.dcp.StorageReader only if you trust who wrote the checkpoint") from exc
+            f"({why}); DCP's planner would unpickle it with weights_only=False, which runs any "
+            "code it names: pass allow_pickle=True to cloudckpt.dcp.StorageReader only if you "
+            "trust who wrote the checkpoint") from exc
 
 
 class StorageReader(_TorchStorageReader):

@@ -176,23 +176,34 @@ class _Batch:
         self.nbytes = 0
         for unit in units:
             self._plan(unit)
-        ranges = [ReadRange(off, length, crc32c=crc, sinks=tuple(sinks))
-                  for off, (length, crc, sinks) in sorted(self.blocks.items()) if sinks]
+        ranges = [ReadRange(off, length, crc32c=crc, sinks=tuple(sinks)) if sinks
+                  else ReadRange(off, length, crc32c=crc)   # verified, then dropped
+                  for off, (length, crc, sinks) in sorted(self.blocks.items())]
         self.ranges = sorted(ranges + self.plain, key=lambda r: r.offset)
 
     # -- planning -----------------------------------------------------------------------------
 
     def _sink(self, unit: _Unit, start: int, dest: memoryview) -> None:
         """Verified bytes ``[start, start + len(dest))`` of ``unit``'s item go into ``dest``."""
-        checks, base, block = unit.checks, unit.info.offset, self.block
+        base, block = unit.info.offset, self.block
         end = start + len(dest)
         for k in range(start // block, -(-end // block)):
             b0, b1 = k * block, min((k + 1) * block, unit.info.length)
             lo, hi = max(start, b0), min(end, b1)
-            if hi <= lo:
-                continue
-            entry = self.blocks.setdefault(base + b0, (b1 - b0, checks.crcs[k], []))
-            entry[2].append((lo - b0, dest[lo - start:hi - start]))
+            if hi > lo:
+                self._block(unit, k)[2].append((lo - b0, dest[lo - start:hi - start]))
+
+    def _block(self, unit: _Unit, k: int) -> tuple[int, int, list]:
+        b0 = k * self.block
+        b1 = min(b0 + self.block, unit.info.length)
+        return self.blocks.setdefault(unit.info.offset + b0, (b1 - b0, unit.checks.crcs[k], []))
+
+    def _verify_whole(self, unit: _Unit) -> None:
+        """Read and verify every block of the item, also those holding no wanted value (the
+        archive around the tensor's bytes): a load that takes a whole item checks all of it."""
+        if unit.info.length:
+            for k in range(len(unit.checks.crcs)):
+                self._block(unit, k)
 
     def _whole(self, unit: _Unit) -> memoryview:
         """A buffer receiving the whole item (verified when it has checksums)."""
@@ -237,6 +248,9 @@ class _Batch:
             self._sink(unit, checks.data_offset + a, byte_view(buf))
             self.after.append(lambda part=part, t=target, buf=buf: self._copy_out(
                 part, t, buf, dtype, sizes))
+        if any(all(o == 0 for o in p.offsets) and tuple(p.lengths) == tuple(sizes)
+               for p in unit.parts):
+            self._verify_whole(unit)
 
     def _plan_loaded(self, unit: _Unit) -> None:
         buf = self._whole(unit)
