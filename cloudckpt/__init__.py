@@ -39,6 +39,7 @@ _LAZY = {
     "SpotNoticePoller": ("cloudckpt.spot", "SpotNoticePoller"),
     "SpotNoticeOptions": ("cloudckpt.spot", "SpotNoticeOptions"),
     "ManagedSaveHandle": ("cloudckpt.manager", "ManagedSaveHandle"),
+    "convert": ("cloudckpt.dcp.convert", "convert"),
 }
 
 

@@ -9,6 +9,7 @@ cloudckpt verify URL [--step N]            read every object, check every checks
 cloudckpt prune RUN_URL --keep-last N [--keep-every K] [--abandoned-after S] [--dry-run]
 cloudckpt rm URL [--step N] [--dry-run]    delete one checkpoint (manifest first)
 cloudckpt export URL OUT [--step N]        one consolidated OUT.safetensors, or OUT.pt (torch.save)
+cloudckpt convert SRC DST --to dcp|cloudckpt [--trust]   to or from torch DCP (cli_convert.py)
 ```
 
 ``URL`` is a checkpoint URL, or a run URL with ``--step N``; ``show``, ``verify`` and ``export``
@@ -484,6 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "exists")
     sp.add_argument("--allow-pickle", action="store_true",
                     help="decode pickled values (runs code from the checkpoint: trusted only)")
+    from cloudckpt.cli_convert import register
+    register(sub)
     return p
 
 

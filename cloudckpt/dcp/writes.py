@@ -39,8 +39,10 @@ from cloudckpt.planning.batching import pack_in_order
 from cloudckpt.storage.base import ByteBudget, run_all
 
 DATA_SUFFIX = ".distcp"
-#: DCP's format version of the metadata (``filesystem.CURRENT_DCP_VERSION``).
-DCP_VERSION = "1.0.0"
+try:  # DCP's format version of the metadata, as FileSystemWriter records it
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as DCP_VERSION
+except ImportError:  # pragma: no cover - older torch
+    DCP_VERSION = "1.0.0"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,9 +76,9 @@ def _copy_bytes(data) -> int:
 
 
 async def write_files(store, sizes: Sequence[int], resolve: Callable[[int], object], *,
-                      prefix: str, options: FileOptions) -> list[Written]:
+                      prefix: str, options: FileOptions, first_file: int = 0) -> list[Written]:
     """Write items ``0 .. len(sizes) - 1`` (``sizes``: their expected bytes, for packing) into
-    data files (module doc)."""
+    data files (module doc), numbered from ``first_file``."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     groups = pack_in_order(list(sizes), options.object_size)
@@ -85,7 +87,7 @@ async def write_files(store, sizes: Sequence[int], resolve: Callable[[int], obje
     block = options.checksum_block_size
 
     async def upload(n: int, members: list[int]) -> None:
-        name = f"{prefix}{n}{DATA_SUFFIX}"
+        name = f"{prefix}{first_file + n}{DATA_SUFFIX}"
         data = await asyncio.to_thread(lambda: [resolve(i) for i in members])
         held = await budget.acquire(sum(_copy_bytes(d) for d in data))
         try:
