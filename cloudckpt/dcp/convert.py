@@ -144,17 +144,28 @@ def _to_dcp(src: str, dst: str, allow_pickle: bool, storage, options: DCPOptions
         moved += sum(b[3] for b in batch)
         del tensors, fetched
     values = dict(manifest.values)
-    if values:
-        blobs = []
-        for name, value in values.items():
-            state_md[name] = BytesStorageMetadata()
+    paths = paths_of(manifest.structure, list(state_md) + list(values))
+    order, skipped = list(paths), []
+    blobs, keys = [], []
+    for name, value in values.items():   # split where DCP's planner would split the value
+        split = dcp_leaves(value)
+        if not split:
+            skipped.append(f"{name}: holds only empty containers, which DCP does not store")
+        at = order.index(name)
+        order[at:at + 1] = [name + "".join(f".{k}" for k in sub) for sub, _ in split]
+        for sub, leaf in split:
+            fqn = name + "".join(f".{k}" for k in sub)
+            paths[fqn] = tuple(paths[name]) + tuple(sub)
+            state_md[fqn] = BytesStorageMetadata()
             buf = io.BytesIO()
-            torch.save(value, buf)
+            torch.save(leaf, buf)
             blobs.append(buf)
-        put(blobs, [MetadataIndex(name) for name in values])
+            keys.append(MetadataIndex(fqn))
+    if blobs:
+        put(blobs, keys)
 
     save_id = str(uuid.uuid4())
-    paths = paths_of(manifest.structure, state_md)
+    paths = {name: paths[name] for name in order if name in state_md}
     metadata = Metadata(state_dict_metadata={name: state_md[name] for name in paths},
                         planner_data=paths,
                         storage_data=storage_data,
@@ -162,8 +173,21 @@ def _to_dcp(src: str, dst: str, allow_pickle: bool, storage, options: DCPOptions
                         version=DCP_VERSION)
     run_coroutine(commit(store, dst, metadata, checks, save_id=save_id,
                          block_size=options.checksum_block_size))
-    return dict(tensors=len(manifest.tensors), chunks=len(boxes), values=len(values),
-                bytes=moved, skipped=())
+    return dict(tensors=len(manifest.tensors), chunks=len(boxes), values=len(keys),
+                bytes=moved, skipped=tuple(skipped))
+
+
+def dcp_leaves(value) -> list[tuple[tuple, object]]:
+    """``(path below the value, leaf)`` pairs of a non-tensor value as DCP's planner flattens a
+    state dict (mappings always; lists holding mappings or lists that hold them); ``[((),
+    value)]`` for a value it keeps whole."""
+    try:
+        from torch.distributed.checkpoint._traverse import traverse_state_dict
+    except ImportError:  # pragma: no cover - a torch without it: keep values whole
+        return [((), value)]
+    found: list = []
+    traverse_state_dict({"v": value}, lambda path, leaf: found.append((tuple(path[1:]), leaf)))
+    return found
 
 
 def paths_of(structure, names) -> dict:
@@ -194,11 +218,11 @@ def paths_of(structure, names) -> dict:
 
 
 class _IntoSave:
-    """read_parts' consumer: chunks into the streaming save, values checked and kept."""
+    """read_parts' consumer: chunks into the streaming save; values checked and collected."""
 
     def __init__(self, out, chunks: ChunkIndex, skipped: list[str]):
         self.out, self.chunks, self.skipped = out, chunks, skipped
-        self.values: list[str] = []
+        self.values: dict = {}
         self.moved = 0
 
     def target(self, part: Part) -> torch.Tensor:
@@ -211,20 +235,10 @@ class _IntoSave:
         self.moved += tensor.numel() * tensor.element_size()
 
     def take_bytes(self, part: Part, data: bytes) -> None:
-        from cloudckpt.statedict import plain_value
-
-        fqn = part.ref
         try:
-            value = check_value(data, fqn)
+            self.values[part.ref] = check_value(data, part.ref)
         except PickleNotAllowed:
-            self.skipped.append(f"{fqn}: torch.load(weights_only=True) refuses it")
-            return
-        try:
-            self.out.set_value(fqn, plain_value(value))
-        except (UnsupportedValueError, PlanningError, TypeError, ValueError):
-            self.skipped.append(f"{fqn}: a {type(value).__name__} msgpack cannot hold")
-            return
-        self.values.append(fqn)
+            self.skipped.append(f"{part.ref}: torch.load(weights_only=True) refuses it")
 
 
 def _to_cloudckpt(src: str, dst: str, storage, options: DCPOptions) -> dict:
@@ -232,7 +246,7 @@ def _to_cloudckpt(src: str, dst: str, storage, options: DCPOptions) -> dict:
 
     from cloudckpt import SaveOptions
     from cloudckpt.api.streaming import StreamingSave
-    from cloudckpt.statedict import dtype_name
+    from cloudckpt.statedict import dtype_name, plain_value
 
     store = shared_store(src, storage)
     metadata, checksums = load_checkpoint_metadata(store, src)
@@ -242,18 +256,17 @@ def _to_cloudckpt(src: str, dst: str, storage, options: DCPOptions) -> dict:
                                             checksum_block_size=options.checksum_block_size,
                                             max_staging_bytes=options.max_staging_bytes))
     skipped: list[str] = []
-    parts, kinds, chunks = [], {}, 0
+    parts, tensors, chunks = [], [], 0
     for fqn, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
             parts.append(Part(ref=fqn, index=MetadataIndex(fqn), is_bytes=True))
-            kinds[fqn] = "v"
             continue
         try:
             out.add_tensor(fqn, dtype_name(entry.properties.dtype), tuple(entry.size))
         except PlanningError:
             skipped.append(f"{fqn}: dtype {entry.properties.dtype} is not one cloudckpt stores")
             continue
-        kinds[fqn] = "x"
+        tensors.append(fqn)
         for chunk in entry.chunks:
             sizes = tuple(chunk.sizes)
             if math.prod(sizes):
@@ -268,24 +281,36 @@ def _to_cloudckpt(src: str, dst: str, storage, options: DCPOptions) -> dict:
                consumer=consumer, batch_bytes=options.read_batch_bytes,
                max_bytes=options.max_read_bytes,
                block_size=checksums.block_size if checksums else 1)
-    kept = {name: tag for name, tag in kinds.items() if tag == "x" or name in consumer.values}
-    out.commit(structure_of(metadata.planner_data, kept))
-    return dict(tensors=sum(1 for t in kept.values() if t == "x"), chunks=chunks,
-                values=len(consumer.values), bytes=consumer.moved, skipped=tuple(skipped))
+    leaves, values = regroup(metadata.planner_data, tensors, consumer.values)
+    kept = {}
+    for name, path in leaves.items():
+        if name in values:
+            try:
+                out.set_value(name, plain_value(values[name]))
+            except (UnsupportedValueError, PlanningError, TypeError, ValueError):
+                skipped.append(f"{name}: a {type(values[name]).__name__} msgpack cannot hold")
+                continue
+        kept[name] = path
+    out.commit(structure_of(kept, set(tensors)))
+    return dict(tensors=len(tensors), chunks=chunks, values=len(kept) - len(tensors),
+                bytes=consumer.moved, skipped=tuple(skipped))
 
 
-def structure_of(planner_data, leaves: dict) -> list:
-    """A :mod:`cloudckpt.statedict` structure for ``leaves`` (name -> ``"x"`` | ``"v"``) from
-    DCP's ``planner_data`` (name -> path): the nesting it records (int path elements are list
-    indices, made lists when they run 0..n-1), or flat names where it says nothing usable."""
-    flat = ["d", [[name, [tag, name]] for name, tag in leaves.items()]]
+def regroup(planner_data, tensors: list[str], values: dict) -> tuple[dict, dict]:
+    """cloudckpt's leaves from DCP's: ``(name -> path, name -> value)``. DCP splits a list into
+    leaves when it holds a mapping; cloudckpt keeps a list without tensors as one value: such
+    lists are rebuilt from DCP's leaves (through ``planner_data``'s paths) into one value named
+    by its path. Without usable paths, DCP's names stay flat."""
+    names = [n for n in (planner_data or {}) if n in values or n in tensors]
+    names += [n for n in list(tensors) + list(values) if n not in names]
+    flat = ({n: (n,) for n in names}, dict(values))
     if not isinstance(planner_data, dict):
         return flat
     root: dict = {}
-    for name, tag in leaves.items():
+    for name in names:
         path = planner_data.get(name)
-        if not isinstance(path, (tuple, list)) or not path \
-                or not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in path):
+        if not isinstance(path, (tuple, list)) or not path or not all(
+                isinstance(k, (str, int)) and not isinstance(k, bool) for k in path):
             return flat
         node = root
         for key in path[:-1]:
@@ -294,14 +319,60 @@ def structure_of(planner_data, leaves: dict) -> list:
                 return flat   # a leaf and a container at one path
         if path[-1] in node:
             return flat
-        node[path[-1]] = (tag, name)
+        node[path[-1]] = (name,)
+    tensor_set = set(tensors)
+    leaves, merged = {}, {}
+
+    def holds_tensor(node) -> bool:
+        if isinstance(node, tuple):
+            return node[0] in tensor_set
+        return any(holds_tensor(child) for child in node.values())
+
+    def rebuild(node):
+        if isinstance(node, tuple):
+            return values.get(node[0])
+        if _is_list(node):
+            return [rebuild(node[i]) for i in range(len(node))]
+        return {k: rebuild(v) for k, v in node.items()}
+
+    def walk(node, path: tuple) -> None:
+        if isinstance(node, tuple):
+            leaves[node[0]] = path
+            if node[0] in values:
+                merged[node[0]] = values[node[0]]
+            return
+        if path and _is_list(node) and not holds_tensor(node):
+            name = ".".join(str(k) for k in path)
+            leaves[name], merged[name] = path, rebuild(node)
+            return
+        for key, child in node.items():
+            walk(child, path + (key,))
+
+    walk(root, ())
+    return leaves, merged
+
+
+def _is_list(node: dict) -> bool:
+    keys = list(node)
+    return bool(keys) and all(isinstance(k, int) for k in keys) and \
+        sorted(keys) == list(range(len(keys)))
+
+
+def structure_of(leaves: dict, tensors: set) -> list:
+    """A :mod:`cloudckpt.statedict` structure for ``leaves`` (name -> path): nested dicts, and
+    lists where a node's keys are the indices 0..n-1."""
+    root: dict = {}
+    for name, path in leaves.items():
+        node = root
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = ("x" if name in tensors else "v", name)
 
     def build(node):
         if isinstance(node, tuple):
             return [node[0], node[1]]
-        keys = list(node)
-        if keys and all(isinstance(k, int) for k in keys) and sorted(keys) == list(range(len(keys))):
-            return ["l", [build(node[i]) for i in range(len(keys))]]
+        if _is_list(node):
+            return ["l", [build(node[i]) for i in range(len(node))]]
         return ["d", [[k, build(v)] for k, v in node.items()]]
 
     return build(root)

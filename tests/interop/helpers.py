@@ -43,17 +43,16 @@ def odd_state(seed: int = 0) -> dict:
     }
 
 
-def zeros_like_state(state: dict) -> dict:
-    """Destinations for a load: zeroed tensors (contiguous) and blanked values."""
-    out = {}
-    for k, v in state.items():
-        if isinstance(v, torch.Tensor):
-            out[k] = torch.zeros(v.shape, dtype=v.dtype)
-        elif isinstance(v, dict):
-            out[k] = zeros_like_state(v)
-        else:
-            out[k] = None
-    return out
+def zeros_like_state(state):
+    """Destinations for a load: zeroed tensors (contiguous), containers of the same shape (DCP
+    flattens the destination to find what to load), other values blanked to None."""
+    if isinstance(state, torch.Tensor):
+        return torch.zeros(state.shape, dtype=state.dtype)
+    if isinstance(state, dict):
+        return {k: zeros_like_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [zeros_like_state(v) for v in state]
+    return None
 
 
 def assert_same(got, want, path: str = "") -> None:
@@ -61,9 +60,13 @@ def assert_same(got, want, path: str = "") -> None:
         assert isinstance(got, torch.Tensor) and got.dtype == want.dtype, path
         assert torch.equal(got, want), path
     elif isinstance(want, dict):
-        assert set(got) == set(want), path
+        assert isinstance(got, dict) and set(got) == set(want), (path, got)
         for k in want:
             assert_same(got[k], want[k], f"{path}.{k}")
+    elif isinstance(want, (list, tuple)) and any(isinstance(w, torch.Tensor) for w in want):
+        assert type(got) is type(want) and len(got) == len(want), (path, got)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{path}.{i}")
     else:
         assert got == want, (path, got, want)
 
