@@ -185,7 +185,7 @@ class _Batch:
 
     def _sink(self, unit: _Unit, start: int, dest: memoryview) -> None:
         """Verified bytes ``[start, start + len(dest))`` of ``unit``'s item go into ``dest``."""
-        base, block = unit.info.offset, self.block
+        block = self.block
         end = start + len(dest)
         for k in range(start // block, -(-end // block)):
             b0, b1 = k * block, min((k + 1) * block, unit.info.length)

@@ -68,6 +68,15 @@ def _as_item(data) -> Item:
     raise TypeError(f"a DCP item resolves to a tensor or io.BytesIO, got {type(data).__name__}")
 
 
+def _build(data: list, block: int) -> list[tuple[Item, list[int]]]:
+    """Each resolved datum as an item, with its block crcs."""
+    out = []
+    for d in data:
+        item = _as_item(d)
+        out.append((item, block_crcs_of(item.segments, block)))
+    return out
+
+
 def _copy_bytes(data) -> int:
     """Bytes a copy of ``data`` takes before upload (tensors that do not own their storage)."""
     if isinstance(data, torch.Tensor) and not owns_its_storage(data.detach()):
@@ -91,15 +100,8 @@ async def write_files(store, sizes: Sequence[int], resolve: Callable[[int], obje
         data = await asyncio.to_thread(lambda: [resolve(i) for i in members])
         held = await budget.acquire(sum(_copy_bytes(d) for d in data))
         try:
-            def build():
-                out = []
-                for d in data:
-                    item = _as_item(d)
-                    out.append((item, block_crcs_of(item.segments, block)))
-                return out
-
-            built = await asyncio.to_thread(build)
-            del data
+            built = await asyncio.to_thread(_build, data, block)
+            data.clear()
             offset = 0
             for i, (item, crcs) in zip(members, built):
                 length = item.length
