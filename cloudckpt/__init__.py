@@ -40,6 +40,7 @@ _LAZY = {
     "SpotNoticeOptions": ("cloudckpt.spot", "SpotNoticeOptions"),
     "ManagedSaveHandle": ("cloudckpt.manager", "ManagedSaveHandle"),
     "export_safetensors": ("cloudckpt.hf.export", "export_safetensors"),
+    "convert": ("cloudckpt.dcp.convert", "convert"),
 }
 
 

@@ -11,6 +11,7 @@ cloudckpt rm URL [--step N] [--dry-run]    delete one checkpoint (manifest first
 cloudckpt export URL OUT [--step N]        one consolidated OUT.safetensors, or OUT.pt (torch.save)
 cloudckpt export URL DST --format safetensors [--prefix P] [--dtype D] [--max-shard-size S]
                                            a Hugging Face folder (local or s3://): cli_export
+cloudckpt convert SRC DST --to dcp|cloudckpt [--trust]   to or from torch DCP (cli_convert.py)
 ```
 
 ``URL`` is a checkpoint URL, or a run URL with ``--step N``; ``show``, ``verify`` and ``export``
@@ -491,6 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--allow-pickle", action="store_true",
                     help="decode pickled values (runs code from the checkpoint: trusted only)")
     cli_export.add_options(sp)
+    from cloudckpt.cli_convert import register
+    register(sub)
     return p
 
 

@@ -60,9 +60,11 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank: int,
-                       attempt: str, options: WriterOptions = WriterOptions()
-                       ) -> tuple[list[ChunkLocation], WriteStats]:
-    """Upload ``items`` (``(chunk_id, tensor)`` pairs) as data objects of save ``attempt``.
+                       attempt: str, options: WriterOptions = WriterOptions(),
+                       first_index: int = 0) -> tuple[list[ChunkLocation], WriteStats]:
+    """Upload ``items`` (``(chunk_id, tensor)`` pairs) as data objects of save ``attempt``,
+    numbered from ``first_index`` (a writer calling this several times for one attempt passes
+    the count of objects its earlier calls wrote).
 
     Returns one :class:`ChunkLocation` per item, in the order of ``items``.
     """
@@ -72,7 +74,7 @@ async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank
     staging_budget = _ByteBudget(options.max_staging_bytes)
 
     async def upload(obj_index: int, members: list[int]) -> int:
-        key = data_key(attempt, rank, obj_index)
+        key = data_key(attempt, rank, first_index + obj_index)
         needs_copy = sum(sizes[i] for i in members
                          if not is_byte_viewable(items[i][1]))
         async with staging_budget.hold(needs_copy):

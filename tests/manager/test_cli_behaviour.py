@@ -20,7 +20,7 @@ from cloudckpt.cli_json import jsonable
 from cloudckpt.manager import step_dir
 from tests.reliability.stores import RawCheckpoint, cli
 
-COMMANDS = ("ls", "show", "verify", "prune", "rm", "export")
+COMMANDS = ("ls", "show", "verify", "prune", "rm", "export", "convert")
 
 
 def state(step: int) -> dict:

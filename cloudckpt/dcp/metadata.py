@@ -1,0 +1,244 @@
+"""DCP's ``.metadata`` read safely, and the checksums cloudckpt keeps beside it.
+
+``.metadata`` is a pickle of ``torch.distributed.checkpoint.metadata.Metadata``. Plain
+``pickle.load`` of an untrusted file runs whatever code it names, so :func:`read_metadata` uses a
+restricted unpickler that admits only the classes such a file holds: DCP's metadata classes
+(``Metadata``, ``TensorStorageMetadata``, ``BytesStorageMetadata``, ``ChunkStorageMetadata``,
+``TensorProperties``, ``MetadataIndex``, ``StorageMeta``, the memory-format enum),
+``filesystem._StorageInfo``, ``torch.Size``, torch dtypes and layouts, ``collections.OrderedDict``
+and ``pathlib`` paths (``FileSystemWriter`` records its folder as one), plus the builtins pickle
+needs no global for. Any other global (``os.system``, ``builtins.eval``, a class of another
+package) raises :class:`~cloudckpt.errors.ManifestError` before anything is called. The result
+is then checked field by field (:func:`check_metadata`): types, chunk boxes inside their tensor,
+file names that stay inside the checkpoint, offsets and lengths that are whole numbers.
+
+The checksums file (``.metadata.checksums``, or ``__<rank>.metadata.checksums`` beside a
+rank-local ``__<rank>.metadata``), written by :class:`cloudckpt.dcp.StorageWriter` before
+``.metadata``: DCP's metadata has no place for checksums, and the data files stay byte for byte
+what DCP's readers expect, so the crc32c values live in a file of their own. It holds, framed
+by its own crc32c: the save id, the checksum block size, the crc32c and size of the
+``.metadata`` it goes with, and for every item (file, offset, length) where the tensor's bytes
+start and the crc32c of each block of the item. A reader uses it only when the ``.metadata``
+it read has exactly that crc32c and size; a checksums file of another save (the prefix was
+written again by another writer) is ignored with a warning, and a checkpoint without one (written
+by ``FileSystemWriter``, s3torchconnector, fsspec) loads without checksums.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+import struct
+from dataclasses import dataclass
+
+import msgpack
+
+from cloudckpt.checksum import crc32c
+from cloudckpt.errors import ConfigError, ManifestError
+
+METADATA_KEY = ".metadata"
+CHECKSUMS_SUFFIX = ".checksums"
+CHECKSUMS_FORMAT = "cloudckpt.dcp-checksums"
+_MAGIC = b"\xc1dcpcrc\n"
+_HEAD = struct.Struct("<8sI")
+#: The most bytes a ``.metadata`` or checksums file may have; larger ones are refused unread.
+MAX_METADATA_BYTES = 2 << 30
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {
+    (_DCP_METADATA, name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # how torch.strided is pickled: a name lookup
+    ("collections", "OrderedDict"),
+} | {(module, name) for module in ("pathlib", "pathlib._local")
+     for name in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
+
+
+def metadata_key(rank: int | None = None) -> str:
+    """``.metadata``, or ``__<rank>.metadata`` (a rank-local one, ``use_collectives=False``)."""
+    return METADATA_KEY if rank is None else f"__{rank}{METADATA_KEY}"
+
+
+def checksums_key(rank: int | None = None) -> str:
+    return metadata_key(rank) + CHECKSUMS_SUFFIX
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        import torch
+
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
+            return getattr(torch, name)
+        raise ManifestError(f"refers to {module}.{name}, which DCP metadata never holds: not "
+                            "unpickled (a damaged or hostile file)", path=METADATA_KEY)
+
+    def persistent_load(self, pid):
+        raise ManifestError("holds a persistent id, which DCP metadata never does: not unpickled",
+                            path=METADATA_KEY)
+
+
+def unpickle_metadata(data) -> object:
+    """The object a ``.metadata`` pickle holds, through the restricted unpickler (module doc).
+    A global outside the allow-list, or bytes that are not a pickle, raise ``ManifestError``."""
+    try:
+        return _MetadataUnpickler(io.BytesIO(data)).load()
+    except ManifestError:
+        raise
+    except Exception as exc:  # any malformed pickle: truncated, unknown opcode, bad state
+        raise ManifestError(f"not a DCP metadata pickle ({type(exc).__name__}: "
+                            f"{str(exc)[:200]})", path=METADATA_KEY) from exc
+
+
+def read_metadata(data):
+    """Unpickle (restricted) and check a ``.metadata``; returns the ``Metadata``."""
+    metadata = unpickle_metadata(data)
+    check_metadata(metadata)
+    return metadata
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_metadata(md) -> None:
+    """Raise ``ManifestError`` naming the first field of ``md`` that a DCP ``Metadata`` written
+    by a DCP writer would not have (module doc)."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorStorageMetadata)
+
+    def bad(what: str, path: str):
+        return ManifestError(what, path=f".metadata {path}")
+
+    if not isinstance(md, Metadata):
+        raise bad(f"holds a {type(md).__name__}, not a DCP Metadata", "")
+    if not isinstance(md.state_dict_metadata, dict):
+        raise bad("is not a dict", "state_dict_metadata")
+    for fqn, entry in md.state_dict_metadata.items():
+        where = f"state_dict_metadata[{fqn!r:.80}]"
+        if not isinstance(fqn, str):
+            raise bad("key is not a str", where)
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            raise bad(f"is a {type(entry).__name__}", where)
+        if not isinstance(entry.size, torch.Size) or not isinstance(entry.chunks, list) \
+                or not isinstance(getattr(entry.properties, "dtype", None), torch.dtype):
+            raise bad("malformed tensor entry (size, chunks, dtype)", where)
+        for i, chunk in enumerate(entry.chunks):
+            offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+            if not isinstance(offsets, (torch.Size, tuple, list)) \
+                    or not isinstance(sizes, (torch.Size, tuple, list)) \
+                    or not len(offsets) == len(sizes) == len(entry.size) \
+                    or not all(_is_int(o) and _is_int(s) and o >= 0 and s >= 0 and o + s <= n
+                               for o, s, n in zip(offsets, sizes, entry.size)):
+                raise bad("chunk box outside the tensor", f"{where}.chunks[{i}]")
+    if not isinstance(md.storage_data, dict):
+        raise bad("is not a dict", "storage_data")
+    for index, info in md.storage_data.items():
+        where = f"storage_data[{getattr(index, 'fqn', index)!r:.80}]"
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+            raise bad("key is not a MetadataIndex", where)
+        if not isinstance(info, _StorageInfo):
+            raise bad(f"is a {type(info).__name__}, not a _StorageInfo", where)
+        if not _is_int(info.offset) or not _is_int(info.length) or info.offset < 0 \
+                or info.length < 0:
+            raise bad("offset and length must be whole numbers", where)
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors is not None and not (isinstance(descriptors, (list, tuple)) and all(
+                isinstance(d, str) for d in descriptors)):
+            raise bad("transform_descriptors must be strings", where)
+        check_file_name(info.relative_path, where)
+
+
+def check_file_name(name, where: str) -> None:
+    """A data file name must stay inside the checkpoint: relative, no ``..``, no empty part."""
+    from cloudckpt.storage.base import check_key
+
+    try:
+        if not isinstance(name, str):
+            raise ConfigError("not a str")
+        check_key(name)
+    except ConfigError as exc:
+        raise ManifestError(f"data file name {name!r:.80} leaves the checkpoint or is malformed",
+                            path=f".metadata {where}") from exc
+
+
+# -- the checksums file ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ItemChecksums:
+    """What the checksums file says about one item: its length, where the tensor's bytes start
+    in it (``data_offset``; for a non-tensor item, 0) and one crc32c per block of the item."""
+
+    length: int
+    data_offset: int
+    crcs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Checksums:
+    """The checksums file: save id, block size, the ``.metadata`` it belongs to, and the items
+    by ``(file, offset)``."""
+
+    save_id: str
+    block_size: int
+    metadata_crc32c: int
+    metadata_size: int
+    items: dict
+
+    def matches(self, metadata_bytes) -> bool:
+        return (len(metadata_bytes) == self.metadata_size
+                and crc32c(metadata_bytes) == self.metadata_crc32c)
+
+
+def encode_checksums(c: Checksums) -> bytes:
+    items = [[path, offset, it.length, it.data_offset, struct.pack(f"<{len(it.crcs)}I", *it.crcs)]
+             for (path, offset), it in c.items.items()]
+    payload = msgpack.packb({"format": CHECKSUMS_FORMAT, "version": 1, "save_id": c.save_id,
+                             "block_size": c.block_size, "metadata_crc32c": c.metadata_crc32c,
+                             "metadata_size": c.metadata_size, "items": items}, use_bin_type=True)
+    return _HEAD.pack(_MAGIC, crc32c(payload)) + payload
+
+
+def decode_checksums(data) -> Checksums:
+    """Check the frame and every field; ``ManifestError`` naming the checksums file otherwise."""
+    where = METADATA_KEY + CHECKSUMS_SUFFIX
+    mv = memoryview(data).cast("B")
+    if len(mv) < _HEAD.size or bytes(mv[:8]) != _MAGIC:
+        raise ManifestError("not a cloudckpt DCP checksums file", path=where)
+    _, stored = _HEAD.unpack_from(mv)
+    payload = mv[_HEAD.size:]
+    if crc32c(payload) != stored:
+        raise ManifestError("checksum mismatch: the file is damaged", path=where)
+    try:
+        doc = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        if not isinstance(doc, dict) or doc.get("format") != CHECKSUMS_FORMAT \
+                or doc.get("version") != 1:
+            raise ValueError("unknown format or version")
+        block = doc["block_size"]
+        if not _is_int(block) or block <= 0:
+            raise ValueError("bad block size")
+        items = {}
+        for path, offset, length, data_offset, raw in doc["items"]:
+            if not all(_is_int(v) and v >= 0 for v in (offset, length, data_offset)) \
+                    or not isinstance(path, str) or not isinstance(raw, bytes) \
+                    or len(raw) != 4 * max(1, math.ceil(length / block)) \
+                    or data_offset > length:
+                raise ValueError(f"bad item entry for {path!r:.80}")
+            items[(path, offset)] = ItemChecksums(length, data_offset,
+                                                  struct.unpack(f"<{len(raw) // 4}I", raw))
+        return Checksums(save_id=str(doc["save_id"]), block_size=block,
+                         metadata_crc32c=int(doc["metadata_crc32c"]),
+                         metadata_size=int(doc["metadata_size"]), items=items)
+    except (KeyError, TypeError, ValueError) as exc:  # msgpack errors are ValueErrors
+        raise ManifestError(f"malformed ({exc})", path=where) from exc
