@@ -58,6 +58,14 @@ class TensorReader:
         return run_coroutine(fetch_into(self._store, self.manifest, plan.reads, dests,
                                         self.options.max_read_bytes))
 
+    def read_boxes(self, boxes: Sequence[tuple[str, Sequence[int], Sequence[int]]]
+                   ) -> list[torch.Tensor]:
+        """Fresh CPU tensors of the stored dtype, one per ``(name, offsets, sizes)`` box."""
+        dests = [torch.empty(tuple(sizes), dtype=torch_dtype(self._record(name).dtype))
+                 for name, _, sizes in boxes]
+        self.read_into([(name, offsets, dest) for (name, offsets, _), dest in zip(boxes, dests)])
+        return dests
+
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The named tensors, whole, as new CPU tensors of their stored dtype."""
         out = {}

@@ -1,13 +1,10 @@
-"""A checkpoint piece by piece, in one process and bounded memory: reading stored boxes of a
-committed checkpoint, and writing a new one tensor piece by tensor piece. No collective.
+"""Writing a checkpoint piece by piece, in one process and bounded memory. No collective.
+(Reading one piece at a time: :class:`cloudckpt.api.read_tensors.TensorReader`.)
 
 Used by ``cloudckpt.convert`` (:mod:`cloudckpt.dcp.convert`), which streams a checkpoint of
-another format in or out without holding it in memory.
+another format in without holding it in memory.
 
 ```python
-manifest = open_checkpoint(url)                       # read, validated, object sizes checked
-[t] = read_boxes(url, manifest, [("w", (0, 0), (8, 16))])   # verified, stored dtype
-
 out = StreamingSave("s3://bucket/other")              # refuses a committed checkpoint there
 out.add_tensor("w", "float32", (16, 16))
 out.write("w", (0, 0), t)                             # kept until about batch_bytes, then uploaded
@@ -38,41 +35,14 @@ from typing import Any, Sequence
 import torch
 
 from cloudckpt import layout
-from cloudckpt.api.load import check_object_extents, read_manifest
-from cloudckpt.dataplane.destinations import fetch_into
 from cloudckpt.dataplane.writer import WriterOptions, write_chunks
 from cloudckpt.errors import CheckpointExists, ObjectExists, ObjectNotFound, PlanningError
 from cloudckpt.manifest import encode_manifest
 from cloudckpt.manifest.builder import ManifestBuilder
 from cloudckpt.options import SaveOptions, SaveResult
-from cloudckpt.planning import PieceSpec, plan_local_load
 from cloudckpt.planning.chunk_index import coverage_errors
 from cloudckpt.runtime import run_coroutine, shared_store
-from cloudckpt.statedict import dtype_name, torch_dtype
-
-
-def open_checkpoint(url: str, *, storage=None, allow_pickle: bool = False):
-    """The validated manifest of the committed checkpoint at ``url``, its data objects checked
-    to hold the bytes it refers to (before anything is allocated from its sizes)."""
-    manifest = read_manifest(url, storage=storage, allow_pickle=allow_pickle)
-    run_coroutine(check_object_extents(shared_store(url, storage), manifest))
-    return manifest
-
-
-def read_boxes(url: str, manifest, boxes: Sequence[tuple[str, Sequence[int], Sequence[int]]], *,
-               storage=None, max_read_bytes: int = 192 << 20) -> list[torch.Tensor]:
-    """Fresh CPU tensors of the stored dtype, one per ``(name, offsets, sizes)`` box of a tensor
-    of ``manifest`` (of the checkpoint at ``url``), filled with verified bytes."""
-    requests, dests = [], []
-    for name, offsets, sizes in boxes:
-        record = manifest.tensors[name]
-        requests.append(PieceSpec(name=name, dtype=record.dtype, global_shape=tuple(record.shape),
-                                  offsets=tuple(offsets), sizes=tuple(sizes), broadcastable=False))
-        dests.append(torch.empty(tuple(sizes), dtype=torch_dtype(record.dtype)))
-    plan = plan_local_load(manifest, requests, rank=0)
-    run_coroutine(fetch_into(shared_store(url, storage), manifest, plan.reads, dests,
-                             max_read_bytes))
-    return dests
+from cloudckpt.statedict import dtype_name
 
 
 class StreamingSave:

@@ -100,10 +100,13 @@ def _to_dcp(src: str, dst: str, allow_pickle: bool, storage, options: DCPOptions
                                                        Metadata, MetadataIndex, StorageMeta,
                                                        TensorProperties, TensorStorageMetadata)
 
-    from cloudckpt.api.streaming import open_checkpoint, read_boxes
+    from cloudckpt.api.read_tensors import TensorReader
+    from cloudckpt.options import LoadOptions
     from cloudckpt.statedict import torch_dtype
 
-    manifest = open_checkpoint(src, storage=storage, allow_pickle=allow_pickle)
+    reader = TensorReader(src, storage=storage, allow_pickle=allow_pickle,
+                          options=LoadOptions(max_read_bytes=options.max_read_bytes))
+    manifest = reader.manifest
     store = shared_store(dst, storage)
     run_coroutine(refuse_existing(store, dst))
     state_md: dict = {}
@@ -135,8 +138,7 @@ def _to_dcp(src: str, dst: str, allow_pickle: bool, storage, options: DCPOptions
     for group in pack_in_order([b[3] for b in boxes], options.object_size):
         batch = [boxes[i] for i in group]
         wanted = [(n, o, s) for n, o, s, nbytes in batch if nbytes]
-        fetched = iter(read_boxes(src, manifest, wanted, storage=storage,
-                                  max_read_bytes=options.max_read_bytes))
+        fetched = iter(reader.read_boxes(wanted))
         tensors = [next(fetched) if nbytes else
                    torch.empty(s, dtype=torch_dtype(manifest.tensors[n].dtype))
                    for n, o, s, nbytes in batch]
