@@ -1,0 +1,1 @@
+"""Hugging Face interop: safetensors checkpoints (``cloudckpt.load_safetensors``)."""
