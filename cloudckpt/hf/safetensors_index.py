@@ -12,7 +12,8 @@ names the file and the entry; never another exception (deep nesting, huge number
 included). Refused: a header length past the file's end or over :data:`MAX_HEADER_BYTES`, JSON
 that is not an object, duplicate names, ``NaN``/``Infinity``, a dtype outside
 :data:`SAFETENSORS_DTYPES`, a shape that is not a list of at most
-:data:`~cloudckpt.manifest.MAX_NDIM` non-negative ints, offsets that are not ``0 <= begin <=
+:data:`~cloudckpt.manifest.MAX_NDIM` non-negative ints spanning at most 2**60 bytes (as
+a cloudckpt manifest), offsets that are not ``0 <= begin <=
 end <= data size``, a byte length other than the shape's elements times the dtype's size, two
 tensors sharing a byte. Unknown keys of a tensor entry are ignored (as safetensors does); holes
 in the data section are allowed.
@@ -138,9 +139,11 @@ def _tensor(name: str, entry, data_len: int, path: str) -> SafetensorsTensor:
         raise SafetensorsError(f"shape must be a list of at most {MAX_NDIM} integers",
                                path=path)
     dims = tuple(_int(d, "a shape dimension", path) for d in shape)
-    if any(d < 0 or d > MAX_ELEMENTS for d in dims):
-        raise SafetensorsError(f"shape {list(dims)} has a negative or oversized dimension",
-                               path=path)
+    cloud_dtype = SAFETENSORS_DTYPES[dtype]
+    if any(d < 0 for d in dims) or math.prod(max(d, 1) for d in dims) \
+            * DTYPE_ITEMSIZE[cloud_dtype] > MAX_ELEMENTS:
+        raise SafetensorsError(f"shape {list(dims)} has a negative dimension or spans more than "
+                               f"2**60 bytes (empty dimensions counted as 1)", path=path)
     offsets = entry.get("data_offsets")
     if type(offsets) is not list or len(offsets) != 2:
         raise SafetensorsError("data_offsets must be a list [begin, end]", path=path)
@@ -148,7 +151,6 @@ def _tensor(name: str, entry, data_len: int, path: str) -> SafetensorsTensor:
     if not 0 <= begin <= end <= data_len:
         raise SafetensorsError(f"data_offsets [{begin}, {end}] are not inside the data section "
                                f"of {data_len} bytes", path=path)
-    cloud_dtype = SAFETENSORS_DTYPES[dtype]
     nbytes = math.prod(dims) * DTYPE_ITEMSIZE[cloud_dtype]
     if end - begin != nbytes:
         raise SafetensorsError(f"data_offsets span {end - begin} bytes, shape {list(dims)} of "
