@@ -24,6 +24,7 @@ from cloudckpt.hf.catalog import encode_bundle
 from cloudckpt.hf.safetensors_index import (MAX_HEADER_BYTES, MAX_INDEX_BYTES, PREFIX_BYTES,
                                             header_length, parse_index)
 from cloudckpt.storage import ObjectInfo, ReadRange
+from cloudckpt.wording import plural
 
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -73,13 +74,17 @@ async def read_header_bundle(store, where: str) -> bytes:
         keys = sorted(set(weight_map.values()))
         missing = [k for k in keys if k not in sizes]
         if missing:
-            raise SafetensorsError(f"the index names {len(missing)} file(s) that are not in "
-                                   f"{where}: {', '.join(missing[:5])}", path=index_key)
+            raise SafetensorsError(f"the index names {plural(len(missing), 'file')} that "
+                                   f"{'is' if len(missing) == 1 else 'are'} not in {where}: "
+                                   f"{', '.join(missing[:5])}", path=index_key)
         index = (index_key, raw)
     else:
         keys = sorted(k for k in sizes if k.endswith(SUFFIX))
     if not keys:
-        raise CheckpointNotFound(f"no *{SUFFIX} files at {where}")
+        hint = (" (files that are symlinks, as in a Hugging Face cache snapshot, are not "
+                "followed: copy the files, or download with --local-dir)"
+                if store.local_root is not None else "")
+        raise CheckpointNotFound(f"no *{SUFFIX} files at {where}{hint}")
     slots = asyncio.Semaphore(_CONCURRENT_FILES)
 
     async def bounded(fn, *args):

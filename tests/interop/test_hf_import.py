@@ -263,6 +263,12 @@ def test_a_hostile_file_is_refused_before_any_data_moves(tmp_path, case):
 
 
 def test_no_safetensors_files_is_checkpoint_not_found(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(CheckpointNotFound, match="safetensors"):
-        cloudckpt.load_safetensors({}, str(tmp_path))
+    # a Hugging Face cache snapshot: its files are symlinks to ../../blobs, outside the folder
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "blobs" / "b1").write_bytes(valid_file({"w": torch.ones(2).numpy()}))
+    snapshot = tmp_path / "snapshots" / "rev"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot / "model.safetensors").symlink_to("../../blobs/b1")
+    with pytest.raises(CheckpointNotFound, match="symlinks"):
+        cloudckpt.load_safetensors({"w": torch.zeros(2)}, str(snapshot))
