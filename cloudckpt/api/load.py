@@ -16,6 +16,8 @@ closed by a fail-together exchange):
 4. ``load restore``: only when every rank has all of its data, values are set and
    ``load_state_dict()`` is called on stateful values.
 
+:func:`load_from` runs the same phases on any :class:`ManifestSource` (the safetensors import,
+:mod:`cloudckpt.hf`, builds a manifest without checksums: its bytes are not verified).
 Destinations are written only with verified bytes; a rank that fails leaves its tensors possibly
 half filled, and every rank raises the same error; no rank replaces a value or calls
 ``load_state_dict()`` when any rank failed to move its data.
