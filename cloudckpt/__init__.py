@@ -20,6 +20,7 @@ _LAZY = {
     "load": ("cloudckpt.api.load", "load"),
     "load_full": ("cloudckpt.api.load", "load_full"),
     "read_manifest": ("cloudckpt.api.load", "read_manifest"),
+    "load_safetensors": ("cloudckpt.hf.load", "load_safetensors"),
     "async_save": ("cloudckpt.api.async_save", "async_save"),
     "SaveHandle": ("cloudckpt.api.async_save", "SaveHandle"),
     "verify": ("cloudckpt.api.verify", "verify"),

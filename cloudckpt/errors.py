@@ -108,6 +108,11 @@ class UnsupportedManifestVersion(ManifestError):
     """The manifest's format name or version is not one this cloudckpt can read."""
 
 
+class SafetensorsError(ManifestError):
+    """A Hugging Face safetensors file's header, or the index naming the files, is malformed or
+    inconsistent (:func:`cloudckpt.load_safetensors`). ``path`` names the file and the entry."""
+
+
 class PickleNotAllowed(ManifestError, PermissionError):
     """The checkpoint holds pickled values and the loader did not pass ``allow_pickle=True``."""
 

@@ -16,6 +16,8 @@ closed by a fail-together exchange):
 4. ``load restore``: only when every rank has all of its data, values are set and
    ``load_state_dict()`` is called on stateful values.
 
+:func:`load_from` runs the same phases on any :class:`ManifestSource` (the safetensors import,
+:mod:`cloudckpt.hf`, builds a manifest without checksums: its bytes are not verified).
 Destinations are written only with verified bytes; a rank that fails leaves its tensors possibly
 half filled, and every rank raises the same error; no rank replaces a value or calls
 ``load_state_dict()`` when any rank failed to move its data.
@@ -27,13 +29,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import torch
 
 from cloudckpt import layout
 from cloudckpt.errors import CheckpointNotFound, ManifestError, ObjectNotFound
-from cloudckpt.manifest import decode_manifest
+from cloudckpt.manifest import Manifest, decode_manifest
 from cloudckpt.options import LoadOptions, LoadResult
 from cloudckpt.api.load_data import move_data
 from cloudckpt.api.manifest_io import fetch_manifest_bytes
@@ -73,25 +75,69 @@ def load(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage
     default) a name missing from the checkpoint raises :class:`MissingKeysError`; names stored but
     not requested are reported in ``LoadResult.unexpected_keys``.
     """
+    return load_from(state_dict, StoredManifest(url, storage, allow_pickle),
+                     process_group=process_group, strict=strict, options=options)
+
+
+class ManifestSource(Protocol):
+    """Where a load's manifest comes from (:func:`load_from`): the data objects are under
+    ``url`` (opened with ``storage``); ``read()`` returns the bytes describing them (run by the
+    coordinator, or by every rank without ``share_manifest``; may raise); ``decode(raw)`` turns
+    them into a validated :class:`~cloudckpt.manifest.Manifest` (every rank, same bytes, same
+    manifest; may raise); ``check(manifest, store)`` is the coordinator's check of the stored
+    objects before anything is allocated (may raise)."""
+
+    url: str
+    storage: Any
+
+    def read(self) -> bytes: ...
+
+    def decode(self, raw: bytes) -> Manifest: ...
+
+    def check(self, manifest: Manifest, store) -> None: ...
+
+
+@dataclass(frozen=True)
+class StoredManifest:
+    """The :class:`ManifestSource` of a cloudckpt checkpoint: its ``manifest.msgpack``."""
+
+    url: str
+    storage: Any = None
+    allow_pickle: bool = False
+
+    def read(self) -> bytes:
+        return read_manifest_bytes(self.url, self.storage)
+
+    def decode(self, raw: bytes) -> Manifest:
+        return decode_manifest(raw, allow_pickle=self.allow_pickle)
+
+    def check(self, manifest: Manifest, store) -> None:
+        run_coroutine(check_object_extents(store, manifest))
+
+
+def load_from(state_dict: Mapping[str, Any], source: ManifestSource, *, process_group=None,
+              strict: bool = True, options: LoadOptions | None = None) -> LoadResult:
+    """:func:`load` from any :class:`ManifestSource` (a cloudckpt checkpoint, an index of
+    foreign files such as safetensors): the same four phases, the same guarantees. Collective."""
     wait_for_pending_save()
     options = options or LoadOptions()
     channel = ControlChannel(process_group, timeout=options.timeout)
     started = time.perf_counter()
-    store = shared_store(url, storage)
+    store = shared_store(source.url, source.storage)
 
     raw, manifest = b"", None
     with channel.phase("load manifest"):
         if channel.is_coordinator or not options.share_manifest:
-            raw = read_manifest_bytes(url, storage)
+            raw = source.read()
         if channel.is_coordinator:
-            manifest = decode_manifest(raw, allow_pickle=allow_pickle)
-            run_coroutine(check_object_extents(store, manifest))
+            manifest = source.decode(raw)
+            source.check(manifest, store)
     if options.share_manifest:
         raw = channel.broadcast_bytes(raw if channel.is_coordinator else None)
 
     with channel.phase("load planning", LoadPlanReport) as planning:
         if manifest is None:
-            manifest = decode_manifest(raw, allow_pickle=allow_pickle)
+            manifest = source.decode(raw)
         wanted = _Wanted.of(state_dict, channel)
         wanted.check_replaceable(state_dict, manifest)
         plan = plan_local_load(manifest, wanted.requests, rank=channel.rank,
@@ -107,7 +153,7 @@ def load(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage
 
     if plan.unexpected and channel.is_coordinator:
         log.warning("cloudckpt.load: %s", unexpected_names_message(plan.unexpected))
-    return LoadResult(url=url, bytes_fetched=fetched, bytes_received=received,
+    return LoadResult(url=source.url, bytes_fetched=fetched, bytes_received=received,
                       seconds=time.perf_counter() - started,
                       unexpected_keys=tuple(plan.unexpected), broadcasts=broadcasts)
 

@@ -12,6 +12,10 @@ A *region* is a box inside one stored chunk (see :class:`cloudckpt.planning.Regi
   bounds and coalesces the requests themselves. :func:`read_windows` / :func:`window_boxes` are the same steps for a
   caller that owns the buffer (broadcast batches).
 - Nothing here runs collectives.
+
+A manifest without checksums (``Manifest.checksums`` false: foreign files such as safetensors)
+has nothing to verify: its windows are exact element runs whose ranges carry no crc, and no
+region lands directly (see :mod:`cloudckpt.planning.windows`).
 """
 
 from __future__ import annotations

@@ -80,7 +80,12 @@ def encode_manifest(m: Manifest, *, format_version: int = FORMAT_VERSION) -> byt
     """Encode a manifest as its stored bytes (deterministic for a given manifest).
 
     ``format_version=1`` writes the old unchecksummed layout (tests, tools for old readers).
+    A manifest without data checksums (``checksums=False``, an in-memory index of foreign
+    files) is refused: a stored manifest always carries its data's crc32c values.
     """
+    if not m.checksums:
+        raise ManifestError("a manifest without data checksums (an index of foreign files) "
+                            "cannot be stored", path="checksums")
     cols = m.columns
     ndims = cols.ndims
     counts = np.diff(cols.chunk_start)

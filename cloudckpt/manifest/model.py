@@ -197,6 +197,13 @@ class Manifest:
     decoded. Pickled values are decoded only if ``allow_pickle``. With ``tensor_ndims`` (the
     decoder's form), ``tensor_shapes`` is every shape's dims concatenated in one int array: no
     Python tuple is made until a shape is asked for.
+
+    ``checksums=False`` makes a manifest whose data carries no checksums: an index built in
+    memory over a foreign format (safetensors files: :mod:`cloudckpt.hf`), never a cloudckpt
+    checkpoint's. It needs ``checksum_block_size=0`` and no ``chunk_crcs``; reads of its data are
+    not verified (every chunk's ``crc32c`` is ``()``). The codec never decodes one (stored
+    manifests have no such field, and a stored ``checksum_block_size`` of 0 is refused) and
+    refuses to encode one, so a checkpoint cannot lose its checksums by going through storage.
     """
 
     def __init__(self, *, world_size: int, created_at: float, cloudckpt_version: str, metadata: dict,
@@ -204,7 +211,8 @@ class Manifest:
                  tensor_dtypes: Sequence[str], tensor_shapes: Sequence[Sequence[int]], chunk_counts,
                  chunk_offsets, chunk_sizes, chunk_object_index, chunk_byte_offset, chunk_byte_length,
                  chunk_crcs, value_blobs: Mapping[str, bytes], values: Mapping[str, object] | None = None,
-                 structure: object = None, allow_pickle: bool = False, tensor_ndims=None):
+                 structure: object = None, allow_pickle: bool = False, tensor_ndims=None,
+                 checksums: bool = True):
         if type(world_size) is not int or world_size < 1:
             raise ManifestError(f"world_size must be a positive int, got {world_size!r}", path="world_size")
         if type(created_at) not in (int, float) or not math.isfinite(created_at):
@@ -213,8 +221,16 @@ class Manifest:
             raise ManifestError("cloudckpt_version must be a string", path="cloudckpt_version")
         if type(metadata) is not dict:
             raise ManifestError("metadata must be a dict", path="metadata")
-        if type(checksum_block_size) is not int or not 0 < checksum_block_size <= MAX_CHECKSUM_BLOCK_SIZE:
+        if type(checksums) is not bool:
+            raise ManifestError(f"checksums must be a bool, got {checksums!r:.40}", path="checksums")
+        if checksums and (type(checksum_block_size) is not int
+                          or not 0 < checksum_block_size <= MAX_CHECKSUM_BLOCK_SIZE):
             raise ManifestError(f"bad checksum_block_size {checksum_block_size!r}", path="checksum_block_size")
+        if not checksums and (type(checksum_block_size) is not int or checksum_block_size != 0):
+            raise ManifestError("a manifest without checksums has checksum_block_size 0",
+                                path="checksum_block_size")
+        #: False only for an in-memory index of foreign data (see the class docstring)
+        self.checksums = checksums
         self.world_size = world_size
         self.created_at = float(created_at)
         self.cloudckpt_version = cloudckpt_version
@@ -355,7 +371,8 @@ class Manifest:
                 path=tensor_path(self._names[t]))
         del total, total_f, numel
         self._check_no_shared_bytes(object_index, byte_offset, byte_length)
-        ncrc = crc_counts(byte_length, self.checksum_block_size)
+        ncrc = crc_counts(byte_length, self.checksum_block_size) if self.checksums \
+            else np.zeros(nchunks, dtype=np.int64)
         crc_start = np.concatenate(([0], np.cumsum(ncrc))).astype(np.int64)
         del ncrc
         crcs = np.asarray(crcs)

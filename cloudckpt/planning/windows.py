@@ -13,6 +13,12 @@ Contract (pure: ints and tuples, no I/O, no torch):
   blocks between its rows when they are whole windows);
 - every window starts on an element boundary, and a window that does not end the region ends on
   one too, so its bytes (the first ``length // itemsize`` elements) view as the stored dtype.
+
+A manifest without checksums (``Manifest.checksums`` false: foreign files, see
+:mod:`cloudckpt.hf`) has no blocks: its windows are element-aligned runs covering exactly the
+region's first to last element (at most ``max_bytes``, at least one element), each one "block"
+with ``crc32c == (None,)`` (nothing to verify), and it has no run windows (direct landing
+needs verified blocks: :func:`plan_run_windows` gives None).
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ class SubBox:
 @dataclass(frozen=True)
 class Window:
     """Blocks ``first_block`` .. ``first_block + len(crc32c) - 1`` of a chunk: bytes
-    ``[start, start + length)`` of ``object_key``; ``strides`` are the chunk's element strides."""
+    ``[start, start + length)`` of ``object_key``; ``strides`` are the chunk's element strides.
+    Without checksums: one block of ``length`` bytes, ``crc32c == (None,)``."""
 
     object_key: str
     start: int
@@ -137,6 +144,8 @@ def plan_windows(manifest, region, max_bytes: int) -> list[Window]:
     place = _locate(manifest, region)
     if place is None:
         return []
+    if not manifest.checksums:
+        return _unverified_windows(manifest, place, max_bytes)
     chunk, itemsize, sizes, strides = place.chunk, place.itemsize, place.sizes, place.strides
     offsets, lengths, first, last = place.offsets, place.lengths, place.first, place.last
     block = manifest.checksum_block_size
@@ -164,6 +173,30 @@ def plan_windows(manifest, region, max_bytes: int) -> list[Window]:
                                              zip(offsets, o, strides)) - lo_el)
                             for o, n in boxes)))
         b = e
+    return windows
+
+
+def _unverified_windows(manifest, place: _Place, max_bytes: int) -> list[Window]:
+    """Windows of a region of a manifest without checksums: runs of at most ``max_bytes`` (at
+    least one element) from the region's first element to its last, no block alignment."""
+    chunk, itemsize, strides = place.chunk, place.itemsize, place.strides
+    key = manifest.objects[chunk.object_index]
+    per_window = max(1, max_bytes // itemsize)
+    windows: list[Window] = []
+    lo_el = place.first
+    while lo_el <= place.last:
+        hi_el = min(lo_el + per_window, place.last + 1)
+        boxes = boxes_in_flat_range(place.offsets, place.lengths, place.sizes, lo_el, hi_el)
+        if boxes:
+            length = (hi_el - lo_el) * itemsize
+            windows.append(Window(
+                object_key=key, start=chunk.byte_offset + lo_el * itemsize, length=length,
+                first_block=0, crc32c=(None,), block_size=length, itemsize=itemsize,
+                strides=strides,
+                boxes=tuple(SubBox(o, n, sum((off + bo) * s for off, bo, s in
+                                             zip(place.offsets, o, strides)) - lo_el)
+                            for o, n in boxes)))
+        lo_el = hi_el
     return windows
 
 
@@ -200,7 +233,8 @@ def plan_run_windows(manifest, region, max_bytes: int) -> list[RunWindow] | None
     element boundary. Raises :class:`ManifestError` when the region reaches past its chunk.
     """
     place = _locate(manifest, region)
-    if place is None or place.last - place.first + 1 != math.prod(place.lengths):
+    if place is None or place.last - place.first + 1 != math.prod(place.lengths) \
+            or not manifest.checksums:
         return None
     chunk, itemsize = place.chunk, place.itemsize
     lo, hi = place.first * itemsize, (place.last + 1) * itemsize

@@ -1,0 +1,133 @@
+"""A safetensors checkpoint as a cloudckpt manifest, so the whole load pipeline reads it. Pure.
+
+What the coordinator read (:mod:`cloudckpt.hf.source`) travels between ranks as a *header
+bundle* (msgpack: the index's bytes, each file's key, size and header bytes); every rank turns
+the same bundle into the same :class:`~cloudckpt.manifest.Manifest`
+(:func:`manifest_of_bundle`), in which
+
+- each file is one data object (its key relative to the checkpoint folder);
+- each tensor is one chunk covering the whole tensor, at ``8 + header length + begin`` of its
+  file;
+- there are no checksums (``Manifest(checksums=False)``: safetensors stores none), so reads are
+  not verified; such a manifest can never be stored (the codec refuses it).
+
+Tensor names are the state dict's: the checkpoint's names through ``key_map``
+(:func:`map_names`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Union
+
+import msgpack
+
+from cloudckpt import __version__
+from cloudckpt.errors import ConfigError, DuplicateKeyError, SafetensorsError
+from cloudckpt.hf.safetensors_index import (SafetensorsFile, catalog, parse_header,
+                                            parse_index)
+from cloudckpt.manifest import Manifest
+
+#: a dict (listed names renamed, others kept) or a callable (name -> new name, None drops it).
+KeyMap = Union[Mapping[str, str], Callable[[str], Union[str, None]], None]
+
+BUNDLE_FORMAT = "cloudckpt.safetensors_headers"
+
+
+def encode_bundle(files: Sequence[tuple[str, int, bytes]],
+                  index: tuple[str, bytes] | None) -> bytes:
+    """The bundle of ``files`` (``(key, size, header bytes)``) and the ``index`` read, if any
+    (``(key, bytes)``)."""
+    return msgpack.packb({"format": BUNDLE_FORMAT, "index": list(index) if index else None,
+                          "files": [[k, s, bytes(h)] for k, s, h in files]}, use_bin_type=True)
+
+
+def _decode_bundle(raw: bytes):
+    try:
+        doc = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        if type(doc) is not dict or doc.get("format") != BUNDLE_FORMAT:
+            raise ValueError("not a header bundle")
+        index = doc["index"]
+        if index is not None:
+            key, body = index
+            if type(key) is not str or type(body) is not bytes:
+                raise ValueError("bad index entry")
+            index = (key, body)
+        files = []
+        for key, size, header in doc["files"]:
+            if type(key) is not str or type(size) is not int or type(header) is not bytes:
+                raise ValueError("bad file entry")
+            files.append((key, size, header))
+    except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
+        raise SafetensorsError(f"malformed safetensors header bundle: {exc}") from exc
+    return files, index
+
+
+def parse_bundle(raw: bytes) -> tuple[list[SafetensorsFile], dict[str, str] | None]:
+    """The parsed files and the index's ``weight_map`` (None without an index). Raises
+    :class:`SafetensorsError` for anything malformed (see
+    :mod:`cloudckpt.hf.safetensors_index`)."""
+    entries, index = _decode_bundle(raw)
+    weight_map = parse_index(index[1], key=index[0]) if index is not None else None
+    return [parse_header(h, key=k, size=s) for k, s, h in entries], weight_map
+
+
+def map_names(names: Sequence[str], key_map: KeyMap) -> list[str | None]:
+    """Each checkpoint name as the state dict names it: ``key_map[name]`` for a dict (names
+    not in it unchanged), ``key_map(name)`` for a callable (``None``: not loaded). Two names
+    mapped to one raise :class:`DuplicateKeyError`; a callable returning neither a string nor
+    None raises :class:`ConfigError`."""
+    if key_map is None:
+        out: list[str | None] = list(names)
+    elif isinstance(key_map, Mapping):
+        out = [key_map.get(n, n) for n in names]
+    elif callable(key_map):
+        out = [key_map(n) for n in names]
+    else:
+        raise ConfigError(f"key_map must be a dict or a callable, not {type(key_map).__name__}")
+    seen: dict[str, str] = {}
+    for name, new in zip(names, out):
+        if new is None:
+            continue
+        if type(new) is not str:
+            raise ConfigError(f"key_map gave {new!r:.60} for {json.dumps(name)}: a string or "
+                              f"None was expected")
+        if new in seen:
+            raise DuplicateKeyError(f"key_map maps both {json.dumps(seen[new])} and "
+                                    f"{json.dumps(name)} to {json.dumps(new)}")
+        seen[new] = name
+    return out
+
+
+def build_manifest(files: Sequence[SafetensorsFile], weight_map: Mapping[str, str] | None,
+                   key_map: KeyMap = None) -> Manifest:
+    """The in-memory manifest (module doc) of ``files``; tensors in file then header order,
+    named through ``key_map``."""
+    found = catalog(files, weight_map)
+    new_names = map_names(list(found), key_map)
+    names, dtypes, shapes, sizes, objs, offsets, lengths = [], [], [], [], [], [], []
+    for new, (i, t) in zip(new_names, found.values()):
+        if new is None:
+            continue
+        names.append(new)
+        dtypes.append(t.dtype)
+        shapes.append(t.shape)
+        sizes.extend(t.shape)
+        objs.append(i)
+        offsets.append(files[i].data_start + t.begin)
+        lengths.append(t.end - t.begin)
+
+    return Manifest(
+        world_size=1, created_at=0.0, cloudckpt_version=__version__,
+        metadata={"format": "safetensors"}, checksum_block_size=0, checksums=False,
+        objects=[f.key for f in files], tensor_names=names, tensor_dtypes=dtypes,
+        tensor_shapes=shapes, chunk_counts=[1] * len(names), chunk_offsets=[0] * len(sizes),
+        chunk_sizes=sizes, chunk_object_index=objs, chunk_byte_offset=offsets,
+        chunk_byte_length=lengths, chunk_crcs=[], value_blobs={})
+
+
+def manifest_of_bundle(raw: bytes, key_map: KeyMap = None) -> Manifest:
+    """:func:`build_manifest` of a header bundle's files (what every rank runs)."""
+    files, weight_map = parse_bundle(raw)
+    return build_manifest(files, weight_map, key_map)
