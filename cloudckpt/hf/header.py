@@ -31,9 +31,8 @@ Contract:
   (``tests/interop/test_hf_header.py``, every hostile case and generated headers): it refuses
   holes ("invalid offset") and data that stops short of, or runs past, the file's end
   ("incomplete metadata, file not fully covered"), and ignores unknown keys. Stricter than the
-  library, by design: an empty tensor name, more than
-  64 dimensions, ``"__metadata__": null``, the dtypes the library knows and cloudckpt does not
-  (``F8_E4M3FNUZ``, ``F8_E5M2FNUZ``).
+  library, by design: an empty tensor name, more than 64 dimensions, ``"__metadata__": null``,
+  the dtypes the library knows and cloudckpt does not (``F8_E4M3FNUZ``, ``F8_E5M2FNUZ``).
 - Dtypes: :data:`DTYPES` maps safetensors names (``"BF16"``) to the torch dtype names cloudckpt
   uses (``"bfloat16"``); :data:`ITEMSIZE` gives bytes per element (from
   :data:`cloudckpt.manifest.dtypes.DTYPE_ITEMSIZE`); :func:`safetensors_dtype` /
