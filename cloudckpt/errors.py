@@ -109,8 +109,10 @@ class UnsupportedManifestVersion(ManifestError):
 
 
 class SafetensorsError(ManifestError):
-    """A Hugging Face safetensors file's header, or the index naming the files, is malformed or
-    inconsistent (:func:`cloudckpt.load_safetensors`). ``path`` names the file and the entry."""
+    """A Hugging Face safetensors header or index is malformed, hostile or inconsistent (read by
+    :func:`cloudckpt.load_safetensors`, parsed by :mod:`cloudckpt.hf.header`), or a header could
+    not be built (a dtype safetensors cannot hold). ``path`` names the file and the entry where
+    known. Nothing is allocated or read from a refused header."""
 
 
 class PickleNotAllowed(ManifestError, PermissionError):
@@ -209,11 +211,6 @@ class SaveInProgress(CloudCkptError, RuntimeError):
 
 
 # --- Hugging Face safetensors ------------------------------------------------------------------
-
-
-class SafetensorsHeaderError(IntegrityError):
-    """A safetensors header is malformed or hostile (a bad length, bad JSON, an unknown dtype,
-    offsets out of range, overlapping or leaving holes). Nothing is allocated from it."""
 
 
 class ExportTargetNotEmpty(CloudCkptError, FileExistsError):

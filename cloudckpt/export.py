@@ -196,7 +196,7 @@ def _safetensors_parts(state, url: str):
     for a tensor of a dtype safetensors cannot hold (complex128)."""
     import torch
 
-    from cloudckpt.errors import ConfigError, SafetensorsHeaderError
+    from cloudckpt.errors import ConfigError, SafetensorsError
     from cloudckpt.hf.header import safetensors_dtype
 
     flat: dict[str, Any] = {}
@@ -205,7 +205,7 @@ def _safetensors_parts(state, url: str):
     for k, v in tensors.items():
         try:
             safetensors_dtype(v.dtype)
-        except SafetensorsHeaderError as exc:
+        except SafetensorsError as exc:
             raise ConfigError(f"tensor {k} is {str(v.dtype).removeprefix('torch.')}, which "
                               "safetensors cannot hold; export to .pt, or with --format "
                               "safetensors (which leaves it out)") from exc

@@ -1,12 +1,19 @@
 """A safetensors checkpoint as a cloudckpt manifest, so the whole load pipeline reads it. Pure.
 
+A sharded checkpoint comes with an index, ``model.safetensors.index.json``: ``{"weight_map":
+{tensor: file}, ...}`` (:func:`parse_index`: untrusted bytes, every file a safe relative key).
+Each file's header is parsed by :func:`cloudckpt.hf.header.parse_header`, the one safetensors
+parser; :func:`locate_tensors` puts the files' tensors together (a name in two files, or an
+index naming a tensor its file lacks, is refused). Every failure is a
+:class:`~cloudckpt.errors.SafetensorsError` whose ``path`` names the file and the entry.
+
 What the coordinator read (:mod:`cloudckpt.hf.source`) travels between ranks as a *header
-bundle* (msgpack: the index's bytes, each file's key, size and header bytes); every rank turns
-the same bundle into the same :class:`~cloudckpt.manifest.Manifest`
+bundle* (msgpack: the index's bytes, each file's key, size and header bytes, length prefix
+included); every rank turns the same bundle into the same :class:`~cloudckpt.manifest.Manifest`
 (:func:`manifest_of_bundle`), in which
 
 - each file is one data object (its key relative to the checkpoint folder);
-- each tensor is one chunk covering the whole tensor, at ``8 + header length + begin`` of its
+- each tensor is one chunk covering the whole tensor, at ``8 + header length + start`` of its
   file;
 - there are no checksums (``Manifest(checksums=False)``: safetensors stores none), so reads are
   not verified; such a manifest can never be stored (the codec refuses it).
@@ -25,14 +32,61 @@ import msgpack
 
 from cloudckpt import __version__
 from cloudckpt.errors import ConfigError, DuplicateKeyError, SafetensorsError
-from cloudckpt.hf.safetensors_index import (SafetensorsFile, catalog, parse_header,
-                                            parse_index)
-from cloudckpt.manifest import Manifest
+from cloudckpt.hf.header import Header, TensorEntry, load_json, parse_header
+from cloudckpt.manifest import Manifest, validate_object_key
 
 #: a dict (listed names renamed, others kept) or a callable (name -> new name, None drops it).
 KeyMap = Union[Mapping[str, str], Callable[[str], Union[str, None]], None]
 
 BUNDLE_FORMAT = "cloudckpt.safetensors_headers"
+#: the largest index file accepted.
+MAX_INDEX_BYTES = 64 << 20
+
+
+def _where(key: str, entry: str | None = None) -> str:
+    """The error ``path``: the file's key and the entry (JSON-quoted, shortened)."""
+    return f"{key}: {json.dumps(entry[:80])}" if entry is not None else key
+
+
+def parse_index(raw: bytes, *, key: str) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> file key) of an index file ``key``; every file key is
+    a safe relative key (no ``..``, not absolute: see
+    :func:`~cloudckpt.manifest.validate_object_key`)."""
+    if len(raw) > MAX_INDEX_BYTES:
+        raise SafetensorsError(f"{len(raw)} bytes is more than the {MAX_INDEX_BYTES} an index "
+                               f"may have", path=key)
+    doc = load_json(raw, path=key)
+    weight_map = doc.get("weight_map") if type(doc) is dict else None
+    if type(weight_map) is not dict:
+        raise SafetensorsError("an index must be an object with a \"weight_map\" object",
+                               path=key)
+    for name, file in weight_map.items():
+        why = validate_object_key(file) if type(file) is str else "a file name must be a string"
+        if why:
+            raise SafetensorsError(why, path=_where(key, name))
+    return weight_map
+
+
+def locate_tensors(files: Mapping[str, Header], weight_map: Mapping[str, str] | None = None
+                   ) -> dict[str, tuple[int, TensorEntry]]:
+    """Every tensor of ``files`` (file key -> its header): name -> (position of its file,
+    tensor), in file then data order. A name in two files is refused; with an index, every name
+    it maps must be in the header of the file it names."""
+    keys = list(files)
+    found: dict[str, tuple[int, TensorEntry]] = {}
+    for i, (key, header) in enumerate(files.items()):
+        for t in header.tensors:
+            if t.name in found:
+                other = keys[found[t.name][0]]
+                raise SafetensorsError(f"tensor {json.dumps(t.name)} is in two files, {other} "
+                                       f"and {key}", path=_where(key, t.name))
+            found[t.name] = (i, t)
+    for name, file in (weight_map or {}).items():
+        place = found.get(name)
+        if place is None or keys[place[0]] != file:
+            raise SafetensorsError(f"the index puts {json.dumps(name)} in {file}, whose header "
+                                   f"does not have it", path=_where(file, name))
+    return found
 
 
 def encode_bundle(files: Sequence[tuple[str, int, bytes]],
@@ -59,18 +113,20 @@ def _decode_bundle(raw: bytes):
             if type(key) is not str or type(size) is not int or type(header) is not bytes:
                 raise ValueError("bad file entry")
             files.append((key, size, header))
+        if len({k for k, _, _ in files}) != len(files):
+            raise ValueError("a file is listed twice")
     except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
         raise SafetensorsError(f"malformed safetensors header bundle: {exc}") from exc
     return files, index
 
 
-def parse_bundle(raw: bytes) -> tuple[list[SafetensorsFile], dict[str, str] | None]:
-    """The parsed files and the index's ``weight_map`` (None without an index). Raises
-    :class:`SafetensorsError` for anything malformed (see
-    :mod:`cloudckpt.hf.safetensors_index`)."""
+def parse_bundle(raw: bytes) -> tuple[dict[str, Header], dict[str, str] | None]:
+    """The parsed files (key -> header, in the bundle's order) and the index's ``weight_map``
+    (None without an index). Raises :class:`SafetensorsError` for anything malformed (see
+    :func:`parse_index`, :func:`cloudckpt.hf.header.parse_header`)."""
     entries, index = _decode_bundle(raw)
     weight_map = parse_index(index[1], key=index[0]) if index is not None else None
-    return [parse_header(h, key=k, size=s) for k, s, h in entries], weight_map
+    return {k: parse_header(h, file_size=s, key=k) for k, s, h in entries}, weight_map
 
 
 def map_names(names: Sequence[str], key_map: KeyMap) -> list[str | None]:
@@ -100,28 +156,29 @@ def map_names(names: Sequence[str], key_map: KeyMap) -> list[str | None]:
     return out
 
 
-def build_manifest(files: Sequence[SafetensorsFile], weight_map: Mapping[str, str] | None,
+def build_manifest(files: Mapping[str, Header], weight_map: Mapping[str, str] | None,
                    key_map: KeyMap = None) -> Manifest:
-    """The in-memory manifest (module doc) of ``files``; tensors in file then header order,
-    named through ``key_map``."""
-    found = catalog(files, weight_map)
+    """The in-memory manifest (module doc) of ``files`` (file key -> header); tensors in file
+    then data order, named through ``key_map``."""
+    found = locate_tensors(files, weight_map)
+    headers = list(files.values())
     new_names = map_names(list(found), key_map)
     names, dtypes, shapes, sizes, objs, offsets, lengths = [], [], [], [], [], [], []
     for new, (i, t) in zip(new_names, found.values()):
         if new is None:
             continue
         names.append(new)
-        dtypes.append(t.dtype)
+        dtypes.append(t.torch_dtype)
         shapes.append(t.shape)
         sizes.extend(t.shape)
         objs.append(i)
-        offsets.append(files[i].data_start + t.begin)
-        lengths.append(t.end - t.begin)
+        offsets.append(headers[i].data_start + t.start)
+        lengths.append(t.nbytes)
 
     return Manifest(
         world_size=1, created_at=0.0, cloudckpt_version=__version__,
         metadata={"format": "safetensors"}, checksum_block_size=0, checksums=False,
-        objects=[f.key for f in files], tensor_names=names, tensor_dtypes=dtypes,
+        objects=list(files), tensor_names=names, tensor_dtypes=dtypes,
         tensor_shapes=shapes, chunk_counts=[1] * len(names), chunk_offsets=[0] * len(sizes),
         chunk_sizes=sizes, chunk_object_index=objs, chunk_byte_offset=offsets,
         chunk_byte_length=lengths, chunk_crcs=[], value_blobs={})

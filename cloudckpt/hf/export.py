@@ -37,7 +37,7 @@ import torch
 
 from cloudckpt.api.load import read_manifest_bytes
 from cloudckpt.api.read_tensors import TensorReader
-from cloudckpt.errors import ConfigError, ExportTargetNotEmpty, SafetensorsHeaderError
+from cloudckpt.errors import ConfigError, ExportTargetNotEmpty, SafetensorsError
 from cloudckpt.hf.destinations import LocalFolder, S3Folder
 from cloudckpt.hf.header import DTYPES, FLOATING, torch_dtype_name
 from cloudckpt.hf.shards import INDEX_FILE, ExportTensor, ShardFile, plan_shards, plan_windows
@@ -120,7 +120,7 @@ def _cast_dtype(dtype) -> str | None:
         return None
     try:
         name = torch_dtype_name(dtype)
-    except SafetensorsHeaderError as exc:
+    except SafetensorsError as exc:
         raise ConfigError(f"dtype {dtype!r} is not one safetensors holds; give a floating "
                           f"dtype: {', '.join(sorted(FLOATING))}") from exc
     if name not in FLOATING:

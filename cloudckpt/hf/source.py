@@ -20,9 +20,8 @@ from __future__ import annotations
 import asyncio
 
 from cloudckpt.errors import CheckpointNotFound, SafetensorsError
-from cloudckpt.hf.catalog import encode_bundle
-from cloudckpt.hf.safetensors_index import (MAX_HEADER_BYTES, MAX_INDEX_BYTES, PREFIX_BYTES,
-                                            header_length, parse_index)
+from cloudckpt.hf.catalog import MAX_INDEX_BYTES, encode_bundle, parse_index
+from cloudckpt.hf.header import MAX_HEADER_BYTES, PREFIX_BYTES, header_length
 from cloudckpt.storage import ObjectInfo, ReadRange
 from cloudckpt.wording import plural
 
@@ -54,10 +53,10 @@ def choose_index(keys) -> str | None:
 
 async def read_prefix(store, key: str, size: int) -> int:
     """The header length of file ``key`` (``size`` bytes), from its 8-byte prefix, checked
-    against the file's size (:func:`~cloudckpt.hf.safetensors_index.header_length`)."""
+    against the file's size (:func:`~cloudckpt.hf.header.header_length`)."""
     (prefix,) = await store.read_ranges(key, [ReadRange(0, PREFIX_BYTES)]) \
         if size >= PREFIX_BYTES else (b"",)
-    return header_length(bytes(prefix), key=key, size=size)
+    return header_length(bytes(prefix), file_size=size, key=key)
 
 
 async def read_header_bundle(store, where: str) -> bytes:
@@ -97,7 +96,8 @@ async def read_header_bundle(store, where: str) -> bytes:
                                f"than the {MAX_TOTAL_HEADER_BYTES} a load reads", path=where)
     bodies = await _all(bounded(store.read_ranges, k, [ReadRange(PREFIX_BYTES, n)])
                         for k, n in zip(keys, lengths))
-    return encode_bundle([(k, sizes[k], bytes(b[0])) for k, b in zip(keys, bodies)], index)
+    return encode_bundle([(k, sizes[k], b"".join((n.to_bytes(PREFIX_BYTES, "little"), b[0])))
+                          for k, n, b in zip(keys, lengths, bodies)], index)
 
 
 async def _all(coros) -> list:

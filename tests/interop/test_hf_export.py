@@ -20,8 +20,7 @@ from safetensors.torch import load_file
 import cloudckpt
 from cloudckpt import cli as cli_module
 from cloudckpt.api.read_tensors import TensorReader
-from cloudckpt.errors import (ChecksumError, ConfigError, ExportTargetNotEmpty,
-                              SafetensorsHeaderError)
+from cloudckpt.errors import ChecksumError, ConfigError, ExportTargetNotEmpty, SafetensorsError
 from cloudckpt.hf import destinations
 from cloudckpt.hf.header import parse_header
 from cloudckpt.runtime import run_coroutine, shared_store
@@ -291,7 +290,7 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path, kwargs, 
     (tmp_path / "file").write_bytes(b"x")
     with pytest.raises(ConfigError, match="it is a file"):
         cloudckpt.export_safetensors(url, str(tmp_path / "file"))
-    assert issubclass(SafetensorsHeaderError, ValueError)
+    assert issubclass(SafetensorsError, ValueError)
 
 
 # -- the command line ---------------------------------------------------------------------------

@@ -164,7 +164,7 @@ def hostile_url(s3_server, llama):
     prefix = f"hf-hostile-{uuid.uuid4().hex[:8]}"
     upload(s3_server, llama.folder, prefix, skip=("model.safetensors.index.json",))
     s3_server.boto3_client().put_object(Bucket=s3_server.bucket, Key=f"{prefix}/z.safetensors",
-                                        Body=hostile_files()["overlapping tensors"])
+                                        Body=hostile_files()["overlapping tensors"][0])
     return s3_server.url(prefix)
 
 
@@ -254,9 +254,10 @@ def test_an_index_naming_a_missing_file_or_tensor_is_refused(llama, tmp_path):
 @pytest.mark.parametrize("case", sorted(hostile_files()))
 def test_a_hostile_file_is_refused_before_any_data_moves(tmp_path, case):
     (tmp_path / "good.safetensors").write_bytes(valid_file({"w": torch.ones(4, 4).numpy()}))
-    (tmp_path / "bad.safetensors").write_bytes(hostile_files()[case])
+    blob, words = hostile_files()[case]
+    (tmp_path / "bad.safetensors").write_bytes(blob)
     dest = {"w": torch.zeros(4, 4)}
-    with pytest.raises(SafetensorsError) as info:
+    with pytest.raises(SafetensorsError, match=words) as info:
         cloudckpt.load_safetensors(dest, str(tmp_path))
     assert isinstance(info.value, CheckpointError) and "bad.safetensors" in str(info.value)
     assert (dest["w"] == 0).all()
