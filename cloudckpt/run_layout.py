@@ -13,6 +13,7 @@ belongs to someone else and is ignored by listings and never deleted.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -20,7 +21,7 @@ from typing import Any, Iterable
 from cloudckpt.layout import DATA_PREFIX, MANIFEST_KEY
 
 __all__ = ["LIST_DELIMITER", "StepState", "add_uploads", "classify_listing", "join_url",
-           "parse_step_dir", "step_dir"]
+           "parse_step_dir", "split_folder", "step_dir"]
 
 #: The delimiter of the one listing of a run root: it yields each step's manifest as a key and
 #: each step's ``data/`` folder as one common prefix, whatever the number of data objects.
@@ -47,6 +48,31 @@ def parse_step_dir(prefix: str) -> int | None:
 def join_url(base: str, relative: str) -> str:
     """``base`` (a run or checkpoint URL, or a path) joined with a relative key prefix."""
     return base.rstrip("/") + "/" + relative.strip("/")
+
+
+def split_folder(url: str) -> tuple[str, str] | None:
+    """``(run URL, folder)`` of a checkpoint URL: the URL of the folder above it and its own
+    last path segment (incremental checkpoints reference objects of *sibling* folders, under
+    the run URL). ``None`` when there is no folder above it (a bucket root, a filesystem root,
+    a bare relative name) or the last segment is not a folder name a manifest may use. Local
+    paths are made absolute and normalised, so two spellings of one run compare equal."""
+    from cloudckpt.manifest.lineage import folder_problem
+    from cloudckpt.storage.urls import parse_store_url
+
+    parsed = parse_store_url(url)
+    if parsed.kind == "s3":
+        parts = parsed.prefix.strip("/").split("/") if parsed.prefix else []
+        if not parts:
+            return None
+        run = parsed.bucket_url + "".join("/" + p for p in parts[:-1])
+    else:
+        path = os.path.normpath(os.path.abspath(parsed.path))
+        run, last = os.path.split(path)
+        if not last or run == path:
+            return None
+        parts = [last]
+        run = ("file://" + run) if url.startswith("file:") else run
+    return None if folder_problem(parts[-1]) else (run, parts[-1])
 
 
 @dataclass

@@ -35,6 +35,7 @@ from cloudckpt import layout
 from cloudckpt.errors import CheckpointNotFound, ManifestError, ObjectNotFound
 from cloudckpt.manifest import decode_manifest
 from cloudckpt.options import LoadOptions, LoadResult
+from cloudckpt.api.homes import reading_view
 from cloudckpt.api.load_data import move_data
 from cloudckpt.api.manifest_io import fetch_manifest_bytes
 from cloudckpt.api.reports import LoadPlanReport
@@ -77,21 +78,22 @@ def load(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage
     options = options or LoadOptions()
     channel = ControlChannel(process_group, timeout=options.timeout)
     started = time.perf_counter()
-    store = shared_store(url, storage)
 
     raw, manifest = b"", None
     with channel.phase("load manifest"):
         if channel.is_coordinator or not options.share_manifest:
             raw = read_manifest_bytes(url, storage)
         if channel.is_coordinator:
-            manifest = decode_manifest(raw, allow_pickle=allow_pickle)
+            store, manifest = reading_view(
+                url, storage, decode_manifest(raw, allow_pickle=allow_pickle))
             run_coroutine(check_object_extents(store, manifest))
     if options.share_manifest:
         raw = channel.broadcast_bytes(raw if channel.is_coordinator else None)
 
     with channel.phase("load planning", LoadPlanReport) as planning:
         if manifest is None:
-            manifest = decode_manifest(raw, allow_pickle=allow_pickle)
+            store, manifest = reading_view(
+                url, storage, decode_manifest(raw, allow_pickle=allow_pickle))
         wanted = _Wanted.of(state_dict, channel)
         wanted.check_replaceable(state_dict, manifest)
         plan = plan_local_load(manifest, wanted.requests, rank=channel.rank,
@@ -120,8 +122,8 @@ def load_full(url: str, *, storage=None, allow_pickle: bool = False,
     with the saved structure (dicts, lists, tuples) and non-tensor values restored.
     """
     options = options or LoadOptions()
-    manifest = read_manifest(url, storage=storage, allow_pickle=allow_pickle)
-    store = shared_store(url, storage)
+    store, manifest = reading_view(
+        url, storage, read_manifest(url, storage=storage, allow_pickle=allow_pickle))
     run_coroutine(check_object_extents(store, manifest))  # before allocating declared shapes
     leaves: dict[str, Any] = dict(manifest.values)
     requests, dests = [], []

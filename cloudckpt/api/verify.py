@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cloudckpt.api.homes import reading_view
 from cloudckpt.api.load import read_manifest_bytes
 from cloudckpt.dataplane.buffers import BufferPool
 from cloudckpt.errors import CloudCkptError
@@ -34,7 +35,7 @@ from cloudckpt.planning import Region
 from cloudckpt.planning.chunk_index import coverage_errors
 from cloudckpt.planning.windows import plan_windows
 from cloudckpt.dataplane.reader import read_windows
-from cloudckpt.runtime import run_coroutine, shared_store
+from cloudckpt.runtime import run_coroutine
 from cloudckpt.statedict import torch_dtype
 
 #: bytes read and checked at once per request; at most ``_IN_FLIGHT`` chunks in progress.
@@ -65,7 +66,7 @@ def verify(url: str, *, storage=None, progress=None) -> VerifyReport:
     manifest = decode_manifest(raw, allow_pickle="inspect")  # never unpickles
     notes = [UNCHECKSUMMED] if stored_version(raw) == 1 else []
     del raw
-    store = shared_store(url, storage)
+    store, manifest = reading_view(url, storage, manifest)
     return run_coroutine(_verify(url, store, manifest, progress, notes))
 
 
