@@ -4,7 +4,11 @@ run root reads. Pure: no I/O, no torch (like Orbax's step-path helpers).
 ```
 <run>/step-<step:012d>/manifest.msgpack          a complete checkpoint (see cloudckpt.layout)
 <run>/step-<step:012d>/data/...                  its data objects (or an unfinished save's)
+<run>/step-<step:012d>/pins/<attempt>.<folder>     pins of incremental saves that reference it
 ```
+
+A step with pins and no manifest is *retained*: deleted, but some of its objects stay because
+other checkpoints reference them (see :mod:`cloudckpt.run_refs`). It is not a checkpoint.
 
 A step is an ``int >= 0``; its prefix has at least 12 digits, zero-padded, and exactly the digits
 :func:`step_dir` writes (``step-0000000000001/`` is not step 1). Anything else under a run root
@@ -18,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from cloudckpt.layout import DATA_PREFIX, MANIFEST_KEY
+from cloudckpt.layout import DATA_PREFIX, MANIFEST_KEY, PINS_PREFIX
 
 __all__ = ["LIST_DELIMITER", "StepState", "add_uploads", "classify_listing", "join_url",
            "parse_step_dir", "split_folder", "step_dir"]
@@ -82,13 +86,20 @@ class StepState:
     manifest: Any = None        # ObjectInfo of the manifest when complete
     has_data: bool = False      # a data/ common prefix was listed
     uploads: tuple = ()         # UploadInfo of unfinished multipart uploads (prune only)
+    pins: int = 0               # pins listed (other checkpoints reference it)
+
+    @property
+    def retained(self) -> bool:
+        """Deleted, kept for what other checkpoints reference: no manifest, some pins."""
+        return self.manifest is None and self.pins > 0
 
 
 def classify_listing(items: Iterable[Any]) -> dict[int, StepState]:
     """Group the entries of a ``delimiter="/data/"`` listing of a run root by step.
 
     Entries are ``ObjectInfo`` (``.key``) or ``CommonPrefix`` (``.prefix``); anything that is not
-    ``step-<012d>/manifest.msgpack`` or ``step-<012d>/data/`` is ignored.
+    ``step-<012d>/manifest.msgpack``, ``step-<012d>/data/`` or ``step-<012d>/pins/<name>`` is
+    ignored.
     """
     steps: dict[int, StepState] = {}
     for item in items:
@@ -105,6 +116,10 @@ def classify_listing(items: Iterable[Any]) -> dict[int, StepState]:
             step = parse_step_dir(head + sep)
             if step is not None:
                 steps.setdefault(step, StepState()).manifest = item
+        elif name and head.endswith("/" + PINS_PREFIX.rstrip("/")):
+            step = parse_step_dir(head[:-len(PINS_PREFIX) + 1])
+            if step is not None:
+                steps.setdefault(step, StepState()).pins += 1
     return steps
 
 

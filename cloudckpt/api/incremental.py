@@ -18,7 +18,8 @@ Contract (the protocol and why it is safe: docs/architecture.md, "Incremental ch
   ``CheckpointError`` when the last complete rewrite started more than ``lease / 2`` ago: a
   deleter may then have taken the pins for those of a dead save.
 - After the commit the pins stay: they record that the new checkpoint references those
-  folders (deleting it removes them). After a failure :meth:`PinnedBase.release` removes them
+  folders (deleting it removes them); those in folders it does not reference after all are
+  removed. After a failure :meth:`PinnedBase.release` removes them
   (a save killed outright leaves them to expire).
 """
 
@@ -87,6 +88,17 @@ class PinnedBase:
         if self.task is not None:
             self.task.cancel_and_wait()
             self.task = None
+
+    async def drop_unused(self, used) -> None:
+        """After the commit: remove the pins in folders the manifest does not reference after
+        all (they protect nothing); a failure is only logged."""
+        unused = [k for k in self.keys if k.split("/", 1)[0] not in used]
+        try:
+            if unused:
+                await self.store.delete(unused)
+        except Exception as exc:  # noqa: BLE001 - they are only stale pins
+            log.warning("could not remove %d unused pins of an incremental save: %s",
+                        len(unused), exc)
 
     async def release(self) -> None:
         """Remove the pins (the save failed or fell back to a full save)."""

@@ -70,6 +70,8 @@ class PreparedSave:
     incremental: bool = False      # every rank hashes its items (the coordinator's word)
     base: str | None = None        # the coordinator's base URL
     manifest_sent: bool = False    # the coordinator issued the manifest's PUT
+    used_homes: frozenset = frozenset()  # the folders the committed manifest references
+    base_used: str = ""            # the base's folder, on every rank ("": a full save)
 
 
 def save(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage=None,
@@ -148,10 +150,12 @@ def finish_save(p: PreparedSave) -> SaveResult:
                 if channel.is_coordinator and p.base is not None:
                     pinned = _pin_base(p)
             table = channel.broadcast_bytes(
-                (encode_known(pinned.chunks.known()) if pinned else b"")
+                (encode_known(pinned.chunks.known(), pinned.chunks.folder) if pinned else b"")
                 if channel.is_coordinator else None)
-            mine = {w.chunk_id for w in p.plan.writes}
-            known = {c: h for c, h in decode_known(table).items() if c in mine} if table else {}
+            if table:
+                mine = {w.chunk_id for w in p.plan.writes}
+                known, p.base_used = decode_known(table)
+                known = {c: h for c, h in known.items() if c in mine}
 
         with channel.phase("save upload", UploadReport) as upload:
             upload.report = _upload(p, known)
@@ -168,6 +172,8 @@ def finish_save(p: PreparedSave) -> SaveResult:
         raise
     if pinned is not None:
         pinned.stop()
+        if channel.is_coordinator:
+            run_coroutine(pinned.drop_unused(p.used_homes))
 
     reports = upload.reports
     return SaveResult(url=p.url, bytes_written=sum(r.bytes_written for r in reports),
@@ -175,8 +181,7 @@ def finish_save(p: PreparedSave) -> SaveResult:
                       seconds=time.perf_counter() - p.started,
                       rank_bytes_written=reports[channel.rank].bytes_written,
                       attempt=p.attempt, plan_cached=p.plan_cached,
-                      bytes_reused=sum(r.bytes_reused for r in reports),
-                      base=pinned.chunks.folder if pinned is not None else "")
+                      bytes_reused=sum(r.bytes_reused for r in reports), base=p.base_used)
 
 
 # -- the work of each phase -------------------------------------------------------------------
@@ -275,7 +280,7 @@ def _commit(p: PreparedSave, reports: tuple[UploadReport, ...],
     if pinned is not None:
         pinned.check_lease()
     store = shared_store(p.url, p.storage)
-    p.manifest_sent = True
+    p.manifest_sent, p.used_homes = True, frozenset(manifest.object_homes)
     try:
         run_coroutine(store.put(layout.MANIFEST_KEY, encode_manifest(manifest), mode="create"))
     except ObjectExists as exc:

@@ -75,28 +75,32 @@ def match_base(skeleton: ManifestSkeleton, base: Manifest, *, checksum_block_siz
     return match
 
 
-def encode_known(known: dict[int, bytes]) -> bytes:
-    """The table the coordinator broadcasts: chunk ids and their base hashes."""
+def encode_known(known: dict[int, bytes], base: str) -> bytes:
+    """The table the coordinator broadcasts: the base's folder, chunk ids and their hashes."""
     ids = np.array(sorted(known), dtype=np.int64)
-    return msgpack.packb({"format": KNOWN_FORMAT, "version": 1,
+    return msgpack.packb({"format": KNOWN_FORMAT, "version": 1, "base": base,
                           "ids": encode_int_column(ids, delta=True),
                           "hashes": b"".join(known[int(i)] for i in ids)}, use_bin_type=True)
 
 
-def decode_known(data: bytes) -> dict[int, bytes]:
+def decode_known(data: bytes) -> tuple[dict[int, bytes], str]:
+    """``(chunk id -> base hash, base folder)`` of :func:`encode_known`'s bytes."""
     try:
         doc = msgpack.unpackb(data, raw=False)
         if not isinstance(doc, dict) or doc.get("format") != KNOWN_FORMAT or doc.get("version") != 1:
             raise PlanningError("not a table of known chunk hashes")
         ids = decode_int_column(doc["ids"])
         hashes = doc["hashes"]
-        if type(hashes) is not bytes or len(hashes) != HASH_BYTES * len(ids):
+        base = doc["base"]
+        if type(hashes) is not bytes or len(hashes) != HASH_BYTES * len(ids) \
+                or type(base) is not str:
             raise PlanningError("malformed table of known chunk hashes")
     except PlanningError:
         raise
     except (ColumnError, KeyError, TypeError, ValueError) as exc:
         raise PlanningError(f"malformed table of known chunk hashes: {exc}") from exc
-    return {int(c): hashes[HASH_BYTES * i:HASH_BYTES * (i + 1)] for i, c in enumerate(ids.tolist())}
+    return {int(c): hashes[HASH_BYTES * i:HASH_BYTES * (i + 1)]
+            for i, c in enumerate(ids.tolist())}, base
 
 
 @dataclass(frozen=True, eq=False)
