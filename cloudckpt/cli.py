@@ -57,7 +57,7 @@ from cloudckpt.errors import (AccessDenied, BucketNotFound, CheckpointNotFound, 
                               ConfigError, ObjectNotFound)
 from cloudckpt.layout import MANIFEST_KEY
 from cloudckpt import cli_json
-from cloudckpt.cli_show import cmd_show
+from cloudckpt.cli_show import print_show
 from cloudckpt.cli_options import (EXIT_USAGE, Parser, UsageError, global_options, seconds,
                                    storage_options, whole_number)
 from cloudckpt.wording import plural
@@ -188,6 +188,25 @@ def _manifest_bytes(url: str) -> bytes:
         return run_coroutine(fetch_manifest_bytes(_open(url)))
     except ObjectNotFound as exc:
         raise CheckpointNotFound(f"no complete checkpoint at {url} ({exc})") from exc
+
+
+def cmd_show(args) -> int:
+    import cloudckpt
+
+    from cloudckpt.manager import decode_manifest_without_pickle
+
+    url = _resolve_checkpoint(args.url, args.step)
+    pickled: tuple[str, ...] = ()
+    if args.allow_pickle:
+        manifest = cloudckpt.read_manifest(url, allow_pickle=True, storage=_STORAGE)
+    else:
+        manifest, pickled = decode_manifest_without_pickle(_manifest_bytes(url))
+    if args.json:
+        cli_json.emit(cli_json.show_document(url, manifest, pickled))
+    else:
+        print_show(url, manifest, pickled, table=_table, human_bytes=_human_bytes,
+                   fmt_time=_fmt_time)
+    return EXIT_OK
 
 
 def cmd_verify(args) -> int:

@@ -1,6 +1,6 @@
-"""``cloudckpt show``: a checkpoint's header, tensors, values and, for an incremental checkpoint,
-its base and the objects of other checkpoints it uses (split from :mod:`cloudckpt.cli`, which
-parses the command line and handles errors)."""
+"""The text of ``cloudckpt show``: a checkpoint's header, tensors, values and, for an incremental
+checkpoint, its base and the objects of other checkpoints it uses (split from
+:mod:`cloudckpt.cli`, which reads the manifest, parses the command line and handles errors)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,10 @@ from typing import Any
 from cloudckpt.wording import plural
 
 
-def _fmt_epoch(seconds: float) -> str:
+def _fmt_epoch(seconds: float, fmt_time) -> str:
     """A manifest's creation time (unix seconds), or the number itself when it is no time."""
-    from cloudckpt.cli import _fmt_time
-
     try:
-        return _fmt_time(datetime.fromtimestamp(seconds).astimezone())
+        return fmt_time(datetime.fromtimestamp(seconds).astimezone())
     except (OverflowError, OSError, ValueError):
         return f"{seconds!r} (not a valid time)"
 
@@ -66,27 +64,16 @@ def referenced_objects(manifest) -> list[tuple[str, str, int]]:
                   for home, key in zip(manifest.object_homes, manifest.objects) if home)
 
 
-def cmd_show(args) -> int:
-    import cloudckpt
-    from cloudckpt import cli, cli_json
-    from cloudckpt.manager import decode_manifest_without_pickle
-
-    url = cli._resolve_checkpoint(args.url, args.step)
-    pickled: tuple[str, ...] = ()
-    if args.allow_pickle:
-        manifest = cloudckpt.read_manifest(url, allow_pickle=True, storage=cli._STORAGE)
-    else:
-        manifest, pickled = decode_manifest_without_pickle(cli._manifest_bytes(url))
-    if args.json:
-        cli_json.emit(cli_json.show_document(url, manifest, pickled))
-        return cli.EXIT_OK
+def print_show(url: str, manifest, pickled, *, table, human_bytes, fmt_time) -> None:
+    """The text of ``cloudckpt show`` for ``manifest`` (``pickled``: the names of values not
+    unpickled); ``table``, ``human_bytes`` and ``fmt_time`` are the command line's formatters."""
     created = getattr(manifest, "created_at", None)
-    when = _fmt_epoch(created) if created else "-"
+    when = _fmt_epoch(created, fmt_time) if created else "-"
     print(f"checkpoint  {url}")
     print(f"created     {when}   world size {manifest.world_size}   "
           f"cloudckpt {manifest.cloudckpt_version}")
     print(f"data        {plural(len(manifest.objects), 'object')}, "
-          f"{cli._human_bytes(manifest.total_bytes())}")
+          f"{human_bytes(manifest.total_bytes())}")
     if getattr(manifest, "base", ""):
         print(f"base        {manifest.base} (saved incrementally against it)")
     if manifest.metadata:
@@ -96,15 +83,14 @@ def cmd_show(args) -> int:
     for name, rec in sorted(manifest.tensors.items()):
         rows.append((name, rec.dtype, str(tuple(rec.shape)), len(rec.chunks),
                      int(rec.chunks.byte_length.sum())))
-    cli._table(("name", "dtype", "shape", "chunks", "bytes"), rows)
+    table(("name", "dtype", "shape", "chunks", "bytes"), rows)
     print(f"\nvalues ({len(manifest.values)})")
     rows = [(name, "pickled", "(not unpickled; use --allow-pickle)") if name in pickled
             else (name, type(v).__name__, _value_summary(v))
             for name, v in sorted(manifest.values.items())]
-    cli._table(("name", "type", "value"), rows)
+    table(("name", "type", "value"), rows)
     shared = referenced_objects(manifest) if getattr(manifest, "references", False) else []
     if shared:
         print(f"\nobjects of other checkpoints it uses ({len(shared)}, "
-              f"{cli._human_bytes(sum(n for _, _, n in shared))})")
-        cli._table(("folder", "object", "bytes used"), shared)
-    return cli.EXIT_OK
+              f"{human_bytes(sum(n for _, _, n in shared))})")
+        table(("folder", "object", "bytes used"), shared)

@@ -52,12 +52,12 @@ def test_incremental_run_through_every_reader(s3_env, s3_url, tmp_path):
     mgr = CheckpointManager(s3_url, incremental=True, save_options=OPTIONS)
     first = mgr.save(1, _state(1))
     assert first.bytes_reused == 0 and first.base == ""
-    second = mgr.save(2, _state(2))
+    second = mgr.save(2, _state(2))  # the embedding is reused; the layer and buffer changed
     assert second.base == step_dir(1).rstrip("/")
-    assert second.bytes_reused == FROZEN + 64  # the embedding and the unchanged buffer
-    assert second.bytes_written == 32 * 32 * 4
-    third = mgr.save(3, _state(3))  # the buffer changed again: only the embedding is reused
-    assert third.bytes_reused == FROZEN and third.base == step_dir(2).rstrip("/")
+    assert (second.bytes_reused, second.bytes_written) == (FROZEN, 32 * 32 * 4 + 64)
+    third = mgr.save(3, _state(3))  # the embedding (in step 1) and the buffer (in step 2)
+    assert (third.bytes_reused, third.bytes_written) == (FROZEN + 64, 32 * 32 * 4)
+    assert third.base == step_dir(2).rstrip("/")
 
     for step in (1, 2, 3):
         url = mgr.step_url(step)
@@ -68,55 +68,55 @@ def test_incremental_run_through_every_reader(s3_env, s3_url, tmp_path):
         assert _equal(target, _state(step))
     manifest = cloudckpt.read_manifest(mgr.step_url(3))
     assert manifest.base == step_dir(2).rstrip("/")
-    assert set(manifest.object_homes) == {"", step_dir(1).rstrip("/")}  # flattened to step 1
+    one, two = step_dir(1).rstrip("/"), step_dir(2).rstrip("/")
+    assert set(manifest.object_homes) == {"", one, two}  # the embedding: step 1, not via 2
 
     # export and the command line read it like a full checkpoint
     out = tmp_path / "three.safetensors"
-    cloudckpt.export(mgr.step_url(3), str(out))
+    from cloudckpt.export import export
+    export(mgr.step_url(3), str(out))
     from safetensors.torch import load_file
     assert torch.equal(load_file(str(out))["model.embed"], _state(3)["model"]["embed"])
     res = cli(s3_env, "show", mgr.step_url(3))
     assert res.returncode == 0, res.stderr
-    assert "base        step-000000000002" in res.stdout
-    assert "objects of other checkpoints it uses (1, " in res.stdout
-    assert f"{step_dir(1)}data/" not in res.stdout and step_dir(1).rstrip("/") in res.stdout
+    assert f"base        {two}" in res.stdout
+    assert "objects of other checkpoints it uses (2, " in res.stdout
     res = cli(s3_env, "show", mgr.step_url(3), "--json")
     refs = json.loads(res.stdout)["references"]
-    assert [(r["folder"], r["bytes"]) for r in refs] == [(step_dir(1).rstrip("/"), FROZEN)]
+    assert [(r["folder"], r["bytes"]) for r in refs] == [(one, FROZEN), (two, 64)]
     res = cli(s3_env, "ls", s3_url, "--details", "--json")
     rows = {r["step"]: r for r in json.loads(res.stdout)}
     assert (rows[1]["shared_bytes"], rows[1]["base_step"]) == (0, None)
     assert (rows[3]["own_bytes"], rows[3]["shared_bytes"], rows[3]["base_step"]) == \
-        (32 * 32 * 4 + 64, FROZEN, 2)
+        (32 * 32 * 4, FROZEN + 64, 2)
     res = cli(s3_env, "ls", s3_url, "--details")
     assert res.stdout.splitlines()[0].split()[-3:] == ["own", "shared", "base"]
     assert cli(s3_env, "verify", mgr.step_url(2)).returncode == 0
 
-    # deleting step 1 keeps its embedding (steps 2 and 3 use it): retained, not listed
+    # deleting step 1 keeps its embedding's object (steps 2 and 3 use it): retained, not listed
     before = _raw_keys(s3_env, s3_url)
     mgr.delete(1)
     assert [i.step for i in mgr.list()] == [2, 3]
     kept = _raw_keys(s3_env, s3_url)
-    assert not any(k.startswith(step_dir(1) + "manifest") for k in kept)
-    assert {k for k in kept if k.startswith(step_dir(1) + "data/")} == \
-        {k for k in before if k.startswith(step_dir(1) + "data/")}
+    assert f"{one}/manifest.msgpack" not in kept
+    embed_objects = {f"{one}/{k}" for h, k in zip(manifest.object_homes, manifest.objects)
+                     if h == one}
+    assert {k for k in kept if k.startswith(f"{one}/data/")} == embed_objects
+    assert {k for k in before if k.startswith(f"{one}/data/")} > embed_objects
     for step in (2, 3):
         assert _equal(cloudckpt.load_full(mgr.step_url(step)), _state(step))
         assert cloudckpt.verify(mgr.step_url(step)).ok
-    # dropping 2 and 3 (rm and prune) leaves nothing of 1, 2 or 3 behind
+    # rm step 2 (3 uses its buffer), save 4, prune 3: what only 2 and 3 used goes
     assert cli(s3_env, "rm", mgr.step_url(2)).returncode == 0
     assert _equal(cloudckpt.load_full(mgr.step_url(3)), _state(3))
     mgr.save(4, _state(4))
-    removed = CheckpointManager(s3_url, keep_last=1).prune()
-    assert [i.step for i in removed][:1] == [3]
+    now = CheckpointManager(s3_url, keep_last=1, abandoned_after=0)
+    assert [i.step for i in now.prune()][:1] == [3]
     left = _raw_keys(s3_env, s3_url)
-    assert {k.split("/")[0] for k in left} == {step_dir(4).rstrip("/"), step_dir(1).rstrip("/")}
-    # step 4 (base 3) still references step 1's embedding, and only that
-    assert {k for k in left if k.startswith(step_dir(1))} == \
-        {k for k in before if k.startswith(step_dir(1) + "data/")} | \
-        {k for k in left if k.startswith(step_dir(1) + "pins/")}
+    assert {k.split("/")[0] for k in left} == {one, step_dir(4).rstrip("/")}
+    assert {k for k in left if k.startswith(f"{one}/data/")} == embed_objects
     assert _equal(cloudckpt.load_full(mgr.step_url(4)), _state(4))
-    mgr.delete(4)
+    now.delete(4)
     assert _raw_keys(s3_env, s3_url) == set()
 
 
@@ -128,7 +128,7 @@ def test_a_base_outside_the_run_is_refused_and_a_missing_one_means_a_full_save(s
     result = cloudckpt.save(_state(2), f"{s3_url}/run/b", base=f"{s3_url}/run/missing")
     assert result.base == "" and result.bytes_reused == 0
     result = cloudckpt.save(_state(2), f"{s3_url}/run/c", base=f"{s3_url}/run/a")
-    assert result.base == "a" and result.bytes_reused == FROZEN + 64
+    assert result.base == "a" and result.bytes_reused == FROZEN
     assert _equal(cloudckpt.load_full(f"{s3_url}/run/c"), _state(2))
     # a base without hashes (a plain save) makes a full save that records them
     cloudckpt.save(_state(1), f"{s3_url}/run/plain")
@@ -144,7 +144,7 @@ def test_async_incremental_save_hashes_the_staged_copy(s3_env, s3_url):
     state["model"]["embed"].add_(1.0)  # training mutates right away: the staged copy is saved
     state["model"]["layer"].zero_()
     result = handle.result(timeout=120)
-    assert result.bytes_reused == FROZEN + 64 and result.base == step_dir(1).rstrip("/")
+    assert result.bytes_reused == FROZEN and result.base == step_dir(1).rstrip("/")
     assert _equal(cloudckpt.load_full(mgr.step_url(2)), _state(2))
     mgr.close()
 

@@ -226,8 +226,8 @@ def _list(store, prefix: str) -> list:
 
 def test_a_committed_reference_keeps_exactly_the_objects_it_uses(s3_server, storage, s3_url):
     """Of a deleted base, exactly the objects a later checkpoint uses stay; deleting that one
-    collects them."""
-    mgr = CheckpointManager(s3_url, storage=storage, incremental=True,
+    collects them (they are older than ``abandoned_after``)."""
+    mgr = CheckpointManager(s3_url, storage=storage, incremental=True, abandoned_after=0,
                             save_options=cloudckpt.SaveOptions(object_size=32 << 10))
     mgr.save(1, state(9, 1))
     mgr.save(2, state(9, 2))
