@@ -339,7 +339,9 @@ def cmd_rm(args) -> int:
         raise UsageError(f"{url} is neither a checkpoint nor a run ({plural(plan.left, 'key')} "
                          "there, none part of a checkpoint); nothing removed")
     if plan.empty:
-        print(f"nothing to remove at {url}", file=sys.stderr)
+        used = f": its {plural(plan.kept, 'object')} are used by other checkpoints" \
+            if plan.kept else ""
+        print(f"nothing to remove at {url}{used}", file=sys.stderr)
         return EXIT_FAILED
     state = "" if plan.has_manifest else "incomplete checkpoint, "
     if args.dry_run:

@@ -136,3 +136,25 @@ def _listing(store, prefix):
     async def go():
         return [i async for i in store.list(prefix)]
     return run_coroutine(go())
+
+
+def test_pin_keys_are_owned_and_near_misses_are_not():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from cloudckpt.layout import owned_key, parse_pin_key
+    from cloudckpt.manifest.lineage import folder_problem
+
+    @settings(max_examples=300, deadline=None, derandomize=True)
+    @given(attempt=st.text("0123456789abcdef", min_size=16, max_size=16),
+           folder=st.text(min_size=1, max_size=30), junk=st.text(max_size=3))
+    def check(attempt, folder, junk):
+        if folder_problem(folder) is None:
+            key = pin_key(attempt, folder)
+            assert owned_key(key) and parse_pin_key(key) == (attempt, folder)
+        for near in (f"pins/{attempt}{folder}", f"pins/{attempt[:15]}.{folder}",
+                     f"pins/{attempt.upper()}X.{folder}", f"pin/{attempt}.{folder}",
+                     f"pins/{attempt}.{folder}/x", f"pins/{attempt}..", f"pins/{attempt}."):
+            if parse_pin_key(near) is not None:  # only when the near miss is a pin after all
+                assert near == pin_key(*parse_pin_key(near))
+    check()
