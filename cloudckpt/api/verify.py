@@ -35,7 +35,7 @@ from cloudckpt.planning import Region
 from cloudckpt.planning.chunk_index import coverage_errors
 from cloudckpt.planning.windows import plan_windows
 from cloudckpt.dataplane.reader import read_windows
-from cloudckpt.runtime import run_coroutine
+from cloudckpt.runtime import run_coroutine, shared_store
 from cloudckpt.statedict import torch_dtype
 
 #: bytes read and checked at once per request; at most ``_IN_FLIGHT`` chunks in progress.
@@ -66,7 +66,7 @@ def verify(url: str, *, storage=None, progress=None) -> VerifyReport:
     manifest = decode_manifest(raw, allow_pickle="inspect")  # never unpickles
     notes = [UNCHECKSUMMED] if stored_version(raw) == 1 else []
     del raw
-    store, manifest = reading_view(url, storage, manifest)
+    store, manifest = reading_view(url, storage, manifest, open_store=shared_store)
     return run_coroutine(_verify(url, store, manifest, progress, notes))
 
 
