@@ -130,17 +130,16 @@ def pruner_main(run_url: str, seed: int) -> None:
     rng = random.Random(seed)
     while True:
         try:
+            time.sleep(rng.uniform(0.05, 0.3))
             action = rng.random()
-            if action < 0.6:
+            if action < 0.7:
                 CheckpointManager(run_url, keep_last=rng.choice([1, 2, 3]),
                                   abandoned_after=30.0).prune()
-            elif action < 0.8:
+            elif action < 0.85:
                 mgr = CheckpointManager(run_url, abandoned_after=30.0)
                 complete = [i.step for i in mgr.list() if i.complete]
                 if complete:
                     mgr.delete(rng.choice(complete))
-            else:
-                time.sleep(rng.uniform(0.0, 0.2))
             print("pruned", flush=True)
         except Exception as exc:  # noqa: BLE001 - a race lost (a key deleted meanwhile)
             print(f"pruner: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -57,25 +58,28 @@ def saver_world(s3_server):
 class Pruner:
     """The concurrent pruning process, paused (SIGSTOP) and resumed (SIGCONT) by the test."""
 
-    def __init__(self, url: str, seed: int, s3_server):
+    def __init__(self, url: str, seed: int, s3_server, log_path):
         env = {**os.environ, **s3_server.env(), "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.reliability.incremental_run", url, str(seed)],
-            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            start_new_session=True)
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.reliability.incremental_run", url, str(seed)],
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def pause(self) -> None:
-        assert self.proc.poll() is None, self.proc.stderr.read().decode()[-2000:]
+        assert self.proc.poll() is None, open(self.log_path).read()[-2000:]
         self.proc.send_signal(signal.SIGSTOP)
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
 
-    def stop(self) -> str:
+    def stop(self) -> tuple[int, list[str]]:
+        """(prunes done, error lines)."""
         self.proc.send_signal(signal.SIGCONT)
         self.proc.kill()
-        _, err = self.proc.communicate(timeout=30)
-        return err.decode()
+        self.proc.wait(timeout=30)
+        lines = open(self.log_path).read().splitlines()
+        return lines.count("pruned"), [line for line in lines if line != "pruned"]
 
 
 def _save(world: ProcessWorld, url: str, step: int, seed: int, storage, kill, delay: float,
@@ -145,18 +149,22 @@ def _same(loaded: dict, expected: dict) -> bool:
 
 
 def run_incremental(world, s3_server, storage, url: str, *, steps: int, seed: int, figures,
-                    kills=None) -> dict:
+                    log_path, kills=None) -> dict:
     rng = random.Random(seed)
-    pruner = Pruner(url, seed, s3_server)
+    pruner = Pruner(url, seed, s3_server, log_path)
     outcomes: list[str] = []
+    durations: list[float] = []  # of saves not killed: timed kills fall within one
     try:
         pruner.pause()
         for step in range(1, steps + 1):
             kill = kills[step - 1] if kills is not None else rng.choice(KILLS)
             keep_last = rng.choice([None, 2, 3])
             pruner.resume()
-            outcome = _save(world, url, step, seed, storage, kill, rng.uniform(0.0, 0.8),
-                            keep_last)
+            delay = rng.uniform(0.0, statistics.median(durations)) if durations else 0.2
+            started = time.perf_counter()
+            outcome = _save(world, url, step, seed, storage, kill, delay, keep_last)
+            if kill is None and outcome == "ok":
+                durations.append(time.perf_counter() - started)
             if outcome == "killed" and rng.random() < 0.5:
                 outcome += "+" + _save(world, url, step, seed, storage, None, 0.0, keep_last)
             pruner.pause()
@@ -164,21 +172,25 @@ def run_incremental(world, s3_server, storage, url: str, *, steps: int, seed: in
             figures.add(f"incremental: save {kill or 'not killed'} -> {outcome}")
             _check(url, storage, seed, figures)
     finally:
-        errors = pruner.stop()
+        prunes, errors = pruner.stop()
+    figures.add("incremental: prunes by the concurrent process", prunes)
+    figures.add("incremental: races the concurrent pruner lost (an error, retried)", len(errors))
+    assert prunes > 0, errors[-20:]  # it ran, and it deleted things while saves ran
     # at the end: nothing survives that the last checkpoint does not need
     store = shared_store(url, storage)
     run_coroutine(prune_run(store, RetentionPolicy(keep_last=1), 0.0, now=time.time() + LATER))
     run_coroutine(sweep_pins(store, now=time.time() + LATER, thorough=True))
     assert run_garbage(store) == []
-    return {"outcomes": outcomes, "pruner_errors": errors}
+    return {"outcomes": outcomes, "prunes": prunes, "pruner_errors": errors}
 
 
 def test_short_incremental_run_with_kills_and_a_concurrent_pruner(saver_world, s3_server,
-                                                                   storage, s3_url, figures):
+                                                                   storage, s3_url, figures,
+                                                                   tmp_path):
     """Four steps, one kill of each deterministic kind."""
     result = run_incremental(saver_world, s3_server, storage, s3_url, steps=4, seed=11,
-                             figures=figures, kills=[None, "after_pin", "before_commit",
-                                                     "after_commit"])
+                             figures=figures, log_path=tmp_path / "pruner.log",
+                             kills=[None, "after_pin", "before_commit", "after_commit"])
     assert len(result["outcomes"]) == 4, result
 
 
@@ -186,10 +198,10 @@ def test_short_incremental_run_with_kills_and_a_concurrent_pruner(saver_world, s
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_incremental_runs_with_random_kills_and_a_concurrent_pruner(saver_world, s3_server,
                                                                    storage, s3_url, seed,
-                                                                   figures):
+                                                                   figures, tmp_path):
     """Ten steps, kills at random (timed ones included)."""
     result = run_incremental(saver_world, s3_server, storage, f"{s3_url}/{seed}", steps=10,
-                             seed=seed, figures=figures)
+                             seed=seed, figures=figures, log_path=tmp_path / "pruner.log")
     assert len(result["outcomes"]) == 10, result
 
 
