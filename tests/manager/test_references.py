@@ -158,3 +158,26 @@ def test_pin_keys_are_owned_and_near_misses_are_not():
             if parse_pin_key(near) is not None:  # only when the near miss is a pin after all
                 assert near == pin_key(*parse_pin_key(near))
     check()
+
+
+def test_ls_details_and_show_name_what_a_checkpoint_shares(tmp_path, capsys):
+    from cloudckpt import CheckpointManager
+    from cloudckpt.cli import main
+
+    run = tmp_path / "run"
+    mgr = CheckpointManager(str(run), incremental=True, save_options=SaveOptions(object_size=8 << 10))
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    capsys.readouterr()
+    assert main(["ls", str(run), "--details"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-3:] == ["own", "shared", "base"]
+    rows = {int(line.split()[0]): line.split() for line in lines[1:]}
+    assert rows[1][-1] == "-" and rows[2][-1] == "1"
+    assert rows[2][-3:-1] == ["16.0", "KiB"]  # shared: the 4096 frozen floats
+    assert main(["show", str(run), "--step", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "base        step-000000000001" in out and "objects of other checkpoints it uses" in out
+    mgr.delete(1)
+    assert main(["rm", str(run), "--step", "1"]) == 1  # retained: everything is used by step 2
+    assert "used by other checkpoints" in capsys.readouterr().err
