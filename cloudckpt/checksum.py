@@ -1,5 +1,7 @@
 """crc32c (Castagnoli) over bytes-like objects, with the hardware (SSE4.2/ARMv8) implementation of
-the ``crc32c`` package (about 15 GB/s here; it releases the GIL on large buffers).
+the ``crc32c`` package (about 15 GB/s here; it releases the GIL on large buffers), and the content
+hash incremental saves compare chunks by (:func:`content_hash`: XXH3-128 of the ``xxhash``
+package, about 10 GB/s on one core here, 2x blake3's 4.6 GB/s; it releases the GIL too).
 
 Pure and dependency-light: used by the writer, the reader and the storage layer. Buffers are read
 in place (no copy) whatever their format, as long as they are C-contiguous.
@@ -8,6 +10,7 @@ in place (no copy) whatever their format, as long as they are C-contiguous.
 from __future__ import annotations
 
 import crc32c as _crc32c_lib
+import xxhash
 
 _extend = _crc32c_lib.crc32c  # (data, value) -> int
 
@@ -34,3 +37,12 @@ def block_crcs(data, block_size: int) -> tuple[int, ...]:
     if n == 0:
         return (0,)
     return tuple(_extend(mv[i:i + block_size], 0) for i in range(0, n, block_size))
+
+
+def content_hash(data) -> bytes:
+    """The 16-byte content hash (XXH3-128, big-endian digest) of ``data`` (any C-contiguous
+    buffer): what a format version 3 manifest records per chunk (``hash_algorithm`` "xxh3-128")."""
+    mv = data if isinstance(data, memoryview) else memoryview(data)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return xxhash.xxh3_128_digest(mv)

@@ -3,7 +3,8 @@
 ```
 cloudckpt [--endpoint-url URL] [--profile NAME] [--timeout SECONDS] COMMAND ...
 cloudckpt --version
-cloudckpt ls RUN_URL                       checkpoints of a run: step, time, size, objects, world size, complete
+cloudckpt ls RUN_URL [--details]           checkpoints of a run: step, time, size, objects, world size, complete
+                                           (--details: own and shared bytes, base step)
 cloudckpt show URL [--step N]              tensors (name, dtype, shape, chunks, bytes) and values
 cloudckpt verify URL [--step N]            read every object, check every checksum
 cloudckpt prune RUN_URL --keep-last N [--keep-every K] [--abandoned-after S] [--dry-run]
@@ -50,8 +51,6 @@ Progress bars (tqdm) are drawn on stderr when it is a terminal.
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
 import os
 import sys
 from datetime import datetime
@@ -61,6 +60,7 @@ from cloudckpt.errors import (AccessDenied, BucketNotFound, CheckpointNotFound, 
                               ConfigError, ObjectNotFound)
 from cloudckpt.layout import MANIFEST_KEY
 from cloudckpt import cli_json
+from cloudckpt.cli_show import print_show
 from cloudckpt.cli_options import (EXIT_USAGE, Parser, UsageError, global_options, seconds,
                                    storage_options, whole_number)
 from cloudckpt.wording import plural
@@ -84,38 +84,6 @@ def _human_bytes(n: int | None) -> str:
 
 def _fmt_time(value: datetime | None) -> str:
     return value.astimezone().strftime("%Y-%m-%d %H:%M:%S") if value is not None else "-"
-
-
-def _fmt_epoch(seconds: float) -> str:
-    """A manifest's creation time (unix seconds), or the number itself when it is no time."""
-    try:
-        return _fmt_time(datetime.fromtimestamp(seconds).astimezone())
-    except (OverflowError, OSError, ValueError):
-        return f"{seconds!r} (not a valid time)"
-
-
-def _safe_repr(value: Any, depth: int = 0) -> str:
-    """``repr(value)`` that never fails: an int of more than 256 bits is shown by its size
-    (``repr`` refuses ints of more than 4300 digits), containers show their first 20 items and
-    8 levels."""
-    t = type(value)
-    if t is int and value.bit_length() > 256:
-        return f"<int of {value.bit_length()} bits>"
-    if t in (list, tuple, dict):
-        if depth >= 8:
-            return "[...]" if t is list else "(...)" if t is tuple else "{...}"
-        items = list(itertools.islice(value.items() if t is dict else value, 20))
-        parts = [f"{_safe_repr(k, depth + 1)}: {_safe_repr(v, depth + 1)}" for k, v in items] \
-            if t is dict else [_safe_repr(v, depth + 1) for v in items]
-        if len(value) > 20:
-            parts.append("...")
-        text = ", ".join(parts)
-        return f"[{text}]" if t is list else f"{{{text}}}" if t is dict else \
-            f"({text},)" if len(value) == 1 else f"({text})"
-    try:
-        return repr(value)
-    except (ValueError, RecursionError) as exc:
-        return f"<{t.__name__} that cannot be displayed: {exc}>"
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out=None) -> None:
@@ -198,30 +166,21 @@ def cmd_ls(args) -> int:
     with _progress(sum(i.complete for i in infos), "reading manifests") as bar:
         infos = mgr.list(details=True, progress=bar.update) if infos else infos
     if args.json:
-        cli_json.emit(cli_json.ls_document(infos))
+        cli_json.emit(cli_json.ls_document(infos, args.details))
     if not infos:
         print(f"no checkpoints under {args.url}", file=sys.stderr)
         return EXIT_OK
     if args.json:
         return EXIT_OK
+    extra = (lambda i: (_human_bytes(i.own_bytes), _human_bytes(i.shared_bytes),
+                        "-" if i.base_step is None else i.base_step)) if args.details else lambda i: ()
     rows = [(i.step, _fmt_time(i.created_at), _human_bytes(i.total_bytes),
              "-" if i.objects is None else i.objects,
-             "-" if i.world_size is None else i.world_size, "yes" if i.complete else "NO")
-            for i in infos]
-    _table(("step", "time", "size", "objects", "world_size", "complete"), rows)
+             "-" if i.world_size is None else i.world_size, "yes" if i.complete else "NO",
+             *extra(i)) for i in infos]
+    _table(("step", "time", "size", "objects", "world_size", "complete")
+           + (("own", "shared", "base") if args.details else ()), rows)
     return EXIT_OK
-
-
-def _value_summary(value: Any, limit: int = 60) -> str:
-    text = _safe_repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _metadata_text(metadata: dict) -> str:
-    try:
-        return json.dumps(metadata, default=_safe_repr, sort_keys=True)
-    except (TypeError, ValueError, RecursionError):  # keys json cannot hold, huge ints
-        return _value_summary(metadata, 200)
 
 
 def _manifest_bytes(url: str) -> bytes:
@@ -247,27 +206,9 @@ def cmd_show(args) -> int:
         manifest, pickled = decode_manifest_without_pickle(_manifest_bytes(url))
     if args.json:
         cli_json.emit(cli_json.show_document(url, manifest, pickled))
-        return EXIT_OK
-    created = getattr(manifest, "created_at", None)
-    when = _fmt_epoch(created) if created else "-"
-    print(f"checkpoint  {url}")
-    print(f"created     {when}   world size {manifest.world_size}   "
-          f"cloudckpt {manifest.cloudckpt_version}")
-    print(f"data        {plural(len(manifest.objects), 'object')}, "
-          f"{_human_bytes(manifest.total_bytes())}")
-    if manifest.metadata:
-        print(f"metadata    {_metadata_text(manifest.metadata)}")
-    print(f"\ntensors ({len(manifest.tensors)})")
-    rows = []
-    for name, rec in sorted(manifest.tensors.items()):
-        rows.append((name, rec.dtype, str(tuple(rec.shape)), len(rec.chunks),
-                     int(rec.chunks.byte_length.sum())))
-    _table(("name", "dtype", "shape", "chunks", "bytes"), rows)
-    print(f"\nvalues ({len(manifest.values)})")
-    rows = [(name, "pickled", "(not unpickled; use --allow-pickle)") if name in pickled
-            else (name, type(v).__name__, _value_summary(v))
-            for name, v in sorted(manifest.values.items())]
-    _table(("name", "type", "value"), rows)
+    else:
+        print_show(url, manifest, pickled, table=_table, human_bytes=_human_bytes,
+                   fmt_time=_fmt_time)
     return EXIT_OK
 
 
@@ -336,6 +277,8 @@ def cmd_prune(args) -> int:
     for info, plan in removed:
         state = "complete" if info.complete else "abandoned"
         counts = f"{plural(len(plan.objects), 'object')}, {plural(len(plan.uploads), 'upload')}"
+        if plan.kept:
+            counts += f"; {plural(plan.kept, 'object')} kept, other checkpoints use them"
         print(f"{verb} step {info.step} ({state})  {info.url}  ({counts})")
         if args.dry_run:
             _print_keys(mgr.url, plan)
@@ -375,25 +318,33 @@ def cmd_rm(args) -> int:
 
         def delete(progress) -> int:
             return mgr.delete(step, progress=progress)
-    else:
-        url = base = args.url
-        store, plan = _open(url), None
+    else:  # from the folder above it, when there is one: siblings may reference its objects
+        from cloudckpt.run_layout import split_folder
+        from cloudckpt.storage import parse_store_url
+
+        url, plan, above = args.url, None, split_folder(args.url)
+        if above is not None and os.path.islink(parse_store_url(url).path or "/"):
+            above = None  # a folder the user named through a symlink: itself, no siblings
+        base, prefix = (url, "") if above is None else (above[0], above[1] + "/")
+        store = _open(base)
 
         def delete(progress) -> int:
-            return run_coroutine(delete_checkpoint(store, "", progress=progress))
+            return run_coroutine(delete_checkpoint(store, prefix, progress=progress))
     # a run is refused; a step of a run that owns something is a checkpoint whatever it holds
-    if (plan.empty if plan is not None else not _has_manifest(store)):
+    if (plan.empty if plan is not None else not _has_manifest(_open(url))):
         others = _manager(url).list()
         if others:
             raise UsageError(f"{url} is a run with {plural(len(others), 'checkpoint')}, not a "
                              "checkpoint; give one checkpoint URL or --step N")
     if plan is None:
-        plan = run_coroutine(plan_checkpoint(store, ""))
+        plan = run_coroutine(plan_checkpoint(store, prefix))
     if plan.empty and plan.left:
         raise UsageError(f"{url} is neither a checkpoint nor a run ({plural(plan.left, 'key')} "
                          "there, none part of a checkpoint); nothing removed")
     if plan.empty:
-        print(f"nothing to remove at {url}", file=sys.stderr)
+        used = f": its {plural(plan.kept, 'object')} are used by other checkpoints" \
+            if plan.kept else ""
+        print(f"nothing to remove at {url}{used}", file=sys.stderr)
         return EXIT_FAILED
     state = "" if plan.has_manifest else "incomplete checkpoint, "
     if args.dry_run:
@@ -404,8 +355,9 @@ def cmd_rm(args) -> int:
         return EXIT_OK
     with _progress(len(plan.objects), "deleting") as bar:
         removed = delete(bar.update)
+    kept = f"; {plural(plan.kept, 'object')} kept, other checkpoints use them" if plan.kept else ""
     print(f"removed {url} ({state}{plural(removed, 'object')}, "
-          f"{plural(len(plan.uploads), 'upload')})")
+          f"{plural(len(plan.uploads), 'upload')}{kept})")
     _left_note(url, plan, "left")
     return EXIT_OK
 
@@ -467,7 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(fn=fn)
         return sp
 
-    add("ls", cmd_ls, "list the checkpoints of a run", run_only=True, json_=True)
+    sp = add("ls", cmd_ls, "list the checkpoints of a run", run_only=True, json_=True)
+    sp.add_argument("--details", action="store_true", help="also each checkpoint's own bytes, "
+                    "the bytes it shares with older ones (incremental) and its base step")
     sp = add("show", cmd_show, "show a checkpoint's tensors and values", json_=True)
     sp.add_argument("--allow-pickle", action="store_true",
                     help="decode pickled values (runs code from the checkpoint: trusted only)")

@@ -88,10 +88,14 @@ def emit(document: Any) -> None:
     sys.stdout.write(json.dumps(document, sort_keys=True, allow_nan=False) + "\n")
 
 
-def ls_document(infos) -> list[dict]:
+def ls_document(infos, details: bool = False) -> list[dict]:
+    """``details``: also each checkpoint's own and shared bytes and its base step (``ls
+    --details``)."""
+    extra = (lambda i: {"own_bytes": i.own_bytes, "shared_bytes": i.shared_bytes,
+                        "base_step": i.base_step}) if details else (lambda i: {})
     return [{"step": i.step, "url": i.url, "complete": bool(i.complete),
              "created_at": iso_time(i.created_at), "total_bytes": i.total_bytes,
-             "objects": i.objects, "world_size": i.world_size} for i in infos]
+             "objects": i.objects, "world_size": i.world_size, **extra(i)} for i in infos]
 
 
 def show_document(url: str, manifest, pickled) -> dict:
@@ -107,7 +111,18 @@ def show_document(url: str, manifest, pickled) -> dict:
             "world_size": jsonable(manifest.world_size),
             "cloudckpt_version": jsonable(manifest.cloudckpt_version),
             "objects": len(manifest.objects), "total_bytes": int(manifest.total_bytes()),
-            "metadata": jsonable(manifest.metadata or {}), "tensors": tensors, "values": values}
+            "metadata": jsonable(manifest.metadata or {}), "tensors": tensors, "values": values,
+            **_references(manifest)}
+
+
+def _references(manifest) -> dict:
+    """An incremental checkpoint's base and the objects of other checkpoints it uses."""
+    if not getattr(manifest, "base", "") and not getattr(manifest, "references", False):
+        return {}
+    from cloudckpt.cli_show import referenced_objects
+
+    return {"base": manifest.base or None, "references": [
+        {"folder": f, "object": k, "bytes": n} for f, k, n in referenced_objects(manifest)]}
 
 
 def _chunk_bytes(chunks) -> int:

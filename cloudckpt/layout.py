@@ -3,22 +3,37 @@
 ```
 manifest.msgpack                  the commit marker and index, written last in create mode
 data/<attempt>/r<rank>-<n>.bin    data objects of one save attempt
+pins/<attempt>.<folder>           a pin: save <attempt> of the sibling folder <folder> uses (or
+                                  will use, once committed) objects of this checkpoint
 ```
 
 ``<attempt>`` is 16 lowercase hex digits, ``<rank>`` at least 5 decimal digits, ``<n>`` at least 4
-(zero-padded, no extra leading zero). These keys, and unfinished uploads of them, are everything a
-checkpoint *owns*: :func:`owned_key` says which keys those are, and every deletion in cloudckpt
+(zero-padded, no extra leading zero); ``<folder>`` is one path segment (a sibling checkpoint of the
+same run, see :mod:`cloudckpt.manifest.lineage`). These keys, and unfinished uploads of them, are
+everything a checkpoint *owns*: :func:`owned_key` says which keys those are, and every deletion in cloudckpt
 removes only keys it accepts. Anything else under a checkpoint's prefix (a user's notes, another
 run's folder, a key of some other layout) belongs to someone else and is left in place.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
+from dataclasses import dataclass
+
+import msgpack
+
+from cloudckpt.manifest.lineage import folder_problem
 
 MANIFEST_KEY = "manifest.msgpack"
 DATA_PREFIX = "data/"
+PINS_PREFIX = "pins/"
+PIN_FORMAT = "cloudckpt.pin"
+#: The shortest lease a pin may declare (seconds); a pin declaring less counts as this.
+MIN_PIN_LEASE = 60.0
+#: Largest pin read (bytes).
+MAX_PIN_BYTES = 4096
 
 _ATTEMPT_RE = re.compile(r"^[0-9a-f]{16}$")
 _DATA_KEY_RE = re.compile(
@@ -48,7 +63,60 @@ def data_key_attempt(key: str) -> str | None:
     return m["attempt"]
 
 
+def pin_key(attempt: str, folder: str) -> str:
+    """Key (relative to the root of the checkpoint whose objects are used) of the pin of save
+    ``attempt`` of the sibling checkpoint ``folder``."""
+    if not _ATTEMPT_RE.match(attempt) or folder_problem(folder):
+        raise ValueError(f"bad pin attempt {attempt!r} or folder {folder!r}")
+    return f"{PINS_PREFIX}{attempt}.{folder}"
+
+
+def parse_pin_key(key: str) -> tuple[str, str] | None:
+    """``(attempt, folder)`` of a key exactly as :func:`pin_key` makes it, else ``None``."""
+    if not isinstance(key, str) or not key.startswith(PINS_PREFIX):
+        return None
+    attempt, dot, folder = key[len(PINS_PREFIX):].partition(".")
+    if not dot or not _ATTEMPT_RE.match(attempt) or folder_problem(folder):
+        return None
+    return attempt, folder
+
+
 def owned_key(key: str) -> bool:
     """Whether ``key`` (relative to a checkpoint root) is one the checkpoint layout creates: the
-    manifest or a data object of some save attempt. Pure; the predicate every deletion uses."""
-    return key == MANIFEST_KEY or data_key_attempt(key) is not None
+    manifest, a data object of some save attempt or a pin. Pure; the predicate every deletion
+    uses."""
+    return key == MANIFEST_KEY or data_key_attempt(key) is not None or \
+        parse_pin_key(key) is not None
+
+
+@dataclass(frozen=True)
+class Pin:
+    """What a pin says: save ``attempt`` of the sibling checkpoint ``folder`` may reference
+    objects of the checkpoint holding the pin; while it has not committed, the pin protects them
+    for ``lease`` seconds after its last write (see docs/architecture.md, deleting)."""
+
+    folder: str
+    attempt: str
+    lease: float
+
+
+def encode_pin(pin: Pin) -> bytes:
+    return msgpack.packb({"format": PIN_FORMAT, "version": 1, "folder": pin.folder,
+                          "attempt": pin.attempt, "lease": float(pin.lease)})
+
+
+def decode_pin(raw: bytes, key: str) -> Pin:
+    """The pin stored at ``key`` (relative to its checkpoint root); ``ValueError`` when it is
+    malformed or does not match its key. Its lease is at least :data:`MIN_PIN_LEASE`."""
+    named = parse_pin_key(key)
+    try:
+        doc = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:  # noqa: BLE001 - malformed input raises many kinds
+        raise ValueError(f"pin {key} is not msgpack") from exc
+    if type(doc) is not dict or doc.get("format") != PIN_FORMAT or doc.get("version") != 1:
+        raise ValueError(f"pin {key} is not a cloudckpt pin")
+    lease = doc.get("lease")
+    if named is None or (doc.get("attempt"), doc.get("folder")) != named \
+            or type(lease) is not float or not math.isfinite(lease):
+        raise ValueError(f"pin {key} does not match its key, or has no lease")
+    return Pin(folder=named[1], attempt=named[0], lease=max(lease, MIN_PIN_LEASE))

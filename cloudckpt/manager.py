@@ -32,6 +32,15 @@ Cost contract:
   long as it keeps producing objects within the grace period. Ages compare the store's
   timestamps with this machine's clock.
 
+Incremental runs (``incremental=True``): every save records a content hash of each chunk, and
+every save after the first uses the newest complete checkpoint as its base: chunks whose bytes
+did not change are not uploaded again, the new manifest points at the objects that hold them
+(see ``cloudckpt.save(..., base=)``). Deleting a checkpoint (``delete``, ``prune``, the
+clean-up of abandoned saves) then keeps the objects other checkpoints still reference: its
+folder is *retained* (no manifest: not listed, not loadable) until the last checkpoint using
+them is gone, and is collected then. ``list(details=True)`` tells each checkpoint's own bytes
+from the bytes it shares with older ones.
+
 In a ``torch.distributed`` job, :meth:`save` and :meth:`load` are collective (every rank of the
 process group calls them with the same step); the pruning after a save and the choice of the
 step to load are made by rank 0 of the group. :meth:`list`, :meth:`latest`, :meth:`delete` and
@@ -46,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -55,10 +65,12 @@ from cloudckpt.context import current
 from cloudckpt.api.manifest_io import fetch_manifest_bytes
 from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
 from cloudckpt.layout import MANIFEST_KEY
+from cloudckpt.options import SaveOptions
 from cloudckpt.pruning import HEAD_CONCURRENCY, prune_run, scan_run, step_has_objects
 from cloudckpt.retention import RetentionPolicy
 from cloudckpt.run_cleanup import (DELETE_BATCH, DeletionPlan, decode_manifest_without_pickle,
-                                   delete_checkpoint, plan_checkpoint, remove_stale_attempts)
+                                   delete_checkpoint, plan_checkpoint, remove_stale_attempts,
+                                   sweep_pins)
 from cloudckpt.run_layout import StepState, join_url, step_dir
 from cloudckpt.run_layout import LIST_DELIMITER, classify_listing, parse_step_dir  # noqa: F401
 from cloudckpt.runtime import finish_before_exit, run_coroutine, shared_store
@@ -84,6 +96,9 @@ class CheckpointInfo:
     ``created_at`` is when the manifest was committed (the store's last-modified time) and is
     ``None`` for an incomplete checkpoint. ``total_bytes``, ``objects`` and ``world_size`` come
     from the manifest: ``None`` unless details were asked for (and always for incomplete ones).
+    So do ``own_bytes`` (chunk bytes stored in the checkpoint's own folder), ``shared_bytes``
+    (chunk bytes it references in older checkpoints' folders: an incremental checkpoint) and
+    ``base_step`` (the step of the checkpoint it was saved against, ``None`` for a full one).
     """
 
     step: int
@@ -94,6 +109,9 @@ class CheckpointInfo:
     total_bytes: int | None = None
     objects: int | None = None
     world_size: int | None = None
+    own_bytes: int | None = None
+    shared_bytes: int | None = None
+    base_step: int | None = None
 
 
 class ManagedSaveHandle(Future):
@@ -128,7 +146,7 @@ class CheckpointManager:
                  keep_steps: Iterable[int] = (), keep_if: Callable[[int], bool] | None = None,
                  retention: RetentionPolicy | None = None, abandoned_after: float = 3600.0,
                  storage=None, process_group=None, allow_pickle: bool = False,
-                 save_options=None, load_options=None):
+                 save_options=None, load_options=None, incremental: bool = False):
         shortcuts = RetentionPolicy(keep_last=keep_last, keep_every=keep_every,
                                     keep_steps=frozenset(keep_steps), keep_if=keep_if)
         if retention is not None and shortcuts.active:
@@ -144,6 +162,7 @@ class CheckpointManager:
         self.allow_pickle = allow_pickle
         self.save_options = save_options
         self.load_options = load_options
+        self.incremental = bool(incremental)
         self._store: tuple[int, object] | None = None  # (runtime generation, store)
         self._pending: ManagedSaveHandle | None = None
 
@@ -190,11 +209,12 @@ class CheckpointManager:
         """Every checkpoint of the run, oldest step first, complete or not.
 
         ``details=True`` also reads each complete checkpoint's manifest (one GET each) to fill
-        ``total_bytes``, ``objects`` and ``world_size``; ``progress(n)`` is called as manifests
-        are read.
+        ``total_bytes``, ``objects``, ``world_size``, ``own_bytes``, ``shared_bytes`` and
+        ``base_step``; ``progress(n)`` is called as manifests are read. Retained folders (deleted
+        checkpoints whose objects others still reference) are not checkpoints: not listed.
         """
         steps = run_coroutine(scan_run(self.store))
-        infos = [self._info(s, steps[s]) for s in sorted(steps)]
+        infos = [self._info(s, steps[s]) for s in sorted(steps) if not steps[s].retained]
         if details:
             infos = run_coroutine(self._with_details(infos, progress))
         return infos
@@ -232,8 +252,14 @@ class CheckpointManager:
             manifest, _ = decode_manifest_without_pickle(raw)
             if progress is not None:
                 progress(1)
+            own = manifest.object_sizes()
+            own_bytes = sum(n for (key, n), home in zip(own.items(), manifest.object_homes)
+                            if not home)
             return replace(info, total_bytes=int(manifest.total_bytes()),
-                           objects=len(manifest.objects), world_size=int(manifest.world_size))
+                           objects=len(manifest.objects), world_size=int(manifest.world_size),
+                           own_bytes=int(own_bytes),
+                           shared_bytes=int(manifest.total_bytes()) - int(own_bytes),
+                           base_step=parse_step_dir(manifest.base + "/") if manifest.base else None)
 
         return list(await asyncio.gather(*(_one(i) for i in infos)))
 
@@ -273,6 +299,9 @@ class CheckpointManager:
         leftovers = coordinator and self._has_objects(step)
         kwargs = dict(process_group=self.process_group, storage=self.storage,
                       allow_pickle=self.allow_pickle, metadata=meta, options=self.save_options)
+        if self.incremental:  # the base is the coordinator's to choose (the others' is unused)
+            kwargs.update(options=replace(self.save_options or SaveOptions(), content_hashes=True),
+                          base=self._base_for(step) if coordinator else None)
         if blocking:
             result = cloudckpt.save(state_dict, url, **kwargs)
             if coordinator:
@@ -298,6 +327,12 @@ class CheckpointManager:
         self._pending = handle
         return handle
 
+    def _base_for(self, step: int) -> str | None:
+        """The base of an incremental save of ``step``: the newest complete checkpoint (another
+        step); ``None`` when the run has none (the first save is a full one)."""
+        latest = [i for i in self.list() if i.complete and i.step != step]
+        return latest[-1].url if latest else None
+
     def _has_objects(self, step: int) -> bool:
         """Whether anything is stored under step ``step`` yet, finished objects or unfinished
         uploads of a killed attempt (True when that cannot be told: the cleanup it enables is
@@ -312,6 +347,8 @@ class CheckpointManager:
         try:
             if leftovers:
                 run_coroutine(remove_stale_attempts(self.store, step_dir(step)))
+            if self.incremental:  # pins of this step's killed attempts, once their lease is over
+                run_coroutine(sweep_pins(self.store, folder=step_dir(step).rstrip("/")))
             if self.retention.active:
                 self.prune()
         except Exception as exc:  # the checkpoint is committed: do not fail the save
@@ -372,7 +409,8 @@ class CheckpointManager:
         not exist removes nothing and returns 0. A step folder that is a symlink leading out of
         a local run raises ``AccessDenied``. Do not delete a step that is being saved.
         """
-        return run_coroutine(delete_checkpoint(self.store, step_dir(step), progress=progress))
+        return run_coroutine(delete_checkpoint(self.store, step_dir(step), progress=progress,
+                                               cutoff=time.time() - self.abandoned_after))
 
     def prune(self, *, dry_run: bool = False,
               progress: Callable[[int], None] | None = None) -> list[CheckpointInfo]:

@@ -19,6 +19,12 @@ class SaveOptions:
     - ``use_plan_cache``: reuse the global plan when the layout has not changed.
     - ``max_async_staging_bytes``: async save only; host staging memory this rank may use
       (``None``: no limit). A save needing more fails before writing anything.
+    - ``content_hashes``: record a content hash of every chunk (format version 3), so that a
+      later save can use this checkpoint as its base; implied by ``base=``. The incremental
+      ``CheckpointManager`` sets it.
+    - ``pin_lease``: incremental saves: seconds a pin protects the base's objects after it was
+      last renewed (renewed every quarter of it while the save runs; a save that could not
+      renew them for half of it fails before committing). At least 60.
     """
 
     object_size: int = 128 << 20
@@ -28,6 +34,12 @@ class SaveOptions:
     timeout: float = 600.0
     use_plan_cache: bool = True
     max_async_staging_bytes: int | None = None
+    content_hashes: bool = False
+    pin_lease: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.pin_lease >= 60.0:
+            raise ValueError(f"pin_lease must be at least 60 seconds, got {self.pin_lease!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +77,9 @@ class LoadOptions:
 
 @dataclass(frozen=True)
 class SaveResult:
-    """What a save did. ``bytes_written``/``objects`` count every rank's data objects.
+    """What a save did. ``bytes_written``/``objects`` count every rank's data objects;
+    ``bytes_reused``: the chunk bytes an incremental save did not upload because its ``base``
+    (the base's folder; ``""`` for a full save) already holds them.
 
     ``retention_error`` is set only by ``CheckpointManager.save``, on the rank that prunes (rank
     0): the exception of the clean-up after the commit (removing a killed attempt's leftovers,
@@ -82,6 +96,8 @@ class SaveResult:
     attempt: str = ""
     plan_cached: bool = False
     retention_error: Exception | None = None
+    bytes_reused: int = 0
+    base: str = ""
 
     @property
     def throughput_mb_s(self) -> float:

@@ -4,7 +4,8 @@ and the grace period for abandoned saves let go, and their removal.
 Works on one ``ObjectStore`` opened at the run root (keys relative to it; the step prefixes of
 :mod:`cloudckpt.run_layout`), on the caller's event loop; no torch, no collectives. What goes is
 always planned by :mod:`cloudckpt.run_cleanup` and removed by its ``carry_out`` (owned keys only,
-manifest first). Costs and guarantees are those stated in :mod:`cloudckpt.manager`.
+manifest first; objects that other checkpoints reference, or incremental saves running
+elsewhere pinned, stay). Costs and guarantees are those stated in :mod:`cloudckpt.manager`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import Callable
 from cloudckpt.errors import ObjectNotFound
 from cloudckpt.layout import MANIFEST_KEY
 from cloudckpt.retention import RetentionPolicy, select_to_delete
-from cloudckpt.run_cleanup import DeletionPlan, carry_out, plan_abandoned, plan_checkpoint
-from cloudckpt.run_layout import LIST_DELIMITER, StepState, add_uploads, classify_listing, step_dir
+from cloudckpt.run_cleanup import (DeletionPlan, carry_out, collect_homes, plan_abandoned,
+                                   plan_checkpoint, sweep_pins, uncommit_and_plan)
+from cloudckpt.run_layout import (LIST_DELIMITER, StepState, add_uploads, classify_listing,
+                                  parse_step_dir, step_dir)
 
 __all__ = ["HEAD_CONCURRENCY", "prune_run", "scan_run", "step_has_objects"]
 
@@ -56,29 +59,44 @@ async def step_has_objects(store, step: int) -> bool:
 
 
 async def prune_run(store, retention: RetentionPolicy, abandoned_after: float, *,
-                    dry_run: bool = False, progress: Callable[[int], None] | None = None
-                    ) -> list[tuple[int, StepState, DeletionPlan]]:
+                    dry_run: bool = False, progress: Callable[[int], None] | None = None,
+                    now: float | None = None) -> list[tuple[int, StepState, DeletionPlan]]:
     """Remove (unless ``dry_run``) the complete steps ``retention`` does not keep and the
     incomplete ones whose owned objects and uploads are all older than ``abandoned_after``
-    seconds (by this machine's clock); return each with its listing state and the plan that was
-    (or would be) carried out, oldest step first. Each step is planned just before it is
-    removed, so a save that resumes at an abandoned step keeps its fresh objects."""
+    seconds (by this machine's clock, or ``now``); return each with its listing state and the
+    plan that was (or would be) carried out, oldest step first. Each step is planned just
+    before it is removed, so a save that resumes at an abandoned step keeps its fresh objects.
+    Objects other checkpoints reference stay; once the steps are removed, the folders they
+    referenced that have no manifest are collected too (listed after the others), and the pins
+    of saves that never committed are removed once their lease is over (``sweep_pins``)."""
+    now = time.time() if now is None else now
     steps = add_uploads(await scan_run(store), await store.list_uploads(""))
     doomed_complete = select_to_delete(
         [s for s, st in steps.items() if st.manifest is not None], retention)
-    cutoff = time.time() - abandoned_after
+    cutoff = now - abandoned_after
     removed: list[tuple[int, StepState, DeletionPlan]] = []
+    homes: set[str] = set()
     for step in sorted(steps):
         state = steps[step]
         if state.manifest is not None:
             if step not in doomed_complete:
                 continue
-            plan = await plan_checkpoint(store, step_dir(step))
+            if dry_run:
+                plan = await plan_checkpoint(store, step_dir(step), now=now)
+            else:  # the manifest goes before what it keeps is judged
+                plan, used = await uncommit_and_plan(store, step_dir(step), now=now)
+                homes |= used
         else:
-            plan = await plan_abandoned(store, step_dir(step), state.uploads, cutoff)
+            plan = await plan_abandoned(store, step_dir(step), state.uploads, cutoff, now=now)
             if plan is None or plan.empty:
                 continue  # still being written (or vanished, or nothing of ours): kept
         removed.append((step, state, plan))
         if not dry_run:
             await carry_out(store, plan, progress=progress)
+    for home, plan in await collect_homes(store, homes, cutoff=cutoff, now=now):
+        step = parse_step_dir(home + "/")
+        if step is not None:
+            removed.append((step, steps.get(step, StepState()), plan))
+    if not dry_run:
+        await sweep_pins(store, now=now)
     return removed

@@ -4,7 +4,11 @@ run root reads. Pure: no I/O, no torch (like Orbax's step-path helpers).
 ```
 <run>/step-<step:012d>/manifest.msgpack          a complete checkpoint (see cloudckpt.layout)
 <run>/step-<step:012d>/data/...                  its data objects (or an unfinished save's)
+<run>/step-<step:012d>/pins/<attempt>.<folder>     pins of incremental saves that reference it
 ```
+
+A step with pins and no manifest is *retained*: deleted, but some of its objects stay because
+other checkpoints reference them (see :mod:`cloudckpt.run_refs`). It is not a checkpoint.
 
 A step is an ``int >= 0``; its prefix has at least 12 digits, zero-padded, and exactly the digits
 :func:`step_dir` writes (``step-0000000000001/`` is not step 1). Anything else under a run root
@@ -13,14 +17,15 @@ belongs to someone else and is ignored by listings and never deleted.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from cloudckpt.layout import DATA_PREFIX, MANIFEST_KEY
+from cloudckpt.layout import DATA_PREFIX, MANIFEST_KEY, PINS_PREFIX
 
 __all__ = ["LIST_DELIMITER", "StepState", "add_uploads", "classify_listing", "join_url",
-           "parse_step_dir", "step_dir"]
+           "parse_step_dir", "split_folder", "step_dir"]
 
 #: The delimiter of the one listing of a run root: it yields each step's manifest as a key and
 #: each step's ``data/`` folder as one common prefix, whatever the number of data objects.
@@ -49,6 +54,31 @@ def join_url(base: str, relative: str) -> str:
     return base.rstrip("/") + "/" + relative.strip("/")
 
 
+def split_folder(url: str) -> tuple[str, str] | None:
+    """``(run URL, folder)`` of a checkpoint URL: the URL of the folder above it and its own
+    last path segment (incremental checkpoints reference objects of *sibling* folders, under
+    the run URL). ``None`` when there is no folder above it (a bucket root, a filesystem root,
+    a bare relative name) or the last segment is not a folder name a manifest may use. Local
+    paths are made absolute and normalised, so two spellings of one run compare equal."""
+    from cloudckpt.manifest.lineage import folder_problem
+    from cloudckpt.storage.urls import parse_store_url
+
+    parsed = parse_store_url(url)
+    if parsed.kind == "s3":
+        parts = parsed.prefix.strip("/").split("/") if parsed.prefix else []
+        if not parts:
+            return None
+        run = parsed.bucket_url + "".join("/" + p for p in parts[:-1])
+    else:
+        path = os.path.normpath(os.path.abspath(parsed.path))
+        run, last = os.path.split(path)
+        if not last or run == path:
+            return None
+        parts = [last]
+        run = ("file://" + run) if url.startswith("file:") else run
+    return None if folder_problem(parts[-1]) else (run, parts[-1])
+
+
 @dataclass
 class StepState:
     """What the listings of a run root say about one step."""
@@ -56,13 +86,20 @@ class StepState:
     manifest: Any = None        # ObjectInfo of the manifest when complete
     has_data: bool = False      # a data/ common prefix was listed
     uploads: tuple = ()         # UploadInfo of unfinished multipart uploads (prune only)
+    pins: int = 0               # pins listed (other checkpoints reference it)
+
+    @property
+    def retained(self) -> bool:
+        """Deleted, kept for what other checkpoints reference: no manifest, some pins."""
+        return self.manifest is None and self.pins > 0
 
 
 def classify_listing(items: Iterable[Any]) -> dict[int, StepState]:
     """Group the entries of a ``delimiter="/data/"`` listing of a run root by step.
 
     Entries are ``ObjectInfo`` (``.key``) or ``CommonPrefix`` (``.prefix``); anything that is not
-    ``step-<012d>/manifest.msgpack`` or ``step-<012d>/data/`` is ignored.
+    ``step-<012d>/manifest.msgpack``, ``step-<012d>/data/`` or ``step-<012d>/pins/<name>`` is
+    ignored.
     """
     steps: dict[int, StepState] = {}
     for item in items:
@@ -79,6 +116,10 @@ def classify_listing(items: Iterable[Any]) -> dict[int, StepState]:
             step = parse_step_dir(head + sep)
             if step is not None:
                 steps.setdefault(step, StepState()).manifest = item
+        elif name and head.endswith("/" + PINS_PREFIX.rstrip("/")):
+            step = parse_step_dir(head[:-len(PINS_PREFIX) + 1])
+            if step is not None:
+                steps.setdefault(step, StepState()).pins += 1
     return steps
 
 

@@ -74,6 +74,7 @@ PHASE_WORDS = {
     "save plan exchange": "saving",
     "save global planning": "saving",
     "async save staging": "saving (copying to host memory)",
+    "save base": "saving (reading the base checkpoint)",
     "save upload": "saving (writing data)",
     "save commit": "saving (writing the manifest)",
     "load manifest": "loading (reading the manifest)",

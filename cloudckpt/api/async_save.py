@@ -58,10 +58,12 @@ class SaveHandle:
 
 def async_save(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage=None,
                allow_pickle: bool = False, metadata: Mapping[str, Any] | None = None,
-               options: SaveOptions | None = None, wait_for_previous: bool = True) -> SaveHandle:
+               options: SaveOptions | None = None, wait_for_previous: bool = True,
+               base: str | None = None) -> SaveHandle:
     """Start saving ``state_dict`` to ``url``; return once the data is staged in host memory.
 
-    Collective, like :func:`cloudckpt.save`. With ``options.max_async_staging_bytes`` set, a
+    Collective, like :func:`cloudckpt.save` (``base``: an incremental save; the base is read
+    and pinned, and the staged copies hashed, in the background). With ``options.max_async_staging_bytes`` set, a
     save whose staged copies would exceed it raises
     :class:`~cloudckpt.errors.StagingMemoryError` on every rank before anything is written.
     """
@@ -72,7 +74,8 @@ def async_save(state_dict: Mapping[str, Any], url: str, *, process_group=None, s
         runtime.wait_for_pending_save()
     options = options or SaveOptions()
     prepared = prepare_save(state_dict, url, process_group=process_group, storage=storage,
-                            allow_pickle=allow_pickle, metadata=metadata, options=options)
+                            allow_pickle=allow_pickle, metadata=metadata, options=options,
+                            base=base)
     context = current()
     with prepared.channel.phase("async save staging"):
         pool = context.staging_pool(options.max_async_staging_bytes)

@@ -37,6 +37,7 @@ from cloudckpt import layout
 from cloudckpt.errors import CheckpointNotFound, ManifestError, ObjectNotFound
 from cloudckpt.manifest import Manifest, decode_manifest
 from cloudckpt.options import LoadOptions, LoadResult
+from cloudckpt.api.homes import reading_view
 from cloudckpt.api.load_data import move_data
 from cloudckpt.api.manifest_io import fetch_manifest_bytes
 from cloudckpt.api.reports import LoadPlanReport
@@ -123,21 +124,20 @@ def load_from(state_dict: Mapping[str, Any], source: ManifestSource, *, process_
     options = options or LoadOptions()
     channel = ControlChannel(process_group, timeout=options.timeout)
     started = time.perf_counter()
-    store = shared_store(source.url, source.storage)
 
     raw, manifest = b"", None
     with channel.phase("load manifest"):
         if channel.is_coordinator or not options.share_manifest:
             raw = source.read()
         if channel.is_coordinator:
-            manifest = source.decode(raw)
+            store, manifest = reading_view(source.url, source.storage, source.decode(raw))
             source.check(manifest, store)
     if options.share_manifest:
         raw = channel.broadcast_bytes(raw if channel.is_coordinator else None)
 
     with channel.phase("load planning", LoadPlanReport) as planning:
         if manifest is None:
-            manifest = source.decode(raw)
+            store, manifest = reading_view(source.url, source.storage, source.decode(raw))
         wanted = _Wanted.of(state_dict, channel)
         wanted.check_replaceable(state_dict, manifest)
         plan = plan_local_load(manifest, wanted.requests, rank=channel.rank,
@@ -166,8 +166,8 @@ def load_full(url: str, *, storage=None, allow_pickle: bool = False,
     with the saved structure (dicts, lists, tuples) and non-tensor values restored.
     """
     options = options or LoadOptions()
-    manifest = read_manifest(url, storage=storage, allow_pickle=allow_pickle)
-    store = shared_store(url, storage)
+    store, manifest = reading_view(
+        url, storage, read_manifest(url, storage=storage, allow_pickle=allow_pickle))
     run_coroutine(check_object_extents(store, manifest))  # before allocating declared shapes
     leaves: dict[str, Any] = dict(manifest.values)
     requests, dests = [], []

@@ -20,12 +20,13 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from cloudckpt.api.homes import reading_view
 from cloudckpt.api.load import check_object_extents, read_manifest
 from cloudckpt.dataplane.destinations import fetch_into
 from cloudckpt.errors import MissingKeysError
 from cloudckpt.options import LoadOptions
 from cloudckpt.planning import PieceSpec, plan_local_load
-from cloudckpt.runtime import run_coroutine, shared_store
+from cloudckpt.runtime import run_coroutine
 from cloudckpt.statedict import torch_dtype
 
 
@@ -38,9 +39,10 @@ class TensorReader:
                  options: LoadOptions | None = None):
         self.url = url
         self.options = options or LoadOptions()
-        self.manifest = manifest if manifest is not None else read_manifest(
+        manifest = manifest if manifest is not None else read_manifest(
             url, storage=storage, allow_pickle=allow_pickle)
-        self._store = shared_store(url, storage)
+        # an incremental checkpoint's objects may live in sibling folders: read as load does
+        self._store, self.manifest = reading_view(url, storage, manifest)
         run_coroutine(check_object_extents(self._store, self.manifest))
 
     def read_into(self, pieces: Sequence[tuple[str, Sequence[int], torch.Tensor]]) -> int:

@@ -115,18 +115,21 @@ def _malformed(record: str, detail: str) -> ProtocolError:
 @dataclass(frozen=True, kw_only=True)
 class SavePlanning(_Record):
     """Save phase 1: the rank's local plan fingerprint, the attempt id (the coordinator's; ``""``
-    elsewhere) and its plan-cache vote: the key digests of the global plans it holds."""
+    elsewhere), its plan-cache vote: the key digests of the global plans it holds, and whether
+    the save hashes its chunks (an incremental save: the coordinator's word counts)."""
 
     RECORD: ClassVar[str] = "save planning"
     fingerprint: bytes
     attempt: str
     cached_plans: tuple[bytes, ...]
+    incremental: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
 class UploadReport(_Record):
     """Save phase 3: where the rank's chunks landed (an encoded :class:`WrittenChunks`, with the
-    values it owns), the digest of its global plan, what it wrote, and its encoded nesting."""
+    values it owns), the digest of its global plan, what it wrote (and left to its base), and
+    its encoded nesting."""
 
     RECORD: ClassVar[str] = "save upload"
     written: bytes
@@ -134,6 +137,7 @@ class UploadReport(_Record):
     bytes_written: int
     objects: int
     structure: bytes
+    bytes_reused: int = 0
 
     def written_chunks(self) -> WrittenChunks:
         return decode_written_chunks(self.written)

@@ -11,13 +11,18 @@ fail-together exchange, so a failure anywhere raises the same
 2. global plan: reused from the cache when every rank holds the plan of these fingerprints;
    otherwise ``save plan exchange`` (local plans, msgpack) and ``save global planning`` (every
    rank computes the same global plan).
-3. ``save upload``: each rank uploads the items it owns under ``data/<attempt>/`` and reports
-   where they landed (:class:`~cloudckpt.api.reports.UploadReport`).
-4. ``save commit``: the coordinator assembles the manifest from everyone's reports and writes it
+3. ``save base`` (incremental saves only): the coordinator reads the base, pins the folders the
+   save may reference and broadcasts the content hashes of the base's matching chunks
+   (:mod:`cloudckpt.api.incremental`).
+4. ``save upload``: each rank uploads the items it owns under ``data/<attempt>/`` (in an
+   incremental save: hashing every item, and skipping those whose hash is the base's) and
+   reports where they landed (:class:`~cloudckpt.api.reports.UploadReport`).
+5. ``save commit``: the coordinator assembles the manifest from everyone's reports and writes it
    in ``create`` mode. Its presence is the commit.
 
 :func:`prepare_save` (phases 1-2) and :func:`finish_save` (phases 3-4) are separate so that
-``async_save`` can stage data between them and run the rest in the background.
+``async_save`` can stage data between them and run the rest in the background (hashing included:
+it reads the staged copies).
 """
 
 from __future__ import annotations
@@ -32,12 +37,14 @@ from cloudckpt import layout
 from cloudckpt.context import current
 from cloudckpt.api.reports import SavePlanning, SavePlanReport, UploadReport
 from cloudckpt.errors import CheckpointExists, ObjectExists, ObjectNotFound
+from cloudckpt.api.incremental import PinnedBase, base_folder, open_base
 from cloudckpt.manifest import encode_manifest, encode_value
 from cloudckpt.options import SaveOptions, SaveResult
 from cloudckpt.planning import (GlobalSavePlan, LocalSavePlan, WrittenChunks,
                                 assemble_manifest, encode_written_chunks, key_digest,
                                 plan_global_save, save_plan_cache_key)
-from cloudckpt.runtime import run_coroutine, shared_store, wait_for_pending_save
+from cloudckpt.planning.incremental import decode_known, encode_known, reused_chunks
+from cloudckpt.runtime import run_coroutine, shared_store, start_task, wait_for_pending_save
 from cloudckpt.stateful import resolve_stateful
 from cloudckpt.statedict import flatten_state_dict, merge_structures
 from cloudckpt.transport import ControlChannel
@@ -60,11 +67,16 @@ class PreparedSave:
     allow_pickle: bool
     plan_cached: bool
     started: float = field(default_factory=time.perf_counter)
+    incremental: bool = False      # every rank hashes its items (the coordinator's word)
+    base: str | None = None        # the coordinator's base URL
+    manifest_sent: bool = False    # the coordinator issued the manifest's PUT
+    used_homes: frozenset = frozenset()  # the folders the committed manifest references
+    base_used: str = ""            # the base's folder, on every rank ("": a full save)
 
 
 def save(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage=None,
          allow_pickle: bool = False, metadata: Mapping[str, Any] | None = None,
-         options: SaveOptions | None = None) -> SaveResult:
+         options: SaveOptions | None = None, base: str | None = None) -> SaveResult:
     """Save ``state_dict`` (this rank's part) to the checkpoint at ``url``. Collective.
 
     ``url`` is ``s3://bucket/prefix``, ``file:///path`` or a plain path. ``storage`` is a
@@ -72,14 +84,22 @@ def save(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage
     ``allow_pickle=True``. Raises :class:`CheckpointExists` if ``url`` already holds a committed
     checkpoint (which stays untouched), and :class:`CheckpointError` (the same on every rank)
     if any rank fails.
+
+    ``base``: the URL of another checkpoint of the same run (a sibling folder; the coordinator's
+    value is the one used): an *incremental* save. Every chunk whose bytes equal those of the
+    same chunk (tensor, box, dtype) of the base is not uploaded; the manifest points at the
+    object that already holds it (see docs/guide.md, "Incremental checkpoints"). A base that is
+    gone, changed meanwhile or records no chunk hashes makes a full save (logged). Chunk hashes
+    are recorded with a base or ``options.content_hashes``.
     """
     prepared = prepare_save(state_dict, url, process_group=process_group, storage=storage,
-                            allow_pickle=allow_pickle, metadata=metadata, options=options)
+                            allow_pickle=allow_pickle, metadata=metadata, options=options,
+                            base=base)
     return finish_save(prepared)
 
 
 def prepare_save(state_dict, url, *, process_group=None, storage=None, allow_pickle=False,
-                 metadata=None, options=None) -> PreparedSave:
+                 metadata=None, options=None, base=None) -> PreparedSave:
     """Phases 1-2: plan the save on every rank. Collective."""
     wait_for_pending_save()
     options = options or SaveOptions()
@@ -91,8 +111,11 @@ def prepare_save(state_dict, url, *, process_group=None, storage=None, allow_pic
     with channel.phase("save planning", SavePlanning) as planning:
         local = _plan_locally(state_dict, channel, allow_pickle)
         attempt = _new_attempt(url, storage) if channel.is_coordinator else ""
-        planning.report = SavePlanning(fingerprint=local.plan.fingerprint(), attempt=attempt,
-                                       cached_plans=tuple(cached))
+        if channel.is_coordinator and base is not None:
+            base_folder(url, base)  # a base outside the run fails every rank, before any I/O
+        planning.report = SavePlanning(
+            fingerprint=local.plan.fingerprint(), attempt=attempt, cached_plans=tuple(cached),
+            incremental=channel.is_coordinator and (base is not None or options.content_hashes))
 
     key = save_plan_cache_key([r.fingerprint for r in planning.reports],
                               replicas_to_lowest_rank=options.replicas_to_lowest_rank)
@@ -110,25 +133,55 @@ def prepare_save(state_dict, url, *, process_group=None, storage=None, allow_pic
     return PreparedSave(url=url, channel=channel, options=options, storage=storage,
                         attempt=planning.reports[0].attempt, plan=plan, items=items, values=owned,
                         structure=local.structure, metadata=dict(metadata or {}),
-                        allow_pickle=allow_pickle, plan_cached=plan_cached, started=started)
+                        allow_pickle=allow_pickle, plan_cached=plan_cached, started=started,
+                        incremental=planning.reports[0].incremental,
+                        base=base if channel.is_coordinator else None)
 
 
 def finish_save(p: PreparedSave) -> SaveResult:
-    """Phases 3-4: upload this rank's items, then commit. Collective."""
+    """Phases 3-5: pin the base (incremental), upload this rank's items, then commit.
+    Collective."""
     channel = p.channel
-    with channel.phase("save upload", UploadReport) as upload:
-        upload.report = _upload(p)
+    pinned: PinnedBase | None = None
+    try:
+        known: dict[int, bytes] = {}
+        if p.incremental:
+            with channel.phase("save base"):
+                if channel.is_coordinator and p.base is not None:
+                    pinned = _pin_base(p)
+            table = channel.broadcast_bytes(
+                (encode_known(pinned.chunks.known(), pinned.chunks.folder) if pinned else b"")
+                if channel.is_coordinator else None)
+            if table:
+                mine = {w.chunk_id for w in p.plan.writes}
+                known, p.base_used = decode_known(table)
+                known = {c: h for c, h in known.items() if c in mine}
 
-    with channel.phase("save commit"):
+        with channel.phase("save upload", UploadReport) as upload:
+            upload.report = _upload(p, known)
+
+        with channel.phase("save commit"):
+            if channel.is_coordinator:
+                _commit(p, upload.reports, pinned)
+    except BaseException as exc:
+        if pinned is not None:
+            pinned.stop()
+            # the pins record the references once the manifest may be there: kept then
+            if not p.manifest_sent or isinstance(exc, CheckpointExists):
+                run_coroutine(pinned.release())
+        raise
+    if pinned is not None:
+        pinned.stop()
         if channel.is_coordinator:
-            _commit(p, upload.reports)
+            run_coroutine(pinned.drop_unused(p.used_homes))
 
     reports = upload.reports
     return SaveResult(url=p.url, bytes_written=sum(r.bytes_written for r in reports),
                       objects=sum(r.objects for r in reports),
                       seconds=time.perf_counter() - p.started,
                       rank_bytes_written=reports[channel.rank].bytes_written,
-                      attempt=p.attempt, plan_cached=p.plan_cached)
+                      attempt=p.attempt, plan_cached=p.plan_cached,
+                      bytes_reused=sum(r.bytes_reused for r in reports), base=p.base_used)
 
 
 # -- the work of each phase -------------------------------------------------------------------
@@ -176,32 +229,58 @@ def _plan_globally(channel: ControlChannel, local: LocalSavePlan,
     return plan
 
 
-def _upload(p: PreparedSave) -> UploadReport:
+def _pin_base(p: PreparedSave) -> PinnedBase | None:
+    """The coordinator's part of ``save base``: the pinned base, its pins kept fresh."""
+    run_url, folder, base = base_folder(p.url, p.base)
+    pinned = run_coroutine(open_base(
+        shared_store(run_url, p.storage), folder=folder, base=base, attempt=p.attempt,
+        skeleton=p.plan.skeleton, checksum_block_size=p.options.checksum_block_size,
+        lease=p.options.pin_lease))
+    if pinned is not None:
+        pinned.task = start_task(pinned.refresh())
+    return pinned
+
+
+def _upload(p: PreparedSave, known: dict[int, bytes]) -> UploadReport:
     rank = p.channel.rank
     store = shared_store(p.url, p.storage)
     wopts = WriterOptions(object_size=p.options.object_size,
                           checksum_block_size=p.options.checksum_block_size,
                           max_staging_bytes=p.options.max_staging_bytes)
     locations, stats = run_coroutine(
-        write_chunks(store, p.items, rank=rank, attempt=p.attempt, options=wopts))
+        write_chunks(store, p.items, rank=rank, attempt=p.attempt, options=wopts,
+                     hashing=p.incremental, known=known))
+    written = _written_chunks(rank, locations, p.values, [c for c, _ in stats.reused])
     return UploadReport(
-        written=encode_written_chunks(_written_chunks(rank, locations, p.values)),
+        written=encode_written_chunks(written),
         plan_digest=p.plan.skeleton.digest(), bytes_written=stats.bytes_written,
         objects=stats.objects,
-        structure=encode_value(p.structure, key="structure", allow_pickle=False))
+        structure=encode_value(p.structure, key="structure", allow_pickle=False),
+        bytes_reused=stats.bytes_reused)
 
 
-def _commit(p: PreparedSave, reports: tuple[UploadReport, ...]) -> None:
+def _commit(p: PreparedSave, reports: tuple[UploadReport, ...],
+            pinned: PinnedBase | None) -> None:
     """The coordinator's part of the commit: assemble the manifest, write it in create mode."""
     if len({r.plan_digest for r in reports}) != 1:
         raise RuntimeError("ranks disagree on the global save plan (plan cache out of sync)")
+    written = [r.written_chunks() for r in reports]
+    reused = None
+    if pinned is not None:
+        ids = sorted(int(c) for w in written for c in w.reused)
+        reused = reused_chunks(pinned.chunks, ids)
     manifest = assemble_manifest(
-        p.plan.skeleton, [r.written_chunks() for r in reports],
+        p.plan.skeleton, written,
         world_size=p.channel.size, checksum_block_size=p.options.checksum_block_size,
         metadata=p.metadata, allow_pickle=p.allow_pickle,
         # ranks may hold different keys (pipeline stages): the union of their nestings
-        structure=merge_structures([r.structure_value() for r in reports]))
+        structure=merge_structures([r.structure_value() for r in reports]),
+        reused=reused, hashed=p.incremental, attempt=p.attempt if p.incremental else "",
+        base=pinned.chunks.folder if pinned is not None else "")
+    if pinned is not None:
+        pinned.check_lease()
     store = shared_store(p.url, p.storage)
+    p.manifest_sent, p.used_homes = True, frozenset(manifest.object_homes)
     try:
         run_coroutine(store.put(layout.MANIFEST_KEY, encode_manifest(manifest), mode="create"))
     except ObjectExists as exc:
@@ -217,7 +296,7 @@ def _refuse_existing(url: str, storage) -> None:
     raise CheckpointExists(f"a checkpoint is already committed at {url}")
 
 
-def _written_chunks(rank: int, locations, values: dict[str, bytes]) -> WrittenChunks:
+def _written_chunks(rank: int, locations, values: dict[str, bytes], reused) -> WrittenChunks:
     keys: dict[str, int] = {}
     for loc in locations:
         keys.setdefault(loc.object_key, len(keys))
@@ -227,4 +306,5 @@ def _written_chunks(rank: int, locations, values: dict[str, bytes]) -> WrittenCh
         object_index=[keys[loc.object_key] for loc in locations],
         byte_offset=[loc.byte_offset for loc in locations],
         byte_length=[loc.byte_length for loc in locations],
-        crcs=[c for loc in locations for c in loc.crcs], values=values)
+        crcs=[c for loc in locations for c in loc.crcs], values=values,
+        hashes=b"".join(loc.content_hash for loc in locations), reused=reused)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cloudckpt.api.homes import reading_view
 from cloudckpt.api.load import read_manifest_bytes
 from cloudckpt.dataplane.buffers import BufferPool
 from cloudckpt.errors import CloudCkptError
@@ -65,7 +66,7 @@ def verify(url: str, *, storage=None, progress=None) -> VerifyReport:
     manifest = decode_manifest(raw, allow_pickle="inspect")  # never unpickles
     notes = [UNCHECKSUMMED] if stored_version(raw) == 1 else []
     del raw
-    store = shared_store(url, storage)
+    store, manifest = reading_view(url, storage, manifest, open_store=shared_store)
     return run_coroutine(_verify(url, store, manifest, progress, notes))
 
 

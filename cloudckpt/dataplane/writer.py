@@ -13,18 +13,25 @@ Contract:
   once, so memory stays bounded whatever the checkpoint size.
 - Objects upload concurrently; the store bounds requests in flight. On the first failure the
   other uploads are cancelled and the error propagates.
+- With ``hashing`` (incremental saves), every item's bytes get a content hash
+  (:func:`cloudckpt.checksum.content_hash`) in worker threads, in item order, ahead of the
+  uploads; an item whose chunk id is in ``known`` with the same hash is not uploaded (it is
+  returned in :attr:`WriteStats.reused`: its bytes are already stored by the base checkpoint),
+  the others are packed as above as their hashes arrive, and each object starts uploading as
+  soon as it is cut. A device or strided tensor is copied to host for hashing under the same
+  ``max_staging_bytes`` bound, and copied again only if it is uploaded.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from cloudckpt.dataplane.buffers import byte_view, host_contiguous, is_byte_viewable
-from cloudckpt.checksum import block_crcs
+from cloudckpt.checksum import block_crcs, content_hash
 from cloudckpt.layout import data_key
 from cloudckpt.planning.batching import pack_in_order
 
@@ -38,21 +45,33 @@ class WriterOptions:
     max_staging_bytes: int = 256 << 20
 
 
+#: Items hashed per worker-thread call (at most, and about this many bytes at most).
+_HASH_BATCH_ITEMS = 64
+_HASH_BATCH_BYTES = 16 << 20
+
+
 @dataclass(frozen=True)
 class ChunkLocation:
-    """Where one written item's bytes are: object key, byte offset and length, per-block crcs."""
+    """Where one written item's bytes are: object key, byte offset and length, per-block crcs;
+    ``content_hash`` (16 bytes) when the write hashed, else ``b""``."""
 
     chunk_id: int
     object_key: str
     byte_offset: int
     byte_length: int
     crcs: tuple[int, ...]
+    content_hash: bytes = b""
 
 
 @dataclass(frozen=True)
 class WriteStats:
+    """Bytes and objects uploaded; ``reused``: ``(chunk_id, content hash)`` of the items not
+    uploaded because ``known`` holds their hash (``bytes_reused`` of them)."""
+
     bytes_written: int
     objects: int
+    reused: tuple[tuple[int, bytes], ...] = ()
+    bytes_reused: int = 0
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -61,17 +80,19 @@ def _nbytes(t: torch.Tensor) -> int:
 
 async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank: int,
                        attempt: str, options: WriterOptions = WriterOptions(),
+                       hashing: bool = False, known: Mapping[int, bytes] | None = None,
                        first_index: int = 0) -> tuple[list[ChunkLocation], WriteStats]:
     """Upload ``items`` (``(chunk_id, tensor)`` pairs) as data objects of save ``attempt``,
     numbered from ``first_index`` (a writer calling this several times for one attempt passes
     the count of objects its earlier calls wrote).
 
-    Returns one :class:`ChunkLocation` per item, in the order of ``items``.
+    Returns one :class:`ChunkLocation` per uploaded item, in the order of ``items`` (every item
+    unless ``known`` is given: see the module docstring; ``known`` implies ``hashing``).
     """
     sizes = [_nbytes(t) for _, t in items]
-    groups = pack_in_order(sizes, options.object_size)
     locations: list[ChunkLocation | None] = [None] * len(items)
     staging_budget = _ByteBudget(options.max_staging_bytes)
+    hashes: list[bytes] = [b""] * len(items)
 
     async def upload(obj_index: int, members: list[int]) -> int:
         key = data_key(attempt, rank, first_index + obj_index)
@@ -85,22 +106,78 @@ async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank
                 lambda vs=views: [block_crcs(v, options.checksum_block_size) for v in vs])
             offset = 0
             for i, view, crc in zip(members, views, crcs):
-                locations[i] = ChunkLocation(items[i][0], key, offset, len(view), crc)
+                locations[i] = ChunkLocation(items[i][0], key, offset, len(view), crc, hashes[i])
                 offset += len(view)
             segments = [v for v in views if len(v)]
             await store.put(key, segments if segments else b"")
             del tensors, views, segments
         return offset
 
-    tasks = [asyncio.ensure_future(upload(k, members)) for k, members in enumerate(groups)]
+    tasks: list[asyncio.Future] = []
+    reused: list[int] = []
     try:
+        if hashing or known is not None:
+            await _hash_and_pack(items, sizes, hashes, known or {}, options, staging_budget,
+                                 reused, lambda members: tasks.append(asyncio.ensure_future(
+                                     upload(len(tasks), members))), tasks)
+        else:
+            tasks += [asyncio.ensure_future(upload(k, members))
+                      for k, members in enumerate(pack_in_order(sizes, options.object_size))]
         written = await asyncio.gather(*tasks)
     except BaseException:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-    return [loc for loc in locations if loc is not None], WriteStats(sum(written), len(groups))
+    stats = WriteStats(sum(written), len(tasks),
+                       reused=tuple((items[i][0], hashes[i]) for i in reused),
+                       bytes_reused=sum(sizes[i] for i in reused))
+    return [loc for loc in locations if loc is not None], stats
+
+
+async def _hash_and_pack(items, sizes, hashes, known, options, budget, reused, launch,
+                         tasks) -> None:
+    """Hash every item in order (batches in a worker thread); items whose hash ``known`` holds
+    go to ``reused``, the others are cut into objects by the rule of ``pack_in_order`` and each
+    object is passed to ``launch`` as soon as it is cut."""
+    current: list[int] = []
+    filled = 0
+    for batch in _batches(sizes):
+        copies = sum(sizes[i] for i in batch if not is_byte_viewable(items[i][1]))
+        async with budget.hold(copies):
+            digests = await asyncio.to_thread(_hash_tensors, [items[i][1] for i in batch])
+        for i, digest in zip(batch, digests):
+            hashes[i] = digest
+            if known.get(items[i][0]) == digest:
+                reused.append(i)
+                continue
+            if current and filled + sizes[i] > options.object_size:
+                launch(current)
+                current, filled = [], 0
+            current.append(i)
+            filled += sizes[i]
+        failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+        if failed is not None:
+            await failed  # an upload failed: stop hashing, raise its error
+    if current:
+        launch(current)
+
+
+def _batches(sizes: Sequence[int]):
+    batch: list[int] = []
+    filled = 0
+    for i, n in enumerate(sizes):
+        if batch and (len(batch) >= _HASH_BATCH_ITEMS or filled + n > _HASH_BATCH_BYTES):
+            yield batch
+            batch, filled = [], 0
+        batch.append(i)
+        filled += n
+    if batch:
+        yield batch
+
+
+def _hash_tensors(tensors) -> list[bytes]:
+    return [content_hash(byte_view(host_contiguous(t))) for t in tensors]
 
 
 class _ByteBudget:

@@ -1,11 +1,12 @@
 """msgpack encoding of a :class:`~cloudckpt.manifest.model.Manifest` (format ``cloudckpt``).
 
-Stored bytes: format version 2 frames the msgpack document with a header carrying the crc32c of
-the whole manifest, checked before anything is decoded (:mod:`cloudckpt.manifest.framing`);
-version 1 (still read) is the document alone. The document is a msgpack map with string keys::
+Stored bytes: format versions 2 and 3 frame the msgpack document with a header carrying the
+crc32c of the whole manifest, checked before anything is decoded
+(:mod:`cloudckpt.manifest.framing`); version 1 (still read) is the document alone. The document
+is a msgpack map with string keys::
 
     format              "cloudckpt"
-    version             2 (1 in a version 1 manifest: always the version of the frame)
+    version             3 or 2 (1 in a version 1 manifest: always the version of the frame)
     cloudckpt_version   str
     created_at          float (unix time)
     world_size          int
@@ -17,6 +18,17 @@ version 1 (still read) is the document alone. The document is a msgpack map with
     chunks              {offsets: col, sizes: col, object_index: col, byte_offset: col,
                          byte_length: col, crc32c: bytes (little-endian uint32, raw)}
     values              {name: bytes}: encode_value(value) each (pickled ones flagged inside)
+
+Version 3 adds (see :mod:`cloudckpt.manifest.lineage`; a manifest without any of them is written
+as version 2, so that older cloudckpt versions read it)::
+
+    homes               [str]: per object, "" or the sibling folder holding it
+    base                str: folder of the checkpoint it was made from ("" none)
+    attempt             str: the save attempt that wrote it ("" unknown)
+    hash_algorithm      str: "xxh3-128", or "" when chunks carry no hash
+    chunks.hash         bytes: 16 per chunk (its content hash), or empty
+
+A version 2 or 1 document's fields of these names are ignored (never followed).
 
 ``col`` is an integer column (see :mod:`cloudckpt.manifest.columns`). Chunks are grouped by
 tensor in tensor order; ``shapes`` concatenates every tensor's shape; ``offsets`` / ``sizes`` hold,
@@ -47,7 +59,8 @@ from cloudckpt.manifest.columns import (ColumnError, decode_int_column, decode_u
                                         encode_int_column, encode_u32, iter_int_column)
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE, MAX_NDIM
 from cloudckpt.manifest.framing import frame, unframe
-from cloudckpt.manifest.model import FORMAT_NAME, FORMAT_VERSION, Manifest
+from cloudckpt.manifest.lineage import HASH_ALGORITHM
+from cloudckpt.manifest.model import FORMAT_NAME, Manifest
 from cloudckpt.manifest.values import decode_plain, encode_value
 
 #: Largest manifest read or decoded (bytes); a larger one is refused before it is read.
@@ -57,7 +70,7 @@ MAX_MANIFEST_BYTES = 1 << 31
 DIMS_PER_BYTE = 2
 _FIELDS = frozenset({"format", "version", "cloudckpt_version", "created_at", "world_size",
                      "checksum_block_size", "metadata", "structure", "objects", "tensors",
-                     "chunks", "values"})
+                     "chunks", "values", "homes", "base", "attempt", "hash_algorithm"})
 _DTYPE_NAMES = {name: name for name in DTYPE_ITEMSIZE}  # one str object per dtype name
 
 
@@ -76,16 +89,29 @@ def _dim_major_index(counts: np.ndarray, ndims: np.ndarray) -> np.ndarray:
     return coord_start[coord_tensor] + dim * counts[coord_tensor] + np.repeat(chunk_local, chunk_ndim)
 
 
-def encode_manifest(m: Manifest, *, format_version: int = FORMAT_VERSION) -> bytes:
+def needed_version(m: Manifest) -> int:
+    """The format version ``m`` is written in: 3 when it has any field of incremental
+    checkpoints (homes, chunk hashes, base, attempt), else 2."""
+    lineage = m.references or m.chunk_hashes is not None or m.base or m.attempt
+    return 3 if lineage else 2
+
+
+def encode_manifest(m: Manifest, *, format_version: int | None = None) -> bytes:
     """Encode a manifest as its stored bytes (deterministic for a given manifest).
 
-    ``format_version=1`` writes the old unchecksummed layout (tests, tools for old readers).
-    A manifest without data checksums (``checksums=False``, an in-memory index of foreign
-    files) is refused: a stored manifest always carries its data's crc32c values.
+    ``format_version`` defaults to :func:`needed_version`; ``1`` writes the old unchecksummed
+    layout (tests, tools for old readers). A manifest with incremental fields cannot be written
+    in a version before 3 (``ValueError``). A manifest without data checksums
+    (``checksums=False``, an in-memory index of foreign files) is refused: a stored manifest
+    always carries its data's crc32c values.
     """
     if not m.checksums:
         raise ManifestError("a manifest without data checksums (an index of foreign files) "
                             "cannot be stored", path="checksums")
+    needed = needed_version(m)
+    format_version = needed if format_version is None else format_version
+    if needed == 3 and format_version < 3:
+        raise ValueError(f"this manifest needs format version {needed}, not {format_version}")
     cols = m.columns
     ndims = cols.ndims
     counts = np.diff(cols.chunk_start)
@@ -98,7 +124,7 @@ def encode_manifest(m: Manifest, *, format_version: int = FORMAT_VERSION) -> byt
     declared = 2 * len(flat_shapes) + len(off_dm)
 
     def document(compress: bool) -> bytes:
-        return msgpack.packb({
+        doc = {
             "format": FORMAT_NAME,
             "version": format_version,
             "cloudckpt_version": m.cloudckpt_version,
@@ -124,7 +150,13 @@ def encode_manifest(m: Manifest, *, format_version: int = FORMAT_VERSION) -> byt
                 "crc32c": encode_u32(cols.crcs),
             },
             "values": dict(cols.value_blobs),
-        }, use_bin_type=True)
+        }
+        if format_version >= 3:
+            hashes = m.chunk_hashes
+            doc["chunks"]["hash"] = b"" if hashes is None else hashes.tobytes()
+            doc.update(homes=list(m.object_homes), base=m.base, attempt=m.attempt,
+                       hash_algorithm="" if hashes is None else HASH_ALGORITHM)
+        return msgpack.packb(doc, use_bin_type=True)
 
     data = frame(document(True), format_version)
     if declared > DIMS_PER_BYTE * len(data):  # stay decodable: uncompressed, >= 1 byte each
@@ -296,6 +328,7 @@ def manifest_from_document(document: ManifestDocument, *,
     shapes = _column(tensors, "shapes", "tensors", expected=nshape)
     offsets = _chunk_major(chunks, "offsets", counts, ndims, ncoords)
     sizes = _chunk_major(chunks, "sizes", counts, ndims, ncoords)
+    lineage = _read_lineage(doc, chunks) if document.version >= 3 else {}
     blobs = {}
     for name, blob in values.items():
         if type(blob) is not bytes:
@@ -310,4 +343,16 @@ def manifest_from_document(document: ManifestDocument, *,
         chunk_byte_offset=_column(chunks, "byte_offset", "chunks", expected=nchunks),
         chunk_byte_length=_column(chunks, "byte_length", "chunks", expected=nchunks),
         chunk_crcs=crcs, value_blobs=blobs, structure=structure, allow_pickle=allow_pickle,
-    )
+        **lineage)
+
+
+def _read_lineage(doc: dict, chunks: dict) -> dict:
+    """The version 3 fields as ``Manifest`` keyword arguments (checked there)."""
+    homes = _field(doc, "homes", list)
+    algorithm = _field(doc, "hash_algorithm", str)
+    hashes = _field(chunks, "hash", bytes, "chunks.hash")
+    if algorithm not in ("", HASH_ALGORITHM) or bool(algorithm) != bool(hashes):
+        raise ManifestError(f"chunk hashes {algorithm!r:.40} ({len(hashes)} bytes) are not "
+                            f"{HASH_ALGORITHM!r} hashes", path="hash_algorithm")
+    return dict(object_homes=homes, chunk_hashes=hashes if algorithm else None,
+                base=_field(doc, "base", str), attempt=_field(doc, "attempt", str))

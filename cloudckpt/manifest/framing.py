@@ -1,10 +1,11 @@
 """The bytes around a manifest's msgpack document: a header that carries its checksum.
 
-Format version 2 (what this cloudckpt writes)::
+Format versions 2 and 3 (what this cloudckpt writes; 3 adds fields of incremental checkpoints
+to the document, the frame is the same)::
 
     offset  size  field
     0       8     magic b"\\xc1ckpt\\r\\n\\x1a"  (0xc1 is a byte msgpack never uses)
-    8       4     format version, little-endian uint32: 2
+    8       4     format version, little-endian uint32: 2 or 3
     12      4     crc32c of bytes 0..11 followed by the payload, little-endian uint32
     16      ...   payload: the msgpack document (see :mod:`cloudckpt.manifest.codec`)
 
@@ -12,10 +13,10 @@ Format version 1 (earlier cloudckpt): the msgpack document alone, without a chec
 still read; its first byte is always a msgpack map marker.
 
 Contract of :func:`unframe`: the checksum is checked before a byte of the payload is decoded, and
-every single-bit change anywhere in a version 2 manifest (magic, version, checksum or payload)
+every single-bit change anywhere in a framed manifest (magic, version, checksum or payload)
 raises :class:`~cloudckpt.errors.ManifestError` (crc32c detects every error of up to 3 bits and
 every burst of up to 32 bits; a changed magic byte is not a msgpack map marker, so it is not read
-as version 1 either). A version field other than 2 raises
+as version 1 either). A version field other than 2 or 3 raises
 :class:`~cloudckpt.errors.UnsupportedManifestVersion`.
 """
 
@@ -29,7 +30,8 @@ from cloudckpt.errors import ManifestError, UnsupportedManifestVersion
 MAGIC = b"\xc1ckpt\r\n\x1a"
 HEADER = struct.Struct("<8sII")
 FRAMED_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
+FRAMED_VERSIONS = (2, 3)
+SUPPORTED_VERSIONS = (1, 2, 3)
 #: First bytes of a msgpack map (fixmap, map 16, map 32): how a version 1 manifest starts.
 _MAP_MARKERS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
 
@@ -42,19 +44,22 @@ def frame(payload: bytes, version: int = FRAMED_VERSION) -> bytes:
     """
     if version == 1:
         return bytes(payload)
-    if version != FRAMED_VERSION:
+    if version not in FRAMED_VERSIONS:
         raise ValueError(f"cannot write manifest format version {version!r}")
     head = MAGIC + struct.pack("<I", version)
     return head + struct.pack("<I", crc32c(payload, crc32c(head))) + bytes(payload)
 
 
 def stored_version(data) -> int:
-    """The format version the stored bytes ``data`` claim (1 or 2), without checking them.
+    """The format version the stored bytes ``data`` claim (1, or the framed version 2 or 3),
+    without checking them.
 
     Raises :class:`~cloudckpt.errors.ManifestError` when they are neither.
     """
     mv = memoryview(data).cast("B")
     if bytes(mv[:len(MAGIC)]) == MAGIC:
+        if len(mv) >= HEADER.size and HEADER.unpack_from(mv)[1] in FRAMED_VERSIONS:
+            return HEADER.unpack_from(mv)[1]
         return FRAMED_VERSION
     if len(mv) and mv[0] in _MAP_MARKERS:
         return 1
@@ -69,8 +74,8 @@ def stored_version(data) -> int:
 def unframe(data) -> tuple[int, memoryview]:
     """Check the frame of stored manifest bytes; return (format version, payload view).
 
-    Version 2: header complete, version supported, crc32c matching, all before anything is
-    decoded. Version 1: the payload is ``data`` itself (nothing to check).
+    Versions 2 and 3: header complete, version supported, crc32c matching, all before anything
+    is decoded. Version 1: the payload is ``data`` itself (nothing to check).
     """
     mv = memoryview(data).cast("B")
     version = stored_version(mv)
@@ -79,7 +84,7 @@ def unframe(data) -> tuple[int, memoryview]:
     if len(mv) < HEADER.size:
         raise ManifestError(f"manifest header truncated ({len(mv)} of {HEADER.size} bytes)")
     _, declared, stored = HEADER.unpack_from(mv)
-    if declared != FRAMED_VERSION:
+    if declared not in FRAMED_VERSIONS:
         raise UnsupportedManifestVersion(
             f"manifest format version {declared} is not supported (this cloudckpt reads versions "
             f"{', '.join(map(str, SUPPORTED_VERSIONS))}; or the header is damaged)", path="version")
@@ -88,4 +93,4 @@ def unframe(data) -> tuple[int, memoryview]:
     if actual != stored:
         raise ManifestError(f"manifest checksum mismatch (stored crc32c {stored:08x}, computed "
                             f"{actual:08x}): its {len(mv)} bytes are damaged")
-    return FRAMED_VERSION, payload
+    return declared, payload

@@ -23,14 +23,18 @@ import numpy as np
 
 from cloudckpt.errors import ManifestError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE, MAX_ELEMENTS, MAX_NDIM
+from cloudckpt.manifest.lineage import check_lineage
 from cloudckpt.manifest.validation import (check_shape, flat_dims, tensor_path,
                                            validate_object_key, validate_structure)
 from cloudckpt.manifest.values import decode_value, value_path
 
 FORMAT_NAME = "cloudckpt"
-FORMAT_VERSION = 2
-#: Format versions this cloudckpt reads (1: no checksum; 2: framed with a crc32c).
-SUPPORTED_VERSIONS = (1, 2)
+#: The newest format version this cloudckpt writes: 3 for a manifest with incremental fields
+#: (object homes, chunk hashes, base, attempt), 2 for any other (so older readers read it).
+FORMAT_VERSION = 3
+#: Format versions this cloudckpt reads (1: no checksum; 2: framed with a crc32c; 3: 2 plus
+#: the fields of incremental checkpoints, see :mod:`cloudckpt.manifest.lineage`).
+SUPPORTED_VERSIONS = (1, 2, 3)
 DEFAULT_CHECKSUM_BLOCK_SIZE = 4 << 20
 MAX_CHECKSUM_BLOCK_SIZE = 1 << 40
 
@@ -196,7 +200,8 @@ class Manifest:
     :func:`~cloudckpt.manifest.encode_value` bytes; ``values`` (optional) the same values already
     decoded. Pickled values are decoded only if ``allow_pickle``. With ``tensor_ndims`` (the
     decoder's form), ``tensor_shapes`` is every shape's dims concatenated in one int array: no
-    Python tuple is made until a shape is asked for.
+    Python tuple is made until a shape is asked for. ``object_homes``, ``chunk_hashes``,
+    ``base`` and ``attempt``: see :mod:`cloudckpt.manifest.lineage` (format version 3).
 
     ``checksums=False`` makes a manifest whose data carries no checksums: an index built in
     memory over a foreign format (safetensors files: :mod:`cloudckpt.hf`), never a cloudckpt
@@ -212,6 +217,7 @@ class Manifest:
                  chunk_offsets, chunk_sizes, chunk_object_index, chunk_byte_offset, chunk_byte_length,
                  chunk_crcs, value_blobs: Mapping[str, bytes], values: Mapping[str, object] | None = None,
                  structure: object = None, allow_pickle: bool = False, tensor_ndims=None,
+                 object_homes=None, chunk_hashes=None, base: str = "", attempt: str = "",
                  checksums: bool = True):
         if type(world_size) is not int or world_size < 1:
             raise ManifestError(f"world_size must be a positive int, got {world_size!r}", path="world_size")
@@ -250,6 +256,9 @@ class Manifest:
         self._init_values(value_blobs, values, allow_pickle)
         if structure is not None:
             validate_structure(structure, self._name_index, self._value_blobs)
+        self.object_homes, self.chunk_hashes, self.base, self.attempt = check_lineage(
+            object_homes, chunk_hashes, base, attempt, objects=len(self.objects),
+            chunks=self.num_chunks)
         self.tensors: Mapping[str, TensorRecord] = _TensorMap(self)
         self._derived: dict = {}
 
@@ -494,6 +503,25 @@ class Manifest:
     @property
     def num_chunks(self) -> int:
         return int(self._chunk_start[-1])
+
+    @property
+    def references(self) -> bool:
+        """Whether some object lies under another checkpoint's folder (a non-empty home)."""
+        return any(self.object_homes)
+
+    def with_object_keys(self, keys) -> "Manifest":
+        """This manifest with ``keys`` (distinct valid keys relative to another store root: the
+        run's, see ``cloudckpt.api.homes``) as its objects and no homes; arrays are shared."""
+        import copy
+
+        keys = tuple(keys)
+        why = next(filter(None, map(validate_object_key, keys)), None)
+        if why or len(keys) != len(self.objects) or len(set(keys)) != len(keys):
+            raise ManifestError(why or "one distinct key per object needed", path="objects")
+        other = copy.copy(self)
+        other.objects, other.object_homes, other._derived = keys, ("",) * len(keys), {}
+        other.tensors = _TensorMap(other)
+        return other
 
     def total_bytes(self) -> int:
         """Bytes of tensor data referenced by the manifest (sum of chunk byte lengths)."""

@@ -3,8 +3,9 @@ Python objects (millions of chunks assemble in well under a second).
 
 Each rank reports a :class:`WrittenChunks` (msgpack via :func:`encode_written_chunks`): for
 each chunk id it wrote, the object (index into its own object keys), byte offset, byte length
-and per-block crc32c values, plus the encoded values it owns. The coordinator decodes every
-report and calls :func:`assemble_manifest`.
+and per-block crc32c values (and content hashes, in an incremental save), the chunk ids it did
+not upload because its base holds their bytes, plus the encoded values it owns. The
+coordinator decodes every report and calls :func:`assemble_manifest`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import numpy as np
 
 from cloudckpt.errors import PlanningError
 from cloudckpt.manifest.columns import ColumnError, decode_int_column, decode_u32, encode_int_column, encode_u32
+from cloudckpt.manifest.lineage import HASH_BYTES
 from cloudckpt.manifest.model import DEFAULT_CHECKSUM_BLOCK_SIZE, Manifest, crc_counts
+from cloudckpt.planning.incremental import ReusedChunks
 from cloudckpt.planning.save_plan import ManifestSkeleton
 from cloudckpt.wording import plural
 
@@ -29,7 +32,9 @@ WRITTEN_FORMAT = "cloudckpt.written"
 class WrittenChunks:
     """Where one rank's chunks landed. ``crcs`` is flat: per chunk (in ``chunk_ids`` order)
     ``max(1, ceil(byte_length / checksum_block_size))`` values. ``values``: name -> bytes from
-    ``encode_value`` for the values this rank owns."""
+    ``encode_value`` for the values this rank owns. ``hashes``: 16 bytes per chunk (in
+    ``chunk_ids`` order) when the save hashed, else empty; ``reused``: chunk ids not uploaded
+    because the base holds the same bytes."""
 
     rank: int
     object_keys: tuple[str, ...]
@@ -39,16 +44,22 @@ class WrittenChunks:
     byte_length: np.ndarray
     crcs: np.ndarray
     values: Mapping[str, bytes] = None  # type: ignore[assignment]
+    hashes: bytes = b""
+    reused: np.ndarray = ()  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "object_keys", tuple(self.object_keys))
-        for f in ("chunk_ids", "object_index", "byte_offset", "byte_length"):
+        object.__setattr__(self, "hashes", bytes(self.hashes))
+        for f in ("chunk_ids", "object_index", "byte_offset", "byte_length", "reused"):
             object.__setattr__(self, f, np.asarray(getattr(self, f), dtype=np.int64).reshape(-1))
         object.__setattr__(self, "crcs", np.asarray(self.crcs, dtype=np.int64).reshape(-1))
         object.__setattr__(self, "values", dict(self.values or {}))
         n = len(self.chunk_ids)
         if not len(self.object_index) == len(self.byte_offset) == len(self.byte_length) == n:
             raise PlanningError(f"rank {self.rank}: written chunk columns differ in length")
+        if len(self.hashes) not in (0, HASH_BYTES * n):
+            raise PlanningError(f"rank {self.rank}: {len(self.hashes)} bytes of chunk hashes "
+                                f"for {n} chunks")
 
 
 def encode_written_chunks(w: WrittenChunks) -> bytes:
@@ -58,7 +69,8 @@ def encode_written_chunks(w: WrittenChunks) -> bytes:
         "object_index": encode_int_column(w.object_index, delta=True),
         "byte_offset": encode_int_column(w.byte_offset, delta=True),
         "byte_length": encode_int_column(w.byte_length, delta=True),
-        "crcs": encode_u32(w.crcs), "values": dict(w.values),
+        "crcs": encode_u32(w.crcs), "values": dict(w.values), "hashes": w.hashes,
+        "reused": encode_int_column(w.reused, delta=True),
     }, use_bin_type=True)
 
 
@@ -74,7 +86,8 @@ def decode_written_chunks(data: bytes) -> WrittenChunks:
             object_index=decode_int_column(doc["object_index"], expected=n),
             byte_offset=decode_int_column(doc["byte_offset"], expected=n),
             byte_length=decode_int_column(doc["byte_length"], expected=n),
-            crcs=decode_u32(doc["crcs"]), values=dict(doc["values"]))
+            crcs=decode_u32(doc["crcs"]), values=dict(doc["values"]), hashes=doc["hashes"],
+            reused=decode_int_column(doc["reused"]))
     except PlanningError:
         raise
     except (ColumnError, KeyError, TypeError, ValueError) as exc:
@@ -84,14 +97,20 @@ def decode_written_chunks(data: bytes) -> WrittenChunks:
 def assemble_manifest(skeleton: ManifestSkeleton, written: Sequence[WrittenChunks], *, world_size: int,
                       checksum_block_size: int = DEFAULT_CHECKSUM_BLOCK_SIZE, metadata: Mapping | None = None,
                       structure: object = None, created_at: float | None = None,
-                      cloudckpt_version: str | None = None, allow_pickle: bool = False) -> Manifest:
+                      cloudckpt_version: str | None = None, allow_pickle: bool = False,
+                      reused: ReusedChunks | None = None, hashed: bool = False, base: str = "",
+                      attempt: str = "") -> Manifest:
     """Build the checkpoint's manifest. Every chunk id of ``skeleton`` must be reported exactly
-    once with the byte length the plan expects (else :class:`~cloudckpt.errors.PlanningError`);
-    the result is validated like any manifest. ``allow_pickle`` must be true if a reported value
-    is pickled."""
+    once (written by a rank, or reused: ``reused`` says where the base holds those) with the
+    byte length the plan expects (else :class:`~cloudckpt.errors.PlanningError`); the result is
+    validated like any manifest. ``allow_pickle`` must be true if a reported value is pickled.
+    With ``hashed`` every written chunk must come with its hash, and the manifest records them
+    (format version 3, with ``base`` and ``attempt``)."""
     n = skeleton.num_chunks
     objects: list[str] = []
-    obj_pos: dict[str, int] = {}
+    homes: list[str] = []
+    obj_pos: dict[tuple[str, str], int] = {}
+    hashes = np.zeros((n, HASH_BYTES), dtype=np.uint8) if hashed else None
     owner = np.full(n, -1, dtype=np.int64)
     obj = np.zeros(n, dtype=np.int64)
     boff = np.zeros(n, dtype=np.int64)
@@ -104,12 +123,7 @@ def assemble_manifest(skeleton: ManifestSkeleton, written: Sequence[WrittenChunk
             raise PlanningError(f"rank {w.rank} reports a chunk id outside the plan")
         if (owner[ids] >= 0).any() or len(np.unique(ids)) != len(ids):
             raise PlanningError(f"rank {w.rank} reports a chunk another report already holds")
-        remap = np.empty(len(w.object_keys), dtype=np.int64)
-        for i, k in enumerate(w.object_keys):
-            if k not in obj_pos:
-                obj_pos[k] = len(objects)
-                objects.append(k)
-            remap[i] = obj_pos[k]
+        remap = _add_objects(objects, homes, obj_pos, [("", k) for k in w.object_keys])
         if len(w.object_index) and (w.object_index.min() < 0 or w.object_index.max() >= len(remap)):
             raise PlanningError(f"rank {w.rank} reports an object index outside its object keys")
         owner[ids] = w.rank
@@ -120,10 +134,29 @@ def assemble_manifest(skeleton: ManifestSkeleton, written: Sequence[WrittenChunk
         if int(ncrc.sum()) != len(w.crcs):
             raise PlanningError(f"rank {w.rank} reports {len(w.crcs)} crcs, expected {int(ncrc.sum())}")
         crc_parts.append((ids, ncrc, w.crcs))
+        if hashes is not None:
+            if len(w.hashes) != HASH_BYTES * len(ids):
+                raise PlanningError(f"rank {w.rank} reports no hashes of its chunks")
+            hashes[ids] = np.frombuffer(w.hashes, dtype=np.uint8).reshape(len(ids), HASH_BYTES)
         for name, blob in w.values.items():
             if name in blobs:
                 raise PlanningError(f"value {name!r} reported by two ranks")
             blobs[name] = blob
+    if reused is not None and len(reused.ids):
+        ids = reused.ids
+        if (owner[ids] >= 0).any():
+            raise PlanningError("a chunk is reported both written and reused")
+        told = [w.reused for w in written] or [np.zeros(0, dtype=np.int64)]
+        if sorted(np.concatenate(told).tolist()) != ids.tolist():
+            raise PlanningError("the reused chunks are not those the ranks report")
+        owner[ids] = world_size
+        obj[ids] = _add_objects(objects, homes, obj_pos, reused.objects)[reused.object_index]
+        boff[ids], blen[ids] = reused.byte_offset, reused.byte_length
+        crc_parts.append((ids, crc_counts(reused.byte_length, checksum_block_size), reused.crcs))
+        if hashes is not None:
+            hashes[ids] = reused.hashes
+    elif any(len(w.reused) for w in written):
+        raise PlanningError("a rank reports reused chunks, but the save has no base")
     if (owner < 0).any():
         missing = np.flatnonzero(owner < 0)
         raise PlanningError(f"{plural(len(missing), 'chunk')} {'was' if len(missing) == 1 else 'were'}"
@@ -148,4 +181,17 @@ def assemble_manifest(skeleton: ManifestSkeleton, written: Sequence[WrittenChunk
         objects=objects, tensor_names=skeleton.names, tensor_dtypes=skeleton.dtypes, tensor_shapes=skeleton.shapes,
         chunk_counts=np.diff(skeleton.chunk_start), chunk_offsets=offsets, chunk_sizes=sizes,
         chunk_object_index=obj, chunk_byte_offset=boff, chunk_byte_length=blen, chunk_crcs=crcs,
-        value_blobs=blobs, structure=structure, allow_pickle=allow_pickle)
+        value_blobs=blobs, structure=structure, allow_pickle=allow_pickle, object_homes=homes,
+        chunk_hashes=hashes, base=base, attempt=attempt)
+
+
+def _add_objects(objects: list, homes: list, pos: dict, entries) -> np.ndarray:
+    """Index of each ``(home, key)`` of ``entries`` in the object table (added when new)."""
+    remap = np.empty(len(entries), dtype=np.int64)
+    for i, (home, key) in enumerate(entries):
+        if (home, key) not in pos:
+            pos[home, key] = len(objects)
+            objects.append(key)
+            homes.append(home)
+        remap[i] = pos[home, key]
+    return remap

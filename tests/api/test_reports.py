@@ -99,7 +99,7 @@ def test_field_types_are_exact():
     with pytest.raises(ProtocolError, match="field 'cached_plans'"):
         reports.SavePlanning.decode(msgpack.packb(
             {"record": "save planning", "fingerprint": b"f", "attempt": "a",
-             "cached_plans": ["not bytes"]}))
+             "cached_plans": ["not bytes"], "incremental": False}))
     with pytest.raises(TypeError, match="StopVote: field 'stop' is int"):
         reports.StopVote(stop=1)
     with pytest.raises(TypeError, match="SavePlanning: field 'cached_plans' is list"):

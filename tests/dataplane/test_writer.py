@@ -87,3 +87,52 @@ def test_a_failed_upload_raises_its_error(tmp_path):
         run_coroutine(write_chunks(store, items, rank=0, attempt=ATTEMPT,
                                    options=WriterOptions(object_size=400, checksum_block_size=BLOCK)))
     assert data_key(ATTEMPT, 0, 1) not in store.done
+
+
+def test_hashing_skips_known_items_and_packs_the_others_in_order(tmp_path):
+    """Every item gets its content hash; items whose hash ``known`` holds are not uploaded
+    (reported in ``reused``); the rest are packed by the same rule as without hashing."""
+    from cloudckpt.checksum import content_hash
+
+    store = store_at(tmp_path)
+    items = _items()
+    digests = {cid: content_hash(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+               for cid, t in items}
+    known = {7: digests[7], 9: digests[9], 11: b"\x00" * 16, 42: b"\x01" * 16}  # 11 changed
+    opts = WriterOptions(object_size=20_000, checksum_block_size=BLOCK, max_staging_bytes=4096)
+    locations, stats = run_coroutine(write_chunks(store, items, rank=1, attempt=ATTEMPT,
+                                                  options=opts, known=known))
+    assert stats.reused == ((7, digests[7]), (9, digests[9]))
+    uploaded = [(cid, t) for cid, t in items if cid not in (7, 9)]
+    sizes = [t.numel() * t.element_size() for _, t in uploaded]
+    assert stats.bytes_reused == 16384 + 24000 and stats.bytes_written == sum(sizes)
+    assert [loc.chunk_id for loc in locations] == [cid for cid, _ in uploaded]
+    assert stats.objects == len(pack_in_order(sizes, opts.object_size))
+    for loc, (cid, t) in zip(locations, uploaded):
+        expected = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        body = data_path(tmp_path, loc.object_key).read_bytes()
+        assert body[loc.byte_offset:loc.byte_offset + loc.byte_length] == expected
+        assert loc.content_hash == digests[cid] and len(loc.content_hash) == 16
+    plain, _ = run_coroutine(write_chunks(store_at(tmp_path / "plain"), items, rank=1,
+                                          attempt=ATTEMPT, options=opts))
+    assert {loc.content_hash for loc in plain} == {b""}  # no hashing unless asked
+
+
+def test_hashing_everything_known_uploads_nothing(tmp_path):
+    from cloudckpt.checksum import content_hash
+
+    items = [(i, torch.full((50,), float(i))) for i in range(5)]
+    known = {i: content_hash(t.numpy().tobytes()) for i, t in items}
+    locations, stats = run_coroutine(write_chunks(store_at(tmp_path), items, rank=0,
+                                                  attempt=ATTEMPT, known=known))
+    assert locations == [] and stats.objects == 0 and stats.bytes_written == 0
+    assert [cid for cid, _ in stats.reused] == list(range(5))
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_failed_upload_stops_hashing_with_its_error(tmp_path):
+    store = _FailingPuts(store_at(tmp_path), data_key(ATTEMPT, 0, 0))
+    items = [(i, torch.full((100,), float(i))) for i in range(300)]
+    with pytest.raises(StorageError, match="injected failure"):
+        run_coroutine(write_chunks(store, items, rank=0, attempt=ATTEMPT, hashing=True,
+                                   options=WriterOptions(object_size=400, checksum_block_size=BLOCK)))

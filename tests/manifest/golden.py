@@ -1,12 +1,15 @@
-"""How ``tests/data/manifest_v1.msgpack`` and ``manifest_v2.msgpack`` were made (and what they must
-keep decoding to): the same content in format version 1 (the msgpack document alone) and 2 (the
-document framed with its crc32c).
+"""How ``tests/data/manifest_v1.msgpack``, ``manifest_v2.msgpack`` and ``manifest_v3.msgpack`` were
+made (and what they must keep decoding to): the same content in format version 1 (the msgpack
+document alone) and 2 (the document framed with its crc32c); version 3 adds the fields of an
+incremental checkpoint to it (:func:`build_v3`: the second object lies in the sibling folder
+``step-000000000007``, the base; every chunk carries its XXH3-128 hash; attempt ``...bb``).
 
 Generate a file only when deliberately creating the golden file of a NEW format version (the
 existing files must stay as they are, forever)::
 
     python -m tests.manifest.golden tests/data/manifest_v1.msgpack 1
     python -m tests.manifest.golden tests/data/manifest_v2.msgpack 2
+    python -m tests.manifest.golden tests/data/manifest_v3.msgpack 3
 
 Content: 5 tensors (2-D sharded over two objects, bfloat16 vector, int64 scalar, an empty tensor
 with no chunks, a 2x2 grid of int8 chunks), values of every exact type (tuple, big int, bytes,
@@ -23,7 +26,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from cloudckpt.checksum import block_crcs
+from cloudckpt.checksum import block_crcs, content_hash
 from cloudckpt.manifest import Manifest, ManifestBuilder, encode_manifest
 
 BLOCK = 16
@@ -78,8 +81,34 @@ def build() -> Manifest:
     return b.build()
 
 
+HOMES = ("", "step-000000000007")
+BASE = "step-000000000007"
+ATTEMPT = "00000000000000bb"
+
+
+def chunk_hashes() -> bytes:
+    """Every chunk's content hash, in manifest order."""
+    return b"".join(content_hash(chunk_bytes(name, i))
+                    for name, (_, _, chunks) in TENSORS.items() for i in range(len(chunks)))
+
+
+def build_v3() -> Manifest:
+    """:func:`build`'s content with the fields of format version 3."""
+    m = build()
+    c = m.columns
+    return Manifest(
+        world_size=m.world_size, created_at=m.created_at, cloudckpt_version=m.cloudckpt_version,
+        metadata=m.metadata, checksum_block_size=m.checksum_block_size, objects=m.objects,
+        tensor_names=c.names, tensor_dtypes=c.dtypes, tensor_shapes=m.shapes,
+        chunk_counts=np.diff(c.chunk_start), chunk_offsets=c.offsets, chunk_sizes=c.sizes,
+        chunk_object_index=c.object_index, chunk_byte_offset=c.byte_offset,
+        chunk_byte_length=c.byte_length, chunk_crcs=c.crcs, value_blobs=dict(c.value_blobs),
+        structure=m.structure, allow_pickle=True, object_homes=HOMES,
+        chunk_hashes=chunk_hashes(), base=BASE, attempt=ATTEMPT)
+
+
 if __name__ == "__main__":
     out, version = sys.argv[1], int(sys.argv[2])
     with open(out, "xb") as f:  # never overwrite a golden file
-        f.write(encode_manifest(build(), format_version=version))
+        f.write(encode_manifest(build_v3() if version >= 3 else build(), format_version=version))
     print(f"wrote {out} (format version {version})")

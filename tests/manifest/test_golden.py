@@ -1,5 +1,6 @@
-"""The checked-in v1 and v2 manifests must keep decoding, to the same content, in every later
-version; this version writes the v2 file byte for byte (the format cannot drift silently).
+"""The checked-in v1, v2 and v3 manifests must keep decoding, to the same content, in every later
+version; this version writes the v2 and v3 files byte for byte (the format cannot drift
+silently): v3 when a manifest has fields of incremental checkpoints, v2 otherwise.
 
 How the files were made: tests/manifest/golden.py (never regenerate them)."""
 
@@ -17,7 +18,8 @@ from cloudckpt.manifest.framing import stored_version
 from tests.manifest import golden
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-GOLDEN = {1: DATA / "manifest_v1.msgpack", 2: DATA / "manifest_v2.msgpack"}
+GOLDEN = {1: DATA / "manifest_v1.msgpack", 2: DATA / "manifest_v2.msgpack",
+          3: DATA / "manifest_v3.msgpack"}
 
 
 @pytest.fixture(scope="module", params=sorted(GOLDEN), ids=lambda v: f"v{v}")
@@ -32,14 +34,39 @@ def manifest(version):
     return decode_manifest(data, allow_pickle=True)
 
 
+def _built(version: int):
+    return golden.build_v3() if version >= 3 else golden.build()
+
+
 def test_this_version_writes_the_golden_bytes(version):
-    """v2 is what this cloudckpt writes; v1 is what it writes when asked for the old layout."""
-    assert (FORMAT_NAME, FORMAT_VERSION) == ("cloudckpt", 2)
-    assert encode_manifest(golden.build(), format_version=version) == GOLDEN[version].read_bytes()
+    """v2 is what this cloudckpt writes for a manifest without incremental fields, v3 for one
+    with them; v1 is what it writes when asked for the old layout."""
+    assert (FORMAT_NAME, FORMAT_VERSION) == ("cloudckpt", 3)
+    assert encode_manifest(_built(version), format_version=version) == GOLDEN[version].read_bytes()
+    default = 1 if version == 1 else None  # the version each manifest needs by default
+    assert encode_manifest(_built(version), format_version=default) == GOLDEN[version].read_bytes()
 
 
-def test_every_bit_of_the_v2_golden_file_is_checked():
-    data = GOLDEN[2].read_bytes()
+def test_a_manifest_with_incremental_fields_needs_version_3():
+    for old in (1, 2):
+        with pytest.raises(ValueError, match="needs format version 3"):
+            encode_manifest(golden.build_v3(), format_version=old)
+
+
+def test_the_v3_fields(manifest, version):
+    if version < 3:
+        assert (manifest.object_homes, manifest.base, manifest.attempt) == (("", ""), "", "")
+        assert manifest.chunk_hashes is None and not manifest.references
+        return
+    assert manifest.object_homes == golden.HOMES and manifest.references
+    assert (manifest.base, manifest.attempt) == (golden.BASE, golden.ATTEMPT)
+    assert manifest.chunk_hashes.tobytes() == golden.chunk_hashes()
+    assert not manifest.chunk_hashes.flags.writeable
+
+
+@pytest.mark.parametrize("framed", [2, 3])
+def test_every_bit_of_a_framed_golden_file_is_checked(framed):
+    data = GOLDEN[framed].read_bytes()
     for bit in range(8 * len(data)):
         flipped = bytearray(data)
         flipped[bit // 8] ^= 1 << (bit % 8)
@@ -94,8 +121,8 @@ def test_pickled_value_needs_opt_in(version):
     assert exc.value.path == 'values["frac"]'
 
 
-def test_the_maker_still_describes_the_file(manifest):
-    rebuilt = decode_manifest(encode_manifest(golden.build()), allow_pickle=True)
+def test_the_maker_still_describes_the_file(manifest, version):
+    rebuilt = decode_manifest(encode_manifest(_built(version)), allow_pickle=True)
     assert rebuilt.values == manifest.values and rebuilt.structure == manifest.structure
     for name in manifest.tensors:
         assert list(rebuilt.tensors[name].chunks) == list(manifest.tensors[name].chunks)

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from cloudckpt import CheckpointManager
 from cloudckpt.errors import AccessDenied
-from cloudckpt.layout import MANIFEST_KEY, data_key, data_key_attempt, owned_key
+from cloudckpt.layout import MANIFEST_KEY, data_key, data_key_attempt, owned_key, parse_pin_key
 from cloudckpt.manager import step_dir
 from tests.reliability.stores import cli
 
@@ -309,10 +309,11 @@ def test_owned_key_accepts_every_data_key(attempt, rank, n):
               st.integers(0, 10**5).map(lambda n: f"{n:04d}"),
               st.text(min_size=1, max_size=3), st.integers(0, 40))))
 def test_owned_key_accepts_nothing_else(key):
-    """A key is owned iff it is the manifest or exactly what ``data_key`` writes."""
+    """A key is owned iff it is the manifest, exactly what ``data_key`` writes or a pin
+    (``pin_key``: ``pins/<attempt>.<folder>``)."""
     m = re.fullmatch(r"data/([0-9a-f]{16})/r([0-9]+)-([0-9]+)\.bin", key)
     canonical = m is not None and data_key(m[1], int(m[2]), int(m[3])) == key
-    assert owned_key(key) == (key == MANIFEST_KEY or canonical)
+    assert owned_key(key) == (key == MANIFEST_KEY or canonical or parse_pin_key(key) is not None)
 
 
 # -- generated layouts through the Python entry points --------------------------------------------

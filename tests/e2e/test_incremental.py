@@ -1,0 +1,187 @@
+"""Incremental checkpoints against SeaweedFS: only changed chunks are uploaded, every reader
+(load, load_full, verify, export, the command line) reads a referencing checkpoint exactly like
+a full one, deleting keeps what later checkpoints reference and collects it once nothing does;
+the same through async saves and a 2-rank world."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cloudckpt
+from cloudckpt import CheckpointManager, SaveOptions
+from cloudckpt.errors import ConfigError
+from cloudckpt.manager import step_dir
+from tests.reliability.stores import cli
+
+FROZEN = 64 * 256 * 4      # bytes of the frozen tensor
+OPTIONS = SaveOptions(object_size=64 << 10, checksum_block_size=16 << 10)
+
+
+def _state(step: int) -> dict:
+    """A frozen embedding, a trained layer that changes at every step, a buffer that changes
+    every other step, and plain values."""
+    frozen = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    trained = torch.randn(32, 32, generator=torch.Generator().manual_seed(100 + step))
+    buffer = torch.full((16,), float(step // 2))
+    return {"model": {"embed": frozen, "layer": trained, "buf": buffer},
+            "opt": {"step": step, "betas": (0.9, 0.99)}}
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b and type(a) is type(b)
+
+
+def _raw_keys(s3_server, url: str) -> set[str]:
+    bucket, _, root = url[len("s3://"):].partition("/")
+    client = s3_server.boto3_client()
+    keys = set()
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=root + "/"):
+        keys |= {o["Key"][len(root) + 1:] for o in page.get("Contents", [])}
+    return keys
+
+
+def test_incremental_run_through_every_reader(s3_env, s3_url, tmp_path):
+    mgr = CheckpointManager(s3_url, incremental=True, save_options=OPTIONS)
+    first = mgr.save(1, _state(1))
+    assert first.bytes_reused == 0 and first.base == ""
+    second = mgr.save(2, _state(2))  # the embedding is reused; the layer and buffer changed
+    assert second.base == step_dir(1).rstrip("/")
+    assert (second.bytes_reused, second.bytes_written) == (FROZEN, 32 * 32 * 4 + 64)
+    third = mgr.save(3, _state(3))  # the embedding (in step 1) and the buffer (in step 2)
+    assert (third.bytes_reused, third.bytes_written) == (FROZEN + 64, 32 * 32 * 4)
+    assert third.base == step_dir(2).rstrip("/")
+
+    for step in (1, 2, 3):
+        url = mgr.step_url(step)
+        assert _equal(cloudckpt.load_full(url), _state(step)), step
+        assert cloudckpt.verify(url).ok
+        target = _state(0)
+        cloudckpt.load(target, url)
+        assert _equal(target, _state(step))
+    manifest = cloudckpt.read_manifest(mgr.step_url(3))
+    assert manifest.base == step_dir(2).rstrip("/")
+    one, two = step_dir(1).rstrip("/"), step_dir(2).rstrip("/")
+    assert set(manifest.object_homes) == {"", one, two}  # the embedding: step 1, not via 2
+
+    # export and the command line read it like a full checkpoint
+    out = tmp_path / "three.safetensors"
+    from cloudckpt.export import export
+    export(mgr.step_url(3), str(out))
+    from safetensors.torch import load_file
+    assert torch.equal(load_file(str(out))["model.embed"], _state(3)["model"]["embed"])
+    res = cli(s3_env, "show", mgr.step_url(3))
+    assert res.returncode == 0, res.stderr
+    assert f"base        {two}" in res.stdout
+    assert "objects of other checkpoints it uses (2, " in res.stdout
+    res = cli(s3_env, "show", mgr.step_url(3), "--json")
+    refs = json.loads(res.stdout)["references"]
+    assert [(r["folder"], r["bytes"]) for r in refs] == [(one, FROZEN), (two, 64)]
+    res = cli(s3_env, "ls", s3_url, "--details", "--json")
+    rows = {r["step"]: r for r in json.loads(res.stdout)}
+    assert (rows[1]["shared_bytes"], rows[1]["base_step"]) == (0, None)
+    assert (rows[3]["own_bytes"], rows[3]["shared_bytes"], rows[3]["base_step"]) == \
+        (32 * 32 * 4, FROZEN + 64, 2)
+
+    # deleting step 1 keeps its embedding's object (steps 2 and 3 use it): retained, not listed
+    before = _raw_keys(s3_env, s3_url)
+    mgr.delete(1)
+    assert [i.step for i in mgr.list()] == [2, 3]
+    kept = _raw_keys(s3_env, s3_url)
+    assert f"{one}/manifest.msgpack" not in kept
+    embed_objects = {f"{one}/{k}" for h, k in zip(manifest.object_homes, manifest.objects)
+                     if h == one}
+    assert {k for k in kept if k.startswith(f"{one}/data/")} == embed_objects
+    assert {k for k in before if k.startswith(f"{one}/data/")} > embed_objects
+    for step in (2, 3):
+        assert _equal(cloudckpt.load_full(mgr.step_url(step)), _state(step))
+        assert cloudckpt.verify(mgr.step_url(step)).ok
+    # rm step 2 (3 uses its buffer), save 4, prune 3: what only 2 and 3 used goes
+    assert cli(s3_env, "rm", mgr.step_url(2)).returncode == 0
+    assert _equal(cloudckpt.load_full(mgr.step_url(3)), _state(3))
+    mgr.save(4, _state(4))
+    now = CheckpointManager(s3_url, keep_last=1, abandoned_after=0)
+    assert [i.step for i in now.prune()][:1] == [3]
+    left = _raw_keys(s3_env, s3_url)
+    assert {k.split("/")[0] for k in left} == {one, step_dir(4).rstrip("/")}
+    assert {k for k in left if k.startswith(f"{one}/data/")} == embed_objects
+    assert _equal(cloudckpt.load_full(mgr.step_url(4)), _state(4))
+    now.delete(4)
+    assert _raw_keys(s3_env, s3_url) == set()
+
+
+def test_a_base_outside_the_run_is_refused_and_a_missing_one_means_a_full_save(s3_env, s3_url):
+    cloudckpt.save(_state(1), f"{s3_url}/run/a", options=SaveOptions(content_hashes=True))
+    for bad in (f"{s3_url}/other/a", f"{s3_url}/run/b", f"{s3_url}/run"):
+        with pytest.raises(ConfigError, match="not another checkpoint of the run"):
+            cloudckpt.save(_state(2), f"{s3_url}/run/b", base=bad)
+    result = cloudckpt.save(_state(2), f"{s3_url}/run/b", base=f"{s3_url}/run/missing")
+    assert result.base == "" and result.bytes_reused == 0
+    result = cloudckpt.save(_state(2), f"{s3_url}/run/c", base=f"{s3_url}/run/a")
+    assert result.base == "a" and result.bytes_reused == FROZEN
+    assert _equal(cloudckpt.load_full(f"{s3_url}/run/c"), _state(2))
+    # a base without hashes (a plain save) makes a full save that records them
+    cloudckpt.save(_state(1), f"{s3_url}/run/plain")
+    result = cloudckpt.save(_state(1), f"{s3_url}/run/d", base=f"{s3_url}/run/plain")
+    assert result.base == "" and cloudckpt.read_manifest(f"{s3_url}/run/d").chunk_hashes is not None
+
+
+def test_async_incremental_save_hashes_the_staged_copy(s3_env, s3_url):
+    mgr = CheckpointManager(s3_url, incremental=True, save_options=OPTIONS)
+    mgr.save(1, _state(1))
+    state = _state(2)
+    handle = mgr.save(2, state, blocking=False)
+    state["model"]["embed"].add_(1.0)  # training mutates right away: the staged copy is saved
+    state["model"]["layer"].zero_()
+    result = handle.result(timeout=120)
+    assert result.bytes_reused == FROZEN and result.base == step_dir(1).rstrip("/")
+    assert _equal(cloudckpt.load_full(mgr.step_url(2)), _state(2))
+    mgr.close()
+
+
+def rank_incremental(url: str) -> dict:
+    """Each rank holds a row shard of a frozen and of a trained tensor (as DTensor-free
+    GlobalPieces) plus a replicated buffer; three incremental saves, then loads."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def state(step):
+        frozen = torch.randn(64, 128, generator=torch.Generator().manual_seed(7))
+        trained = torch.randn(64, 16, generator=torch.Generator().manual_seed(step))
+        rows = slice(rank * 32, (rank + 1) * 32)
+        return {"frozen": cloudckpt.GlobalPiece(frozen[rows].clone(), (64, 128), (rank * 32, 0)),
+                "trained": cloudckpt.GlobalPiece(trained[rows].clone(), (64, 16), (rank * 32, 0)),
+                "buf": torch.arange(8.0), "step": step}, frozen, trained
+
+    mgr = CheckpointManager(url, incremental=True, save_options=OPTIONS)
+    results = []
+    for step in (1, 2, 3):
+        results.append(mgr.save(step, state(step)[0]))
+    full = cloudckpt.load_full(mgr.step_url(3))
+    _, frozen, trained = state(3)
+    target = state(0)[0]
+    cloudckpt.load(target, mgr.step_url(3))
+    _, _, trained3 = state(3)
+    rows = slice(rank * 32, (rank + 1) * 32)
+    return {"reused": [r.bytes_reused for r in results],
+            "written": [r.rank_bytes_written for r in results],
+            "full_ok": torch.equal(full["frozen"], frozen) and torch.equal(full["trained"], trained),
+            "load_ok": torch.equal(target["frozen"].local, frozen[rows])
+            and torch.equal(target["trained"].local, trained3[rows]) and target["step"] == 3,
+            "world": world}
+
+
+def test_world2_incremental_saves(world2, s3_url):
+    results = world2.run(rank_incremental, s3_url)
+    assert all(r["full_ok"] and r["load_ok"] for r in results), results
+    reused = results[0]["reused"]
+    assert reused[0] == 0 and reused[1] == reused[2] == 64 * 128 * 4 + 8 * 4  # both ranks' shards
+    # every rank wrote only its trained shard after the first save
+    assert [r["written"][1] for r in results] == [32 * 16 * 4, 32 * 16 * 4]
+    assert cloudckpt.verify(f"{s3_url}/{step_dir(3)}").ok
