@@ -77,6 +77,21 @@ def test_incremental_run_through_every_reader(s3_env, s3_url, tmp_path):
     export(mgr.step_url(3), str(out))
     from safetensors.torch import load_file
     assert torch.equal(load_file(str(out))["model.embed"], _state(3)["model"]["embed"])
+    # the Hugging Face export and the conversion to DCP read through the same view
+    hf = tmp_path / "hf"
+    cloudckpt.export_safetensors(mgr.step_url(3), str(hf), prefix="model.")
+    exported = {}
+    for f in sorted(hf.glob("*.safetensors")):
+        exported.update(load_file(str(f)))
+    assert exported.keys() == _state(3)["model"].keys()
+    assert all(torch.equal(exported[k], v) for k, v in _state(3)["model"].items())
+    dcp_dir = tmp_path / "dcp"
+    cloudckpt.convert(mgr.step_url(3), str(dcp_dir), to="dcp")
+    from torch.distributed.checkpoint import FileSystemReader
+    import torch.distributed.checkpoint as dcp
+    target = {"model": {k: torch.zeros_like(v) for k, v in _state(3)["model"].items()}}
+    dcp.load(target, storage_reader=FileSystemReader(str(dcp_dir)))
+    assert all(torch.equal(target["model"][k], v) for k, v in _state(3)["model"].items())
     res = cli(s3_env, "show", mgr.step_url(3))
     assert res.returncode == 0, res.stderr
     assert f"base        {two}" in res.stdout
