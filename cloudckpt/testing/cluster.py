@@ -100,12 +100,13 @@ class Cluster:
     Options (keyword-only): `nodes`, `ranks_per_node` (1 or more), `frontend_mbit` (each node's
     link to the store, Mbit/s each way), `backend_mbit` (node to node; default 10x frontend),
     `slow_nodes` ({node: factor}: that node's frontend runs at factor x the rate), `bucket`,
-    `timeout` (seconds per `run` and for starting), `env` (extra environment of every rank)."""
+    `timeout` (seconds per `run` and for starting), `env` (extra environment of every rank),
+    `mtu` (of every link; 9000 by default, see `cluster_net.Topology`)."""
 
     def __init__(self, *, nodes: int, ranks_per_node: int = 1, frontend_mbit: float = 100.0,
                  backend_mbit: float | None = None, slow_nodes: Mapping[int, float] | None = None,
                  bucket: str = DEFAULT_BUCKET, timeout: float = 120.0,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, mtu: int = 9000) -> None:
         if ranks_per_node < 1:
             raise ValueError("ranks_per_node must be >= 1")
         slow = dict(slow_nodes or {})
@@ -123,7 +124,7 @@ class Cluster:
         self.topology = net.Topology(
             prefix=self.prefix,
             frontend_mbit=tuple(frontend_mbit * slow.get(i, 1.0) for i in range(nodes)),
-            backend_mbit=(float(backend),) * nodes)
+            backend_mbit=(float(backend),) * nodes, mtu=mtu)
         self._info: S3ServerInfo | None = None
         self._server: subprocess.Popen | None = None
         self._server_pid: int | None = None
