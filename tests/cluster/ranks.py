@@ -16,6 +16,7 @@ def whereami() -> dict:
     total = torch.tensor([dist.get_rank() + 1.0])
     dist.all_reduce(total)
     return {"rank": dist.get_rank(), "node": int(os.environ["CLOUDCKPT_CLUSTER_NODE"]),
+            "local_rank": int(os.environ["LOCAL_RANK"]),
             "netns": os.readlink("/proc/self/ns/net"), "sum": float(total),
             "gloo_if": os.environ["GLOO_SOCKET_IFNAME"], "endpoint": os.environ["AWS_ENDPOINT_URL"]}
 

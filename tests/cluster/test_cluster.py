@@ -77,9 +77,11 @@ def test_four_node_round_trip_is_exact(cluster4):
 _DRIVER = """
 import json, sys, time
 from cloudckpt.testing.cluster import Cluster
-cluster = Cluster(nodes=2, frontend_mbit=100).start()
+from tests.cluster import ranks
+cluster = Cluster(nodes=2, ranks_per_node=2, frontend_mbit=100).start()
 print(json.dumps({"prefix": cluster.prefix, "pids": cluster.world.pids,
-                  "server_pid": cluster.server_pid}), flush=True)
+                  "server_pid": cluster.server_pid, "where": cluster.run(ranks.whereami)}),
+      flush=True)
 time.sleep(600)
 """
 
@@ -92,7 +94,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_everything_is_removed_after_the_driver_is_killed():
+def test_two_ranks_per_node_and_everything_removed_after_the_driver_is_killed():
     host_links = _host_links()
     driver = subprocess.Popen([sys.executable, "-c", _DRIVER], cwd=REPO, stdout=subprocess.PIPE,
                               stdin=subprocess.DEVNULL)
@@ -105,6 +107,10 @@ def test_everything_is_removed_after_the_driver_is_killed():
         assert len(names) == 4  # switch, store, 2 nodes
         inside = set(namespace_pids(names))
         assert started["server_pid"] in inside and set(started["pids"]) <= inside
+        where = started["where"]  # 2 ranks per node: one namespace per node, local ranks 0, 1
+        assert [(w["node"], w["local_rank"]) for w in where] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert where[0]["netns"] == where[1]["netns"] != where[2]["netns"] == where[3]["netns"]
+        assert {w["sum"] for w in where} == {10.0}
         assert os.path.isdir(run_dir(prefix))
     finally:
         driver.send_signal(signal.SIGKILL)
