@@ -18,6 +18,7 @@ import save_load as SL
 
 ROW_MULTIPLE = 16  # rows of large/medium tensors: divisible by 1, 2, 4, 8 and 16 ranks
 _CTX: dict = {}
+_RAW: dict = {}  # the process's RawSession (survives rank_build)
 
 
 def make_specs(total_bytes: int) -> list[dict]:
@@ -107,6 +108,14 @@ def _info():
                         readonly_secret_key="")
 
 
+def _raw() -> "C.RawSession":
+    """This process's raw client, kept across steps (made on first use)."""
+    if _RAW.get("session") is None:
+        concurrency = int(os.environ["CLUSTER_BENCH_RAW_CONCURRENCY"])
+        _RAW["session"] = C.RawSession(_info(), concurrency=concurrency)
+    return _RAW["session"]
+
+
 def _item_view(tensors: dict, item):
     """uint8 view of the bytes of `item` in this rank's destination (or source), None when this
     rank does not need them. Shard k of a tensor cut over `world` writers lands in reader r of
@@ -142,20 +151,34 @@ def _raw_objects(prefix: str, for_put: bool, own_only: bool = False) -> list:
     return objects
 
 
-def rank_link_check(nbytes: int, prefix: str, concurrency: int) -> dict:
-    """Raw PUT then GET of `nbytes` per rank, every rank at once: the links' real rates."""
+def rank_link_check(nbytes: int, prefix: str, bcast_bytes: int) -> dict:
+    """Raw PUT then GET of `nbytes` per rank, every rank at once: the frontend links' real rates;
+    then a gloo broadcast of `bcast_bytes` from rank 0 and an all-gather of `bcast_bytes` / world
+    per rank: what the backend gives the collectives a read-once load uses."""
     import numpy as np
+    import torch
     import torch.distributed as dist
 
     data = np.random.default_rng(dist.get_rank()).integers(0, 255, nbytes, dtype=np.uint8)
     objects = C.cut_objects(f"{prefix}r{dist.get_rank()}-", [[(memoryview(data), nbytes)]], 4 * C.MiB)
     out = {}
-    for action, fn in (("put", C.raw_put), ("get", C.raw_get)):
+    raw = _raw()
+    for action, fn in (("put", raw.put), ("get", raw.get)):
         dist.barrier()
         start = time.perf_counter()
-        fn(_info(), objects, concurrency=concurrency)
+        fn(objects)
         out[action] = time.perf_counter() - start
-    dist.barrier()
+    world = dist.get_world_size()
+    buf = torch.zeros(bcast_bytes // world * world, dtype=torch.uint8)
+    parts = list(buf.chunk(world))
+    for name, op in (("broadcast", lambda: dist.broadcast(buf, 0)),
+                     ("all_gather", lambda: dist.all_gather(parts, parts[dist.get_rank()].clone()))):
+        op()  # connections
+        dist.barrier()
+        start = time.perf_counter()
+        op()
+        dist.barrier()
+        out[name] = time.perf_counter() - start
     return out
 
 
@@ -195,8 +218,7 @@ def _do(method: str, action: str, target: str) -> dict:
         return {}
     if method in ("raw", "raw-share"):
         objects = _raw_objects(target, action == "save", own_only=method == "raw-share")
-        fn = C.raw_put if action == "save" else C.raw_get
-        moved = fn(_info(), objects, concurrency=args["raw_concurrency"])
+        moved = (_raw().put if action == "save" else _raw().get)(objects)
         return {"written" if action == "save" else "fetched": moved, "requests": len(objects)}
     raise ValueError(method)
 
@@ -262,3 +284,19 @@ def rank_delete_prefix(prefix: str) -> None:
     if dist.get_rank() == 0:
         C.s3_delete_prefix(_info(), prefix)
     dist.barrier()
+
+
+def rank_fixed_cost(target: str, args: dict, repeats: int = 3) -> dict:
+    """cloudckpt save and load of a ~1 MiB sharded state, `repeats` times each: the seconds
+    every save or load pays whatever its size (collectives, manifest, commit, request latency)."""
+    saved = dict(_CTX)
+    out = {"save": [], "load": []}
+    try:
+        rank_build("sharded", 1 << 20, 2, args)
+        for i in range(repeats):
+            for action in ("save", "load"):
+                out[action].append(rank_step("cloudckpt", action, f"{target}/{i}")["seconds"])
+    finally:
+        _CTX.clear()
+        _CTX.update(saved)
+    return out

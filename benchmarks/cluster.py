@@ -34,6 +34,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common as C  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
 
 BUCKET = "bench"
+BCAST_CHECK_MIB = 16
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 METHOD_LABEL = {"cloudckpt": "cloudckpt", "cloudckpt-nobcast": "cloudckpt, every rank reads all",
                 "dcp": "DCP fsspec+s3fs", "raw": "raw aiobotocore", "raw-share": "raw, own share only"}
@@ -60,6 +61,7 @@ class Bench:
         self.args = args
         self.records: list[dict] = []
         self.link_checks: list[dict] = []
+        self.fixed: dict[int, dict] = {}  # N -> median seconds of a ~1 MiB save / load
         self.failures: list[str] = []
         import _cluster_ranks as R
         self.state = R.state_bytes(args.total_bytes)
@@ -106,7 +108,7 @@ class Bench:
                "ideal": self.ideal(n, case, action, method, rates),
                "server_cpu": C.proc_cpu_seconds(cluster.server_pid) - cpu0,
                "cpu_idle": (idle1[0] - idle0[0]) / max(1, idle1[1] - idle0[1]),
-               "ranks": ranks,
+               "loadavg": os.getloadavg()[0], "ranks": ranks,
                "links": [{link: {d: a[link][d] - b[link][d] for d in ("tx", "rx")}
                           for link in ("frontend", "backend")} for a, b in zip(links1, links0)]}
         self.records.append(rec)
@@ -121,18 +123,26 @@ class Bench:
 
         nbytes = self.args.check_mib * C.MiB
         idle0 = cpu_times()
-        res = cluster.run(R.rank_link_check, nbytes, f"linkcheck-{scenario}/",
-                          self.args.raw_concurrency, timeout=self.args.timeout)
+        bcast = BCAST_CHECK_MIB * C.MiB
+        res = cluster.run(R.rank_link_check, nbytes, f"linkcheck-{scenario}/", bcast,
+                          timeout=self.args.timeout)
         idle1 = cpu_times()
-        rec = {"n": cluster.nodes, "scenario": scenario,
+        n = cluster.nodes
+        rec = {"n": n, "scenario": scenario,
                "put_mbit": [nbytes * 8 / 1e6 / r["put"] for r in res],
                "get_mbit": [nbytes * 8 / 1e6 / r["get"] for r in res],
+               # what each receiver got per second, and what one node's uplink carried
+               "broadcast_mbit": bcast * 8 / 1e6 / res[0]["broadcast"],
+               "all_gather_mbit": bcast * (n - 1) / n * 8 / 1e6 / res[0]["all_gather"],
                "cpu_idle": (idle1[0] - idle0[0]) / max(1, idle1[1] - idle0[1])}
         self.link_checks.append(rec)
-        print(f"  N={cluster.nodes} {scenario}: raw {self.args.check_mib} MiB per node at once: "
+        print(f"  N={n} {scenario}: raw {self.args.check_mib} MiB per node at once: "
               f"PUT {min(rec['put_mbit']):.0f}-{max(rec['put_mbit']):.0f} Mbit/s, GET "
               f"{min(rec['get_mbit']):.0f}-{max(rec['get_mbit']):.0f} Mbit/s per node "
-              f"(frontend {self.args.frontend_mbit:g}; CPU idle {rec['cpu_idle']:.0%})", flush=True)
+              f"(frontend {self.args.frontend_mbit:g}); backend: {BCAST_CHECK_MIB} MiB gloo "
+              f"broadcast {rec['broadcast_mbit']:.0f} Mbit/s per receiver, all_gather "
+              f"{rec['all_gather_mbit']:.0f} Mbit/s per node (backend {self.args.backend_mbit:g}); "
+              f"CPU idle {rec['cpu_idle']:.0%}", flush=True)
 
     # -- worlds ----------------------------------------------------------------------------------
 
@@ -146,10 +156,17 @@ class Bench:
         plan = SLOW_PLAN if scenario == "slow" else PLAN
         with Cluster(nodes=n, frontend_mbit=a.frontend_mbit, backend_mbit=a.backend_mbit,
                      slow_nodes=slow, bucket=BUCKET, timeout=a.timeout,
-                     env={"CLUSTER_BENCH_BUCKET": BUCKET}) as cluster:
+                     env={"CLUSTER_BENCH_BUCKET": BUCKET,
+                          "CLUSTER_BENCH_RAW_CONCURRENCY": str(a.raw_concurrency)}) as cluster:
             self.link_check(cluster, scenario)
             cluster.run(R.rank_warmup, f"warmup-{scenario}", "sharded", self.rank_args,
                         timeout=a.timeout)
+            if scenario == "uniform":
+                fixed = cluster.run(R.rank_fixed_cost, f"s3://{BUCKET}/fixed-cost", self.rank_args,
+                                    timeout=a.timeout)[0]
+                self.fixed[n] = {k: statistics.median(v) for k, v in fixed.items()}
+                print(f"  N={n}: fixed cost of a 1 MiB save {self.fixed[n]['save']:.3f} s, "
+                      f"load {self.fixed[n]['load']:.3f} s (median of 3)", flush=True)
             for case in ("sharded", "reshard", "replicated"):
                 if case == "reshard" and (n < 2 or ("reshard", "load") not in plan):
                     continue
@@ -189,21 +206,27 @@ class Bench:
         rec = self.pick(n, scenario, case, method, action)
         return None if rec is None else rec["seconds"]
 
+    @staticmethod
+    def own_cpu(rec: dict) -> float:
+        """CPU the step's own processes (ranks and store) used, as a share of the machine's."""
+        used = sum(r["cpu"] for r in rec["ranks"]) + rec["server_cpu"]
+        return used / (os.cpu_count() * rec["seconds"])
+
     def table(self, n: int, scenario: str) -> str:
         t = C.Table(["case", "action", "method", "seconds", "ideal s", "x ideal", "x raw",
-                     "MB/s/node", "frontend MiB/node", "backend MiB/node", "client CPU s",
-                     "server CPU s", "CPU idle", "verified"])
+                     "MB/s/node", "frontend MiB/node", "backend in/out MiB/node", "client CPU s",
+                     "server CPU s", "own CPU", "CPU idle", "verified"])
         plan = SLOW_PLAN if scenario == "slow" else PLAN
         for case in ("sharded", "reshard", "replicated"):
             for action in ("save", "load"):
                 for m in plan.get((case, action), ()):
                     rec = self.pick(n, scenario, case, m, action)
                     if rec is None:
-                        t.add(case, action, METHOD_LABEL[m], "FAILED", *["-"] * 10)
+                        t.add(case, action, METHOD_LABEL[m], "FAILED", *["-"] * 11)
                         continue
                     raw = self.pick(n, scenario, case, "raw", action)
                     fe = [lk["frontend"]["tx" if action == "save" else "rx"] for lk in rec["links"]]
-                    be = [lk["backend"]["rx"] for lk in rec["links"]]
+                    be = [(lk["backend"]["rx"], lk["backend"]["tx"]) for lk in rec["links"]]
                     moved = self.state if action == "save" else (
                         self.state * (n if case == "replicated" else 1))
                     verified = [r["verified"] for r in rec["ranks"] if "verified" in r]
@@ -213,9 +236,10 @@ class Bench:
                           f"{rec['seconds'] / raw['seconds']:.2f}" if raw else "-",
                           C.fmt_rate(moved / n, rec["seconds"]),
                           "/".join(f"{b / C.MiB:.0f}" for b in fe),
-                          "/".join(f"{b / C.MiB:.0f}" for b in be),
+                          " ".join(f"{i / C.MiB:.0f}/{o / C.MiB:.0f}" for i, o in be),
                           f"{sum(r['cpu'] for r in rec['ranks']):.2f}",
-                          f"{rec['server_cpu']:.2f}", f"{rec['cpu_idle']:.0%}",
+                          f"{rec['server_cpu']:.2f}", f"{self.own_cpu(rec):.0%}",
+                          f"{rec['cpu_idle']:.0%}",
                           C.human_bool(all(verified)) if verified else "")
         return t.render()
 
@@ -237,6 +261,12 @@ class Bench:
                     f"[N={n}] replicated load cloudckpt / raw GET of everything by every rank ({what})",
                     self.seconds(n, "replicated", "cloudckpt", "load"),
                     self.seconds(n, "replicated", "raw", "load"), limit))
+                if limit != 0.7:
+                    out.append(C.ratio_line(
+                        f"[N={n}] replicated load cloudckpt / cloudckpt with every rank reading "
+                        f"everything (broadcast=False)",
+                        self.seconds(n, "replicated", "cloudckpt", "load"),
+                        self.seconds(n, "replicated", "cloudckpt-nobcast", "load"), limit))
         lo, hi = min(a.nodes), max(a.nodes)
         if lo != hi:
             for case, action, m in ops:
@@ -272,10 +302,14 @@ class Bench:
               f"{a.repeat} (median shown); raw: {a.raw_concurrency} in flight, "
               f"{a.raw_object_mib} MiB objects; DCP thread_count {a.dcp_threads}")
         for chk in self.link_checks:
-            print(f"link check N={chk['n']} {chk['scenario']}: PUT "
+            print(f"link check N={chk['n']} {chk['scenario']}: raw PUT "
                   f"{statistics.median(chk['put_mbit']):.1f}, GET "
-                  f"{statistics.median(chk['get_mbit']):.1f} Mbit/s per node (median), "
-                  f"CPU idle {chk['cpu_idle']:.0%}")
+                  f"{statistics.median(chk['get_mbit']):.1f} Mbit/s per node (median); "
+                  f"gloo broadcast {chk['broadcast_mbit']:.0f} Mbit/s per receiver, all_gather "
+                  f"{chk['all_gather_mbit']:.0f} Mbit/s per node; CPU idle {chk['cpu_idle']:.0%}")
+        for n, fixed in sorted(self.fixed.items()):
+            print(f"fixed cost N={n}: cloudckpt save of a 1 MiB state {fixed['save']:.3f} s, "
+                  f"load {fixed['load']:.3f} s (median of 3)")
         for n in a.nodes:
             print(f"\n## N = {n} ranks on {n} nodes")
             print(self.table(n, "uniform"))
@@ -290,9 +324,14 @@ class Bench:
                 if even and slow:
                     print(f"  {case} {action}: {even:.2f} s -> {slow:.2f} s with the slow node "
                           f"(x{slow / even:.2f})")
-        print(f"\n## CPU idle during the steps: min {min(r['cpu_idle'] for r in self.records):.0%}, "
-              f"median {statistics.median(r['cpu_idle'] for r in self.records):.0%}"
-              if self.records else "")
+        if self.records:
+            recs = self.records
+            print(f"\n## CPU during the steps (2 cores shared with other work): machine idle "
+                  f"min {min(r['cpu_idle'] for r in recs):.0%}, median "
+                  f"{statistics.median(r['cpu_idle'] for r in recs):.0%}; this benchmark's own "
+                  f"processes used median {statistics.median(self.own_cpu(r) for r in recs):.0%}, "
+                  f"max {max(self.own_cpu(r) for r in recs):.0%}; load average (1 min) median "
+                  f"{statistics.median(r['loadavg'] for r in recs):.1f}")
         print("\n## targets (measured / baseline)")
         C.print_targets(self.targets())
         for chk in [r for r in self.records if any("verified" in x and not x["verified"]
@@ -307,6 +346,7 @@ class Bench:
         with open(path, "w") as f:
             json.dump({"args": {k: v for k, v in vars(self.args).items()},
                        "state_bytes": self.state, "link_checks": self.link_checks,
+                       "fixed_cost": self.fixed,
                        "records": self.records, "loadavg": os.getloadavg()}, f, indent=1)
         print(f"results: {path}")
 
@@ -379,11 +419,12 @@ def parse_args(argv=None):
                    help="also run N=4 with one node's frontend at a quarter of the rate")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="16 MiB, N = 2 and 4, no slow node")
-    p.add_argument("--check-mib", type=int, default=8, help="MiB per node of the link check")
+    p.add_argument("--check-mib", type=int, default=24, help="MiB per node of the link check")
     p.add_argument("--ideal-limit", type=float, default=1.15)
     p.add_argument("--dcp-threads", type=int, default=4)
-    p.add_argument("--raw-concurrency", type=int, default=8)
-    p.add_argument("--raw-object-mib", type=int, default=8)
+    p.add_argument("--raw-concurrency", type=int, default=4,
+                   help="requests in flight per rank (8 lose ~25%% to drops at the token bucket)")
+    p.add_argument("--raw-object-mib", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per step")
     p.add_argument("--json", default=os.path.join(RESULTS, "cluster.json"))
