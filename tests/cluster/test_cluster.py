@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from cloudckpt.testing.cluster import Cluster, ClusterUnavailable, unavailable_reason
-from cloudckpt.testing.cluster_watchdog import namespace_pids, run_dir, run_namespaces
+from cloudckpt.testing.cluster_watchdog import (namespace_pids, run_dir, run_namespaces,
+                                                sweep_stale)
 from tests.cluster import ranks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,6 +127,40 @@ def test_two_ranks_per_node_and_everything_removed_after_the_driver_is_killed():
     assert [p for p in inside if _alive(p)] == []
     assert not os.path.exists(run_dir(prefix))
     assert _host_links() == host_links  # nothing was ever added to the machine's namespace
+
+
+def test_stale_runs_of_dead_owners_are_swept_and_live_ones_kept(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid names a run whose owner is gone
+    stale, live = f"ckc{dead.pid}x5a1e", f"ckc{os.getpid()}x11fe"
+    for name in (f"{stale}-n0", f"{live}-n0"):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    os.mkdir(run_dir(stale))
+    try:
+        assert stale in sweep_stale()
+        assert run_namespaces(stale) == [] and not os.path.exists(run_dir(stale))
+        assert run_namespaces(live) == [f"{live}-n0"]  # its owner (this process) is alive
+    finally:
+        for name in (f"{stale}-n0", f"{live}-n0"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_weed_listens_elsewhere_than_loopback_only_inside_a_named_namespace():
+    from cloudckpt.testing.s3server import S3Server
+
+    with pytest.raises(ValueError, match="network namespace"):
+        S3Server(host="10.213.1.254")  # this process runs in the machine's own namespace
+    with pytest.raises(ValueError, match="not an IPv4 address"):
+        S3Server(host="localhost")
+
+
+def test_no_root_no_cluster(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "root" in unavailable_reason()
+    cluster = Cluster(nodes=2)
+    with pytest.raises(ClusterUnavailable, match="root"):
+        cluster.start()
+    assert run_namespaces(cluster.prefix) == [] and not os.path.exists(run_dir(cluster.prefix))
 
 
 # Limits of the save whose node loses its link: a stalled upload is given up after
