@@ -1,7 +1,7 @@
 """Save/load benchmarks on a simulated cluster (issue 19): links, not CPUs, are the limit.
 
-    sudo python benchmarks/cluster.py --quick        # small state, 2 and 4 nodes, ~2 minutes
-    sudo python benchmarks/cluster.py                # the issue's figures (N = 2, 4, 8), ~8 minutes
+    python benchmarks/cluster.py --quick     # as root: small state, 2 and 4 nodes, ~2 minutes
+    python benchmarks/cluster.py             # the issue's figures (N = 2, 4, 8), ~10 minutes
 
 Each world of N ranks runs on N nodes of cloudckpt.testing.cluster.Cluster: network namespaces
 whose frontend link to the one SeaweedFS is shaped to `--frontend-mbit` each way and whose
