@@ -347,7 +347,8 @@ class Bench:
             json.dump({"args": {k: v for k, v in vars(self.args).items()},
                        "state_bytes": self.state, "link_checks": self.link_checks,
                        "fixed_cost": self.fixed,
-                       "records": self.records, "loadavg": os.getloadavg()}, f, indent=1)
+                       "records": self.records, "loadavg": os.getloadavg()}, f,
+                      separators=(",", ":"))
         print(f"results: {path}")
 
 
