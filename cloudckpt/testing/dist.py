@@ -18,8 +18,12 @@ Contract:
   fresh world (`generation` counts the starts). A world whose calls all succeed keeps its workers.
 - Worker environment: the caller's `os.environ` at world start, then `env`, then RANK,
   WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; GLOO_SOCKET_IFNAME=lo unless
-  set. torch is already imported by then (variables torch reads at import time are not honoured).
-  Workers run with `torch.set_num_threads(1)`.
+  set; then the rank's own `rank_env` entry (if given). torch is already imported by then
+  (variables torch reads at import time are not honoured). Workers run with
+  `torch.set_num_threads(1)`.
+- Placement (for simulated clusters, :mod:`cloudckpt.testing.cluster`): `netns[rank]` names a
+  network namespace (``ip netns`` name or a path) the rank enters before anything else, and
+  `master_addr` is where rank 0's rendezvous store is reached (default 127.0.0.1).
 - Workers are forked from a shared "zygote" process that imported torch once, so a (re)start costs
   well under a second after the first. The zygote and the workers run in their own session;
   they exit when the owning process dies (even by SIGKILL): the zygote on EOF of its control
@@ -87,12 +91,22 @@ class ProcessWorld:
 
     Options (keyword-only): `timeout` (seconds; default per call, and the limit for a start),
     `env` (extra worker environment), `failure_grace` (seconds the other ranks get to answer
-    once one rank failed)."""
+    once one rank failed), `rank_env` (per-rank extra environment, applied last), `netns`
+    (per-rank network namespace; None entries stay in the caller's), `master_addr` (address of
+    rank 0's rendezvous store)."""
 
     def __init__(self, world_size: int, *, timeout: float = 120.0,
-                 env: dict[str, str] | None = None, failure_grace: float = _FAILURE_GRACE_S):
+                 env: dict[str, str] | None = None, failure_grace: float = _FAILURE_GRACE_S,
+                 rank_env: "list[dict[str, str]] | None" = None,
+                 netns: "list[str | None] | None" = None, master_addr: str = "127.0.0.1"):
         if world_size < 1:
             raise ValueError("world_size must be >= 1")
+        for name, per_rank in (("rank_env", rank_env), ("netns", netns)):
+            if per_rank is not None and len(per_rank) != world_size:
+                raise ValueError(f"{name} needs one entry per rank ({world_size})")
+        self.rank_env = [dict(e or {}) for e in rank_env] if rank_env else None
+        self.netns = list(netns) if netns else None
+        self.master_addr = master_addr
         self.world_size = world_size
         self.timeout = float(timeout)
         self.env = dict(env or {})
@@ -139,7 +153,9 @@ class ProcessWorld:
                 conn.send({"rank": rank, "world_size": self.world_size, "env": base_env,
                            "stack_file": self._stack_files[rank],
                            "owner_pid": os.getpid(), "pg_timeout": self.timeout,
-                           "sys_path": list(sys.path)})
+                           "sys_path": list(sys.path), "master_addr": self.master_addr,
+                           "rank_env": self.rank_env[rank] if self.rank_env else {},
+                           "netns": self.netns[rank] if self.netns else None})
             port = self._collect("port", deadline, ranks=[0])[0][2]
             for conn in self._conns[1:]:
                 conn.send(("port", port))
@@ -294,6 +310,22 @@ def _worker_alive(pid: int) -> bool:
         return False
 
 
+def _enter_netns(name: str) -> None:
+    """Move this (just forked, single-threaded) process into network namespace `name` (an
+    ``ip netns`` name or a path): every socket it opens from now on lives there."""
+    import ctypes
+
+    path = name if "/" in name else f"/run/netns/{name}"
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def _watch_owner(owner_pid: int, zygote_pid: int) -> None:
     """Exit the worker as soon as the owning process or the zygote is gone."""
     while True:
@@ -312,6 +344,12 @@ def _watch_owner(owner_pid: int, zygote_pid: int) -> None:
 def _worker_main(conn: multiprocessing.connection.Connection) -> None:
     init = conn.recv()
     rank, world_size = init["rank"], init["world_size"]
+    if init.get("netns"):
+        try:
+            _enter_netns(init["netns"])
+        except OSError:
+            conn.send(("error", None, f"rank {rank}: " + traceback.format_exc()))
+            return
     threading.Thread(target=_watch_owner, args=(init["owner_pid"], os.getppid()), daemon=True,
                      name="cloudckpt-owner-watch").start()
     import faulthandler
@@ -335,7 +373,8 @@ def _worker_main(conn: multiprocessing.connection.Connection) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-                           "MASTER_ADDR": "127.0.0.1"})
+                           "MASTER_ADDR": init["master_addr"]})
+        os.environ.update(init["rank_env"])
         from datetime import timedelta
 
         import torch
@@ -346,13 +385,13 @@ def _worker_main(conn: multiprocessing.connection.Connection) -> None:
             sys.modules["numpy"].random.seed()
         timeout = timedelta(seconds=max(init["pg_timeout"], 30.0))
         if rank == 0:
-            store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout,
+            store = dist.TCPStore(init["master_addr"], 0, world_size, is_master=True, timeout=timeout,
                                   wait_for_workers=False)
             port = store.port
             conn.send(("port", None, port))
         else:
             port = conn.recv()[1]
-            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+            store = dist.TCPStore(init["master_addr"], port, world_size, is_master=False, timeout=timeout)
         os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)

@@ -20,6 +20,10 @@ Contract:
 - `tls=True` also serves S3 over https on its own port (`info.https_endpoint_url`), with a server
   certificate for 127.0.0.1 signed by a private CA made for this start (`info.ca_file`, in the
   work directory): nothing trusts it unless told to.
+- `host` (default 127.0.0.1) is the one address weed listens on and advertises. Any other address
+  is accepted only inside a named network namespace (``ip netns``), never in the machine's own:
+  the simulated cluster of :mod:`cloudckpt.testing.cluster` runs weed on its server namespace's
+  private address, which nothing outside that run's namespaces can reach.
 
 Command line: `python -m cloudckpt.testing.s3server [--bucket B]...` runs a server in the
 foreground, creates the buckets named (default `cloudckpt-test`), prints the endpoint and
@@ -185,7 +189,8 @@ def _port_is_free(port: int) -> bool:
 
 
 def _pick_ports(rng: random.Random) -> dict[str, int]:
-    """One free HTTP port per service, each with a free gRPC port at +10000."""
+    """One free HTTP port per service, each with a free gRPC port at +10000 whose socket path
+    in /tmp is not taken either (weed in a cluster's namespace shares /tmp with every other)."""
     ports: dict[str, int] = {}
     taken: set[int] = set()
     for service in _SERVICES:
@@ -193,6 +198,8 @@ def _pick_ports(rng: random.Random) -> dict[str, int]:
             port = rng.randrange(_PORT_LOW, _PORT_HIGH)
             pair = {port, port + _GRPC_OFFSET}
             if pair & taken or not all(_port_is_free(p) for p in pair):
+                continue
+            if os.path.exists(_GRPC_SOCKET.format(service=service, port=port + _GRPC_OFFSET)):
                 continue
             ports[service] = port
             taken |= pair
@@ -242,6 +249,39 @@ def stop_server_process(proc: subprocess.Popen | None, watchdog: subprocess.Pope
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def in_named_network_namespace() -> bool:
+    """Whether this process runs in a network namespace made with ``ip netns add`` (one bound
+    under /run/netns), i.e. not in the machine's own."""
+    try:
+        mine = os.stat("/proc/self/ns/net")
+        names = os.listdir("/run/netns")
+    except OSError:
+        return False
+    for name in names:
+        try:
+            st = os.stat(os.path.join("/run/netns", name))
+        except OSError:
+            continue
+        if (st.st_ino, st.st_dev) == (mine.st_ino, mine.st_dev):
+            return True
+    return False
+
+
+def check_host(host: str) -> str:
+    """`host` if weed may listen on it here: 127.0.0.1 anywhere, another IPv4 address only in a
+    named network namespace (`in_named_network_namespace`; ValueError otherwise)."""
+    import ipaddress
+
+    try:
+        address = ipaddress.IPv4Address(host)
+    except ValueError as exc:
+        raise ValueError(f"{host!r} is not an IPv4 address") from exc
+    if str(address) != "127.0.0.1" and not in_named_network_namespace():
+        raise ValueError(f"weed listens on {host} only inside a network namespace of its own "
+                         "(see cloudckpt.testing.cluster); use 127.0.0.1 here")
+    return str(address)
+
+
 class S3Server:
     """One local SeaweedFS S3 endpoint; a context manager whose `__enter__` returns S3ServerInfo.
 
@@ -254,13 +294,18 @@ class S3Server:
           it). False by default, as on S3: a missing bucket gives NoSuchBucket.
       workdir: parent directory for the private work directory (default: the system temp dir).
       ready_timeout: seconds to wait for the S3 port to answer.
-      tls: also serve S3 over https (see the module's contract).
+      tls: also serve S3 over https (see the module's contract; 127.0.0.1 only).
+      host: the IPv4 address weed listens on (see the module's contract).
     """
 
     def __init__(self, *, bucket: str = DEFAULT_BUCKET, buckets: tuple[str, ...] = (),
                  auto_create_bucket: bool = True, s3_auto_create_bucket: bool = False,
                  workdir: str | os.PathLike | None = None,
-                 ready_timeout: float = READY_TIMEOUT_S, tls: bool = False) -> None:
+                 ready_timeout: float = READY_TIMEOUT_S, tls: bool = False,
+                 host: str = "127.0.0.1") -> None:
+        self.host = check_host(host)
+        if tls and host != "127.0.0.1":
+            raise ValueError("tls=True serves a certificate for 127.0.0.1 only")
         self.bucket = check_bucket_name(bucket)
         self.buckets = tuple(dict.fromkeys(check_bucket_name(b) for b in buckets if b != bucket))
         self.auto_create_bucket = auto_create_bucket
@@ -352,13 +397,15 @@ class S3Server:
         with os.fdopen(fd, "w") as f:
             json.dump(identities, f)
 
+        # (checked free on 127.0.0.1 of this namespace: in a cluster's server namespace, where
+        # weed listens on another address, nothing else listens anyway; a clash is retried)
         ports = self._ports = _pick_ports(rng)
         if self.tls:
             ports["s3https"] = _pick_extra_port(rng, ports)
         weed = find_weed()
         argv = [weed, f"-logdir={work / 'log'}", "mini",
                 f"-dir={work / 'data'}",
-                "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+                f"-ip={self.host}", f"-ip.bind={self.host}", "-master.telemetry=false",
                 "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-volume.preStopSeconds=0",  # nobody to drain: stop in ~1 s instead of ~2 s
                 f"-filer.localSocket={work / 'log' / 'filer.sock'}",
@@ -390,7 +437,7 @@ class S3Server:
                 argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
 
-        endpoint = f"http://127.0.0.1:{ports['s3']}"
+        endpoint = f"http://{self.host}:{ports['s3']}"
         self._wait_ready(endpoint)
         https = None
         if tls is not None:
