@@ -37,30 +37,29 @@ class Piece:
 
 def plan_pieces(offsets: Sequence[int], lengths: Sequence[int], *, gap: int,
                 max_piece: int) -> list[Piece]:
-    """Group ranges into pieces: a range joins the current piece when it starts at most ``gap``
-    bytes after the piece's end and the piece stays within ``max_piece`` bytes; a range longer
-    than ``max_piece`` is cut into pieces of that size. Empty ranges get no piece."""
+    """Group ranges into pieces: a range joins the current piece when it starts inside it or at
+    most ``gap`` bytes after its end and the piece stays within ``max_piece`` bytes; a range
+    longer than ``max_piece`` is cut into pieces of that size. Every byte of every range is in a
+    piece that lists the range (a range starting before the current piece, inside an earlier
+    cut of a long range, gets a piece of its own). Empty ranges get no piece."""
     order = sorted((i for i in range(len(offsets)) if lengths[i] > 0), key=lambda i: offsets[i])
     pieces: list[Piece] = []
     cur: Piece | None = None
+
+    def joins(a: int, b: int) -> bool:
+        return (cur is not None and cur.start <= a and a - cur.end <= gap
+                and max(b, cur.end) - cur.start <= max_piece)
+
     for i in order:
         start, end = offsets[i], offsets[i] + lengths[i]
-        if end - start > max_piece:
-            for a in range(start, end, max_piece):
-                b = min(a + max_piece, end)
-                if cur is not None and a - cur.end <= gap and max(b, cur.end) - cur.start <= max_piece:
-                    cur.end = max(cur.end, b)
-                    cur.members.append(i)
-                    continue
+        for a in range(start, end, max_piece):
+            b = min(a + max_piece, end)
+            if joins(a, b):
+                cur.end = max(cur.end, b)
+                cur.members.append(i)
+            else:
                 cur = Piece(a, b, [i])
                 pieces.append(cur)
-            continue
-        if cur is not None and start - cur.end <= gap and max(end, cur.end) - cur.start <= max_piece:
-            cur.end = max(cur.end, end)
-            cur.members.append(i)
-        else:
-            cur = Piece(start, end, [i])
-            pieces.append(cur)
     return pieces
 
 
