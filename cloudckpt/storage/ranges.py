@@ -67,12 +67,18 @@ class Scatter:
     """Copies a piece's byte stream into the destination views of the ranges it covers.
 
     ``feed(chunk, pos)`` takes bytes at absolute object position ``pos``; gap bytes are dropped.
+    ``members``: ``(start, end, out)`` of each range the piece covers, by start (for a reader
+    that writes bytes in place instead of feeding chunks).
     """
 
     def __init__(self, piece: Piece, offsets: Sequence[int], lengths: Sequence[int],
                  outs: Sequence[memoryview]):
         self._members = [(offsets[i], offsets[i] + lengths[i], outs[i]) for i in piece.members]
         self._first = 0
+
+    @property
+    def members(self) -> list:
+        return self._members
 
     def feed(self, chunk, pos: int) -> None:
         members = self._members
@@ -102,8 +108,10 @@ class HeldRange:
     this costs less than a hand-off to a worker thread: measured).
 
     Used as the ``out`` of a :class:`Scatter` member (slice assignment) or fed directly with
-    :meth:`add`. Thread-safe. ``ok`` is None until complete, then whether the crc matched;
-    ``actual`` is the crc found.
+    :meth:`add`; a reader that writes bytes in place (``s3_rangeget``) asks for a
+    :meth:`landing` view of a buffer the range owns and reports them with :meth:`landed`.
+    Thread-safe. ``ok`` is None until complete, then whether the crc matched; ``actual`` is the
+    crc found.
     """
 
     def __init__(self, rng):
@@ -113,6 +121,9 @@ class HeldRange:
         self._parts: list[tuple[int, memoryview]] = []
         self._got = 0
         self._lock = threading.Lock()
+        self._buf: bytearray | None = None
+        self._pool: LandingPool | None = None
+        self._run = (0, 0)  # landed bytes [start, end) of the own buffer not yet in _parts
         if rng.length == 0:
             self._finish()
 
@@ -129,7 +140,37 @@ class HeldRange:
         if complete:
             self._finish()
 
+    def landing(self, pos: int, n: int, pool: LandingPool | None = None) -> memoryview:
+        """A writable view of bytes ``[pos, pos + n)`` of the range in a buffer the range owns
+        (of the range's length, taken from ``pool`` on first use): write them there, then call
+        :meth:`landed`. The buffer goes back to the pool once the range is verified (or failed)."""
+        with self._lock:
+            if self._buf is None:
+                self._pool = pool
+                self._buf = pool.take(self.range.length) if pool is not None \
+                    else bytearray(self.range.length)
+            return memoryview(self._buf)[pos:pos + n]
+
+    def landed(self, pos: int, n: int) -> None:
+        """Bytes ``[pos, pos + n)`` are in the :meth:`landing` buffer (each byte reported once);
+        the range completes (crc, then the sinks) with its last byte."""
+        with self._lock:
+            start, end = self._run
+            if pos != end or start == end:  # a new run of landed bytes
+                if start != end:
+                    self._parts.append((start, memoryview(self._buf)[start:end]))
+                start = pos
+            self._run = (start, pos + n)
+            self._got += n
+            complete = self._got >= self.range.length
+        if complete:
+            self._finish()
+
     def _finish(self) -> None:
+        start, end = self._run
+        if start != end:
+            self._parts.append((start, memoryview(self._buf)[start:end]))
+            self._run = (0, 0)
         parts = sorted(self._parts, key=lambda p: p[0])
         crc = 0
         for _, view in parts:
@@ -140,6 +181,45 @@ class HeldRange:
             for pos, sink in self.range.sinks:
                 _copy_parts(parts, pos, sink)
         self._parts = []
+        del parts
+        buf, self._buf = self._buf, None
+        if buf is not None and self._pool is not None:
+            self._pool.give(buf)
+
+
+class LandingPool:
+    """Buffers for :meth:`HeldRange.landing`, reused from range to range: fresh memory costs a
+    page fault per 4 KiB on first write (as much CPU as copying it, measured). Holds at most
+    ``max_idle_bytes`` of idle buffers; :meth:`clear` drops them. Thread-safe."""
+
+    def __init__(self, max_idle_bytes: int):
+        self.max_idle_bytes = max_idle_bytes
+        self._idle: dict[int, list[bytearray]] = {}
+        self._idle_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bytearray:
+        with self._lock:
+            free = self._idle.get(n)
+            if free:
+                self._idle_bytes -= n
+                return free.pop()
+        return bytearray(n)
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            if self._idle_bytes + len(buf) <= self.max_idle_bytes:
+                self._idle.setdefault(len(buf), []).append(buf)
+                self._idle_bytes += len(buf)
+
+    @property
+    def idle_bytes(self) -> int:
+        return self._idle_bytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle.clear()
+            self._idle_bytes = 0
 
 
 def _copy_parts(parts: list[tuple[int, memoryview]], pos: int, sink: memoryview) -> None:
