@@ -101,8 +101,9 @@ class StorageOptions:
       per body (>= 5 MiB, <= 10,000 parts).
     - ``coalesce_gap``: ranges of one object closer than this are read by one GET.
     - ``max_buffer_bytes``: bytes the store itself may hold for reads in flight (destination
-      buffers provided by the caller are not counted, nor the received chunks of a range with
-      sinks, held until it is verified: at most about one range per request in flight).
+      buffers provided by the caller are not counted, nor the received bytes of a range with
+      sinks, held until it is verified: at most about one range per request in flight, whose
+      buffers the direct reader keeps for the next ranges until reads stop for 2 s).
     - ``transport_checksums``: send ``x-amz-checksum-crc32c`` with every body so the server
       rejects bodies damaged in transit.
     - ``direct_range_reads``: ranged reads (``read_ranges``) go over cloudckpt's own HTTP/1.1

@@ -189,37 +189,38 @@ class HeldRange:
 
 class LandingPool:
     """Buffers for :meth:`HeldRange.landing`, reused from range to range: fresh memory costs a
-    page fault per 4 KiB on first write (as much CPU as copying it, measured). Holds at most
-    ``max_idle_bytes`` of idle buffers; :meth:`clear` drops them. Thread-safe."""
+    page fault per 4 KiB on first write (as much CPU as copying it, measured). Keeps at most
+    ``max_idle`` idle buffers; :meth:`clear` drops them. Thread-safe."""
 
-    def __init__(self, max_idle_bytes: int):
-        self.max_idle_bytes = max_idle_bytes
+    def __init__(self, max_idle: int):
+        self.max_idle = max_idle
         self._idle: dict[int, list[bytearray]] = {}
-        self._idle_bytes = 0
+        self._count = 0
         self._lock = threading.Lock()
 
     def take(self, n: int) -> bytearray:
         with self._lock:
             free = self._idle.get(n)
             if free:
-                self._idle_bytes -= n
+                self._count -= 1
                 return free.pop()
         return bytearray(n)
 
     def give(self, buf: bytearray) -> None:
         with self._lock:
-            if self._idle_bytes + len(buf) <= self.max_idle_bytes:
+            if self._count < self.max_idle:
                 self._idle.setdefault(len(buf), []).append(buf)
-                self._idle_bytes += len(buf)
+                self._count += 1
 
     @property
     def idle_bytes(self) -> int:
-        return self._idle_bytes
+        with self._lock:
+            return sum(len(b) for bufs in self._idle.values() for b in bufs)
 
     def clear(self) -> None:
         with self._lock:
             self._idle.clear()
-            self._idle_bytes = 0
+            self._count = 0
 
 
 def _copy_parts(parts: list[tuple[int, memoryview]], pos: int, sink: memoryview) -> None:

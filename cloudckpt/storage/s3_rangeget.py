@@ -350,7 +350,7 @@ class RangeGetter:
         self.stats = stats
         self.disabled = False
         self.fetches = 0  #: requests sent by this reader (attempts, not counting re-sends)
-        self.pool = LandingPool(max(options.max_buffer_bytes // 2, 1 << 20))
+        self.pool = LandingPool(options.concurrency)  # one range per request in flight
         self._scratch = memoryview(bytearray(_SCRATCH))
         self._idle: dict[tuple, list[_Conn]] = {}
         self._idle_count = 0

@@ -305,7 +305,7 @@ def test_a_503_answer_is_retried():
 def test_landed_bytes_reach_the_sinks_only_verified_and_the_buffer_is_reused(good):
     data = os.urandom(10_000)
     sink = bytearray(b"\xee" * 6000)
-    pool = LandingPool(1 << 20)
+    pool = LandingPool(2)
     held = HeldRange(ReadRange(0, len(data), crc32c=crc32c(data) ^ (0 if good else 1),
                                sinks=((3000, memoryview(sink)),)))
     for a, b in ((4000, 7000), (0, 2500), (7000, 10_000)):  # out of order, mixed with add
