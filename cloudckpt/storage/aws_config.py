@@ -31,6 +31,7 @@ Pure apart from reading the environment, the config files (through the session) 
 from __future__ import annotations
 
 import os
+import ssl
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -41,7 +42,7 @@ from cloudckpt.errors import ConfigError
 from cloudckpt.storage.options import StorageOptions
 
 __all__ = ["ResolvedS3", "check_ca_bundle", "client_kwargs", "describe", "endpoint_source",
-           "is_aws_endpoint", "resolve_region", "verify_arg"]
+           "is_aws_endpoint", "resolve_region", "ssl_context", "verify_arg"]
 
 _ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 
@@ -173,3 +174,21 @@ def describe(client) -> ResolvedS3:
     return ResolvedS3(endpoint_url=client.meta.endpoint_url, region=client.meta.region_name,
                       addressing_style=style, verify=getattr(session, "_verify", None),
                       credentials=getattr(credentials, "method", None) if credentials else None)
+
+
+def ssl_context(verify) -> ssl.SSLContext:
+    """The TLS context aiobotocore builds for a client's ``verify`` (False: no verification;
+    True or None: botocore's CA bundle; a path: that bundle), for connections made beside it
+    (``s3_rangeget``)."""
+    from botocore.httpsession import create_urllib3_context, get_cert_path
+
+    context = create_urllib3_context()
+    if verify is False:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return context
+    context.check_hostname = True
+    bundle = get_cert_path(True if verify is None else verify)
+    if bundle:
+        context.load_verify_locations(bundle, None, None)
+    return context

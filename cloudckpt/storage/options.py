@@ -101,10 +101,16 @@ class StorageOptions:
       per body (>= 5 MiB, <= 10,000 parts).
     - ``coalesce_gap``: ranges of one object closer than this are read by one GET.
     - ``max_buffer_bytes``: bytes the store itself may hold for reads in flight (destination
-      buffers provided by the caller are not counted, nor the received chunks of a range with
-      sinks, held until it is verified: at most about one range per request in flight).
+      buffers provided by the caller are not counted, nor the received bytes of a range with
+      sinks, held until it is verified: at most about one range per request in flight, whose
+      buffers the direct reader keeps for the next ranges until reads stop for 2 s).
     - ``transport_checksums``: send ``x-amz-checksum-crc32c`` with every body so the server
       rejects bodies damaged in transit.
+    - ``direct_range_reads``: ranged reads (``read_ranges``) go over cloudckpt's own HTTP/1.1
+      reader, which receives bodies in place (about half the client CPU of aiohttp), with
+      GetObject URLs presigned by the same client; answers it does not read, proxies and
+      client certificates go through aiobotocore as every other request
+      (``cloudckpt.storage.s3_rangeget``). False: aiobotocore for every request.
     - ``conditional_create``: how ``mode="create"`` is enforced: ``"native"`` (one PutObject
       with If-None-Match: *, whatever the body's size, so at most 5 GiB), ``"fallback"``
       (multipart-upload claim protocol, for servers that ignore the header; needs
@@ -132,6 +138,7 @@ class StorageOptions:
     max_buffer_bytes: int = 256 * MiB
     retry: RetryOptions = field(default_factory=RetryOptions)
     transport_checksums: bool = True
+    direct_range_reads: bool = True
     conditional_create: Literal["auto", "native", "fallback"] = "auto"
     prefix_spreading: int = 0
     fsync: bool = False

@@ -37,30 +37,29 @@ class Piece:
 
 def plan_pieces(offsets: Sequence[int], lengths: Sequence[int], *, gap: int,
                 max_piece: int) -> list[Piece]:
-    """Group ranges into pieces: a range joins the current piece when it starts at most ``gap``
-    bytes after the piece's end and the piece stays within ``max_piece`` bytes; a range longer
-    than ``max_piece`` is cut into pieces of that size. Empty ranges get no piece."""
+    """Group ranges into pieces: a range joins the current piece when it starts inside it or at
+    most ``gap`` bytes after its end and the piece stays within ``max_piece`` bytes; a range
+    longer than ``max_piece`` is cut into pieces of that size. Every byte of every range is in a
+    piece that lists the range (a range starting before the current piece, inside an earlier
+    cut of a long range, gets a piece of its own). Empty ranges get no piece."""
     order = sorted((i for i in range(len(offsets)) if lengths[i] > 0), key=lambda i: offsets[i])
     pieces: list[Piece] = []
     cur: Piece | None = None
+
+    def joins(a: int, b: int) -> bool:
+        return (cur is not None and cur.start <= a and a - cur.end <= gap
+                and max(b, cur.end) - cur.start <= max_piece)
+
     for i in order:
         start, end = offsets[i], offsets[i] + lengths[i]
-        if end - start > max_piece:
-            for a in range(start, end, max_piece):
-                b = min(a + max_piece, end)
-                if cur is not None and a - cur.end <= gap and max(b, cur.end) - cur.start <= max_piece:
-                    cur.end = max(cur.end, b)
-                    cur.members.append(i)
-                    continue
+        for a in range(start, end, max_piece):
+            b = min(a + max_piece, end)
+            if joins(a, b):
+                cur.end = max(cur.end, b)
+                cur.members.append(i)
+            else:
                 cur = Piece(a, b, [i])
                 pieces.append(cur)
-            continue
-        if cur is not None and start - cur.end <= gap and max(end, cur.end) - cur.start <= max_piece:
-            cur.end = max(cur.end, end)
-            cur.members.append(i)
-        else:
-            cur = Piece(start, end, [i])
-            pieces.append(cur)
     return pieces
 
 
@@ -68,12 +67,18 @@ class Scatter:
     """Copies a piece's byte stream into the destination views of the ranges it covers.
 
     ``feed(chunk, pos)`` takes bytes at absolute object position ``pos``; gap bytes are dropped.
+    ``members``: ``(start, end, out)`` of each range the piece covers, by start (for a reader
+    that writes bytes in place instead of feeding chunks).
     """
 
     def __init__(self, piece: Piece, offsets: Sequence[int], lengths: Sequence[int],
                  outs: Sequence[memoryview]):
         self._members = [(offsets[i], offsets[i] + lengths[i], outs[i]) for i in piece.members]
         self._first = 0
+
+    @property
+    def members(self) -> list:
+        return self._members
 
     def feed(self, chunk, pos: int) -> None:
         members = self._members
@@ -103,8 +108,10 @@ class HeldRange:
     this costs less than a hand-off to a worker thread: measured).
 
     Used as the ``out`` of a :class:`Scatter` member (slice assignment) or fed directly with
-    :meth:`add`. Thread-safe. ``ok`` is None until complete, then whether the crc matched;
-    ``actual`` is the crc found.
+    :meth:`add`; a reader that writes bytes in place (``s3_rangeget``) asks for a
+    :meth:`landing` view of a buffer the range owns and reports them with :meth:`landed`.
+    Thread-safe. ``ok`` is None until complete, then whether the crc matched; ``actual`` is the
+    crc found.
     """
 
     def __init__(self, rng):
@@ -114,6 +121,9 @@ class HeldRange:
         self._parts: list[tuple[int, memoryview]] = []
         self._got = 0
         self._lock = threading.Lock()
+        self._buf: bytearray | None = None
+        self._pool: LandingPool | None = None
+        self._run = (0, 0)  # landed bytes [start, end) of the own buffer not yet in _parts
         if rng.length == 0:
             self._finish()
 
@@ -130,7 +140,37 @@ class HeldRange:
         if complete:
             self._finish()
 
+    def landing(self, pos: int, n: int, pool: LandingPool | None = None) -> memoryview:
+        """A writable view of bytes ``[pos, pos + n)`` of the range in a buffer the range owns
+        (of the range's length, taken from ``pool`` on first use): write them there, then call
+        :meth:`landed`. The buffer goes back to the pool once the range is verified (or failed)."""
+        with self._lock:
+            if self._buf is None:
+                self._pool = pool
+                self._buf = pool.take(self.range.length) if pool is not None \
+                    else bytearray(self.range.length)
+            return memoryview(self._buf)[pos:pos + n]
+
+    def landed(self, pos: int, n: int) -> None:
+        """Bytes ``[pos, pos + n)`` are in the :meth:`landing` buffer (each byte reported once);
+        the range completes (crc, then the sinks) with its last byte."""
+        with self._lock:
+            start, end = self._run
+            if pos != end or start == end:  # a new run of landed bytes
+                if start != end:
+                    self._parts.append((start, memoryview(self._buf)[start:end]))
+                start = pos
+            self._run = (start, pos + n)
+            self._got += n
+            complete = self._got >= self.range.length
+        if complete:
+            self._finish()
+
     def _finish(self) -> None:
+        start, end = self._run
+        if start != end:
+            self._parts.append((start, memoryview(self._buf)[start:end]))
+            self._run = (0, 0)
         parts = sorted(self._parts, key=lambda p: p[0])
         crc = 0
         for _, view in parts:
@@ -141,6 +181,46 @@ class HeldRange:
             for pos, sink in self.range.sinks:
                 _copy_parts(parts, pos, sink)
         self._parts = []
+        del parts
+        buf, self._buf = self._buf, None
+        if buf is not None and self._pool is not None:
+            self._pool.give(buf)
+
+
+class LandingPool:
+    """Buffers for :meth:`HeldRange.landing`, reused from range to range: fresh memory costs a
+    page fault per 4 KiB on first write (as much CPU as copying it, measured). Keeps at most
+    ``max_idle`` idle buffers; :meth:`clear` drops them. Thread-safe."""
+
+    def __init__(self, max_idle: int):
+        self.max_idle = max_idle
+        self._idle: dict[int, list[bytearray]] = {}
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bytearray:
+        with self._lock:
+            free = self._idle.get(n)
+            if free:
+                self._count -= 1
+                return free.pop()
+        return bytearray(n)
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            if self._count < self.max_idle:
+                self._idle.setdefault(len(buf), []).append(buf)
+                self._count += 1
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(len(b) for bufs in self._idle.values() for b in bufs)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle.clear()
+            self._count = 0
 
 
 def _copy_parts(parts: list[tuple[int, memoryview]], pos: int, sink: memoryview) -> None:

@@ -22,6 +22,7 @@ from cloudckpt.storage.retry import Retrier, Verdict
 from cloudckpt.storage.aws_config import endpoint_source, is_aws_endpoint
 from cloudckpt.storage.s3_client import open_client
 from cloudckpt.storage.s3_errors import Endpoint, classify
+from cloudckpt.storage.s3_rangeget import RangeGetter
 from cloudckpt.storage.spreading import Spreader
 
 T = TypeVar("T")
@@ -38,7 +39,8 @@ class S3Connection:
     (``"native"``, ``"fallback"`` or None until the conditional-create probe ran) with
     ``create_lock`` serialising that probe; what the server was found not to implement:
     ``batch_delete`` (False once DeleteObjects was refused: single deletes from then on) and
-    ``lists_uploads`` (False once ListMultipartUploads answered 501).
+    ``lists_uploads`` (False once ListMultipartUploads answered 501); ``range_getter``, the
+    direct ranged-GET reader (``s3_rangeget``) with its kept-alive connections.
     """
 
     def __init__(self, options: StorageOptions, bucket: str, anchor: str):
@@ -59,6 +61,7 @@ class S3Connection:
         self.create_lock = asyncio.Lock()
         self.batch_delete: bool | None = None
         self.lists_uploads: bool | None = None
+        self.range_getter = RangeGetter(options, self.stats)
         self._client = None
         self._client_lock = asyncio.Lock()
         self._stack: contextlib.AsyncExitStack | None = None
@@ -136,6 +139,7 @@ class S3Connection:
         self._closed = True
         if self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+        self.range_getter.close()
         stack, self._stack, self._client = self._stack, None, None
         if stack is not None:
             await stack.aclose()

@@ -7,6 +7,7 @@ allocates comes from its byte budget (``S3Connection.reserve``), under the opera
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
 
 from botocore.exceptions import ClientError
@@ -16,8 +17,11 @@ from cloudckpt.storage.base import ObjectInfo, ReadRange, run_all
 from cloudckpt.storage.ranges import Scatter, plan_pieces
 from cloudckpt.storage.s3_client import iter_body, parse_content_range
 from cloudckpt.storage.s3_conn import S3Connection
+from cloudckpt.storage.s3_rangeget import Cursor, UseBotocore
 from cloudckpt.storage.s3_errors import TruncatedBody, error_code, is_bare_403
 from cloudckpt.storage.verified import read_verified
+
+logger = logging.getLogger("cloudckpt.storage")
 
 #: Largest single GET of a ranged read when ``part_size`` is not set (32 MiB GETs cost the client
 #: ~15% less CPU per byte than 16 MiB ones against SeaweedFS here, at the same server cost).
@@ -195,45 +199,69 @@ class S3Reader:
     async def _fetch(self, key: str, phys: str, piece, scatter: Scatter,
                      deadline: float | None) -> None:
         """GET ``piece`` into the scatter's views; a retry resumes where the last attempt
-        broke."""
-        pos = piece.start
+        broke. Through the direct reader (``s3_rangeget``) where it serves this client, else
+        (and for the answers it leaves to botocore) through aiobotocore."""
+        cursor = Cursor(piece.start)
         conn = self.conn
-        stats = conn.stats
+        getter = conn.range_getter
+        retry = conn.options.retry
 
         async def attempt(n: int) -> None:
-            nonlocal pos
             client = await conn.client()
-            resp = await client.get_object(Bucket=conn.bucket, Key=phys,
-                                           Range=f"bytes={pos}-{piece.end - 1}")
-            body = resp["Body"]
-            done = False
+            if not await getter.usable(client):
+                return await self._fetch_botocore(client, key, phys, piece, scatter, cursor)
             try:
-                crange = parse_content_range(resp.get("ContentRange"))
-                start = crange[0] if crange else 0
-                total = crange[2] if crange else int(resp.get("ContentLength", 0))
-                if total is not None and total < piece.end:
-                    raise InvalidRange(
-                        f"{self.where}/{key}: range [{piece.start}, {piece.end}) is past the end "
-                        f"of the object ({total} bytes)", key=key, operation="get")
-                body_len = int(resp.get("ContentLength", 0))
-                at = start
-                async for chunk in iter_body(body):
-                    n_bytes = len(chunk)
-                    stats.bytes_received += n_bytes
-                    lo, hi = max(at, pos), min(at + n_bytes, piece.end)
-                    if lo < hi:
-                        scatter.feed(chunk if (lo == at and hi == at + n_bytes)
-                                     else memoryview(chunk)[lo - at:hi - at], lo)
-                        pos = hi
-                    at += n_bytes
-                    if pos >= piece.end:
-                        break
-                if pos < piece.end:
-                    raise TruncatedBody(f"body ended at byte {pos} of [{piece.start}, "
-                                        f"{piece.end})")
-                done = at - start == body_len
-            finally:
-                if not done:
-                    body.close()
+                return await getter.fetch(
+                    client, conn.bucket, phys, cursor, piece.end, scatter.members,
+                    read_timeout=min(retry.read_timeout, retry.attempt_timeout),
+                    connect_timeout=min(retry.connect_timeout, retry.attempt_timeout))
+            except UseBotocore as answer:
+                refused = answer.status
+            conn.stats.count("get")
+            await self._fetch_botocore(client, key, phys, piece, scatter, cursor)
+            if not getter.disabled:  # botocore's request got through where ours did not
+                getter.disable()
+                logger.info("%s: a presigned ranged GET got HTTP %d where a signed one "
+                            "succeeded: ranged reads go through aiobotocore from now on",
+                            self.where, refused)
 
         await conn.call("get", key, attempt, where=self.where, deadline=deadline)
+
+    async def _fetch_botocore(self, client, key: str, phys: str, piece, scatter: Scatter,
+                              cursor: Cursor) -> None:
+        """One attempt of ``_fetch`` through aiobotocore, from ``cursor.pos``."""
+        conn = self.conn
+        stats = conn.stats
+        pos = cursor.pos
+        resp = await client.get_object(Bucket=conn.bucket, Key=phys,
+                                       Range=f"bytes={pos}-{piece.end - 1}")
+        body = resp["Body"]
+        done = False
+        try:
+            crange = parse_content_range(resp.get("ContentRange"))
+            start = crange[0] if crange else 0
+            total = crange[2] if crange else int(resp.get("ContentLength", 0))
+            if total is not None and total < piece.end:
+                raise InvalidRange(
+                    f"{self.where}/{key}: range [{piece.start}, {piece.end}) is past the end "
+                    f"of the object ({total} bytes)", key=key, operation="get")
+            body_len = int(resp.get("ContentLength", 0))
+            at = start
+            async for chunk in iter_body(body):
+                n_bytes = len(chunk)
+                stats.bytes_received += n_bytes
+                lo, hi = max(at, pos), min(at + n_bytes, piece.end)
+                if lo < hi:
+                    scatter.feed(chunk if (lo == at and hi == at + n_bytes)
+                                 else memoryview(chunk)[lo - at:hi - at], lo)
+                    pos = cursor.pos = hi
+                at += n_bytes
+                if pos >= piece.end:
+                    break
+            if pos < piece.end:
+                raise TruncatedBody(f"body ended at byte {pos} of [{piece.start}, "
+                                    f"{piece.end})")
+            done = at - start == body_len
+        finally:
+            if not done:
+                body.close()

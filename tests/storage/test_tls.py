@@ -6,7 +6,8 @@ its certificate is signed by a CA made for the test, which nothing on the machin
   ``verify_tls=True`` with ``AWS_CA_BUNDLE`` (True means "verify", not "ignore the bundle"), and
   ``verify_tls=False`` (no verification).
 - Trusting nothing is a one-line ``ConfigError`` that says the certificate is not trusted and how
-  to trust a private CA; it is final (no retry) and happens before any request is served.
+  to trust a private CA; it is final (no retry) and happens before any request is served, on
+  aiobotocore's connections and on the direct ranged-GET reader's alike.
 - The same holds through every entry point: ``cloudckpt.save``/``load``, ``CheckpointManager``
   and the ``cloudckpt`` command (exit 2 and one line on stderr when untrusted).
 """
@@ -23,7 +24,7 @@ import torch
 import cloudckpt
 from cloudckpt.errors import ConfigError
 from cloudckpt.runtime import drop_store
-from cloudckpt.storage import RetryOptions, StorageOptions, open_store
+from cloudckpt.storage import ReadRange, RetryOptions, StorageOptions, open_store
 from cloudckpt.testing.s3server import S3Server
 from tests.reliability.stores import cli
 
@@ -60,12 +61,17 @@ def _options(info, **overrides) -> StorageOptions:
 
 
 def _round_trip(info, options: StorageOptions) -> tuple[bytes, int]:
-    """Put, head and get one object over https; (the bytes read, requests sent)."""
+    """Put, head, get and read a range of one object over https (the range through the direct
+    reader, ``s3_rangeget``); (the bytes read, requests sent)."""
     async def main():
         store = open_store(info.url(f"tls-{uuid.uuid4().hex[:8]}"), options)
         try:
             await store.put("obj", b"private CA" * 100)
             assert (await store.head("obj")).size == 1000
+            ranged = await store.read_ranges("obj", [ReadRange(10, 980)])
+            assert bytes(ranged[0]) == (b"private CA" * 100)[10:990]
+            assert store.connection.range_getter.fetches == 1
+            assert not store.connection.range_getter.disabled
             return await store.get("obj"), store.stats.total_requests
         finally:
             await store.close()
@@ -99,21 +105,25 @@ def test_a_private_ca_is_trusted_when_configured(tls_s3, clean_aws_env, monkeypa
 def test_an_untrusted_certificate_is_a_one_line_config_error(tls_s3, clean_aws_env, options):
     store_options = _options(tls_s3, **options)
 
-    async def main():
+    async def main(first):
         store = open_store(tls_s3.url("untrusted"), store_options)
         try:
             with pytest.raises(ConfigError) as refused:
-                await store.put("obj", b"x")
+                if first == "put":
+                    await store.put("obj", b"x")
+                else:  # the direct reader's own connection
+                    await store.read_ranges("obj", [ReadRange(0, 1)])
             return refused.value, store.stats
         finally:
             await store.close()
 
-    error, stats = asyncio.run(main())
-    message = str(error)
-    assert "\n" not in message
-    assert f"TLS certificate of {tls_s3.https_endpoint_url} is not trusted" in message, message
-    assert "AWS_CA_BUNDLE" in message and "verify_tls=" in message, message
-    assert stats.retries == 0  # final: retrying cannot help
+    for first in ("put", "read_ranges"):
+        error, stats = asyncio.run(main(first))
+        message = str(error)
+        assert "\n" not in message
+        assert f"TLS certificate of {tls_s3.https_endpoint_url} is not trusted" in message, message
+        assert "AWS_CA_BUNDLE" in message and "verify_tls=" in message, message
+        assert stats.retries == 0  # final: retrying cannot help
 
 
 def test_every_entry_point_follows_aws_ca_bundle(tls_s3, clean_aws_env, monkeypatch):
