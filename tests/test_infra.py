@@ -31,6 +31,8 @@ S3_CALL_TO_IAM = {
     "copy_object": {"s3:GetObject", "s3:PutObject"},
     "upload_part_copy": {"s3:GetObject", "s3:PutObject"},
     "get_object": {"s3:GetObject"},
+    # signs a GetObject URL locally (no request); the ranged GETs sent with it need GetObject
+    "generate_presigned_url": {"s3:GetObject"},
     "head_object": {"s3:GetObject"},
     "list_objects_v2": {"s3:ListBucket"},
     "list_objects": {"s3:ListBucket"},
