@@ -362,16 +362,11 @@ class Runner:
 def hf_export_section(runner, world) -> None:
     """Hugging Face export (benchmarks/interop_hf.py): the sharded folder export, local and
     s3://, next to the old one-file export, on this run's server; one process per method."""
-    from interop_hf import run_export_benchmark
+    from interop_hf import export_table, run_export_benchmark
 
     rows = run_export_benchmark(runner.args.total_bytes / C.GiB, info=runner.info,
                                 shard_mib=max(4, runner.args.total_bytes // C.MiB // 4))
-    table = C.Table(("HF export", "exported MiB", "files", "seconds", "MB/s",
-                     "peak RSS growth MiB"))
-    for r in rows:
-        table.add(r["method"], C.fmt_mib(r["bytes"]), r["files"], C.fmt_s(r["seconds"]),
-                  f"{r['mbps']:.0f}", C.fmt_mib(r["growth"]))
-    print(table.render())
+    print(export_table(rows, "HF export"))
 
 
 EXTRA_SECTIONS: list = [hf_export_section]

@@ -121,6 +121,15 @@ def run_export_benchmark(gib: float = 0.5, *, shard_mib: int = 128, info=None,
     return rows
 
 
+def export_table(rows: list[dict], title: str = "method") -> str:
+    """The rows of :func:`run_export_benchmark` as a table."""
+    table = C.Table((title, "exported MiB", "files", "seconds", "MB/s", "peak RSS growth MiB"))
+    for r in rows:
+        table.add(r["method"], C.fmt_mib(r["bytes"]), r["files"], C.fmt_s(r["seconds"]),
+                  f"{r['mbps']:.0f}", C.fmt_mib(r["growth"]))
+    return table.render()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gib", type=float, default=0.5)
@@ -138,12 +147,7 @@ def main() -> None:
     shard = max(4, args.shard_mib // 8) if args.quick else args.shard_mib
     print(C.describe_machine())
     rows = run_export_benchmark(gib, shard_mib=shard, workdir=args.workdir)
-    table = C.Table(("method", "exported MiB", "files", "seconds", "MB/s",
-                     "peak RSS growth MiB"))
-    for r in rows:
-        table.add(r["method"], C.fmt_mib(r["bytes"]), r["files"], C.fmt_s(r["seconds"]),
-                  f"{r['mbps']:.0f}", C.fmt_mib(r["growth"]))
-    print(table.render())
+    print(export_table(rows))
     print(f"shard size {shard} MiB")
 
 
