@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import resource
 import shutil
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -82,34 +81,24 @@ def proc_cpu_seconds(pid: int | None) -> float:
 # -- memory and CPU of this process ---------------------------------------------------------------
 
 
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def rss_bytes() -> int:
-    return _status_bytes("VmRSS")
+    from cloudckpt.testing.memory import current_rss
+
+    return current_rss()
 
 
 def peak_rss_bytes() -> int:
     """VmHWM (peak RSS since start or the last reset); ru_maxrss if /proc is unavailable."""
-    try:
-        return _status_bytes("VmHWM")
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from cloudckpt.testing.memory import peak_rss
+
+    return peak_rss()
 
 
 def reset_peak_rss() -> bool:
     """Reset VmHWM to the current RSS. False when the kernel refuses (then peaks are lifetime)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    from cloudckpt.testing.memory import reset_high_water_mark
+
+    return reset_high_water_mark()
 
 
 def cpu_seconds() -> float:

@@ -30,7 +30,21 @@ def current_rss() -> int:
     return kib * 1024 if kib is not None else 0
 
 
-def _reset_high_water_mark() -> bool:
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes (the kernel's high-water mark ``VmHWM``, since
+    the process started or the last :func:`reset_high_water_mark`); ``ru_maxrss`` where /proc is
+    not readable."""
+    kib = _status_kib("VmHWM")
+    if kib is not None:
+        return kib * 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_high_water_mark() -> bool:
+    """Reset the kernel's peak RSS to the current RSS. False when the kernel refuses (then
+    :func:`peak_rss` is the lifetime peak)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -50,7 +64,7 @@ class PeakRSS:
 
     def __enter__(self) -> "PeakRSS":
         self.start = current_rss()
-        self._exact = _reset_high_water_mark() and _status_kib("VmHWM") is not None
+        self._exact = reset_high_water_mark() and _status_kib("VmHWM") is not None
         if not self._exact:
             self.peak = self.start
             self._sampler = threading.Thread(target=self._sample, daemon=True)
