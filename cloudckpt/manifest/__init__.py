@@ -8,16 +8,13 @@ from cloudckpt.manifest.model import (
     DEFAULT_CHECKSUM_BLOCK_SIZE,
     FORMAT_NAME,
     FORMAT_VERSION,
-    ChunkRecord,
-    ChunkTable,
     Manifest,
-    ManifestColumns,
-    TensorRecord,
     crc_counts,
     tensor_path,
     validate_object_key,
     validate_structure,
 )
+from cloudckpt.manifest.records import ChunkRecord, ChunkTable, ManifestColumns, TensorRecord
 from cloudckpt.manifest.values import decode_value, encode_value, is_pickled, value_path
 
 __all__ = [

@@ -1,0 +1,125 @@
+"""The records a manifest hands out: chunks, tensors and its read-only columns.
+
+:class:`ChunkTable` and :class:`ManifestColumns` are views over the manifest's flat, read-only
+numpy arrays (see :mod:`cloudckpt.manifest.model`); :class:`ChunkRecord` objects are made only
+when asked for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
+
+__all__ = ["ChunkRecord", "ChunkTable", "ManifestColumns", "TensorRecord"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    """One stored chunk: a box of a tensor and where its bytes are."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    object_index: int
+    byte_offset: int
+    byte_length: int
+    crc32c: tuple[int, ...]  # one per checksum block of the chunk's bytes
+
+
+class ChunkTable(Sequence):
+    """The chunks of one tensor: a read-only sequence of :class:`ChunkRecord` over arrays.
+
+    Array attributes (read-only): ``offsets`` and ``sizes`` (shape ``(n, ndim)``),
+    ``object_index``, ``byte_offset``, ``byte_length`` (shape ``(n,)``); ``crcs(i)`` gives chunk
+    ``i``'s crcs.
+    """
+
+    __slots__ = ("offsets", "sizes", "object_index", "byte_offset", "byte_length", "_crc_start", "_crcs")
+
+    def __init__(self, offsets, sizes, object_index, byte_offset, byte_length, crc_start, crcs):
+        self.offsets = offsets
+        self.sizes = sizes
+        self.object_index = object_index
+        self.byte_offset = byte_offset
+        self.byte_length = byte_length
+        self._crc_start = crc_start
+        self._crcs = crcs
+
+    def __len__(self) -> int:
+        return len(self.byte_length)
+
+    def crcs(self, i: int) -> tuple[int, ...]:
+        return tuple(self._crcs[self._crc_start[i]:self._crc_start[i + 1]].tolist())
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        return ChunkRecord(
+            tuple(self.offsets[i].tolist()), tuple(self.sizes[i].tolist()), int(self.object_index[i]),
+            int(self.byte_offset[i]), int(self.byte_length[i]), self.crcs(i),
+        )
+
+    def __iter__(self) -> Iterator[ChunkRecord]:
+        return (self[i] for i in range(len(self)))
+
+
+@dataclass(frozen=True, eq=False)
+class TensorRecord:
+    """One stored tensor: dtype, global shape and its chunks."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: ChunkTable
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ManifestColumns:
+    """A manifest's columns, read-only (every array has ``flags.writeable == False``; writing
+    raises ``ValueError``). Tensors in tensor order: ``names``, ``dtypes``, ``name_index``
+    (name -> tensor number), ``ndims``, ``shape_flat`` (every shape's dims concatenated, tensor
+    ``t``'s at ``shape_start[t]:shape_start[t + 1]``), ``chunk_start`` (tensor ``t``'s chunks are
+    ``chunk_start[t]:chunk_start[t + 1]``), ``coord_start`` (the same for coordinates). Per chunk,
+    grouped by tensor: ``object_index``, ``byte_offset``, ``byte_length``, ``crc_start`` (chunk
+    ``c``'s crcs are ``crcs[crc_start[c]:crc_start[c + 1]]``); ``offsets`` / ``sizes`` flat,
+    chunk-major (each chunk its tensor's ndim numbers). ``value_blobs``: name -> encoded value.
+    """
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    name_index: Mapping[str, int]
+    ndims: np.ndarray
+    shape_flat: np.ndarray
+    shape_start: np.ndarray
+    chunk_start: np.ndarray
+    coord_start: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+    object_index: np.ndarray
+    byte_offset: np.ndarray
+    byte_length: np.ndarray
+    crcs: np.ndarray
+    crc_start: np.ndarray
+    value_blobs: Mapping[str, bytes]
