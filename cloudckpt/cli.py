@@ -176,10 +176,14 @@ def cmd_ls(args) -> int:
                         "-" if i.base_step is None else i.base_step)) if args.details else lambda i: ()
     rows = [(i.step, _fmt_time(i.created_at), _human_bytes(i.total_bytes),
              "-" if i.objects is None else i.objects,
-             "-" if i.world_size is None else i.world_size, "yes" if i.complete else "NO",
+             "-" if i.world_size is None else i.world_size,
+             "DAMAGED" if i.damaged else "yes" if i.complete else "NO",
              *extra(i)) for i in infos]
     _table(("step", "time", "size", "objects", "world_size", "complete")
            + (("own", "shared", "base") if args.details else ()), rows)
+    for i in infos:
+        if i.damaged:
+            print(f"step {i.step}: cannot be loaded: {i.damaged}", file=sys.stderr)
     return EXIT_OK
 
 

@@ -95,7 +95,8 @@ def ls_document(infos, details: bool = False) -> list[dict]:
                         "base_step": i.base_step}) if details else (lambda i: {})
     return [{"step": i.step, "url": i.url, "complete": bool(i.complete),
              "created_at": iso_time(i.created_at), "total_bytes": i.total_bytes,
-             "objects": i.objects, "world_size": i.world_size, **extra(i)} for i in infos]
+             "objects": i.objects, "world_size": i.world_size, "damaged": i.damaged,
+             **extra(i)} for i in infos]
 
 
 def show_document(url: str, manifest, pickled) -> dict:

@@ -63,7 +63,7 @@ from typing import Any, Callable, Iterable
 
 from cloudckpt.context import current
 from cloudckpt.api.manifest_io import fetch_manifest_bytes
-from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
+from cloudckpt.errors import CheckpointNotFound, ManifestError, ObjectNotFound
 from cloudckpt.layout import MANIFEST_KEY
 from cloudckpt.options import SaveOptions
 from cloudckpt.pruning import HEAD_CONCURRENCY, prune_run, scan_run, step_has_objects
@@ -99,6 +99,8 @@ class CheckpointInfo:
     So do ``own_bytes`` (chunk bytes stored in the checkpoint's own folder), ``shared_bytes``
     (chunk bytes it references in older checkpoints' folders: an incremental checkpoint) and
     ``base_step`` (the step of the checkpoint it was saved against, ``None`` for a full one).
+    ``damaged``: with details, the reason a complete checkpoint's manifest could not be decoded
+    (its checksum or structure is wrong: it cannot be loaded); ``None`` otherwise.
     """
 
     step: int
@@ -112,6 +114,7 @@ class CheckpointInfo:
     own_bytes: int | None = None
     shared_bytes: int | None = None
     base_step: int | None = None
+    damaged: str | None = None
 
 
 class ManagedSaveHandle(Future):
@@ -210,7 +213,8 @@ class CheckpointManager:
 
         ``details=True`` also reads each complete checkpoint's manifest (one GET each) to fill
         ``total_bytes``, ``objects``, ``world_size``, ``own_bytes``, ``shared_bytes`` and
-        ``base_step``; ``progress(n)`` is called as manifests are read. Retained folders (deleted
+        ``base_step``; ``progress(n)`` is called as manifests are read. A manifest that does
+        not decode is reported in that checkpoint's ``damaged``, and the others are listed. Retained folders (deleted
         checkpoints whose objects others still reference) are not checkpoints: not listed.
         """
         steps = run_coroutine(scan_run(self.store))
@@ -249,9 +253,12 @@ class CheckpointManager:
                     raw = await fetch_manifest_bytes(self.store, step_dir(info.step) + MANIFEST_KEY)
                 except ObjectNotFound:  # deleted since the listing
                     return replace(info, complete=False, created_at=None)
-            manifest, _ = decode_manifest_without_pickle(raw)
             if progress is not None:
                 progress(1)
+            try:
+                manifest, _ = decode_manifest_without_pickle(raw)
+            except ManifestError as exc:  # listed as damaged; the other checkpoints still are
+                return replace(info, damaged=str(exc))
             own = manifest.object_sizes()
             own_bytes = sum(n for (key, n), home in zip(own.items(), manifest.object_homes)
                             if not home)

@@ -14,18 +14,24 @@ import asyncio
 import time
 from typing import Callable
 
-from cloudckpt.errors import ObjectNotFound
+import logging
+
+from cloudckpt.api.manifest_io import fetch_manifest_bytes
+from cloudckpt.errors import ManifestError, ObjectNotFound
 from cloudckpt.layout import MANIFEST_KEY
 from cloudckpt.retention import RetentionPolicy, select_to_delete
-from cloudckpt.run_cleanup import (DeletionPlan, carry_out, collect_homes, plan_abandoned,
-                                   plan_checkpoint, sweep_pins, uncommit_and_plan)
+from cloudckpt.run_cleanup import (DeletionPlan, carry_out, collect_homes,
+                                   decode_manifest_without_pickle, plan_abandoned, plan_checkpoint,
+                                   sweep_pins, uncommit_and_plan)
 from cloudckpt.run_layout import (LIST_DELIMITER, StepState, add_uploads, classify_listing,
                                   parse_step_dir, step_dir)
 
-__all__ = ["HEAD_CONCURRENCY", "prune_run", "scan_run", "step_has_objects"]
+__all__ = ["HEAD_CONCURRENCY", "newest_readable_step", "prune_run", "scan_run", "step_has_objects"]
 
 #: HEAD / GET requests of manifests a listing keeps in flight at once.
 HEAD_CONCURRENCY = 32
+
+log = logging.getLogger(__name__)
 
 
 async def scan_run(store) -> dict[int, StepState]:
@@ -50,6 +56,24 @@ async def scan_run(store) -> dict[int, StepState]:
     return steps
 
 
+async def newest_readable_step(store, steps_complete) -> int | None:
+    """The newest of ``steps_complete`` whose manifest is still there and decodes (checksum and
+    structure; pickled values are not unpickled), or ``None``. A damaged manifest is logged
+    (WARNING) and skipped. One manifest GET per step tried, newest first."""
+    for step in sorted(set(steps_complete), reverse=True):
+        try:
+            decode_manifest_without_pickle(
+                await fetch_manifest_bytes(store, step_dir(step) + MANIFEST_KEY))
+        except ObjectNotFound:
+            continue
+        except ManifestError as exc:
+            log.warning("step %d: its manifest is damaged, so it is not counted as the newest "
+                        "loadable checkpoint: %s", step, exc)
+            continue
+        return step
+    return None
+
+
 async def step_has_objects(store, step: int) -> bool:
     """Whether anything is stored under step ``step``: a finished object or an unfinished
     upload (of a killed attempt, say)."""
@@ -68,11 +92,17 @@ async def prune_run(store, retention: RetentionPolicy, abandoned_after: float, *
     before it is removed, so a save that resumes at an abandoned step keeps its fresh objects.
     Objects other checkpoints reference stay; once the steps are removed, the folders they
     referenced that have no manifest are collected too (listed after the others), and the pins
-    of saves that never committed are removed once their lease is over (``sweep_pins``)."""
+    of saves that never committed are removed once their lease is over (``sweep_pins``).
+
+    Whatever the policy says, the newest complete step is kept, and so is the newest one whose
+    manifest decodes (:func:`newest_readable_step`, read only when something would go): a
+    damaged newest manifest never costs the last loadable checkpoint."""
     now = time.time() if now is None else now
     steps = add_uploads(await scan_run(store), await store.list_uploads(""))
-    doomed_complete = select_to_delete(
-        [s for s, st in steps.items() if st.manifest is not None], retention)
+    complete = [s for s, st in steps.items() if st.manifest is not None]
+    doomed_complete = select_to_delete(complete, retention)
+    if doomed_complete:
+        doomed_complete.discard(await newest_readable_step(store, complete))
     cutoff = now - abandoned_after
     removed: list[tuple[int, StepState, DeletionPlan]] = []
     homes: set[str] = set()

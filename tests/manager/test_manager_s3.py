@@ -266,3 +266,71 @@ def test_prune_concurrent_with_save(s3_env, s3_url, tmp_path):
     assert int(out.strip()) >= 2
     assert mgr.latest().step == 4
     assert [i.step for i in mgr.list()] == [4]
+
+
+def _damage_manifest(s3_server, url: str, step: int, how: str) -> None:
+    """Rewrite step ``step``'s manifest in place (boto3): one flipped byte, cut short, or bytes
+    that are not a manifest at all."""
+    bucket, _, root = url[len("s3://"):].partition("/")
+    key = f"{root}/{step_dir(step)}manifest.msgpack"
+    client = s3_server.boto3_client()
+    raw = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    if how == "flip":
+        raw[len(raw) // 2] ^= 0x40
+    elif how == "truncate":
+        raw = raw[: len(raw) // 3]
+    else:
+        raw = bytearray(b"not a manifest at all")
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(raw))
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "garbage"])
+def test_a_damaged_manifest_is_listed_as_damaged_and_the_others_still_are(s3_env, s3_url,
+                                                                          s3_server, how):
+    mgr = CheckpointManager(s3_url)
+    for step in (1, 2, 3):
+        mgr.save(step, state(step))
+    _damage_manifest(s3_server, s3_url, 2, how)
+
+    infos = mgr.list(details=True)
+    assert [i.step for i in infos] == [1, 2, 3]
+    assert [i.damaged is not None for i in infos] == [False, True, False]
+    assert infos[0].total_bytes == infos[2].total_bytes > 0
+
+    env = {**os.environ, "PYTHONPATH": REPO}
+    res = subprocess.run([sys.executable, "-m", "cloudckpt", "ls", "--details", s3_url],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    rows = {line.split()[0]: line for line in res.stdout.splitlines()[1:]}
+    assert "DAMAGED" in rows["2"] and "DAMAGED" not in rows["1"] + rows["3"]
+    assert f"step 2: cannot be loaded: {infos[1].damaged}" in res.stderr
+    res = subprocess.run([sys.executable, "-m", "cloudckpt", "ls", "--json", s3_url],
+                         capture_output=True, text=True, timeout=120, env=env)
+    import json
+
+    assert [d["damaged"] is not None for d in json.loads(res.stdout)] == [False, True, False]
+
+
+@pytest.mark.parametrize("entry", ["manager", "cli"])
+def test_prune_never_removes_the_newest_loadable_checkpoint_behind_a_damaged_one(
+        s3_env, s3_url, s3_server, entry):
+    mgr = CheckpointManager(s3_url)
+    for step in (1, 2, 3, 4):
+        mgr.save(step, state(step))
+    _damage_manifest(s3_server, s3_url, 4, "flip")
+    _damage_manifest(s3_server, s3_url, 3, "garbage")
+
+    if entry == "manager":
+        CheckpointManager(s3_url, keep_last=1).prune()
+    else:
+        res = subprocess.run([sys.executable, "-m", "cloudckpt", "prune", "--keep-last", "1",
+                              s3_url], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": REPO})
+        assert res.returncode == 0, res.stderr
+        assert "step 4: its manifest is damaged" in res.stderr
+    # the newest (damaged) step is kept as always, and so is step 2, the newest that loads;
+    # the damaged step 3 and the old step 1 go
+    assert [i.step for i in mgr.list()] == [2, 4]
+    target = blank()
+    mgr.load(target, step=2)
+    assert_state(target, 2)
