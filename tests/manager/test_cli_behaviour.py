@@ -162,7 +162,8 @@ def test_json_ls_show_verify(s3_env, run2):
     assert [r["step"] for r in rows] == [10, 20]
     for row in rows:
         assert set(row) == {"step", "url", "complete", "created_at", "total_bytes", "objects",
-                            "world_size"}
+                            "world_size", "damaged"}
+        assert row["damaged"] is None
         assert row["complete"] is True and row["world_size"] == 1 and row["total_bytes"] == 24
         assert row["url"].rstrip("/").endswith(step_dir(row["step"]).rstrip("/"))
         assert "T" in row["created_at"] and row["created_at"][-6] in "+-"  # ISO 8601, offset
