@@ -13,13 +13,15 @@ Contract:
   once, so memory stays bounded whatever the checkpoint size.
 - Objects upload concurrently; the store bounds requests in flight. On the first failure the
   other uploads are cancelled and the error propagates.
-- With ``hashing`` (incremental saves), every item's bytes get a content hash
-  (:func:`cloudckpt.checksum.content_hash`) in worker threads, in item order, ahead of the
-  uploads; an item whose chunk id is in ``known`` with the same hash is not uploaded (it is
-  returned in :attr:`WriteStats.reused`: its bytes are already stored by the base checkpoint),
-  the others are packed as above as their hashes arrive, and each object starts uploading as
-  soon as it is cut. A device or strided tensor is copied to host for hashing under the same
-  ``max_staging_bytes`` bound, and copied again only if it is uploaded.
+- With ``hashing`` (incremental saves; a non-empty ``known`` implies it), every item's bytes
+  get a content hash (:func:`cloudckpt.checksum.content_hash`) and their block crcs in one pass
+  (:func:`cloudckpt.checksum.hash_and_block_crcs`: the bytes are read once, as without hashing)
+  in worker threads, in item order, ahead of the uploads; an item whose chunk id is in ``known``
+  with the same hash is not uploaded (it is returned in :attr:`WriteStats.reused`: its bytes are
+  already stored by the base checkpoint), the others are packed as above as their hashes
+  arrive, and each object starts uploading as soon as it is cut. A device or strided tensor is
+  copied to host for hashing under the same ``max_staging_bytes`` bound, and copied again only
+  if it is uploaded. Without ``hashing`` nothing is hashed.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Mapping, Sequence
 import torch
 
 from cloudckpt.dataplane.buffers import byte_view, host_contiguous, is_byte_viewable
-from cloudckpt.checksum import block_crcs, content_hash
+from cloudckpt.checksum import block_crcs, hash_and_block_crcs
 from cloudckpt.layout import data_key
 from cloudckpt.planning.batching import pack_in_order
 
@@ -93,17 +95,27 @@ async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank
     locations: list[ChunkLocation | None] = [None] * len(items)
     staging_budget = _ByteBudget(options.max_staging_bytes)
     hashes: list[bytes] = [b""] * len(items)
+    known_crcs: list[tuple[int, ...] | None] = [None] * len(items)  # from the hashing pass
 
     async def upload(obj_index: int, members: list[int]) -> int:
         key = data_key(attempt, rank, first_index + obj_index)
         needs_copy = sum(sizes[i] for i in members
                          if not is_byte_viewable(items[i][1]))
         async with staging_budget.hold(needs_copy):
-            tensors = await asyncio.to_thread(
-                lambda: [host_contiguous(items[i][1]) for i in members])
+            if needs_copy:
+                tensors = await asyncio.to_thread(
+                    lambda: [host_contiguous(items[i][1]) for i in members])
+            else:
+                tensors = [items[i][1] for i in members]
             views = [byte_view(t) for t in tensors]
-            crcs = await asyncio.to_thread(
-                lambda vs=views: [block_crcs(v, options.checksum_block_size) for v in vs])
+            crcs = [known_crcs[i] for i in members]
+            todo = [k for k, c in enumerate(crcs) if c is None]
+            if todo:
+                computed = await asyncio.to_thread(
+                    lambda vs=views: [block_crcs(vs[k], options.checksum_block_size)
+                                      for k in todo])
+                for k, c in zip(todo, computed):
+                    crcs[k] = c
             offset = 0
             for i, view, crc in zip(members, views, crcs):
                 locations[i] = ChunkLocation(items[i][0], key, offset, len(view), crc, hashes[i])
@@ -116,10 +128,10 @@ async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank
     tasks: list[asyncio.Future] = []
     reused: list[int] = []
     try:
-        if hashing or known is not None:
-            await _hash_and_pack(items, sizes, hashes, known or {}, options, staging_budget,
-                                 reused, lambda members: tasks.append(asyncio.ensure_future(
-                                     upload(len(tasks), members))), tasks)
+        if hashing or known:
+            await _hash_and_pack(items, sizes, hashes, known_crcs, known or {}, options,
+                                 staging_budget, reused, lambda members: tasks.append(
+                                     asyncio.ensure_future(upload(len(tasks), members))), tasks)
         else:
             tasks += [asyncio.ensure_future(upload(k, members))
                       for k, members in enumerate(pack_in_order(sizes, options.object_size))]
@@ -135,19 +147,21 @@ async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank
     return [loc for loc in locations if loc is not None], stats
 
 
-async def _hash_and_pack(items, sizes, hashes, known, options, budget, reused, launch,
+async def _hash_and_pack(items, sizes, hashes, crcs, known, options, budget, reused, launch,
                          tasks) -> None:
-    """Hash every item in order (batches in a worker thread); items whose hash ``known`` holds
-    go to ``reused``, the others are cut into objects by the rule of ``pack_in_order`` and each
-    object is passed to ``launch`` as soon as it is cut."""
+    """Hash every item in order and compute its block crcs (``hashes[i]``, ``crcs[i]``; batches
+    in a worker thread); items whose hash ``known`` holds go to ``reused``, the others are cut
+    into objects by the rule of ``pack_in_order`` and each object is passed to ``launch`` as
+    soon as it is cut."""
     current: list[int] = []
     filled = 0
     for batch in _batches(sizes):
         copies = sum(sizes[i] for i in batch if not is_byte_viewable(items[i][1]))
         async with budget.hold(copies):
-            digests = await asyncio.to_thread(_hash_tensors, [items[i][1] for i in batch])
-        for i, digest in zip(batch, digests):
-            hashes[i] = digest
+            digests = await asyncio.to_thread(_digest_tensors, [items[i][1] for i in batch],
+                                              options.checksum_block_size)
+        for i, (digest, item_crcs) in zip(batch, digests):
+            hashes[i], crcs[i] = digest, item_crcs
             if known.get(items[i][0]) == digest:
                 reused.append(i)
                 continue
@@ -176,8 +190,8 @@ def _batches(sizes: Sequence[int]):
         yield batch
 
 
-def _hash_tensors(tensors) -> list[bytes]:
-    return [content_hash(byte_view(host_contiguous(t))) for t in tensors]
+def _digest_tensors(tensors, block_size: int) -> list[tuple[bytes, tuple[int, ...]]]:
+    return [hash_and_block_crcs(byte_view(host_contiguous(t)), block_size) for t in tensors]
 
 
 class _ByteBudget:

@@ -113,9 +113,15 @@ def test_hashing_skips_known_items_and_packs_the_others_in_order(tmp_path):
         body = data_path(tmp_path, loc.object_key).read_bytes()
         assert body[loc.byte_offset:loc.byte_offset + loc.byte_length] == expected
         assert loc.content_hash == digests[cid] and len(loc.content_hash) == 16
-    plain, _ = run_coroutine(write_chunks(store_at(tmp_path / "plain"), items, rank=1,
-                                          attempt=ATTEMPT, options=opts))
-    assert {loc.content_hash for loc in plain} == {b""}  # no hashing unless asked
+        assert loc.crcs == block_crcs(expected, BLOCK)  # computed in the hashing pass
+    for n, extra in enumerate(({}, {"known": None}, {"known": {}})):
+        plain, _ = run_coroutine(write_chunks(store_at(tmp_path / f"plain{n}"), items, rank=1,
+                                              attempt=ATTEMPT, options=opts, **extra))
+        # no hashing unless asked (an empty ``known``, a save without a base, asks nothing)
+        assert {loc.content_hash for loc in plain} == {b""}
+        assert [loc.crcs for loc in plain] == [
+            block_crcs(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), BLOCK)
+            for _, t in items]
 
 
 def test_hashing_everything_known_uploads_nothing(tmp_path):
