@@ -13,9 +13,10 @@ fail-together exchange, so a failure anywhere raises the same
    rank computes the same global plan).
 3. ``save base`` (incremental saves only): the coordinator reads the base, pins the folders the
    save may reference and broadcasts the content hashes of the base's matching chunks
-   (:mod:`cloudckpt.api.incremental`).
+   (:mod:`cloudckpt.api.incremental`). Every rank's hashing of its items (the same pass as
+   their block crcs) has already started in the background: it runs meanwhile.
 4. ``save upload``: each rank uploads the items it owns under ``data/<attempt>/`` (in an
-   incremental save: hashing every item, and skipping those whose hash is the base's) and
+   incremental save: each item as its hash is ready, skipping those whose hash is the base's) and
    reports where they landed (:class:`~cloudckpt.api.reports.UploadReport`).
 5. ``save commit``: the coordinator assembles the manifest from everyone's reports and writes it
    in ``create`` mode. Its presence is the commit.
@@ -48,7 +49,7 @@ from cloudckpt.runtime import run_coroutine, shared_store, start_task, wait_for_
 from cloudckpt.stateful import resolve_stateful
 from cloudckpt.statedict import flatten_state_dict, merge_structures
 from cloudckpt.transport import ControlChannel
-from cloudckpt.dataplane.writer import WriterOptions, write_chunks
+from cloudckpt.dataplane.writer import ItemDigests, WriterOptions, write_chunks
 
 @dataclass
 class PreparedSave:
@@ -143,9 +144,13 @@ def finish_save(p: PreparedSave) -> SaveResult:
     Collective."""
     channel = p.channel
     pinned: PinnedBase | None = None
+    digests: ItemDigests | None = None
     try:
         known: dict[int, bytes] = {}
         if p.incremental:
+            # hash (and crc) every item while the coordinator reads and pins the base
+            digests = ItemDigests(p.items, _writer_options(p.options))
+            run_coroutine(digests.start())
             with channel.phase("save base"):
                 if channel.is_coordinator and p.base is not None:
                     pinned = _pin_base(p)
@@ -158,12 +163,14 @@ def finish_save(p: PreparedSave) -> SaveResult:
                 known = {c: h for c, h in known.items() if c in mine}
 
         with channel.phase("save upload", UploadReport) as upload:
-            upload.report = _upload(p, known)
+            upload.report = _upload(p, known, digests)
 
         with channel.phase("save commit"):
             if channel.is_coordinator:
                 _commit(p, upload.reports, pinned)
     except BaseException as exc:
+        if digests is not None:
+            run_coroutine(digests.stop())
         if pinned is not None:
             pinned.stop()
             # the pins record the references once the manifest may be there: kept then
@@ -241,15 +248,20 @@ def _pin_base(p: PreparedSave) -> PinnedBase | None:
     return pinned
 
 
-def _upload(p: PreparedSave, known: dict[int, bytes]) -> UploadReport:
+def _writer_options(options: SaveOptions) -> WriterOptions:
+    return WriterOptions(object_size=options.object_size,
+                         checksum_block_size=options.checksum_block_size,
+                         max_staging_bytes=options.max_staging_bytes)
+
+
+def _upload(p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | None
+            ) -> UploadReport:
     rank = p.channel.rank
     store = shared_store(p.url, p.storage)
-    wopts = WriterOptions(object_size=p.options.object_size,
-                          checksum_block_size=p.options.checksum_block_size,
-                          max_staging_bytes=p.options.max_staging_bytes)
     locations, stats = run_coroutine(
-        write_chunks(store, p.items, rank=rank, attempt=p.attempt, options=wopts,
-                     hashing=p.incremental, known=known))
+        write_chunks(store, p.items, rank=rank, attempt=p.attempt,
+                     options=_writer_options(p.options), hashing=p.incremental, known=known,
+                     digests=digests))
     written = _written_chunks(rank, locations, p.values, [c for c, _ in stats.reused])
     return UploadReport(
         written=encode_written_chunks(written),

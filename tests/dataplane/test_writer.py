@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from cloudckpt.checksum import block_crcs
-from cloudckpt.dataplane.writer import WriterOptions, write_chunks
+import asyncio
+
+from cloudckpt.dataplane.writer import ItemDigests, WriterOptions, write_chunks
 from cloudckpt.errors import StorageError
 from cloudckpt.layout import data_key
 from cloudckpt.planning.batching import pack_in_order
@@ -142,3 +144,49 @@ def test_a_failed_upload_stops_hashing_with_its_error(tmp_path):
     with pytest.raises(StorageError, match="injected failure"):
         run_coroutine(write_chunks(store, items, rank=0, attempt=ATTEMPT, hashing=True,
                                    options=WriterOptions(object_size=400, checksum_block_size=BLOCK)))
+
+
+def test_digests_started_ahead_give_the_same_upload(tmp_path):
+    """Hashing started before the upload (an incremental save hashes while its base is read)
+    gives the same objects, locations and reuse as hashing inside the upload."""
+    from cloudckpt.checksum import content_hash
+
+    items = _items()
+    known = {7: content_hash(items[0][1].numpy().tobytes()), 3: b"\x00" * 16}
+    opts = WriterOptions(object_size=20_000, checksum_block_size=BLOCK, max_staging_bytes=4096)
+
+    async def ahead(store):
+        digests = ItemDigests(items, opts)
+        await digests.start()
+        await asyncio.sleep(0)
+        return await write_chunks(store, items, rank=0, attempt=ATTEMPT, options=opts,
+                                  known=known, digests=digests)
+
+    inline = run_coroutine(write_chunks(store_at(tmp_path / "a"), items, rank=0,
+                                        attempt=ATTEMPT, options=opts, known=known))
+    early = run_coroutine(ahead(store_at(tmp_path / "b")))
+    assert early == inline and [c for c, _ in early[1].reused] == [7]
+    for loc in early[0]:
+        a = data_path(tmp_path / "a", loc.object_key).read_bytes()
+        assert data_path(tmp_path / "b", loc.object_key).read_bytes() == a
+
+
+@pytest.mark.parametrize("how", ["stopped", "never started", "failed"])
+def test_an_upload_waiting_for_hashing_that_ended_early_raises(tmp_path, how):
+    """Hashing that was stopped, never started or failed makes the upload raise, never hang."""
+    items = [(i, torch.full((100,), float(i))) for i in range(4)]
+
+    async def go():
+        digests = ItemDigests(items, WriterOptions(checksum_block_size=BLOCK))
+        if how == "failed":
+            digests.block_size = 0  # the hash of the first batch raises ValueError
+        if how != "never started":
+            await digests.start()
+        if how == "stopped":
+            await digests.stop()
+        return await write_chunks(store_at(tmp_path), items, rank=0, attempt=ATTEMPT,
+                                  digests=digests)
+
+    with pytest.raises(ValueError if how == "failed" else RuntimeError):
+        run_coroutine(go(), timeout=60)
+    assert not (tmp_path / "data").exists()
