@@ -80,12 +80,12 @@ def rank_save(url: str, *, change: str, base: str | None, hashes: bool) -> dict:
             t.add_(1.0)
     _CTX["state"]["meta"]["step"] += 1
     dist.barrier()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     result = cloudckpt.save(_CTX["state"], url, storage=_CTX["storage"], base=base,
                             options=SaveOptions(content_hashes=hashes))
     seconds = time.perf_counter() - started
-    return {"seconds": seconds, "written": result.bytes_written, "reused": result.bytes_reused,
-            "base": result.base}
+    return {"seconds": seconds, "cpu": time.process_time() - cpu,
+            "written": result.bytes_written, "reused": result.bytes_reused, "base": result.base}
 
 
 def rank_check(url: str) -> bool:
@@ -106,18 +106,26 @@ class Bench:
     def __init__(self, args, server):
         self.args, self.server, self.info = args, server, server.info
         self.lines: list[tuple[str, bool | None]] = []
-        self.table = C.Table(("case", "save", "seconds", "written", "reused", "base"))
+        self.table = C.Table(("case", "save", "seconds", "rank cpu", "server cpu", "written",
+                              "reused", "base"))
 
     def url(self, *parts: str) -> str:
         return "s3://" + self.info.bucket + "/" + "/".join(("incremental",) + parts)
 
     def save(self, world, case: str, label: str, url: str, **kw) -> dict:
+        server_cpu = C.proc_cpu_seconds(self.server.pid)
         res = world.run(rank_save, url, **kw, timeout=self.args.timeout)
+        # CPU seconds (every rank's process, and the server's) depend far less on other load on
+        # the machine than wall times do
         out = {"seconds": max(r["seconds"] for r in res), "written": res[0]["written"],
-               "reused": res[0]["reused"], "base": res[0]["base"]}
-        self.table.add(case, label, C.fmt_s(out["seconds"]), C.fmt_mib(out["written"]),
+               "reused": res[0]["reused"], "base": res[0]["base"],
+               "rank_cpu": sum(r["cpu"] for r in res),
+               "server_cpu": C.proc_cpu_seconds(self.server.pid) - server_cpu}
+        self.table.add(case, label, C.fmt_s(out["seconds"]), C.fmt_s(out["rank_cpu"]),
+                       C.fmt_s(out["server_cpu"]), C.fmt_mib(out["written"]),
                        C.fmt_mib(out["reused"]), out["base"] or "-")
-        print(f"  {case} {label:14s} {out['seconds']:7.2f} s  written {C.fmt_mib(out['written'])}"
+        print(f"  {case} {label:14s} {out['seconds']:7.2f} s  cpu ranks {out['rank_cpu']:.2f} s"
+              f" server {out['server_cpu']:.2f} s  written {C.fmt_mib(out['written'])}"
               f"  reused {C.fmt_mib(out['reused'])}  base {out['base'] or '-'}", flush=True)
         return out
 
@@ -180,8 +188,14 @@ class Bench:
             statistics.median(s["seconds"] for s in full), 1.05,
             measured_name="median incremental", baseline_name="median full"))
         fastest = min(s["seconds"] for s in incr) / min(s["seconds"] for s in full)
+
+        def cpu(saves, key):
+            return statistics.median(s[key] for s in saves)
+
         self.note = (f"(b) fastest incremental / fastest full: {fastest:.3f} (less sensitive to "
-                     "other load on the machine; not a target)")
+                     "other load on the machine; not a target); median CPU seconds, incremental "
+                     f"/ full: ranks {cpu(incr, 'rank_cpu'):.2f} / {cpu(full, 'rank_cpu'):.2f}, "
+                     f"server {cpu(incr, 'server_cpu'):.2f} / {cpu(full, 'server_cpu'):.2f}")
         print("  " + self.note, flush=True)
         C.s3_delete_prefix(self.info, "incremental/b/")
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cloudckpt.checksum import block_crcs, crc32c
+from cloudckpt.checksum import FUSED_PIECE, block_crcs, content_hash, crc32c, hash_and_block_crcs
 
 
 def _reference_table() -> list[int]:
@@ -82,3 +82,21 @@ def test_block_crcs_are_the_crcs_of_each_block(data, block):
 def test_block_crcs_rejects_a_non_positive_block_size():
     with pytest.raises(ValueError):
         block_crcs(b"abc", 0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=3000), st.integers(1, 700))
+def test_hash_and_block_crcs_is_both_functions_in_one_pass(data, block):
+    assert hash_and_block_crcs(data, block) == (content_hash(data), block_crcs(data, block))
+
+
+@pytest.mark.parametrize("size, block", [
+    (3 * FUSED_PIECE + 17, 4 << 20),            # one block, several pieces, a short last piece
+    (5 * FUSED_PIECE, 2 * FUSED_PIECE + 3),     # blocks and pieces not aligned
+    (2 * FUSED_PIECE, FUSED_PIECE // 3),        # blocks smaller than a piece
+])
+def test_hash_and_block_crcs_across_piece_boundaries(size, block):
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    assert hash_and_block_crcs(data, block) == (content_hash(data), block_crcs(data, block))
+    with pytest.raises(ValueError):
+        hash_and_block_crcs(data, 0)

@@ -5,8 +5,9 @@ Contract (the protocol and why it is safe: docs/architecture.md, "Incremental ch
 
 - :func:`base_folder` checks, before any I/O and on every rank, that a base URL names a sibling
   of the new checkpoint in the same run (``ConfigError`` otherwise).
-- :func:`open_base` reads the base's manifest (HEAD for its ETag, GET, decoded without ever
-  unpickling) and matches it against the new save's skeleton
+- :func:`read_base` reads the base's manifest (HEAD for its ETag, GET, decoded without ever
+  unpickling): the save starts it on the coordinator during planning, so that the read is off
+  its critical path. :func:`open_base` matches it against the new save's skeleton
   (:func:`cloudckpt.planning.incremental.match_base`). When some chunk matches, it writes a pin
   (``<home>/pins/<attempt>.<folder>``, overwrite) into every folder the save may reference (the
   base's and the base's homes), then HEADs the base's manifest again: only if it is still there
@@ -51,6 +52,32 @@ def base_folder(url: str, base: str) -> tuple[str, str, str]:
         raise ConfigError(f"the base {base} is not another checkpoint of the run {mine[0]} "
                           f"(a base must be a sibling folder of {url})")
     return mine[0], mine[1], theirs[1]
+
+
+@dataclass(frozen=True, eq=False)
+class BaseRead:
+    """The base's manifest as :func:`read_base` found it: ``info`` (the HEAD before the GET:
+    ETag and size) and ``manifest``; ``manifest`` ``None`` when the base is not usable (``why``
+    says why)."""
+
+    info: object
+    manifest: object
+    why: str = ""
+
+
+async def read_base(run_store, base: str) -> BaseRead:
+    """HEAD, GET and decode (never unpickling) the manifest of the base ``base`` (a folder of
+    ``run_store``). No side effect: a read nobody uses may be dropped."""
+    manifest_key = f"{base}/{MANIFEST_KEY}"
+    try:
+        before = await run_store.head(manifest_key)
+        manifest = decode_manifest(await fetch_manifest_bytes(run_store, manifest_key),
+                                   allow_pickle="inspect")
+    except ObjectNotFound:
+        return BaseRead(None, None, "it has no manifest")
+    if manifest.chunk_hashes is None:
+        return BaseRead(before, None, "its manifest records no chunk hashes")
+    return BaseRead(before, manifest)
 
 
 @dataclass(eq=False)
@@ -110,19 +137,18 @@ async def _put_all(store, keys, body) -> None:
 
 
 async def open_base(run_store, *, folder: str, base: str, attempt: str, skeleton,
-                    checksum_block_size: int, lease: float) -> PinnedBase | None:
-    """Read, match and pin the base ``base`` of the save ``attempt`` of ``folder`` (see the
-    module docstring); ``None`` when the save must write every chunk itself."""
+                    checksum_block_size: int, lease: float, read: BaseRead | None = None
+                    ) -> PinnedBase | None:
+    """Read (unless ``read``, :func:`read_base`'s result, is given), match and pin the base
+    ``base`` of the save ``attempt`` of ``folder`` (see the module docstring); ``None`` when
+    the save must write every chunk itself."""
     lease = max(float(lease), MIN_PIN_LEASE)
     manifest_key = f"{base}/{MANIFEST_KEY}"
-    try:
-        before = await run_store.head(manifest_key)
-        manifest = decode_manifest(await fetch_manifest_bytes(run_store, manifest_key),
-                                   allow_pickle="inspect")
-    except ObjectNotFound:
-        return _full(base, "it has no manifest")
-    if manifest.chunk_hashes is None:
-        return _full(base, "its manifest records no chunk hashes")
+    if read is None:
+        read = await read_base(run_store, base)
+    if read.manifest is None:
+        return _full(base, read.why)
+    before, manifest = read.info, read.manifest
     match = match_base(skeleton, manifest, checksum_block_size=checksum_block_size)
     if not (match >= 0).any():
         return _full(base, "none of its chunks has the box, dtype and checksum block size of "

@@ -11,11 +11,12 @@ fail-together exchange, so a failure anywhere raises the same
 2. global plan: reused from the cache when every rank holds the plan of these fingerprints;
    otherwise ``save plan exchange`` (local plans, msgpack) and ``save global planning`` (every
    rank computes the same global plan).
-3. ``save base`` (incremental saves only): the coordinator reads the base, pins the folders the
-   save may reference and broadcasts the content hashes of the base's matching chunks
-   (:mod:`cloudckpt.api.incremental`).
+3. ``save base`` (incremental saves only): the coordinator reads the base (a read started
+   during phase 1, in the background), pins the folders the save may reference and broadcasts the content hashes of the base's matching chunks
+   (:mod:`cloudckpt.api.incremental`). Every rank's hashing of its items (the same pass as
+   their block crcs) has already started in the background: it runs meanwhile.
 4. ``save upload``: each rank uploads the items it owns under ``data/<attempt>/`` (in an
-   incremental save: hashing every item, and skipping those whose hash is the base's) and
+   incremental save: each item as its hash is ready, skipping those whose hash is the base's) and
    reports where they landed (:class:`~cloudckpt.api.reports.UploadReport`).
 5. ``save commit``: the coordinator assembles the manifest from everyone's reports and writes it
    in ``create`` mode. Its presence is the commit.
@@ -37,18 +38,19 @@ from cloudckpt import layout
 from cloudckpt.context import current
 from cloudckpt.api.reports import SavePlanning, SavePlanReport, UploadReport
 from cloudckpt.errors import CheckpointExists, ObjectExists, ObjectNotFound
-from cloudckpt.api.incremental import PinnedBase, base_folder, open_base
+from cloudckpt.api.incremental import PinnedBase, base_folder, open_base, read_base
 from cloudckpt.manifest import encode_manifest, encode_value
 from cloudckpt.options import SaveOptions, SaveResult
 from cloudckpt.planning import (GlobalSavePlan, LocalSavePlan, WrittenChunks,
                                 assemble_manifest, encode_written_chunks, key_digest,
                                 plan_global_save, save_plan_cache_key)
 from cloudckpt.planning.incremental import decode_known, encode_known, reused_chunks
-from cloudckpt.runtime import run_coroutine, shared_store, start_task, wait_for_pending_save
+from cloudckpt.runtime import (run_coroutine, shared_store, start_task, submit,
+                               wait_for_pending_save)
 from cloudckpt.stateful import resolve_stateful
 from cloudckpt.statedict import flatten_state_dict, merge_structures
 from cloudckpt.transport import ControlChannel
-from cloudckpt.dataplane.writer import WriterOptions, write_chunks
+from cloudckpt.dataplane.writer import ItemDigests, WriterOptions, write_chunks
 
 @dataclass
 class PreparedSave:
@@ -69,6 +71,7 @@ class PreparedSave:
     started: float = field(default_factory=time.perf_counter)
     incremental: bool = False      # every rank hashes its items (the coordinator's word)
     base: str | None = None        # the coordinator's base URL
+    base_read: Any = None          # the coordinator's read of the base (a future), if any
     manifest_sent: bool = False    # the coordinator issued the manifest's PUT
     used_homes: frozenset = frozenset()  # the folders the committed manifest references
     base_used: str = ""            # the base's folder, on every rank ("": a full save)
@@ -111,8 +114,12 @@ def prepare_save(state_dict, url, *, process_group=None, storage=None, allow_pic
     with channel.phase("save planning", SavePlanning) as planning:
         local = _plan_locally(state_dict, channel, allow_pickle)
         attempt = _new_attempt(url, storage) if channel.is_coordinator else ""
+        base_read = None
         if channel.is_coordinator and base is not None:
-            base_folder(url, base)  # a base outside the run fails every rank, before any I/O
+            # a base outside the run fails every rank, before any I/O
+            run_url, _, base_name = base_folder(url, base)
+            # read the base's manifest while the planning goes on (no side effect)
+            base_read = submit(read_base(shared_store(run_url, storage), base_name))
         planning.report = SavePlanning(
             fingerprint=local.plan.fingerprint(), attempt=attempt, cached_plans=tuple(cached),
             incremental=channel.is_coordinator and (base is not None or options.content_hashes))
@@ -135,7 +142,7 @@ def prepare_save(state_dict, url, *, process_group=None, storage=None, allow_pic
                         structure=local.structure, metadata=dict(metadata or {}),
                         allow_pickle=allow_pickle, plan_cached=plan_cached, started=started,
                         incremental=planning.reports[0].incremental,
-                        base=base if channel.is_coordinator else None)
+                        base=base if channel.is_coordinator else None, base_read=base_read)
 
 
 def finish_save(p: PreparedSave) -> SaveResult:
@@ -143,9 +150,13 @@ def finish_save(p: PreparedSave) -> SaveResult:
     Collective."""
     channel = p.channel
     pinned: PinnedBase | None = None
+    digests: ItemDigests | None = None
     try:
         known: dict[int, bytes] = {}
         if p.incremental:
+            # hash (and crc) every item while the coordinator reads and pins the base
+            digests = ItemDigests(p.items, _writer_options(p.options))
+            run_coroutine(digests.start())
             with channel.phase("save base"):
                 if channel.is_coordinator and p.base is not None:
                     pinned = _pin_base(p)
@@ -158,12 +169,14 @@ def finish_save(p: PreparedSave) -> SaveResult:
                 known = {c: h for c, h in known.items() if c in mine}
 
         with channel.phase("save upload", UploadReport) as upload:
-            upload.report = _upload(p, known)
+            upload.report = _upload(p, known, digests)
 
         with channel.phase("save commit"):
             if channel.is_coordinator:
                 _commit(p, upload.reports, pinned)
     except BaseException as exc:
+        if digests is not None:
+            run_coroutine(digests.stop())
         if pinned is not None:
             pinned.stop()
             # the pins record the references once the manifest may be there: kept then
@@ -232,24 +245,30 @@ def _plan_globally(channel: ControlChannel, local: LocalSavePlan,
 def _pin_base(p: PreparedSave) -> PinnedBase | None:
     """The coordinator's part of ``save base``: the pinned base, its pins kept fresh."""
     run_url, folder, base = base_folder(p.url, p.base)
+    read = p.base_read.result() if p.base_read is not None else None
     pinned = run_coroutine(open_base(
         shared_store(run_url, p.storage), folder=folder, base=base, attempt=p.attempt,
         skeleton=p.plan.skeleton, checksum_block_size=p.options.checksum_block_size,
-        lease=p.options.pin_lease))
+        lease=p.options.pin_lease, read=read))
     if pinned is not None:
         pinned.task = start_task(pinned.refresh())
     return pinned
 
 
-def _upload(p: PreparedSave, known: dict[int, bytes]) -> UploadReport:
+def _writer_options(options: SaveOptions) -> WriterOptions:
+    return WriterOptions(object_size=options.object_size,
+                         checksum_block_size=options.checksum_block_size,
+                         max_staging_bytes=options.max_staging_bytes)
+
+
+def _upload(p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | None
+            ) -> UploadReport:
     rank = p.channel.rank
     store = shared_store(p.url, p.storage)
-    wopts = WriterOptions(object_size=p.options.object_size,
-                          checksum_block_size=p.options.checksum_block_size,
-                          max_staging_bytes=p.options.max_staging_bytes)
     locations, stats = run_coroutine(
-        write_chunks(store, p.items, rank=rank, attempt=p.attempt, options=wopts,
-                     hashing=p.incremental, known=known))
+        write_chunks(store, p.items, rank=rank, attempt=p.attempt,
+                     options=_writer_options(p.options), hashing=p.incremental, known=known,
+                     digests=digests))
     written = _written_chunks(rank, locations, p.values, [c for c, _ in stats.reused])
     return UploadReport(
         written=encode_written_chunks(written),

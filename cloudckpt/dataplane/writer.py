@@ -13,13 +13,18 @@ Contract:
   once, so memory stays bounded whatever the checkpoint size.
 - Objects upload concurrently; the store bounds requests in flight. On the first failure the
   other uploads are cancelled and the error propagates.
-- With ``hashing`` (incremental saves), every item's bytes get a content hash
-  (:func:`cloudckpt.checksum.content_hash`) in worker threads, in item order, ahead of the
-  uploads; an item whose chunk id is in ``known`` with the same hash is not uploaded (it is
-  returned in :attr:`WriteStats.reused`: its bytes are already stored by the base checkpoint),
-  the others are packed as above as their hashes arrive, and each object starts uploading as
-  soon as it is cut. A device or strided tensor is copied to host for hashing under the same
-  ``max_staging_bytes`` bound, and copied again only if it is uploaded.
+- With ``hashing`` (incremental saves; a non-empty ``known`` implies it), every item's bytes
+  get a content hash (:func:`cloudckpt.checksum.content_hash`) and their block crcs in one pass
+  (:func:`cloudckpt.checksum.hash_and_block_crcs`: the bytes are read once, as without hashing)
+  in worker threads, in item order, ahead of the uploads; an item whose chunk id is in ``known``
+  with the same hash is not uploaded (it is returned in :attr:`WriteStats.reused`: its bytes are
+  already stored by the base checkpoint), the others are packed as above as their hashes
+  arrive, and each object starts uploading as soon as it is cut. A device or strided tensor is
+  copied to host for hashing under the same ``max_staging_bytes`` bound, and copied again only
+  if it is uploaded. Without ``hashing`` nothing is hashed.
+- The hashing may start before the upload (:class:`ItemDigests`, passed as ``digests``: an
+  incremental save hashes while its coordinator reads and pins the base); the upload then
+  takes each item's values as they become ready.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Mapping, Sequence
 import torch
 
 from cloudckpt.dataplane.buffers import byte_view, host_contiguous, is_byte_viewable
-from cloudckpt.checksum import block_crcs, content_hash
+from cloudckpt.checksum import block_crcs, hash_and_block_crcs
 from cloudckpt.layout import data_key
 from cloudckpt.planning.batching import pack_in_order
 
@@ -78,32 +83,112 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class ItemDigests:
+    """The content hash and block crcs of each of ``items`` (``(chunk_id, tensor)`` pairs), in
+    item order, computed from :meth:`start` on (batches in a worker thread; device or strided
+    tensors copied under ``options.max_staging_bytes``, a budget the upload given these digests
+    shares).
+
+    Start it early to overlap the hashing with other work, then pass it to :func:`write_chunks`
+    with the same ``items`` and ``options``; :meth:`stop` it if the upload never runs. Both
+    run on cloudckpt's loop."""
+
+    def __init__(self, items: Sequence[tuple[int, torch.Tensor]],
+                 options: WriterOptions = WriterOptions()):
+        self.items = items
+        self.block_size = options.checksum_block_size
+        self.budget = _ByteBudget(options.max_staging_bytes)
+        self.hashes: list[bytes] = [b""] * len(items)
+        self.crcs: list[tuple[int, ...] | None] = [None] * len(items)
+        self.ready = 0                 # items[:ready] are digested
+        self._task: asyncio.Task | None = None
+        self._changed = asyncio.Event()
+
+    async def start(self) -> None:
+        """Start hashing (a task on the running loop); a second call does nothing."""
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._run())
+            self._task.add_done_callback(lambda _task: self._changed.set())
+
+    async def stop(self) -> None:
+        """Cancel the hashing and wait until it has stopped (nothing to do once it finished)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        items = self.items
+        for batch in _batches([_nbytes(t) for _, t in items]):
+            copies = sum(_nbytes(items[i][1]) for i in batch if not is_byte_viewable(items[i][1]))
+            async with self.budget.hold(copies):
+                digests = await asyncio.to_thread(
+                    _digest_tensors, [items[i][1] for i in batch], self.block_size)
+            for i, (digest, crcs) in zip(batch, digests):
+                self.hashes[i], self.crcs[i] = digest, crcs
+            self.ready = batch[-1] + 1
+            self._changed.set()
+
+    async def wait_for(self, n: int) -> None:
+        """Wait until ``items[:n]`` are digested; raise what stopped the hashing if it stopped
+        before (``RuntimeError`` if it was cancelled or never started)."""
+        while self.ready < n:
+            task = self._task
+            if task is None:
+                raise RuntimeError("the hashing of these items was never started")
+            if task.done():
+                if task.cancelled():
+                    raise RuntimeError("the hashing of this save's items was cancelled")
+                raise task.exception() or RuntimeError("the hashing stopped early")
+            self._changed.clear()
+            await self._changed.wait()
+
+
 async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank: int,
                        attempt: str, options: WriterOptions = WriterOptions(),
                        hashing: bool = False, known: Mapping[int, bytes] | None = None,
-                       first_index: int = 0) -> tuple[list[ChunkLocation], WriteStats]:
+                       first_index: int = 0, digests: ItemDigests | None = None
+                       ) -> tuple[list[ChunkLocation], WriteStats]:
     """Upload ``items`` (``(chunk_id, tensor)`` pairs) as data objects of save ``attempt``,
     numbered from ``first_index`` (a writer calling this several times for one attempt passes
     the count of objects its earlier calls wrote).
 
     Returns one :class:`ChunkLocation` per uploaded item, in the order of ``items`` (every item
-    unless ``known`` is given: see the module docstring; ``known`` implies ``hashing``).
+    unless ``known`` is given: see the module docstring; a non-empty ``known`` or ``digests``,
+    the :class:`ItemDigests` of these ``items`` already running, implies ``hashing``).
     """
     sizes = [_nbytes(t) for _, t in items]
     locations: list[ChunkLocation | None] = [None] * len(items)
-    staging_budget = _ByteBudget(options.max_staging_bytes)
-    hashes: list[bytes] = [b""] * len(items)
+    own_digests = digests is None and bool(hashing or known)
+    if own_digests:
+        digests = ItemDigests(items, options)
+        await digests.start()
+    elif digests is not None and len(digests.items) != len(items):
+        raise ValueError("the digests given are not those of these items")
+    if digests is not None:  # hashes and crcs come from the hashing pass
+        staging_budget, hashes, known_crcs = digests.budget, digests.hashes, digests.crcs
+    else:
+        staging_budget = _ByteBudget(options.max_staging_bytes)
+        hashes, known_crcs = [b""] * len(items), [None] * len(items)
 
     async def upload(obj_index: int, members: list[int]) -> int:
         key = data_key(attempt, rank, first_index + obj_index)
         needs_copy = sum(sizes[i] for i in members
                          if not is_byte_viewable(items[i][1]))
         async with staging_budget.hold(needs_copy):
-            tensors = await asyncio.to_thread(
-                lambda: [host_contiguous(items[i][1]) for i in members])
+            if needs_copy:
+                tensors = await asyncio.to_thread(
+                    lambda: [host_contiguous(items[i][1]) for i in members])
+            else:
+                tensors = [items[i][1] for i in members]
             views = [byte_view(t) for t in tensors]
-            crcs = await asyncio.to_thread(
-                lambda vs=views: [block_crcs(v, options.checksum_block_size) for v in vs])
+            crcs = [known_crcs[i] for i in members]
+            todo = [k for k, c in enumerate(crcs) if c is None]
+            if todo:
+                computed = await asyncio.to_thread(
+                    lambda vs=views: [block_crcs(vs[k], options.checksum_block_size)
+                                      for k in todo])
+                for k, c in zip(todo, computed):
+                    crcs[k] = c
             offset = 0
             for i, view, crc in zip(members, views, crcs):
                 locations[i] = ChunkLocation(items[i][0], key, offset, len(view), crc, hashes[i])
@@ -116,9 +201,9 @@ async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank
     tasks: list[asyncio.Future] = []
     reused: list[int] = []
     try:
-        if hashing or known is not None:
-            await _hash_and_pack(items, sizes, hashes, known or {}, options, staging_budget,
-                                 reused, lambda members: tasks.append(asyncio.ensure_future(
+        if digests is not None:
+            await _pack_digested(items, sizes, digests, known or {}, options, reused,
+                                 lambda members: tasks.append(asyncio.ensure_future(
                                      upload(len(tasks), members))), tasks)
         else:
             tasks += [asyncio.ensure_future(upload(k, members))
@@ -128,6 +213,8 @@ async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if own_digests:
+            await digests.stop()
         raise
     stats = WriteStats(sum(written), len(tasks),
                        reused=tuple((items[i][0], hashes[i]) for i in reused),
@@ -135,30 +222,27 @@ async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank
     return [loc for loc in locations if loc is not None], stats
 
 
-async def _hash_and_pack(items, sizes, hashes, known, options, budget, reused, launch,
+async def _pack_digested(items, sizes, digests: ItemDigests, known, options, reused, launch,
                          tasks) -> None:
-    """Hash every item in order (batches in a worker thread); items whose hash ``known`` holds
-    go to ``reused``, the others are cut into objects by the rule of ``pack_in_order`` and each
+    """Take every item in order as ``digests`` gets to it; items whose hash ``known`` holds go
+    to ``reused``, the others are cut into objects by the rule of ``pack_in_order`` and each
     object is passed to ``launch`` as soon as it is cut."""
     current: list[int] = []
     filled = 0
-    for batch in _batches(sizes):
-        copies = sum(sizes[i] for i in batch if not is_byte_viewable(items[i][1]))
-        async with budget.hold(copies):
-            digests = await asyncio.to_thread(_hash_tensors, [items[i][1] for i in batch])
-        for i, digest in zip(batch, digests):
-            hashes[i] = digest
-            if known.get(items[i][0]) == digest:
-                reused.append(i)
-                continue
-            if current and filled + sizes[i] > options.object_size:
-                launch(current)
-                current, filled = [], 0
-            current.append(i)
-            filled += sizes[i]
-        failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
-        if failed is not None:
-            await failed  # an upload failed: stop hashing, raise its error
+    for i in range(len(items)):
+        if digests.ready <= i:
+            failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+            if failed is not None:
+                await failed  # an upload failed: stop here, raise its error
+            await digests.wait_for(i + 1)
+        if known.get(items[i][0]) == digests.hashes[i]:
+            reused.append(i)
+            continue
+        if current and filled + sizes[i] > options.object_size:
+            launch(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += sizes[i]
     if current:
         launch(current)
 
@@ -176,8 +260,8 @@ def _batches(sizes: Sequence[int]):
         yield batch
 
 
-def _hash_tensors(tensors) -> list[bytes]:
-    return [content_hash(byte_view(host_contiguous(t))) for t in tensors]
+def _digest_tensors(tensors, block_size: int) -> list[tuple[bytes, tuple[int, ...]]]:
+    return [hash_and_block_crcs(byte_view(host_contiguous(t)), block_size) for t in tensors]
 
 
 class _ByteBudget:

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from cloudckpt.checksum import block_crcs
-from cloudckpt.dataplane.writer import WriterOptions, write_chunks
+import asyncio
+
+from cloudckpt.dataplane.writer import ItemDigests, WriterOptions, write_chunks
 from cloudckpt.errors import StorageError
 from cloudckpt.layout import data_key
 from cloudckpt.planning.batching import pack_in_order
@@ -113,9 +115,15 @@ def test_hashing_skips_known_items_and_packs_the_others_in_order(tmp_path):
         body = data_path(tmp_path, loc.object_key).read_bytes()
         assert body[loc.byte_offset:loc.byte_offset + loc.byte_length] == expected
         assert loc.content_hash == digests[cid] and len(loc.content_hash) == 16
-    plain, _ = run_coroutine(write_chunks(store_at(tmp_path / "plain"), items, rank=1,
-                                          attempt=ATTEMPT, options=opts))
-    assert {loc.content_hash for loc in plain} == {b""}  # no hashing unless asked
+        assert loc.crcs == block_crcs(expected, BLOCK)  # computed in the hashing pass
+    for n, extra in enumerate(({}, {"known": None}, {"known": {}})):
+        plain, _ = run_coroutine(write_chunks(store_at(tmp_path / f"plain{n}"), items, rank=1,
+                                              attempt=ATTEMPT, options=opts, **extra))
+        # no hashing unless asked (an empty ``known``, a save without a base, asks nothing)
+        assert {loc.content_hash for loc in plain} == {b""}
+        assert [loc.crcs for loc in plain] == [
+            block_crcs(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), BLOCK)
+            for _, t in items]
 
 
 def test_hashing_everything_known_uploads_nothing(tmp_path):
@@ -136,3 +144,49 @@ def test_a_failed_upload_stops_hashing_with_its_error(tmp_path):
     with pytest.raises(StorageError, match="injected failure"):
         run_coroutine(write_chunks(store, items, rank=0, attempt=ATTEMPT, hashing=True,
                                    options=WriterOptions(object_size=400, checksum_block_size=BLOCK)))
+
+
+def test_digests_started_ahead_give_the_same_upload(tmp_path):
+    """Hashing started before the upload (an incremental save hashes while its base is read)
+    gives the same objects, locations and reuse as hashing inside the upload."""
+    from cloudckpt.checksum import content_hash
+
+    items = _items()
+    known = {7: content_hash(items[0][1].numpy().tobytes()), 3: b"\x00" * 16}
+    opts = WriterOptions(object_size=20_000, checksum_block_size=BLOCK, max_staging_bytes=4096)
+
+    async def ahead(store):
+        digests = ItemDigests(items, opts)
+        await digests.start()
+        await asyncio.sleep(0)
+        return await write_chunks(store, items, rank=0, attempt=ATTEMPT, options=opts,
+                                  known=known, digests=digests)
+
+    inline = run_coroutine(write_chunks(store_at(tmp_path / "a"), items, rank=0,
+                                        attempt=ATTEMPT, options=opts, known=known))
+    early = run_coroutine(ahead(store_at(tmp_path / "b")))
+    assert early == inline and [c for c, _ in early[1].reused] == [7]
+    for loc in early[0]:
+        a = data_path(tmp_path / "a", loc.object_key).read_bytes()
+        assert data_path(tmp_path / "b", loc.object_key).read_bytes() == a
+
+
+@pytest.mark.parametrize("how", ["stopped", "never started", "failed"])
+def test_an_upload_waiting_for_hashing_that_ended_early_raises(tmp_path, how):
+    """Hashing that was stopped, never started or failed makes the upload raise, never hang."""
+    items = [(i, torch.full((100,), float(i))) for i in range(4)]
+
+    async def go():
+        digests = ItemDigests(items, WriterOptions(checksum_block_size=BLOCK))
+        if how == "failed":
+            digests.block_size = 0  # the hash of the first batch raises ValueError
+        if how != "never started":
+            await digests.start()
+        if how == "stopped":
+            await digests.stop()
+        return await write_chunks(store_at(tmp_path), items, rank=0, attempt=ATTEMPT,
+                                  digests=digests)
+
+    with pytest.raises(ValueError if how == "failed" else RuntimeError):
+        run_coroutine(go(), timeout=60)
+    assert not (tmp_path / "data").exists()

@@ -148,6 +148,38 @@ def test_a_base_outside_the_run_is_refused_and_a_missing_one_means_a_full_save(s
     assert result.base == "" and cloudckpt.read_manifest(f"{s3_url}/run/d").chunk_hashes is not None
 
 
+@pytest.mark.parametrize("change", ["replaced", "deleted"])
+def test_a_base_changed_after_its_early_read_means_a_full_save(s3_env, s3_url, s3_server,
+                                                               monkeypatch, change):
+    """The coordinator reads the base during planning, pins it later: a base manifest replaced
+    or deleted in between is caught by the check after pinning (ETag), and the save writes every
+    chunk, its pins removed."""
+    import cloudckpt.api.save as save_module
+    from cloudckpt.layout import MANIFEST_KEY
+
+    run = f"{s3_url}/early-{change}"
+    cloudckpt.save(_state(1), f"{run}/a", options=SaveOptions(content_hashes=True))
+    cloudckpt.save(_state(3), f"{run}/other", options=SaveOptions(content_hashes=True))
+    read_base = save_module.read_base
+
+    async def read_then_change(store, base):
+        read = await read_base(store, base)
+        assert read.manifest is not None  # usable when read
+        if change == "deleted":
+            await store.delete([f"{base}/{MANIFEST_KEY}"])
+        else:  # another valid manifest (other bytes, another ETag) in its place
+            other = await store.get(f"other/{MANIFEST_KEY}")
+            await store.put(f"{base}/{MANIFEST_KEY}", other)
+        return read
+
+    monkeypatch.setattr(save_module, "read_base", read_then_change)
+    result = cloudckpt.save(_state(2), f"{run}/b", base=f"{run}/a")
+    assert result.base == "" and result.bytes_reused == 0
+    assert not cloudckpt.read_manifest(f"{run}/b").references
+    assert not [k for k in _raw_keys(s3_server, run) if "/pins/" in k]
+    assert _equal(cloudckpt.load_full(f"{run}/b"), _state(2))
+
+
 def test_async_incremental_save_hashes_the_staged_copy(s3_env, s3_url):
     mgr = CheckpointManager(s3_url, incremental=True, save_options=OPTIONS)
     mgr.save(1, _state(1))
