@@ -60,6 +60,16 @@ class ReadAssignment:
                 seen.setdefault(b.region, None)
         return tuple(seen)
 
+    def own_bytes(self, kept: Sequence[int] | None = None) -> list[int]:
+        """Per rank (rank order): bytes of its read items it fetches itself, those served by no
+        broadcast or (given ``kept``) by a broadcast not in ``kept``."""
+        keep = np.asarray(sorted(kept), dtype=np.int64) if kept is not None else None
+        out = []
+        for plan, served in zip(self._plans, self._item_broadcast):
+            mine = served < 0 if keep is None else ~np.isin(served, keep)
+            out.append(int(np.asarray(plan.table.nbytes)[mine].sum()))
+        return out
+
     def receives_for(self, rank: int) -> tuple[Broadcast, ...]:
         """Broadcasts ``rank`` takes part in (as source or receiver), in global order."""
         return tuple(b for b in self.broadcasts if rank in b.group)

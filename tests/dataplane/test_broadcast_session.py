@@ -27,11 +27,12 @@ FILL = 9
 
 
 class _Link:
-    """Two threads meeting for each broadcast."""
+    """Threads meeting for each broadcast or all-gather."""
 
     def __init__(self, n: int):
         self.barrier = threading.Barrier(n)
         self.data = None
+        self.slots: dict[int, torch.Tensor] = {}
 
 
 class _MemoryBroadcaster:
@@ -47,6 +48,24 @@ class _MemoryBroadcaster:
         self.link.barrier.wait(timeout=60)
         if self.rank != src:
             buf.copy_(self.link.data)
+        self.link.barrier.wait(timeout=60)
+
+    def all_gather(self, out: torch.Tensor, mine: torch.Tensor, *, members) -> None:
+        assert self.rank in members and out.numel() == len(members) * mine.numel()
+        self.link.slots[self.rank] = mine.clone()
+        self.link.barrier.wait(timeout=60)
+        n = mine.numel()
+        for j, m in enumerate(members):
+            out[j * n:(j + 1) * n].copy_(self.link.slots[m])
+        self.link.barrier.wait(timeout=60)
+
+    def exchange(self, slots, *, members) -> None:
+        self.link.slots[self.rank] = slots[members.index(self.rank)].clone()
+        self.link.barrier.wait(timeout=60)
+        for j, m in enumerate(members):
+            if m != self.rank:
+                assert slots[j].numel() == self.link.slots[m].numel()
+                slots[j].copy_(self.link.slots[m])
         self.link.barrier.wait(timeout=60)
 
 
