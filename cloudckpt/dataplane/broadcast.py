@@ -335,7 +335,9 @@ class BroadcastSession:
             if not oks[j]:
                 continue
             if batch.src == self.rank:
-                buf, flat = landing.buf[:batch.nbytes], landing.in_place
+                buf, flat = landing.buf[:batch.nbytes].to(self.device), landing.in_place
+            elif self.device.type != "cpu":
+                buf, flat = torch.empty(batch.nbytes, dtype=torch.uint8, device=self.device), False
             elif isinstance(batch, RunBatch):
                 buf, held = self._run_landing(batch.part)
                 flat = held is None
@@ -345,9 +347,6 @@ class BroadcastSession:
                 held = self.pool.take()
                 pooled.append(held)
                 buf, flat = held[:batch.nbytes], False
-            if self.device.type != "cpu":
-                buf = buf.to(self.device) if batch.src == self.rank else \
-                    torch.empty(batch.nbytes, dtype=torch.uint8, device=self.device)
             tensors[j], in_place[j] = buf, flat
         return ExchangeSlots(tuple(tensors), tuple(in_place), tuple(pooled))
 

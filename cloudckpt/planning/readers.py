@@ -6,8 +6,10 @@ needed identically by two or more ranks is fetched by one member of that group a
 the others, unless it is smaller than ``min_broadcast_bytes`` or a rank's piece is not
 ``broadcastable`` (that rank then reads it itself and is left out of the group). Fetchers are
 chosen heaviest region first, each to the group member with the fewest bytes assigned so far
-(its own reads included), ties to the lowest rank. Broadcasts are listed in that order: the one
-global order every rank follows (running the broadcasts it belongs to).
+(its own reads included), ties to the lowest rank. Broadcasts are listed in that order, the one
+global order every rank plans from. A load then cuts each region in windows and spreads their
+sources over the group (:func:`~cloudckpt.planning.batching.balance_sources`); ``src`` is the
+whole-region choice, used where nothing spreads them.
 """
 
 from __future__ import annotations
