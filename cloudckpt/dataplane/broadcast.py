@@ -33,8 +33,9 @@ Contract:
   stored dtype (the source reads straight into it and sends from there; a receiver takes the
   bytes there, in a broadcast or an exchange); everything else goes through pooled buffers and
   is copied out, dtype converted.
-- A source fetches its batches in the order of the rounds, at most ``_FETCHES_IN_FLIGHT`` at
-  once (so the first completes first) and at most ``_LOOKAHEAD`` rounds ahead, with the bytes
+- A source fetches its batches in the order of the rounds, one at a time (a run batch in a few
+  concurrent requests; so the first round's bytes are complete first, and each later fetch
+  runs while earlier rounds are sent) and at most ``_LOOKAHEAD`` rounds ahead, with the bytes
   of pooled buffers it holds bounded by the budget; after a failed fetch the rest start at once
   (so a dead store fails every fetch within one retry deadline, not one after another).
 - A source's fetch error is recorded in :attr:`~BroadcastSession.failure` (first one wins) and
@@ -69,8 +70,9 @@ WINDOW_BYTES = 16 << 20
 RUN_MIN_BYTES = 1 << 20
 #: a source starts fetching at most this many rounds after the one being sent.
 _LOOKAHEAD = 12
-#: a source's fetches running at once (started in round order), until one fails.
-_FETCHES_IN_FLIGHT = 2
+#: a source's batch fetches running at once (started in round order), until one fails: one,
+#: so that the link's whole rate goes to the batch the next round needs.
+_FETCHES_IN_FLIGHT = 1
 #: a run batch's blocks are read in requests of about this many bytes, concurrently.
 _REQUEST_BYTES = 4 << 20
 
