@@ -10,8 +10,8 @@ Knows nothing of storage or checkpoints. Two pieces:
   exchange every rank's typed report (or its error) with :meth:`ControlChannel.agree`; if any
   rank failed, every rank raises the same :class:`~cloudckpt.errors.CheckpointError` naming each
   failed rank's cause.
-- :class:`Broadcaster`: broadcasts and all-gathers of flat uint8 tensors inside subgroups of the
-  channel's ranks.
+- :class:`Broadcaster`: broadcasts, all-gathers and exchanges (every member's slot to every
+  member) of flat uint8 tensors inside subgroups of the channel's ranks.
   Subgroups are created deterministically (every rank of the channel calls ``new_group`` for every
   subgroup, in the same order) and cached for later loads. The backend is the job's: NCCL moves
   CUDA tensors, gloo CPU tensors.
@@ -340,7 +340,7 @@ def _new_group(ranks: tuple[int, ...], backend: str, timeout: float, *, every_ra
 
 
 class Broadcaster:
-    """Broadcasts and all-gathers of flat uint8 tensors within subgroups of a
+    """Broadcasts, all-gathers and exchanges of flat uint8 tensors within subgroups of a
     :class:`ControlChannel`'s ranks.
 
     Subgroup members are channel-local ranks. :meth:`prepare` must be called with the same list

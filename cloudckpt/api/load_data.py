@@ -12,7 +12,7 @@ Contract:
 - Every rank runs the rounds in the same global order (computed identically from the
   exchanged plans), so no rank waits in a collective its peers never join. A round with one
   source is a broadcast; a round with several is an exchange: all of the group's sources send
-  at once (one all-gather of equal slots), so every member's link is busy.
+  at once (``Broadcaster.exchange``, a ring among the members), so every member's link is busy.
 - A source that cannot fetch still takes part and says so first: before each round every
   source's 1-byte status (a broadcast, or an all-gather of every member's); a slot whose source
   failed is skipped by every receiver, and the source's error reaches every rank at the end of
