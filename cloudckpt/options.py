@@ -50,11 +50,13 @@ class LoadOptions:
       (the default) broadcasts for remote stores (``s3://``) only: on a local or shared
       filesystem every rank reading the page cache beats sending the bytes over gloo.
     - ``min_broadcast_bytes``: regions smaller than this are read by every rank that needs them.
-    - ``broadcast_batch_bytes``: regions going to the same group are sent in broadcasts of up to
-      this many bytes (larger regions are cut into checksum-aligned windows of up to 16 MiB or
-      this size, whichever is smaller), so the source fetches the next batch while the current
-      one travels, and buffers stay small. A region of at least 1 MiB (or this size) stored as
-      one contiguous run travels in broadcasts of its own, from the source's destination
+    - ``broadcast_batch_bytes``: the most bytes one source sends in one round (regions are cut
+      into checksum-aligned windows of at most 16 MiB or this size, whichever is smaller, and
+      smaller still so that each source sends its share in several rounds and an exchange
+      stays within a quarter of ``max_read_bytes``); every member of a group is the source of
+      about an even share, and in each round all of a group's sources send at once, while
+      they fetch the next round's bytes. A region of at least 1 MiB (or this size) stored as
+      one contiguous run travels in batches of its own, from the source's destination
       straight into each receiver's.
     - ``max_read_bytes``: fetched buffers alive at once per rank (bounds memory). Regions stored
       as one run whose destinations are contiguous tensors of the stored dtype need no buffer:

@@ -10,7 +10,8 @@ Knows nothing of storage or checkpoints. Two pieces:
   exchange every rank's typed report (or its error) with :meth:`ControlChannel.agree`; if any
   rank failed, every rank raises the same :class:`~cloudckpt.errors.CheckpointError` naming each
   failed rank's cause.
-- :class:`Broadcaster`: broadcasts of flat uint8 tensors inside subgroups of the channel's ranks.
+- :class:`Broadcaster`: broadcasts, all-gathers and exchanges (every member's slot to every
+  member) of flat uint8 tensors inside subgroups of the channel's ranks.
   Subgroups are created deterministically (every rank of the channel calls ``new_group`` for every
   subgroup, in the same order) and cached for later loads. The backend is the job's: NCCL moves
   CUDA tensors, gloo CPU tensors.
@@ -339,7 +340,8 @@ def _new_group(ranks: tuple[int, ...], backend: str, timeout: float, *, every_ra
 
 
 class Broadcaster:
-    """Broadcasts of flat uint8 tensors within subgroups of a :class:`ControlChannel`'s ranks.
+    """Broadcasts, all-gathers and exchanges of flat uint8 tensors within subgroups of a
+    :class:`ControlChannel`'s ranks.
 
     Subgroup members are channel-local ranks. :meth:`prepare` must be called with the same list
     of member tuples, in the same order, on every rank of the channel before any broadcast: every
@@ -386,3 +388,55 @@ class Broadcaster:
             dist.broadcast(buf, src=self.channel.ranks[src], group=self._group(members))
         except RuntimeError as exc:
             raise self.channel._collective_failed("broadcast", exc) from exc
+
+    def all_gather(self, out: torch.Tensor, mine: torch.Tensor, *,
+                   members: tuple[int, ...]) -> None:
+        """Every member contributes ``mine`` (contiguous, on :attr:`device`, the same size on
+        every member); ``out`` (``len(members)`` times that size) receives member ``j``'s at
+        slot ``j`` (``members`` sorted). ``mine`` may be this rank's slot of ``out`` itself."""
+        me = members.index(self.channel.rank)
+        n = mine.numel()
+        if len(members) <= 1 or not self.channel.distributed:
+            if out[me * n:(me + 1) * n].data_ptr() != mine.data_ptr():
+                out[me * n:(me + 1) * n].copy_(mine)
+            return
+        ranks = [self.channel.ranks[m] for m in members]
+        order = sorted(range(len(members)), key=ranks.__getitem__)  # a group's rank order
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        try:
+            if order == list(range(len(members))):
+                gather(out, mine, group=self._group(members))
+                return
+            by_group = torch.empty_like(out)
+            gather(by_group, mine, group=self._group(members))
+        except RuntimeError as exc:
+            raise self.channel._collective_failed("all_gather", exc) from exc
+        for g, j in enumerate(order):
+            out[j * n:(j + 1) * n].copy_(by_group[g * n:(g + 1) * n])
+
+    def exchange(self, slots: Sequence[torch.Tensor], *, members: tuple[int, ...]) -> None:
+        """Every member ``j`` sends its ``slots[j]`` to every other member, into their
+        ``slots[j]`` (contiguous tensors on :attr:`device`; ``slots[j]`` has the same size on
+        every member, possibly 0: nothing to send). A ring: in ``len(members) - 1`` steps each
+        member passes one slot on to the next member while taking one from the previous, so
+        every member's link carries the others' bytes once, all links at the same time."""
+        n = len(members)
+        if n <= 1 or not self.channel.distributed:
+            return
+        me = members.index(self.channel.rank)
+        group = self._group(members)
+        right = self.channel.ranks[members[(me + 1) % n]]
+        left = self.channel.ranks[members[(me - 1) % n]]
+        try:
+            for step in range(n - 1):
+                out, into = slots[(me - step) % n], slots[(me - step - 1) % n]
+                ops = []
+                if out.numel():
+                    ops.append(dist.P2POp(dist.isend, out, right, group))
+                if into.numel():
+                    ops.append(dist.P2POp(dist.irecv, into, left, group))
+                if ops:
+                    for work in dist.batch_isend_irecv(ops):
+                        work.wait()
+        except RuntimeError as exc:
+            raise self.channel._collective_failed("exchange", exc) from exc

@@ -9,9 +9,14 @@ Contract:
   the store for fetched bytes; by the source rank, which says so before sending, for broadcast
   bytes). A failure leaves destinations possibly half filled and is raised on this rank; the
   caller's ``load`` phase turns it into the same error on every rank.
-- Every rank runs the broadcasts in the same global order (computed identically from the
-  exchanged plans), so no rank waits in a broadcast its peers never join; a source that cannot
-  fetch still takes part and says so first (a 1-byte status broadcast before each batch).
+- Every rank runs the rounds in the same global order (computed identically from the
+  exchanged plans), so no rank waits in a collective its peers never join. A round with one
+  source is a broadcast; a round with several is an exchange: all of the group's sources send
+  at once (``Broadcaster.exchange``, a ring among the members), so every member's link is busy.
+- A source that cannot fetch still takes part and says so first: before each round every
+  source's 1-byte status (a broadcast, or an all-gather of every member's); a slot whose source
+  failed is skipped by every receiver, and the source's error reaches every rank at the end of
+  the phase.
 """
 
 from __future__ import annotations
@@ -63,7 +68,8 @@ def move_data(store, manifest, plans, channel, dests, options: LoadOptions):
                                    items_by_broadcast, dests, rank=channel.rank,
                                    device=broadcaster.device,
                                    batch_bytes=options.broadcast_batch_bytes,
-                                   max_read_bytes=options.max_read_bytes)
+                                   max_read_bytes=options.max_read_bytes,
+                                   loads=assignment.own_bytes(kept))
         broadcaster.prepare(session.member_sets)  # every rank creates every group, in order
         run_broadcasts(session, broadcaster)
     finally:
@@ -76,23 +82,45 @@ def move_data(store, manifest, plans, channel, dests, options: LoadOptions):
 
 
 def run_broadcasts(session: BroadcastSession, broadcaster: Broadcaster) -> None:
-    """Run the session's batches in the global order: for each, the source's status, then (if
-    it could read the batch) the bytes, delivered to this rank's destinations."""
+    """Run the session's rounds in the global order: for each, the sources' statuses, then the
+    bytes of those that could read their batch, delivered to this rank's destinations."""
     status = torch.zeros(1, dtype=torch.uint8, device=broadcaster.device)
-    for pos, batch in enumerate(session.batches):
-        session.prefetch(pos)  # this batch, if this rank is its source, and the next ones
+    for pos, round_ in enumerate(session.rounds):
+        session.prefetch(pos)  # this rank's batch of this round, if any, and the next ones
         landing = session.land(pos)
         try:
+            if round_.exchange:
+                _exchange(session, broadcaster, pos, landing)
+                continue
             # first the source says whether it fetched and verified the batch: a failing
             # source still takes part, so no peer is left waiting in a broadcast
+            batch = round_.batches[0]
             status.fill_(1 if landing.ok else 0)
-            broadcaster.broadcast(status, src=batch.src, members=batch.members)
+            broadcaster.broadcast(status, src=batch.src, members=round_.members)
             if int(status.item()) != 1:
                 # the source recorded its own error, which the load phase raises on every rank
                 # (as the source's error type); a receiver just skips the batch
                 continue
             wire = session.wire(landing)
-            broadcaster.broadcast(wire, src=batch.src, members=batch.members)
+            broadcaster.broadcast(wire, src=batch.src, members=round_.members)
             session.deliver(landing, wire)
         finally:
             session.release(landing)
+
+
+def _exchange(session: BroadcastSession, broadcaster: Broadcaster, pos: int, landing) -> None:
+    """One exchange round: every member's status (1: nothing to send, or fetched ok), then
+    the ok sources' batches passed around the members; each is delivered where it arrives."""
+    members = session.rounds[pos].members
+    statuses = torch.zeros(len(members), dtype=torch.uint8, device=broadcaster.device)
+    mine = statuses[members.index(session.rank):][:1]
+    mine.fill_(0 if landing is not None and not landing.ok else 1)
+    broadcaster.all_gather(statuses, mine, members=members)
+    oks = [bool(v) for v in statuses.tolist()]
+    slots = session.exchange_slots(pos, landing, oks)
+    try:
+        broadcaster.exchange(slots.tensors, members=members)
+    except BaseException:
+        session.release_slots(slots)
+        raise
+    session.deliver_round(pos, slots, oks)

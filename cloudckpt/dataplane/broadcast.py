@@ -1,27 +1,43 @@
-"""Read once, broadcast: this rank's bytes in a load's broadcast batches (no collective here).
+"""Read once, share: this rank's bytes in a load's broadcast rounds (no collective here).
 
-A :class:`BroadcastSession` holds this rank's share of the batches (planned identically on every
-rank: :func:`~cloudckpt.planning.parts.plan_parts`, :func:`~cloudckpt.planning.batching.batch_parts`)
-and everything about their bytes: fetching the batches this rank is the source of (ahead of
+A :class:`BroadcastSession` holds this rank's share of the rounds (planned identically on every
+rank: :func:`~cloudckpt.planning.parts.plan_parts`, each part's source balanced over its group
+by :func:`~cloudckpt.planning.batching.balance_sources`, then
+:func:`~cloudckpt.planning.batching.batch_parts` and
+:func:`~cloudckpt.planning.batching.plan_rounds`) and everything about their bytes: fetching
+the batches this rank is the source of (ahead, in the order the rounds use them, a few at a
 time, within a byte budget), where each batch lands, and copying what arrived into the
 destinations. It runs no collective: :func:`cloudckpt.api.load_data.run_broadcasts` drives it,
-batch by batch, in the one global order::
+round by round, in the one global order::
 
-    for pos, batch in enumerate(session.batches):
-        session.prefetch(pos)          # this batch (if it is this rank's) and the next ones
+    for pos, round_ in enumerate(session.rounds):
+        session.prefetch(pos)          # this rank's batches of this round and the next ones
         landing = session.land(pos)    # the source waits for its verified fetch
-        wire = session.wire(landing)
-        # api: status broadcast (landing.ok), then (if ok) the data broadcast of wire
-        session.deliver(landing, wire)
+        if round_.exchange:            # several sources at once
+            # api: all-gather every member's status (landing.ok, or 1 without a batch): oks
+            slots = session.exchange_slots(pos, landing, oks)
+            # api: exchange the ok slots among the members (each ends up everywhere)
+            session.deliver_round(pos, slots, oks)
+        else:                          # one source
+            wire = session.wire(landing)
+            # api: status broadcast (landing.ok), then (if ok) the data broadcast of wire
+            session.deliver(landing, wire)
         session.release(landing)
 
 Contract:
 - Bytes reach a destination only once verified: a source's fetch is crc-verified by the store
   before :meth:`~BroadcastSession.land` reports it ``ok``; a receiver's bytes were verified by
-  the source, which says so (the status broadcast) before sending them.
+  the source, which says so (its status) before sending them; a slot whose source said it
+  failed is never delivered.
 - Run batches land in place when this rank's destination is a contiguous CPU tensor of the
-  stored dtype (the source reads straight into it; a receiver takes the broadcast there);
-  everything else goes through pooled buffers and is copied out, dtype converted.
+  stored dtype (the source reads straight into it and sends from there; a receiver takes the
+  bytes there, in a broadcast or an exchange); everything else goes through pooled buffers and
+  is copied out, dtype converted.
+- A source fetches its batches in the order of the rounds, one at a time (a run batch in a few
+  concurrent requests; so the first round's bytes are complete first, and each later fetch
+  runs while earlier rounds are sent) and at most ``_LOOKAHEAD`` rounds ahead, with the bytes
+  of pooled buffers it holds bounded by the budget; after a failed fetch the rest start at once
+  (so a dead store fails every fetch within one retry deadline, not one after another).
 - A source's fetch error is recorded in :attr:`~BroadcastSession.failure` (first one wins) and
   its batches report ``ok=False``; :meth:`~BroadcastSession.cancel_pending` stops fetches not
   consumed and waits for them, so none writes into a destination after the load returns.
@@ -29,32 +45,41 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from cloudckpt.dataplane.buffers import BufferPool, byte_view, flat_bytes, is_byte_viewable
 from cloudckpt.dataplane.destinations import dest_view, sub_view
 from cloudckpt.dataplane.reader import read_windows, run_ranges, window_boxes
-from cloudckpt.planning.batching import BroadcastBatch, RunBatch, batch_parts
-from cloudckpt.planning.parts import WINDOW_ALIGN, RunPart, plan_parts
+from cloudckpt.planning.batching import (BroadcastBatch, Round, RunBatch, balance_sources,
+                                         batch_parts, pack_in_order, plan_rounds)
+from cloudckpt.planning.parts import WINDOW_ALIGN, RunPart, part_window_bytes, plan_parts
 from cloudckpt.planning.windows import boxes_in_flat_range
 from cloudckpt.runtime import BackgroundTask, start_task
 from cloudckpt.statedict import torch_dtype
+from cloudckpt.storage.base import run_all
 
-#: bytes per broadcast window (the unit a source fetches and verifies before sending).
+#: the largest window a part carries (the unit a source fetches and verifies before sending).
 WINDOW_BYTES = 16 << 20
 #: regions at least this large that are one contiguous stored run travel as run windows.
 RUN_MIN_BYTES = 1 << 20
-#: a source starts fetching at most this many batches after the one being broadcast.
+#: a source starts fetching at most this many rounds after the one being sent.
 _LOOKAHEAD = 12
+#: a source's batch fetches running at once (started in round order), until one fails: one,
+#: so that the link's whole rate goes to the batch the next round needs.
+_FETCHES_IN_FLIGHT = 1
+#: a run batch's blocks are read in requests of about this many bytes, concurrently.
+_REQUEST_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
 class Landing:
-    """Where this rank's bytes of one batch are while it is broadcast.
+    """Where this rank's bytes of one batch are while it is sent.
 
     ``buf``: a pool buffer, or (a run batch landing in place) the bytes of this rank's first
     destination of the region. ``pooled``: the pool buffer to give back once the batch is done
@@ -83,33 +108,103 @@ class _PendingFetch:
     buffered: int
 
 
+@dataclass(frozen=True)
+class ExchangeSlots:
+    """Where each member's batch of an exchange round is on this rank (see
+    :meth:`BroadcastSession.exchange_slots`): ``tensors[j]`` (on the session's device) holds,
+    or receives, member ``j``'s bytes (empty: nothing comes from ``j``); ``in_place[j]``: they
+    land straight in this rank's destination; ``pooled``: pool buffers to give back."""
+
+    tensors: tuple[torch.Tensor, ...]
+    in_place: tuple[bool, ...]
+    pooled: tuple[torch.Tensor, ...]
+
+
+class _InOrder:
+    """Runs coroutines at most ``limit`` at once, admitted in the order they asked; after
+    :meth:`open`, all at once. Used on the background loop only."""
+
+    def __init__(self, limit: int):
+        self.limit, self.busy, self.opened = limit, 0, False
+        self._waiting: deque[asyncio.Future] = deque()
+
+    async def run(self, make: Callable):
+        if not self.opened and (self.busy >= self.limit or self._waiting):
+            turn = asyncio.get_running_loop().create_future()
+            self._waiting.append(turn)
+            try:
+                await turn
+            except asyncio.CancelledError:
+                if turn.done() and not turn.cancelled():  # admitted as it was cancelled
+                    self._leave()
+                raise
+        else:
+            self.busy += 1
+        try:
+            return await make()
+        except Exception:
+            self.open()
+            raise
+        finally:
+            self._leave()
+
+    def open(self) -> None:
+        self.opened = True
+        self._admit()
+
+    def _leave(self) -> None:
+        self.busy -= 1
+        self._admit()
+
+    def _admit(self) -> None:
+        while self._waiting and (self.opened or self.busy < self.limit):
+            turn = self._waiting.popleft()
+            if not turn.done():  # a cancelled waiter is skipped
+                self.busy += 1
+                turn.set_result(None)
+
+
 class BroadcastSession:
-    """This rank's share of the broadcast batches (see module doc).
+    """This rank's share of the broadcast rounds (see module doc).
 
     ``broadcasts``: the assignment's broadcasts (the one global order); ``kept``: indices of
     those that run (:func:`~cloudckpt.planning.groups.select_broadcasts`); ``items_by_broadcast``:
     this rank's read items each kept broadcast serves; ``dests``: this rank's destinations;
-    ``device``: where broadcast buffers live (CPU for gloo, CUDA for NCCL).
+    ``device``: where sent buffers live (CPU for gloo, CUDA for NCCL); ``loads``: per channel
+    rank, the bytes it fetches for itself (balancing counts them; default none).
     """
 
     def __init__(self, store, manifest, broadcasts: Sequence, kept: Sequence[int],
                  items_by_broadcast: dict, dests: Sequence[torch.Tensor], *, rank: int,
-                 device: torch.device, batch_bytes: int, max_read_bytes: int):
+                 device: torch.device, batch_bytes: int, max_read_bytes: int,
+                 loads: Sequence[int] | None = None):
         self.store, self.manifest, self.rank, self.device = store, manifest, rank, device
         self.broadcasts, self.items_by_broadcast, self.dests = broadcasts, items_by_broadcast, dests
+        if loads is None:
+            loads = [0] * (1 + max([rank] + [m for i in kept for m in broadcasts[i].group]))
         # small batch sizes (tests) shrink the windows too, so every path runs at small scale
-        parts = plan_parts(manifest, broadcasts, kept, min(WINDOW_BYTES, batch_bytes),
-                           min(RUN_MIN_BYTES, batch_bytes))
-        every = batch_parts(broadcasts, parts, batch_bytes)
+        total = sum(broadcasts[i].region.nbytes for i in kept)
+        window = part_window_bytes(total, len(loads), min(WINDOW_BYTES, batch_bytes),
+                                   max_read_bytes)
+        parts = plan_parts(manifest, broadcasts, kept, window, min(RUN_MIN_BYTES, batch_bytes))
+        sources = balance_sources(broadcasts, parts, loads)
+        every = plan_rounds(batch_parts(broadcasts, parts, window, sources))
         #: the groups every rank must prepare, members or not (sorted)
-        self.member_sets: list[tuple[int, ...]] = sorted({b.members for b in every})
-        #: the batches this rank takes part in, in the global order
-        self.batches: list[BroadcastBatch] = [b for b in every if rank in b.members]
-        self.pool = BufferPool(max([b.nbytes for b in every] or [0]) + WINDOW_ALIGN)
-        self.budget = max(max_read_bytes // 4, batch_bytes)
+        self.member_sets: list[tuple[int, ...]] = sorted({r.members for r in every})
+        #: the rounds this rank takes part in, in the global order
+        self.rounds: list[Round] = [r for r in every if rank in r.members]
+        #: the batches of those rounds (this rank sends or receives each)
+        self.batches: list[BroadcastBatch] = [b for r in self.rounds for b in r.batches]
+        #: round position -> the batch this rank sends in it
+        self._mine = {pos: b for pos, r in enumerate(self.rounds)
+                      for b in r.batches if b.src == rank}
+        biggest = max([b.nbytes for r in every for b in r.batches] or [0])
+        self.pool = BufferPool(biggest + WINDOW_ALIGN)
+        self.budget = max(max_read_bytes // 4, biggest)
         self.dtypes = {name: torch_dtype(manifest.tensors[name].dtype)
                        for name in {broadcasts[i].region.name for i in kept}}
         self._pending: dict[int, _PendingFetch] = {}
+        self._gate = _InOrder(_FETCHES_IN_FLIGHT)
         self.fetched = self.received = 0
         self.failure: BaseException | None = None
 
@@ -151,32 +246,36 @@ class BroadcastSession:
     # -- fetching as the source -------------------------------------------------------------------
 
     def prefetch(self, pos: int) -> None:
-        """Start fetching this rank's source batches among ``batches[pos:]`` (batch ``pos``
-        and at most ``_LOOKAHEAD`` after it, within the byte budget), so its reads overlap the
-        broadcasts of other sources. Batch ``pos`` always starts if it has not (the budget
-        only stops fetching ahead), so :meth:`land` never waits for a fetch nobody started."""
+        """Start fetching this rank's batches of rounds ``pos`` to ``pos + _LOOKAHEAD``, in
+        round order, within the byte budget (the fetches themselves run a few at a time: see
+        module doc), so its reads overlap the rounds before. Round ``pos``'s always starts if
+        it has not (the budget only stops fetching ahead), so :meth:`land` never waits for a
+        fetch nobody started."""
         ahead = sum(p.buffered for p in self._pending.values())
-        for k in range(pos, min(pos + 1 + _LOOKAHEAD, len(self.batches))):
-            batch = self.batches[k]
-            if batch.src != self.rank or k in self._pending:
+        for k in range(pos, min(pos + 1 + _LOOKAHEAD, len(self.rounds))):
+            if k not in self._mine or k in self._pending:
                 continue
-            size = self._buffered(batch)
+            size = self._buffered(self._mine[k])
             if self._pending and size and ahead + size > self.budget:
                 break
             self._start(k, size)
             ahead += size
 
     def _start(self, k: int, size: int) -> None:
-        batch = self.batches[k]
+        batch = self._mine[k]
         if isinstance(batch, RunBatch):
             run = batch.part.run
             land, pooled = self._run_landing(batch.part)
             ranges = run_ranges(run, [byte_view(land)], base=run.lo)
-            task = start_task(self.store.read_ranges(run.object_key, ranges))
+            groups = [[ranges[i] for i in g]
+                      for g in pack_in_order([r.length for r in ranges], _REQUEST_BYTES)]
+            task = start_task(self._gate.run(lambda: run_all(
+                self.store.read_ranges(run.object_key, g) for g in groups)))
             self._pending[k] = _PendingFetch(task, land, pooled, size)
         else:
             buf = self.pool.take()
-            task = start_task(read_windows(self.store, [p.window for p in batch.parts], buf))
+            windows = [p.window for p in batch.parts]
+            task = start_task(self._gate.run(lambda: read_windows(self.store, windows, buf)))
             self._pending[k] = _PendingFetch(task, buf, buf, size)
 
     def cancel_pending(self) -> None:
@@ -186,13 +285,16 @@ class BroadcastSession:
             fetch.task.cancel_and_wait()
         self._pending.clear()
 
-    # -- one batch ----------------------------------------------------------------------------------
+    # -- one round ------------------------------------------------------------------------------
 
-    def land(self, pos: int) -> Landing:
-        """Where batch ``pos``'s bytes are on this rank. The source waits for its fetch: a
-        failure is recorded in :attr:`failure` and reported as ``ok=False``."""
-        batch = self.batches[pos]
-        if batch.src == self.rank:
+    def land(self, pos: int) -> Landing | None:
+        """Where this rank's bytes of round ``pos`` are: the batch it sends (waiting for its
+        fetch: a failure is recorded in :attr:`failure` and reported as ``ok=False``), or, in a
+        one-source round it receives, where the batch will arrive. None in an exchange round
+        this rank sends nothing in (what it receives arrives in :meth:`exchange_slots`)."""
+        round_ = self.rounds[pos]
+        batch = self._mine.get(pos)
+        if batch is not None:
             if pos not in self._pending:  # not prefetched (see prefetch): start it now
                 self._start(pos, self._buffered(batch))
             fetch = self._pending.pop(pos)
@@ -204,6 +306,9 @@ class BroadcastSession:
                 self.failure = self.failure or exc
                 ok = False
             return Landing(batch, fetch.buf, fetch.pooled, ok)
+        if round_.exchange:
+            return None
+        batch = round_.batches[0]
         if isinstance(batch, RunBatch):
             buf, pooled = self._run_landing(batch.part)
             return Landing(batch, buf, pooled, True)
@@ -211,27 +316,75 @@ class BroadcastSession:
         return Landing(batch, buf, buf, True)
 
     def wire(self, landing: Landing) -> torch.Tensor:
-        """The tensor a batch travels in, on :attr:`device`: all of a run batch's landing, the
-        used part of a window batch's buffer (copied to the device for NCCL)."""
-        if isinstance(landing.batch, RunBatch):
-            wire = landing.buf
-        else:
-            wire = landing.buf[:landing.batch.layout()[1]]
+        """The tensor a one-source round's batch travels in, on :attr:`device`: all of a run
+        batch's landing, the used part of a window batch's buffer (copied to the device for
+        NCCL)."""
+        wire = landing.buf[:landing.batch.nbytes]
         return wire if self.device.type == "cpu" else wire.to(self.device)
 
-    def release(self, landing: Landing) -> None:
-        """Give a batch's pool buffer back (after its broadcast, delivered or not)."""
-        if landing.pooled is not None:
+    def exchange_slots(self, pos: int, landing: Landing | None,
+                       oks: Sequence[bool]) -> ExchangeSlots:
+        """Where each member's batch of exchange round ``pos`` is, or arrives, on this rank:
+        this rank's own batch where it landed; another source's, when ``oks`` (per member)
+        says it is coming, in place in this rank's destination where it can (a run batch, a
+        contiguous CPU destination of the stored dtype), else in a pool buffer (a device
+        buffer for NCCL)."""
+        round_ = self.rounds[pos]
+        empty = torch.empty(0, dtype=torch.uint8, device=self.device)
+        tensors, in_place, pooled = [empty] * len(round_.members), [False] * len(round_.members), []
+        for batch in round_.batches:
+            j = round_.slot(batch.src)
+            if not oks[j]:
+                continue
+            if batch.src == self.rank:
+                buf, flat = landing.buf[:batch.nbytes].to(self.device), landing.in_place
+            elif self.device.type != "cpu":
+                buf, flat = torch.empty(batch.nbytes, dtype=torch.uint8, device=self.device), False
+            elif isinstance(batch, RunBatch):
+                buf, held = self._run_landing(batch.part)
+                flat = held is None
+                if held is not None:
+                    pooled.append(held)
+            else:
+                held = self.pool.take()
+                pooled.append(held)
+                buf, flat = held[:batch.nbytes], False
+            tensors[j], in_place[j] = buf, flat
+        return ExchangeSlots(tuple(tensors), tuple(in_place), tuple(pooled))
+
+    def release(self, landing: Landing | None) -> None:
+        """Give a batch's pool buffer back (after its round, delivered or not)."""
+        if landing is not None and landing.pooled is not None:
             self.pool.give(landing.pooled)
 
     def deliver(self, landing: Landing, wire: torch.Tensor) -> None:
-        """Copy a broadcast batch's bytes ``wire`` (on :attr:`device`) to every destination of
+        """Copy a one-source round's bytes ``wire`` (on :attr:`device`) to every destination of
         this rank that needs them (dtype converted); counts received bytes."""
-        batch = landing.batch
+        self._deliver(landing.batch, wire, landing.in_place)
+
+    def deliver_round(self, pos: int, slots: ExchangeSlots, oks: Sequence[bool]) -> None:
+        """Copy every batch of exchange round ``pos`` whose source said it is ok (``oks``, per
+        member) from its slot to this rank's destinations (those it did not land in); counts
+        received bytes. Gives the round's pool buffers back."""
+        round_ = self.rounds[pos]
+        try:
+            for batch in round_.batches:
+                j = round_.slot(batch.src)
+                if oks[j]:
+                    self._deliver(batch, slots.tensors[j], slots.in_place[j])
+        finally:
+            self.release_slots(slots)
+
+    def release_slots(self, slots: ExchangeSlots) -> None:
+        """Give an exchange round's pool buffers back (delivered or not)."""
+        for buf in slots.pooled:
+            self.pool.give(buf)
+
+    def _deliver(self, batch: BroadcastBatch, wire: torch.Tensor, in_place: bool) -> None:
         if batch.src != self.rank:
             self.received += sum(p.payload_bytes for p in batch.parts)
         if isinstance(batch, RunBatch):
-            self._deliver_run(batch.part, wire, landing.in_place)
+            self._deliver_run(batch.part, wire, in_place)
         else:
             self._deliver_windows(batch, wire)
 

@@ -7,15 +7,19 @@ item exceeds the cap):
 - the writer packs a rank's items into data objects (:func:`pack_in_order` on item sizes);
 - the reader groups the byte spans it fetches into one ``read_ranges`` call per batch of one
   object (:func:`batch_by_object`), so the store coalesces neighbours into few large GETs;
-- a load's broadcasts travel in batches per (group, source) (:func:`batch_parts`), interleaved
-  round-robin so every source's reads overlap the others' broadcasts.
+- a load's broadcasts travel in batches per (group, source) (:func:`batch_parts`), each part's
+  source chosen so that every member of a group fetches about as many bytes
+  (:func:`balance_sources`), and the batches are arranged in exchange rounds
+  (:func:`plan_rounds`): in round ``k`` of a group every source of the group sends its ``k``-th
+  batch, all at once, so every member's link is busy.
 
-Every rank computing :func:`batch_parts` from the same inputs gets the same batches, in the
-same order: that order is the one sequence of broadcasts every rank runs.
+Every rank computing these from the same inputs gets the same batches and rounds, in the same
+order: the rounds are the one sequence of collectives every rank runs.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -114,10 +118,40 @@ class WindowBatch:
 BroadcastBatch = Union[RunBatch, WindowBatch]
 
 
-def batch_parts(broadcasts, parts: Sequence[Part], batch_bytes: int) -> list[BroadcastBatch]:
+def balance_sources(broadcasts, parts: Sequence[Part], loads: Sequence[int]) -> list[int]:
+    """The source (channel rank) of each part: every part goes to the member of its broadcast's
+    group that fetches the fewest bytes so far, ``loads[r]`` (the bytes rank ``r`` reads for
+    itself) counted in, the largest parts first (ties: the part first in order, the lowest
+    rank). So each member of a group whose bytes are cut in many parts fetches about an even
+    share of them, not whole regions (a state whose bytes are in a few large tensors included).
+    """
+    load = list(loads)
+    heaps: dict[tuple, list] = {}
+    sources = [0] * len(parts)
+    for i in sorted(range(len(parts)), key=lambda i: -parts[i].fetch_bytes):
+        group = tuple(broadcasts[parts[i].broadcast].group)
+        heap = heaps.get(group)
+        if heap is None:
+            heap = heaps[group] = [(load[r], r) for r in group]
+            heapq.heapify(heap)
+        while True:  # entries go stale when a rank took a part through another group
+            held, r = heap[0]
+            if held == load[r]:
+                break
+            heapq.heapreplace(heap, (load[r], r))
+        sources[i] = r
+        load[r] += parts[i].fetch_bytes
+        heapq.heapreplace(heap, (load[r], r))
+    return sources
+
+
+def batch_parts(broadcasts, parts: Sequence[Part], batch_bytes: int,
+                sources: Sequence[int] | None = None) -> list[BroadcastBatch]:
     """Cut ``parts`` (in global order) into broadcast batches.
 
-    Parts are grouped by their broadcast's (group, src), keys in order of first appearance,
+    ``sources[i]`` is part ``i``'s source (:func:`balance_sources`); without it, its
+    broadcast's ``src``. Parts are grouped by (their broadcast's group, source), keys in order
+    of first appearance,
     each key's parts keeping their order: a run part is a :class:`RunBatch` alone; consecutive
     window parts between runs are cut by :func:`pack_in_order` with ``batch_bytes``. The keys'
     batch sequences are then interleaved round-robin (first batch of every key, then the
@@ -131,9 +165,9 @@ def batch_parts(broadcasts, parts: Sequence[Part], batch_bytes: int) -> list[Bro
         for group in pack_in_order([p.nbytes for p in pending], batch_bytes):
             per_key[key].append(WindowBatch(key[0], key[1], tuple(pending[j] for j in group)))
 
-    for part in parts:
+    for i, part in enumerate(parts):
         b = broadcasts[part.broadcast]
-        key = (tuple(b.group), b.src)
+        key = (tuple(b.group), b.src if sources is None else sources[i])
         per_key.setdefault(key, [])
         if isinstance(part, RunPart):
             close(key)
@@ -146,4 +180,52 @@ def batch_parts(broadcasts, parts: Sequence[Part], batch_bytes: int) -> list[Bro
     ordered: list[BroadcastBatch] = []
     for round_ in range(max((len(q) for q in queues), default=0)):
         ordered.extend(q[round_] for q in queues if round_ < len(q))
+    return ordered
+
+
+@dataclass(frozen=True)
+class Round:
+    """One step of the schedule: every source in ``batches`` (at most one batch each, sources
+    ascending) sends its batch to the other ``members`` (sorted channel ranks) at the same time.
+
+    A round of one batch is a broadcast from its source; a round of several is an exchange: each
+    member contributes a slot of :attr:`width` bytes at :meth:`slot` (a source its batch, the
+    others nothing) and every member receives every slot.
+    """
+
+    members: tuple[int, ...]
+    batches: tuple[BroadcastBatch, ...]
+
+    @property
+    def exchange(self) -> bool:
+        """Whether several sources send in this round (an exchange, not a broadcast)."""
+        return len(self.batches) > 1
+
+    @property
+    def width(self) -> int:
+        """Bytes of each member's slot in an exchange: the largest batch, aligned."""
+        return max(aligned(b.nbytes) for b in self.batches)
+
+    def slot(self, rank: int) -> int:
+        """Index of ``rank``'s slot (its position among the members)."""
+        return self.members.index(rank)
+
+
+def plan_rounds(batches: Sequence[BroadcastBatch]) -> list[Round]:
+    """Arrange ``batches`` (as :func:`batch_parts` gives them) in rounds: per group (groups in
+    order of first appearance), round ``k`` holds the ``k``-th batch of each of the group's
+    sources that has one; the groups' rounds are then interleaved round-robin (first round of
+    every group, then the second, ...). Every batch is in exactly one round, and each source's
+    batches keep their order."""
+    per_group: dict[tuple, dict[int, list[BroadcastBatch]]] = {}
+    for b in batches:
+        per_group.setdefault(b.members, {}).setdefault(b.src, []).append(b)
+    queues = []
+    for members, by_src in per_group.items():
+        depth = max(len(q) for q in by_src.values())
+        queues.append([Round(members, tuple(by_src[s][k] for s in sorted(by_src)
+                                            if k < len(by_src[s]))) for k in range(depth)])
+    ordered: list[Round] = []
+    for k in range(max((len(q) for q in queues), default=0)):
+        ordered.extend(q[k] for q in queues if k < len(q))
     return ordered

@@ -10,6 +10,10 @@ A region several ranks need (a :class:`~cloudckpt.planning.readers.Broadcast`) t
   :class:`~cloudckpt.planning.windows.Window`, batched with others through a shared buffer in
   which every window starts at a multiple of :data:`WINDOW_ALIGN` (see :func:`layout_windows`).
 
+The window size follows the load (:func:`part_window_bytes`): small enough that every source
+sends its share in several rounds (fetching the next window while the previous one is exchanged)
+and that an exchange buffer stays within the read budget.
+
 Pure (ints and tuples, no I/O, no torch): every rank computes the same parts from the same
 broadcasts.
 """
@@ -23,6 +27,22 @@ from cloudckpt.planning.windows import RunWindow, Window, plan_run_windows, plan
 
 #: every window starts at a multiple of this in a shared buffer (dtype views need alignment).
 WINDOW_ALIGN = 64
+#: windows are not made smaller than this to get more rounds (each round costs collectives).
+MIN_PART_WINDOW = 1 << 20
+#: a source's share is cut in about this many windows, so fetching overlaps exchanging.
+ROUNDS_PER_SOURCE = 4
+
+
+def part_window_bytes(total_bytes: int, ranks: int, cap: int, max_read_bytes: int) -> int:
+    """Window bytes for parts of a load that moves ``total_bytes`` among ``ranks`` ranks: at
+    most ``cap``; at most a share ``total_bytes / ranks`` cut in :data:`ROUNDS_PER_SOURCE`
+    (fetching round ``k + 1`` overlaps exchanging round ``k``, so only the last round's
+    exchange waits) and at most ``max_read_bytes / (4 ranks)`` (an exchange buffer holds one
+    window per rank); not below ``MIN_PART_WINDOW`` for the sake of more rounds alone."""
+    ranks = max(1, ranks)
+    share = -(-total_bytes // (ranks * ROUNDS_PER_SOURCE))
+    memory = max_read_bytes // (4 * ranks)
+    return max(min(cap, share, memory), min(cap, MIN_PART_WINDOW, memory), 1)
 
 
 def aligned(nbytes: int) -> int:

@@ -6,8 +6,10 @@ needed identically by two or more ranks is fetched by one member of that group a
 the others, unless it is smaller than ``min_broadcast_bytes`` or a rank's piece is not
 ``broadcastable`` (that rank then reads it itself and is left out of the group). Fetchers are
 chosen heaviest region first, each to the group member with the fewest bytes assigned so far
-(its own reads included), ties to the lowest rank. Broadcasts are listed in that order: the one
-global order every rank follows (running the broadcasts it belongs to).
+(its own reads included), ties to the lowest rank. Broadcasts are listed in that order, the one
+global order every rank plans from. A load then cuts each region in windows and spreads their
+sources over the group (:func:`~cloudckpt.planning.batching.balance_sources`); ``src`` is the
+whole-region choice, used where nothing spreads them.
 """
 
 from __future__ import annotations
@@ -59,6 +61,16 @@ class ReadAssignment:
             if b.src == rank:
                 seen.setdefault(b.region, None)
         return tuple(seen)
+
+    def own_bytes(self, kept: Sequence[int] | None = None) -> list[int]:
+        """Per rank (rank order): bytes of its read items it fetches itself, those served by no
+        broadcast or (given ``kept``) by a broadcast not in ``kept``."""
+        keep = np.asarray(sorted(kept), dtype=np.int64) if kept is not None else None
+        out = []
+        for plan, served in zip(self._plans, self._item_broadcast):
+            mine = served < 0 if keep is None else ~np.isin(served, keep)
+            out.append(int(np.asarray(plan.table.nbytes)[mine].sum()))
+        return out
 
     def receives_for(self, rank: int) -> tuple[Broadcast, ...]:
         """Broadcasts ``rank`` takes part in (as source or receiver), in global order."""

@@ -27,18 +27,17 @@ FILL = 9
 
 
 class _Link:
-    """Two threads meeting for each broadcast."""
+    """Threads meeting for each broadcast or all-gather."""
 
     def __init__(self, n: int):
         self.barrier = threading.Barrier(n)
         self.data = None
+        self.slots: dict[int, torch.Tensor] = {}
 
 
 class _MemoryBroadcaster:
-    device = torch.device("cpu")
-
-    def __init__(self, rank: int, link: _Link):
-        self.rank, self.link = rank, link
+    def __init__(self, rank: int, link: _Link, device: torch.device = torch.device("cpu")):
+        self.rank, self.link, self.device = rank, link, device
 
     def broadcast(self, buf: torch.Tensor, *, src: int, members) -> None:
         assert self.rank in members
@@ -47,6 +46,24 @@ class _MemoryBroadcaster:
         self.link.barrier.wait(timeout=60)
         if self.rank != src:
             buf.copy_(self.link.data)
+        self.link.barrier.wait(timeout=60)
+
+    def all_gather(self, out: torch.Tensor, mine: torch.Tensor, *, members) -> None:
+        assert self.rank in members and out.numel() == len(members) * mine.numel()
+        self.link.slots[self.rank] = mine.clone()
+        self.link.barrier.wait(timeout=60)
+        n = mine.numel()
+        for j, m in enumerate(members):
+            out[j * n:(j + 1) * n].copy_(self.link.slots[m])
+        self.link.barrier.wait(timeout=60)
+
+    def exchange(self, slots, *, members) -> None:
+        self.link.slots[self.rank] = slots[members.index(self.rank)].clone()
+        self.link.barrier.wait(timeout=60)
+        for j, m in enumerate(members):
+            if m != self.rank:
+                assert slots[j].numel() == self.link.slots[m].numel()
+                slots[j].copy_(self.link.slots[m])
         self.link.barrier.wait(timeout=60)
 
 
@@ -68,7 +85,8 @@ def _wants(rank: int, state):
     return out
 
 
-def _load_two_ranks(store, manifest, state, *, batch_bytes, max_read_bytes):
+def _load_two_ranks(store, manifest, state, *, batch_bytes, max_read_bytes,
+                    device=torch.device("cpu")):
     wants = [_wants(r, state) for r in range(2)]
     plans = [plan_local_load(manifest, [s for s, _ in w], rank=r) for r, w in enumerate(wants)]
     assignment = assign_readers(plans, min_broadcast_bytes=0)
@@ -82,13 +100,13 @@ def _load_two_ranks(store, manifest, state, *, batch_bytes, max_read_bytes):
             items[int(served[i])].append(item)
         sessions.append(BroadcastSession(store, manifest, assignment.broadcasts, kept, items,
                                          [d for _, d in wants[rank]], rank=rank,
-                                         device=torch.device("cpu"), batch_bytes=batch_bytes,
+                                         device=device, batch_bytes=batch_bytes,
                                          max_read_bytes=max_read_bytes))
     link, errors = _Link(2), [None, None]
 
     def rank_main(rank: int) -> None:
         try:
-            run_broadcasts(sessions[rank], _MemoryBroadcaster(rank, link))
+            run_broadcasts(sessions[rank], _MemoryBroadcaster(rank, link, device))
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors[rank] = exc
             link.barrier.abort()
@@ -158,3 +176,15 @@ def test_a_corrupt_block_is_reported_by_its_source_and_lands_nowhere(written):
                 assert (dest[:8] == FILL).all() and torch.equal(dest[8:], want[8:])
             else:
                 assert torch.equal(dest, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_buffers_as_for_nccl_carry_the_stored_values(written):
+    """Sent buffers on the GPU (as with NCCL): nothing lands in place, every batch goes through
+    a device buffer and is copied out to the CPU destinations."""
+    _, store, manifest, state = written
+    _, wants = _load_two_ranks(store, manifest, state, batch_bytes=2048, max_read_bytes=1 << 20,
+                               device=torch.device("cuda"))
+    for w in wants:
+        for spec, dest in w:
+            assert torch.equal(dest, box(state[spec.name], spec.offsets, spec.sizes).to(dest.dtype))

@@ -143,6 +143,49 @@ def test_subgroup_broadcasts(world3):
     assert res[2] == [[], [21] * 5, [11] * 5]
 
 
+def rank_exchanges() -> list:
+    """Exchanges (a ring of sends and receives) and all-gathers among the whole world and two
+    subgroups, with slots of different sizes, empty ones (nothing to send) and a slot that is
+    part of a larger tensor."""
+    ch = ControlChannel(timeout=30)
+    b = Broadcaster(ch)
+    sets = [(0, 1, 2, 3), (1, 3), (0, 2, 3)]
+    b.prepare(sets)
+    out = []
+    for members in sets:
+        if ch.rank not in members:
+            out.append(None)
+            continue
+        sizes = [(m * 7 + len(members)) % 5 * 3 for m in members]  # rank 3 sends 0 in the first
+        backing = torch.zeros(sum(sizes) + 4, dtype=torch.uint8)
+        slots, pos = [], 2
+        for m, n in zip(members, sizes):
+            slots.append(backing[pos:pos + n])
+            pos += n
+            if m == ch.rank:
+                slots[-1].fill_(m + 1)
+        b.exchange(slots, members=members)
+        statuses = torch.zeros(len(members), dtype=torch.uint8)
+        me = members.index(ch.rank)
+        statuses[me] = 10 + ch.rank
+        b.all_gather(statuses, statuses[me:me + 1], members=members)
+        out.append({"slots": [s.tolist() for s in slots], "sizes": sizes,
+                    "edges": [backing[:2].tolist(), backing[pos:].tolist()],
+                    "statuses": statuses.tolist()})
+    return out
+
+
+def test_exchanges_and_all_gathers_reach_every_member(world4):
+    for rank, res in enumerate(world4.run(rank_exchanges)):
+        for members, got in zip([(0, 1, 2, 3), (1, 3), (0, 2, 3)], res):
+            if rank not in members:
+                assert got is None
+                continue
+            assert got["slots"] == [[m + 1] * n for m, n in zip(members, got["sizes"])]
+            assert got["edges"] == [[0, 0], [0, 0]]  # nothing written outside the slots
+            assert got["statuses"] == [10 + m for m in members]
+
+
 def rank_peer_dies(timeout: float) -> dict:
     ch = ControlChannel(timeout=timeout)
     ch.barrier()

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cloudckpt.planning.batching import (RunBatch, Span, WindowBatch, batch_by_object,
-                                         batch_parts, pack_in_order)
+from cloudckpt.planning.batching import (RunBatch, Span, WindowBatch, balance_sources,
+                                         batch_by_object, batch_parts, pack_in_order,
+                                         plan_rounds)
 from cloudckpt.planning.parts import WINDOW_ALIGN, RunPart, WindowPart, aligned
 from cloudckpt.planning.windows import RunWindow, Window
 
@@ -137,3 +138,64 @@ def test_broadcast_batches_example():
         (1, [parts[6]]),
         (0, [parts[4]]),
     ]
+
+
+@settings(max_examples=100, deadline=None)
+@given(broadcast_parts(), st.lists(st.integers(0, 300), min_size=5, max_size=5))
+def test_balanced_sources_are_group_members_and_even_out_the_bytes(case, base):
+    broadcasts, parts = case
+    loads = base[:1 + max(m for b in broadcasts for m in b.group)]
+    sources = balance_sources(broadcasts, parts, loads)
+    assert len(sources) == len(parts)
+    for p, s in zip(parts, sources):
+        assert s in broadcasts[p.broadcast].group
+    # the same answer from every rank's own copy of the inputs
+    assert balance_sources(copy.deepcopy(broadcasts), copy.deepcopy(parts), list(loads)) == sources
+    # one group of every rank: greedy on the least loaded member, so no member ends more than
+    # the largest part above the least loaded one (unless its own reads already put it there)
+    world = len(loads)
+    every = [SimpleNamespace(group=tuple(range(world)), src=0)]
+    alone = [type(p)(0, p.run if isinstance(p, RunPart) else p.window) for p in parts]
+    total = list(loads)
+    for p, s in zip(alone, balance_sources(every, alone, loads)):
+        total[s] += p.fetch_bytes
+    largest = max([p.fetch_bytes for p in alone] or [0])
+    assert max(total) - min(total) <= max(largest, max(loads) - min(loads))
+
+
+def test_balanced_sources_example():
+    a = SimpleNamespace(group=(0, 1, 2), src=0)
+    w = lambda n: WindowPart(0, _window(n))  # noqa: E731
+    parts = [w(100), w(100), w(100), w(50), w(50), w(10)]
+    # rank 2 already reads 120 bytes itself: it is given parts only once the others caught up
+    assert balance_sources([a], parts, [0, 0, 120]) == [0, 1, 0, 1, 2, 1]  # 200, 160, 170
+
+
+@settings(max_examples=100, deadline=None)
+@given(broadcast_parts(), st.integers(1, 1500), st.randoms(use_true_random=False))
+def test_rounds_hold_every_batch_once_one_per_source_in_order(case, cap, rnd):
+    broadcasts, parts = case
+    world = 1 + max(m for b in broadcasts for m in b.group)
+    sources = [rnd.choice(broadcasts[p.broadcast].group) for p in parts]
+    batches = batch_parts(broadcasts, parts, cap, sources)
+    rounds = plan_rounds(batches)
+    assert sorted(id(b) for r in rounds for b in r.batches) == sorted(id(b) for b in batches)
+    for r in rounds:
+        srcs = [b.src for b in r.batches]
+        assert srcs == sorted(set(srcs)) and all(b.members == r.members for b in r.batches)
+        assert r.exchange == (len(srcs) > 1)
+        assert r.width % WINDOW_ALIGN == 0 and all(b.nbytes <= r.width for b in r.batches)
+        assert all(r.members[r.slot(s)] == s for s in srcs)
+    # each (group, source) sends its batches in the order batch_parts gave them
+    for key in {(b.members, b.src) for b in batches}:
+        assert [b for r in rounds for b in r.batches if (b.members, b.src) == key] == \
+            [b for b in batches if (b.members, b.src) == key]
+    # round k of a group comes before round k + 1 of it; every rank computes the same rounds
+    for members in {r.members for r in rounds}:
+        mine = [r for r in rounds if r.members == members]
+        for k, r in enumerate(mine):
+            assert all(sum(1 for q in mine[:k] for x in q.batches if x.src == b.src) == k
+                       for b in r.batches)
+    assert plan_rounds(batch_parts(copy.deepcopy(broadcasts), copy.deepcopy(parts), cap,
+                                   list(sources))) == rounds
+    assert world >= 2

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cloudckpt.planning import Broadcast, Region
-from cloudckpt.planning.parts import (WINDOW_ALIGN, RunPart, WindowPart, layout_windows,
+from cloudckpt.planning.parts import (MIN_PART_WINDOW, ROUNDS_PER_SOURCE, WINDOW_ALIGN,
+                                      RunPart, WindowPart, layout_windows, part_window_bytes,
                                       plan_parts)
 from cloudckpt.planning.windows import plan_windows
 from tests.planning.test_load_plan import manifest_with
@@ -69,3 +70,30 @@ def test_layout_windows_aligns_every_window():
     assert all(o % WINDOW_ALIGN == 0 for o in offsets)
     assert all(b - a >= w.length for a, b, w in zip(offsets, offsets[1:] + [total], ws))
     assert total == sum(-(-w.length // WINDOW_ALIGN) * WINDOW_ALIGN for w in ws)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 1 << 34), st.integers(1, 4096), st.integers(1, 64 << 20),
+       st.integers(0, 1 << 31))
+def test_part_windows_are_bounded_by_the_cap_and_the_read_budget(total, ranks, cap, budget):
+    w = part_window_bytes(total, ranks, cap, budget)
+    assert 1 <= w <= cap
+    memory = budget // (4 * ranks)
+    # an exchange of one window per rank stays within a quarter of the read budget, whenever
+    # that is at least a byte per rank
+    assert w <= max(memory, 1)
+    # a share in ROUNDS_PER_SOURCE windows, never cut below MIN_PART_WINDOW for that alone
+    share = -(-total // (ranks * ROUNDS_PER_SOURCE))
+    assert w >= min(cap, memory, max(MIN_PART_WINDOW, share))
+    assert w <= max(min(cap, share), min(cap, MIN_PART_WINDOW), 1)
+
+
+def test_part_window_examples():
+    mib = 1 << 20
+    # the cluster benchmark's 62 MiB state: four rounds per source, 16 MiB at most
+    assert part_window_bytes(62 * mib, 2, 16 * mib, 192 * mib) == -(-62 * mib // 8)
+    assert part_window_bytes(62 * mib, 8, 16 * mib, 192 * mib) == -(-62 * mib // 32)
+    assert part_window_bytes(1 << 30, 2, 16 * mib, 192 * mib) == 16 * mib
+    assert part_window_bytes(1 << 30, 16, 16 * mib, 192 * mib) == 3 * mib  # the budget
+    assert part_window_bytes(10_000, 4, 16 * mib, 192 * mib) == mib        # the floor
+    assert part_window_bytes(10_000, 4, 2048, 192 * mib) == 2048           # the cap
