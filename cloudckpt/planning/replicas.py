@@ -14,8 +14,8 @@ Contract of :func:`assign_replicas`:
   dimension of size above 1 (its *rows*) allows two pieces of at least ``piece_bytes`` is cut
   into row ranges: holders take, in order of smallest positive room left below their target
   (ties: lowest rank), as many whole rows as fit in that room; a holder whose room is less than
-  ``piece_bytes`` takes none; a tail shorter than ``piece_bytes`` stays with the piece before
-  it; rows left when every holder is full go, at least ``piece_bytes`` at a time, to the holders
+  ``piece_bytes`` takes none; a piece that would leave a tail shorter than ``piece_bytes``
+  takes the tail too or leaves exactly ``piece_bytes``, whichever is nearer its room; rows left when every holder is full go, at least ``piece_bytes`` at a time, to the holders
   not yet used with the most room (the last such piece grows when none is left). Every piece
   of a cut box therefore has at least ``piece_bytes`` bytes, and each holder ends within about
   one piece of its target. A box not cut goes whole to the holder with the fewest bytes so far
@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 #: Smallest piece a replicated box is cut into (bytes); boxes under twice this stay whole.
+#: Read at each planning call that passes none.
 REPLICA_PIECE_BYTES = 4 << 20
 
 
@@ -89,8 +90,9 @@ def _cut(holders: tuple[int, ...], rows: int, row_bytes: int, min_rows: int,
         take = min(left, fit)
         if take < min_rows:
             continue
-        if left - take < min_rows:
-            take = left
+        if left - take < min_rows:  # no tail under min_rows: take it, or leave min_rows
+            most = left - min_rows
+            take = most if most >= min_rows and fit - most < left - fit else left
         pieces.append((i, take))
         room[holders[i]] -= take * row_bytes
         left -= take

@@ -18,7 +18,8 @@ from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
 from cloudckpt.planning.coverage import find_cover_defect, slab_segments_ok, sort_boxes
 from cloudckpt.planning.local_plan import LocalSavePlan
 from cloudckpt.planning.pieces import region_str
-from cloudckpt.planning.replicas import REPLICA_PIECE_BYTES, assign_replicas, cut_dim
+from cloudckpt.planning import replicas
+from cloudckpt.planning.replicas import assign_replicas, cut_dim
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ def _value_owner(plans: Sequence[LocalSavePlan], tensor_index: dict[str, int]) -
 
 def plan_global_save(local_plans: Sequence[LocalSavePlan], *, rank: int,
                      replicas_to_lowest_rank: bool = False,
-                     replica_piece_bytes: int = REPLICA_PIECE_BYTES) -> GlobalSavePlan:
+                     replica_piece_bytes: int | None = None) -> GlobalSavePlan:
     """Merge every rank's local plan into this rank's :class:`GlobalSavePlan` (see module doc).
 
     ``local_plans[i]`` must be rank ``i``'s plan. Validates that ranks agree on each tensor's dtype
@@ -169,8 +170,9 @@ def plan_global_save(local_plans: Sequence[LocalSavePlan], *, rank: int,
     that the pieces cover every tensor exactly, identical replicas aside
     (:class:`~cloudckpt.errors.CoverageError` naming the tensor and region). Each distinct box
     becomes one chunk written by one holder, except large replicated boxes, cut into row ranges
-    of at least ``replica_piece_bytes`` written by different holders so that every rank writes
-    about its fair share (:mod:`cloudckpt.planning.replicas`); with ``replicas_to_lowest_rank``
+    of at least ``replica_piece_bytes`` (default :data:`~cloudckpt.planning.replicas.REPLICA_PIECE_BYTES`)
+    written by different holders so that every rank writes about its fair share
+    (:mod:`cloudckpt.planning.replicas`); with ``replicas_to_lowest_rank``
     every replicated box goes whole to its lowest holder. Empty pieces are not written.
     """
     world = len(local_plans)
@@ -236,7 +238,8 @@ def plan_global_save(local_plans: Sequence[LocalSavePlan], *, rank: int,
     within = np.zeros_like(u_off)
     if not replicas_to_lowest_rank:
         cut = assign_replicas(run_start, run_len, u_nbytes, u_size, ndims[u_g], s_rank, s_piece,
-                              writer, writer_piece, world, replica_piece_bytes)
+                              writer, writer_piece, world,
+                              replicas.REPLICA_PIECE_BYTES if replica_piece_bytes is None else replica_piece_bytes)
         if cut:
             u_g, u_off, u_size, u_nbytes, writer, writer_piece, within = _apply_cuts(
                 cut, u_g, u_off, u_size, u_nbytes, writer, writer_piece, itemsizes, ndims,
