@@ -12,8 +12,11 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 
 import cloudckpt
+from cloudckpt.export import export
 from cloudckpt.planning import replicas
 
 SMALL_PIECE = 64 << 10
@@ -62,7 +65,7 @@ def rank_load(url: str, piece: int | None) -> list[str]:
         f"{k} (sharded)" for k, t in sharded.items() if not torch.equal(t.full_tensor(), state[k])]
 
 
-def _check(world3, world2, url: str, piece: int | None) -> None:
+def _check(world3, world2, url: str, piece: int | None, tmp=None) -> None:
     written = world3.run(rank_save, url, piece)
     state = _tensors(piece)
     total = sum(t.numel() * t.element_size() for t in state.values())
@@ -75,10 +78,26 @@ def _check(world3, world2, url: str, piece: int | None) -> None:
     assert all(torch.equal(full[k], t) for k, t in state.items())
     assert cloudckpt.verify(url).ok
     assert world2.run(rank_load, url, piece) == [[], []]
+    if tmp is None:
+        return
+    # the exports and the conversion to DCP assemble each tensor from its pieces
+    cloudckpt.export_safetensors(url, str(tmp / "hf"))
+    hf = {}
+    for f in sorted((tmp / "hf").glob("*.safetensors")):
+        hf.update(load_file(f))
+    assert hf.keys() == state.keys() and all(torch.equal(hf[k], t) for k, t in state.items())
+    export(url, str(tmp / "one.safetensors"))
+    one = load_file(tmp / "one.safetensors")
+    assert all(torch.equal(one[k], t) for k, t in state.items())
+    cloudckpt.convert(url, str(tmp / "dcp"), to="dcp")
+    out = {k: torch.zeros_like(t) for k, t in state.items()}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(str(tmp / "dcp")))
+    assert all(torch.equal(out[k], t) for k, t in state.items())
 
 
-def test_replicated_tensors_cut_and_written_by_every_rank_read_back_exactly(world3, world2, s3_url, s3_env):
-    _check(world3, world2, s3_url, SMALL_PIECE)
+def test_replicated_tensors_cut_and_written_by_every_rank_read_back_exactly(world3, world2, s3_url, s3_env,
+                                                                            tmp_path):
+    _check(world3, world2, s3_url, SMALL_PIECE, tmp_path)
 
 
 @pytest.mark.slow
