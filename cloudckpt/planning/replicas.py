@@ -15,11 +15,12 @@ Contract of :func:`assign_replicas`:
   into row ranges: holders take, in order of smallest positive room left below their target
   (ties: lowest rank), as many whole rows as fit in that room; a holder whose room is less than
   ``piece_bytes`` takes none; a piece that would leave a tail shorter than ``piece_bytes``
-  takes the tail too or leaves exactly ``piece_bytes``, whichever is nearer its room; rows left when every holder is full go, at least ``piece_bytes`` at a time, to the holders
-  not yet used with the most room (the last such piece grows when none is left). Every piece
-  of a cut box therefore has at least ``piece_bytes`` bytes, and each holder ends within about
-  one piece of its target. A box not cut goes whole to the holder with the fewest bytes so far
-  (ties: lowest rank).
+  takes the tail too or leaves exactly ``piece_bytes``, whichever is nearer its room; rows left
+  when every holder is full go, at least ``piece_bytes`` at a time, to the holders not yet used
+  with the most room (the last such piece grows when none is left). Every piece of a cut box
+  therefore has at least ``piece_bytes`` bytes, each holder writes at most one piece of it, and
+  each holder ends within about one piece of its target. A box not cut goes whole to the holder
+  with the fewest bytes so far (ties: lowest rank).
 - ``piece_bytes <= 0`` disables cutting (each box whole, as above).
 
 A piece's rows are a contiguous range of the box's row-major bytes: cut from a contiguous local
