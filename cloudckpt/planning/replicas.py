@@ -10,9 +10,10 @@ Contract of :func:`assign_replicas`:
   replicated boxes grouped by their set of holders, heaviest group first, each group's bytes
   poured onto its holders so that the least loaded are raised to one level (water-filling).
   When every rank holds every replicated box this is ``S / N`` (sharded bytes permitting).
-- Replicated boxes, heaviest first (stable). A box of at least ``2 * piece_bytes`` whose first
-  dimension of size above 1 (its *rows*) allows two pieces of at least ``piece_bytes`` is cut
-  into row ranges: holders take, in order of smallest positive room left below their target
+- Replicated boxes, heaviest first (stable), each whole to the holder with the fewest bytes so
+  far (ties: lowest rank) when it fits in that holder's room left below its target. Otherwise a
+  box of at least ``2 * piece_bytes`` whose first dimension of size above 1 (its *rows*) allows
+  two pieces of at least ``piece_bytes`` is cut into row ranges: holders take, in order of smallest positive room left below their target
   (ties: lowest rank), as many whole rows as fit in that room; a holder whose room is less than
   ``piece_bytes`` takes none; a piece that would leave a tail shorter than ``piece_bytes``
   takes the tail too or leaves exactly ``piece_bytes``, whichever is nearer its room; rows left
@@ -20,7 +21,9 @@ Contract of :func:`assign_replicas`:
   with the most room (the last such piece grows when none is left). Every piece of a cut box
   therefore has at least ``piece_bytes`` bytes, each holder writes at most one piece of it, and
   each holder ends within about one piece of its target. A box not cut goes whole to the holder
-  with the fewest bytes so far (ties: lowest rank).
+  with the fewest bytes so far. (A state whose boxes fit is therefore assigned as without
+  cutting, and a read-once load, which picks its sources by the same rule, reads each box from
+  the object its source wrote.)
 - ``piece_bytes <= 0`` disables cutting (each box whole, as above).
 
 A piece's rows are a contiguous range of the box's row-major bytes: cut from a contiguous local
@@ -139,7 +142,8 @@ def assign_replicas(run_start: np.ndarray, run_len: np.ndarray, u_nbytes: np.nda
         target = _targets(loads, multi_l, by_box.__getitem__, nbytes)
         room = [t - lo for t, lo in zip(target, loads)]
     for u, s, nb, hs in zip(multi_l, starts, nbytes, holders):
-        if room is not None and nb >= 2 * piece_bytes:
+        i = min(range(len(hs)), key=lambda k: loads[hs[k]])
+        if room is not None and nb >= 2 * piece_bytes and room[hs[i]] < nb:
             d = cut_dim(u_size[u], int(u_ndim[u]))
             rows = int(u_size[u, d]) if d >= 0 else 1
             row_bytes = nb // rows
@@ -158,7 +162,6 @@ def assign_replicas(run_start: np.ndarray, run_len: np.ndarray, u_nbytes: np.nda
                 loads[hs[i]] += nb
                 writer[u], writer_piece[u] = hs[i], s_piece[s + i]
                 continue
-        i = min(range(len(hs)), key=lambda k: loads[hs[k]])
         loads[hs[i]] += nb
         if room is not None:
             room[hs[i]] -= nb

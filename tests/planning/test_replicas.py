@@ -87,14 +87,19 @@ def test_write_items_say_where_the_rows_are_in_the_local_piece():
 def test_small_unsplittable_and_lowest_rank_boxes_stay_whole():
     state = [whole("scalar", (), "float64"), whole("single", (1, 1, 1)),
              whole("under", (2 * REPLICA_PIECE_BYTES // 4 - 1,)),  # one element short of 2 pieces
-             whole("fat_rows", (1, 3, 1, 4 * MiB), "uint8"),  # 3 rows of 4 MiB: 3 pieces at most
              whole("big", (8 * MiB,), "float32")]
     sk = plan_global_save(plans_of([state] * 4), rank=0).skeleton
     for name in ("scalar", "single", "under"):
         assert len(sk.chunks_of(name)[0]) == 1, name
-    off, size, _ = sk.chunks_of("fat_rows")
-    assert 2 <= len(off) <= 3 and (size[:, 1] >= 1).all() and (size[:, 3] == 4 * MiB).all()
     assert len(sk.chunks_of("big")[0]) >= 2
+    # 3 rows of 4 MiB on 4 ranks (3 MiB each): one row per piece, never less
+    fat = plan_global_save(plans_of([[whole("fat_rows", (1, 3, 1, 4 * MiB), "uint8")]] * 4), rank=0).skeleton
+    off, size, writer = fat.chunks_of("fat_rows")
+    assert size.tolist() == [[1, 1, 1, 4 * MiB]] * 3 and off[:, 1].tolist() == [0, 1, 2]
+    assert len(set(writer.tolist())) == 3
+    # a box that fits in the least loaded holder's room stays whole
+    fits = plan_global_save(plans_of([state[:3] + [whole("big", (MiB,), "float64")]] * 2), rank=0).skeleton
+    assert len(fits.chunks_of("big")[0]) == 1
     lowest = plan_global_save(plans_of([state] * 4), rank=0, replicas_to_lowest_rank=True).skeleton
     assert lowest.num_chunks == len(state) and (lowest.writer == 0).all()
     off_cut = plan_global_save(plans_of([state] * 4), rank=0, replica_piece_bytes=0).skeleton
@@ -177,6 +182,7 @@ def test_generated_layouts_write_every_byte_once_balanced(tensors, world, seed, 
                 held.setdefault((p.name, p.offsets, p.sizes), set()).add(r)
     writes = {w.chunk_id: (r, w) for r, p in enumerate(plans) for w in p.writes}
     rep_chunks = [0]  # bytes of every chunk cut from, or equal to, a replicated box
+    cut_writers: dict = {}
     assert sorted(writes) == list(range(sk.num_chunks))
     for name, dtype, shape in tensors:
         off, size, writer = sk.chunks_of(name)
@@ -197,6 +203,8 @@ def test_generated_layouts_write_every_byte_once_balanced(tensors, world, seed, 
                 rep_chunks.append(item.nbytes)
             if (name, tuple(o), tuple(s)) not in held:  # a cut piece of a replicated box
                 assert len(held[parent]) > 1
+                assert r not in cut_writers.setdefault(parent, set())  # one piece per holder
+                cut_writers[parent].add(r)
                 assert item.nbytes >= piece and math.prod(src.sizes) * DTYPE_ITEMSIZE[dtype] >= 2 * piece
                 assert sum(d != ps for d, ps in zip(s, src.sizes)) == 1  # cut along one dimension
 
