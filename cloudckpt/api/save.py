@@ -134,7 +134,7 @@ def prepare_save(state_dict, url, *, process_group=None, storage=None, allow_pic
     if options.use_plan_cache:
         plan_cache.put(key, plan)
 
-    items = [(w.chunk_id, local.tensors[w.piece_index]) for w in plan.writes]
+    items = [(w.chunk_id, _chunk_view(local.tensors[w.piece_index], w)) for w in plan.writes]
     owned = {name: local.values[name] for name, owner in plan.value_owner.items()
              if owner == channel.rank and name in local.values}
     return PreparedSave(url=url, channel=channel, options=options, storage=storage,
@@ -224,6 +224,15 @@ def _plan_locally(state_dict, channel: ControlChannel, allow_pickle: bool) -> _L
     plan = LocalSavePlan(rank=channel.rank, world_size=channel.size, pieces=tuple(pieces),
                          value_names=tuple(flat.values))
     return _LocalSave(plan=plan, tensors=tensors, values=values, structure=flat.structure)
+
+
+def _chunk_view(tensor, w):
+    """The part of a local piece that write item ``w`` covers (a view; the piece itself when
+    ``w`` is the whole piece: a row range of a replicated piece otherwise)."""
+    for d, (start, size) in enumerate(zip(w.within, w.sizes)):
+        if start or size != tensor.shape[d]:
+            tensor = tensor.narrow(d, start, size)
+    return tensor
 
 
 def _new_attempt(url: str, storage) -> str:

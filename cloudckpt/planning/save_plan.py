@@ -18,11 +18,16 @@ from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
 from cloudckpt.planning.coverage import find_cover_defect, slab_segments_ok, sort_boxes
 from cloudckpt.planning.local_plan import LocalSavePlan
 from cloudckpt.planning.pieces import region_str
+from cloudckpt.planning import replicas
+from cloudckpt.planning.replicas import assign_replicas, cut_dim
 
 
 @dataclass(frozen=True)
 class WriteItem:
-    """One chunk this rank writes: its local piece ``piece_index`` (the whole piece)."""
+    """One chunk this rank writes: the box ``offsets`` / ``sizes`` (global) of its local piece
+    ``piece_index``, starting at ``within`` inside that piece: the whole piece when ``sizes``
+    are the piece's, otherwise a row range of a replicated piece (see
+    :mod:`cloudckpt.planning.replicas`)."""
 
     chunk_id: int
     name: str
@@ -30,6 +35,7 @@ class WriteItem:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     nbytes: int
+    within: tuple[int, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -154,35 +160,20 @@ def _value_owner(plans: Sequence[LocalSavePlan], tensor_index: dict[str, int]) -
     return owner
 
 
-def _assign_replicas(run_start, run_len, u_nbytes, s_rank, s_piece, writer, writer_piece, world_size):
-    """Heaviest replicated box first, to the holder with the fewest bytes so far (ties: lowest rank)."""
-    single = run_len == 1
-    load = np.zeros(world_size, dtype=np.int64)
-    np.add.at(load, writer[single], u_nbytes[single])
-    multi = np.flatnonzero(~single)
-    multi = multi[np.argsort(-u_nbytes[multi], kind="stable")]
-    loads = load.tolist()
-    starts, lens, nbytes = run_start[multi].tolist(), run_len[multi].tolist(), u_nbytes[multi].tolist()
-    for u, s, n, nb in zip(multi.tolist(), starts, lens, nbytes):
-        holders = s_rank[s:s + n].tolist()  # ascending (stable sort of rank-major rows)
-        best = min(range(n), key=lambda i: loads[holders[i]])
-        r = holders[best]
-        loads[r] += nb
-        writer[u] = r
-        writer_piece[u] = s_piece[s + best]
-
-
 def plan_global_save(local_plans: Sequence[LocalSavePlan], *, rank: int,
-                     replicas_to_lowest_rank: bool = False) -> GlobalSavePlan:
+                     replicas_to_lowest_rank: bool = False,
+                     replica_piece_bytes: int | None = None) -> GlobalSavePlan:
     """Merge every rank's local plan into this rank's :class:`GlobalSavePlan` (see module doc).
 
     ``local_plans[i]`` must be rank ``i``'s plan. Validates that ranks agree on each tensor's dtype
     and global shape (:class:`~cloudckpt.errors.LayoutMismatchError` naming the tensor and ranks) and
     that the pieces cover every tensor exactly, identical replicas aside
     (:class:`~cloudckpt.errors.CoverageError` naming the tensor and region). Each distinct box
-    becomes one chunk written by one holder: heaviest replicated boxes first, each to the holder
-    with the fewest bytes so far, ties to the lowest rank; with ``replicas_to_lowest_rank`` every
-    replicated box goes to its lowest holder. Empty pieces are not written.
+    becomes one chunk written by one holder, except large replicated boxes, cut into row ranges
+    of at least ``replica_piece_bytes`` (default :data:`~cloudckpt.planning.replicas.REPLICA_PIECE_BYTES`)
+    written by different holders so that every rank writes about its fair share
+    (:mod:`cloudckpt.planning.replicas`); with ``replicas_to_lowest_rank``
+    every replicated box goes whole to its lowest holder. Empty pieces are not written.
     """
     world = len(local_plans)
     if world == 0:
@@ -244,8 +235,16 @@ def plan_global_save(local_plans: Sequence[LocalSavePlan], *, rank: int,
 
     writer = s_rank[run_start].copy()
     writer_piece = s_piece[run_start].copy()
+    within = np.zeros_like(u_off)
     if not replicas_to_lowest_rank:
-        _assign_replicas(run_start, run_len, u_nbytes, s_rank, s_piece, writer, writer_piece, world)
+        cut = assign_replicas(run_start, run_len, u_nbytes, u_size, ndims[u_g], s_rank, s_piece,
+                              writer, writer_piece, world,
+                              replicas.REPLICA_PIECE_BYTES if replica_piece_bytes is None else replica_piece_bytes)
+        if cut:
+            u_g, u_off, u_size, u_nbytes, writer, writer_piece, within = _apply_cuts(
+                cut, u_g, u_off, u_size, u_nbytes, writer, writer_piece, itemsizes, ndims,
+                run_start, s_rank, s_piece, n_names)
+            chunk_start = np.searchsorted(u_g, np.arange(n_names + 1)).astype(np.int64)
     skeleton = ManifestSkeleton(tuple(names), tuple(dtypes), tuple(shapes), chunk_start, u_off, u_size,
                                 writer, u_nbytes)
     mine = np.flatnonzero(writer == rank)
@@ -255,10 +254,36 @@ def plan_global_save(local_plans: Sequence[LocalSavePlan], *, rank: int,
         g = int(u_g[c])
         nd = int(ndims[g])
         writes.append(WriteItem(c, names[g], int(writer_piece[c]), tuple(u_off[c, :nd].tolist()),
-                                tuple(u_size[c, :nd].tolist()), int(u_nbytes[c])))
+                                tuple(u_size[c, :nd].tolist()), int(u_nbytes[c]),
+                                tuple(within[c, :nd].tolist())))
     for arr in (chunk_start, u_off, u_size, writer, u_nbytes):
         arr.flags.writeable = False
     return GlobalSavePlan(world, rank, tuple(writes), skeleton, value_owner)
+
+
+def _apply_cuts(cut, u_g, u_off, u_size, u_nbytes, writer, writer_piece, itemsizes, ndims,
+                run_start, s_rank, s_piece, n_names):
+    """Replace each cut box by its row-range pieces; returns the chunk arrays (re-sorted by
+    tensor and offsets) and each chunk's offsets inside its writer's piece."""
+    counts = np.ones(len(u_g), dtype=np.int64)
+    for u, pieces in cut.items():
+        counts[u] = len(pieces)
+    parent = np.repeat(np.arange(len(u_g), dtype=np.int64), counts)
+    first = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    g, off, size = u_g[parent], u_off[parent], u_size[parent].copy()
+    nbytes, wr, wp = u_nbytes[parent], writer[parent], writer_piece[parent]
+    within = np.zeros_like(off)
+    for u, pieces in cut.items():
+        d = cut_dim(u_size[u], int(ndims[u_g[u]]))
+        for k, (start, rows, pos) in enumerate(pieces):
+            c = int(first[u]) + k
+            off[c, d] += start
+            size[c, d] = rows
+            within[c, d] = start
+            wr[c], wp[c] = s_rank[run_start[u] + pos], s_piece[run_start[u] + pos]
+    nbytes = size.prod(axis=1) * itemsizes[g]
+    order = sort_boxes(g, off, n_names)
+    return g[order], off[order], size[order], nbytes[order], wr[order], wp[order], within[order]
 
 
 def _check_coverage(names, shapes, ndims, gshape, chunk_start, u_g, u_off, u_size) -> None:

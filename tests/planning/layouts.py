@@ -119,24 +119,33 @@ def slices(offsets, sizes):
     return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
 
 
-def simulate_save(per_rank_pieces, data: dict, *, block: int = 64, values=None, replicas_to_lowest_rank=False):
-    """Run the save protocol in one process. Returns (manifest, {chunk_id: ndarray}, global plans)."""
+def simulate_save(per_rank_pieces, data: dict, *, block: int = 64, values=None, replicas_to_lowest_rank=False,
+                  replica_piece_bytes=None):
+    """Run the save protocol in one process. Returns (manifest, {chunk_id: ndarray}, global plans).
+
+    Each chunk's bytes are taken from its writer's local piece at the write item's ``within``
+    (as the real save does), and the write item must lie inside that piece."""
     from cloudckpt.planning import decode_local_save_plan, encode_local_save_plan, plan_global_save
 
     world = len(per_rank_pieces)
     local = [LocalSavePlan(rank=r, world_size=world, pieces=p, value_names=tuple(values or ()))
              for r, p in enumerate(per_rank_pieces)]
     decoded = [decode_local_save_plan(encode_local_save_plan(p)) for p in local]
-    plans = [plan_global_save(decoded, rank=r, replicas_to_lowest_rank=replicas_to_lowest_rank) for r in range(world)]
+    extra = {} if replica_piece_bytes is None else {"replica_piece_bytes": replica_piece_bytes}
+    plans = [plan_global_save(decoded, rank=r, replicas_to_lowest_rank=replicas_to_lowest_rank, **extra)
+             for r in range(world)]
     stored: dict[int, np.ndarray] = {}
     written = []
     for r, plan in enumerate(plans):
         ids, lens, offs, pos = [], [], [], 0
         for w in plan.writes:
             piece = per_rank_pieces[r][w.piece_index]
-            assert piece.offsets == w.offsets and piece.sizes == w.sizes
+            assert piece.name == w.name
+            assert all(p + i == o and i + s <= ps for p, i, o, s, ps in
+                       zip(piece.offsets, w.within, w.offsets, w.sizes, piece.sizes)), (piece, w)
             assert w.chunk_id not in stored, "a chunk written twice"
-            stored[w.chunk_id] = data[w.name][slices(piece.offsets, piece.sizes)].copy()
+            local = data[w.name][slices(piece.offsets, piece.sizes)]
+            stored[w.chunk_id] = local[slices(w.within, w.sizes)].copy()
             ids.append(w.chunk_id)
             lens.append(w.nbytes)
             offs.append(pos)

@@ -35,10 +35,12 @@ def test_save_then_load_rebuilds_every_destination(specs, w1, w2, seed, data):
     save_kinds = [data.draw(st.sampled_from(KINDS)) for _ in specs]
     load_kinds = [data.draw(st.sampled_from(KINDS)) for _ in specs]
     lowest = data.draw(st.booleans())
+    piece_bytes = data.draw(st.sampled_from([None, 1, 8, 40]))  # None: the default (no cut here)
     arrays = {name: global_data(shape, seed + i) for i, (name, _, shape) in enumerate(specs)}
 
     saved = make_layout(specs, w1, save_kinds, rng)
-    manifest, stored, plans = simulate_save(saved, arrays, replicas_to_lowest_rank=lowest)
+    manifest, stored, plans = simulate_save(saved, arrays, replicas_to_lowest_rank=lowest,
+                                          replica_piece_bytes=piece_bytes)
 
     # every stored element is written exactly once, and holds the right data
     sk = plans[0].skeleton
