@@ -17,11 +17,17 @@ import xxhash
 _extend = _crc32c_lib.crc32c  # (data, value) -> int
 
 
-def crc32c(data, value: int = 0) -> int:
-    """Return the crc32c of ``data`` (any C-contiguous buffer), continuing from ``value``."""
+def _byte_view(data) -> memoryview:
+    """``data`` (any C-contiguous buffer) as a flat memoryview of bytes (no copy)."""
     mv = data if isinstance(data, memoryview) else memoryview(data)
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
+    return mv
+
+
+def crc32c(data, value: int = 0) -> int:
+    """Return the crc32c of ``data`` (any C-contiguous buffer), continuing from ``value``."""
+    mv = _byte_view(data)
     return _extend(mv, value)
 
 
@@ -32,9 +38,7 @@ def block_crcs(data, block_size: int) -> tuple[int, ...]:
     """
     if block_size <= 0:
         raise ValueError("block_size must be positive")
-    mv = data if isinstance(data, memoryview) else memoryview(data)
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
+    mv = _byte_view(data)
     n = len(mv)
     if n == 0:
         return (0,)
@@ -44,9 +48,7 @@ def block_crcs(data, block_size: int) -> tuple[int, ...]:
 def content_hash(data) -> bytes:
     """The 16-byte content hash (XXH3-128, big-endian digest) of ``data`` (any C-contiguous
     buffer): what a format version 3 manifest records per chunk (``hash_algorithm`` "xxh3-128")."""
-    mv = data if isinstance(data, memoryview) else memoryview(data)
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
+    mv = _byte_view(data)
     return xxhash.xxh3_128_digest(mv)
 
 
@@ -62,9 +64,7 @@ def hash_and_block_crcs(data, block_size: int) -> tuple[bytes, tuple[int, ...]]:
     values are exactly those of the two functions)."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
-    mv = data if isinstance(data, memoryview) else memoryview(data)
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
+    mv = _byte_view(data)
     n = len(mv)
     if n == 0:
         return xxhash.xxh3_128_digest(mv), (0,)
