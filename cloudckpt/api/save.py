@@ -12,9 +12,10 @@ fail-together exchange, so a failure anywhere raises the same
    otherwise ``save plan exchange`` (local plans, msgpack) and ``save global planning`` (every
    rank computes the same global plan).
 3. ``save base`` (incremental saves only): the coordinator reads the base (a read started
-   during phase 1, in the background), pins the folders the save may reference and broadcasts the content hashes of the base's matching chunks
-   (:mod:`cloudckpt.api.incremental`). Every rank's hashing of its items (the same pass as
-   their block crcs) has already started in the background: it runs meanwhile.
+   during phase 1, in the background), pins the folders the save may reference and broadcasts
+   the content hashes of the base's matching chunks (:mod:`cloudckpt.api.incremental`). Every
+   rank's hashing of its items (the same pass as their block crcs) has already started in the
+   background: it runs meanwhile.
 4. ``save upload``: each rank uploads the items it owns under ``data/<attempt>/`` (in an
    incremental save: each item as its hash is ready, skipping those whose hash is the base's) and
    reports where they landed (:class:`~cloudckpt.api.reports.UploadReport`).
