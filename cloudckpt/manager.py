@@ -66,7 +66,8 @@ from cloudckpt.api.manifest_io import fetch_manifest_bytes
 from cloudckpt.errors import CheckpointNotFound, ManifestError, ObjectNotFound
 from cloudckpt.layout import MANIFEST_KEY
 from cloudckpt.options import SaveOptions
-from cloudckpt.pruning import HEAD_CONCURRENCY, prune_run, scan_run, step_has_objects
+from cloudckpt.pruning import (HEAD_CONCURRENCY, newest_readable_step, prune_run, scan_run,
+                               step_has_objects)
 from cloudckpt.retention import RetentionPolicy
 from cloudckpt.run_cleanup import (DELETE_BATCH, DeletionPlan, decode_manifest_without_pickle,
                                    delete_checkpoint, plan_checkpoint, remove_stale_attempts,
@@ -370,7 +371,9 @@ class CheckpointManager:
         Returns the step loaded, or ``None`` when ``step`` is ``None`` and the run has no complete
         checkpoint (``state_dict`` is then untouched). Collective in a distributed job: rank 0
         picks the step and every rank loads that one. An explicit step that is not complete
-        raises ``CheckpointNotFound``.
+        raises ``CheckpointNotFound``. When the newest complete checkpoint's manifest is damaged,
+        every rank raises ``ManifestError`` naming it and the newest step that does decode
+        (nothing is loaded; pass that ``step`` to resume from it).
         """
         import cloudckpt
 
@@ -398,8 +401,37 @@ class CheckpointManager:
         return finding.reports[0].step
 
     def _latest_step(self) -> int | None:
-        latest = self.latest()
-        return latest.step if latest is not None else None
+        """The newest complete step, its manifest checked to decode (one GET); ``None`` when
+        the run has none. ``ManifestError`` when that manifest is damaged, naming the step and
+        the newest older one that decodes: a resume never falls back to an older step on its
+        own (that would silently lose training), and never fails without saying which step
+        would load."""
+        complete = [i.step for i in self.list() if i.complete]
+        return run_coroutine(self._check_newest_decodes(complete)) if complete else None
+
+    async def _check_newest_decodes(self, complete: list[int]) -> int | None:
+        while complete:
+            newest = complete[-1]
+            try:
+                decode_manifest_without_pickle(
+                    await fetch_manifest_bytes(self.store, step_dir(newest) + MANIFEST_KEY))
+            except ObjectNotFound:  # deleted since the listing: the next newest is the latest
+                complete = complete[:-1]
+                continue
+            except ManifestError as exc:
+                older = await newest_readable_step(self.store, complete[:-1])
+                if older is None:
+                    hint = "no older checkpoint of the run decodes either"
+                else:
+                    hint = (f"the newest one that decodes is step {older}: "
+                            f"load(state_dict, step={older}) resumes from it")
+                raise ManifestError(
+                    f"step {newest} ({self.step_url(newest)}), the newest complete checkpoint, "
+                    f"cannot be loaded: {exc}. Not falling back on an older step by itself: "
+                    f"{hint} (`cloudckpt ls --details {self.url}` marks the damaged ones)"
+                ) from exc
+            return newest
+        return None
 
     # -- deleting -------------------------------------------------------------------------------
 

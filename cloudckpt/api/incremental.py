@@ -13,7 +13,9 @@ Contract (the protocol and why it is safe: docs/architecture.md, "Incremental ch
   base's and the base's homes), then HEADs the base's manifest again: only if it is still there
   with the same ETag does the save go on incrementally. Otherwise (no manifest, no hashes,
   another block size, nothing matches, the manifest changed or went away) the pins are removed
-  and the save writes every chunk itself: ``None``, with the reason logged (INFO).
+  and the save writes every chunk itself: ``None``, with the reason logged (INFO). A base whose
+  manifest does not decode (damaged, or a format this version cannot read) also means a full
+  save, logged at WARNING: a damaged newest checkpoint must not stop a run from saving.
 - While the save runs, a task on cloudckpt's loop rewrites the pins every ``lease / 4``
   seconds. :meth:`PinnedBase.check_lease` (just before the manifest is written) raises
   ``CheckpointError`` when the last complete rewrite started more than ``lease / 2`` ago: a
@@ -31,7 +33,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from cloudckpt.errors import CheckpointError, ConfigError, ObjectNotFound
+from cloudckpt.errors import CheckpointError, ConfigError, ManifestError, ObjectNotFound
 from cloudckpt.layout import MANIFEST_KEY, MIN_PIN_LEASE, Pin, encode_pin, pin_key
 from cloudckpt.manifest import decode_manifest
 from cloudckpt.api.manifest_io import fetch_manifest_bytes
@@ -63,6 +65,7 @@ class BaseRead:
     info: object
     manifest: object
     why: str = ""
+    damaged: bool = False  # the manifest is there but does not decode (logged at WARNING)
 
 
 async def read_base(run_store, base: str) -> BaseRead:
@@ -75,6 +78,9 @@ async def read_base(run_store, base: str) -> BaseRead:
                                    allow_pickle="inspect")
     except ObjectNotFound:
         return BaseRead(None, None, "it has no manifest")
+    except ManifestError as exc:  # a damaged base must not stop every later save of the run
+        return BaseRead(None, None, f"its manifest is damaged or unreadable: {exc}",
+                        damaged=True)
     if manifest.chunk_hashes is None:
         return BaseRead(before, None, "its manifest records no chunk hashes")
     return BaseRead(before, manifest)
@@ -147,7 +153,7 @@ async def open_base(run_store, *, folder: str, base: str, attempt: str, skeleton
     if read is None:
         read = await read_base(run_store, base)
     if read.manifest is None:
-        return _full(base, read.why)
+        return _full(base, read.why, warn=read.damaged)
     before, manifest = read.info, read.manifest
     match = match_base(skeleton, manifest, checksum_block_size=checksum_block_size)
     if not (match >= 0).any():
@@ -173,6 +179,7 @@ async def open_base(run_store, *, folder: str, base: str, attempt: str, skeleton
     return pinned
 
 
-def _full(base: str, why: str) -> None:
-    log.info("incremental save: not using %s as the base (%s): every chunk is written", base, why)
+def _full(base: str, why: str, *, warn: bool = False) -> None:
+    log.log(logging.WARNING if warn else logging.INFO,
+            "incremental save: not using %s as the base (%s): every chunk is written", base, why)
     return None

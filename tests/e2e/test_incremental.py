@@ -232,3 +232,26 @@ def test_world2_incremental_saves(world2, s3_url):
     # every rank wrote only its trained shard after the first save
     assert [r["written"][1] for r in results] == [32 * 16 * 4, 32 * 16 * 4]
     assert cloudckpt.verify(f"{s3_url}/{step_dir(3)}").ok
+
+
+@pytest.mark.parametrize("how", ["flip", "garbage"])
+def test_a_damaged_newest_checkpoint_makes_a_full_save_not_a_stuck_run(s3_env, s3_url, s3_server,
+                                                                       caplog, how):
+    """The newest checkpoint, the next save's base, has a damaged manifest: the save writes
+    every chunk (WARNING logged) instead of failing every save of the run from then on; the
+    save after it is incremental again, on the new checkpoint."""
+    from tests.manager.test_manager_s3 import _damage_manifest
+
+    mgr = CheckpointManager(s3_url, incremental=True, save_options=OPTIONS)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    _damage_manifest(s3_server, s3_url, 2, how)
+    with caplog.at_level("WARNING", logger="cloudckpt.api.incremental"):
+        third = mgr.save(3, _state(3))
+    assert third.base == "" and third.bytes_reused == 0
+    assert any("damaged" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+    assert _equal(cloudckpt.load_full(mgr.step_url(3)), _state(3))
+    assert cloudckpt.verify(mgr.step_url(3)).ok
+    fourth = mgr.save(4, _state(4))
+    assert fourth.base == step_dir(3).rstrip("/") and fourth.bytes_reused == FROZEN
+    assert _equal(cloudckpt.load_full(mgr.step_url(4)), _state(4))

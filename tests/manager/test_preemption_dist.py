@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from cloudckpt import CheckpointManager
+from cloudckpt.manager import step_dir
 
 
 def train_until_preempted(url: str, progress_dir: str) -> dict | None:
@@ -154,3 +155,45 @@ def resume_everywhere_w(url: str) -> int | None:
     step = CheckpointManager(url).load(sd)
     assert torch.equal(sd["w"], torch.arange(4 << 20, dtype=torch.float32)) and sd["step"] == 1
     return step
+
+
+def resume_with_a_damaged_newest(url: str) -> dict:
+    """Every rank: three saves, then (rank 0, between barriers) step 3's manifest replaced by
+    bytes that are not a manifest; the default resume, then an explicit one of the step the
+    error names."""
+    import torch.distributed as dist
+
+    from cloudckpt.runtime import run_coroutine
+
+    mgr = CheckpointManager(url)
+    for step in (1, 2, 3):
+        mgr.save(step, {"w": torch.full((8,), float(step))})
+    dist.barrier()
+    if dist.get_rank() == 0:
+        run_coroutine(mgr.store.put(step_dir(3) + "manifest.msgpack", b"not a manifest"))
+    dist.barrier()
+    sd = {"w": torch.zeros(8)}
+    outcome: dict = {}
+    try:
+        mgr.load(sd)
+        outcome["raised"] = False
+    except Exception as exc:
+        outcome.update(raised=True, types=[c.__name__ for c in type(exc).__mro__],
+                       message=str(exc))
+    outcome["untouched"] = bool(torch.equal(sd["w"], torch.zeros(8)))
+    outcome["explicit"] = mgr.load(sd, step=2)
+    outcome["loaded"] = sd["w"].tolist()
+    return outcome
+
+
+def test_a_damaged_newest_manifest_fails_every_rank_naming_the_step_that_loads(world2, s3_url):
+    """The default resume never falls back on an older step by itself (that would silently
+    lose training): every rank raises the same ManifestError, loads nothing, and is told which
+    step decodes; loading that step works."""
+    results = world2.run(resume_with_a_damaged_newest, s3_url, timeout=120)
+    for r in results:
+        assert r["raised"] and "ManifestError" in r["types"] and "ValueError" in r["types"], r
+        assert r["untouched"] and r["explicit"] == 2 and r["loaded"] == [2.0] * 8, r
+    assert results[0]["message"] == results[1]["message"]
+    message = results[0]["message"]
+    assert "step 3" in message and "load(state_dict, step=2)" in message, message
