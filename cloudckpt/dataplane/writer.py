@@ -30,6 +30,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -39,6 +40,7 @@ from cloudckpt.dataplane.buffers import byte_view, host_contiguous, is_byte_view
 from cloudckpt.checksum import block_crcs, hash_and_block_crcs
 from cloudckpt.layout import data_key
 from cloudckpt.planning.batching import pack_in_order
+from cloudckpt.storage.base import ByteBudget
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +99,7 @@ class ItemDigests:
                  options: WriterOptions = WriterOptions()):
         self.items = items
         self.block_size = options.checksum_block_size
-        self.budget = _ByteBudget(options.max_staging_bytes)
+        self.budget = ByteBudget(max(1, options.max_staging_bytes))
         self.hashes: list[bytes] = [b""] * len(items)
         self.crcs: list[tuple[int, ...] | None] = [None] * len(items)
         self.ready = 0                 # items[:ready] are digested
@@ -120,7 +122,7 @@ class ItemDigests:
         items = self.items
         for batch in _batches([_nbytes(t) for _, t in items]):
             copies = sum(_nbytes(items[i][1]) for i in batch if not is_byte_viewable(items[i][1]))
-            async with self.budget.hold(copies):
+            async with _holding(self.budget, copies):
                 digests = await asyncio.to_thread(
                     _digest_tensors, [items[i][1] for i in batch], self.block_size)
             for i, (digest, crcs) in zip(batch, digests):
@@ -167,14 +169,14 @@ async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank
     if digests is not None:  # hashes and crcs come from the hashing pass
         staging_budget, hashes, known_crcs = digests.budget, digests.hashes, digests.crcs
     else:
-        staging_budget = _ByteBudget(options.max_staging_bytes)
+        staging_budget = ByteBudget(max(1, options.max_staging_bytes))
         hashes, known_crcs = [b""] * len(items), [None] * len(items)
 
     async def upload(obj_index: int, members: list[int]) -> int:
         key = data_key(attempt, rank, first_index + obj_index)
         needs_copy = sum(sizes[i] for i in members
                          if not is_byte_viewable(items[i][1]))
-        async with staging_budget.hold(needs_copy):
+        async with _holding(staging_budget, needs_copy):
             if needs_copy:
                 tensors = await asyncio.to_thread(
                     lambda: [host_contiguous(items[i][1]) for i in members])
@@ -264,31 +266,13 @@ def _digest_tensors(tensors, block_size: int) -> list[tuple[bytes, tuple[int, ..
     return [hash_and_block_crcs(byte_view(host_contiguous(t)), block_size) for t in tensors]
 
 
-class _ByteBudget:
-    """An async semaphore counted in bytes; a request above the limit waits for an empty budget."""
-
-    def __init__(self, limit: int):
-        self.limit = max(1, int(limit))
-        self.used = 0
-        self._cond = asyncio.Condition()
-
-    def hold(self, n: int):
-        budget = self
-
-        class _Hold:
-            async def __aenter__(self):
-                if n <= 0:
-                    return
-                async with budget._cond:
-                    await budget._cond.wait_for(
-                        lambda: budget.used == 0 or budget.used + n <= budget.limit)
-                    budget.used += n
-
-            async def __aexit__(self, *exc):
-                if n <= 0:
-                    return
-                async with budget._cond:
-                    budget.used -= n
-                    budget._cond.notify_all()
-
-        return _Hold()
+@contextlib.asynccontextmanager
+async def _holding(budget: ByteBudget, n: int):
+    """Hold ``n`` bytes of ``budget`` (first come, first served; clipped to its limit) for the
+    block. A holder never asks again before leaving, so the hashing and the uploads sharing one
+    budget cannot wait for each other."""
+    taken = await budget.acquire(n)
+    try:
+        yield
+    finally:
+        budget.release(taken)

@@ -190,3 +190,41 @@ def test_an_upload_waiting_for_hashing_that_ended_early_raises(tmp_path, how):
     with pytest.raises(ValueError if how == "failed" else RuntimeError):
         run_coroutine(go(), timeout=60)
     assert not (tmp_path / "data").exists()
+
+
+class _SlowPuts:
+    """A LocalStore whose puts take a while (uploads hold their staging copies meanwhile)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    async def put(self, key, body, mode="overwrite"):
+        await asyncio.sleep(0.002)
+        await self.store.put(key, body, mode=mode)
+
+
+@pytest.mark.parametrize("limit", [1, 600, 5000])
+def test_hashing_and_uploads_share_a_tiny_staging_budget_without_waiting_on_each_other(
+        tmp_path, limit):
+    """Strided items (copied for hashing, and again for upload) with a staging budget smaller
+    than one item, a few items, or many: the hashing batches and the slow uploads take turns in
+    one first-come budget; the save completes with every byte right and the budget empty."""
+    g = torch.Generator().manual_seed(5)
+    items = [(i, torch.randn(20, 1 + i % 7, generator=g).t()) for i in range(150)]
+    opts = WriterOptions(object_size=700, checksum_block_size=BLOCK, max_staging_bytes=limit)
+
+    async def go():
+        digests = ItemDigests(items, opts)
+        await digests.start()
+        result = await write_chunks(_SlowPuts(store_at(tmp_path)), items, rank=0,
+                                    attempt=ATTEMPT, options=opts, digests=digests)
+        return result, digests.budget
+
+    (locations, stats), budget = run_coroutine(go(), timeout=120)
+    assert budget.used == 0 and budget.peak <= max(1, limit)
+    assert [loc.chunk_id for loc in locations] == [cid for cid, _ in items]
+    for loc, (_, t) in zip(locations, items):
+        body = data_path(tmp_path, loc.object_key).read_bytes()
+        got = body[loc.byte_offset:loc.byte_offset + loc.byte_length]
+        assert got == t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert loc.crcs == block_crcs(got, BLOCK)
