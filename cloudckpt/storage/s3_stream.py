@@ -73,6 +73,7 @@ class S3ObjectWriter(WriterState):
         self._token = secrets.token_hex(12)
         self._buf: memoryview | None = None
         self._fill = 0
+        self._spare: list[memoryview] = []  # part buffers back from the server, for reuse
         self._upload_id: str | None = None
         self._parts = 0                      # parts handed to an upload task
         self._entries: dict[int, dict] = {}  # part number -> CompleteMultipartUpload entry
@@ -91,7 +92,7 @@ class S3ObjectWriter(WriterState):
                 pos = 0
                 while pos < len(v):
                     if self._buf is None:
-                        self._buf = _buffer(self._first if self._parts == 0 else self.part_size)
+                        self._buf = self._new_buffer()
                     elif self._fill == len(self._buf):
                         await self._make_room()
                         continue
@@ -125,6 +126,7 @@ class S3ObjectWriter(WriterState):
             raise
         self.state = "committed"
         self._buf = None
+        self._spare.clear()
         return info
 
     async def abort(self) -> None:
@@ -135,6 +137,11 @@ class S3ObjectWriter(WriterState):
             await asyncio.shield(self._aborting)
 
     # --- parts ----------------------------------------------------------------------------------
+
+    def _new_buffer(self) -> memoryview:
+        if self._parts == 0:
+            return _buffer(self._first)
+        return self._spare.pop() if self._spare else _buffer(self.part_size)
 
     async def _make_room(self) -> None:
         """The buffer is full and more bytes come: grow a first buffer sized by the hint, else
@@ -166,9 +173,9 @@ class S3ObjectWriter(WriterState):
             self._room.release()
             raise
         self._parts += 1
-        view, self._buf, self._fill = self._buf[:self._fill], None, 0
+        buf, fill, self._buf, self._fill = self._buf, self._fill, None, 0
         self._tasks = [t for t in self._tasks if not t.done()]
-        self._tasks.append(asyncio.ensure_future(self._upload(self._parts, view, held)))
+        self._tasks.append(asyncio.ensure_future(self._upload(self._parts, buf, fill, held)))
 
     async def _start(self) -> str:
         """Start the multipart upload; in create mode, claim the key first."""
@@ -178,15 +185,19 @@ class S3ObjectWriter(WriterState):
         return await self._w.claim(self.key, self._phys, self._token,
                                    required=strategy == "fallback")
 
-    async def _upload(self, number: int, view: memoryview, held: int) -> None:
+    async def _upload(self, number: int, buf: memoryview, fill: int, held: int) -> None:
+        """Send ``buf[:fill]`` as part ``number``; then the buffer serves a later part (so a
+        stream allocates at most ``concurrency + 1`` of them, whenever the garbage collector
+        frees the request objects that saw it)."""
         try:
             self._entries[number] = await self._w.upload_part(
-                self.key, self._phys, self._upload_id, number, [view])
+                self.key, self._phys, self._upload_id, number, [buf[:fill]])
+            if len(buf) == self.part_size and self.state == "open":
+                self._spare.append(buf)
         except Exception as exc:  # noqa: BLE001 - raised by the stream's next call
             if self._error is None:
                 self._error = exc
         finally:
-            del view
             self._conn.budget.release(held)
             self._room.release()
 
@@ -203,6 +214,7 @@ class S3ObjectWriter(WriterState):
             return
         self.state = "aborted"
         self._buf = None
+        self._spare.clear()
         for task in self._tasks:
             task.cancel()
         if self._upload_id is not None:
