@@ -106,8 +106,8 @@ class ObjectWriter(Protocol):
       nothing is visible there (readers see the previous object, or none). In ``create`` mode
       ``ObjectExists`` (from ``commit``, or from a ``write`` once the stream is long enough to
       be sent in parts) when the key exists, which is left untouched; exactly one of several
-      concurrent creates of a key, streams and puts alike, wins. Returns the object's
-      ``ObjectInfo`` (size and etag).
+      concurrent creates of a key, streams and puts alike, wins (S3's limits: see
+      ``cloudckpt.storage.s3_stream``). Returns the object's ``ObjectInfo`` (size and etag).
     - ``abort()``: drops what was written (idempotent; nothing to do after ``commit``). Any
       failure of ``write`` or ``commit``, cancellation included, aborts the stream itself;
       later calls raise ``StorageError``. An abort that cannot reach the store leaves an

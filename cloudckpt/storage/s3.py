@@ -59,8 +59,8 @@ class S3Store:
     for the contract of each method.
 
     Requests in flight are capped at ``options.concurrency``; bytes the store allocates for reads
-    in flight at ``options.max_buffer_bytes``. Objects are bound to the event loop they are first
-    used on.
+    and stream parts in flight at ``options.max_buffer_bytes``. Objects are bound to the event
+    loop they are first used on.
     """
 
     remote = True  #: capabilities: see ``ObjectStore``

@@ -10,10 +10,12 @@ Contract (beyond ``cloudckpt.storage.base.ObjectWriter``):
   fails with ``ConfigError``). A full buffer is sent as a part once more bytes arrive, at most
   ``options.concurrency`` parts of a stream in flight, each holding its size of the store's
   byte budget (``max_buffer_bytes``, shared with reads) until the server has it; a ``write``
-  waits while there is no room (that wait counts against the retry deadline). So a stream holds
-  the buffer being filled plus what is in flight: at most about ``part_size x (concurrency +
-  1)``, and no more than one part above ``max_buffer_bytes``. An idle stream holds only the
-  buffer being filled (outside the budget), so it never starves the store's reads.
+  waits while there is no room (the wait for the budget counts against the retry deadline).
+  A buffer back from the server is kept for a later part, so a stream allocates at most one
+  buffer more than it ever had in flight: at most about ``part_size x (concurrency + 1)``
+  whatever the object's size (less where ``max_buffer_bytes`` lets fewer parts fly), released at
+  ``commit`` / ``abort``. Only parts in flight count against the budget: an idle stream (its
+  buffer being filled, the kept ones) never makes the store's reads wait.
 - A stream that ends within its first buffer (one part; a buffer of ``size_hint`` bytes when
   that is smaller) is one ``S3Writer.put``: a PutObject (``create``: with ``If-None-Match: *``,
   or the fallback protocol on servers that ignore it), exactly as ``store.put``.

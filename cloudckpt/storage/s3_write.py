@@ -19,15 +19,16 @@ Conditional create (``mode="create"``):
   claim protocol over multipart uploads, needing only strongly consistent ListMultipartUploads
   and HeadObject (without ListMultipartUploads, 501, no create can be exclusive: it fails with
   a ``StorageError`` that says so). Each creator (1) stops with ObjectExists if the key exists,
-  (2) starts a multipart upload of the key, (3) lists the key's unfinished uploads: if it sees any other (not
-  stale) it aborts its own, backs off and starts over, (4) checks again that the key does not
-  exist, (5) uploads and completes (with ``If-None-Match: *``). Two creators cannot both pass
-  (3): the later one to start its upload sees the earlier one's upload, unless that one
-  already completed, which (4) sees. Contention costs retries (bounded by the retry deadline),
-  never a second winner. Uploads initiated more than ``STALE_UPLOAD_S`` (15 minutes) before
-  ours (server clock) are taken for crashed creators and ignored: a creator slower than that
-  between (2) and (5) (a stream holds its claim for as long as it streams) could lose its
-  exclusivity where the server also ignores the header on CompleteMultipartUpload.
+  (2) starts a multipart upload of the key, (3) lists the key's unfinished uploads: if it sees
+  any other (not stale) it aborts its own, backs off and starts over, (4) checks again that the
+  key does not exist, (5) uploads and completes (with ``If-None-Match: *``). Two creators
+  cannot both pass (3): the later one to start its upload sees the earlier one's upload, unless
+  that one already completed, which (4) sees. Contention costs retries (bounded by the retry
+  deadline), never a second winner. Uploads initiated more than ``STALE_UPLOAD_S`` (15
+  minutes) before ours (server clock) are taken for crashed creators and ignored: a creator
+  slower than that between (2) and (5) (a stream holds its claim for as long as it streams)
+  could lose its exclusivity where the server also ignores the header on
+  CompleteMultipartUpload.
 
 A create that ends in 412 (or a completion retry in NoSuchUpload) checks the object's
 ``x-amz-meta-cloudckpt-put`` token to tell its own success whose answer was lost (our retry, or

@@ -419,7 +419,7 @@ def test_capabilities_say_what_the_store_is(backend):
         assert store.local_root is None and child.local_root is None
 
 
-# --- streams (open_writer) -------------------------------------------------------------------------
+# --- streams (open_writer) ----------------------------------------------------------------------
 
 STREAM = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB, "concurrency": 3}
 STREAM_DATA = np.random.default_rng(7).integers(0, 256, 13 * MiB, dtype=np.uint8)
@@ -476,7 +476,8 @@ def test_a_stream_stores_what_was_written(backend):
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"], indirect=True)
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=6, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sizes=st.lists(st.integers(1, 3 * MiB), min_size=1, max_size=8),
        total=st.integers(0, 13 * MiB), hint=st.sampled_from([None, "exact", "low"]),
        mode=st.sampled_from(["overwrite", "create"]))

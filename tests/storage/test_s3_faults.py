@@ -302,6 +302,17 @@ def test_fallback_protocol_on_a_real_server(s3_server, s3_url):
         assert await store.get("big") == big
         await store.put("empty", b"", mode="create")
         assert await store.get("empty") == b""
+        for key in ("big", "streamed"):  # a create stream claims the key the same way
+            w = store.open_writer(key, mode="create")
+            try:
+                await w.write(big)
+                await w.commit()
+            except ObjectExists:
+                assert key == "big"
+            else:
+                assert key == "streamed"
+        assert await store.get("streamed") == big and await store.get("big") == big
+        assert await store.list_uploads() == []
 
     _run(s3_url, s3_options(s3_server, conditional_create="fallback", part_size=5 * MiB), body)
 
@@ -375,7 +386,7 @@ def test_large_gets_share_a_small_budget_without_deadlock(s3_server, s3_url):
     _run(s3_url, options, body)
 
 
-# --- streams (open_writer) -------------------------------------------------------------------------
+# --- streams (open_writer) ----------------------------------------------------------------------
 
 STREAM = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB}
 
