@@ -447,9 +447,8 @@ def test_a_stream_stores_what_was_written(backend):
     part = STREAM["part_size"]
     data = memoryview(STREAM_DATA)
     cases = [("empty", 0, [1], None), ("one", 1, [1], 1), ("small", 100_000, [7, 65_536], None),
-             ("part", part, [MiB], part), ("part+1", part + 1, [part, 1], None),
+             ("part", part, [MiB], part), ("part+1, low hint", part + 1, [part, 1], 1000),
              ("parts", 2 * part + 12_345, [3 * MiB + 1, 17, 2 * MiB], None),
-             ("low hint", 2 * part + 3, [4 * MiB], 1000),
              ("high hint", 3 * MiB, [MiB], 12 * MiB)]
 
     async def body(store):
@@ -468,18 +467,18 @@ def test_a_stream_stores_what_was_written(backend):
         assert await store.get("s/list") == b"abcd" + np.arange(3, dtype=np.uint16).tobytes() \
             + b"yz"
         await store.put("s/old", b"old")  # overwrite mode replaces
-        await _stream(store, "s/old", data[:part + 10], [MiB])
-        assert await store.get("s/old") == data[:part + 10]
+        await _stream(store, "s/old", data[:1000], [300])
+        assert await store.get("s/old") == data[:1000]
         assert await store.list_uploads() == []
 
     backend.run(body, **STREAM)
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"], indirect=True)
-@settings(max_examples=6, deadline=None,
+@settings(max_examples=4, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sizes=st.lists(st.integers(1, 3 * MiB), min_size=1, max_size=8),
-       total=st.integers(0, 13 * MiB), hint=st.sampled_from([None, "exact", "low"]),
+       total=st.integers(0, 12 * MiB), hint=st.sampled_from([None, "exact", "low"]),
        mode=st.sampled_from(["overwrite", "create"]))
 def test_any_sequence_of_writes_is_stored_exactly(backend, sizes, total, hint, mode):
     data = memoryview(STREAM_DATA)[:total]
@@ -525,15 +524,15 @@ def test_a_create_stream_never_writes_over_an_object(backend):
 
 
 def test_two_create_streams_race_and_exactly_one_wins(backend):
-    """Two stores (two connections) stream the same key in create mode at once, several parts
-    each; and a short stream against a put."""
-    bodies = [STREAM_DATA[:11 * MiB], STREAM_DATA[2 * MiB:13 * MiB]]
+    """Two stores (two connections) stream the same key in create mode at once, two parts each;
+    and a short stream against a put."""
+    bodies = [STREAM_DATA[:7 * MiB], STREAM_DATA[6 * MiB:13 * MiB]]
 
     async def race(store):
         other = backend.open(**STREAM)
         try:
             results = await asyncio.gather(
-                *(_stream(s, "r/big", b, [2 * MiB + 7], mode="create")
+                *(_stream(s, "r/big", b, [MiB + 7], mode="create")
                   for s, b in zip((store, other), bodies)), return_exceptions=True)
             winners = [i for i, r in enumerate(results) if isinstance(r, ObjectInfo)]
             assert len(winners) == 1, results
