@@ -188,9 +188,9 @@ class S3ObjectWriter(WriterState):
                                    required=strategy == "fallback")
 
     async def _upload(self, number: int, buf: memoryview, fill: int, held: int) -> None:
-        """Send ``buf[:fill]`` as part ``number``; then the buffer serves a later part (so a
-        stream allocates at most ``concurrency + 1`` of them, whenever the garbage collector
-        frees the request objects that saw it)."""
+        """Send ``buf[:fill]`` as part ``number``; then the buffer serves a later part, so a
+        stream allocates at most one buffer more than it ever had in flight, however late the
+        garbage collector frees the request objects that saw it."""
         try:
             self._entries[number] = await self._w.upload_part(
                 self.key, self._phys, self._upload_id, number, [buf[:fill]])
