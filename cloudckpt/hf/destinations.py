@@ -8,11 +8,14 @@ an existing file:
   through the folder's descriptor), streamed, given the usual mode (0666 less the umask),
   fsynced, then hard-linked onto its name (which fails if the name exists, a symlink
   included) and the temporary entry removed. :meth:`sync` fsyncs the folder.
-- :class:`S3Folder`: a file is gathered in memory (its size is known from its header) and put
-  in ``create`` mode (``ObjectExists`` if the key exists); a file over the 5 GiB a single
-  PutObject takes (only a single tensor that large) is uploaded multipart in overwrite mode.
-  An interrupted upload is cancelled (a request the server had already taken may still
-  complete: that file then remains, never an index naming it).
+- :class:`S3Folder`: each file is streamed (``ObjectStore.open_writer`` in ``create`` mode, its
+  size, known from its header, as the hint): the store holds a few parts of it, about
+  ``part_size x (concurrency + 1)`` (:mod:`cloudckpt.storage.s3_stream`), whatever the file's
+  size. A file that fits one part is one PutObject with ``If-None-Match: *``; a larger one
+  claims its key, streams its parts and completes with ``If-None-Match: *``: at any size a file
+  is never written over (``ObjectExists`` from the store). A failed or interrupted
+  (``KeyboardInterrupt``) write or commit aborts the upload (a completion the server had
+  already taken may still stand: that file then remains, never an index naming it).
 
 :meth:`existing` lists the names an export would clash with (``*.safetensors`` and
 ``*.safetensors.index.json`` directly in the folder, hidden names excepted); :meth:`remove`
@@ -27,9 +30,8 @@ from collections.abc import Sequence
 
 from cloudckpt.errors import ConfigError, ExportTargetNotEmpty, ObjectExists
 from cloudckpt.export import finish_file, temp_name
-from cloudckpt.runtime import run_coroutine, shared_store, submit
+from cloudckpt.runtime import run_coroutine, shared_store, start_task
 from cloudckpt.storage import CommonPrefix
-from cloudckpt.storage.options import MAX_PUT_SIZE
 
 _FLAGS = getattr(os, "O_CLOEXEC", 0)
 _DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _FLAGS
@@ -145,32 +147,31 @@ class S3Folder:
 
 class _S3File:
     def __init__(self, folder: S3Folder, name: str, size: int):
-        import numpy as np
-
-        self.folder, self.name = folder, name
-        self.buffer = np.empty(size, dtype=np.uint8)
-        self.used = 0
+        self.folder, self.name, self.size = folder, name, size
+        self.stream = folder.store.open_writer(name, mode="create", size_hint=size)
 
     def write(self, view) -> None:
-        n = len(view)
-        self.buffer[self.used:self.used + n] = memoryview(view).cast("B")
-        self.used += n
+        self._wait(self.stream.write(view))
 
     def commit(self) -> None:
-        if self.used != len(self.buffer):
-            raise AssertionError(f"{self.name}: {self.used} bytes written, {len(self.buffer)} "
+        if self.stream.size != self.size:
+            raise AssertionError(f"{self.name}: {self.stream.size} bytes written, {self.size} "
                                  "planned")
-        mode = "create" if self.used <= MAX_PUT_SIZE else "overwrite"
-        pending = submit(self.folder.store.put(self.name, self.buffer, mode=mode))
-        try:
-            pending.result()
-        except ObjectExists as exc:
-            raise _taken(self.folder.where, self.name) from exc
-        except BaseException:
-            pending.cancel()  # interrupted: stop the upload rather than let it finish later
-            raise
-        finally:
-            self.buffer = None
+        self._wait(self.stream.commit())
 
     def discard(self) -> None:
-        self.buffer = None
+        run_coroutine(self.stream.abort())
+
+    def _wait(self, coro) -> None:
+        """Run a step of the stream on the runtime's loop. Interrupted (``KeyboardInterrupt``):
+        the step is cancelled, which aborts the stream, before the interruption goes on."""
+        task = start_task(coro)
+        try:
+            task.result()
+        except ObjectExists as exc:
+            raise _taken(self.folder.where, self.name) from exc
+        except Exception:
+            raise
+        except BaseException:
+            task.cancel_and_wait()
+            raise

@@ -15,8 +15,9 @@ Contract:
   unpickled (they are left out like the other values).
 - Memory: data moves through one window buffer of ``window_bytes`` (tensors larger than it are
   read in contiguous row slices) plus the load's read buffers (``LoadOptions.max_read_bytes``);
-  a local file is streamed to disk, an S3 file is gathered in memory first, so an S3 export
-  also holds one file (at most ``max_shard_bytes``, or one larger tensor).
+  every file is streamed: to disk, or to S3 in parts, the destination store holding about
+  ``part_size x (concurrency + 1)`` of it (its ``StorageOptions``; within its
+  ``max_buffer_bytes`` but one part), whatever the file's size.
 - The destination is refused (:class:`~cloudckpt.errors.ExportTargetNotEmpty`, a
   ``FileExistsError``) when it already holds ``*.safetensors`` files or an index; other files
   (``config.json``, a tokenizer) are fine. Files are never written over

@@ -21,7 +21,7 @@ from typing import (
     runtime_checkable,
 )
 
-from cloudckpt.errors import ConfigError
+from cloudckpt.errors import ConfigError, StorageError
 
 PutMode = Literal["overwrite", "create"]
 Body = Union[bytes, bytearray, memoryview, Sequence]
@@ -95,6 +95,71 @@ class StoreStats:
 
 
 @runtime_checkable
+class ObjectWriter(Protocol):
+    """One object written as a stream (:meth:`ObjectStore.open_writer`), with memory bounded by
+    the store, not by the object's size. One call at a time.
+
+    - ``write(body)``: appends ``body`` (a buffer or a sequence of buffers, as for ``put``);
+      the bytes are taken (copied or written out) before it returns, so the caller may reuse
+      its buffers at once. It may wait for room (parts in flight) and may already send them.
+    - ``commit()``: publishes everything written under the key, at once: before it returns
+      nothing is visible there (readers see the previous object, or none). In ``create`` mode
+      ``ObjectExists`` (from ``commit``, or from a ``write`` once the stream is long enough to
+      be sent in parts) when the key exists, which is left untouched; exactly one of several
+      concurrent creates of a key, streams and puts alike, wins (S3's limits: see
+      ``cloudckpt.storage.s3_stream``). Returns the object's ``ObjectInfo`` (size and etag).
+    - ``abort()``: drops what was written (idempotent; nothing to do after ``commit``). Any
+      failure of ``write`` or ``commit``, cancellation included, aborts the stream itself;
+      later calls raise ``StorageError``. An abort that cannot reach the store leaves an
+      unfinished upload, which ``list_uploads`` / ``abort_upload`` find.
+    - ``async with store.open_writer(key) as w:`` aborts on leaving unless committed.
+    - ``size``: bytes written so far.
+    """
+
+    key: str
+    size: int
+
+    async def write(self, body: Body) -> None: ...
+
+    async def commit(self) -> ObjectInfo: ...
+
+    async def abort(self) -> None: ...
+
+    async def __aenter__(self) -> ObjectWriter: ...
+
+    async def __aexit__(self, *exc) -> None: ...
+
+
+class WriterState:
+    """The life cycle the backends' ``ObjectWriter``s share: ``open`` -> ``committed`` or
+    ``aborted``; ``async with`` aborts unless committed. Subclasses define ``abort``."""
+
+    def __init__(self, key: str, where: str, size_hint: int | None):
+        if size_hint is not None and (type(size_hint) is not int or size_hint < 0):
+            raise ConfigError(f"size_hint must be None or an integer >= 0, got {size_hint!r}")
+        self.key = key
+        self.where = where
+        self.size = 0
+        self.state = "open"
+
+    def check_open(self, op: str) -> None:
+        """``StorageError`` unless the stream is still open."""
+        if self.state != "open":
+            raise StorageError(f"{op} {self.where}/{self.key}: the stream is {self.state}",
+                               key=self.key, operation=op)
+
+    async def abort(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self.state != "committed":
+            await self.abort()
+
+
+@runtime_checkable
 class ObjectStore(Protocol):
     """An async object store rooted at ``url``. Bound to the event loop it is first used on.
 
@@ -117,6 +182,15 @@ class ObjectStore(Protocol):
     async def put(self, key: str, body: Body, *, mode: PutMode = "overwrite") -> ObjectInfo:
         """Store ``body`` under ``key``. ``create`` raises ``ObjectExists`` if the key exists
         (exactly one of several concurrent creates wins). Large bodies go multipart."""
+
+    def open_writer(self, key: str, *, mode: PutMode = "overwrite",
+                    size_hint: int | None = None) -> ObjectWriter:
+        """A stream that writes ``key`` (see ``ObjectWriter``); nothing is sent before the first
+        ``write`` or ``commit``. Memory: a LocalStore stream writes each ``write`` to a
+        temporary file (no buffer of its own); an S3Store stream holds about ``part x
+        (concurrency + 1)`` (``cloudckpt.storage.s3_stream``). ``size_hint``: the expected size
+        (S3 picks its part size from it; a LocalStore reserves the space); a hint, not a limit.
+        ``mode`` as for ``put``; a bad key or mode raises ``ConfigError`` here."""
 
     async def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         """The whole object (``ObjectNotFound`` if missing). For large objects prefer

@@ -98,9 +98,10 @@ class StorageOptions:
       path (str or PathLike) trusts that PEM bundle (a private CA); False turns verification off.
     - ``concurrency``: requests in flight per store (and the size of its connection pool).
     - ``multipart_threshold``: bodies larger than this go multipart; ``part_size`` None picks one
-      per body (>= 5 MiB, <= 10,000 parts).
+      per body (>= 5 MiB, <= 10,000 parts; for a stream, from its size hint, else 16 MiB).
     - ``coalesce_gap``: ranges of one object closer than this are read by one GET.
-    - ``max_buffer_bytes``: bytes the store itself may hold for reads in flight (destination
+    - ``max_buffer_bytes``: bytes the store itself may hold for reads in flight and for the parts
+      of streams (``open_writer``) in flight (destination
       buffers provided by the caller are not counted, nor the received bytes of a range with
       sinks, held until it is verified: at most about one range per request in flight, whose
       buffers the direct reader keeps for the next ranges until reads stop for 2 s).

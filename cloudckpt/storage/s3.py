@@ -1,11 +1,12 @@
 """``S3Store``: the ``ObjectStore`` protocol on S3-compatible servers (aiobotocore).
 
-Split by responsibility, with imports pointing one way (``s3`` -> ``s3_write`` / ``s3_read`` ->
-``s3_conn`` -> ``retry``, ``s3_errors``, ``s3_client``):
+Split by responsibility, with imports pointing one way (``s3`` -> ``s3_stream`` -> ``s3_write``;
+``s3_write`` / ``s3_read`` -> ``s3_conn`` -> ``retry``, ``s3_errors``, ``s3_client``):
 - ``s3_conn.S3Connection``: one per ``open_store`` call, shared by ``child()`` stores: client,
   the request choke point (``call``: slots, retries, deadline, logging, error translation), the
   byte budget, the counters;
 - ``s3_write.S3Writer``: puts, multipart uploads, conditional create and its claim protocol;
+- ``s3_stream.S3ObjectWriter``: streams (``open_writer``), built on ``S3Writer``;
 - ``s3_read.S3Reader``: head, get, ranged reads (coalescing, verification);
 - here: keys (anchor, child prefix, prefix spreading), listings, deletes, and the composition.
 """
@@ -42,6 +43,7 @@ from cloudckpt.storage.s3_errors import (
     is_retriable,
 )
 from cloudckpt.storage.s3_read import S3Reader, object_info
+from cloudckpt.storage.s3_stream import S3ObjectWriter
 from cloudckpt.storage.s3_write import S3Writer
 from cloudckpt.storage.spreading import merge_sorted
 
@@ -57,8 +59,8 @@ class S3Store:
     for the contract of each method.
 
     Requests in flight are capped at ``options.concurrency``; bytes the store allocates for reads
-    in flight at ``options.max_buffer_bytes``. Objects are bound to the event loop they are first
-    used on.
+    and stream parts in flight at ``options.max_buffer_bytes``. Objects are bound to the event
+    loop they are first used on.
     """
 
     remote = True  #: capabilities: see ``ObjectStore``
@@ -120,6 +122,15 @@ class S3Store:
             raise ConfigError(f"bad put mode {mode!r}")
         views = as_views(body)
         return await self._writer.put(key, self._phys(key), views, mode == "create")
+
+    def open_writer(self, key: str, *, mode: PutMode = "overwrite",
+                    size_hint: int | None = None) -> S3ObjectWriter:
+        """A stream writing ``key`` (``ObjectStore.open_writer``; memory and the create
+        protocol: :mod:`cloudckpt.storage.s3_stream`)."""
+        if mode not in ("overwrite", "create"):
+            raise ConfigError(f"bad put mode {mode!r}")
+        return S3ObjectWriter(self._writer, key, self._phys(key), create=mode == "create",
+                              size_hint=size_hint)
 
     async def delete(self, keys: Iterable[str]) -> None:
         """Delete ``keys`` with DeleteObjects batches of 1,000 (sent with ``Content-MD5``). A

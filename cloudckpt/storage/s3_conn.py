@@ -34,12 +34,12 @@ class S3Connection:
     Public state: ``options``; ``bucket``; ``anchor`` (the key prefix of the URL given to
     ``open_store``: "" or ".../"); ``stats``; ``spreader`` (prefix spreading); ``slots`` (at most
     ``options.concurrency`` requests in flight); ``budget`` (``options.max_buffer_bytes`` of
-    store-owned read buffers); ``endpoint`` (where requests go and as whom, for messages: an
-    ``s3_errors.Endpoint``, completed when the client is created); ``create_strategy``
-    (``"native"``, ``"fallback"`` or None until the conditional-create probe ran) with
-    ``create_lock`` serialising that probe; what the server was found not to implement:
-    ``batch_delete`` (False once DeleteObjects was refused: single deletes from then on) and
-    ``lists_uploads`` (False once ListMultipartUploads answered 501); ``range_getter``, the
+    store-owned read buffers and stream parts in flight); ``endpoint`` (where requests go and
+    as whom, for messages: an ``s3_errors.Endpoint``, completed when the client is created);
+    ``create_strategy`` (``"native"``, ``"fallback"`` or None until the conditional-create
+    probe ran) with ``create_lock`` serialising that probe; what the server was found not to
+    implement: ``batch_delete`` (False once DeleteObjects was refused: single deletes from then
+    on) and ``lists_uploads`` (False once ListMultipartUploads answered 501); ``range_getter``, the
     direct ranged-GET reader (``s3_rangeget``) with its kept-alive connections.
     """
 

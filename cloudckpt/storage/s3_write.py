@@ -1,28 +1,34 @@
 """Writes of S3Store (``S3Writer``): single puts, multipart uploads, conditional create and its
-fallback. Every request goes through ``S3Connection.call``.
+fallback. Every request goes through ``S3Connection.call``. Streams (``S3Store.open_writer``,
+:mod:`cloudckpt.storage.s3_stream`) are built from the same pieces.
 
 Conditional create (``mode="create"``):
-- ``native``: one PutObject with ``If-None-Match: *``, whatever the body's size (never
+- ``native``: a put is one PutObject with ``If-None-Match: *``, whatever the body's size (never
   multipart; bodies over 5 GiB, S3's single-PUT limit, are refused with ``ConfigError``: a
   manifest is far smaller). The server answers 412 when the key exists and lets exactly one of
   concurrent creates win. Verified under a race on SeaweedFS 4.48 and moto 5.2 (tests race two
   stores over HTTP); documented by AWS S3 since 2024-08. The header on CompleteMultipartUpload
-  is not used: Ceph RGW 16 ignores it there (a second create overwrote the first) and on moto
-  and LocalStack two racing completes both succeed, while the single PutObject held on every
-  server that honoured the header at all.
+  alone is not relied on: Ceph RGW 16 ignores it there (a second create overwrote the first)
+  and on moto and LocalStack two racing completes both succeed, while the single PutObject
+  held on every server that honoured the header at all. A create *stream* longer than one part
+  cannot be one PutObject: it takes the claim below first, then completes with the header
+  (what SeaweedFS and AWS honour; the claim covers the servers that do not).
 - ``fallback``, for servers that accept the header and ignore it (older MinIO / SeaweedFS
   releases and other S3 gateways or emulators; ``conditional_create="auto"``, the default, finds
   out with a probe object once per store and logs a warning when it falls back): a
   claim protocol over multipart uploads, needing only strongly consistent ListMultipartUploads
   and HeadObject (without ListMultipartUploads, 501, no create can be exclusive: it fails with
   a ``StorageError`` that says so). Each creator (1) stops with ObjectExists if the key exists,
-  (2) starts a multipart upload of the key, (3) lists the key's unfinished uploads: if it sees any other (not
-  stale) it aborts its own, backs off and starts over, (4) checks again that the key does not
-  exist, (5) uploads and completes. Two creators cannot both pass (3): the later one to start
-  its upload sees the earlier one's upload, unless that one already completed, which (4) sees.
-  Contention costs retries (bounded by the retry deadline), never a second winner. Uploads
-  initiated more than 15 minutes before ours (server clock) are taken for crashed creators and
-  ignored: a creator slower than that between (2) and (5) could lose its exclusivity.
+  (2) starts a multipart upload of the key, (3) lists the key's unfinished uploads: if it sees
+  any other (not stale) it aborts its own, backs off and starts over, (4) checks again that the
+  key does not exist, (5) uploads and completes (with ``If-None-Match: *``). Two creators
+  cannot both pass (3): the later one to start its upload sees the earlier one's upload, unless
+  that one already completed, which (4) sees. Contention costs retries (bounded by the retry
+  deadline), never a second winner. Uploads initiated more than ``STALE_UPLOAD_S`` (15
+  minutes) before ours (server clock) are taken for crashed creators and ignored: a creator
+  slower than that between (2) and (5) (a stream holds its claim for as long as it streams)
+  could lose its exclusivity where the server also ignores the header on
+  CompleteMultipartUpload.
 
 A create that ends in 412 (or a completion retry in NoSuchUpload) checks the object's
 ``x-amz-meta-cloudckpt-put`` token to tell its own success whose answer was lost (our retry, or
@@ -89,7 +95,7 @@ class S3Writer:
                 raise ConfigError(f"create {self.where}/{key}: {size} bytes is more than one "
                                   f"PutObject takes ({MAX_PUT_SIZE} bytes); create-mode objects "
                                   "must be smaller")
-            if await self._create_strategy(phys) == "fallback":
+            if await self.create_strategy(phys) == "fallback":
                 return await self._fallback_create(key, phys, views, size, token)
             return await self._single_put(key, phys, views, size, True, token)
         if size <= self.conn.options.multipart_threshold:
@@ -164,7 +170,7 @@ class S3Writer:
                 return info
             raise
 
-    async def _create_upload(self, key, phys, token) -> str:
+    async def create_upload(self, key, phys, token) -> str:
         conn = self.conn
 
         async def attempt(n: int) -> str:
@@ -177,48 +183,51 @@ class S3Writer:
 
         return await conn.call("create_multipart", key, attempt, where=self.where)
 
-    async def _upload_parts(self, key, phys, upload_id, views, size) -> list[dict]:
-        """Upload every part (at most ``concurrency`` at a time); returns the
+    async def upload_part(self, key, phys, upload_id, number: int, views) -> dict:
+        """Upload ``views`` (concatenated) as part ``number`` (1-based); returns its entry of the
         CompleteMultipartUpload part list."""
+        conn = self.conn
+        size = sum(len(v) for v in views)
+        crc = await _crc(views) if conn.options.transport_checksums else None
+
+        async def attempt(n: int) -> str:
+            client = await conn.client()
+            kw = {"Bucket": conn.bucket, "Key": phys, "UploadId": upload_id,
+                  "PartNumber": number, "ContentLength": size,
+                  "Body": BodyPayload(views) if size else b""}
+            if crc is not None:
+                kw["ChecksumCRC32C"] = crc32c_b64(crc)
+            resp = await send_with_body(client.upload_part(**kw), kw["Body"],
+                                        conn.options.retry.read_timeout)
+            conn.stats.bytes_sent += size
+            return resp["ETag"]
+
+        etag = await conn.call("upload_part", key, attempt, where=self.where)
+        entry = {"PartNumber": number, "ETag": etag}
+        if crc is not None:
+            entry["ChecksumCRC32C"] = crc32c_b64(crc)
+        return entry
+
+    async def _upload_parts(self, key, phys, upload_id, views, size) -> list[dict]:
+        """Upload every part of a body held in memory (at most ``concurrency`` at a time);
+        returns the CompleteMultipartUpload part list."""
         conn = self.conn
         part = choose_part_size(size, conn.options.part_size)
         count = max(1, -(-size // part))
         parts: list[dict | None] = [None] * count
         next_part = 0
 
-        async def upload(i: int) -> None:
-            start, stop = i * part, min(size, (i + 1) * part)
-            pviews = slice_views(views, start, stop)
-            crc = await _crc(pviews) if conn.options.transport_checksums else None
-
-            async def attempt(n: int) -> str:
-                client = await conn.client()
-                kw = {"Bucket": conn.bucket, "Key": phys, "UploadId": upload_id,
-                      "PartNumber": i + 1, "ContentLength": stop - start,
-                      "Body": BodyPayload(pviews) if stop > start else b""}
-                if crc is not None:
-                    kw["ChecksumCRC32C"] = crc32c_b64(crc)
-                resp = await send_with_body(client.upload_part(**kw), kw["Body"],
-                                            conn.options.retry.read_timeout)
-                conn.stats.bytes_sent += stop - start
-                return resp["ETag"]
-
-            etag = await conn.call("upload_part", key, attempt, where=self.where)
-            entry = {"PartNumber": i + 1, "ETag": etag}
-            if crc is not None:
-                entry["ChecksumCRC32C"] = crc32c_b64(crc)
-            parts[i] = entry
-
         async def worker() -> None:
             nonlocal next_part
             while next_part < count:
                 i, next_part = next_part, next_part + 1
-                await upload(i)
+                pviews = slice_views(views, i * part, min(size, (i + 1) * part))
+                parts[i] = await self.upload_part(key, phys, upload_id, i + 1, pviews)
 
         await run_all(worker() for _ in range(min(conn.options.concurrency, count)))
         return parts  # type: ignore[return-value]
 
-    async def _complete(self, key, phys, upload_id, parts, size, create, token) -> ObjectInfo:
+    async def complete(self, key, phys, upload_id, parts, size, create, token) -> ObjectInfo:
         conn = self.conn
         tries = 0
 
@@ -245,26 +254,32 @@ class S3Writer:
     async def _multipart_put(self, key, phys, views, size, token) -> ObjectInfo:
         """An overwrite-mode multipart upload (create mode never goes multipart: module
         docstring)."""
-        upload_id = await self._create_upload(key, phys, token)
+        upload_id = await self.create_upload(key, phys, token)
         try:
             parts = await self._upload_parts(key, phys, upload_id, views, size)
-            return await self._complete(key, phys, upload_id, parts, size, False, token)
+            return await self.complete(key, phys, upload_id, parts, size, False, token)
         except BaseException:
-            self._abort_later(key, phys, upload_id)
+            self.abort_later(key, phys, upload_id)
             raise
 
-    def _abort_later(self, key, phys, upload_id) -> None:
-        """Abort an upload after a failure, even if the caller is being cancelled."""
+    def abort_later(self, key, phys, upload_id, *, after=()) -> asyncio.Task:
+        """Abort an upload after a failure, once the tasks ``after`` (its part uploads) have
+        stopped, even if the caller is being cancelled (best effort: a failure is logged).
+        Returns the background task (``close`` of the connection waits for it too)."""
         async def run() -> None:
+            if after:
+                await asyncio.gather(*after, return_exceptions=True)
             try:
                 await self.abort(key, phys, upload_id)
             except Exception as exc:  # noqa: BLE001 - best effort, logged
                 logger.warning("could not abort multipart upload of %s/%s: %s", self.where,
                                key, exc)
 
-        self.conn.in_background(run())
+        task = asyncio.ensure_future(run())
+        self.conn.in_background(task)
+        return task
 
-    async def _head(self, key, phys) -> dict | None:
+    async def head(self, key, phys) -> dict | None:
         """The HeadObject answer for ``phys``, or None when there is no such object."""
         conn = self.conn
 
@@ -280,7 +295,7 @@ class S3Writer:
     async def _own_object(self, key, phys, token, size) -> ObjectInfo | None:
         """The object at ``phys`` if it is the one this put wrote (its token matches), else
         None."""
-        resp = await self._head(key, phys)
+        resp = await self.head(key, phys)
         if resp is None or (resp.get("Metadata") or {}).get(TOKEN_META) != token:
             return None
         return ObjectInfo(key=key, size=int(resp.get("ContentLength", size)),
@@ -288,7 +303,7 @@ class S3Writer:
 
     # --- conditional create ---------------------------------------------------------------------
 
-    async def _create_strategy(self, phys: str) -> str:
+    async def create_strategy(self, phys: str) -> str:
         """``native`` or ``fallback``: fixed by the options, or probed once per connection (next
         to ``phys``, where the caller is allowed to write)."""
         conn = self.conn
@@ -337,40 +352,40 @@ class S3Writer:
         return strategy
 
     async def _fallback_create(self, key, phys, views, size, token) -> ObjectInfo:
-        """The multipart claim protocol (module docstring)."""
+        """The multipart claim protocol (module docstring) for a body held in memory."""
+        upload_id = await self.claim(key, phys, token)
+        try:
+            parts = await self._upload_parts(key, phys, upload_id, views, size)
+            return await self.complete(key, phys, upload_id, parts, size, True, token)
+        except BaseException:
+            self.abort_later(key, phys, upload_id)
+            raise
+
+    async def claim(self, key, phys, token, *, required: bool = True) -> str:
+        """Steps (1)-(4) of the claim protocol (module docstring): returns the id of a multipart
+        upload of ``phys`` that no other non-stale creator's upload preceded, the key not
+        existing (``ObjectExists`` otherwise). Contention is retried with backoff until the
+        retry deadline (then ``RetriesExhausted``). The caller owns the upload: it completes it
+        with ``If-None-Match: *`` or aborts it. ``required=False`` (a server known to honour
+        the header): where ListMultipartUploads is not implemented, the upload is returned
+        without the rival check instead of failing."""
         retry = self.conn.options.retry
         loop = asyncio.get_running_loop()
         deadline = loop.time() + retry.deadline
         rounds = 0
         while True:
             rounds += 1
-            if await self._head(key, phys) is not None:
-                raise ObjectExists(f"create {self.where}/{key}: the object already exists",
-                                   key=key, operation="put")
-            if self.conn.lists_uploads is False:
+            await self.refuse_existing(key, phys)
+            if self.conn.lists_uploads is False and required:
                 raise self._no_exclusive_create(key)
-            upload_id = await self._create_upload(key, phys, token)
+            upload_id = await self.create_upload(key, phys, token)
             try:
-                try:
-                    listed = await self.list_uploads(phys, strip=0)
-                except StorageError as exc:
-                    if not is_not_implemented(exc):
-                        raise
-                    self.conn.lists_uploads = False
-                    raise self._no_exclusive_create(key) from exc
-                uploads = [u for u in listed if u.key == phys]
-                mine = next((u.initiated for u in uploads if u.upload_id == upload_id), None)
-                rivals = [u for u in uploads if u.upload_id != upload_id and not (
-                    mine is not None and u.initiated is not None
-                    and mine - u.initiated > STALE_UPLOAD_S)]
+                rivals = await self._rivals(key, phys, upload_id, required)
                 if not rivals:
-                    if await self._head(key, phys) is not None:
-                        raise ObjectExists(f"create {self.where}/{key}: the object already "
-                                           "exists", key=key, operation="put")
-                    parts = await self._upload_parts(key, phys, upload_id, views, size)
-                    return await self._complete(key, phys, upload_id, parts, size, True, token)
+                    await self.refuse_existing(key, phys)
+                    return upload_id
             except BaseException:
-                self._abort_later(key, phys, upload_id)
+                self.abort_later(key, phys, upload_id)
                 raise
             await self.abort(key, phys, upload_id)
             delay = random.uniform(0.0, min(retry.max_delay, retry.base_delay * 2 ** rounds))
@@ -380,6 +395,31 @@ class S3Writer:
             logger.info("create %s/%s: %d concurrent creators, retrying in %.2fs", self.where,
                         key, len(rivals), delay)
             await asyncio.sleep(delay)
+
+    async def _rivals(self, key, phys, upload_id, required: bool) -> list[UploadInfo]:
+        """The other unfinished, non-stale uploads of ``phys`` (step 3)."""
+        if self.conn.lists_uploads is False:
+            return []
+        try:
+            listed = await self.list_uploads(phys, strip=0)
+        except StorageError as exc:
+            if not is_not_implemented(exc):
+                raise
+            self.conn.lists_uploads = False
+            if required:
+                raise self._no_exclusive_create(key) from exc
+            return []
+        uploads = [u for u in listed if u.key == phys]
+        mine = next((u.initiated for u in uploads if u.upload_id == upload_id), None)
+        return [u for u in uploads if u.upload_id != upload_id and not (
+            mine is not None and u.initiated is not None
+            and mine - u.initiated > STALE_UPLOAD_S)]
+
+    async def refuse_existing(self, key, phys) -> None:
+        """``ObjectExists`` if ``phys`` exists (one HEAD)."""
+        if await self.head(key, phys) is not None:
+            raise ObjectExists(f"create {self.where}/{key}: the object already exists",
+                               key=key, operation="put")
 
     def _no_exclusive_create(self, key: str) -> StorageError:
         return StorageError(

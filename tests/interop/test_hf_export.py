@@ -269,6 +269,49 @@ def test_a_failed_export_leaves_no_file(tmp_path, monkeypatch, request, where, f
         assert _s3_objects(dst) == {}
 
 
+def test_an_s3_file_larger_than_a_part_is_streamed_and_an_interrupt_aborts_it(
+        tmp_path, monkeypatch, s3_env, s3_url):
+    """A 12 MiB file with 5 MiB parts goes up as a multipart stream (create mode) and reads back
+    exactly; ``KeyboardInterrupt`` while a write of the next export waits leaves no object and no
+    unfinished upload."""
+    MiB = 1 << 20
+    url = str(tmp_path / "ck")
+    state = {"w": torch.randn(3 * MiB), "b": torch.arange(5)}
+    cloudckpt.save(state, url)
+    storage = cloudckpt.StorageOptions(part_size=5 * MiB, multipart_threshold=5 * MiB,
+                                       concurrency=2)
+    dst = f"{s3_url}/hf"
+    store = shared_store(dst, storage)
+    cloudckpt.export_safetensors(url, dst, window_bytes=MiB, storage=storage)
+    assert store.stats.requests["upload_part"] == 3
+    blob = _s3_objects(dst)["model.safetensors"]
+    assert all(torch.equal(v, state[k]) for k, v in st_load(blob).items())
+
+    real, calls = destinations.start_task, []
+
+    class Interrupted:  # Ctrl-C while the main thread waits for the step
+        def __init__(self, task):
+            self.task = task
+
+        def result(self):
+            raise KeyboardInterrupt
+
+        def cancel_and_wait(self):
+            self.task.cancel_and_wait()
+
+    def start_task(coro):
+        calls.append(1)
+        task = real(coro)
+        return Interrupted(task) if len(calls) == 9 else task
+
+    monkeypatch.setattr(destinations, "start_task", start_task)
+    with pytest.raises(KeyboardInterrupt):
+        cloudckpt.export_safetensors(url, f"{dst}2", window_bytes=MiB, storage=storage)
+    assert _s3_objects(f"{dst}2") == {}
+    assert run_coroutine(shared_store(f"{dst}2", storage).list_uploads()) == []
+    assert store.stats.requests["abort_multipart"] >= 1
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"dtype": "int8"}, "not floating"),
     ({"dtype": "complex128"}, "not one safetensors holds"),

@@ -10,6 +10,8 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cloudckpt.checksum import crc32c
 from cloudckpt.errors import (
@@ -18,6 +20,7 @@ from cloudckpt.errors import (
     InvalidRange,
     ObjectExists,
     ObjectNotFound,
+    StorageError,
 )
 from cloudckpt.storage import (CommonPrefix, ObjectInfo, ObjectStore, ReadRange, S3Store,
                                open_store)
@@ -414,3 +417,165 @@ def test_capabilities_say_what_the_store_is(backend):
     else:
         assert store.remote is True and child.remote is True
         assert store.local_root is None and child.local_root is None
+
+
+# --- streams (open_writer) ----------------------------------------------------------------------
+
+STREAM = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB, "concurrency": 3}
+STREAM_DATA = np.random.default_rng(7).integers(0, 256, 13 * MiB, dtype=np.uint8)
+
+
+async def _stream(store, key, data, sizes, *, mode="overwrite", size_hint=None):
+    """Write ``data`` through a stream in pieces of ``sizes`` (cycled), then commit."""
+    w = store.open_writer(key, mode=mode, size_hint=size_hint)
+    pos, i = 0, 0
+    while pos < len(data):
+        n = sizes[i % len(sizes)]
+        await w.write(data[pos:pos + n])
+        pos, i = pos + n, i + 1
+    assert w.size == len(data)
+    return await w.commit()
+
+
+def _sent_parts(store) -> int:
+    return store.stats.requests.get("upload_part", 0) if isinstance(store, S3Store) else 0
+
+
+def test_a_stream_stores_what_was_written(backend):
+    """Sizes 0, 1, below the threshold, exactly one part, several parts in uneven writes (a
+    numpy array, bytes, lists of buffers), with and without a size hint."""
+    part = STREAM["part_size"]
+    data = memoryview(STREAM_DATA)
+    cases = [("empty", 0, [1], None), ("one", 1, [1], 1), ("small", 100_000, [7, 65_536], None),
+             ("part", part, [MiB], part), ("part+1, low hint", part + 1, [part, 1], 1000),
+             ("parts", 2 * part + 12_345, [3 * MiB + 1, 17, 2 * MiB], None),
+             ("high hint", 3 * MiB, [MiB], 12 * MiB)]
+
+    async def body(store):
+        for name, size, sizes, hint in cases:
+            parts_before = _sent_parts(store)
+            info = await _stream(store, f"s/{name}", data[:size], sizes, size_hint=hint)
+            assert info.size == size and info.key == f"s/{name}" and info.etag, name
+            assert await store.get(f"s/{name}") == data[:size], name
+            assert (await store.head(f"s/{name}")).size == size, name
+            if isinstance(store, S3Store):  # one PutObject while it fits one part
+                assert (_sent_parts(store) > parts_before) == (size > part), name
+        w = store.open_writer("s/list")
+        await w.write([b"ab", bytearray(b"cd"), np.arange(3, dtype=np.uint16)])
+        await w.write(memoryview(b"xyz")[1:])
+        await w.commit()
+        assert await store.get("s/list") == b"abcd" + np.arange(3, dtype=np.uint16).tobytes() \
+            + b"yz"
+        await store.put("s/old", b"old")  # overwrite mode replaces
+        await _stream(store, "s/old", data[:1000], [300])
+        assert await store.get("s/old") == data[:1000]
+        assert await store.list_uploads() == []
+
+    backend.run(body, **STREAM)
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"], indirect=True)
+@settings(max_examples=4, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(1, 3 * MiB), min_size=1, max_size=8),
+       total=st.integers(0, 12 * MiB), hint=st.sampled_from([None, "exact", "low"]),
+       mode=st.sampled_from(["overwrite", "create"]))
+def test_any_sequence_of_writes_is_stored_exactly(backend, sizes, total, hint, mode):
+    data = memoryview(STREAM_DATA)[:total]
+    size_hint = {None: None, "exact": total, "low": total // 3}[hint]
+    key = f"h/{os.urandom(4).hex()}"
+
+    async def body(store):
+        info = await _stream(store, key, data, sizes, mode=mode, size_hint=size_hint)
+        assert info.size == total
+        got = np.empty(total, dtype=np.uint8)
+        if total:
+            await store.read_ranges(key, [ReadRange(0, total, out=memoryview(got))])
+        assert np.array_equal(got, STREAM_DATA[:total])
+        assert await store.list_uploads("h/") == []
+
+    backend.run(body, **STREAM)
+
+
+def test_a_create_stream_never_writes_over_an_object(backend):
+    """An existing key: ``ObjectExists`` (at the commit of a short stream, at the first part of
+    a long one), the object untouched, nothing left behind."""
+    data = memoryview(STREAM_DATA)[:12 * MiB]
+
+    async def body(store):
+        for size in (10, 12 * MiB):
+            key = f"c/{size}"
+            await store.put(key, b"theirs")
+            with pytest.raises(ObjectExists) as err:
+                await _stream(store, key, data[:size], [MiB], mode="create")
+            assert isinstance(err.value, FileExistsError)
+            assert await store.get(key) == b"theirs"
+        w = store.open_writer("c/new", mode="create")
+        await w.write(data)  # claims the key and sends parts
+        await store.put("c/new", b"first", mode="create")  # lands while the stream streams
+        with pytest.raises(ObjectExists):
+            await w.commit()
+        assert await store.get("c/new") == b"first"
+        with pytest.raises(StorageError, match="aborted"):
+            await w.write(b"more")
+        assert await store.list_uploads() == []
+
+    backend.run(body, **STREAM)
+
+
+def test_two_create_streams_race_and_exactly_one_wins(backend):
+    """Two stores (two connections) stream the same key in create mode at once, two parts each;
+    and a short stream against a put."""
+    bodies = [STREAM_DATA[:7 * MiB], STREAM_DATA[6 * MiB:13 * MiB]]
+
+    async def race(store):
+        other = backend.open(**STREAM)
+        try:
+            results = await asyncio.gather(
+                *(_stream(s, "r/big", b, [MiB + 7], mode="create")
+                  for s, b in zip((store, other), bodies)), return_exceptions=True)
+            winners = [i for i, r in enumerate(results) if isinstance(r, ObjectInfo)]
+            assert len(winners) == 1, results
+            assert all(isinstance(r, ObjectExists) for r in results if r is not results[winners[0]])
+            assert await store.get("r/big") == bodies[winners[0]].tobytes()
+            small = await asyncio.gather(_stream(store, "r/small", b"a" * 100, [7], mode="create"),
+                                         other.put("r/small", b"b" * 100, mode="create"),
+                                         return_exceptions=True)
+            assert sorted(type(r).__name__ for r in small) == ["ObjectExists", "ObjectInfo"]
+            assert await store.list_uploads() == []
+        finally:
+            await other.close()
+
+    backend.run(race, **STREAM)
+
+
+def test_an_aborted_stream_leaves_nothing(backend):
+    data = memoryview(STREAM_DATA)[:12 * MiB]
+
+    async def body(store):
+        for mode in ("overwrite", "create"):
+            w = store.open_writer(f"a/{mode}", mode=mode)
+            await w.write(data)  # parts sent (S3)
+            await w.abort()
+            await w.abort()  # idempotent
+            with pytest.raises(StorageError, match="aborted"):
+                await w.commit()
+        async with store.open_writer("a/ctx") as w:  # left without commit: aborted
+            await w.write(data[:100])
+        with pytest.raises(KeyError):
+            async with store.open_writer("a/raised", mode="create") as w:
+                await w.write(data)
+                raise KeyError("the caller failed")
+        async with store.open_writer("a/kept") as w:
+            await w.write(b"kept")
+            await w.commit()
+        assert [x.key async for x in store.list("a/")] == ["a/kept"]
+        assert await store.list_uploads() == []
+        with pytest.raises(ConfigError):
+            store.open_writer("a/bad", mode="append")
+        with pytest.raises(ConfigError):
+            store.open_writer("a//bad")
+        with pytest.raises(ConfigError):
+            store.open_writer("a/bad", size_hint=-1)
+
+    backend.run(body, **STREAM)

@@ -122,7 +122,8 @@ def test_small_delete_batches_on_every_server(s3_like, monkeypatch):
 
 def test_store_without_list_multipart_uploads(s3_server, s3_url, fault_proxy, caplog):
     """Listing uploads is clean-up only: a 501 makes it empty (one WARNING, not asked again),
-    and puts of every kind, creates included, work."""
+    and puts of every kind, creates included, work; so do create streams (where the server
+    honours If-None-Match)."""
     fault_proxy.configure(refuse=[("GET", "uploads", 501, "NotImplemented")])
     big = os.urandom(6 * MiB)
 
@@ -134,6 +135,15 @@ def test_store_without_list_multipart_uploads(s3_server, s3_url, fault_proxy, ca
         with pytest.raises(ObjectExists):
             await store.put("m", b"again", mode="create")
         assert await store.get("big") == big and await store.get("m") == b"manifest"
+        w = store.open_writer("streamed", mode="create")  # three parts, unclaimed
+        await w.write(big + big)
+        late = store.open_writer("streamed", mode="create")
+        await late.write(big)  # one part out, the key still free
+        await w.commit()
+        with pytest.raises(ObjectExists):  # the check before the completion, and its header
+            await late.commit()
+        assert await store.get("streamed") == big + big
+        assert fault_proxy.counters["refused"] == 1
 
     with caplog.at_level(logging.WARNING, logger="cloudckpt.storage"):
         _run(s3_url, s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url,

@@ -16,7 +16,7 @@ from cloudckpt.errors import (
     ObjectNotFound,
     RetriesExhausted,
 )
-from cloudckpt.storage import ObjectInfo, ReadRange, RetryOptions
+from cloudckpt.storage import ObjectInfo, ReadRange, RetryOptions, open_store
 
 from .conftest import run_on_store, s3_options
 
@@ -302,6 +302,17 @@ def test_fallback_protocol_on_a_real_server(s3_server, s3_url):
         assert await store.get("big") == big
         await store.put("empty", b"", mode="create")
         assert await store.get("empty") == b""
+        for key in ("big", "streamed"):  # a create stream claims the key the same way
+            w = store.open_writer(key, mode="create")
+            try:
+                await w.write(big)
+                await w.commit()
+            except ObjectExists:
+                assert key == "big"
+            else:
+                assert key == "streamed"
+        assert await store.get("streamed") == big and await store.get("big") == big
+        assert await store.list_uploads() == []
 
     _run(s3_url, s3_options(s3_server, conditional_create="fallback", part_size=5 * MiB), body)
 
@@ -373,3 +384,127 @@ def test_large_gets_share_a_small_budget_without_deadlock(s3_server, s3_url):
         assert store.stats.requests["get"] >= 6 * 3
 
     _run(s3_url, options, body)
+
+
+# --- streams (open_writer) ----------------------------------------------------------------------
+
+STREAM = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB}
+
+
+async def _nothing_left(store, *keys):
+    assert await store.list_uploads() == []
+    for key in keys:
+        with pytest.raises(ObjectNotFound):
+            await store.head(key)
+
+
+@pytest.mark.parametrize("mode", ["overwrite", "create"])
+def test_a_stream_failing_mid_way_is_aborted(s3_server, s3_url, fault_proxy, mode):
+    """Parts refused (503 on every PUT) after the upload started, then a refused completion
+    (every POST): each stream fails typed, its upload is aborted, no object appears."""
+    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url, **STREAM,
+                         conditional_create="native",  # no probe (a PUT)
+                         retry=RetryOptions(max_attempts=2, base_delay=0.0, max_delay=0.0))
+    data = np.random.default_rng(3).integers(0, 256, 12 * MiB, dtype=np.uint8)
+
+    async def failing(store):
+        fault_proxy.configure(fail_all=True, methods={"PUT"}, kinds=("503",))
+        w = store.open_writer("parts.bin", mode=mode)
+        with pytest.raises(RetriesExhausted):
+            await w.write(data[:6 * MiB])   # the first part goes out
+            await w.write(data[6 * MiB:])   # the second waits for room or fails here
+            await w.commit()
+        assert store.stats.requests["create_multipart"] == 1
+        assert store.stats.requests["upload_part"] >= 2
+        fault_proxy.configure(fail_all=False)
+        w = store.open_writer("complete.bin", mode=mode)
+        await w.write(data)
+        fault_proxy.configure(fail_all=True, methods={"POST"}, kinds=("503",))
+        with pytest.raises(RetriesExhausted):
+            await w.commit()
+        fault_proxy.configure(fail_all=False)
+        await _nothing_left(store, "parts.bin", "complete.bin")
+
+    _run(s3_url, options, failing)
+    _run(s3_url, s3_options(s3_server), lambda store: _nothing_left(store, "parts.bin",
+                                                                    "complete.bin"))
+
+
+def test_a_cancelled_stream_is_aborted(s3_server, s3_url):
+    data = np.random.default_rng(4).integers(0, 256, 48 * MiB, dtype=np.uint8)
+
+    async def body(store):
+        async def stream():
+            w = store.open_writer("cancelled.bin", mode="create")
+            for i in range(0, len(data), MiB):
+                await w.write(data[i:i + MiB])
+            await w.commit()
+
+        task = asyncio.ensure_future(stream())
+        while not store.stats.requests.get("upload_part"):
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    _run(s3_url, s3_options(s3_server, concurrency=2, **STREAM), body)  # close waits for aborts
+    _run(s3_url, s3_options(s3_server), lambda store: _nothing_left(store, "cancelled.bin"))
+
+
+def test_a_stream_holds_its_parts_within_the_budget(s3_server, s3_url, fault_proxy):
+    """At most ``concurrency`` parts in flight and never more budget than ``max_buffer_bytes``
+    (here room for one 5 MiB part at a time), whatever the object's size."""
+    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url, concurrency=2,
+                         max_buffer_bytes=8 * MiB, **STREAM)
+    data = np.random.default_rng(5).integers(0, 256, 26 * MiB, dtype=np.uint8)
+
+    async def body(store):
+        info = await store.open_writer("bounded.bin").__aenter__()
+        for i in range(0, len(data), 3 * MiB):
+            await info.write(data[i:i + 3 * MiB])
+        await info.commit()
+        assert store.stats.requests["upload_part"] == 6
+        assert 5 * MiB <= store.connection.budget.peak <= 8 * MiB
+        assert await store.get("bounded.bin") == data.tobytes()
+
+    _run(s3_url, options, body)
+    assert fault_proxy.counters["max_inflight"] <= 2
+
+
+def test_create_streams_stay_exclusive_where_the_completion_ignores_if_none_match(
+        s3_server, s3_url, fault_proxy):
+    """A server that honours If-None-Match on PutObject but not on CompleteMultipartUpload (as
+    Ceph RGW 16): the claim alone keeps a create stream from writing over an object, or over
+    another create stream racing it."""
+    fault_proxy.configure(ignore_conditional_writes="complete")
+    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url, **STREAM)
+    data = np.random.default_rng(6).integers(0, 256, 13 * MiB, dtype=np.uint8)
+    bodies = [data[:11 * MiB], data[2 * MiB:]]
+
+    async def stream(store, key, body):
+        w = store.open_writer(key, mode="create")
+        for i in range(0, len(body), 2 * MiB):
+            await w.write(body[i:i + 2 * MiB])
+        return await w.commit()
+
+    async def body(store):
+        await store.put("taken.bin", b"theirs")
+        with pytest.raises(ObjectExists):
+            await stream(store, "taken.bin", bodies[0])
+        assert await store.get("taken.bin") == b"theirs"
+        other = open_store(s3_url, options)
+        try:
+            results = await asyncio.gather(stream(store, "raced.bin", bodies[0]),
+                                           stream(other, "raced.bin", bodies[1]),
+                                           return_exceptions=True)
+        finally:
+            await other.close()
+        winners = [i for i, r in enumerate(results) if isinstance(r, ObjectInfo)]
+        assert len(winners) == 1, results
+        assert isinstance(results[1 - winners[0]], ObjectExists)
+        assert await store.get("raced.bin") == bodies[winners[0]].tobytes()
+        assert store.connection.create_strategy == "native"
+        assert await store.list_uploads() == []
+
+    _run(s3_url, options, body)
+    assert fault_proxy.counters["resigned"] >= 1
