@@ -255,9 +255,15 @@ class S3Writer:
         """An overwrite-mode multipart upload (create mode never goes multipart: module
         docstring)."""
         upload_id = await self.create_upload(key, phys, token)
+        return await self._finish_upload(key, phys, upload_id, views, size, False, token)
+
+    async def _finish_upload(self, key, phys, upload_id, views, size, create, token
+                             ) -> ObjectInfo:
+        """Upload a body held in memory as the parts of ``upload_id`` and complete it; abort
+        the upload on any failure."""
         try:
             parts = await self._upload_parts(key, phys, upload_id, views, size)
-            return await self.complete(key, phys, upload_id, parts, size, False, token)
+            return await self.complete(key, phys, upload_id, parts, size, create, token)
         except BaseException:
             self.abort_later(key, phys, upload_id)
             raise
@@ -354,12 +360,7 @@ class S3Writer:
     async def _fallback_create(self, key, phys, views, size, token) -> ObjectInfo:
         """The multipart claim protocol (module docstring) for a body held in memory."""
         upload_id = await self.claim(key, phys, token)
-        try:
-            parts = await self._upload_parts(key, phys, upload_id, views, size)
-            return await self.complete(key, phys, upload_id, parts, size, True, token)
-        except BaseException:
-            self.abort_later(key, phys, upload_id)
-            raise
+        return await self._finish_upload(key, phys, upload_id, views, size, True, token)
 
     async def claim(self, key, phys, token, *, required: bool = True) -> str:
         """Steps (1)-(4) of the claim protocol (module docstring): returns the id of a multipart
