@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from cloudckpt.dataplane.broadcast import BroadcastSession
@@ -42,25 +43,26 @@ def move_data(store, manifest, plans, channel, dests, options: LoadOptions):
         return run_coroutine(fetch_into(store, manifest, mine, dests, options.max_read_bytes)), 0, 0
 
     broadcaster = Broadcaster(channel)
-    assignment = assign_readers(plans, min_broadcast_bytes=options.min_broadcast_bytes)
+    # every shared region is a candidate, however small: a group's broadcasts run when they
+    # move min_broadcast_bytes in all (small regions travel together in its batches)
+    assignment = assign_readers(plans, min_broadcast_bytes=0)
     if broadcaster.can_use_subgroups:
-        kept = select_broadcasts(assignment.broadcasts, options.max_broadcast_groups)
+        kept = select_broadcasts(assignment.broadcasts, options.max_broadcast_groups,
+                                 min_group_bytes=options.min_broadcast_bytes)
     elif broadcaster.backend == "gloo":  # a strict subgroup job: whole-channel gloo only
         kept = select_broadcasts(assignment.broadcasts, options.max_broadcast_groups,
-                                 only_group=tuple(range(channel.size)))
+                                 only_group=tuple(range(channel.size)),
+                                 min_group_bytes=options.min_broadcast_bytes)
     else:
         kept = ()
     # each of this rank's read items is served by a kept broadcast, or read by the rank itself
     served_by = assignment.broadcast_of(channel.rank)
-    kept_set = set(kept)
+    by_kept = np.isin(served_by, np.asarray(kept, dtype=np.int64))
+    items = plans[channel.rank].table.items()
     items_by_broadcast: dict[int, list] = defaultdict(list)
-    own_reads = []
-    for i, item in enumerate(mine):
-        b = int(served_by[i])
-        if b >= 0 and b in kept_set:
-            items_by_broadcast[b].append(item)
-        else:
-            own_reads.append(item)
+    for i, b in zip(np.flatnonzero(by_kept).tolist(), served_by[by_kept].tolist()):
+        items_by_broadcast[b].append(items[i])
+    own_reads = [items[i] for i in np.flatnonzero(~by_kept).tolist()]
     own = submit(fetch_into(store, manifest, own_reads, dests, options.max_read_bytes // 2))
     session = None
     try:

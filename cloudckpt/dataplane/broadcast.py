@@ -55,13 +55,12 @@ import torch
 
 from cloudckpt.dataplane.buffers import BufferPool, byte_view, flat_bytes, is_byte_viewable
 from cloudckpt.dataplane.destinations import dest_view, sub_view
-from cloudckpt.dataplane.reader import read_windows, run_ranges, window_boxes
+from cloudckpt.dataplane.reader import read_windows, run_ranges, stored_dtype, window_boxes
 from cloudckpt.planning.batching import (BroadcastBatch, Round, RunBatch, balance_sources,
                                          batch_parts, pack_in_order, plan_rounds)
 from cloudckpt.planning.parts import WINDOW_ALIGN, RunPart, part_window_bytes, plan_parts
 from cloudckpt.planning.windows import boxes_in_flat_range
 from cloudckpt.runtime import BackgroundTask, start_task
-from cloudckpt.statedict import torch_dtype
 from cloudckpt.storage.base import run_all
 
 #: the largest window a part carries (the unit a source fetches and verifies before sending).
@@ -201,7 +200,7 @@ class BroadcastSession:
         biggest = max([b.nbytes for r in every for b in r.batches] or [0])
         self.pool = BufferPool(biggest + WINDOW_ALIGN)
         self.budget = max(max_read_bytes // 4, biggest)
-        self.dtypes = {name: torch_dtype(manifest.tensors[name].dtype)
+        self.dtypes = {name: stored_dtype(manifest, name)
                        for name in {broadcasts[i].region.name for i in kept}}
         self._pending: dict[int, _PendingFetch] = {}
         self._gate = _InOrder(_FETCHES_IN_FLIGHT)

@@ -117,6 +117,26 @@ class ReadTable(Sequence):
     def __len__(self) -> int:
         return len(self.name_index)
 
+    def items(self) -> list[ReadItem]:
+        """Every read item, in order (each column read once: much cheaper than indexing the
+        table item by item)."""
+        given = self.__dict__.get("_items")
+        if given is not None:
+            return list(given)
+        cs = self.coord_start.tolist()
+        dest, src, lengths = (self.dest_offsets.tolist(), self.src_offsets.tolist(),
+                              self.lengths.tolist())
+        names = self.names
+        return [ReadItem(r, names[n], c, tuple(dest[a:b]), tuple(src[a:b]), tuple(lengths[a:b]),
+                         nb, bc)
+                for r, n, c, a, b, nb, bc in zip(
+                    self.request_index.tolist(), self.name_index.tolist(),
+                    self.chunk_index.tolist(), cs[:-1], cs[1:], self.nbytes.tolist(),
+                    self.broadcastable.tolist())]
+
+    def __iter__(self):
+        return iter(self.items())
+
     def __getitem__(self, i):
         items = self.__dict__.get("_items")
         if items is not None:

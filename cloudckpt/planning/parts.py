@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from cloudckpt.planning.windows import RunWindow, Window, plan_run_windows, plan_windows
+from cloudckpt.planning.windows import RunWindow, Window, plan_run_windows, plan_windows_many
 
 #: every window starts at a multiple of this in a shared buffer (dtype views need alignment).
 WINDOW_ALIGN = 64
@@ -115,13 +115,15 @@ def plan_parts(manifest, broadcasts, indices: Sequence[int], window_bytes: int,
     ``run_min_bytes`` stored as one run, window parts otherwise; each region's parts in byte
     order. Raises :class:`~cloudckpt.errors.ManifestError` for a region past its chunk's bytes.
     """
+    runs = {i: plan_run_windows(manifest, broadcasts[i].region, window_bytes)
+            for i in indices if broadcasts[i].region.nbytes >= run_min_bytes}
+    rest = [i for i in indices if runs.get(i) is None]
+    windows = dict(zip(rest, plan_windows_many(manifest, [broadcasts[i].region for i in rest],
+                                               window_bytes)))
     parts: list[Part] = []
     for i in indices:
-        region = broadcasts[i].region
-        runs = plan_run_windows(manifest, region, window_bytes) \
-            if region.nbytes >= run_min_bytes else None
-        if runs is not None:
-            parts.extend(RunPart(i, r) for r in runs)
+        if runs.get(i) is not None:
+            parts.extend(RunPart(i, r) for r in runs[i])
         else:
-            parts.extend(WindowPart(i, w) for w in plan_windows(manifest, region, window_bytes))
+            parts.extend(WindowPart(i, w) for w in windows[i])
     return parts

@@ -120,7 +120,6 @@ def assign_readers(load_plans: Sequence[LocalLoadPlan], *,
     if rows == 0:
         return ReadAssignment((), load_plans, item_broadcast)
     row_rank = np.repeat(np.arange(world, dtype=np.int64), counts)
-    row_item = np.arange(rows, dtype=np.int64) - np.repeat(np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
     gname = np.concatenate([m[t.name_index] for m, t in zip(maps, tables)])
     chunk = np.concatenate([t.chunk_index for t in tables])
     nbytes = np.concatenate([t.nbytes for t in tables])
@@ -164,16 +163,21 @@ def assign_readers(load_plans: Sequence[LocalLoadPlan], *,
         runs = np.flatnonzero(multi)
         runs = runs[np.argsort(-nbytes[s_rows[run_start[runs]]], kind="stable")]  # heaviest first, then key order
         load_list = loads.tolist()
-        row_broadcast = np.full(rows, -1, dtype=np.int64)
-        for run in runs.tolist():
-            s, e = int(run_start[run]), int(run_end[run])
-            ranks = tuple(sorted(set(s_rank[s:e].tolist())))
-            first = int(s_rows[s])
-            nb = int(nbytes[first])
-            src_rank = min(ranks, key=lambda r: load_list[r])
+        # each run's region, from its first row (columns read once, no ReadItem made)
+        first = s_rows[run_start[runs]]
+        rank_list, starts, ends = s_rank.tolist(), run_start.tolist(), run_end.tolist()
+        firsts = zip(runs.tolist(), nbytes[first].tolist(), gname[first].tolist(),
+                     chunk[first].tolist(), ndim_row[first].tolist(), src_all[first].tolist(),
+                     len_all[first].tolist())
+        for run, nb, g, c, nd, src_off, lengths in firsts:
+            ranks = tuple(sorted(set(rank_list[starts[run]:ends[run]])))
+            src_rank = min(ranks, key=load_list.__getitem__)
             load_list[src_rank] += nb
-            item = tables[int(row_rank[first])][int(row_item[first])]
-            row_broadcast[s_rows[s:e]] = len(broadcasts)
-            broadcasts.append(Broadcast(item.region, src_rank, ranks))
+            region = Region(names[g], c, tuple(src_off[:nd]), tuple(lengths[:nd]), nb)
+            broadcasts.append(Broadcast(region, src_rank, ranks))
+        run_broadcast = np.full(len(run_start), -1, dtype=np.int64)
+        run_broadcast[runs] = np.arange(len(runs), dtype=np.int64)
+        row_broadcast = np.full(rows, -1, dtype=np.int64)
+        row_broadcast[s_rows] = run_broadcast[run_id]
         item_broadcast = np.split(row_broadcast, np.cumsum(counts)[:-1])
     return ReadAssignment(tuple(broadcasts), load_plans, item_broadcast)
