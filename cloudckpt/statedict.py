@@ -104,10 +104,14 @@ class FlatStateDict:
         return [t for leaf in self.tensors.values() for _, t in leaf.pieces]
 
 
+_DTYPE_NAMES = {getattr(torch, n): n for n in DTYPE_ITEMSIZE
+                if isinstance(getattr(torch, n, None), torch.dtype)}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """torch dtype -> allow-listed name (``torch.bfloat16`` -> ``"bfloat16"``)."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_ITEMSIZE:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
         raise PlanningError(f"dtype {dtype} is not supported (allowed: {', '.join(DTYPE_ITEMSIZE)})")
     return name
 

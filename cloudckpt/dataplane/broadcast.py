@@ -46,6 +46,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -405,11 +406,45 @@ class BroadcastSession:
 
     def _deliver_windows(self, batch, wire: torch.Tensor) -> None:
         layout, _ = batch.layout()
+        wire_at = None  # the address of the wire's bytes (CPU), taken for the first byte copy
         for part, offset in zip(batch.parts, layout):
             items = self.items_by_broadcast.get(part.broadcast, ())
             if not items:
                 continue
-            dtype = self.dtypes[self.broadcasts[part.broadcast].region.name]
-            for sub, piece in window_boxes(part.window, wire, offset, dtype):
+            region = self.broadcasts[part.broadcast].region
+            dtype = self.dtypes[region.name]
+            window = part.window
+            if len(window.boxes) == 1 and wire.device.type == "cpu":
+                # the usual small region: whole in one window, its elements one run there;
+                # destinations of the stored dtype take its bytes with one copy each
+                run = _dense_run(window)
+                if run is not None and run[1] == region.nbytes:
+                    if wire_at is None:
+                        wire_at = wire.data_ptr()
+                    start, n = wire_at + offset + run[0], run[1]
+                    rest = []
+                    for item in items:
+                        view = dest_view(self.dests, item)
+                        if view.dtype == dtype and is_byte_viewable(view) \
+                                and view.numel() * view.element_size() == n:
+                            ctypes.memmove(view.data_ptr(), start, n)  # a dense run each
+                        else:
+                            rest.append(item)
+                    items = rest
+            for sub, piece in window_boxes(window, wire, offset, dtype) if items else ():
                 for item in items:
                     sub_view(dest_view(self.dests, item), sub.offsets, sub.lengths).copy_(piece)
+
+
+def _dense_run(window) -> tuple[int, int] | None:
+    """``(byte offset in the window, bytes)`` of a window's one sub-box when its elements are
+    one dense run there (its box is whole in every dimension after the first it spans more
+    than one element of); None otherwise."""
+    (sub,) = window.boxes
+    lengths, strides = sub.lengths, window.strides
+    expect = 1
+    for n, s in zip(reversed(lengths), reversed(strides)):
+        if n > 1 and s != expect:
+            return None
+        expect *= n
+    return sub.first * window.itemsize, expect * window.itemsize
