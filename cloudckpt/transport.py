@@ -169,14 +169,18 @@ class ControlChannel:
         return [h[_LENGTH_BYTES:_LENGTH_BYTES + k] if k <= INLINE_BYTES
                 else bytes(o[:k].numpy().tobytes()) for h, o, k in zip(heads, outs, lengths)]
 
-    def broadcast_bytes(self, payload: bytes | None, *, src: int = 0) -> bytes:
-        """Rank ``src`` sends ``payload``; every rank returns it."""
+    def broadcast_bytes(self, payload: bytes | None, *, src: int = 0,
+                        length: int | None = None) -> bytes:
+        """Rank ``src`` sends ``payload``; every rank returns it. ``length``: the payload's
+        length when every rank knows it already (e.g. from a phase report): one broadcast
+        instead of two."""
         if self.size == 1:
             return bytes(payload or b"")
         try:
-            n = torch.tensor([len(payload) if self.rank == src else 0], dtype=torch.int64)
-            dist.broadcast(n, src=self.ranks[src], group=self.group)
-            length = int(n.item())
+            if length is None:
+                n = torch.tensor([len(payload) if self.rank == src else 0], dtype=torch.int64)
+                dist.broadcast(n, src=self.ranks[src], group=self.group)
+                length = int(n.item())
             if self.rank == src:
                 buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if length else \
                     torch.empty(0, dtype=torch.uint8)
@@ -186,7 +190,7 @@ class ControlChannel:
                 dist.broadcast(buf, src=self.ranks[src], group=self.group)
         except RuntimeError as exc:
             raise self._collective_failed("broadcast", exc) from exc
-        return bytes(buf.numpy().tobytes())
+        return bytes(payload) if self.rank == src else bytes(buf.numpy().tobytes())
 
     def barrier(self) -> None:
         """Wait for every rank (bounded by the channel's timeout)."""

@@ -4,11 +4,15 @@ Every rank of the process group calls :func:`load` with the state dict it wants 
 sharding, any world size). Phases (each a :meth:`~cloudckpt.transport.ControlChannel.phase`,
 closed by a fail-together exchange):
 
-1. ``load manifest``: the coordinator reads it and checks the stored objects' extents; the bytes
-   are then broadcast (or every rank reads them, with ``share_manifest=False``).
-2. ``load planning``: every rank decodes and validates the manifest, flattens the state dict
-   (after ``state_dict()`` on stateful values), plans the reads of every requested piece (strict:
-   missing names fail) and reports its plan (:class:`~cloudckpt.api.reports.LoadPlanReport`).
+1. ``load manifest``: the coordinator reads and decodes it (or every rank reads it, with
+   ``share_manifest=False``), while every rank flattens its state dict (after ``state_dict()``
+   on stateful values); the coordinator reports the manifest's length
+   (:class:`~cloudckpt.api.reports.ManifestRead`) and the bytes follow in one broadcast.
+2. ``load planning``: every rank decodes and validates the manifest, plans the reads of every
+   requested piece (strict: missing names fail; an error flattening the state dict is raised
+   here) and reports its plan (:class:`~cloudckpt.api.reports.LoadPlanReport`); meanwhile the
+   coordinator checks the stored objects' extents (``ManifestSource.check``), before any data
+   is read or any buffer sized from the manifest.
 3. ``load``: the read-once assignment, computed identically on every rank (broadcast subgroups
    created or reused); each rank fetches its own regions (crc-verified) in the background while
    the broadcast batches run in the one global order, and every region lands in its destination
@@ -26,6 +30,7 @@ half filled, and every rank raises the same error; no rank replaces a value or c
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
@@ -40,11 +45,11 @@ from cloudckpt.options import LoadOptions, LoadResult
 from cloudckpt.api.homes import reading_view
 from cloudckpt.api.load_data import move_data
 from cloudckpt.api.manifest_io import fetch_manifest_bytes
-from cloudckpt.api.reports import LoadPlanReport
+from cloudckpt.api.reports import LoadPlanReport, ManifestRead
 from cloudckpt.dataplane.destinations import fetch_into
 from cloudckpt.planning import PieceSpec, plan_local_load
 from cloudckpt.planning.hints import unexpected_names_message
-from cloudckpt.runtime import run_coroutine, shared_store, wait_for_pending_save
+from cloudckpt.runtime import run_coroutine, shared_store, submit, wait_for_pending_save
 from cloudckpt.stateful import resolve_stateful, restore_stateful
 from cloudckpt.statedict import (check_replaceable, flatten_state_dict, set_by_path, torch_dtype,
                                  unflatten_state_dict)
@@ -125,24 +130,47 @@ def load_from(state_dict: Mapping[str, Any], source: ManifestSource, *, process_
     channel = ControlChannel(process_group, timeout=options.timeout)
     started = time.perf_counter()
 
-    raw, manifest = b"", None
-    with channel.phase("load manifest"):
-        if channel.is_coordinator or not options.share_manifest:
-            raw = source.read()
+    raw, manifest, store = b"", None, None
+    wanted, wanted_error = None, None
+    with channel.phase("load manifest", ManifestRead) as reading:
+        # the read runs in the background while this rank flattens its state dict (which
+        # needs no manifest; an error doing so is raised in "load planning", where it belongs)
+        reads = channel.is_coordinator or not options.share_manifest
+        read = submit(asyncio.to_thread(source.read)) if reads else None
+        try:
+            wanted = _Wanted.of(state_dict, channel)
+        except Exception as exc:  # noqa: BLE001 - kept for the planning phase
+            wanted_error = exc
+        finally:
+            if read is not None:
+                raw = read.result()  # the read's own error, if any, wins
         if channel.is_coordinator:
             store, manifest = reading_view(source.url, source.storage, source.decode(raw))
-            source.check(manifest, store)
+            reading.report = ManifestRead(length=len(raw))
     if options.share_manifest:
-        raw = channel.broadcast_bytes(raw if channel.is_coordinator else None)
+        raw = channel.broadcast_bytes(raw if channel.is_coordinator else None,
+                                      length=reading.reports[0].length)
 
     with channel.phase("load planning", LoadPlanReport) as planning:
         if manifest is None:
             store, manifest = reading_view(source.url, source.storage, source.decode(raw))
-        wanted = _Wanted.of(state_dict, channel)
-        wanted.check_replaceable(state_dict, manifest)
-        plan = plan_local_load(manifest, wanted.requests, rank=channel.rank,
-                               value_names=tuple(wanted.flat.values), strict=strict)
-        planning.report = LoadPlanReport(plan)
+        # the coordinator checks the stored objects while every rank plans (nothing is
+        # allocated from the manifest before the data phase, which follows this exchange)
+        checking = submit(asyncio.to_thread(source.check, manifest, store)) \
+            if channel.is_coordinator else None
+        try:
+            if wanted_error is not None:
+                raise wanted_error
+            wanted.check_replaceable(state_dict, manifest)
+            plan = plan_local_load(manifest, wanted.requests, rank=channel.rank,
+                                   value_names=tuple(wanted.flat.values), strict=strict)
+            planning.report = LoadPlanReport(plan)
+        except BaseException:
+            if checking is not None:
+                concurrent.futures.wait([checking])
+            raise
+        if checking is not None:
+            checking.result()
 
     with channel.phase("load"):
         fetched, received, broadcasts = move_data(

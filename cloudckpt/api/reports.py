@@ -2,8 +2,8 @@
 
 Each report is a small frozen dataclass with an explicit msgpack codec, no pickle:
 
-- plain records (:class:`SavePlanning`, :class:`UploadReport`, :class:`LatestStep`,
-  :class:`StopVote`, :class:`StepSaved`) encode as one map ``{"record": <name>, <field>: <value>,
+- plain records (:class:`SavePlanning`, :class:`UploadReport`, :class:`ManifestRead`,
+  :class:`LatestStep`, :class:`StopVote`, :class:`StepSaved`) encode as one map ``{"record": <name>, <field>: <value>,
   ...}`` of msgpack-native fields (``bool``, ``int``, ``str``, ``bytes``, ``X | None``,
   ``tuple[X, ...]``), checked against the annotations both when built and when decoded;
 - plan reports (:class:`SavePlanReport`, :class:`LoadPlanReport`) carry a local plan in the
@@ -32,8 +32,8 @@ from cloudckpt.planning import (LocalLoadPlan, LocalSavePlan, WrittenChunks,
                                 decode_written_chunks, encode_local_load_plan,
                                 encode_local_save_plan)
 
-__all__ = ["LatestStep", "LoadPlanReport", "SavePlanReport", "SavePlanning", "StepSaved",
-           "StopVote", "UploadReport"]
+__all__ = ["LatestStep", "LoadPlanReport", "ManifestRead", "SavePlanReport", "SavePlanning",
+           "StepSaved", "StopVote", "UploadReport"]
 
 
 def _conforms(value: Any, hint: Any) -> bool:
@@ -164,6 +164,14 @@ class SavePlanReport:
 
 
 # -- load -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManifestRead(_Record):
+    """Load phase 1: the coordinator read the manifest, ``length`` bytes (broadcast next)."""
+
+    RECORD: ClassVar[str] = "manifest read"
+    length: int
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,8 @@ def records(cls):
 
 
 def test_every_record_is_covered_and_named_once():
-    assert {c.__name__ for c in RECORDS} == {"LatestStep", "SavePlanning", "StepSaved",
-                                             "StopVote", "UploadReport"}
+    assert {c.__name__ for c in RECORDS} == {"LatestStep", "ManifestRead", "SavePlanning",
+                                             "StepSaved", "StopVote", "UploadReport"}
     assert len({c.RECORD for c in RECORDS}) == len(RECORDS)
 
 

@@ -1,0 +1,121 @@
+"""The load protocol's collectives and the work it overlaps, on real gloo worlds.
+
+- A load runs a fixed, small number of collectives: one all-gather closing each of its four
+  phases (the planning one in two steps when the plans do not fit its first slot) and one
+  broadcast of the manifest's bytes, whose length travels in the first phase's exchange.
+- The coordinator checks the stored objects while every rank plans: a missing data object
+  still fails every rank with the same ``ManifestError`` before any byte is read.
+- A rank's state dict is flattened while the coordinator reads the manifest; an error doing so
+  still fails every rank together, in the planning phase, and a missing checkpoint still wins.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+import cloudckpt
+from cloudckpt.errors import CheckpointError, CheckpointNotFound, ManifestError
+
+_OPS = ("all_gather", "all_gather_into_tensor", "broadcast", "barrier", "batch_isend_irecv",
+        "send", "recv", "all_reduce", "gather", "scatter", "reduce_scatter", "all_to_all")
+
+
+def _state() -> dict:
+    return {"w": torch.arange(12.0).reshape(3, 4), "step": 7}
+
+
+def rank_count_collectives(url: str) -> dict:
+    """Save, then load with every torch collective counted (data read by each rank itself:
+    ``broadcast=False``, so only the protocol's own collectives run)."""
+    cloudckpt.save(_state(), url)
+    counts: Counter = Counter()
+    originals = {op: getattr(dist, op) for op in _OPS if hasattr(dist, op)}
+
+    def counted(op, fn):
+        def wrapper(*args, **kwargs):
+            counts[op] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    dest = {"w": torch.zeros(3, 4), "step": 0}
+    try:
+        for op, fn in originals.items():
+            setattr(dist, op, counted(op, fn))
+        cloudckpt.load(dest, url, options=cloudckpt.LoadOptions(broadcast=False))
+    finally:
+        for op, fn in originals.items():
+            setattr(dist, op, fn)
+    return {"counts": dict(counts), "ok": torch.equal(dest["w"], _state()["w"]) and dest["step"] == 7}
+
+
+def test_a_load_runs_four_exchanges_and_one_manifest_broadcast(world2, s3_url):
+    for r in world2.run(rank_count_collectives, s3_url):
+        assert r["ok"]
+        # manifest, planning (its plans fit the first slot here), data, restore: one
+        # all-gather each; the manifest's bytes: one broadcast (its length came with the
+        # first exchange)
+        assert r["counts"] == {"all_gather": 4, "broadcast": 1}
+
+
+def rank_missing_object(url: str, mode: str) -> dict:
+    if mode == "save":
+        cloudckpt.save({"w": torch.ones(64)}, url)
+        return {}
+    dest = {"w": torch.full((64,), 3.0)}
+    try:
+        cloudckpt.load(dest, url)
+    except CheckpointError as exc:
+        return {"manifest_error": isinstance(exc, ManifestError), "message": str(exc),
+                "untouched": bool((dest["w"] == 3).all())}
+    return {"manifest_error": False}
+
+
+def test_a_missing_data_object_fails_every_rank_before_any_read(world2, s3_url, s3_server):
+    world2.run(rank_missing_object, s3_url, "save")
+    client = s3_server.boto3_client()
+    prefix = s3_url.split("/", 3)[3] + "/data/"
+    for obj in client.list_objects_v2(Bucket=s3_server.bucket, Prefix=prefix)["Contents"]:
+        client.delete_object(Bucket=s3_server.bucket, Key=obj["Key"])
+    results = world2.run(rank_missing_object, s3_url, "load")
+    assert len({r["message"] for r in results}) == 1
+    for r in results:
+        assert r["manifest_error"] and r["untouched"], r
+        assert "failed on rank 0" in r["message"] and "is missing" in r["message"]
+
+
+class _Broken:
+    """A stateful object whose ``state_dict()`` fails on rank 1."""
+
+    def state_dict(self):
+        if dist.get_rank() == 1:
+            raise ValueError("state_dict() broke on rank 1")
+        return {"x": torch.zeros(2)}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+def rank_broken_state_dict(url: str, exists: bool) -> dict:
+    if exists:
+        cloudckpt.save({"obj": {"x": torch.ones(2)}}, url)
+    try:
+        cloudckpt.load({"obj": _Broken()}, url)
+    except CheckpointError as exc:
+        return {"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc),
+                "failed": sorted(exc.failures)}
+    return {"types": []}
+
+
+def test_a_state_dict_that_fails_to_flatten_fails_every_rank_in_planning(world2, s3_url):
+    results = world2.run(rank_broken_state_dict, s3_url, True)
+    assert len({r["message"] for r in results}) == 1
+    for r in results:
+        assert r["failed"] == [1] and r["message"].startswith("loading failed on rank 1"), r
+        assert "state_dict() broke on rank 1" in r["message"]
+    # no checkpoint: that is what every rank hears, not the flattening error
+    missing = world2.run(rank_broken_state_dict, s3_url + "-nothing-here", False)
+    for r in missing:
+        assert CheckpointNotFound.__name__ in r["types"] and r["failed"] == [0], r
