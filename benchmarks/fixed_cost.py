@@ -119,6 +119,10 @@ TRACED = (
     "cloudckpt.api.load_data:run_broadcasts", "cloudckpt.dataplane.reader:plan_pieces",
     "cloudckpt.dataplane.broadcast:BroadcastSession.deliver_round",
     "cloudckpt.dataplane.broadcast:BroadcastSession.deliver",
+    "cloudckpt.dataplane.broadcast:BroadcastSession.land",
+    "cloudckpt.dataplane.broadcast:BroadcastSession.prefetch",
+    "cloudckpt.transport:Broadcaster.all_gather", "cloudckpt.transport:Broadcaster.exchange",
+    "cloudckpt.transport:Broadcaster.prepare",
     "cloudckpt.api.save:_plan_locally", "cloudckpt.api.save:_plan_globally",
     "cloudckpt.api.save:_upload", "cloudckpt.api.save:_commit",
 )

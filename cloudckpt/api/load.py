@@ -117,6 +117,11 @@ class StoredManifest:
     def decode(self, raw: bytes) -> Manifest:
         return decode_manifest(raw, allow_pickle=self.allow_pickle)
 
+    def decode_validated(self, raw: bytes) -> Manifest:
+        """:meth:`decode` of bytes the coordinator decoded already: without the saved nesting,
+        which a load does not use (see :func:`_decode_shared`)."""
+        return decode_manifest(raw, allow_pickle=self.allow_pickle, structure=False)
+
     def check(self, manifest: Manifest, store) -> None:
         run_coroutine(check_object_extents(store, manifest))
 
@@ -153,7 +158,8 @@ def load_from(state_dict: Mapping[str, Any], source: ManifestSource, *, process_
 
     with channel.phase("load planning", LoadPlanReport) as planning:
         if manifest is None:
-            store, manifest = reading_view(source.url, source.storage, source.decode(raw))
+            decode = _decode_shared(source) if options.share_manifest else source.decode
+            store, manifest = reading_view(source.url, source.storage, decode(raw))
         # the coordinator checks the stored objects while every rank plans (nothing is
         # allocated from the manifest before the data phase, which follows this exchange)
         checking = submit(asyncio.to_thread(source.check, manifest, store)) \
@@ -236,6 +242,13 @@ async def check_object_extents(store, manifest) -> None:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+
+
+def _decode_shared(source: ManifestSource):
+    """How a rank decodes the manifest bytes the coordinator read, decoded (every check of
+    ``decode``) and broadcast: the source's ``decode_validated`` when it has one (it may leave
+    out what a load does not use), else ``decode``."""
+    return getattr(source, "decode_validated", None) or source.decode
 
 
 @dataclass(frozen=True)
