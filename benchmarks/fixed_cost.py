@@ -88,7 +88,7 @@ def _instrument() -> _Recorder:
             rec.mark(self.what, "end")
 
     transport.Phase.__enter__, transport.Phase.__exit__ = phase_enter, phase_exit
-    for op in ("all_gather", "broadcast", "barrier", "all_gather_into_tensor",
+    for op in ("all_gather", "broadcast", "barrier", "all_gather_into_tensor", "all_gather_single",
                "batch_isend_irecv", "send", "recv", "all_reduce", "gather", "scatter"):
         fn = getattr(dist, op, None)
         if fn is None:

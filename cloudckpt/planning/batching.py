@@ -202,6 +202,13 @@ class Round:
         return len(self.batches) > 1
 
     @property
+    def buffered(self) -> bool:
+        """Whether every batch of this round travels through buffers (window batches): its
+        source's status can then ride at the end of its bytes (see
+        :func:`cloudckpt.api.load_data.run_broadcasts`)."""
+        return all(isinstance(b, WindowBatch) for b in self.batches)
+
+    @property
     def width(self) -> int:
         """Bytes of each member's slot in an exchange: the largest batch, aligned."""
         return max(aligned(b.nbytes) for b in self.batches)

@@ -1,8 +1,10 @@
 """The load protocol's collectives and the work it overlaps, on real gloo worlds.
 
 - A load runs a fixed, small number of collectives: one all-gather closing each of its four
-  phases (the planning one in two steps when the plans do not fit its first slot) and one
-  broadcast of the manifest's bytes, whose length travels in the first phase's exchange.
+  phases (the planning one in two steps only when a plan does not fit its first slot, which
+  is larger than other exchanges') and one broadcast of the manifest's bytes, whose length
+  travels in the first phase's exchange; a round of regions read once and exchanged through
+  buffers adds the exchange alone (each source's status rides at the end of its bytes).
 - The coordinator checks the stored objects while every rank plans: a missing data object
   still fails every rank with the same ``ManifestError`` before any byte is read.
 - A rank's state dict is flattened while the coordinator reads the manifest; an error doing so
@@ -19,18 +21,44 @@ import torch.distributed as dist
 import cloudckpt
 from cloudckpt.errors import CheckpointError, CheckpointNotFound, ManifestError
 
-_OPS = ("all_gather", "all_gather_into_tensor", "broadcast", "barrier", "batch_isend_irecv",
-        "send", "recv", "all_reduce", "gather", "scatter", "reduce_scatter", "all_to_all")
+_OPS = ("all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast", "barrier",
+        "batch_isend_irecv", "send", "recv", "all_reduce", "gather", "scatter",
+        "reduce_scatter", "all_to_all")
 
 
 def _state() -> dict:
-    return {"w": torch.arange(12.0).reshape(3, 4), "step": 7}
+    # 40 tensors: each rank's load plan (about 1 KiB) is more than the 504 bytes an exchange's
+    # first all-gather carries by default, and fits the planning exchange's larger slot
+    state = {f"layer{i}.weight": torch.arange(12.0).reshape(3, 4) + i for i in range(40)}
+    state["step"] = 7
+    return state
 
 
-def rank_count_collectives(url: str) -> dict:
-    """Save, then load with every torch collective counted (data read by each rank itself:
-    ``broadcast=False``, so only the protocol's own collectives run)."""
-    cloudckpt.save(_state(), url)
+def _plan_bytes(url: str) -> int:
+    from cloudckpt.api.load import _Wanted
+    from cloudckpt.api.reports import LoadPlanReport
+    from cloudckpt.planning import plan_local_load
+    from cloudckpt.transport import ControlChannel
+
+    wanted = _Wanted.of(_state(), ControlChannel())
+    plan = plan_local_load(cloudckpt.read_manifest(url), wanted.requests, rank=0,
+                           value_names=tuple(wanted.flat.values))
+    return len(LoadPlanReport(plan).encode())
+
+
+def _replicated() -> dict:
+    # 24 KiB every rank needs, in regions of 1 KiB: read once, in one exchange round
+    return {f"t{i}": torch.arange(256.0) + i for i in range(24)}
+
+
+def rank_count_collectives(url: str, case: str = "own") -> dict:
+    """Save, then load with every torch collective counted: ``own``, data read by each rank
+    itself (``broadcast=False``: only the protocol's own collectives run); ``shared``, a
+    replicated state read once and exchanged."""
+    state = _state() if case == "own" else _replicated()
+    options = cloudckpt.LoadOptions(broadcast=False) if case == "own" else \
+        cloudckpt.LoadOptions(broadcast=True, min_broadcast_bytes=0)
+    cloudckpt.save(state, url)
     counts: Counter = Counter()
     originals = {op: getattr(dist, op) for op in _OPS if hasattr(dist, op)}
 
@@ -40,24 +68,38 @@ def rank_count_collectives(url: str) -> dict:
             return fn(*args, **kwargs)
         return wrapper
 
-    dest = {"w": torch.zeros(3, 4), "step": 0}
+    dest = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
     try:
         for op, fn in originals.items():
             setattr(dist, op, counted(op, fn))
-        cloudckpt.load(dest, url, options=cloudckpt.LoadOptions(broadcast=False))
+        result = cloudckpt.load(dest, url, options=options)
     finally:
         for op, fn in originals.items():
             setattr(dist, op, fn)
-    return {"counts": dict(counts), "ok": torch.equal(dest["w"], _state()["w"]) and dest["step"] == 7}
+    ok = all(torch.equal(dest[k], v) if isinstance(v, torch.Tensor) else dest[k] == v
+             for k, v in state.items())
+    return {"counts": dict(counts), "ok": ok, "received": result.bytes_received,
+            "plan_bytes": _plan_bytes(url) if case == "own" else 0}
 
 
 def test_a_load_runs_four_exchanges_and_one_manifest_broadcast(world2, s3_url):
+    from cloudckpt.transport import INLINE_BYTES
+
     for r in world2.run(rank_count_collectives, s3_url):
-        assert r["ok"]
-        # manifest, planning (its plans fit the first slot here), data, restore: one
-        # all-gather each; the manifest's bytes: one broadcast (its length came with the
-        # first exchange)
+        assert r["ok"] and r["plan_bytes"] > INLINE_BYTES
+        # manifest, planning (the plans fit its first slot), data, restore: one all-gather
+        # each; the manifest's bytes: one broadcast (its length came with the first exchange)
         assert r["counts"] == {"all_gather": 4, "broadcast": 1}
+
+
+def test_a_round_of_small_regions_carries_its_sources_statuses(world2, s3_url):
+    """Regions read once and exchanged through buffers: each source's status travels at the
+    end of its bytes, so the round is the exchange alone (one ring step for two ranks)."""
+    results = world2.run(rank_count_collectives, s3_url, "shared")
+    assert sum(r["received"] for r in results) == 24 * 1024
+    for r in results:
+        assert r["ok"]
+        assert r["counts"] == {"all_gather": 4, "broadcast": 1, "batch_isend_irecv": 1}
 
 
 def rank_missing_object(url: str, mode: str) -> dict:
