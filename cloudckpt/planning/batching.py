@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence, Union
 
 from cloudckpt.planning.parts import Part, RunPart, WindowPart, aligned, layout_windows
@@ -105,7 +106,7 @@ class WindowBatch:
     src: int
     parts: tuple[WindowPart, ...]
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         """Bytes on the wire (and of buffer used): the windows' aligned lengths."""
         return sum(p.nbytes for p in self.parts)

@@ -21,6 +21,7 @@ broadcasts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence, Union
 
 from cloudckpt.planning.windows import RunWindow, Window, plan_run_windows, plan_windows_many
@@ -66,7 +67,7 @@ class WindowPart:
     broadcast: int
     window: Window
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         """Bytes this part takes in a batch buffer and on the wire (aligned)."""
         return aligned(self.window.length)
