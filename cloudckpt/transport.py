@@ -81,6 +81,7 @@ PHASE_WORDS = {
     "load manifest": "loading (reading the manifest)",
     "load planning": "loading",
     "load": "loading (reading data)",
+    "load restore": "loading (restoring values)",
 }
 
 

@@ -18,7 +18,9 @@ closed by a fail-together exchange):
    the broadcast batches run in the one global order, and every region lands in its destination
    (dtype converted).
 4. ``load restore``: only when every rank has all of its data, values are set and
-   ``load_state_dict()`` is called on stateful values.
+   ``load_state_dict()`` is called on stateful values; closed by an exchange (so that an error
+   there fails every rank) unless no rank's restore runs code that may raise (no stateful
+   value, values in plain dicts and lists: every rank said so with its plan).
 
 :func:`load_from` runs the same phases on any :class:`ManifestSource` (the safetensors import,
 :mod:`cloudckpt.hf`, builds a manifest without checksums: its bytes are not verified).
@@ -33,6 +35,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
@@ -171,7 +174,7 @@ def load_from(state_dict: Mapping[str, Any], source: ManifestSource, *, process_
             wanted.check_replaceable(state_dict, manifest)
             plan = plan_local_load(manifest, wanted.requests, rank=channel.rank,
                                    value_names=tuple(wanted.flat.values), strict=strict)
-            planning.report = LoadPlanReport(plan)
+            planning.report = LoadPlanReport(plan, wanted.restore_can_fail(state_dict))
         except BaseException:
             if checking is not None:
                 concurrent.futures.wait([checking])
@@ -183,7 +186,12 @@ def load_from(state_dict: Mapping[str, Any], source: ManifestSource, *, process_
         fetched, received, broadcasts = move_data(
             store, manifest, [r.plan for r in planning.reports], channel, wanted.dests, options)
 
-    with channel.phase("load restore"):  # only once every rank has all of its data
+    # only once every rank has all of its data; closed by an exchange when a rank's restore
+    # runs code that may raise (load_state_dict(), a container's own item assignment)
+    if any(r.restore_can_fail for r in planning.reports):
+        with channel.phase("load restore"):
+            wanted.restore(state_dict, manifest)
+    else:
         wanted.restore(state_dict, manifest)
 
     if plan.unexpected and channel.is_coordinator:
@@ -287,6 +295,16 @@ class _Wanted:
             if name in manifest.values and not _under_stateful(leaf.path, self.found):
                 check_replaceable(state_dict, leaf.path)
 
+    def restore_can_fail(self, state_dict) -> bool:
+        """Whether :meth:`restore` runs code that may raise: ``load_state_dict()`` of a
+        stateful object, or a value set through a container other than a plain ``dict``,
+        ``OrderedDict``, ``defaultdict`` or ``list`` (tuples on the way are rebuilt, never
+        failing), in the caller's containers or their copies."""
+        if self.found:
+            return True
+        return not all(_plain_containers(root, leaf.path)
+                       for leaf in self.flat.values.values() for root in (state_dict, self.resolved))
+
     def restore(self, state_dict, manifest) -> None:
         """Set the loaded non-tensor values, then ``load_state_dict()`` on stateful objects."""
         for name, leaf in self.flat.values.items():
@@ -309,6 +327,20 @@ def _assign_value(original, resolved, found, path: tuple, value) -> None:
     set_by_path(resolved, path, value)
     if not _under_stateful(path, found):
         set_by_path(original, path, value)  # checked replaceable at planning
+
+
+_PLAIN_SETITEM = (dict, OrderedDict, defaultdict, list)
+
+
+def _plain_containers(root, path: tuple) -> bool:
+    """Whether every container holding the value at ``path`` takes item assignment without
+    running code of its own (see :meth:`_Wanted.restore_can_fail`)."""
+    node = root
+    for key in path:
+        if not (type(node) in _PLAIN_SETITEM or isinstance(node, tuple)):
+            return False
+        node = node[key]
+    return True
 
 
 def _under_stateful(path: tuple, found) -> bool:

@@ -176,17 +176,22 @@ class ManifestRead(_Record):
 
 @dataclass(frozen=True)
 class LoadPlanReport:
-    """Load phase 2: the rank's local load plan."""
+    """Load phase 2: the rank's local load plan, and whether its restore (after the data)
+    runs code that may raise (``load_state_dict()``, a container's own item assignment): the
+    load then closes with an exchange of the restores' outcomes."""
 
     plan: LocalLoadPlan
+    restore_can_fail: bool = True
 
     def encode(self) -> bytes:
-        return encode_local_load_plan(self.plan)
+        return (b"\x01" if self.restore_can_fail else b"\x00") + encode_local_load_plan(self.plan)
 
     @classmethod
     def decode(cls, raw: bytes) -> "LoadPlanReport":
+        if not isinstance(raw, bytes) or raw[:1] not in (b"\x00", b"\x01"):
+            raise _malformed("load plan", "no restore flag")
         try:
-            return cls(decode_local_load_plan(raw))
+            return cls(decode_local_load_plan(raw[1:]), raw[:1] == b"\x01")
         except PlanningError as exc:
             raise _malformed("load plan", str(exc)) from exc
 

@@ -87,6 +87,13 @@ def _unify_names(plans: Sequence[LocalLoadPlan]):
         if prev_names is not None and t.names == prev_names:
             maps.append(prev_map)
             continue
+        if not index and len(set(t.names)) == len(t.names):  # the first plan: all new
+            names.extend(t.names)
+            index.update(zip(t.names, range(len(t.names))))
+            m = np.arange(len(t.names), dtype=np.int64)
+            prev_names, prev_map = t.names, m
+            maps.append(m)
+            continue
         try:  # usual case: every name already known (a C-speed loop)
             m = np.fromiter(map(index.__getitem__, t.names), dtype=np.int64, count=len(t.names))
         except KeyError:
@@ -169,8 +176,12 @@ def assign_readers(load_plans: Sequence[LocalLoadPlan], *,
         firsts = zip(runs.tolist(), nbytes[first].tolist(), gname[first].tolist(),
                      chunk[first].tolist(), ndim_row[first].tolist(), src_all[first].tolist(),
                      len_all[first].tolist())
+        groups: dict[tuple, tuple] = {}  # a run's rows' ranks -> its group (a few distinct)
         for run, nb, g, c, nd, src_off, lengths in firsts:
-            ranks = tuple(sorted(set(rank_list[starts[run]:ends[run]])))
+            rows_ranks = tuple(rank_list[starts[run]:ends[run]])
+            ranks = groups.get(rows_ranks)
+            if ranks is None:
+                ranks = groups[rows_ranks] = tuple(sorted(set(rows_ranks)))
             src_rank = min(ranks, key=load_list.__getitem__)
             load_list[src_rank] += nb
             region = Region(names[g], c, tuple(src_off[:nd]), tuple(lengths[:nd]), nb)
