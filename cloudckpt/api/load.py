@@ -281,7 +281,8 @@ class _Wanted:
     @classmethod
     def of(cls, state_dict, channel: ControlChannel) -> "_Wanted":
         resolved, found = resolve_stateful(state_dict)
-        flat = flatten_state_dict(resolved, is_broadcastable=_broadcast_predicate(channel))
+        flat = flatten_state_dict(resolved, is_broadcastable=_broadcast_predicate(channel),
+                                  nesting=False)
         requests, dests = [], []
         for leaf in flat.tensors.values():
             for spec, tensor in leaf.pieces:

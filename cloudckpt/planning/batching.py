@@ -45,7 +45,7 @@ def pack_in_order(sizes: Sequence[int], cap: int) -> list[list[int]]:
     return groups
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Span:
     """Bytes ``[start, start + length)`` of object ``object_key`` that one fetch piece reads."""
 

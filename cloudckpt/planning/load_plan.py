@@ -31,7 +31,7 @@ from cloudckpt.planning.pieces import PieceSpec
 LOAD_PLAN_FORMAT = "cloudckpt.load_plan"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Region:
     """A box inside one stored chunk (offsets relative to the chunk's own origin)."""
 
@@ -42,7 +42,7 @@ class Region:
     nbytes: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ReadItem:
     """Copy the stored box ``src_offsets`` + ``lengths`` of chunk ``chunk_index`` of ``name`` into
     request ``request_index`` at ``dest_offsets`` (both relative to their own origin)."""

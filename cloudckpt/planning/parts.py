@@ -20,8 +20,7 @@ broadcasts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from typing import Sequence, Union
 
 from cloudckpt.planning.windows import RunWindow, Window, plan_run_windows, plan_windows_many
@@ -60,17 +59,17 @@ def layout_windows(windows: Sequence[Window]) -> tuple[list[int], int]:
     return offsets, pos
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WindowPart:
-    """Window ``window`` of broadcast ``broadcast``'s region, carried in a batch buffer."""
+    """Window ``window`` of broadcast ``broadcast``'s region, carried in a batch buffer;
+    ``nbytes``: the bytes it takes in a batch buffer and on the wire (aligned)."""
 
     broadcast: int
     window: Window
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @cached_property
-    def nbytes(self) -> int:
-        """Bytes this part takes in a batch buffer and on the wire (aligned)."""
-        return aligned(self.window.length)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", aligned(self.window.length))
 
     @property
     def fetch_bytes(self) -> int:
@@ -83,7 +82,7 @@ class WindowPart:
         return self.window.length
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RunPart:
     """Run window ``run`` of broadcast ``broadcast``'s region: its own broadcast, straight
     between destinations."""

@@ -26,7 +26,7 @@ from cloudckpt.planning.load_plan import LocalLoadPlan, Region
 DEFAULT_MIN_BROADCAST_BYTES = 32 * 1024
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Broadcast:
     """``src`` fetches ``region`` and broadcasts it to ``group`` (sorted rank tuple, includes src)."""
 

@@ -34,7 +34,7 @@ from cloudckpt.errors import ManifestError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SubBox:
     """Part of a region inside one window: ``offsets``/``lengths`` relative to the region's own
     origin, and ``first`` the element index (inside the window's bytes) of its first element."""
@@ -44,7 +44,7 @@ class SubBox:
     first: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Window:
     """Blocks ``first_block`` .. ``first_block + len(crc32c) - 1`` of a chunk: bytes
     ``[start, start + length)`` of ``object_key``; ``strides`` are the chunk's element strides.
@@ -250,7 +250,7 @@ def _unverified_windows(manifest, place: _Place, max_bytes: int) -> list[Window]
     return windows
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BlockRead:
     """One checksum block to read (``offset``/``length`` in its object, with its ``crc32c``)
     whose bytes ``[keep_at, keep_at + keep_len)`` are the region's bytes starting at
@@ -264,7 +264,7 @@ class BlockRead:
     region_pos: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RunWindow:
     """Bytes ``[lo, hi)`` of a region stored as one contiguous run, read as whole blocks."""
 
