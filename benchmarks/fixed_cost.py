@@ -426,11 +426,16 @@ def main() -> int:
                 origin = world.run(R.rank_setup, args.kib * 1024, 3, code, args.phases,
                                    _load_options(args.load_option), args.gc)[0]
                 worlds[label] = world
+                first = []
                 for i in range(2):  # warm-up: imports, clients, connections, plan caches
                     url = info.url(f"fixed/{label}/n{n}/warm{i}")
-                    world.run(R.rank_call, "save", url, timeout=300)
-                    world.run(R.rank_call, "load", url, timeout=300)
-                print(f"N={n} {label}: cloudckpt from {os.path.dirname(origin)}", flush=True)
+                    for action in ("save", "load"):
+                        ranks = world.run(R.rank_call, action, url, timeout=300)
+                        if i == 0:
+                            first.append(f"{action} {max(r['wall'] for r in ranks):.3f} s, "
+                                         f"{statistics.mean(r['cpu'] for r in ranks):.3f} CPU s/rank")
+                print(f"N={n} {label}: cloudckpt from {os.path.dirname(origin)}; first calls "
+                      f"in the world (not counted): {'; '.join(first)}", flush=True)
             profile = args.profile_rank is not None and n == max(ns)
             for rep in range(args.repeat):
                 for label, _ in codes:
