@@ -21,7 +21,7 @@ import numpy as np
 
 from cloudckpt.errors import PlanningError
 from cloudckpt.planning.coverage import stable_order
-from cloudckpt.planning.load_plan import LocalLoadPlan, Region
+from cloudckpt.planning.load_plan import LocalLoadPlan, Region, shared_tuples
 
 DEFAULT_MIN_BROADCAST_BYTES = 32 * 1024
 
@@ -177,6 +177,7 @@ def assign_readers(load_plans: Sequence[LocalLoadPlan], *,
                      chunk[first].tolist(), ndim_row[first].tolist(), src_all[first].tolist(),
                      len_all[first].tolist())
         groups: dict[tuple, tuple] = {}  # a run's rows' ranks -> its group (a few distinct)
+        same = shared_tuples()
         for run, nb, g, c, nd, src_off, lengths in firsts:
             rows_ranks = tuple(rank_list[starts[run]:ends[run]])
             ranks = groups.get(rows_ranks)
@@ -184,7 +185,7 @@ def assign_readers(load_plans: Sequence[LocalLoadPlan], *,
                 ranks = groups[rows_ranks] = tuple(sorted(set(rows_ranks)))
             src_rank = min(ranks, key=load_list.__getitem__)
             load_list[src_rank] += nb
-            region = Region(names[g], c, tuple(src_off[:nd]), tuple(lengths[:nd]), nb)
+            region = Region(names[g], c, same(src_off[:nd]), same(lengths[:nd]), nb)
             broadcasts.append(Broadcast(region, src_rank, ranks))
         run_broadcast = np.full(len(run_start), -1, dtype=np.int64)
         run_broadcast[runs] = np.arange(len(runs), dtype=np.int64)

@@ -398,6 +398,7 @@ def plan_windows_many(manifest, regions: Sequence, max_bytes: int) -> list[list[
     crcs = at.block_crcs(b, b_end, one)
     keys = manifest.objects
     out: list[list[Window]] = []
+    same: dict = {}  # equal boxes share their tuples (fewer live objects: see shared_tuples)
     rows = zip(regions, one.tolist(), at.nds.tolist(), at.lengths.tolist(), at.strides.tolist(),
                (at.byte_offset + lo_byte).tolist(), (hi_byte - lo_byte).tolist(), b.tolist(),
                crcs, at.itemsize.tolist(), at.object_index.tolist(),
@@ -408,8 +409,14 @@ def plan_windows_many(manifest, regions: Sequence, max_bytes: int) -> list[list[
             out.append(plan_windows(manifest, region, max_bytes))
             continue
         lengths = tuple(lengths[:nd])
+        lengths = same.setdefault(lengths, lengths)
+        strides = tuple(strides[:nd])
+        strides = same.setdefault(strides, strides)
+        boxes = same.get((lengths, sub_first))
+        if boxes is None:
+            boxes = same[(lengths, sub_first)] = (SubBox((0,) * nd, lengths, sub_first),)
         out.append([Window(keys[obj], start, length, first_block, crc, block, itemsize,
-                           tuple(strides[:nd]), (SubBox((0,) * nd, lengths, sub_first),))])
+                           strides, boxes)])
     return out
 
 
