@@ -13,10 +13,15 @@ outside the timing). So small a state makes the seconds of a call its fixed cost
 manifest, planning, request latency. Printed per N and method: the median over `--repeat` of
 the call's wall seconds (from a world barrier to the end of the slowest rank's call) and of the
 CPU seconds one rank's process used in the call (mean over ranks, every thread, from
-``resource.getrusage``); with ``--phases`` each protocol phase's wall seconds (its own work,
-then its closing exchange) and CPU seconds, and the collectives each call runs (count and
-seconds, rank 0). Everything shares this machine's cores (N ranks and the server), so what a
-rank computes and every wait for the slowest rank are multiplied as N grows.
+``resource.getrusage``), the server's CPU seconds, the garbage collector's seconds and full
+passes per rank, the store requests of all ranks by kind, and each world's first (uncounted)
+calls; with ``--phases`` each protocol phase's wall seconds (its own work, then its closing
+exchange) and CPU seconds, the collectives each call runs (count and seconds, rank 0) and the
+calls, wall and thread CPU of the functions in ``TRACED``. ``--profile-rank R`` writes cProfile
+files (thread CPU) of rank R's main and loop threads at the largest N; ``--gc`` freezes or turns
+off the ranks' garbage collector (to see its share); ``--load-option`` sets a ``LoadOptions``
+field. Everything shares this machine's cores (N ranks and the server), so what a rank computes
+and every wait for the slowest rank are multiplied as N grows.
 
 ``--baseline DIR`` (a directory holding another version of the ``cloudckpt`` package, e.g.
 ``git archive <commit> cloudckpt | tar -x -C DIR``) measures that version too, in worlds of its
