@@ -49,7 +49,10 @@ class LoadOptions:
     - ``broadcast``: read a region that several ranks need once and broadcast it. ``None``
       (the default) broadcasts for remote stores (``s3://``) only: on a local or shared
       filesystem every rank reading the page cache beats sending the bytes over gloo.
-    - ``min_broadcast_bytes``: regions smaller than this are read by every rank that needs them.
+    - ``min_broadcast_bytes``: the regions a group of ranks all need are read once and sent to
+      the group when together they are at least this many bytes (each region, however small,
+      travels in the group's batches); a group that would move less (its rounds' collectives
+      would cost more than its ranks reading the bytes) reads them on every rank.
     - ``broadcast_batch_bytes``: the most bytes one source sends in one round (regions are cut
       into checksum-aligned windows of at most 16 MiB or this size, whichever is smaller, and
       smaller still so that each source sends its share in several rounds and an exchange

@@ -75,14 +75,14 @@ class GlobalPiece:
                                 f"global shape {shape}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorLeaf:
     name: str
     path: tuple
     pieces: tuple[tuple[PieceSpec, torch.Tensor], ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ValueLeaf:
     name: str
     path: tuple
@@ -104,10 +104,14 @@ class FlatStateDict:
         return [t for leaf in self.tensors.values() for _, t in leaf.pieces]
 
 
+_DTYPE_NAMES = {getattr(torch, n): n for n in DTYPE_ITEMSIZE
+                if isinstance(getattr(torch, n, None), torch.dtype)}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """torch dtype -> allow-listed name (``torch.bfloat16`` -> ``"bfloat16"``)."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_ITEMSIZE:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
         raise PlanningError(f"dtype {dtype} is not supported (allowed: {', '.join(DTYPE_ITEMSIZE)})")
     return name
 
@@ -301,11 +305,12 @@ def _ragged(obj) -> bool:
 
 
 def flatten_state_dict(sd: Mapping, *, is_broadcastable: Callable[[torch.Tensor], bool] =
-                       lambda t: t.device.type == "cpu") -> FlatStateDict:
+                       lambda t: t.device.type == "cpu", nesting: bool = True) -> FlatStateDict:
     """Flatten a nested state dict (see module doc). Raises
     :class:`~cloudckpt.errors.DuplicateKeyError` when two paths give the same dotted name and
     :class:`~cloudckpt.errors.PlanningError` for keys that are neither str nor int in a dict
-    holding tensors."""
+    holding tensors. ``nesting=False`` leaves ``structure`` None (a load fills the caller's
+    own containers and needs no record of them)."""
     if not isinstance(sd, Mapping):
         raise PlanningError(f"a state dict must be a mapping, got {type(sd).__name__}")
     tensors: dict[str, TensorLeaf] = {}
@@ -326,7 +331,7 @@ def flatten_state_dict(sd: Mapping, *, is_broadcastable: Callable[[torch.Tensor]
         if isinstance(obj, (torch.Tensor, GlobalPiece)) or _ragged(obj):
             name = claim(path)
             tensors[name] = TensorLeaf(name, path, _tensor_pieces(name, obj, is_broadcastable))
-            return ["x", name]
+            return ["x", name] if nesting else None
         if isinstance(obj, Mapping):
             keys = list(obj.keys())
             if any(type(k) not in (str, int) for k in keys):
@@ -335,13 +340,18 @@ def flatten_state_dict(sd: Mapping, *, is_broadcastable: Callable[[torch.Tensor]
                     raise PlanningError(f"key {bad!r} at {path!r}: a dict holding tensors needs str or int keys "
                                         f"(got {type(bad).__name__}); convert the keys, e.g. to str")
             else:
+                if not nesting:
+                    for k, v in obj.items():
+                        walk(v, path + (k,), depth + 1)
+                    return None
                 tag = "o" if isinstance(obj, OrderedDict) else "d"
                 return [tag, [[k, walk(v, path + (k,), depth + 1)] for k, v in obj.items()]]
         elif isinstance(obj, (list, tuple)) and _holds_tensor(obj):
-            return ["l" if isinstance(obj, list) else "t", [walk(v, path + (i,), depth + 1) for i, v in enumerate(obj)]]
+            items = [walk(v, path + (i,), depth + 1) for i, v in enumerate(obj)]
+            return ["l" if isinstance(obj, list) else "t", items] if nesting else None
         name = claim(path)
         values[name] = ValueLeaf(name, path, plain_value(obj))
-        return ["v", name]
+        return ["v", name] if nesting else None
 
     bad = [k for k in sd.keys() if type(k) not in (str, int)]
     if bad:

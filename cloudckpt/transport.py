@@ -81,6 +81,7 @@ PHASE_WORDS = {
     "load manifest": "loading (reading the manifest)",
     "load planning": "loading",
     "load": "loading (reading data)",
+    "load restore": "loading (restoring values)",
 }
 
 
@@ -139,17 +140,19 @@ class ControlChannel:
 
     # -- raw byte collectives -------------------------------------------------------------------
 
-    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+    def all_gather_bytes(self, payload: bytes, *, inline: int = INLINE_BYTES) -> list[bytes]:
         """Every rank contributes ``payload``; every rank gets all payloads in rank order.
 
-        One all-gather when every payload fits :data:`INLINE_BYTES` (phase reports, votes), two
-        otherwise (the second only as wide as the longest payload)."""
+        One all-gather when every payload fits ``inline`` bytes (:data:`INLINE_BYTES` for phase
+        reports and votes; more for an exchange expected to carry more, such as load plans;
+        every rank must pass the same), two otherwise (the second only as wide as the longest
+        payload)."""
         if self.size == 1:
             return [bytes(payload)]
         n = len(payload)
-        slot = bytearray(_LENGTH_BYTES + INLINE_BYTES)
+        slot = bytearray(_LENGTH_BYTES + inline)
         slot[:_LENGTH_BYTES] = n.to_bytes(_LENGTH_BYTES, "little")
-        if n <= INLINE_BYTES:
+        if n <= inline:
             slot[_LENGTH_BYTES:_LENGTH_BYTES + n] = payload
         try:
             firsts = [torch.empty(len(slot), dtype=torch.uint8) for _ in self.ranks]
@@ -157,26 +160,30 @@ class ControlChannel:
             heads = [bytes(f.numpy().tobytes()) for f in firsts]
             lengths = [int.from_bytes(h[:_LENGTH_BYTES], "little") for h in heads]
             width = max(lengths)
-            if width <= INLINE_BYTES:
+            if width <= inline:
                 return [h[_LENGTH_BYTES:_LENGTH_BYTES + k] for h, k in zip(heads, lengths)]
             mine = torch.zeros(width, dtype=torch.uint8)
-            if n > INLINE_BYTES:
+            if n > inline:
                 mine[:n] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             outs = [torch.empty(width, dtype=torch.uint8) for _ in self.ranks]
             dist.all_gather(outs, mine, group=self.group)
         except RuntimeError as exc:
             raise self._collective_failed("all_gather", exc) from exc
-        return [h[_LENGTH_BYTES:_LENGTH_BYTES + k] if k <= INLINE_BYTES
+        return [h[_LENGTH_BYTES:_LENGTH_BYTES + k] if k <= inline
                 else bytes(o[:k].numpy().tobytes()) for h, o, k in zip(heads, outs, lengths)]
 
-    def broadcast_bytes(self, payload: bytes | None, *, src: int = 0) -> bytes:
-        """Rank ``src`` sends ``payload``; every rank returns it."""
+    def broadcast_bytes(self, payload: bytes | None, *, src: int = 0,
+                        length: int | None = None) -> bytes:
+        """Rank ``src`` sends ``payload``; every rank returns it. ``length``: the payload's
+        length when every rank knows it already (e.g. from a phase report): one broadcast
+        instead of two."""
         if self.size == 1:
             return bytes(payload or b"")
         try:
-            n = torch.tensor([len(payload) if self.rank == src else 0], dtype=torch.int64)
-            dist.broadcast(n, src=self.ranks[src], group=self.group)
-            length = int(n.item())
+            if length is None:
+                n = torch.tensor([len(payload) if self.rank == src else 0], dtype=torch.int64)
+                dist.broadcast(n, src=self.ranks[src], group=self.group)
+                length = int(n.item())
             if self.rank == src:
                 buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if length else \
                     torch.empty(0, dtype=torch.uint8)
@@ -186,7 +193,7 @@ class ControlChannel:
                 dist.broadcast(buf, src=self.ranks[src], group=self.group)
         except RuntimeError as exc:
             raise self._collective_failed("broadcast", exc) from exc
-        return bytes(buf.numpy().tobytes())
+        return bytes(payload) if self.rank == src else bytes(buf.numpy().tobytes())
 
     def barrier(self) -> None:
         """Wait for every rank (bounded by the channel's timeout)."""
@@ -194,7 +201,8 @@ class ControlChannel:
 
     # -- fail together --------------------------------------------------------------------------
 
-    def phase(self, what: str, report: type[PhaseReport] | None = None) -> Phase:
+    def phase(self, what: str, report: type[PhaseReport] | None = None, *,
+              inline: int = INLINE_BYTES) -> Phase:
         """One step of a protocol, run on every rank of the channel and closed by an agreement::
 
             with channel.phase("save upload", UploadReport) as upload:
@@ -207,11 +215,13 @@ class ControlChannel:
         (any ``BaseException``; encoding the report included), every rank raises the same
         :class:`CheckpointError` on leaving it. Otherwise :attr:`Phase.reports` holds every rank's
         report decoded with ``report.decode`` (``None`` where a rank set none: a coordinator-only
-        result is ``reports[0]``). A phase costs one exchange of the encoded reports.
+        result is ``reports[0]``). A phase costs one exchange of the encoded reports: one
+        all-gather when every rank's fits ``inline`` bytes (see :meth:`all_gather_bytes`).
         """
-        return Phase(self, what, report)
+        return Phase(self, what, report, inline)
 
-    def agree(self, what: str, payload: bytes = b"", error: BaseException | None = None) -> list[bytes]:
+    def agree(self, what: str, payload: bytes = b"", error: BaseException | None = None, *,
+              inline: int = INLINE_BYTES) -> list[bytes]:
         """Exchange one phase's outcome. Returns every rank's ``payload`` if all succeeded.
 
         If any rank passes an ``error``, every rank raises the same :class:`CheckpointError`
@@ -226,7 +236,7 @@ class ControlChannel:
             record = msgpack.packb([False, [f.error_type, f.message, f.traceback], b""])
         else:
             record = msgpack.packb([True, None, bytes(payload)])
-        gathered = self.all_gather_bytes(record)
+        gathered = self.all_gather_bytes(record, inline=inline)
         failures: dict[int, RankFailure] = {}
         payloads: list[bytes] = []
         for r, raw in enumerate(gathered):
@@ -263,10 +273,12 @@ class Phase:
     type), or left ``None``. ``reports``: after the block, every rank's report in rank order.
     """
 
-    def __init__(self, channel: ControlChannel, what: str, report_type: type | None):
+    def __init__(self, channel: ControlChannel, what: str, report_type: type | None,
+                 inline: int = INLINE_BYTES):
         self.channel = channel
         self.what = what
         self.report_type = report_type
+        self.inline = inline
         self.report = None
         self.reports: tuple = ()
 
@@ -284,7 +296,8 @@ class Phase:
                 payload = self.report.encode()
             except BaseException as encode_error:  # reported to every rank like the block's own
                 error = encode_error
-        payloads = self.channel.agree(self.what, payload, error)  # raises if any rank failed
+        # raises if any rank failed
+        payloads = self.channel.agree(self.what, payload, error, inline=self.inline)
         decode = self.report_type.decode if self.report_type is not None else None
         self.reports = tuple(decode(p) if p and decode is not None else None for p in payloads)
         return False

@@ -4,17 +4,23 @@ Every rank of the process group calls :func:`load` with the state dict it wants 
 sharding, any world size). Phases (each a :meth:`~cloudckpt.transport.ControlChannel.phase`,
 closed by a fail-together exchange):
 
-1. ``load manifest``: the coordinator reads it and checks the stored objects' extents; the bytes
-   are then broadcast (or every rank reads them, with ``share_manifest=False``).
-2. ``load planning``: every rank decodes and validates the manifest, flattens the state dict
-   (after ``state_dict()`` on stateful values), plans the reads of every requested piece (strict:
-   missing names fail) and reports its plan (:class:`~cloudckpt.api.reports.LoadPlanReport`).
+1. ``load manifest``: the coordinator reads and decodes it (or every rank reads it, with
+   ``share_manifest=False``), while every rank flattens its state dict (after ``state_dict()``
+   on stateful values); the coordinator reports the manifest's length
+   (:class:`~cloudckpt.api.reports.ManifestRead`) and the bytes follow in one broadcast.
+2. ``load planning``: every rank decodes and validates the manifest, plans the reads of every
+   requested piece (strict: missing names fail; an error flattening the state dict is raised
+   here) and reports its plan (:class:`~cloudckpt.api.reports.LoadPlanReport`); meanwhile the
+   coordinator checks the stored objects' extents (``ManifestSource.check``), before any data
+   is read or any buffer sized from the manifest.
 3. ``load``: the read-once assignment, computed identically on every rank (broadcast subgroups
    created or reused); each rank fetches its own regions (crc-verified) in the background while
    the broadcast batches run in the one global order, and every region lands in its destination
    (dtype converted).
 4. ``load restore``: only when every rank has all of its data, values are set and
-   ``load_state_dict()`` is called on stateful values.
+   ``load_state_dict()`` is called on stateful values; closed by an exchange (so that an error
+   there fails every rank) unless no rank's restore runs code that may raise (no stateful
+   value, values in plain dicts and lists: every rank said so with its plan).
 
 :func:`load_from` runs the same phases on any :class:`ManifestSource` (the safetensors import,
 :mod:`cloudckpt.hf`, builds a manifest without checksums: its bytes are not verified).
@@ -26,8 +32,10 @@ half filled, and every rank raises the same error; no rank replaces a value or c
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
@@ -40,15 +48,15 @@ from cloudckpt.options import LoadOptions, LoadResult
 from cloudckpt.api.homes import reading_view
 from cloudckpt.api.load_data import move_data
 from cloudckpt.api.manifest_io import fetch_manifest_bytes
-from cloudckpt.api.reports import LoadPlanReport
+from cloudckpt.api.reports import LoadPlanReport, ManifestRead
 from cloudckpt.dataplane.destinations import fetch_into
 from cloudckpt.planning import PieceSpec, plan_local_load
 from cloudckpt.planning.hints import unexpected_names_message
-from cloudckpt.runtime import run_coroutine, shared_store, wait_for_pending_save
+from cloudckpt.runtime import run_coroutine, shared_store, submit, wait_for_pending_save
 from cloudckpt.stateful import resolve_stateful, restore_stateful
 from cloudckpt.statedict import (check_replaceable, flatten_state_dict, set_by_path, torch_dtype,
                                  unflatten_state_dict)
-from cloudckpt.transport import ControlChannel
+from cloudckpt.transport import INLINE_BYTES, ControlChannel
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +120,11 @@ class StoredManifest:
     def decode(self, raw: bytes) -> Manifest:
         return decode_manifest(raw, allow_pickle=self.allow_pickle)
 
+    def decode_validated(self, raw: bytes) -> Manifest:
+        """:meth:`decode` of bytes the coordinator decoded already: without the saved nesting,
+        which a load does not use (see :func:`_decode_shared`)."""
+        return decode_manifest(raw, allow_pickle=self.allow_pickle, structure=False)
+
     def check(self, manifest: Manifest, store) -> None:
         run_coroutine(check_object_extents(store, manifest))
 
@@ -125,30 +138,60 @@ def load_from(state_dict: Mapping[str, Any], source: ManifestSource, *, process_
     channel = ControlChannel(process_group, timeout=options.timeout)
     started = time.perf_counter()
 
-    raw, manifest = b"", None
-    with channel.phase("load manifest"):
-        if channel.is_coordinator or not options.share_manifest:
-            raw = source.read()
+    raw, manifest, store = b"", None, None
+    wanted, wanted_error = None, None
+    with channel.phase("load manifest", ManifestRead) as reading:
+        # the read runs in the background while this rank flattens its state dict (which
+        # needs no manifest; an error doing so is raised in "load planning", where it belongs)
+        reads = channel.is_coordinator or not options.share_manifest
+        read = submit(asyncio.to_thread(source.read)) if reads else None
+        try:
+            wanted = _Wanted.of(state_dict, channel)
+        except Exception as exc:  # noqa: BLE001 - kept for the planning phase
+            wanted_error = exc
+        finally:
+            if read is not None:
+                raw = read.result()  # the read's own error, if any, wins
         if channel.is_coordinator:
             store, manifest = reading_view(source.url, source.storage, source.decode(raw))
-            source.check(manifest, store)
+            reading.report = ManifestRead(length=len(raw))
     if options.share_manifest:
-        raw = channel.broadcast_bytes(raw if channel.is_coordinator else None)
+        raw = channel.broadcast_bytes(raw if channel.is_coordinator else None,
+                                      length=reading.reports[0].length)
 
-    with channel.phase("load planning", LoadPlanReport) as planning:
+    with channel.phase("load planning", LoadPlanReport, inline=plan_slot_bytes(channel.size)) \
+            as planning:
         if manifest is None:
-            store, manifest = reading_view(source.url, source.storage, source.decode(raw))
-        wanted = _Wanted.of(state_dict, channel)
-        wanted.check_replaceable(state_dict, manifest)
-        plan = plan_local_load(manifest, wanted.requests, rank=channel.rank,
-                               value_names=tuple(wanted.flat.values), strict=strict)
-        planning.report = LoadPlanReport(plan)
+            decode = _decode_shared(source) if options.share_manifest else source.decode
+            store, manifest = reading_view(source.url, source.storage, decode(raw))
+        # the coordinator checks the stored objects while every rank plans (nothing is
+        # allocated from the manifest before the data phase, which follows this exchange)
+        checking = submit(asyncio.to_thread(source.check, manifest, store)) \
+            if channel.is_coordinator else None
+        try:
+            if wanted_error is not None:
+                raise wanted_error
+            wanted.check_replaceable(state_dict, manifest)
+            plan = plan_local_load(manifest, wanted.requests, rank=channel.rank,
+                                   value_names=tuple(wanted.flat.values), strict=strict)
+            planning.report = LoadPlanReport(plan, wanted.restore_can_fail(state_dict))
+        except BaseException:
+            if checking is not None:
+                concurrent.futures.wait([checking])
+            raise
+        if checking is not None:
+            checking.result()
 
     with channel.phase("load"):
         fetched, received, broadcasts = move_data(
             store, manifest, [r.plan for r in planning.reports], channel, wanted.dests, options)
 
-    with channel.phase("load restore"):  # only once every rank has all of its data
+    # only once every rank has all of its data; closed by an exchange when a rank's restore
+    # runs code that may raise (load_state_dict(), a container's own item assignment)
+    if any(r.restore_can_fail for r in planning.reports):
+        with channel.phase("load restore"):
+            wanted.restore(state_dict, manifest)
+    else:
         wanted.restore(state_dict, manifest)
 
     if plan.unexpected and channel.is_coordinator:
@@ -210,6 +253,20 @@ async def check_object_extents(store, manifest) -> None:
 # -- helpers ------------------------------------------------------------------------------------
 
 
+def plan_slot_bytes(ranks: int) -> int:
+    """Bytes of each rank's slot in the first all-gather of the planning exchange: a load plan
+    that fits (most: 10 KiB holds about 450 read items) is exchanged in one all-gather instead
+    of two. At most 64 KiB, and every rank receives at most 4 MiB in all."""
+    return max(INLINE_BYTES, min(64 << 10, (4 << 20) // max(ranks, 1)))
+
+
+def _decode_shared(source: ManifestSource):
+    """How a rank decodes the manifest bytes the coordinator read, decoded (every check of
+    ``decode``) and broadcast: the source's ``decode_validated`` when it has one (it may leave
+    out what a load does not use), else ``decode``."""
+    return getattr(source, "decode_validated", None) or source.decode
+
+
 @dataclass(frozen=True)
 class _Wanted:
     """What a load fills on this rank: the flattened state dict, each requested piece with its
@@ -224,7 +281,8 @@ class _Wanted:
     @classmethod
     def of(cls, state_dict, channel: ControlChannel) -> "_Wanted":
         resolved, found = resolve_stateful(state_dict)
-        flat = flatten_state_dict(resolved, is_broadcastable=_broadcast_predicate(channel))
+        flat = flatten_state_dict(resolved, is_broadcastable=_broadcast_predicate(channel),
+                                  nesting=False)
         requests, dests = [], []
         for leaf in flat.tensors.values():
             for spec, tensor in leaf.pieces:
@@ -237,6 +295,16 @@ class _Wanted:
         for name, leaf in self.flat.values.items():
             if name in manifest.values and not _under_stateful(leaf.path, self.found):
                 check_replaceable(state_dict, leaf.path)
+
+    def restore_can_fail(self, state_dict) -> bool:
+        """Whether :meth:`restore` runs code that may raise: ``load_state_dict()`` of a
+        stateful object, or a value set through a container other than a plain ``dict``,
+        ``OrderedDict``, ``defaultdict`` or ``list`` (tuples on the way are rebuilt, never
+        failing), in the caller's containers or their copies."""
+        if self.found:
+            return True
+        return not all(_plain_containers(root, leaf.path)
+                       for leaf in self.flat.values.values() for root in (state_dict, self.resolved))
 
     def restore(self, state_dict, manifest) -> None:
         """Set the loaded non-tensor values, then ``load_state_dict()`` on stateful objects."""
@@ -260,6 +328,20 @@ def _assign_value(original, resolved, found, path: tuple, value) -> None:
     set_by_path(resolved, path, value)
     if not _under_stateful(path, found):
         set_by_path(original, path, value)  # checked replaceable at planning
+
+
+_PLAIN_SETITEM = (dict, OrderedDict, defaultdict, list)
+
+
+def _plain_containers(root, path: tuple) -> bool:
+    """Whether every container holding the value at ``path`` takes item assignment without
+    running code of its own (see :meth:`_Wanted.restore_can_fail`)."""
+    node = root
+    for key in path:
+        if not (type(node) in _PLAIN_SETITEM or isinstance(node, tuple)):
+            return False
+        node = node[key]
+    return True
 
 
 def _under_stateful(path: tuple, found) -> bool:

@@ -13,19 +13,22 @@ Contract:
   exchanged plans), so no rank waits in a collective its peers never join. A round with one
   source is a broadcast; a round with several is an exchange: all of the group's sources send
   at once (``Broadcaster.exchange``, a ring among the members), so every member's link is busy.
-- A source that cannot fetch still takes part and says so first: before each round every
-  source's 1-byte status (a broadcast, or an all-gather of every member's); a slot whose source
-  failed is skipped by every receiver, and the source's error reaches every rank at the end of
-  the phase.
+- A source that cannot fetch still takes part and says so: in a round of window batches
+  (through buffers, ``Round.buffered``) with a status byte at the end of the bytes it sends
+  anyway (no collective of its own); in a round with run batches (which may land straight in
+  destinations) first, before the bytes: a 1-byte status broadcast, or an all-gather of every
+  member's. A slot whose source failed is skipped by every receiver, and the source's error
+  reaches every rank at the end of the phase.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
 import torch
 
-from cloudckpt.dataplane.broadcast import BroadcastSession
+from cloudckpt.dataplane.broadcast import BroadcastSession, sent_ok
 from cloudckpt.dataplane.destinations import fetch_into
 from cloudckpt.options import LoadOptions
 from cloudckpt.planning import assign_readers
@@ -42,25 +45,26 @@ def move_data(store, manifest, plans, channel, dests, options: LoadOptions):
         return run_coroutine(fetch_into(store, manifest, mine, dests, options.max_read_bytes)), 0, 0
 
     broadcaster = Broadcaster(channel)
-    assignment = assign_readers(plans, min_broadcast_bytes=options.min_broadcast_bytes)
+    # every shared region is a candidate, however small: a group's broadcasts run when they
+    # move min_broadcast_bytes in all (small regions travel together in its batches)
+    assignment = assign_readers(plans, min_broadcast_bytes=0)
     if broadcaster.can_use_subgroups:
-        kept = select_broadcasts(assignment.broadcasts, options.max_broadcast_groups)
+        kept = select_broadcasts(assignment.broadcasts, options.max_broadcast_groups,
+                                 min_group_bytes=options.min_broadcast_bytes)
     elif broadcaster.backend == "gloo":  # a strict subgroup job: whole-channel gloo only
         kept = select_broadcasts(assignment.broadcasts, options.max_broadcast_groups,
-                                 only_group=tuple(range(channel.size)))
+                                 only_group=tuple(range(channel.size)),
+                                 min_group_bytes=options.min_broadcast_bytes)
     else:
         kept = ()
     # each of this rank's read items is served by a kept broadcast, or read by the rank itself
     served_by = assignment.broadcast_of(channel.rank)
-    kept_set = set(kept)
+    by_kept = np.isin(served_by, np.asarray(kept, dtype=np.int64))
+    items = plans[channel.rank].table.items()
     items_by_broadcast: dict[int, list] = defaultdict(list)
-    own_reads = []
-    for i, item in enumerate(mine):
-        b = int(served_by[i])
-        if b >= 0 and b in kept_set:
-            items_by_broadcast[b].append(item)
-        else:
-            own_reads.append(item)
+    for i, b in zip(np.flatnonzero(by_kept).tolist(), served_by[by_kept].tolist()):
+        items_by_broadcast[b].append(items[i])
+    own_reads = [items[i] for i in np.flatnonzero(~by_kept).tolist()]
     own = submit(fetch_into(store, manifest, own_reads, dests, options.max_read_bytes // 2))
     session = None
     try:
@@ -82,8 +86,9 @@ def move_data(store, manifest, plans, channel, dests, options: LoadOptions):
 
 
 def run_broadcasts(session: BroadcastSession, broadcaster: Broadcaster) -> None:
-    """Run the session's rounds in the global order: for each, the sources' statuses, then the
-    bytes of those that could read their batch, delivered to this rank's destinations."""
+    """Run the session's rounds in the global order: for each, the sources' bytes with their
+    statuses (or, for run batches, the statuses first), delivered to this rank's destinations
+    where the status says the source read its batch."""
     status = torch.zeros(1, dtype=torch.uint8, device=broadcaster.device)
     for pos, round_ in enumerate(session.rounds):
         session.prefetch(pos)  # this rank's batch of this round, if any, and the next ones
@@ -92,9 +97,17 @@ def run_broadcasts(session: BroadcastSession, broadcaster: Broadcaster) -> None:
             if round_.exchange:
                 _exchange(session, broadcaster, pos, landing)
                 continue
+            batch = round_.batches[0]
+            if round_.buffered:
+                # through buffers: the source's status (did it fetch and verify the batch?)
+                # rides at the end of the bytes, which a failing source sends all the same
+                wire = session.wire(landing, status=True)
+                broadcaster.broadcast(wire, src=batch.src, members=round_.members)
+                if sent_ok(wire):
+                    session.deliver(landing, wire[:-1])
+                continue
             # first the source says whether it fetched and verified the batch: a failing
             # source still takes part, so no peer is left waiting in a broadcast
-            batch = round_.batches[0]
             status.fill_(1 if landing.ok else 0)
             broadcaster.broadcast(status, src=batch.src, members=round_.members)
             if int(status.item()) != 1:
@@ -109,9 +122,20 @@ def run_broadcasts(session: BroadcastSession, broadcaster: Broadcaster) -> None:
 
 
 def _exchange(session: BroadcastSession, broadcaster: Broadcaster, pos: int, landing) -> None:
-    """One exchange round: every member's status (1: nothing to send, or fetched ok), then
-    the ok sources' batches passed around the members; each is delivered where it arrives."""
+    """One exchange round: every source's batch passed around the members with its status at
+    its end (window batches), or every member's status first (1: nothing to send, or fetched
+    ok) and then the ok sources' batches (run batches); each is delivered where it arrives."""
     members = session.rounds[pos].members
+    if session.rounds[pos].buffered:
+        # through buffers: every source's status rides at the end of its slot
+        slots = session.exchange_slots(pos, landing, None)
+        try:
+            broadcaster.exchange(slots.tensors, members=members)
+        except BaseException:
+            session.release_slots(slots)
+            raise
+        session.deliver_round(pos, slots, [not t.numel() or sent_ok(t) for t in slots.tensors])
+        return
     statuses = torch.zeros(len(members), dtype=torch.uint8, device=broadcaster.device)
     mine = statuses[members.index(session.rank):][:1]
     mine.fill_(0 if landing is not None and not landing.ok else 1)

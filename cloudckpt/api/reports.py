@@ -2,8 +2,8 @@
 
 Each report is a small frozen dataclass with an explicit msgpack codec, no pickle:
 
-- plain records (:class:`SavePlanning`, :class:`UploadReport`, :class:`LatestStep`,
-  :class:`StopVote`, :class:`StepSaved`) encode as one map ``{"record": <name>, <field>: <value>,
+- plain records (:class:`SavePlanning`, :class:`UploadReport`, :class:`ManifestRead`,
+  :class:`LatestStep`, :class:`StopVote`, :class:`StepSaved`) encode as one map ``{"record": <name>, <field>: <value>,
   ...}`` of msgpack-native fields (``bool``, ``int``, ``str``, ``bytes``, ``X | None``,
   ``tuple[X, ...]``), checked against the annotations both when built and when decoded;
 - plan reports (:class:`SavePlanReport`, :class:`LoadPlanReport`) carry a local plan in the
@@ -32,8 +32,8 @@ from cloudckpt.planning import (LocalLoadPlan, LocalSavePlan, WrittenChunks,
                                 decode_written_chunks, encode_local_load_plan,
                                 encode_local_save_plan)
 
-__all__ = ["LatestStep", "LoadPlanReport", "SavePlanReport", "SavePlanning", "StepSaved",
-           "StopVote", "UploadReport"]
+__all__ = ["LatestStep", "LoadPlanReport", "ManifestRead", "SavePlanReport", "SavePlanning",
+           "StepSaved", "StopVote", "UploadReport"]
 
 
 def _conforms(value: Any, hint: Any) -> bool:
@@ -166,19 +166,32 @@ class SavePlanReport:
 # -- load -----------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, kw_only=True)
+class ManifestRead(_Record):
+    """Load phase 1: the coordinator read the manifest, ``length`` bytes (broadcast next)."""
+
+    RECORD: ClassVar[str] = "manifest read"
+    length: int
+
+
 @dataclass(frozen=True)
 class LoadPlanReport:
-    """Load phase 2: the rank's local load plan."""
+    """Load phase 2: the rank's local load plan, and whether its restore (after the data)
+    runs code that may raise (``load_state_dict()``, a container's own item assignment): the
+    load then closes with an exchange of the restores' outcomes."""
 
     plan: LocalLoadPlan
+    restore_can_fail: bool = True
 
     def encode(self) -> bytes:
-        return encode_local_load_plan(self.plan)
+        return (b"\x01" if self.restore_can_fail else b"\x00") + encode_local_load_plan(self.plan)
 
     @classmethod
     def decode(cls, raw: bytes) -> "LoadPlanReport":
+        if not isinstance(raw, bytes) or raw[:1] not in (b"\x00", b"\x01"):
+            raise _malformed("load plan", "no restore flag")
         try:
-            return cls(decode_local_load_plan(raw))
+            return cls(decode_local_load_plan(raw[1:]), raw[:1] == b"\x01")
         except PlanningError as exc:
             raise _malformed("load plan", str(exc)) from exc
 

@@ -14,14 +14,16 @@ round by round, in the one global order::
         session.prefetch(pos)          # this rank's batches of this round and the next ones
         landing = session.land(pos)    # the source waits for its verified fetch
         if round_.exchange:            # several sources at once
-            # api: all-gather every member's status (landing.ok, or 1 without a batch): oks
-            slots = session.exchange_slots(pos, landing, oks)
-            # api: exchange the ok slots among the members (each ends up everywhere)
+            # window batches only (round_.buffered): every slot comes, its status at its end
+            slots = session.exchange_slots(pos, landing, None)
+            # api: exchange the slots among the members; oks: sent_ok(slot) per member
+            # otherwise: api all-gathers every member's status (landing.ok, or 1): oks, and
+            # slots = session.exchange_slots(pos, landing, oks), exchanged the same way
             session.deliver_round(pos, slots, oks)
         else:                          # one source
-            wire = session.wire(landing)
-            # api: status broadcast (landing.ok), then (if ok) the data broadcast of wire
-            session.deliver(landing, wire)
+            wire = session.wire(landing, status=round_.buffered)
+            # api: the data broadcast of wire (after a status broadcast unless buffered)
+            session.deliver(landing, wire if not round_.buffered else wire[:-1])
         session.release(landing)
 
 Contract:
@@ -46,6 +48,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -55,13 +58,12 @@ import torch
 
 from cloudckpt.dataplane.buffers import BufferPool, byte_view, flat_bytes, is_byte_viewable
 from cloudckpt.dataplane.destinations import dest_view, sub_view
-from cloudckpt.dataplane.reader import read_windows, run_ranges, window_boxes
+from cloudckpt.dataplane.reader import read_windows, run_ranges, stored_dtype, window_boxes
 from cloudckpt.planning.batching import (BroadcastBatch, Round, RunBatch, balance_sources,
                                          batch_parts, pack_in_order, plan_rounds)
 from cloudckpt.planning.parts import WINDOW_ALIGN, RunPart, part_window_bytes, plan_parts
 from cloudckpt.planning.windows import boxes_in_flat_range
 from cloudckpt.runtime import BackgroundTask, start_task
-from cloudckpt.statedict import torch_dtype
 from cloudckpt.storage.base import run_all
 
 #: the largest window a part carries (the unit a source fetches and verifies before sending).
@@ -201,7 +203,7 @@ class BroadcastSession:
         biggest = max([b.nbytes for r in every for b in r.batches] or [0])
         self.pool = BufferPool(biggest + WINDOW_ALIGN)
         self.budget = max(max_read_bytes // 4, biggest)
-        self.dtypes = {name: torch_dtype(manifest.tensors[name].dtype)
+        self.dtypes = {name: stored_dtype(manifest, name)
                        for name in {broadcasts[i].region.name for i in kept}}
         self._pending: dict[int, _PendingFetch] = {}
         self._gate = _InOrder(_FETCHES_IN_FLIGHT)
@@ -315,31 +317,43 @@ class BroadcastSession:
         buf = self.pool.take()
         return Landing(batch, buf, buf, True)
 
-    def wire(self, landing: Landing) -> torch.Tensor:
+    def wire(self, landing: Landing, *, status: bool = False) -> torch.Tensor:
         """The tensor a one-source round's batch travels in, on :attr:`device`: all of a run
         batch's landing, the used part of a window batch's buffer (copied to the device for
-        NCCL)."""
-        wire = landing.buf[:landing.batch.nbytes]
+        NCCL). With ``status`` (a window batch), one byte more: the source's status (1: fetched
+        and verified), set here on the source (see :func:`sent_ok`)."""
+        n = landing.batch.nbytes
+        if status:
+            if landing.batch.src == self.rank:
+                landing.buf[n] = 1 if landing.ok else 0
+            n += 1
+        wire = landing.buf[:n]
         return wire if self.device.type == "cpu" else wire.to(self.device)
 
     def exchange_slots(self, pos: int, landing: Landing | None,
-                       oks: Sequence[bool]) -> ExchangeSlots:
+                       oks: Sequence[bool] | None) -> ExchangeSlots:
         """Where each member's batch of exchange round ``pos`` is, or arrives, on this rank:
         this rank's own batch where it landed; another source's, when ``oks`` (per member)
         says it is coming, in place in this rank's destination where it can (a run batch, a
         contiguous CPU destination of the stored dtype), else in a pool buffer (a device
-        buffer for NCCL)."""
+        buffer for NCCL). ``oks=None`` (a round of window batches only, ``Round.buffered``):
+        every source's slot comes, one byte longer, its source's status at its end (set here
+        for this rank's own; read with :func:`sent_ok`)."""
         round_ = self.rounds[pos]
         empty = torch.empty(0, dtype=torch.uint8, device=self.device)
         tensors, in_place, pooled = [empty] * len(round_.members), [False] * len(round_.members), []
+        status = oks is None
         for batch in round_.batches:
             j = round_.slot(batch.src)
-            if not oks[j]:
+            if not status and not oks[j]:
                 continue
+            n = batch.nbytes + status
             if batch.src == self.rank:
-                buf, flat = landing.buf[:batch.nbytes].to(self.device), landing.in_place
+                if status:
+                    landing.buf[batch.nbytes] = 1 if landing.ok else 0
+                buf, flat = landing.buf[:n].to(self.device), landing.in_place
             elif self.device.type != "cpu":
-                buf, flat = torch.empty(batch.nbytes, dtype=torch.uint8, device=self.device), False
+                buf, flat = torch.empty(n, dtype=torch.uint8, device=self.device), False
             elif isinstance(batch, RunBatch):
                 buf, held = self._run_landing(batch.part)
                 flat = held is None
@@ -348,7 +362,7 @@ class BroadcastSession:
             else:
                 held = self.pool.take()
                 pooled.append(held)
-                buf, flat = held[:batch.nbytes], False
+                buf, flat = held[:n], False
             tensors[j], in_place[j] = buf, flat
         return ExchangeSlots(tuple(tensors), tuple(in_place), tuple(pooled))
 
@@ -406,11 +420,52 @@ class BroadcastSession:
 
     def _deliver_windows(self, batch, wire: torch.Tensor) -> None:
         layout, _ = batch.layout()
+        wire_at = None  # the address of the wire's bytes (CPU), taken for the first byte copy
         for part, offset in zip(batch.parts, layout):
             items = self.items_by_broadcast.get(part.broadcast, ())
             if not items:
                 continue
-            dtype = self.dtypes[self.broadcasts[part.broadcast].region.name]
-            for sub, piece in window_boxes(part.window, wire, offset, dtype):
+            region = self.broadcasts[part.broadcast].region
+            dtype = self.dtypes[region.name]
+            window = part.window
+            if len(window.boxes) == 1 and wire.device.type == "cpu":
+                # the usual small region: whole in one window, its elements one run there;
+                # destinations of the stored dtype take its bytes with one copy each
+                run = _dense_run(window)
+                if run is not None and run[1] == region.nbytes:
+                    if wire_at is None:
+                        wire_at = wire.data_ptr()
+                    start, n = wire_at + offset + run[0], run[1]
+                    rest = []
+                    for item in items:
+                        view = dest_view(self.dests, item)
+                        if view.dtype == dtype and is_byte_viewable(view) \
+                                and view.numel() * view.element_size() == n:
+                            ctypes.memmove(view.data_ptr(), start, n)  # a dense run each
+                        else:
+                            rest.append(item)
+                    items = rest
+            for sub, piece in window_boxes(window, wire, offset, dtype) if items else ():
                 for item in items:
                     sub_view(dest_view(self.dests, item), sub.offsets, sub.lengths).copy_(piece)
+
+
+def sent_ok(wire: torch.Tensor) -> bool:
+    """The status at the end of a batch's bytes sent with it (see
+    :meth:`BroadcastSession.wire` / :meth:`BroadcastSession.exchange_slots`): whether its
+    source fetched and verified them."""
+    return int(wire[-1].item()) == 1
+
+
+def _dense_run(window) -> tuple[int, int] | None:
+    """``(byte offset in the window, bytes)`` of a window's one sub-box when its elements are
+    one dense run there (its box is whole in every dimension after the first it spans more
+    than one element of); None otherwise."""
+    (sub,) = window.boxes
+    lengths, strides = sub.lengths, window.strides
+    expect = 1
+    for n, s in zip(reversed(lengths), reversed(strides)):
+        if n > 1 and s != expect:
+            return None
+        expect *= n
+    return sub.first * window.itemsize, expect * window.itemsize

@@ -25,8 +25,10 @@ def region_key(item) -> tuple:
 def dest_view(dests: Sequence[torch.Tensor], item) -> torch.Tensor:
     """The part of destination ``item.request_index`` that ``item`` fills."""
     view = dests[item.request_index]
+    shape = view.shape
     for dim, (off, n) in enumerate(zip(item.dest_offsets, item.lengths)):
-        view = view.narrow(dim, off, n)
+        if off or n != shape[dim]:
+            view = view.narrow(dim, off, n)
     return view
 
 

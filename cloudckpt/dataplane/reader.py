@@ -31,7 +31,8 @@ from cloudckpt.dataplane.buffers import BufferPool, byte_view, is_byte_viewable
 from cloudckpt.planning import Region
 from cloudckpt.planning.batching import Span, batch_by_object
 from cloudckpt.planning.parts import aligned, layout_windows
-from cloudckpt.planning.windows import RunWindow, Window, plan_run_windows, plan_windows
+from cloudckpt.planning.windows import (RunWindow, Window, plan_run_windows,
+                                        plan_run_windows_many, plan_windows_many)
 from cloudckpt.storage import ReadRange
 from cloudckpt.statedict import torch_dtype
 
@@ -68,6 +69,13 @@ async def read_windows(store, windows: Sequence[Window], buf: torch.Tensor) -> i
     return sum(w.length for w in windows)
 
 
+def stored_dtype(manifest, name: str) -> torch.dtype:
+    """The torch dtype tensor ``name`` is stored in (read from the manifest's columns: no
+    record object is made)."""
+    cols = manifest.columns
+    return torch_dtype(cols.dtypes[cols.name_index[name]])
+
+
 def run_ranges(window: RunWindow, views: Sequence[memoryview], base: int = 0) -> list[ReadRange]:
     """Block ranges that deliver ``window`` (verified) into each of ``views``, flat byte views
     whose byte 0 is the region's byte ``base``."""
@@ -88,16 +96,24 @@ def direct_ranges(manifest, region, targets: Sequence[torch.Tensor],
     shape. The ranges deliver to
     sinks: a target is written only with verified bytes (see :class:`ReadRange`).
     """
-    dtype = torch_dtype(manifest.tensors[region.name].dtype)
-    lengths = tuple(int(n) for n in region.lengths)
-    if not targets or any(not is_byte_viewable(t) or t.dtype != dtype
-                          or tuple(t.shape) != lengths for t in targets):
+    if not _can_land(manifest, region, targets):
         return None
     windows = plan_run_windows(manifest, region, window_bytes)
     if windows is None:
         return None
     views = [byte_view(t) for t in targets]
     return [(w.object_key, run_ranges(w, views)) for w in windows]
+
+
+def _can_land(manifest, region, targets) -> bool:
+    """Whether ``targets`` can take ``region``'s stored bytes as they are (see
+    :func:`direct_ranges`)."""
+    if not targets:
+        return False
+    dtype = stored_dtype(manifest, region.name)
+    lengths = tuple(int(n) for n in region.lengths)
+    return all(is_byte_viewable(t) and t.dtype == dtype and tuple(t.shape) == lengths
+               for t in targets)
 
 
 def window_boxes(window: Window, buf: torch.Tensor, offset: int, dtype: torch.dtype):
@@ -142,17 +158,23 @@ Piece = Union[DirectPiece, WindowPiece]
 
 def plan_pieces(manifest, regions: Sequence, targets, window_bytes: int) -> list[Piece]:
     """How every region is read: direct pieces when ``targets(region)`` can take it in place
-    (see :func:`direct_ranges`), windows of at most ``window_bytes`` otherwise."""
+    (see :func:`direct_ranges`), windows of at most ``window_bytes`` otherwise. The regions are
+    located together (:func:`~cloudckpt.planning.windows.plan_run_windows_many`)."""
+    dests = [targets(r) for r in regions] if targets is not None else [None] * len(regions)
+    landing = [i for i, (r, d) in enumerate(zip(regions, dests)) if _can_land(manifest, r, d)]
+    runs = dict(zip(landing, plan_run_windows_many(manifest, [regions[i] for i in landing],
+                                                   window_bytes)))
+    rest = [i for i in range(len(regions)) if runs.get(i) is None]
+    windows = dict(zip(rest, plan_windows_many(manifest, [regions[i] for i in rest],
+                                               window_bytes)))
     pieces: list[Piece] = []
-    for region in regions:
-        direct = direct_ranges(manifest, region, targets(region), window_bytes) \
-            if targets is not None else None
-        if direct is not None:
-            pieces.extend(DirectPiece(key, tuple(ranges)) for key, ranges in direct)
+    for i, region in enumerate(regions):
+        if runs.get(i) is not None:
+            views = [byte_view(t) for t in dests[i]]
+            pieces.extend(DirectPiece(w.object_key, tuple(run_ranges(w, views))) for w in runs[i])
             continue
-        dtype = torch_dtype(manifest.tensors[region.name].dtype)
-        pieces.extend(WindowPiece(w, region, dtype)
-                      for w in plan_windows(manifest, region, window_bytes))
+        dtype = stored_dtype(manifest, region.name)
+        pieces.extend(WindowPiece(w, region, dtype) for w in windows[i])
     return pieces
 
 

@@ -263,7 +263,7 @@ def _chunk_major(section: dict, key: str, counts: np.ndarray, ndims: np.ndarray,
 
 
 def decode_manifest(data: bytes, *, allow_pickle: bool | str = False,
-                    max_bytes: int = MAX_MANIFEST_BYTES) -> Manifest:
+                    max_bytes: int = MAX_MANIFEST_BYTES, structure: bool = True) -> Manifest:
     """Decode and fully validate manifest bytes from an untrusted source.
 
     Raises :class:`~cloudckpt.errors.UnsupportedManifestVersion` for another format or version,
@@ -271,13 +271,17 @@ def decode_manifest(data: bytes, *, allow_pickle: bool | str = False,
     (``allow_pickle="inspect"`` decodes them to opaque markers, never unpickling), and
     :class:`~cloudckpt.errors.ManifestError` (with ``path``) for anything else malformed: a
     checksum mismatch, a manifest over ``max_bytes``, chunks whose bytes overlap, ...
+
+    ``structure=False`` leaves the saved nesting out (``Manifest.structure`` is None; it is
+    neither decoded nor checked): for a reader that fills its own state dict and was handed
+    bytes another decode has validated whole (the ranks of a load other than the coordinator).
     """
     return manifest_from_document(read_document(data, max_bytes=max_bytes),
-                                  allow_pickle=allow_pickle)
+                                  allow_pickle=allow_pickle, structure=structure)
 
 
 def manifest_from_document(document: ManifestDocument, *,
-                           allow_pickle: bool | str = False) -> Manifest:
+                           allow_pickle: bool | str = False, structure: bool = True) -> Manifest:
     """Validate the fields of a :class:`ManifestDocument` into a :class:`Manifest` (see
     :func:`decode_manifest`). Does not modify the document."""
     doc = document.fields
@@ -295,7 +299,8 @@ def manifest_from_document(document: ManifestDocument, *,
     cloudckpt_version = _field(doc, "cloudckpt_version", str)
     block = _field(doc, "checksum_block_size", int)
     metadata = decode_plain(_field(doc, "metadata", bytes), path="metadata")
-    structure = decode_plain(_field(doc, "structure", bytes), path="structure")
+    nesting = decode_plain(_field(doc, "structure", bytes), path="structure") \
+        if structure else None
     objects = _field(doc, "objects", list)
     tensors = _field(doc, "tensors", dict)
     chunks = _field(doc, "chunks", dict)
@@ -342,7 +347,7 @@ def manifest_from_document(document: ManifestDocument, *,
         chunk_object_index=_column(chunks, "object_index", "chunks", expected=nchunks),
         chunk_byte_offset=_column(chunks, "byte_offset", "chunks", expected=nchunks),
         chunk_byte_length=_column(chunks, "byte_length", "chunks", expected=nchunks),
-        chunk_crcs=crcs, value_blobs=blobs, structure=structure, allow_pickle=allow_pickle,
+        chunk_crcs=crcs, value_blobs=blobs, structure=nesting, allow_pickle=allow_pickle,
         **lineage)
 
 

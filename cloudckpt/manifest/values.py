@@ -195,10 +195,26 @@ def _resolve(root, hook, leaves: set[int]):
         if items and depth >= MAX_DEPTH:
             raise _TooDeep
         todo = [i for i, c in enumerate(items)
-                if type(c) is _Tuple or (type(c) in _OPEN and len(c))] \
+                if type(c) is _Tuple or (type(c) in _OPEN and len(c) and not _plain(c, depth + 1))] \
             if not _NESTED.isdisjoint(map(type, items)) else []
         todo.reverse()
         return [tuple if t is _Tuple else t, items, todo, depth, node, pos, t is _Tuple]
+
+    def _plain(node, depth: int) -> bool:
+        """Whether a non-empty list or dict at ``depth`` needs no frame: it holds no container
+        (nor a tuple to decode) and is not too deep; it is then kept as it is."""
+        if id(node) in leaves:
+            return False
+        if type(node) is dict:
+            nested = not (_NESTED.isdisjoint(map(type, node))
+                          and _NESTED.isdisjoint(map(type, node.values())))
+        else:
+            nested = not _NESTED.isdisjoint(map(type, node))
+        if nested:
+            return False
+        if depth >= MAX_DEPTH:
+            raise _TooDeep
+        return True
 
     frame = open_frame(root, 0, None)
     if frame is None:

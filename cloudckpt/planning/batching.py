@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence, Union
 
 from cloudckpt.planning.parts import Part, RunPart, WindowPart, aligned, layout_windows
@@ -44,7 +45,7 @@ def pack_in_order(sizes: Sequence[int], cap: int) -> list[list[int]]:
     return groups
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Span:
     """Bytes ``[start, start + length)`` of object ``object_key`` that one fetch piece reads."""
 
@@ -105,7 +106,7 @@ class WindowBatch:
     src: int
     parts: tuple[WindowPart, ...]
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         """Bytes on the wire (and of buffer used): the windows' aligned lengths."""
         return sum(p.nbytes for p in self.parts)
@@ -200,6 +201,13 @@ class Round:
     def exchange(self) -> bool:
         """Whether several sources send in this round (an exchange, not a broadcast)."""
         return len(self.batches) > 1
+
+    @property
+    def buffered(self) -> bool:
+        """Whether every batch of this round travels through buffers (window batches): its
+        source's status can then ride at the end of its bytes (see
+        :func:`cloudckpt.api.load_data.run_broadcasts`)."""
+        return all(isinstance(b, WindowBatch) for b in self.batches)
 
     @property
     def width(self) -> int:

@@ -161,8 +161,7 @@ class ManifestIndex:
         width = int(self.ndims.max(initial=0)) or 1
         self.width = width
         shape = np.ones((n_t, width), dtype=np.int64)
-        for t, s in enumerate(m.shapes):
-            shape[t, :len(s)] = s
+        shape[np.arange(width) < self.ndims[:, None]] = cols.shape_flat  # tensor-major dims
         self.shape = shape
         counts = np.diff(cols.chunk_start)
         chunk_tensor = np.repeat(np.arange(n_t, dtype=np.int64), counts)

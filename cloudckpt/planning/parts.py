@@ -20,10 +20,10 @@ broadcasts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence, Union
 
-from cloudckpt.planning.windows import RunWindow, Window, plan_run_windows, plan_windows
+from cloudckpt.planning.windows import RunWindow, Window, plan_run_windows, plan_windows_many
 
 #: every window starts at a multiple of this in a shared buffer (dtype views need alignment).
 WINDOW_ALIGN = 64
@@ -59,17 +59,17 @@ def layout_windows(windows: Sequence[Window]) -> tuple[list[int], int]:
     return offsets, pos
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WindowPart:
-    """Window ``window`` of broadcast ``broadcast``'s region, carried in a batch buffer."""
+    """Window ``window`` of broadcast ``broadcast``'s region, carried in a batch buffer;
+    ``nbytes``: the bytes it takes in a batch buffer and on the wire (aligned)."""
 
     broadcast: int
     window: Window
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes this part takes in a batch buffer and on the wire (aligned)."""
-        return aligned(self.window.length)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", aligned(self.window.length))
 
     @property
     def fetch_bytes(self) -> int:
@@ -82,7 +82,7 @@ class WindowPart:
         return self.window.length
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RunPart:
     """Run window ``run`` of broadcast ``broadcast``'s region: its own broadcast, straight
     between destinations."""
@@ -115,13 +115,15 @@ def plan_parts(manifest, broadcasts, indices: Sequence[int], window_bytes: int,
     ``run_min_bytes`` stored as one run, window parts otherwise; each region's parts in byte
     order. Raises :class:`~cloudckpt.errors.ManifestError` for a region past its chunk's bytes.
     """
+    runs = {i: plan_run_windows(manifest, broadcasts[i].region, window_bytes)
+            for i in indices if broadcasts[i].region.nbytes >= run_min_bytes}
+    rest = [i for i in indices if runs.get(i) is None]
+    windows = dict(zip(rest, plan_windows_many(manifest, [broadcasts[i].region for i in rest],
+                                               window_bytes)))
     parts: list[Part] = []
     for i in indices:
-        region = broadcasts[i].region
-        runs = plan_run_windows(manifest, region, window_bytes) \
-            if region.nbytes >= run_min_bytes else None
-        if runs is not None:
-            parts.extend(RunPart(i, r) for r in runs)
+        if runs.get(i) is not None:
+            parts.extend(RunPart(i, r) for r in runs[i])
         else:
-            parts.extend(WindowPart(i, w) for w in plan_windows(manifest, region, window_bytes))
+            parts.extend(WindowPart(i, w) for w in windows[i])
     return parts

@@ -43,9 +43,9 @@ class PieceSpec:
     broadcastable: bool = True
 
     def __post_init__(self) -> None:
-        shape = tuple(int(s) for s in self.global_shape)
-        offsets = tuple(int(o) for o in self.offsets)
-        sizes = tuple(int(s) for s in self.sizes)
+        shape = tuple(map(int, self.global_shape))
+        offsets = tuple(map(int, self.offsets))
+        sizes = tuple(map(int, self.sizes))
         object.__setattr__(self, "global_shape", shape)
         object.__setattr__(self, "offsets", offsets)
         object.__setattr__(self, "sizes", sizes)

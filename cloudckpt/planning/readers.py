@@ -21,12 +21,12 @@ import numpy as np
 
 from cloudckpt.errors import PlanningError
 from cloudckpt.planning.coverage import stable_order
-from cloudckpt.planning.load_plan import LocalLoadPlan, Region
+from cloudckpt.planning.load_plan import LocalLoadPlan, Region, shared_tuples
 
 DEFAULT_MIN_BROADCAST_BYTES = 32 * 1024
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Broadcast:
     """``src`` fetches ``region`` and broadcasts it to ``group`` (sorted rank tuple, includes src)."""
 
@@ -87,6 +87,13 @@ def _unify_names(plans: Sequence[LocalLoadPlan]):
         if prev_names is not None and t.names == prev_names:
             maps.append(prev_map)
             continue
+        if not index and len(set(t.names)) == len(t.names):  # the first plan: all new
+            names.extend(t.names)
+            index.update(zip(t.names, range(len(t.names))))
+            m = np.arange(len(t.names), dtype=np.int64)
+            prev_names, prev_map = t.names, m
+            maps.append(m)
+            continue
         try:  # usual case: every name already known (a C-speed loop)
             m = np.fromiter(map(index.__getitem__, t.names), dtype=np.int64, count=len(t.names))
         except KeyError:
@@ -120,7 +127,6 @@ def assign_readers(load_plans: Sequence[LocalLoadPlan], *,
     if rows == 0:
         return ReadAssignment((), load_plans, item_broadcast)
     row_rank = np.repeat(np.arange(world, dtype=np.int64), counts)
-    row_item = np.arange(rows, dtype=np.int64) - np.repeat(np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
     gname = np.concatenate([m[t.name_index] for m, t in zip(maps, tables)])
     chunk = np.concatenate([t.chunk_index for t in tables])
     nbytes = np.concatenate([t.nbytes for t in tables])
@@ -164,16 +170,26 @@ def assign_readers(load_plans: Sequence[LocalLoadPlan], *,
         runs = np.flatnonzero(multi)
         runs = runs[np.argsort(-nbytes[s_rows[run_start[runs]]], kind="stable")]  # heaviest first, then key order
         load_list = loads.tolist()
-        row_broadcast = np.full(rows, -1, dtype=np.int64)
-        for run in runs.tolist():
-            s, e = int(run_start[run]), int(run_end[run])
-            ranks = tuple(sorted(set(s_rank[s:e].tolist())))
-            first = int(s_rows[s])
-            nb = int(nbytes[first])
-            src_rank = min(ranks, key=lambda r: load_list[r])
+        # each run's region, from its first row (columns read once, no ReadItem made)
+        first = s_rows[run_start[runs]]
+        rank_list, starts, ends = s_rank.tolist(), run_start.tolist(), run_end.tolist()
+        firsts = zip(runs.tolist(), nbytes[first].tolist(), gname[first].tolist(),
+                     chunk[first].tolist(), ndim_row[first].tolist(), src_all[first].tolist(),
+                     len_all[first].tolist())
+        groups: dict[tuple, tuple] = {}  # a run's rows' ranks -> its group (a few distinct)
+        same = shared_tuples()
+        for run, nb, g, c, nd, src_off, lengths in firsts:
+            rows_ranks = tuple(rank_list[starts[run]:ends[run]])
+            ranks = groups.get(rows_ranks)
+            if ranks is None:
+                ranks = groups[rows_ranks] = tuple(sorted(set(rows_ranks)))
+            src_rank = min(ranks, key=load_list.__getitem__)
             load_list[src_rank] += nb
-            item = tables[int(row_rank[first])][int(row_item[first])]
-            row_broadcast[s_rows[s:e]] = len(broadcasts)
-            broadcasts.append(Broadcast(item.region, src_rank, ranks))
+            region = Region(names[g], c, same(src_off[:nd]), same(lengths[:nd]), nb)
+            broadcasts.append(Broadcast(region, src_rank, ranks))
+        run_broadcast = np.full(len(run_start), -1, dtype=np.int64)
+        run_broadcast[runs] = np.arange(len(runs), dtype=np.int64)
+        row_broadcast = np.full(rows, -1, dtype=np.int64)
+        row_broadcast[s_rows] = run_broadcast[run_id]
         item_broadcast = np.split(row_broadcast, np.cumsum(counts)[:-1])
     return ReadAssignment(tuple(broadcasts), load_plans, item_broadcast)

@@ -38,8 +38,8 @@ def records(cls):
 
 
 def test_every_record_is_covered_and_named_once():
-    assert {c.__name__ for c in RECORDS} == {"LatestStep", "SavePlanning", "StepSaved",
-                                             "StopVote", "UploadReport"}
+    assert {c.__name__ for c in RECORDS} == {"LatestStep", "ManifestRead", "SavePlanning",
+                                             "StepSaved", "StopVote", "UploadReport"}
     assert len({c.RECORD for c in RECORDS}) == len(RECORDS)
 
 
@@ -133,6 +133,11 @@ def test_plan_reports_round_trip_and_refuse_garbage():
     load_plan = plan_local_load(manifest, requests, rank=0, value_names=("step",), strict=False)
     again = reports.LoadPlanReport.decode(reports.LoadPlanReport(load_plan).encode())
     assert reports.LoadPlanReport(again.plan).encode() == reports.LoadPlanReport(load_plan).encode()
+    for flag in (True, False):  # whether the rank's restore may raise travels with its plan
+        back = reports.LoadPlanReport.decode(reports.LoadPlanReport(load_plan, flag).encode())
+        assert back.restore_can_fail is flag and back.plan == load_plan
+    with pytest.raises(ProtocolError, match="malformed load plan report"):
+        reports.LoadPlanReport.decode(b"\x02" + reports.LoadPlanReport(load_plan).encode()[1:])
 
     for cls, name in ((reports.SavePlanReport, "save plan"), (reports.LoadPlanReport, "load plan")):
         for raw in (b"", b"\xc1", msgpack.packb({"format": "other"}),

@@ -4,7 +4,8 @@ broadcaster that hands bytes over in memory. No collective, no torch.distributed
 
 Covers run batches landing in place, run batches through a buffer (another dtype, a transposed
 destination), window batches (a column slice), a read budget smaller than two batches, and a
-corrupt block (the source says so first; nothing of the batch lands anywhere)."""
+corrupt block (the source says so, first or with the bytes; nothing of the batch lands
+anywhere), in an exchange round and in a round of one source."""
 
 from __future__ import annotations
 
@@ -86,8 +87,8 @@ def _wants(rank: int, state):
 
 
 def _load_two_ranks(store, manifest, state, *, batch_bytes, max_read_bytes,
-                    device=torch.device("cpu")):
-    wants = [_wants(r, state) for r in range(2)]
+                    device=torch.device("cpu"), names=("run", "half", "cols")):
+    wants = [[(s, d) for s, d in _wants(r, state) if s.name in names] for r in range(2)]
     plans = [plan_local_load(manifest, [s for s, _ in w], rank=r) for r, w in enumerate(wants)]
     assignment = assign_readers(plans, min_broadcast_bytes=0)
     kept = select_broadcasts(assignment.broadcasts, 64)
@@ -176,6 +177,26 @@ def test_a_corrupt_block_is_reported_by_its_source_and_lands_nowhere(written):
                 assert (dest[:8] == FILL).all() and torch.equal(dest[8:], want[8:])
             else:
                 assert torch.equal(dest, want)
+
+
+def test_a_corrupt_block_in_a_one_source_round_lands_nowhere(written):
+    """A round with one source sending window batches: its status rides at the end of the
+    bytes it sends all the same, and no receiver (nor the source) delivers them."""
+    root, store, manifest, state = written
+    chunk = manifest.tensors["cols"].chunks[0]
+    path = data_path(root, manifest.objects[chunk.object_index])
+    body = bytearray(path.read_bytes())
+    body[chunk.byte_offset + 5] ^= 0xFF
+    path.write_bytes(bytes(body))
+    sessions, wants = _load_two_ranks(store, manifest, state, batch_bytes=1 << 20,
+                                      max_read_bytes=1 << 20, names=("cols",))
+    assert [(r.exchange, r.buffered) for r in sessions[0].rounds] == [(False, True)]
+    failures = [s.failure for s in sessions]
+    assert sum(f is not None for f in failures) == 1
+    assert isinstance([f for f in failures if f is not None][0], ChecksumError)
+    for w in wants:
+        for _, dest in w:
+            assert (dest == FILL).all()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -23,7 +23,7 @@ def _state() -> dict:
         "a": torch.randn(512, 256, generator=g),                       # 512 KiB, float32
         "b": torch.randn(300, 700, generator=g).to(torch.bfloat16),    # odd sizes, bfloat16
         "c": torch.randint(0, 1 << 40, (40_000,), generator=g),        # int64, 1-D
-        "tiny": torch.arange(5.0),                                     # read by every rank
+        "tiny": torch.arange(5.0),                                     # rides in a batch
     }
 
 
@@ -63,9 +63,9 @@ def test_large_replicated_regions_are_read_once_and_land_everywhere(world2, save
     results = world2.run(rank_runs, url, mode)
     for r in results:
         assert all(r["equal"].values()), r
-    tiny = 5 * 4
-    assert sum(r["fetched"] for r in results) == unique + tiny  # every big byte read once
-    assert sum(r["received"] for r in results) == unique - tiny
+    # every byte read once (the tiny tensor's too: it travels in the group's batches)
+    assert sum(r["fetched"] for r in results) == unique
+    assert sum(r["received"] for r in results) == unique
     assert all(r["received"] > 0 for r in results)  # both ranks are sources
     assert all(r["broadcasts"] >= 8 for r in results)  # several windows per region
 

@@ -145,13 +145,34 @@ def test_replicated_state_is_written_once_and_read_once(world2, s3_url):
     assert saved[0]["bytes"] == unique
     loaded = world2.run(rank_replicated, s3_url, "load")
     assert all(r["ok"] for r in loaded)
-    tiny = 4 * 4  # under the broadcast threshold: every rank reads it itself
-    assert sum(r["fetched"] for r in loaded) == unique + tiny
+    # every region, the 16-byte one included (it travels in the group's batches), is read
+    # once and received by the other rank
+    assert sum(r["fetched"] for r in loaded) == unique
     assert all(r["received"] > 0 for r in loaded)
-    assert sum(r["received"] for r in loaded) == unique - tiny
+    assert sum(r["received"] for r in loaded) == unique
     slabs = world2.run(rank_replicated, s3_url, "load-slabs")
     assert all(r["ok"] for r in slabs)
     assert [r["fetched"] for r in slabs] == [r["fetched"] for r in loaded]
+
+
+def rank_small_replicated(url: str, mode: str) -> dict:
+    state = {f"t{i}": torch.arange(4.0) + i for i in range(3)}  # 48 bytes shared in all
+    if mode == "save":
+        return {"bytes": cloudckpt.save(state, url).bytes_written}
+    blank = {k: torch.zeros_like(v) for k, v in state.items()}
+    result = cloudckpt.load(blank, url)
+    return {"ok": all(torch.equal(blank[k], state[k]) for k in state),
+            "fetched": result.bytes_fetched, "received": result.bytes_received,
+            "broadcasts": result.broadcasts}
+
+
+def test_a_group_sharing_fewer_bytes_than_the_threshold_reads_them_on_every_rank(world2, s3_url):
+    """``min_broadcast_bytes`` counts what a group shares in all: 48 bytes are not worth a
+    round of collectives, so each rank reads them itself."""
+    assert world2.run(rank_small_replicated, s3_url, "save")[0]["bytes"] == 48
+    loaded = world2.run(rank_small_replicated, s3_url, "load")
+    assert [(r["ok"], r["fetched"], r["received"], r["broadcasts"]) for r in loaded] == \
+        [(True, 48, 0, 0)] * 2
 
 
 def test_replicated_state_on_a_local_store_is_read_by_every_rank(world2, tmp_path):

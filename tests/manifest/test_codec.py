@@ -62,6 +62,26 @@ def test_round_trip_keeps_everything():
     assert encode_manifest(d) == encode_manifest(m)
 
 
+def test_without_structure_everything_else_is_decoded_and_checked():
+    """``structure=False`` (a load's ranks other than the coordinator) leaves the nesting out,
+    and only it: the rest is decoded as usual, and still checked."""
+    m = small_manifest()
+    d = decode_manifest(encode_manifest(m), structure=False)
+    full = decode_manifest(encode_manifest(m))
+    assert d.structure is None and full.structure == m.structure
+    assert (d.values, list(d.tensors), d.objects) == (full.values, list(full.tensors), full.objects)
+    assert list(d.tensors["w"].chunks) == list(full.tensors["w"].chunks)
+    doc = doc_of()
+    doc["structure"] = b"\xc1"  # not msgpack: only a full decode looks at it
+    assert decode_manifest(pack(doc), structure=False).structure is None
+    with pytest.raises(ManifestError):
+        decode_manifest(pack(doc))
+    doc = doc_of()
+    doc["chunks"]["crc32c"] = doc["chunks"]["crc32c"][:-4]  # the rest is still checked
+    with pytest.raises(ManifestError):
+        decode_manifest(pack(doc), structure=False)
+
+
 def test_builder_misuse_and_unsupported_metadata():
     b = ManifestBuilder(world_size=1)
     with pytest.raises(PlanningError, match="add_tensor first"):

@@ -225,3 +225,16 @@ def test_partial_placement_is_refused():
 
     with pytest.raises(PlanningError, match="Partial"):
         dtensor_local_boxes((4,), (2,), [0], [Partial()])
+
+
+def test_without_nesting_the_leaves_are_the_same():
+    """``nesting=False`` (a load: it fills the caller's containers) records no structure and
+    finds the very same tensors, pieces and values."""
+    sd = {"model": {"w": torch.ones(2, 3), "layers": [torch.zeros(4), {"b": torch.ones(1)}]},
+          "opt": {"lr": 0.1, "betas": (0.9, 0.99)}, "step": 3}
+    full, bare = flatten_state_dict(sd), flatten_state_dict(sd, nesting=False)
+    assert bare.structure is None and full.structure is not None
+    assert full.pieces() == bare.pieces()
+    assert [t.data_ptr() for t in full.local_tensors()] == [t.data_ptr() for t in bare.local_tensors()]
+    assert {k: (v.path, v.value) for k, v in full.values.items()} == \
+        {k: (v.path, v.value) for k, v in bare.values.items()}

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from cloudckpt.errors import ManifestError
 from cloudckpt.planning import Region
-from cloudckpt.planning.windows import (boxes_in_flat_range, plan_run_windows, plan_windows,
+from cloudckpt.planning.windows import (boxes_in_flat_range, plan_run_windows,
+                                         plan_run_windows_many, plan_windows, plan_windows_many,
                                          row_major_strides)
 from tests.planning.test_load_plan import manifest_with
 
@@ -146,3 +147,79 @@ def test_run_windows_cover_contiguous_regions_in_order(box, dtype, block, max_by
         pos = w.hi
     assert pos == nbytes
     assert np.array_equal(got, np.arange(flat[0] * itemsize, flat[0] * itemsize + nbytes))
+
+
+def _chunked_manifest(tensors, block):
+    """tensors: {name: (dtype, shape, rows per chunk)}: chunks cut along dim 0 (whole for 0-d
+    tensors), back to back in one object, every block's crc distinct."""
+    from cloudckpt.manifest import DTYPE_ITEMSIZE, ManifestBuilder
+    from cloudckpt.manifest.model import crc_counts
+
+    b = ManifestBuilder(world_size=1, checksum_block_size=block, created_at=0.0)
+    pos, crc = 0, 0
+    for name, (dtype, shape, rows) in tensors.items():
+        b.add_tensor(name, dtype, shape)
+        cuts = [((), ())] if not shape else \
+            [((r,) + (0,) * (len(shape) - 1), (min(rows, shape[0] - r),) + shape[1:])
+             for r in range(0, max(shape[0], 1), rows)]
+        for off, size in cuts:
+            nbytes = math.prod(size) * DTYPE_ITEMSIZE[dtype]
+            count = int(crc_counts(np.array([nbytes]), block)[0])
+            b.add_chunk(name, off, size, "data/x/r0.bin", pos, nbytes, list(range(crc, crc + count)))
+            pos, crc = pos + nbytes, crc + count
+    return b.build()
+
+
+@st.composite
+def many_regions(draw):
+    """A manifest of a few tensors and regions inside their chunks, some of them bad (an
+    unknown name or chunk, a box past its chunk, an empty box)."""
+    tensors = {}
+    for i in range(draw(st.integers(1, 4))):
+        shape = tuple(draw(st.integers(0, 5)) for _ in range(draw(st.integers(0, 3))))
+        tensors[f"t{i}"] = (draw(DTYPES), shape, draw(st.integers(1, 3)))
+    block = draw(BLOCKS)
+    m = _chunked_manifest(tensors, block)
+    regions = []
+    for _ in range(draw(st.integers(0, 8))):
+        name = draw(st.sampled_from(sorted(tensors)))
+        record = m.tensors[name]
+        kind = draw(st.sampled_from(["ok"] * 6 + ["name", "chunk", "past", "empty"]))
+        ci = draw(st.integers(0, len(record.chunks) - 1)) if len(record.chunks) else 0
+        sizes = record.chunks[ci].sizes if len(record.chunks) else ()
+        offsets = tuple(draw(st.integers(0, max(s - 1, 0))) for s in sizes)
+        lengths = tuple(draw(st.integers(min(1, s - o), max(s - o, 0))) for s, o in zip(sizes, offsets))
+        if kind == "name":
+            name = "missing"
+        elif kind == "chunk":
+            ci = len(record.chunks) + 1
+        elif kind == "past" and sizes:
+            lengths = (sizes[0] - offsets[0] + 1,) + lengths[1:]
+        elif kind == "empty" and sizes:
+            lengths = (0,) + lengths[1:]
+        nbytes = math.prod(lengths) * DTYPE_ITEMSIZE_OF[record.dtype]
+        regions.append(Region(name, ci, offsets, lengths, nbytes))
+    return m, regions, draw(st.integers(1, 200))
+
+
+DTYPE_ITEMSIZE_OF = {"float32": 4, "int64": 8, "bfloat16": 2, "bool": 1}
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the outcome compared is the error itself
+        return (type(exc), str(exc))
+
+
+@settings(max_examples=300, deadline=None)
+@given(many_regions())
+def test_windows_of_many_regions_are_those_of_each(case):
+    """Locating regions together (a load's every region at once) gives each region the very
+    windows, or the very error, of planning it alone."""
+    m, regions, max_bytes = case
+    for many, one in ((plan_windows_many, plan_windows), (plan_run_windows_many, plan_run_windows)):
+        singles = [_outcome(lambda r=r: one(m, r, max_bytes)) for r in regions]
+        errors = [s for s in singles if isinstance(s, tuple) and isinstance(s[0], type)]
+        got = _outcome(lambda: many(m, regions, max_bytes))
+        assert got == (errors[0] if errors else singles)

@@ -105,11 +105,11 @@ def armed(point: KillPoint | None, rank: int, pids=()):
 
         orig_agree = ControlChannel.agree
 
-        def agree(self, what, payload=b"", error=None):
+        def agree(self, what, payload=b"", error=None, **kwargs):
             fire = what == point.target and trigger.hit()
             if fire and point.when == "before":
                 trigger.fire()
-            out = orig_agree(self, what, payload, error)
+            out = orig_agree(self, what, payload, error, **kwargs)
             if fire:
                 trigger.fire()
             return out
