@@ -128,12 +128,7 @@ def _exchange(session: BroadcastSession, broadcaster: Broadcaster, pos: int, lan
     members = session.rounds[pos].members
     if session.rounds[pos].buffered:
         # through buffers: every source's status rides at the end of its slot
-        slots = session.exchange_slots(pos, landing, None)
-        try:
-            broadcaster.exchange(slots.tensors, members=members)
-        except BaseException:
-            session.release_slots(slots)
-            raise
+        slots = _pass_around(session, broadcaster, pos, landing, None)
         session.deliver_round(pos, slots, [not t.numel() or sent_ok(t) for t in slots.tensors])
         return
     statuses = torch.zeros(len(members), dtype=torch.uint8, device=broadcaster.device)
@@ -141,10 +136,17 @@ def _exchange(session: BroadcastSession, broadcaster: Broadcaster, pos: int, lan
     mine.fill_(0 if landing is not None and not landing.ok else 1)
     broadcaster.all_gather(statuses, mine, members=members)
     oks = [bool(v) for v in statuses.tolist()]
+    slots = _pass_around(session, broadcaster, pos, landing, oks)
+    session.deliver_round(pos, slots, oks)
+
+
+def _pass_around(session: BroadcastSession, broadcaster: Broadcaster, pos: int, landing, oks):
+    """Round ``pos``'s slots (``session.exchange_slots``) after the exchange among its
+    members; released again if the exchange fails."""
     slots = session.exchange_slots(pos, landing, oks)
     try:
-        broadcaster.exchange(slots.tensors, members=members)
+        broadcaster.exchange(slots.tensors, members=session.rounds[pos].members)
     except BaseException:
         session.release_slots(slots)
         raise
-    session.deliver_round(pos, slots, oks)
+    return slots

@@ -12,6 +12,8 @@ bounding-box tree) on larger ones.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from cloudckpt.errors import CoverageError
@@ -311,3 +313,13 @@ def coverage_errors(m: Manifest) -> list[CoverageError]:
     idx = manifest_index(m)
     idx.check(np.flatnonzero(idx.verdict == 0))
     return [idx.coverage_error(t) for t in np.flatnonzero(idx.verdict < 0).tolist()]
+
+
+def padded_rows(rows, ndims: np.ndarray, width: int, fill: int) -> np.ndarray:
+    """An ``(len(ndims), width)`` int64 array whose row ``i`` holds the ``ndims[i]`` integers of
+    ``rows[i]`` (an iterable of sequences), then ``fill``: ragged shapes, offsets or lengths
+    as one array, for planning many regions at once."""
+    out = np.full((len(ndims), width), fill, dtype=np.int64)
+    out[np.arange(width) < ndims[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(rows), np.int64, int(ndims.sum()))
+    return out

@@ -11,7 +11,6 @@ cast like ``torch.Tensor.to``). Read sizes (``nbytes``) are always in the stored
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -23,7 +22,7 @@ from cloudckpt.errors import MissingKeysError, PlanningError, ShapeMismatchError
 from cloudckpt.manifest.columns import ColumnError, decode_int_column, encode_int_column
 from cloudckpt.manifest.dtypes import MAX_NDIM
 from cloudckpt.manifest.model import Manifest
-from cloudckpt.planning.chunk_index import SCAN_CHUNKS, manifest_index
+from cloudckpt.planning.chunk_index import SCAN_CHUNKS, manifest_index, padded_rows
 from cloudckpt.planning.hints import missing_names_message
 from cloudckpt.planning.lru import LRUCache
 from cloudckpt.planning.pieces import PieceSpec
@@ -224,17 +223,9 @@ def plan_local_load(manifest: Manifest, requests: Sequence[PieceSpec], *, rank: 
     # have one length, checked when it was made)
     nd = np.fromiter((len(r.global_shape) for r in requests), np.int64, n)
     w = max(width, int(nd.max(initial=0)))
-    cells = np.arange(w) < nd[:, None]
-    count = int(nd.sum())
-    shape = np.ones((n, w), dtype=np.int64)
-    off = np.zeros((n, w), dtype=np.int64)
-    size = np.ones((n, w), dtype=np.int64)
-    shape[cells] = np.fromiter(itertools.chain.from_iterable(r.global_shape for r in requests),
-                               np.int64, count)
-    off[cells] = np.fromiter(itertools.chain.from_iterable(r.offsets for r in requests),
-                             np.int64, count)
-    size[cells] = np.fromiter(itertools.chain.from_iterable(r.sizes for r in requests),
-                              np.int64, count)
+    shape = padded_rows((r.global_shape for r in requests), nd, w, 1)
+    off = padded_rows((r.offsets for r in requests), nd, w, 0)
+    size = padded_rows((r.sizes for r in requests), nd, w, 1)
     found = t_all >= 0
     tt = np.where(found, t_all, 0)
     stored = np.ones((n, w), dtype=np.int64)

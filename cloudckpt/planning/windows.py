@@ -23,7 +23,6 @@ needs verified blocks: :func:`plan_run_windows` gives None).
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -32,6 +31,7 @@ import numpy as np
 
 from cloudckpt.errors import ManifestError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
+from cloudckpt.planning.chunk_index import padded_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,13 +333,8 @@ class _Located:
         nds = np.fromiter((len(r.lengths) for r in regions), np.int64, n)
         width = int(nds.max(initial=0))
         mask = np.arange(width) < nds[:, None]
-        off = np.zeros((n, width), dtype=np.int64)
-        lengths = np.ones((n, width), dtype=np.int64)
-        count = int(nds.sum())
-        off[mask] = np.fromiter(itertools.chain.from_iterable(r.src_offsets for r in regions),
-                                np.int64, count)
-        lengths[mask] = np.fromiter(itertools.chain.from_iterable(r.lengths for r in regions),
-                                    np.int64, count)
+        off = padded_rows((r.src_offsets for r in regions), nds, width, 0)
+        lengths = padded_rows((r.lengths for r in regions), nds, width, 1)
         ok = t >= 0
         tt = np.where(ok, t, 0)
         c0 = g.chunk_start[tt]
