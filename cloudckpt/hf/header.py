@@ -62,7 +62,7 @@ MAX_HEADER_BYTES = 100_000_000
 ALIGNMENT = 8
 METADATA_KEY = "__metadata__"
 #: the most a header's (or an index's) JSON may allocate when parsed, estimated before parsing
-#: (:mod:`cloudckpt.hf.json_cost`); a real header of 10 MB (about 100,000 tensors) fits.
+#: (:mod:`cloudckpt.hf.json_cost`); a real header of 100,000 tensors (12 MB) fits.
 MAX_PARSE_BYTES = 256 << 20
 
 #: safetensors dtype name -> torch dtype name (without ``torch.``); others are refused.
