@@ -144,8 +144,7 @@ def expected_files(raw: bytes) -> dict[str, ExpectedFile]:
     """File key -> the whole-file checksum to check its bytes against
     (:mod:`cloudckpt.hf.whole`), for the files of the bundle that have one."""
     entries, _ = _decode_bundle(raw)
-    return {k: ExpectedFile(kind=c[0], value=c[1], size=s, head=h)
-            for k, s, h, c in entries if c is not None}
+    return {k: ExpectedFile.of(c[0], c[1], s, h) for k, s, h, c in entries if c is not None}
 
 
 def map_names(names: Sequence[str], key_map: KeyMap) -> list[str | None]:

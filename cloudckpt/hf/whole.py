@@ -83,13 +83,21 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 @dataclass(frozen=True)
 class ExpectedFile:
     """What a file's bytes must hash to: ``kind`` / ``value`` as
-    :class:`~cloudckpt.storage.base.WholeChecksum`; ``head`` its bytes before the data (length
-    prefix and header, as read); ``size`` the whole file's."""
+    :class:`~cloudckpt.storage.base.WholeChecksum`; ``size`` the whole file's; ``head_size``
+    the bytes before its data (length prefix and header, read already) and ``head_state``
+    their running checksum (an int for crc32c, a ``hashlib`` MD5 object): :meth:`of` makes
+    one from those bytes."""
 
     kind: str
     value: int | bytes
     size: int
-    head: bytes
+    head_size: int
+    head_state: object
+
+    @classmethod
+    def of(cls, kind: str, value: int | bytes, size: int, head: bytes) -> ExpectedFile:
+        state = crc32c(head) if kind == "crc32c" else hashlib.md5(head)
+        return cls(kind=kind, value=value, size=size, head_size=len(head), head_state=state)
 
 
 class _Running:
@@ -98,9 +106,9 @@ class _Running:
 
     def __init__(self, want: ExpectedFile):
         self.want = want
-        self.pos = len(want.head)
-        self.md5 = hashlib.md5(want.head) if want.kind == "md5" else None
-        self.crc = crc32c(want.head) if want.kind == "crc32c" else 0
+        self.pos = want.head_size
+        self.md5 = want.head_state.copy() if want.kind == "md5" else None
+        self.crc = want.head_state if want.kind == "crc32c" else 0
         self.ahead: dict[int, tuple[int, int]] = {}
         self.lock = asyncio.Lock()  # one fold at a time (a fold may run in a worker thread)
 
@@ -142,7 +150,7 @@ class VerifyingStore:
 
     def __init__(self, inner, expected: Mapping[str, ExpectedFile]):
         self._inner = inner
-        self._running = {k: _Running(w) for k, w in expected.items() if w.size > len(w.head)}
+        self._running = {k: _Running(w) for k, w in expected.items() if w.size > w.head_size}
 
     def __getattr__(self, name):
         return getattr(self._inner, name)

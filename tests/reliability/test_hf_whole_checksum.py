@@ -115,3 +115,40 @@ def test_stores_without_a_whole_object_checksum(s3_server, s3_url, tmp_path):
         state = {k: torch.zeros(N) for k in tensors}
         cloudckpt.load_safetensors(state, src, storage=storage)
         assert all(torch.equal(state[k], tensors[k]) for k in tensors)
+
+
+@pytest.mark.parametrize("kind", ["crc32c", "md5"])
+def test_ranges_in_any_order_are_folded_into_the_whole_files_checksum(tmp_path, kind):
+    """``VerifyingStore`` over a real LocalStore, the expected checksum given: ranges read in
+    reverse order and read twice still check a crc32c file (a damaged expectation raises); an
+    MD5 can only be folded in file order, so that file goes unchecked, as documented."""
+    import hashlib
+
+    from cloudckpt.hf.whole import ExpectedFile, VerifyingStore, crc32c_combine
+    from cloudckpt.storage import ReadRange
+
+    blob, data_start, _ = safetensors_file()
+    (tmp_path / "f").write_bytes(blob)
+    for a, b in ((blob[:5], blob[5:77]), (b"", blob[:9]), (blob, b"")):
+        assert crc32c_combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)
+    good = crc32c(blob) if kind == "crc32c" else hashlib.md5(blob).digest()
+    bad = good ^ 1 if kind == "crc32c" else bytes(16)
+    cut = data_start + 1000
+    tail = [ReadRange(cut, len(blob) - cut)]
+    reverse = [tail, tail, [ReadRange(data_start, 10), ReadRange(data_start + 10, cut - 10
+                                                                  - data_start)]]
+
+    async def read(want, batches):
+        store = VerifyingStore(LocalStore(tmp_path),
+                               {"f": ExpectedFile.of(kind, want, len(blob), blob[:data_start])})
+        for ranges in batches:
+            await store.read_ranges("f", ranges)
+
+    run_coroutine(read(good, reverse))
+    if kind == "crc32c":
+        with pytest.raises(ChecksumError, match="CRC32C"):
+            run_coroutine(read(bad, reverse))
+    else:
+        run_coroutine(read(bad, reverse))  # out of order: not checked
+        with pytest.raises(ChecksumError, match="MD5"):
+            run_coroutine(read(bad, reverse[2:] + reverse[:1]))
