@@ -192,7 +192,8 @@ def load_from(state_dict: Mapping[str, Any], source: ManifestSource, *, process_
 
     with channel.phase("load"):
         fetched, received, broadcasts = move_data(
-            source.data_store(store, raw), manifest, [r.plan for r in planning.reports], channel, wanted.dests, options)
+            source.data_store(store, raw), manifest, [r.plan for r in planning.reports], channel,
+            wanted.dests, options)
 
     # only once every rank has all of its data; closed by an exchange when a rank's restore
     # runs code that may raise (load_state_dict(), a container's own item assignment)

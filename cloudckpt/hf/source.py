@@ -97,9 +97,10 @@ async def read_header_bundle(store, where: str) -> bytes:
     if sum(lengths) > MAX_TOTAL_HEADER_BYTES:
         raise SafetensorsError(f"the {len(keys)} headers declare {sum(lengths)} bytes, more "
                                f"than the {MAX_TOTAL_HEADER_BYTES} a load reads", path=where)
-    bodies = await _all(bounded(store.read_ranges, k, [ReadRange(PREFIX_BYTES, n)])
-                        for k, n in zip(keys, lengths))
-    sums = await _all(bounded(store.whole_checksum, k) for k in keys)
+    found = await _all([*(bounded(store.read_ranges, k, [ReadRange(PREFIX_BYTES, n)])
+                          for k, n in zip(keys, lengths)),
+                        *(bounded(store.whole_checksum, k) for k in keys)])
+    bodies, sums = found[:len(keys)], found[len(keys):]
     return encode_bundle([(k, sizes[k], b"".join((n.to_bytes(PREFIX_BYTES, "little"), b[0])),
                            (c.kind, c.value) if c is not None and c.size == sizes[k] else None)
                           for k, n, b, c in zip(keys, lengths, bodies, sums)], index)
