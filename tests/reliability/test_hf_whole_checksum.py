@@ -152,3 +152,22 @@ def test_ranges_in_any_order_are_folded_into_the_whole_files_checksum(tmp_path, 
         run_coroutine(read(bad, reverse))  # out of order: not checked
         with pytest.raises(ChecksumError, match="MD5"):
             run_coroutine(read(bad, reverse[2:] + reverse[:1]))
+
+
+def test_only_checksums_of_the_whole_object_are_taken():
+    """What a HeadObject answer yields: a full-object CRC32C first, then an MD5 ETag of an
+    unencrypted single-part upload; never a composite CRC, a multipart ETag, an SSE-KMS or
+    SSE-C ETag (not MD5s) or a malformed value."""
+    from cloudckpt.storage.s3 import whole_checksum_of
+
+    md5 = '"0123456789abcdef0123456789abcdef"'
+    crc = base64.b64encode((0xDEADBEEF).to_bytes(4, "big")).decode()
+    got = whole_checksum_of({"ContentLength": 9, "ChecksumCRC32C": crc, "ETag": md5})
+    assert (got.kind, got.value, got.size) == ("crc32c", 0xDEADBEEF, 9)
+    assert whole_checksum_of({"ETag": md5}).value == bytes.fromhex(md5.strip('"'))
+    for resp in ({"ChecksumCRC32C": crc + "-3", "ChecksumType": "COMPOSITE"},
+                 {"ChecksumCRC32C": crc, "ChecksumType": "COMPOSITE"},
+                 {"ChecksumCRC32C": "not base64!"}, {"ETag": '"abc-2"'},
+                 {"ETag": md5, "ServerSideEncryption": "aws:kms"},
+                 {"ETag": md5, "SSECustomerAlgorithm": "AES256"}, {}):
+        assert whole_checksum_of(resp) is None, resp
