@@ -94,7 +94,9 @@ class ManifestSource(Protocol):
     coordinator, or by every rank without ``share_manifest``; may raise); ``decode(raw)`` turns
     them into a validated :class:`~cloudckpt.manifest.Manifest` (every rank, same bytes, same
     manifest; may raise); ``check(manifest, store)`` is the coordinator's check of the stored
-    objects before anything is allocated (may raise)."""
+    objects before anything is allocated (may raise); ``data_store(store, raw)`` is the store
+    every rank's data phase reads through (the safetensors import wraps it to check whole
+    files against the store's checksums)."""
 
     url: str
     storage: Any
@@ -104,6 +106,8 @@ class ManifestSource(Protocol):
     def decode(self, raw: bytes) -> Manifest: ...
 
     def check(self, manifest: Manifest, store) -> None: ...
+
+    def data_store(self, store, raw: bytes): ...
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,10 @@ class StoredManifest:
 
     def check(self, manifest: Manifest, store) -> None:
         run_coroutine(check_object_extents(store, manifest))
+
+    def data_store(self, store, raw: bytes):
+        """The store itself: every chunk carries its own crcs."""
+        return store
 
 
 def load_from(state_dict: Mapping[str, Any], source: ManifestSource, *, process_group=None,
@@ -184,7 +192,8 @@ def load_from(state_dict: Mapping[str, Any], source: ManifestSource, *, process_
 
     with channel.phase("load"):
         fetched, received, broadcasts = move_data(
-            store, manifest, [r.plan for r in planning.reports], channel, wanted.dests, options)
+            source.data_store(store, raw), manifest, [r.plan for r in planning.reports], channel,
+            wanted.dests, options)
 
     # only once every rank has all of its data; closed by an exchange when a rank's restore
     # runs code that may raise (load_state_dict(), a container's own item assignment)

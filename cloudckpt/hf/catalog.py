@@ -9,14 +9,17 @@ index naming a tensor its file lacks, is refused). Every failure is a
 
 What the coordinator read (:mod:`cloudckpt.hf.source`) travels between ranks as a *header
 bundle* (msgpack: the index's bytes, each file's key, size and header bytes, length prefix
-included); every rank turns the same bundle into the same :class:`~cloudckpt.manifest.Manifest`
-(:func:`manifest_of_bundle`), in which
+included, and the checksum the store holds of the whole file, if any); every rank turns the same
+bundle into the same :class:`~cloudckpt.manifest.Manifest` (:func:`manifest_of_bundle`) and the
+same expected whole-file checksums (:func:`expected_files`), in which
 
 - each file is one data object (its key relative to the checkpoint folder);
 - each tensor is one chunk covering the whole tensor, at ``8 + header length + start`` of its
   file;
-- there are no checksums (``Manifest(checksums=False)``: safetensors stores none), so reads are
-  not verified; such a manifest can never be stored (the codec refuses it).
+- there are no checksums (``Manifest(checksums=False)``: safetensors stores none), so its reads
+  are not verified by the manifest (only, where the store holds one, by the whole file's
+  checksum: :mod:`cloudckpt.hf.whole`); such a manifest can never be stored (the codec refuses
+  it).
 
 Tensor names are the state dict's: the checkpoint's names through ``key_map``
 (:func:`map_names`).
@@ -33,6 +36,7 @@ import msgpack
 from cloudckpt import __version__
 from cloudckpt.errors import ConfigError, DuplicateKeyError, SafetensorsError
 from cloudckpt.hf.header import Header, TensorEntry, load_json, parse_header
+from cloudckpt.hf.whole import ExpectedFile
 from cloudckpt.manifest import Manifest, validate_object_key
 
 #: a dict (listed names renamed, others kept) or a callable (name -> new name, None drops it).
@@ -89,12 +93,14 @@ def locate_tensors(files: Mapping[str, Header], weight_map: Mapping[str, str] | 
     return found
 
 
-def encode_bundle(files: Sequence[tuple[str, int, bytes]],
-                  index: tuple[str, bytes] | None) -> bytes:
-    """The bundle of ``files`` (``(key, size, header bytes)``) and the ``index`` read, if any
-    (``(key, bytes)``)."""
+def encode_bundle(files: Sequence[tuple], index: tuple[str, bytes] | None) -> bytes:
+    """The bundle of ``files`` (``(key, size, header bytes[, whole-file checksum])``, the
+    checksum ``(kind, value)`` of :class:`~cloudckpt.storage.base.WholeChecksum` or None) and
+    the ``index`` read, if any (``(key, bytes)``)."""
     return msgpack.packb({"format": BUNDLE_FORMAT, "index": list(index) if index else None,
-                          "files": [[k, s, bytes(h)] for k, s, h in files]}, use_bin_type=True)
+                          "files": [[f[0], f[1], bytes(f[2]),
+                                     list(f[3]) if len(f) > 3 and f[3] else None]
+                                    for f in files]}, use_bin_type=True)
 
 
 def _decode_bundle(raw: bytes):
@@ -109,11 +115,16 @@ def _decode_bundle(raw: bytes):
                 raise ValueError("bad index entry")
             index = (key, body)
         files = []
-        for key, size, header in doc["files"]:
+        for key, size, header, whole in doc["files"]:
             if type(key) is not str or type(size) is not int or type(header) is not bytes:
                 raise ValueError("bad file entry")
-            files.append((key, size, header))
-        if len({k for k, _, _ in files}) != len(files):
+            if whole is not None and not (
+                    type(whole) is list and len(whole) == 2
+                    and (whole[0] == "crc32c" and type(whole[1]) is int
+                         or whole[0] == "md5" and type(whole[1]) is bytes)):
+                raise ValueError("bad whole-file checksum")
+            files.append((key, size, header, whole and tuple(whole)))
+        if len({f[0] for f in files}) != len(files):
             raise ValueError("a file is listed twice")
     except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
         raise SafetensorsError(f"malformed safetensors header bundle: {exc}") from exc
@@ -126,7 +137,14 @@ def parse_bundle(raw: bytes) -> tuple[dict[str, Header], dict[str, str] | None]:
     :func:`parse_index`, :func:`cloudckpt.hf.header.parse_header`)."""
     entries, index = _decode_bundle(raw)
     weight_map = parse_index(index[1], key=index[0]) if index is not None else None
-    return {k: parse_header(h, file_size=s, key=k) for k, s, h in entries}, weight_map
+    return {k: parse_header(h, file_size=s, key=k) for k, s, h, _ in entries}, weight_map
+
+
+def expected_files(raw: bytes) -> dict[str, ExpectedFile]:
+    """File key -> the whole-file checksum to check its bytes against
+    (:mod:`cloudckpt.hf.whole`), for the files of the bundle that have one."""
+    entries, _ = _decode_bundle(raw)
+    return {k: ExpectedFile.of(c[0], c[1], s, h) for k, s, h, c in entries if c is not None}
 
 
 def map_names(names: Sequence[str], key_map: KeyMap) -> list[str | None]:

@@ -18,7 +18,9 @@ Contract:
   ``path`` names the file, given as ``key``, and the tensor), never another exception, before
   the caller allocates or reads anything from it. Refused: a length under 2, over
   :data:`MAX_HEADER_BYTES` or past the file's end; JSON that is not UTF-8, not an object,
-  nested too deeply, with duplicate keys, ``NaN``/``Infinity``, a number too long to convert or
+  nested too deeply, whose parse could allocate more than :data:`MAX_PARSE_BYTES` (estimated
+  from the bytes before parsing, :mod:`cloudckpt.hf.json_cost`), with duplicate keys,
+  ``NaN``/``Infinity``, a number of more than 40 digits or
   a lone surrogate escape (``"\\ud800"``) in a name or metadata;
   a tensor entry that is not an object or lacks one of the three fields; a dtype outside
   :data:`DTYPES`; a shape that is not a list of at most :data:`MAX_NDIM` non-negative ints
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from cloudckpt.errors import SafetensorsError
+from cloudckpt.hf.json_cost import MAX_NUMBER_DIGITS, check_json_cost, has_long_number
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE, MAX_ELEMENTS, MAX_NDIM
 
 #: bytes of the length prefix.
@@ -58,6 +61,9 @@ MAX_HEADER_BYTES = 100_000_000
 #: The data starts at a multiple of this (the JSON is padded with spaces).
 ALIGNMENT = 8
 METADATA_KEY = "__metadata__"
+#: the most a header's (or an index's) JSON may allocate when parsed, estimated before parsing
+#: (:mod:`cloudckpt.hf.json_cost`); a real header of 100,000 tensors (12 MB) fits.
+MAX_PARSE_BYTES = 256 << 20
 
 #: safetensors dtype name -> torch dtype name (without ``torch.``); others are refused.
 DTYPES: Mapping[str, str] = MappingProxyType({
@@ -257,19 +263,30 @@ def _constant_refused(name: str):
     raise _BadJson(f"{name} is not valid JSON")
 
 
+def _short_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_NUMBER_DIGITS:
+        raise _BadJson(f"not valid JSON for safetensors: a number of {len(text)} digits (at "
+                       f"most {MAX_NUMBER_DIGITS})")
+    return int(text)
+
+
 class _BadJson(Exception):
     pass
 
 
-def load_json(raw: bytes, *, path: str | None = None):
+def load_json(raw: bytes, *, path: str | None = None, budget: int = MAX_PARSE_BYTES):
     """JSON from untrusted bytes: UTF-8, no duplicate keys, no ``NaN``/``Infinity``, no lone
     surrogate escape in a key or a string value of an object; any failure
-    (deep nesting, a number too long to convert included) is a :class:`SafetensorsError` at
-    ``path``."""
+    (deep nesting, a number of more than 40 digits included) is a :class:`SafetensorsError` at
+    ``path``. Bytes whose parse could allocate more than ``budget`` are refused before any
+    object is built (:func:`cloudckpt.hf.json_cost.check_json_cost`)."""
+    check_json_cost(raw, budget=budget, path=path)
+    # only where a long run of digits is (its conversion is quadratic without Python's limit)
+    ints = {"parse_int": _short_int} if has_long_number(raw) else {}
     try:
         text = bytes(raw).decode("utf-8")
         return json.loads(text, object_pairs_hook=_checked_object,
-                          parse_constant=_constant_refused)
+                          parse_constant=_constant_refused, **ints)
     except _BadJson as exc:
         raise SafetensorsError(str(exc), path=path) from exc
     except UnicodeDecodeError as exc:

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from cloudckpt.api.load import load_from
-from cloudckpt.hf.catalog import KeyMap, manifest_of_bundle
+from cloudckpt.hf.catalog import KeyMap, expected_files, manifest_of_bundle
 from cloudckpt.hf.source import read_header_bundle
+from cloudckpt.hf.whole import VerifyingStore
 from cloudckpt.manifest import Manifest
 from cloudckpt.options import LoadOptions, LoadResult
 from cloudckpt.runtime import run_coroutine, shared_store
@@ -38,6 +39,12 @@ class SafetensorsSource:
     def check(self, manifest: Manifest, store) -> None:
         """Nothing more to check: every tensor's bytes were checked to lie inside its file,
         whose size the listing gave."""
+
+    def data_store(self, store, raw: bytes):
+        """``store``, checking the files whose store holds a whole-file checksum as they are
+        read whole (:mod:`cloudckpt.hf.whole`)."""
+        expected = expected_files(raw)
+        return VerifyingStore(store, expected) if expected else store
 
 
 def load_safetensors(state_dict: Mapping[str, Any], src: str, *, key_map: KeyMap = None,
@@ -62,9 +69,13 @@ def load_safetensors(state_dict: Mapping[str, Any], src: str, *, key_map: KeyMap
     - dtype: a stored dtype other than the destination's is cast like ``Tensor.to`` (as
       ``from_pretrained(torch_dtype=...)`` does); a shape other than the stored one raises
       :class:`ShapeMismatchError`.
-    - Safetensors stores no checksums: the bytes read are not verified (a cloudckpt checkpoint's
-      are). A malformed or hostile header or index raises :class:`SafetensorsError` on every rank
-      before any data is read; no files raises :class:`CheckpointNotFound`.
+    - Safetensors stores no checksums. Where the store holds one of a whole file (S3's
+      full-object CRC32C, the MD5 ETag of a single-part upload) and this load reads all of that
+      file's data on one rank, the file is checked: a mismatch raises :class:`ChecksumError` on
+      every rank (:mod:`cloudckpt.hf.whole`). Other bytes read are not verified (a cloudckpt
+      checkpoint's always are). A malformed or hostile header or index raises
+      :class:`SafetensorsError` on every rank before any data is read; no files raises
+      :class:`CheckpointNotFound`.
     """
     return load_from(state_dict, SafetensorsSource(src, storage, key_map),
                      process_group=process_group, strict=strict, options=options)

@@ -3,7 +3,10 @@
 No torch, no collective. :func:`read_header_bundle` is what a load's coordinator runs (inside
 the ``load manifest`` phase, so a failure fails every rank together): one listing of the
 folder, the index when there is one, then for every file its 8-byte length prefix and its
-header (two small ranged reads, files concurrently). Data bytes are never read here.
+header (two small ranged reads, files concurrently) and the checksum the store holds of the
+whole file, if any (:meth:`~cloudckpt.storage.base.ObjectStore.whole_checksum`: one HEAD per
+file on S3, kept when its size is the listing's; :mod:`cloudckpt.hf.whole` checks it). Data
+bytes are never read here.
 
 Which files (the folder's top level only):
 
@@ -94,10 +97,13 @@ async def read_header_bundle(store, where: str) -> bytes:
     if sum(lengths) > MAX_TOTAL_HEADER_BYTES:
         raise SafetensorsError(f"the {len(keys)} headers declare {sum(lengths)} bytes, more "
                                f"than the {MAX_TOTAL_HEADER_BYTES} a load reads", path=where)
-    bodies = await _all(bounded(store.read_ranges, k, [ReadRange(PREFIX_BYTES, n)])
-                        for k, n in zip(keys, lengths))
-    return encode_bundle([(k, sizes[k], b"".join((n.to_bytes(PREFIX_BYTES, "little"), b[0])))
-                          for k, n, b in zip(keys, lengths, bodies)], index)
+    found = await _all([*(bounded(store.read_ranges, k, [ReadRange(PREFIX_BYTES, n)])
+                          for k, n in zip(keys, lengths)),
+                        *(bounded(store.whole_checksum, k) for k in keys)])
+    bodies, sums = found[:len(keys)], found[len(keys):]
+    return encode_bundle([(k, sizes[k], b"".join((n.to_bytes(PREFIX_BYTES, "little"), b[0])),
+                           (c.kind, c.value) if c is not None and c.size == sizes[k] else None)
+                          for k, n, b, c in zip(keys, lengths, bodies, sums)], index)
 
 
 async def _all(coros) -> list:

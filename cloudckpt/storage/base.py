@@ -38,6 +38,18 @@ class ObjectInfo:
 
 
 @dataclass(frozen=True)
+class WholeChecksum:
+    """A checksum the store holds of a whole object's bytes (``ObjectStore.whole_checksum``):
+    ``kind`` ``"crc32c"`` (``value`` an int: S3's full-object ``x-amz-checksum-crc32c``) or
+    ``"md5"`` (``value`` 16 bytes: the ETag of an unencrypted single-part upload); ``size`` the
+    object's size when the store answered."""
+
+    kind: Literal["crc32c", "md5"]
+    value: int | bytes
+    size: int
+
+
+@dataclass(frozen=True)
 class CommonPrefix:
     """A group of keys rolled up by a listing delimiter (relative to the store root)."""
 
@@ -205,6 +217,13 @@ class ObjectStore(Protocol):
 
     async def head(self, key: str) -> ObjectInfo:
         """Size and etag of ``key`` (``ObjectNotFound`` if missing)."""
+
+    async def whole_checksum(self, key: str) -> WholeChecksum | None:
+        """The checksum the store holds of all of ``key``'s bytes, None when it holds none
+        (``ObjectNotFound`` if missing): S3's full-object CRC32C when the object was stored
+        with one, else the MD5 of an unencrypted single-part upload (its ETag); never a
+        multipart or composite value, never one computed by reading the object. A LocalStore
+        holds none."""
 
     def list(self, prefix: str = "", *, delimiter: str | None = None
              ) -> AsyncIterator[ObjectInfo | CommonPrefix]:

@@ -243,6 +243,11 @@ class LocalStore:
 
         return await self._run("head", key, stat)
 
+    async def whole_checksum(self, key: str) -> None:
+        """None: files keep no checksum of their bytes (``ObjectNotFound`` if missing)."""
+        await self.head(key)
+        return None
+
     async def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         """The whole file (only a regular file: a FIFO or device is ``ObjectNotFound``); with
         ``max_bytes``, its size is checked (``ObjectTooLarge``) before a byte is read."""

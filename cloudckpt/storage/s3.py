@@ -13,7 +13,9 @@ Split by responsibility, with imports pointing one way (``s3`` -> ``s3_stream`` 
 
 from __future__ import annotations
 
+import base64
 import logging
+import re
 from collections.abc import AsyncIterator, Iterable, Sequence
 
 from botocore.exceptions import ClientError
@@ -27,6 +29,7 @@ from cloudckpt.storage.base import (
     ReadRange,
     StoreStats,
     UploadInfo,
+    WholeChecksum,
     as_views,
     check_key,
     check_prefix,
@@ -50,6 +53,7 @@ from cloudckpt.storage.spreading import merge_sorted
 logger = logging.getLogger("cloudckpt.storage")
 
 DELETE_BATCH = 1000
+_MD5_ETAG = re.compile(r'"?([0-9a-fA-F]{32})"?')
 #: Error codes of a server that will not take a DeleteObjects request (besides 501).
 BATCH_DELETE_REFUSALS = frozenset({"NotImplemented", "MissingContentMD5"})
 
@@ -212,6 +216,18 @@ class S3Store:
     async def head(self, key: str) -> ObjectInfo:
         return await self._reader.head(key, self._phys(key))
 
+    async def whole_checksum(self, key: str) -> WholeChecksum | None:
+        """``ObjectStore.whole_checksum``: one HeadObject with ``ChecksumMode=ENABLED``
+        (counted as a ``head``; see :func:`whole_checksum_of`)."""
+        phys = self._phys(key)
+
+        async def attempt(n: int) -> dict:
+            client = await self._conn.client()
+            return await client.head_object(Bucket=self._conn.bucket, Key=phys,
+                                            ChecksumMode="ENABLED")
+
+        return whole_checksum_of(await self._conn.call("head", key, attempt, where=self.url))
+
     async def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         """The whole object (see ``S3Reader.get`` for how its memory is budgeted). With
         ``max_bytes``, an object larger than that raises ``ObjectTooLarge`` as soon as the first
@@ -288,6 +304,28 @@ class S3Store:
 
     async def abort_upload(self, upload: UploadInfo) -> None:
         await self._writer.abort(upload.key, self._phys(upload.key), upload.upload_id)
+
+
+def whole_checksum_of(resp: dict) -> WholeChecksum | None:
+    """The whole-object checksum a HeadObject answer gives: its ``ChecksumCRC32C`` unless that
+    is a composite (``-N``) or not a full-object one, else an ETag that is an MD5 (32 hex digits:
+    a single-part upload; not for SSE-KMS or SSE-C objects, whose ETags are not MD5s), else
+    None."""
+    size = int(resp.get("ContentLength") or 0)
+    crc = resp.get("ChecksumCRC32C")
+    if crc and "-" not in crc and resp.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT":
+        try:
+            raw = base64.b64decode(crc, validate=True)
+        except ValueError:
+            raw = b""
+        if len(raw) == 4:
+            return WholeChecksum(kind="crc32c", value=int.from_bytes(raw, "big"), size=size)
+    etag = _MD5_ETAG.fullmatch(resp.get("ETag") or "")
+    encrypted = str(resp.get("ServerSideEncryption", "")).startswith("aws:kms") \
+        or resp.get("SSECustomerAlgorithm")
+    if etag and not encrypted:
+        return WholeChecksum(kind="md5", value=bytes.fromhex(etag.group(1)), size=size)
+    return None
 
 
 def _sort_key(item) -> str:
