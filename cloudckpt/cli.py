@@ -188,8 +188,8 @@ def cmd_ls(args) -> int:
     for i in infos:
         if i.damaged:
             print(f"step {i.step}: cannot be loaded: {i.damaged}", file=sys.stderr)
-        for line in i.held_by if args.details else ():
-            print(f"step {i.step} is held by {line}")
+        for line in i.held_by if args.details else ():  # notes, like the damaged ones
+            print(f"step {i.step}: held by {line}", file=sys.stderr)
     return EXIT_OK
 
 

@@ -82,7 +82,7 @@ def test_a_pin_with_a_huge_lease_holds_a_deleted_checkpoint_a_day_at_most(run, s
     assert not listed[2].retained and listed[2].held_by == ()
     res = cli(s3_server, "ls", url, "--details")
     assert res.returncode == 0 and "RETAINED" in res.stdout, res
-    assert "step 1 is held by step-000000000009: save 00000000000000aa" in res.stdout
+    assert "step 1: held by step-000000000009: save 00000000000000aa" in res.stderr
     res = cli(s3_server, "ls", url, "--details", "--json")
     rows = {r["step"]: r for r in json.loads(res.stdout)}
     assert rows[1]["retained"] and rows[1]["held_by"] == [held] and rows[2]["held_by"] == []
