@@ -15,7 +15,8 @@ is the run root), the checkpoint's objects may be referenced by incremental chec
 folders: every plan then leaves out the objects :func:`cloudckpt.run_refs.folder_references` says
 are kept (counted in ``kept``), and :func:`delete_checkpoint` removes the manifest *before* it
 asks, then removes the checkpoint's own pins in the folders it referenced and collects those
-folders too (see docs/architecture.md, "Deleting with references"). A checkpoint at the store's
+folders too: only those that held its pin, so that a forged or damaged manifest never widens a
+deletion to a sibling (see docs/architecture.md, "Deleting with references"). A checkpoint at the store's
 root ('') has no siblings: nothing can reference it. On a LocalStore, a checkpoint folder that is
 a symlink leading outside the store's root is refused (``AccessDenied`` from the manifest's HEAD)
 before anything is listed or deleted.
@@ -310,8 +311,8 @@ async def _really_pinned(store, homes: list[str], pins: list[str]) -> frozenset[
     found = await asyncio.gather(*(pinned(h, k) for h, k in zip(homes, pins)))
     unpinned = len(homes) - sum(f is not None for f in found)
     if unpinned:
-        log.warning("%s named by the manifest being deleted hold no pin of its save: left "
-                    "alone (a forged or damaged reference)", plural(unpinned, "folder"))
+        log.warning("the manifest being deleted names %s holding no pin of its save as homes: "
+                    "left alone (a forged or damaged reference)", plural(unpinned, "folder"))
     return frozenset(f for f in found if f is not None)
 
 
