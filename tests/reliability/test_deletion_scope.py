@@ -4,7 +4,7 @@ A run holds three siblings a deletion must leave alone: ``step-1`` (complete; it
 bit-exact), ``step-2`` (a killed save: data objects, no manifest) and ``keep`` (a folder that is
 no step: data objects of the layout, no manifest). Then ``step-5``'s manifest is replaced by a
 forged one (a valid, checksummed format-3 manifest) whose objects name those siblings, and
-itself, as their homes, with an attempt id whose pins exist nowhere. ``step-5`` is deleted
+itself, as their homes (one of them is ``step-1``'s manifest), with an attempt id whose pins exist nowhere. ``step-5`` is deleted
 through every entry point: ``delete_checkpoint`` (judged two hours later), the manager's
 ``delete`` and ``prune`` (``abandoned_after=0``: every object counts as old) and ``cloudckpt rm``
 (on a local run the siblings' files are aged two hours, past the command's one-hour cutoff).
@@ -75,12 +75,13 @@ def _build(url: str, storage):
     run_coroutine(store.delete([step_dir(2) + "manifest.msgpack", "keep/manifest.msgpack"]))
     siblings = _keys(store) - _keys(store, step_dir(5))
     version, doc = _doc(run_coroutine(store.get(step_dir(5) + "manifest.msgpack")))
-    assert version >= 3 and len(doc["objects"]) >= 4, (version, len(doc["objects"]))
+    assert version >= 3 and len(doc["objects"]) >= 5, (version, len(doc["objects"]))
     return store, siblings, version, doc
 
 
 def _forge(store, version: int, doc: dict, siblings: set[str]) -> None:
-    """Objects 0-2 of step-5 now live in the three siblings, object 3 in step-5 itself."""
+    """Objects 0-2 of step-5 now live in the three siblings, object 3 in step-5 itself, object 4
+    is step-1's manifest."""
     pick = {}
     for key in sorted(siblings):
         home, _, rel = key.partition("/")
@@ -90,6 +91,7 @@ def _forge(store, version: int, doc: dict, siblings: set[str]) -> None:
     for i, home in enumerate([step_dir(1)[:-1], step_dir(2)[:-1], "keep"]):
         homes[i], objects[i] = home, pick[home]
     homes[3] = step_dir(5)[:-1]
+    homes[4], objects[4] = step_dir(1)[:-1], "manifest.msgpack"  # another checkpoint's manifest
     doc = {**doc, "homes": homes, "objects": objects, "attempt": FORGED_ATTEMPT}
     run_coroutine(store.put(step_dir(5) + "manifest.msgpack", _pack(version, doc)))
 
