@@ -4,7 +4,8 @@
 cloudckpt [--endpoint-url URL] [--profile NAME] [--timeout SECONDS] COMMAND ...
 cloudckpt --version
 cloudckpt ls RUN_URL [--details]           checkpoints of a run: step, time, size, objects, world size, complete
-                                           (--details: own and shared bytes, base step)
+                                           (--details: own and shared bytes, base step,
+                                           retained folders and what holds each folder)
 cloudckpt show URL [--step N]              tensors (name, dtype, shape, chunks, bytes) and values
 cloudckpt verify URL [--step N]            read every object, check every checksum
 cloudckpt prune RUN_URL --keep-last N [--keep-every K] [--abandoned-after S] [--dry-run]
@@ -165,6 +166,8 @@ def cmd_ls(args) -> int:
         _refuse_checkpoint_as_run(args.url, "ls")
     with _progress(sum(i.complete for i in infos), "reading manifests") as bar:
         infos = mgr.list(details=True, progress=bar.update) if infos else infos
+    if not args.details:  # retained folders are listed with --details only
+        infos = [i for i in infos if not i.retained]
     if args.json:
         cli_json.emit(cli_json.ls_document(infos, args.details))
     if not infos:
@@ -177,13 +180,16 @@ def cmd_ls(args) -> int:
     rows = [(i.step, _fmt_time(i.created_at), _human_bytes(i.total_bytes),
              "-" if i.objects is None else i.objects,
              "-" if i.world_size is None else i.world_size,
-             "DAMAGED" if i.damaged else "yes" if i.complete else "NO",
+             "DAMAGED" if i.damaged else "yes" if i.complete else
+             "RETAINED" if i.retained else "NO",
              *extra(i)) for i in infos]
     _table(("step", "time", "size", "objects", "world_size", "complete")
            + (("own", "shared", "base") if args.details else ()), rows)
     for i in infos:
         if i.damaged:
             print(f"step {i.step}: cannot be loaded: {i.damaged}", file=sys.stderr)
+        for line in i.held_by if args.details else ():  # notes, like the damaged ones
+            print(f"step {i.step}: held by {line}", file=sys.stderr)
     return EXIT_OK
 
 

@@ -8,6 +8,9 @@ The keys below are stable: new keys may be added, none is renamed or removed.
   ``{"step", "url", "complete", "created_at", "total_bytes", "objects", "world_size"}``.
   ``created_at`` is ISO 8601 with its UTC offset, or null (incomplete checkpoints); the three
   counts come from the manifest, null for an incomplete checkpoint. A run with none: ``[]``.
+  With ``--details`` also ``"own_bytes", "shared_bytes", "base_step", "retained", "held_by"``:
+  retained folders (deleted, kept for pins) are listed then, and ``held_by`` is a list of
+  strings, one for each pin in the folder.
 - ``show``: ``{"url", "created_at", "world_size", "cloudckpt_version", "objects", "total_bytes",
   "metadata", "tensors", "values"}``; ``tensors`` is a list of ``{"name", "dtype", "shape",
   "chunks", "bytes"}``, ``values`` a list of ``{"name", "type", "value"}`` (``type`` "pickled" and
@@ -89,10 +92,11 @@ def emit(document: Any) -> None:
 
 
 def ls_document(infos, details: bool = False) -> list[dict]:
-    """``details``: also each checkpoint's own and shared bytes and its base step (``ls
-    --details``)."""
+    """``details``: also each checkpoint's own and shared bytes, its base step, whether it is
+    a retained folder and what holds it (``ls --details``)."""
     extra = (lambda i: {"own_bytes": i.own_bytes, "shared_bytes": i.shared_bytes,
-                        "base_step": i.base_step}) if details else (lambda i: {})
+                        "base_step": i.base_step, "retained": bool(i.retained),
+                        "held_by": list(i.held_by)}) if details else (lambda i: {})
     return [{"step": i.step, "url": i.url, "complete": bool(i.complete),
              "created_at": iso_time(i.created_at), "total_bytes": i.total_bytes,
              "objects": i.objects, "world_size": i.world_size, "damaged": i.damaged,

@@ -32,6 +32,9 @@ PINS_PREFIX = "pins/"
 PIN_FORMAT = "cloudckpt.pin"
 #: The shortest lease a pin may declare (seconds); a pin declaring less counts as this.
 MIN_PIN_LEASE = 60.0
+#: The longest lease a pin may declare (seconds, a day); a pin declaring more counts as this, so
+#: that a pin no save renews stops protecting anything within a day whatever it says.
+MAX_PIN_LEASE = 86400.0
 #: Largest pin read (bytes).
 MAX_PIN_BYTES = 4096
 
@@ -107,7 +110,8 @@ def encode_pin(pin: Pin) -> bytes:
 
 def decode_pin(raw: bytes, key: str) -> Pin:
     """The pin stored at ``key`` (relative to its checkpoint root); ``ValueError`` when it is
-    malformed or does not match its key. Its lease is at least :data:`MIN_PIN_LEASE`."""
+    malformed or does not match its key. Its lease is clamped to [:data:`MIN_PIN_LEASE`,
+    :data:`MAX_PIN_LEASE`]."""
     named = parse_pin_key(key)
     try:
         doc = msgpack.unpackb(raw, raw=False, strict_map_key=True)
@@ -119,4 +123,4 @@ def decode_pin(raw: bytes, key: str) -> Pin:
     if named is None or (doc.get("attempt"), doc.get("folder")) != named \
             or type(lease) is not float or not math.isfinite(lease):
         raise ValueError(f"pin {key} does not match its key, or has no lease")
-    return Pin(folder=named[1], attempt=named[0], lease=max(lease, MIN_PIN_LEASE))
+    return Pin(folder=named[1], attempt=named[0], lease=min(max(lease, MIN_PIN_LEASE), MAX_PIN_LEASE))

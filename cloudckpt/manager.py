@@ -67,7 +67,7 @@ from cloudckpt.errors import CheckpointNotFound, ManifestError, ObjectNotFound
 from cloudckpt.layout import MANIFEST_KEY
 from cloudckpt.options import SaveOptions
 from cloudckpt.pruning import (HEAD_CONCURRENCY, newest_readable_step, prune_run, scan_run,
-                               step_has_objects)
+                               step_has_objects, step_holders)
 from cloudckpt.retention import RetentionPolicy
 from cloudckpt.run_cleanup import (DELETE_BATCH, DeletionPlan, decode_manifest_without_pickle,
                                    delete_checkpoint, plan_checkpoint, remove_stale_attempts,
@@ -102,6 +102,10 @@ class CheckpointInfo:
     ``base_step`` (the step of the checkpoint it was saved against, ``None`` for a full one).
     ``damaged``: with details, the reason a complete checkpoint's manifest could not be decoded
     (its checksum or structure is wrong: it cannot be loaded); ``None`` otherwise.
+    ``retained`` (listed with details only): a deleted checkpoint whose folder stays for the
+    pins in it. ``held_by`` (details only): one line for each pin in the folder, saying which
+    checkpoint or running save holds which objects, until when, or that prune removes it
+    (:func:`cloudckpt.run_refs.describe_holders`).
     """
 
     step: int
@@ -116,6 +120,8 @@ class CheckpointInfo:
     shared_bytes: int | None = None
     base_step: int | None = None
     damaged: str | None = None
+    retained: bool = False
+    held_by: tuple[str, ...] = ()
 
 
 class ManagedSaveHandle(Future):
@@ -215,13 +221,20 @@ class CheckpointManager:
         ``details=True`` also reads each complete checkpoint's manifest (one GET each) to fill
         ``total_bytes``, ``objects``, ``world_size``, ``own_bytes``, ``shared_bytes`` and
         ``base_step``; ``progress(n)`` is called as manifests are read. A manifest that does
-        not decode is reported in that checkpoint's ``damaged``, and the others are listed. Retained folders (deleted
-        checkpoints whose objects others still reference) are not checkpoints: not listed.
+        not decode is reported in that checkpoint's ``damaged``, and the others are listed.
+        Retained folders (deleted checkpoints whose objects pins still hold) are not
+        checkpoints: listed with details only (``retained=True``, ``complete=False``). With
+        details, every folder holding pins says what holds it (``held_by``: one listing of its
+        pins and one GET of each referrer's manifest).
         """
         steps = run_coroutine(scan_run(self.store))
-        infos = [self._info(s, steps[s]) for s in sorted(steps) if not steps[s].retained]
+        infos = [self._info(s, steps[s]) for s in sorted(steps)
+                 if details or not steps[s].retained]
         if details:
             infos = run_coroutine(self._with_details(infos, progress))
+            held = run_coroutine(step_holders(self.store, [s for s in steps if steps[s].pins]))
+            infos = [replace(i, retained=steps[i.step].retained, held_by=held.get(i.step, ()))
+                     for i in infos]
         return infos
 
     def latest(self) -> CheckpointInfo | None:

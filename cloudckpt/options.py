@@ -24,7 +24,8 @@ class SaveOptions:
       ``CheckpointManager`` sets it.
     - ``pin_lease``: incremental saves: seconds a pin protects the base's objects after it was
       last renewed (renewed every quarter of it while the save runs; a save that could not
-      renew them for half of it fails before committing). At least 60.
+      renew them for half of it fails before committing). From 60 to 86400 (a day,
+      ``cloudckpt.layout.MAX_PIN_LEASE``): a reader counts any longer lease as a day.
     """
 
     object_size: int = 128 << 20
@@ -38,8 +39,10 @@ class SaveOptions:
     pin_lease: float = 600.0
 
     def __post_init__(self) -> None:
-        if not self.pin_lease >= 60.0:
-            raise ValueError(f"pin_lease must be at least 60 seconds, got {self.pin_lease!r}")
+        if not 60.0 <= self.pin_lease <= 86400.0:
+            raise ValueError(f"pin_lease must be from 60 to 86400 seconds (a day), got "
+                             f"{self.pin_lease!r}; pins are renewed while a save runs, so a "
+                             f"longer lease is never needed")
 
 
 @dataclass(frozen=True, kw_only=True)

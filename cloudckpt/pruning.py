@@ -25,8 +25,10 @@ from cloudckpt.run_cleanup import (DeletionPlan, carry_out, collect_homes,
                                    sweep_pins, uncommit_and_plan)
 from cloudckpt.run_layout import (LIST_DELIMITER, StepState, add_uploads, classify_listing,
                                   parse_step_dir, step_dir)
+from cloudckpt.run_refs import describe_holders
 
-__all__ = ["HEAD_CONCURRENCY", "newest_readable_step", "prune_run", "scan_run", "step_has_objects"]
+__all__ = ["HEAD_CONCURRENCY", "newest_readable_step", "prune_run", "scan_run", "step_has_objects",
+           "step_holders"]
 
 #: HEAD / GET requests of manifests a listing keeps in flight at once.
 HEAD_CONCURRENCY = 32
@@ -80,6 +82,16 @@ async def step_has_objects(store, step: int) -> bool:
     async for _ in store.list(step_dir(step)):
         return True
     return bool(await store.list_uploads(step_dir(step)))
+
+
+async def step_holders(store, steps, *, now: float | None = None) -> dict[int, tuple[str, ...]]:
+    """What holds each of ``steps`` (steps whose folders hold pins): step -> the lines of
+    :func:`cloudckpt.run_refs.describe_holders`, the referrers' manifests read once."""
+    manifests: dict = {}
+    steps = sorted(steps)
+    lines = await asyncio.gather(*(describe_holders(store, step_dir(s)[:-1], now=now,
+                                                    manifests=manifests) for s in steps))
+    return dict(zip(steps, lines))
 
 
 async def prune_run(store, retention: RetentionPolicy, abandoned_after: float, *,

@@ -15,7 +15,8 @@ is the run root), the checkpoint's objects may be referenced by incremental chec
 folders: every plan then leaves out the objects :func:`cloudckpt.run_refs.folder_references` says
 are kept (counted in ``kept``), and :func:`delete_checkpoint` removes the manifest *before* it
 asks, then removes the checkpoint's own pins in the folders it referenced and collects those
-folders too (see docs/architecture.md, "Deleting with references"). A checkpoint at the store's
+folders too: only those that held its pin, so that a forged or damaged manifest never widens a
+deletion to a sibling (see docs/architecture.md, "Deleting with references"). A checkpoint at the store's
 root ('') has no siblings: nothing can reference it. On a LocalStore, a checkpoint folder that is
 a symlink leading outside the store's root is refused (``AccessDenied`` from the manifest's HEAD)
 before anything is listed or deleted.
@@ -266,7 +267,9 @@ async def uncommit_and_plan(store, prefix: str, *, now: float | None = None
     """The first half of deleting the checkpoint at ``prefix``: read its manifest, delete it,
     delete its pins in the folders it referenced; then plan the rest (:func:`plan_checkpoint`,
     the manifest first in the plan when there was one). Returns the plan and the folders the
-    checkpoint referenced (to :func:`collect_homes` once the plan is carried out)."""
+    checkpoint referenced (to :func:`collect_homes` once the plan is carried out): only those
+    homes of its manifest that hold its save's pin, never its own folder, so that a forged or
+    damaged manifest cannot widen a deletion to a sibling folder."""
     folder = _folder(prefix)
     if folder is None:
         return await plan_checkpoint(store, prefix, now=now), frozenset()
@@ -280,14 +283,37 @@ async def uncommit_and_plan(store, prefix: str, *, now: float | None = None
             manifest = None
         await store.delete([prefix + MANIFEST_KEY])  # uncommitted: nothing new may use it
         if manifest is not None and manifest.attempt:
-            homes = frozenset(h for h in manifest.object_homes if h)
-            pins = [f"{h}/{pin_key(manifest.attempt, folder)}" for h in sorted(homes)]
+            named = sorted({h for h in manifest.object_homes if h and h != folder})
+            pins = [f"{h}/{pin_key(manifest.attempt, folder)}" for h in named]
+            homes = await _really_pinned(store, named, pins)
             if pins:
                 await store.delete(pins)
     plan = await plan_checkpoint(store, prefix, now=now)
     if committed:
         plan = replace(plan, objects=(prefix + MANIFEST_KEY,) + plan.objects)
     return plan, homes
+
+
+async def _really_pinned(store, homes: list[str], pins: list[str]) -> frozenset[str]:
+    """Of the folders a manifest being deleted names as homes, those holding its pin (HEAD of
+    each, 16 at a time): the save that wrote the manifest really referenced them. A home
+    without it was named by a forged or damaged manifest: it is not collected."""
+    sem = asyncio.Semaphore(16)
+
+    async def pinned(home: str, key: str) -> str | None:
+        async with sem:
+            try:
+                await store.head(key)
+            except ObjectNotFound:
+                return None
+        return home
+
+    found = await asyncio.gather(*(pinned(h, k) for h, k in zip(homes, pins)))
+    unpinned = len(homes) - sum(f is not None for f in found)
+    if unpinned:
+        log.warning("the manifest being deleted names %s holding no pin of its save as homes: "
+                    "left alone (a forged or damaged reference)", plural(unpinned, "folder"))
+    return frozenset(f for f in found if f is not None)
 
 
 async def collect_homes(store, homes, *, cutoff: float, now: float | None = None) -> list:

@@ -18,14 +18,17 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 from cloudckpt.api.manifest_io import fetch_manifest_bytes
 from cloudckpt.errors import CloudCkptError, ObjectNotFound
 from cloudckpt.layout import (MANIFEST_KEY, MAX_PIN_BYTES, MIN_PIN_LEASE, PINS_PREFIX,
                               decode_pin, parse_pin_key)
 from cloudckpt.manifest import decode_manifest
+from cloudckpt.wording import plural
 
-__all__ = ["FolderRefs", "folder_references", "judge_pin", "read_manifest_or_none"]
+__all__ = ["FolderRefs", "describe_holders", "folder_references", "judge_pin",
+           "read_manifest_or_none"]
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +110,15 @@ async def folder_references(store, folder: str, *, now: float | None = None,
 
 async def judge_pin(store, folder: str, info, now: float, manifests: dict | None = None
                     ) -> tuple[str, object]:
-    """``("refs", (referrer, keys))``, ``("live", None)``, ``("stale", None)`` or
+    """``("refs", (referrer, keys))``, ``("live", until)``, ``("stale", None)`` or
     ``("other", None)`` (not a pin of the layout: left alone) for the pin listed as ``info``
     (an ``ObjectInfo``, run-relative key) in ``folder``: a pin of the attempt that committed
-    its folder refers to the keys that manifest uses here (stale if none); any other pin is
-    live until its last write plus its lease. ``manifests`` memoises the referrers' manifests
-    (folder -> task) within one caller's work."""
+    its folder refers to the keys that manifest uses here (stale if none); a pin of an attempt
+    other than the one that committed its folder is stale (that save can never commit: the
+    manifest is written in create mode); any other pin is live until its last write plus its
+    lease (``until``, epoch seconds; the lease clamped as :func:`cloudckpt.layout.decode_pin`
+    does). ``manifests`` memoises the referrers' manifests (folder -> task) within one caller's
+    work."""
     named = parse_pin_key(info.key[len(folder) + 1:])
     if named is None:
         return "other", None
@@ -131,6 +137,8 @@ async def judge_pin(store, folder: str, info, now: float, manifests: dict | None
     if manifest is not None and manifest.attempt == attempt:
         used = frozenset(k for h, k in zip(manifest.object_homes, manifest.objects) if h == folder)
         return ("refs", (referrer, used)) if used else ("stale", None)
+    if manifest is not None:  # another attempt committed there: this one can never commit
+        return "stale", None
     try:
         pin = decode_pin(await store.get(info.key, max_bytes=MAX_PIN_BYTES), info.key[len(folder) + 1:])
         lease = pin.lease
@@ -139,4 +147,39 @@ async def judge_pin(store, folder: str, info, now: float, manifests: dict | None
     except (CloudCkptError, ValueError):
         lease = MIN_PIN_LEASE  # damaged: protects for the shortest lease
     written = info.last_modified if info.last_modified is not None else now
-    return ("live", None) if written + lease > now else ("stale", None)
+    return ("live", written + lease) if written + lease > now else ("stale", None)
+
+
+async def describe_holders(store, folder: str, *, now: float | None = None,
+                           manifests: dict | None = None) -> tuple[str, ...]:
+    """One line for each pin in ``folder`` saying what it holds, judged as
+    :func:`judge_pin` does at ``now``: ``"<referrer>: committed, uses N object(s)"``,
+    ``"<referrer>: save <attempt> not committed, pinned until <UTC time>"``,
+    ``"<referrer>: its manifest cannot be read, keeps every object"`` or ``"<referrer>: stale
+    pin (protects nothing; prune removes it)"``. For listings; removes nothing."""
+    now = time.time() if now is None else now
+    manifests = {} if manifests is None else manifests
+    pins = [i async for i in store.list(f"{folder}/{PINS_PREFIX}")]
+    sem = asyncio.Semaphore(CONCURRENCY)
+
+    async def judge(info):
+        async with sem:
+            return await judge_pin(store, folder, info, now, manifests)
+
+    verdicts = await asyncio.gather(*(judge(i) for i in pins))
+    lines = []
+    for info, (verdict, detail) in zip(pins, verdicts):
+        named = parse_pin_key(info.key[len(folder) + 1:])
+        if named is None:
+            continue
+        attempt, referrer = named
+        if verdict == "refs":
+            lines.append(f"{referrer}: committed, uses {plural(len(detail[1]), 'object')}")
+        elif verdict == "live" and detail is None:
+            lines.append(f"{referrer}: its manifest cannot be read, keeps every object")
+        elif verdict == "live":
+            until = datetime.fromtimestamp(detail, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            lines.append(f"{referrer}: save {attempt} not committed, pinned until {until}")
+        else:
+            lines.append(f"{referrer}: stale pin (protects nothing; prune removes it)")
+    return tuple(sorted(lines))
