@@ -79,7 +79,7 @@ STOP_WAIT_S = 1.0  # the longest stop() waits for the thread
 MAX_NOTICE_BYTES = 65536
 _MAX_TOKEN_BYTES = 4096  # real tokens are 56 characters
 _TOKEN = re.compile(r"[\x21-\x7e]+")  # printable ASCII: it goes back in a header
-_LOGGED_NOTICE_CHARS = 1000
+_LOGGED_NOTICE_CHARS = 300
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -84,7 +84,8 @@ def test_a_hanging_answer_ends_at_the_deadline_and_the_notice_still_comes(answer
 def test_endless_bodies_cost_bounded_memory_and_a_200_is_still_a_notice():
     """A token answer and a notice answer whose bodies never end (1 TiB announced, sent as
     fast as they are read): the token is refused, the notice is acted on, each read stops at
-    its limit (a few hundred KiB at most cross the socket) and memory stays bounded."""
+    its limit (what crosses the socket is what the kernel's buffers take: about 8 MiB
+    measured) and traced memory stays under 4 MiB (0.3 MiB measured)."""
     calls = Calls()
     with FakeIMDS(put_script=["huge"], script=["huge"]) as imds:
         tracemalloc.start()
