@@ -16,7 +16,8 @@ Contract:
   kept until a minute before its ``token_ttl`` ends), then
   ``GET {endpoint}/latest/meta-data/spot/instance-action`` with ``X-aws-ec2-metadata-token``.
   404 means no notice. 401 means the token is no longer valid: it is dropped and the poll is
-  retried once at once with a new one. IMDSv1 (a GET without a token) is never used.
+  retried once at once with a new one; after another 4xx the next poll asks for a new token.
+  IMDSv1 (a GET without a token) is never used.
 - A 200 answer is a notice (JSON such as ``{"action": "terminate", "time": "..."}``; ``action``
   may also be ``stop`` or ``hibernate``; a body that is not a JSON object is kept as
   ``{"raw": text}`` and still counts). At the first notice the poller calls ``on_notice()``
@@ -261,6 +262,8 @@ class SpotNoticePoller:
             if answer.status == 401 and attempt == 0:  # expired or revoked: once more, new token
                 self._token = None
                 continue
+            if 400 <= answer.status < 500:  # the token may be what is refused: the next poll
+                self._token = None          # asks for a new one
             raise _PollFailed("HTTP error", f"GET {self.endpoint}{NOTICE_PATH}: "
                                             f"HTTP {answer.status}")
         return None  # pragma: no cover - the loop returns or raises

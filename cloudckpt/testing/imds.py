@@ -138,13 +138,12 @@ def _handler(fake: FakeMetadataServer):
             pass
 
         def _answer(self, status: int, body: str = "") -> None:
+            self._record(status)  # before the answer: the client may count right after it
             data = body.encode()
             self.send_response(status)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
-            with fake.lock:
-                fake.log.append((self.command, status))
 
         def _record(self, status) -> None:
             with fake.lock:

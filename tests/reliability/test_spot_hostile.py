@@ -145,6 +145,18 @@ def test_redirects_are_not_followed(caplog):
     assert len(warned) == 1 and "HTTP 302" in warned[0]
 
 
+def test_a_get_refused_with_a_4xx_drops_the_token():
+    """A 400 or 431 to the notice GET (the token may be what is refused): the next poll asks
+    for a new token instead of sending the same one for its six hours."""
+    calls = Calls()
+    with FakeIMDS(script=[400, 431], notice_after=1) as imds:
+        with SpotNoticePoller(calls, options=SpotNoticeOptions(
+                endpoint=imds.endpoint, timeout=5.0, **FAST)) as poller:
+            assert poller.wait_for_notice(15)
+        assert imds.count("PUT", 200) == 3 and imds.count("GET") == 3
+    assert calls.n == 1
+
+
 def test_a_failure_that_flaps_warns_once_per_kind_per_episode(caplog):
     """Errors and dropped connections between good polls: one WARNING per kind, however often
     they come back, until RECOVERY_POLLS good polls in a row end the episode (one INFO); the
