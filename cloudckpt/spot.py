@@ -16,18 +16,31 @@ Contract:
   kept until a minute before its ``token_ttl`` ends), then
   ``GET {endpoint}/latest/meta-data/spot/instance-action`` with ``X-aws-ec2-metadata-token``.
   404 means no notice. 401 means the token is no longer valid: it is dropped and the poll is
-  retried once at once with a new one. IMDSv1 (a GET without a token) is never used.
+  retried once at once with a new one; after another 4xx the next poll asks for a new token.
+  IMDSv1 (a GET without a token) is never used.
 - A 200 answer is a notice (JSON such as ``{"action": "terminate", "time": "..."}``; ``action``
   may also be ``stop`` or ``hibernate``; a body that is not a JSON object is kept as
   ``{"raw": text}`` and still counts). At the first notice the poller calls ``on_notice()``
   exactly once, from its thread, logs a warning, keeps the notice in :attr:`notice` and stops
   polling. An exception from the callback is logged, not retried.
-- Nothing a poll meets is raised: a refused connection, a timeout, a 5xx, a token refused are
-  logged (the first failure at WARNING, further ones at DEBUG, the recovery at INFO) and the next
-  poll comes ``interval`` seconds later. Off EC2 the poller therefore only logs one warning.
-- Requests go straight to ``endpoint``, never through ``HTTP(S)_PROXY``; each is bounded by
-  ``timeout``. :meth:`stop` (or leaving the ``with`` block) waits for the poll in progress (at
-  most four requests: token, 401, new token, GET), then the thread has ended; it is idempotent.
+- Nothing a poll meets is raised, and nothing a hostile or broken endpoint answers ends the
+  thread: a refused connection, a request past its deadline, a dropped connection, an error
+  status, an answer that is not HTTP, a token that is not one, even a bug of the poller's own
+  are logged and the next poll comes ``interval`` seconds later. Each kind of failure
+  (``unreachable``, ``timed out``, ``connection dropped``, ``HTTP error``, ``not HTTP``,
+  ``TLS``, ``unexpected``) is logged once at WARNING per unhealthy episode, further ones at
+  DEBUG; the episode ends, with one INFO, after ``RECOVERY_POLLS`` good polls in a row (a minute
+  at the default interval), so a failure that comes and goes warns once, not once per flap.
+  Off EC2 the poller therefore only logs one warning.
+- Each request has a total deadline of ``timeout`` seconds, from name resolution to the last
+  byte of the answer (an endpoint that drips bytes or never closes is cut there). At most 16 KiB
+  of status line and headers and 64 KiB of body are read; a non-200 answer's body is not read;
+  redirects are not followed. A 200 to the notice GET is a notice even when its body is cut
+  short (a reset, the deadline, the size limit): a notice is acted on rather than missed.
+- Requests go straight to ``endpoint``, never through ``HTTP(S)_PROXY``. :meth:`stop` (or
+  leaving the ``with`` block) returns within a second: a request in progress is abandoned
+  within ``STOP_SLICE_S``; only a callback still running keeps the (daemon) thread alive
+  longer. It is idempotent.
 - The endpoint is ``options.endpoint``, else ``AWS_EC2_METADATA_SERVICE_ENDPOINT``, else
   ``http://169.254.169.254``. In a container the token's PUT answer must be allowed one more hop:
   the instance's ``HttpPutResponseHopLimit`` must be at least 2.
@@ -38,19 +51,20 @@ should_stop` spreads one rank's flag to all ranks at the next agreed step.
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import os
+import re
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["SpotNoticeOptions", "SpotNoticePoller", "DEFAULT_ENDPOINT"]
+from cloudckpt.spot_http import STOP_SLICE_S, Deadline, RequestFailed, Stopped, exchange
+
+__all__ = ["SpotNoticeOptions", "SpotNoticePoller", "DEFAULT_ENDPOINT", "RECOVERY_POLLS",
+           "STOP_SLICE_S", "STOP_WAIT_S"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +75,12 @@ NOTICE_PATH = "/latest/meta-data/spot/instance-action"
 TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
 _TOKEN_RENEW_MARGIN_S = 60.0
+RECOVERY_POLLS = 12  # good polls in a row that end an unhealthy episode (1 min at 5 s)
+STOP_WAIT_S = 1.0  # the longest stop() waits for the thread
+MAX_NOTICE_BYTES = 65536
+_MAX_TOKEN_BYTES = 4096  # real tokens are 56 characters
+_TOKEN = re.compile(r"[\x21-\x7e]+")  # printable ASCII: it goes back in a header
+_LOGGED_NOTICE_CHARS = 300
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +90,7 @@ class SpotNoticeOptions:
     - ``endpoint``: ``http(s)://host[:port]`` of the instance metadata service; ``None`` takes
       ``AWS_EC2_METADATA_SERVICE_ENDPOINT``, else ``http://169.254.169.254``.
     - ``interval``: seconds between polls (AWS suggests 5; the notice comes 120 s ahead).
-    - ``timeout``: seconds each HTTP request may take.
+    - ``timeout``: seconds each HTTP request may take in all (its total deadline).
     - ``token_ttl``: lifetime asked for each IMDSv2 token, 1..21600 seconds.
     """
 
@@ -111,6 +131,10 @@ def _check_endpoint(value: str, what: str) -> str:
 class _PollFailed(Exception):
     """One poll could not tell whether there is a notice (logged by the loop, never raised)."""
 
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
 
 class SpotNoticePoller:
     """Polls the instance metadata for a spot interruption notice; calls ``on_notice()`` once.
@@ -126,12 +150,12 @@ class SpotNoticePoller:
         self.on_notice = on_notice
         self.options = options
         self.endpoint = options.resolved_endpoint()
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         self._token: str | None = None
         self._token_expires = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._failing = False
+        self._warned: set[str] = set()  # kinds of failure warned about in this unhealthy episode
+        self._good_polls = 0
         self._notice: dict | None = None
         self._delivered = threading.Event()
 
@@ -149,11 +173,12 @@ class SpotNoticePoller:
         return self
 
     def stop(self) -> None:
-        """Stop polling and wait for the thread (at most the poll in progress)."""
+        """Stop polling; returns within ``STOP_WAIT_S`` (the thread has ended by then unless
+        ``on_notice`` is still running)."""
         self._stop.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            thread.join(STOP_WAIT_S)
 
     def __enter__(self) -> "SpotNoticePoller":
         return self.start()
@@ -181,26 +206,43 @@ class SpotNoticePoller:
         while not self._stop.is_set():
             try:
                 notice = self._poll_once()
+            except Stopped:
+                return
             except _PollFailed as exc:
-                if not self._failing:
-                    log.warning("cloudckpt: spot notice poll failed (will retry every %gs): %s",
-                                self.options.interval, exc)
-                else:
-                    log.debug("cloudckpt: spot notice poll failed again: %s", exc)
-                self._failing = True
+                self._failed(exc.kind, str(exc))
+            except Exception as exc:  # a bug of ours must not end the only watch for a notice
+                self._failed("unexpected", f"{type(exc).__name__}: {exc}", exc_info=True)
             else:
-                if self._failing:
-                    log.info("cloudckpt: spot notice polls work again (%s)", self.endpoint)
-                    self._failing = False
+                self._succeeded()
                 if notice is not None:
                     self._deliver(notice)
                     return
             self._stop.wait(self.options.interval)
 
+    def _failed(self, kind: str, message: str, exc_info: bool = False) -> None:
+        self._good_polls = 0
+        if kind in self._warned:
+            log.debug("cloudckpt: spot notice poll failed again (%s): %s", kind, message)
+            return
+        self._warned.add(kind)
+        log.warning("cloudckpt: spot notice poll failed (%s; retrying every %gs, logging "
+                    "further failures of this kind at DEBUG): %s", kind, self.options.interval,
+                    message, exc_info=exc_info)
+
+    def _succeeded(self) -> None:
+        if not self._warned:
+            return
+        self._good_polls += 1
+        if self._good_polls >= RECOVERY_POLLS:
+            log.info("cloudckpt: spot notice polls work again (%s: %d good polls in a row)",
+                     self.endpoint, self._good_polls)
+            self._warned.clear()
+            self._good_polls = 0
+
     def _deliver(self, notice: dict) -> None:
         self._notice = notice
         log.warning("cloudckpt: spot interruption notice %s: requesting a preemption save",
-                    json.dumps(notice, sort_keys=True))
+                    json.dumps(notice, sort_keys=True)[:_LOGGED_NOTICE_CHARS])
         try:
             self.on_notice()
         except Exception:  # the callback's failure must not end the process from this thread
@@ -212,43 +254,48 @@ class SpotNoticePoller:
         """One poll: the notice, or ``None`` when there is none; ``_PollFailed`` if unknown."""
         for attempt in range(2):
             token = self._valid_token()
-            status, body = self._request("GET", NOTICE_PATH, {TOKEN_HEADER: token})
-            if status == 404:
+            answer = self._request("GET", NOTICE_PATH, {TOKEN_HEADER: token}, MAX_NOTICE_BYTES)
+            if answer.status == 404:
                 return None
-            if status == 200:
-                return _parse_notice(body)
-            if status == 401 and attempt == 0:  # expired or revoked: one retry with a new token
+            if answer.status == 200:  # even cut short: a notice is acted on, never missed
+                return _parse_notice(answer.body.decode("utf-8", "replace"))
+            if answer.status == 401 and attempt == 0:  # expired or revoked: once more, new token
                 self._token = None
                 continue
-            raise _PollFailed(f"GET {NOTICE_PATH}: HTTP {status}")
+            if 400 <= answer.status < 500:  # the token may be what is refused: the next poll
+                self._token = None          # asks for a new one
+            raise _PollFailed("HTTP error", f"GET {self.endpoint}{NOTICE_PATH}: "
+                                            f"HTTP {answer.status}")
         return None  # pragma: no cover - the loop returns or raises
 
     def _valid_token(self) -> str:
         if self._token is not None and time.monotonic() < self._token_expires:
             return self._token
         ttl = self.options.token_ttl
-        status, body = self._request("PUT", TOKEN_PATH, {TOKEN_TTL_HEADER: str(ttl)})
-        if status != 200 or not body.strip():
-            raise _PollFailed(f"PUT {TOKEN_PATH}: HTTP {status} (IMDSv2 token refused)")
-        self._token = body.strip()
+        where = f"PUT {self.endpoint}{TOKEN_PATH}"
+        answer = self._request("PUT", TOKEN_PATH, {TOKEN_TTL_HEADER: str(ttl)}, _MAX_TOKEN_BYTES)
+        if answer.status != 200:
+            raise _PollFailed("HTTP error", f"{where}: HTTP {answer.status} (IMDSv2 token refused)")
+        token = answer.body.decode("latin-1").strip()
+        if not answer.complete or not _TOKEN.fullmatch(token):
+            raise _PollFailed("not HTTP", f"{where}: the answer is not an IMDSv2 token "
+                                          f"({len(answer.body)} bytes"
+                                          f"{'' if answer.complete else ', cut short'})")
+        self._token = token
         self._token_expires = time.monotonic() + max(ttl - _TOKEN_RENEW_MARGIN_S, ttl / 2)
         return self._token
 
-    def _request(self, method: str, path: str, headers: dict[str, str]) -> tuple[int, str]:
-        request = urllib.request.Request(self.endpoint + path, method=method, headers=headers)
+    def _request(self, method: str, path: str, headers: dict[str, str], max_body: int):
         try:
-            with self._opener.open(request, timeout=self.options.timeout) as response:
-                return response.status, response.read(65536).decode("utf-8", "replace")
-        except urllib.error.HTTPError as exc:
-            with exc:
-                return exc.code, ""
-        except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, reset, timeout
-            raise _PollFailed(f"{method} {self.endpoint}{path}: {exc}") from exc
+            return exchange(self.endpoint, method, path, headers, max_body=max_body,
+                            deadline=Deadline(self.options.timeout, self._stop))
+        except RequestFailed as exc:
+            raise _PollFailed(exc.kind, str(exc)) from exc
 
 
 def _parse_notice(body: str) -> dict:
     try:
         notice = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # nesting deep enough exhausts the parser's stack
         notice = None
     return notice if isinstance(notice, dict) else {"raw": body[:1000]}

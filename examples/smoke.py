@@ -69,7 +69,7 @@ def run(url: str) -> None:
         "config": {"lr": 3e-4, "betas": (0.9, 0.95)},
     }
     saved = cloudckpt.save(state, url)
-    print(f"saved {saved.bytes_written / 1e6:.1f} MB in {saved.objects} object(s) to {url} "
+    print(f"saved {saved.bytes_written / 2**20:.1f} MiB in {saved.objects} object(s) to {url} "
           f"in {saved.seconds:.2f} s", flush=True)
     blank = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
              "step": 0, "config": {"lr": 0.0, "betas": (0.0, 0.0)}}
@@ -77,7 +77,7 @@ def run(url: str) -> None:
     same = all(torch.equal(blank["model"][k], v) for k, v in state["model"].items())
     if not same or blank["step"] != 100 or blank["config"] != state["config"]:
         raise SystemExit("smoke: FAILED: the loaded state differs from the saved one")
-    print(f"loaded {loaded.bytes_fetched / 1e6:.1f} MB in {loaded.seconds:.2f} s: identical",
+    print(f"loaded {loaded.bytes_fetched / 2**20:.1f} MiB in {loaded.seconds:.2f} s: identical",
           flush=True)
     report = cloudckpt.verify(url)
     if not report.ok:

@@ -37,6 +37,7 @@ import argparse
 import math
 import os
 import sys
+import threading
 import time
 from contextlib import nullcontext
 
@@ -275,9 +276,16 @@ def main(argv=None) -> int:
         with open(os.path.join(args.pid_dir, f"rank{rank}.pid"), "w") as f:
             f.write(f"{os.getpid()}\n")
 
+    say_lock = threading.Lock()
+
     def say(msg: str) -> None:
+        # one write per line, under a lock: a save's done callback says its line from the save
+        # thread, and print() writes the text and its newline apart, so two lines could run
+        # together ("... 0.15 strain: ...")
         if rank == 0:
-            print(msg, flush=True)
+            with say_lock:
+                sys.stdout.write(msg + "\n")
+                sys.stdout.flush()
 
     url, server = resolve_storage(args, rank)
     try:
@@ -374,7 +382,7 @@ def save_async(mgr, step: int, state: dict, say) -> None:
             say(f"[ckpt] step {step}: save FAILED: {exc}")
         else:
             r = h.result()
-            say(f"[ckpt] step {step}: committed {r.bytes_written / 1e6:.1f} MB in {r.objects} "
+            say(f"[ckpt] step {step}: committed {r.bytes_written / 2**20:.1f} MiB in {r.objects} "
                 f"object(s), {r.seconds:.2f} s")
 
     handle.add_done_callback(done)

@@ -16,7 +16,8 @@ import torch
 
 from cloudckpt import CheckpointManager
 from cloudckpt.preemption import Preempted, PreemptionHandler
-from cloudckpt.spot import DEFAULT_ENDPOINT, ENDPOINT_ENV, SpotNoticeOptions, SpotNoticePoller
+from cloudckpt.spot import (DEFAULT_ENDPOINT, ENDPOINT_ENV, RECOVERY_POLLS, SpotNoticeOptions,
+                            SpotNoticePoller)
 from cloudckpt.testing.imds import DEFAULT_NOTICE as NOTICE
 from cloudckpt.testing.imds import FakeMetadataServer as FakeIMDS
 
@@ -85,17 +86,21 @@ def test_server_down_is_logged_once_and_is_not_fatal(caplog):
 
 
 def test_dropped_connections_and_errors_then_recovery_then_notice(caplog):
+    """Dropped connections and 5xx: one WARNING per kind, one INFO when the episode ends."""
     caplog.set_level(logging.DEBUG, logger="cloudckpt.spot")
     calls = Calls()
-    with FakeIMDS(notice_after=3, script=["drop", 500, "drop", 503]) as imds:
+    # the notice comes after the episode has ended: RECOVERY_POLLS good polls, then the notice
+    with FakeIMDS(notice_after=RECOVERY_POLLS + 1, script=["drop", 500, "drop", 503]) as imds:
         with SpotNoticePoller(calls, options=SpotNoticeOptions(endpoint=imds.endpoint,
                                                                **FAST)) as poller:
             assert poller.wait_for_notice(60)
         assert calls.n == 1
         assert imds.count("GET", -1) == 2 and imds.count("GET", 500) == 1
     messages = [(r.levelno, r.getMessage()) for r in caplog.records]
-    assert sum(1 for lvl, m in messages if lvl == logging.WARNING and "poll failed" in m) == 1
-    assert any(lvl == logging.INFO and "work again" in m for lvl, m in messages)
+    warned = [m for lvl, m in messages if lvl == logging.WARNING and "poll failed" in m]
+    assert len(warned) == 2, "one WARNING per kind: the dropped connection, the HTTP error"
+    assert "connection dropped" in warned[0] and "HTTP error" in warned[1]
+    assert sum(1 for lvl, m in messages if lvl == logging.INFO and "work again" in m) == 1
 
 
 def test_stop_is_clean_idempotent_and_start_happens_once():
