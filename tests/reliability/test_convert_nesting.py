@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import HealthCheck, event, given, reject, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64]
 SHAPES = [(), (0,), (3,), (2, 3), (1, 0, 2)]
-EXAMPLES = 30   # per direction: about 10 s each on the shared 2-core machine
+EXAMPLES = 80   # per direction: 5-10 s each on the 2-core machine, up to 30 s when shared
 
 
 def _tensor(dtype, shape, seed):
@@ -79,6 +79,20 @@ def assert_same(got, want, path="") -> None:
         assert got == want, (path, got, want)
 
 
+def _count_kinds(state) -> None:
+    """Hypothesis events (``--hypothesis-show-statistics``): what the generated states held."""
+    def walk(v, inside_tuple=False):
+        if isinstance(v, torch.Tensor):
+            yield "a tensor inside a tuple" if inside_tuple else "a tensor"
+        elif isinstance(v, (dict, list, tuple)):
+            if not v:
+                yield f"an empty {type(v).__name__}"
+            for x in (v.values() if isinstance(v, dict) else v):
+                yield from walk(x, inside_tuple or isinstance(v, tuple))
+    for kind in set(walk(state)):
+        event(kind)
+
+
 def _reference(folder: Path, out: Path):
     """What DCP itself rebuilds from the DCP checkpoint in ``folder``; ``RuntimeError`` where
     it fails (DCP's ``CheckpointException`` is a ``BaseException``)."""
@@ -116,6 +130,7 @@ def _zeros_like(state):
 @SETTINGS
 @given(state_dicts)
 def test_dcp_to_cloudckpt_loads_whole_as_dcp_rebuilds_it(state):
+    _count_kinds(state)
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tmp = Path(tmp)
@@ -127,6 +142,7 @@ def test_dcp_to_cloudckpt_loads_whole_as_dcp_rebuilds_it(state):
         try:
             want = _reference(tmp / "dcp", tmp / "ref.pt")
         except RuntimeError as exc:   # a list where DCP dropped an empty dict: it fails
+            event("dcp_to_torch_save fails")
             want = exc
         try:
             result = cloudckpt.convert(tmp / "dcp", tmp / "ck", to="cloudckpt",
@@ -148,6 +164,7 @@ def test_dcp_to_cloudckpt_loads_whole_as_dcp_rebuilds_it(state):
 @SETTINGS
 @given(state_dicts)
 def test_cloudckpt_to_dcp_rebuilds_as_load_full_returns_it(state):
+    _count_kinds(state)
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tmp = Path(tmp)
