@@ -62,8 +62,8 @@ def dcp_items(nested: Mapping) -> tuple[list[tuple[tuple, object]], list[str]]:
                                "(DCP records no mapping kind)")
             ints = [k for k in value if type(k) is not str]
             if ints:
-                changed.append(f"{_shown(path)}: {plural(len(ints), 'key')} of another type "
-                               f"({ints[0]!r}, ...) come back str (DCP's paths name keys as str)")
+                changed.append(f"{_shown(path)}: {plural(len(ints), 'key')} not str (such as "
+                               f"{ints[0]!r}) come back str (DCP's paths name keys as str)")
             if not value and path:
                 changed.append(f"{_shown(path)}: an empty mapping, which DCP does not store")
             for k, v in value.items():
