@@ -10,7 +10,8 @@ layout; ``--to cloudckpt`` reads a DCP checkpoint (``SRC`` holds ``.metadata``) 
 committed cloudckpt checkpoint. See :mod:`cloudckpt.dcp.convert`. A DCP ``.metadata`` is a
 pickle: reading one needs ``--trust``, and without it the command refuses (exit 2) and says why.
 ``--trust`` also lets ``--to dcp`` read pickled values of a cloudckpt checkpoint. Names left out
-(values msgpack cannot hold, say) are listed on stderr. An existing checkpoint at ``DST`` is
+(values msgpack cannot hold, say) are listed on stderr, and so are names the other format keeps
+differently (int keys that DCP names as str, say). An existing checkpoint at ``DST`` is
 refused (exit 1), nothing changed.
 """
 
@@ -38,6 +39,10 @@ def cmd_convert(args) -> int:
     if result.skipped:
         print(f"warning: {plural(len(result.skipped), 'name')} left out: "
               f"{'; '.join(result.skipped[:5])}" + (" ..." if len(result.skipped) > 5 else ""),
+              file=sys.stderr)
+    if result.changed:
+        print(f"note: {plural(len(result.changed), 'name')} kept differently: "
+              f"{'; '.join(result.changed[:5])}" + (" ..." if len(result.changed) > 5 else ""),
               file=sys.stderr)
     print(f"converted {result.src} -> {result.dst} ({result.to}): "
           f"{plural(result.tensors, 'tensor')} in {plural(result.chunks, 'chunk')}, "

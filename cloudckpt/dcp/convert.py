@@ -6,28 +6,45 @@ cloudckpt.convert("s3://bucket/dcp/step-7", "/data/ckpt/step-7", to="cloudckpt",
                   allow_pickle=True)   # DCP's .metadata is a pickle: see below
 ```
 
-Either side may be on S3 or local (any URL cloudckpt takes). Nothing is held whole in memory:
-tensors move stored chunk by stored chunk, in batches of about ``options.object_size`` bytes
-(read, verified, written, released), so memory stays near one batch plus the read buffers.
+Either side may be on S3 or local (any URL cloudckpt takes). Nothing is held whole in memory
+but DCP's bytes items (values, and the tuples of tensors DCP stores whole): tensors move stored
+chunk by stored chunk, in batches of about ``options.object_size`` bytes (read, verified,
+written, released), so memory stays near one batch plus the read buffers.
+
+Either way the nesting is what DCP keeps (:mod:`cloudckpt.dcp.nesting`): converting and
+loading whole gives what DCP's own ``dcp_to_torch_save`` gives, containers and their kinds
+(tuple, list, dict) included.
 
 - ``to="dcp"``: the DCP checkpoint has DCP's layout as :class:`cloudckpt.dcp.StorageWriter`
-  writes it (``__0_<n>.distcp``, ``.metadata.checksums``, then ``.metadata`` in create mode):
-  each stored chunk becomes a DCP chunk of its tensor, each value a DCP bytes item holding
-  ``torch.save(value)``, and ``planner_data`` the nesting of the cloudckpt checkpoint (DCP's
-  fully qualified names are cloudckpt's dotted names). ``dcp.load`` with DCP's default planner,
-  ``FileSystemReader`` (after a copy) and :class:`cloudckpt.dcp.StorageReader` load it. Pickled
-  cloudckpt values need ``allow_pickle=True`` to be read, as for ``cloudckpt.load``.
+  writes it (``__0_<n>.distcp``, ``.metadata.checksums``, then ``.metadata`` in create mode),
+  split into items as DCP's planner splits the state dict ``load_full`` returns: each stored
+  chunk of a tensor item becomes a DCP chunk; a value, and a tuple holding tensors (which DCP
+  stores whole), a bytes item holding ``torch.save(value)`` (the tuple's tensors read whole);
+  ``planner_data`` the paths (DCP's fully qualified names are the dotted paths): the very
+  items ``dcp.save`` writes for that state dict. ``dcp.load`` with DCP's default planner,
+  ``FileSystemReader`` (after a copy) and :class:`cloudckpt.dcp.StorageReader` load it.
+  Pickled cloudckpt values need ``allow_pickle=True`` to be read, as for ``cloudckpt.load``.
+  Named in :attr:`ConvertResult.changed`, as DCP's own save changes them: empty dicts (not
+  stored), int keys and ``OrderedDict`` kinds of the mappings DCP walks (they come back ``str``
+  keys and ``dict``).
 - ``to="cloudckpt"``: a normal committed checkpoint (data objects, then the manifest in create
-  mode) that ``cloudckpt.load``, ``load_full`` and ``verify`` accept; each DCP chunk is a
-  stored chunk (crc32c per block), the nesting comes from DCP's ``planner_data`` (flat names
-  without it). DCP's ``.metadata`` is a pickle: reading it needs ``allow_pickle=True``
-  (``--trust``), which says you trust the checkpoint's writer. cloudckpt unpickles it with its
-  restricted unpickler even then (:mod:`cloudckpt.dcp.metadata`). Non-tensor values are read with
-  ``torch.load(weights_only=True)`` only, and kept when msgpack holds them.
+  mode) that ``cloudckpt.load``, ``load_full`` and ``verify`` accept, holding what
+  ``cloudckpt.save`` would write for the state dict ``dcp_to_torch_save`` rebuilds: each DCP
+  chunk is a stored chunk (crc32c per block), tensors inside DCP values (a tuple of tensors)
+  are tensors of their own. The nesting comes from DCP's ``planner_data`` (flat names without
+  it, or where its paths contradict each other: named in ``changed``, as are holes of a list,
+  where DCP dropped an empty dict, rebuilt as ``None``). DCP's ``.metadata`` is a pickle:
+  reading it needs ``allow_pickle=True`` (``--trust``), which says you trust the checkpoint's
+  writer. cloudckpt unpickles it with its restricted unpickler even then
+  (:mod:`cloudckpt.dcp.metadata`). Non-tensor values are read with
+  ``torch.load(weights_only=True)`` only, and kept when msgpack holds them. The nesting is
+  planned (values read) before anything is written: two leaves of one dotted name
+  (``DuplicateKeyError``) fail with nothing written.
 
 Skipped, and named in :attr:`ConvertResult.skipped` (nothing else is dropped): DCP values that
-torch's weights_only unpickler refuses or that msgpack cannot hold (a tensor inside a value,
-an object of a class), and DCP tensors of a dtype cloudckpt does not store.
+torch's weights_only unpickler refuses, that msgpack cannot hold (an object of a class) or
+that hold a tensor of a dtype cloudckpt does not store, DCP tensors of such a dtype, and
+cloudckpt leaves outside the checkpoint's nesting (``load_full`` does not return them either).
 The destination must not hold a committed checkpoint (``CheckpointExists``).
 """
 
@@ -41,11 +58,13 @@ from dataclasses import dataclass
 
 import torch
 
+from cloudckpt.dcp.nesting import dcp_items, dcp_name, materialize, rebuild
 from cloudckpt.dcp.options import DCPOptions
 from cloudckpt.dcp.reads import ChunkIndex, Part, read_parts
 from cloudckpt.dcp.reader import check_value, load_checkpoint_metadata
 from cloudckpt.dcp.writes import DCP_VERSION, FileOptions, commit, refuse_existing, write_files
-from cloudckpt.errors import ConfigError, PickleNotAllowed, PlanningError, UnsupportedValueError
+from cloudckpt.errors import (ConfigError, DuplicateKeyError, PickleNotAllowed, PlanningError,
+                              UnsupportedValueError)
 from cloudckpt.planning.batching import pack_in_order
 from cloudckpt.runtime import run_coroutine, shared_store
 
@@ -59,7 +78,8 @@ TRUST_MESSAGE = (
 @dataclass(frozen=True)
 class ConvertResult:
     """What a conversion did: tensors, stored chunks and values written, tensor bytes moved,
-    what was left out (``"name: why"``) and how long it took."""
+    what was left out (``"name: why"``), what the destination's format keeps differently
+    (``changed``, ``"name: what"``: see the module doc) and how long it took."""
 
     src: str
     dst: str
@@ -70,6 +90,7 @@ class ConvertResult:
     bytes: int
     skipped: tuple[str, ...]
     seconds: float
+    changed: tuple[str, ...] = ()
 
 
 def convert(src: str, dst: str, *, to: str, allow_pickle: bool = False, storage=None,
@@ -96,30 +117,50 @@ def convert(src: str, dst: str, *, to: str, allow_pickle: bool = False, storage=
 
 
 def _to_dcp(src: str, dst: str, allow_pickle: bool, storage, options: DCPOptions) -> dict:
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
-                                                       Metadata, MetadataIndex, StorageMeta,
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, StorageMeta,
                                                        TensorProperties, TensorStorageMetadata)
 
     from cloudckpt.api.read_tensors import TensorReader
     from cloudckpt.options import LoadOptions
-    from cloudckpt.statedict import torch_dtype
+    from cloudckpt.statedict import torch_dtype, unflatten_state_dict
 
     reader = TensorReader(src, storage=storage, allow_pickle=allow_pickle,
                           options=LoadOptions(max_read_bytes=options.max_read_bytes))
     manifest = reader.manifest
     store = shared_store(dst, storage)
     run_coroutine(refuse_existing(store, dst))
+    # the nesting load_full gives, tensors as meta placeholders, split as DCP's planner splits it
+    stored = {name: torch.empty(tuple(r.shape), dtype=torch_dtype(r.dtype), device="meta")
+              for name, r in manifest.tensors.items()}
+    names_of = {id(t): name for name, t in stored.items()}
+    items, changed = dcp_items(unflatten_state_dict(manifest.structure,
+                                                    {**manifest.values, **stored}))
+    reached = set(_leaf_names(manifest.structure))
+    skipped = [f"{name}: not in the checkpoint's nesting (load_full does not return it either)"
+               for name in list(manifest.tensors) + list(manifest.values) if name not in reached]
+    seen: dict[str, tuple] = {}
+    for path, _ in items:
+        if seen.setdefault(dcp_name(path), path) != path:
+            raise DuplicateKeyError(
+                f"paths {seen[dcp_name(path)]!r} and {path!r} both make DCP's name "
+                f"{dcp_name(path)!r}: DCP cannot hold both; rename one key and save again")
+    tensor_items = [(dcp_name(p), names_of[id(leaf)]) for p, leaf in items
+                    if isinstance(leaf, torch.Tensor) and id(leaf) in names_of]
     state_md: dict = {}
     boxes: list[tuple[str, tuple, tuple, int]] = []   # name, offsets, sizes, bytes
-    for name, record in manifest.tensors.items():
-        dtype = torch_dtype(record.dtype)
+    fqn_of: dict[str, str] = {}
+    for fqn, name in tensor_items:
+        record = manifest.tensors[name]
+        fqn_of[name] = fqn
         chunks = [(c.offsets, c.sizes) for c in record.chunks if math.prod(c.sizes)]
         if not chunks:   # a tensor without elements: one empty chunk, as DCP writes it
             chunks = [((0,) * len(record.shape), tuple(record.shape))]
-        state_md[name] = TensorStorageMetadata(
-            TensorProperties(dtype=dtype), torch.Size(record.shape),
+        state_md[fqn] = TensorStorageMetadata(
+            TensorProperties(dtype=stored[name].dtype), torch.Size(record.shape),
             [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
         boxes += [(name, o, s, math.prod(s) * record.itemsize) for o, s in chunks]
+    bytes_items = [(p, leaf) for p, leaf in items if dcp_name(p) not in state_md]
 
     file_opts = FileOptions(object_size=options.object_size,
                             checksum_block_size=options.checksum_block_size,
@@ -140,90 +181,89 @@ def _to_dcp(src: str, dst: str, allow_pickle: bool, storage, options: DCPOptions
         wanted = [(n, o, s) for n, o, s, nbytes in batch if nbytes]
         fetched = iter(reader.read_boxes(wanted))
         tensors = [next(fetched) if nbytes else
-                   torch.empty(s, dtype=torch_dtype(manifest.tensors[n].dtype))
+                   torch.empty(s, dtype=stored[n].dtype)
                    for n, o, s, nbytes in batch]
-        put(tensors, [MetadataIndex(n, o) for n, o, _, _ in batch])
+        put(tensors, [MetadataIndex(fqn_of[n], o) for n, o, _, _ in batch])
         moved += sum(b[3] for b in batch)
         del tensors, fetched
-    values = dict(manifest.values)
-    paths = paths_of(manifest.structure, list(state_md) + list(values))
-    order, skipped = list(paths), []
-    blobs, keys = [], []
-    for name, value in values.items():   # split where DCP's planner would split the value
-        split = dcp_leaves(value)
-        if not split:
-            skipped.append(f"{name}: holds only empty containers, which DCP does not store")
-        at = order.index(name)
-        order[at:at + 1] = [name + "".join(f".{k}" for k in sub) for sub, _ in split]
-        for sub, leaf in split:
-            fqn = name + "".join(f".{k}" for k in sub)
-            paths[fqn] = tuple(paths[name]) + tuple(sub)
-            state_md[fqn] = BytesStorageMetadata()
-            buf = io.BytesIO()
-            torch.save(leaf, buf)
-            blobs.append(buf)
-            keys.append(MetadataIndex(fqn))
-    if blobs:
-        put(blobs, keys)
+    moved += _write_values(bytes_items, names_of, reader, put, state_md, options.object_size)
 
     save_id = str(uuid.uuid4())
-    paths = {name: paths[name] for name in order if name in state_md}
-    metadata = Metadata(state_dict_metadata={name: state_md[name] for name in paths},
-                        planner_data=paths,
+    planner_data = {dcp_name(path): path for path, _ in items}
+    metadata = Metadata(state_dict_metadata={name: state_md[name] for name in planner_data},
+                        planner_data=planner_data,
                         storage_data=storage_data,
                         storage_meta=StorageMeta(checkpoint_id=dst, save_id=save_id),
                         version=DCP_VERSION)
     run_coroutine(commit(store, dst, metadata, checks, save_id=save_id,
                          block_size=options.checksum_block_size))
-    return dict(tensors=len(manifest.tensors), chunks=len(boxes), values=len(keys),
-                bytes=moved, skipped=tuple(skipped))
+    return dict(tensors=len(tensor_items), chunks=len(boxes),
+                values=len(planner_data) - len(tensor_items), bytes=moved,
+                skipped=tuple(skipped), changed=tuple(changed))
 
 
-def dcp_leaves(value) -> list[tuple[tuple, object]]:
-    """``(path below the value, leaf)`` pairs of a non-tensor value as DCP's planner flattens a
-    state dict (mappings always; lists holding mappings or lists that hold them); ``[((),
-    value)]`` for a value it keeps whole."""
-    try:
-        from torch.distributed.checkpoint._traverse import traverse_state_dict
-    except ImportError:  # pragma: no cover - a torch without it: keep values whole
-        return [((), value)]
-    found: list = []
-    traverse_state_dict({"v": value}, lambda path, leaf: found.append((tuple(path[1:]), leaf)))
-    return found
+def _write_values(items, names_of: dict, reader, put, state_md: dict, batch: int) -> int:
+    """Each bytes item as ``torch.save`` of its value, tensors inside read whole (a tuple of
+    tensors is one item, as DCP stores it), uploaded in batches of about ``batch`` bytes.
+    Returns the tensor bytes read."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    moved = 0
+    blobs, keys, waiting = [], [], 0
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        nonlocal moved
+        name = names_of.get(id(t))
+        if name is None:   # a tensor inside a pickled value: it is one already
+            return t
+        moved += t.numel() * t.element_size()
+        if not t.numel():
+            return torch.empty(t.shape, dtype=t.dtype)
+        return reader.read_boxes([(name, (0,) * t.dim(), tuple(t.shape))])[0]
+
+    for path, leaf in items:
+        fqn = dcp_name(path)
+        state_md[fqn] = BytesStorageMetadata()
+        buf = io.BytesIO()
+        torch.save(materialize(leaf, full), buf)
+        blobs.append(buf)
+        keys.append(MetadataIndex(fqn))
+        waiting += buf.tell()
+        if waiting >= batch:
+            put(blobs, keys)
+            blobs, keys, waiting = [], [], 0
+    if blobs:
+        put(blobs, keys)
+    return moved
 
 
-def paths_of(structure, names) -> dict:
-    """DCP's ``planner_data``: each leaf name's path in the nesting (dict keys as str, list
-    indices as int, as DCP records them); a flat name where the structure has no entry."""
-    paths: dict = {}
-
-    def walk(node, path: tuple) -> None:
+def _leaf_names(structure) -> list[str]:
+    """The names of the leaves a structure reaches."""
+    names, stack = [], [structure]
+    while stack:
+        node = stack.pop()
         if not isinstance(node, (list, tuple)) or len(node) != 2:
-            return
+            continue
         tag, body = node
         if tag in ("x", "v"):
-            paths[body] = path
+            names.append(body)
         elif tag in ("d", "o"):
-            for key, child in body:
-                walk(child, path + (str(key),))
+            stack.extend(child for _, child in reversed(body))
         elif tag in ("l", "t"):
-            for i, child in enumerate(body):
-                walk(child, path + (i,))
-
-    walk(structure, ())
-    ordered = [name for name in paths if name in names]   # the checkpoint's order
-    ordered += [name for name in names if name not in paths]
-    return {name: paths.get(name, (name,)) for name in ordered}
+            stack.extend(reversed(body))
+    return names
 
 
 # -- DCP -> cloudckpt -------------------------------------------------------------------------
 
 
 class _IntoSave:
-    """read_parts' consumer: chunks into the streaming save; values checked and collected."""
+    """read_parts' consumer: values checked and kept (or named in ``skipped``), tensor chunks
+    into the streaming save under their cloudckpt names."""
 
-    def __init__(self, out, chunks: ChunkIndex, skipped: list[str]):
-        self.out, self.chunks, self.skipped = out, chunks, skipped
+    def __init__(self, chunks: ChunkIndex, skipped: list[str]):
+        self.chunks, self.skipped = chunks, skipped
+        self.out, self.name_of = None, {}
         self.values: dict = {}
         self.moved = 0
 
@@ -233,14 +273,40 @@ class _IntoSave:
 
     def commit(self, part: Part, tensor: torch.Tensor) -> None:
         fqn, offsets = part.ref
-        self.out.write(fqn, offsets, tensor)
+        self.out.write(self.name_of[fqn], offsets, tensor)
         self.moved += tensor.numel() * tensor.element_size()
 
     def take_bytes(self, part: Part, data: bytes) -> None:
         try:
-            self.values[part.ref] = check_value(data, part.ref)
+            value = check_value(data, part.ref)
         except PickleNotAllowed:
             self.skipped.append(f"{part.ref}: torch.load(weights_only=True) refuses it")
+            return
+        why = _unkept(part.ref, value)
+        if why:
+            self.skipped.append(f"{part.ref}: {why}")
+        else:
+            self.values[part.ref] = value
+
+
+def _unkept(fqn: str, value) -> str | None:
+    """Why cloudckpt cannot keep the DCP value ``fqn`` (tensors inside become tensors of
+    their own, the rest values msgpack holds), or None."""
+    from cloudckpt.manifest.values import encode_value
+    from cloudckpt.statedict import flatten_state_dict
+
+    try:
+        flat = flatten_state_dict({fqn: value})
+    except PlanningError as exc:
+        return str(exc).split(" (allowed:")[0]
+    for leaf in flat.values.values():
+        try:
+            encode_value(leaf.value, key=leaf.name, allow_pickle=False)
+        except UnsupportedValueError as exc:
+            inner = leaf.value is not value
+            return f"a {type(leaf.value).__name__} msgpack cannot hold" + (
+                f" ({exc.__cause__})" if inner and exc.__cause__ else "")
+    return None
 
 
 def _to_cloudckpt(src: str, dst: str, storage, options: DCPOptions) -> dict:
@@ -248,136 +314,80 @@ def _to_cloudckpt(src: str, dst: str, storage, options: DCPOptions) -> dict:
 
     from cloudckpt import SaveOptions
     from cloudckpt.api.streaming import StreamingSave
-    from cloudckpt.statedict import dtype_name, plain_value
+    from cloudckpt.statedict import dtype_name, flatten_state_dict
 
     store = shared_store(src, storage)
     metadata, checksums = load_checkpoint_metadata(store, src)
-    out = StreamingSave(dst, storage=storage, batch_bytes=options.object_size,
-                        metadata={"converted_from": src, "format": "dcp"},
-                        options=SaveOptions(object_size=options.object_size,
-                                            checksum_block_size=options.checksum_block_size,
-                                            max_staging_bytes=options.max_staging_bytes))
+    index = ChunkIndex(metadata)
     skipped: list[str] = []
-    parts, tensors, chunks = [], [], 0
+    consumer = _IntoSave(index, skipped)
+
+    def read(parts: list[Part]) -> None:
+        read_parts(store, parts, storage_data=metadata.storage_data,
+                   checksums=checksums.items if checksums else None, chunks=index,
+                   consumer=consumer, batch_bytes=options.read_batch_bytes,
+                   max_bytes=options.max_read_bytes,
+                   block_size=checksums.block_size if checksums else 1)
+
+    # values first: the whole nesting is planned before anything is written
+    read([Part(ref=fqn, index=MetadataIndex(fqn), is_bytes=True)
+          for fqn, entry in metadata.state_dict_metadata.items()
+          if not isinstance(entry, TensorStorageMetadata)])
+    entries, placeholders = [], {}
     for fqn, entry in metadata.state_dict_metadata.items():
-        if not isinstance(entry, TensorStorageMetadata):
-            parts.append(Part(ref=fqn, index=MetadataIndex(fqn), is_bytes=True))
+        if isinstance(entry, TensorStorageMetadata):
+            try:
+                dtype_name(entry.properties.dtype)
+            except PlanningError:
+                skipped.append(f"{fqn}: dtype {entry.properties.dtype} is not one cloudckpt "
+                               "stores")
+                continue
+            leaf = torch.empty(tuple(entry.size), dtype=entry.properties.dtype, device="meta")
+            placeholders[id(leaf)] = fqn
+            entries.append((fqn, leaf))
+        elif fqn in consumer.values:
+            entries.append((fqn, consumer.values[fqn]))
+    nested, changed = rebuild(entries, metadata.planner_data)
+    try:
+        flat = flatten_state_dict(nested)
+    except DuplicateKeyError as exc:
+        raise DuplicateKeyError(f"{exc}: cloudckpt names each leaf by its path, so it cannot "
+                                "hold both; rename one in the DCP checkpoint's state dict "
+                                "and save it again") from exc
+    del nested
+
+    out = consumer.out = StreamingSave(
+        dst, storage=storage, batch_bytes=options.object_size,
+        metadata={"converted_from": src, "format": "dcp"},
+        options=SaveOptions(object_size=options.object_size,
+                            checksum_block_size=options.checksum_block_size,
+                            max_staging_bytes=options.max_staging_bytes))
+    for name, leaf in flat.values.items():
+        out.set_value(name, leaf.value)
+    parts, inline = [], []
+    for name, leaf in flat.tensors.items():
+        ((spec, tensor),) = leaf.pieces
+        out.add_tensor(name, spec.dtype, spec.global_shape)
+        fqn = placeholders.get(id(tensor))
+        if fqn is None:   # a tensor that sat inside a DCP value
+            inline.append((name, tensor))
             continue
-        try:
-            out.add_tensor(fqn, dtype_name(entry.properties.dtype), tuple(entry.size))
-        except PlanningError:
-            skipped.append(f"{fqn}: dtype {entry.properties.dtype} is not one cloudckpt stores")
-            continue
-        tensors.append(fqn)
-        for chunk in entry.chunks:
+        consumer.name_of[fqn] = name
+        for chunk in metadata.state_dict_metadata[fqn].chunks:
             sizes = tuple(chunk.sizes)
             if math.prod(sizes):
                 parts.append(Part(ref=(fqn, tuple(chunk.offsets)),
                                   index=MetadataIndex(fqn, chunk.offsets), is_bytes=False,
                                   offsets=(0,) * len(sizes), lengths=sizes))
-                chunks += 1
-    index = ChunkIndex(metadata)
-    consumer = _IntoSave(out, index, skipped)
-    read_parts(store, parts, storage_data=metadata.storage_data,
-               checksums=checksums.items if checksums else None, chunks=index,
-               consumer=consumer, batch_bytes=options.read_batch_bytes,
-               max_bytes=options.max_read_bytes,
-               block_size=checksums.block_size if checksums else 1)
-    leaves, values = regroup(metadata.planner_data, tensors, consumer.values)
-    kept = {}
-    for name, path in leaves.items():
-        if name in values:
-            try:
-                out.set_value(name, plain_value(values[name]))
-            except (UnsupportedValueError, PlanningError, TypeError, ValueError):
-                skipped.append(f"{name}: a {type(values[name]).__name__} msgpack cannot hold")
-                continue
-        kept[name] = path
-    out.commit(structure_of(kept, set(tensors)))
-    return dict(tensors=len(tensors), chunks=chunks, values=len(kept) - len(tensors),
-                bytes=consumer.moved, skipped=tuple(skipped))
-
-
-def regroup(planner_data, tensors: list[str], values: dict) -> tuple[dict, dict]:
-    """cloudckpt's leaves from DCP's: ``(name -> path, name -> value)``. DCP splits a list into
-    leaves when it holds a mapping; cloudckpt keeps a list without tensors as one value: such
-    lists are rebuilt from DCP's leaves (through ``planner_data``'s paths) into one value named
-    by its path. Without usable paths, DCP's names stay flat."""
-    names = [n for n in (planner_data or {}) if n in values or n in tensors]
-    names += [n for n in list(tensors) + list(values) if n not in names]
-    flat = ({n: (n,) for n in names}, dict(values))
-    if not isinstance(planner_data, dict):
-        return flat
-    root: dict = {}
-    for name in names:
-        path = planner_data.get(name)
-        if not isinstance(path, (tuple, list)) or not path or not all(
-                isinstance(k, (str, int)) and not isinstance(k, bool) for k in path):
-            return flat
-        node = root
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-            if not isinstance(node, dict):
-                return flat   # a leaf and a container at one path
-        if path[-1] in node:
-            return flat
-        node[path[-1]] = (name,)
-    tensor_set = set(tensors)
-    leaves, merged = {}, {}
-
-    def holds_tensor(node) -> bool:
-        if isinstance(node, tuple):
-            return node[0] in tensor_set
-        return any(holds_tensor(child) for child in node.values())
-
-    def rebuild(node):
-        if isinstance(node, tuple):
-            return values.get(node[0])
-        if _is_list(node):
-            return [rebuild(node[i]) for i in range(len(node))]
-        return {k: rebuild(v) for k, v in node.items()}
-
-    def walk(node, path: tuple) -> None:
-        if isinstance(node, tuple):
-            leaves[node[0]] = path
-            if node[0] in values:
-                merged[node[0]] = values[node[0]]
-            return
-        if path and _is_list(node) and not holds_tensor(node):
-            name = ".".join(str(k) for k in path)
-            leaves[name], merged[name] = path, rebuild(node)
-            return
-        for key, child in node.items():
-            walk(child, path + (key,))
-
-    walk(root, ())
-    return leaves, merged
-
-
-def _is_list(node: dict) -> bool:
-    keys = list(node)
-    return bool(keys) and all(isinstance(k, int) for k in keys) and \
-        sorted(keys) == list(range(len(keys)))
-
-
-def structure_of(leaves: dict, tensors: set) -> list:
-    """A :mod:`cloudckpt.statedict` structure for ``leaves`` (name -> path): nested dicts, and
-    lists where a node's keys are the indices 0..n-1."""
-    root: dict = {}
-    for name, path in leaves.items():
-        node = root
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = ("x" if name in tensors else "v", name)
-
-    def build(node):
-        if isinstance(node, tuple):
-            return [node[0], node[1]]
-        if _is_list(node):
-            return ["l", [build(node[i]) for i in range(len(node))]]
-        return ["d", [[k, build(v)] for k, v in node.items()]]
-
-    return build(root)
+    read(parts)
+    for name, tensor in inline:
+        out.write(name, (0,) * tensor.dim(), tensor)
+        consumer.moved += tensor.numel() * tensor.element_size()
+    out.commit(flat.structure)
+    return dict(tensors=len(flat.tensors),
+                chunks=len(parts) + sum(t.numel() > 0 for _, t in inline),
+                values=len(flat.values), bytes=consumer.moved, skipped=tuple(skipped),
+                changed=tuple(changed))
 
 
 __all__ = ["ConvertResult", "TARGETS", "TRUST_MESSAGE", "convert"]
