@@ -303,11 +303,11 @@ def regroup(planner_data, tensors: list[str], values: dict) -> tuple[dict, dict]
     leaves when it holds a mapping; cloudckpt keeps a list without tensors as one value: such
     lists are rebuilt from DCP's leaves (through ``planner_data``'s paths) into one value named
     by its path. Without usable paths, DCP's names stay flat."""
-    names = [n for n in (planner_data or {}) if n in values or n in tensors]
+    if not isinstance(planner_data, dict):   # a planner of its own: no paths to use
+        planner_data = {}
+    names = [n for n in planner_data if n in values or n in tensors]
     names += [n for n in list(tensors) + list(values) if n not in names]
     flat = ({n: (n,) for n in names}, dict(values))
-    if not isinstance(planner_data, dict):
-        return flat
     root: dict = {}
     for name in names:
         path = planner_data.get(name)
