@@ -30,14 +30,14 @@ from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from cloudckpt.dcp.metadata import MAX_NDIM
-from cloudckpt.dcp.unpickle import Node
+from cloudckpt.dcp.unpickle import FIX as _FIX, Node
 from cloudckpt.errors import ManifestError
 
 _WHERE = ".metadata"
 
 
 def _fail(why: str, where: str = "") -> ManifestError:
-    return ManifestError(f"{why}: not unpickled (a damaged or hostile file)",
+    return ManifestError(f"{why}: not unpickled ({_FIX})",
                          path=f"{_WHERE} {where}".rstrip())
 
 
@@ -107,7 +107,7 @@ def resolve(module: str, name: str):
     if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
         return getattr(torch, name)
     raise ManifestError(f"refers to {module}.{name}, which DCP metadata never holds: not "
-                        "unpickled (a damaged or hostile file)", path=_WHERE)
+                        f"unpickled ({_FIX})", path=_WHERE)
 
 
 class _Builder:

@@ -7,7 +7,9 @@ whole non-tensor item. :func:`read_parts` reads a list of parts and hands each t
 Contract:
 - Before any buffer or destination exists, every item is checked against the real size of its
   data file (one HEAD per file, concurrently) and every wanted chunk's tensor against its item's
-  length: a ``.metadata`` asking for more raises :class:`~cloudckpt.errors.IntegrityError`.
+  length: an item past the end of its file raises :class:`~cloudckpt.errors.InvalidRange`
+  (what reading it would raise), a tensor larger than its item
+  :class:`~cloudckpt.errors.IntegrityError`.
 - Items of one data file are read in offset order, in batches of about ``batch_bytes``, each one
   ``read_ranges`` call (the store coalesces neighbouring ranges into few large GETs and runs them
   concurrently); several batches are in flight while their fetched bytes stay under
@@ -37,7 +39,7 @@ import torch
 
 from cloudckpt.dcp.items import byte_view, load_tensor, region_span
 from cloudckpt.dcp.metadata import ItemChecksums
-from cloudckpt.errors import IntegrityError, ManifestError
+from cloudckpt.errors import IntegrityError, InvalidRange, ManifestError
 from cloudckpt.planning.batching import pack_in_order
 from cloudckpt.runtime import run_coroutine, start_task
 from cloudckpt.storage import ReadRange
@@ -178,7 +180,7 @@ def _check_fits(unit: _Unit) -> None:
     if start + nbytes > unit.info.length:
         raise IntegrityError(f"{unit.info.relative_path} at {unit.info.offset}: a tensor of "
                              f"{nbytes} bytes does not fit in its {unit.info.length}-byte item "
-                             "(a damaged or hostile .metadata)")
+                             "(a damaged or hostile .metadata: copy the checkpoint again)")
 
 
 def _check_files(store, units) -> None:
@@ -192,9 +194,11 @@ def _check_files(store, units) -> None:
     for name, found in zip(names, infos):
         for info in by_file[name]:
             if info.offset + info.length > found.size:
-                raise IntegrityError(f"{name}: .metadata puts an item of {info.length} bytes at "
-                                     f"{info.offset}, past the file's {found.size} bytes (a "
-                                     "damaged or hostile .metadata)")
+                raise InvalidRange(f"{name}: .metadata puts an item of {info.length} bytes at "
+                                   f"{info.offset}, past the file's {found.size} bytes (a "
+                                   "truncated file or a damaged .metadata: copy the checkpoint "
+                                   "again)", key=name,
+                                   operation="read")
 
 
 class _Batch:

@@ -30,8 +30,12 @@ from typing import Any, Callable
 
 from cloudckpt.errors import ManifestError
 
-_I4, _U4, _U8, _F8 = struct.Struct("<i"), struct.Struct("<I"), struct.Struct("<Q"), struct.Struct(">d")
+_I4, _U4, _U8 = struct.Struct("<i"), struct.Struct("<I"), struct.Struct("<Q")
+_F8 = struct.Struct(">d")
 _MAX_DIGITS = 64
+#: What every refusal tells the user to do.
+FIX = ("a damaged or hostile file: copy the checkpoint again from where it was written, or "
+       "save it again")
 # estimated bytes held per thing built (a CPython object and the pointers to it)
 _COST_SCALAR, _COST_NODE, _COST_REF = 48, 96, 8
 
@@ -69,7 +73,7 @@ class _Parser:
         self.memo: list = []
 
     def fail(self, why: str):
-        return ManifestError(f"{why}: not unpickled (a damaged or hostile file)",
+        return ManifestError(f"{why}: not unpickled ({FIX})",
                              path=self.where)
 
     def spend(self, n: int) -> None:
@@ -414,7 +418,8 @@ _OPS: dict[int, Callable[[_Parser], Any]] = {
 }
 for _op, _why in ((0x8F, "a set"), (0x90, "a set"), (0x91, "a frozenset"),
                   (0x82, "an extension code"), (0x83, "an extension code"),
-                  (0x84, "an extension code"), (0x96, "a bytearray"), (0x97, "an out-of-band buffer"),
+                  (0x84, "an extension code"), (0x96, "a bytearray"),
+                  (0x97, "an out-of-band buffer"),
                   (0x98, "an out-of-band buffer"), (ord("i"), "an INST call"),
                   (ord("o"), "an OBJ call"), (0x92, "a NEWOBJ_EX call")):
     _OPS[_op] = _refuse(f"holds {_why}, which DCP metadata never does")
