@@ -52,9 +52,10 @@ _HEAD = struct.Struct("<8sI")
 MAX_METADATA_BYTES = 512 << 20
 
 #: Decoding a ``.metadata`` may take at most this many bytes of memory per byte of the file (an
-#: estimate covering the parse's nodes, stack and memo; the objects built from them take about as
-#: much again), plus ``_MEMORY_FLOOR``; a file asking for more is refused while it is parsed.
-MEMORY_PER_BYTE = 24
+#: estimate covering the parse's nodes, stack and memo; a DCP writer's file needs about 23), plus
+#: ``_MEMORY_FLOOR``; a file asking for more is refused while it is parsed. The objects built
+#: from the nodes then take about what ``pickle.loads`` would (some 13 bytes per byte).
+MEMORY_PER_BYTE = 48
 _MEMORY_FLOOR = 4 << 20
 #: Most values a ``.metadata`` may hold per byte of its size, counted as a tree (a value shared
 #: through the pickle's memo counts each time it is used), plus ``_NODES_FLOOR``.

@@ -37,7 +37,7 @@ _MAX_DIGITS = 64
 FIX = ("a damaged or hostile file: copy the checkpoint again from where it was written, or "
        "save it again")
 # estimated bytes held per thing built (a CPython object and the pointers to it)
-_COST_SCALAR, _COST_NODE, _COST_REF = 48, 96, 8
+_COST_SCALAR, _COST_NODE, _COST_REF = 48, 144, 8
 
 
 class Node:

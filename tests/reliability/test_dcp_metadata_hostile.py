@@ -228,9 +228,11 @@ def test_bare_objects_handed_to_the_reader_are_a_typed_error():
         check_metadata(md)
 
 
-def test_metadata_memory_is_a_small_factor_of_its_size():
-    """A torch.Size of 300,000 entries (1.5 MB): refused with traced memory under the bound."""
-    data = HOSTILE["torch.Size of 300,000"]
+@pytest.mark.parametrize("case", ["torch.Size of 300,000", "300,000 empty lists"])
+def test_metadata_memory_is_a_small_factor_of_its_size(case):
+    """A torch.Size of 300,000 entries (1.5 MB), 300,000 one-byte empty lists: refused, with
+    the memory traced while reading under the bound (an empty list costs 152 bytes a byte)."""
+    data = HOSTILE.get(case) or splice(b"(" + b"]" * 300_000 + b"l")
     tracemalloc.start()
     try:
         with pytest.raises(ManifestError, match="torch.Size|memory"):
