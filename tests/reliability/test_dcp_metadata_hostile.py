@@ -8,6 +8,7 @@ fields; this file covers what the allow-list alone cannot stop."""
 
 from __future__ import annotations
 
+import collections
 import os
 import pathlib
 import pickle
@@ -24,8 +25,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
+                                                   MetadataIndex, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from cloudckpt.cli import main as cli_main
@@ -150,7 +151,7 @@ HOSTILE = {
 }
 # what a BUILD on a class would have set, and where
 _TARGETS = [Metadata, MetadataIndex, pathlib.PosixPath, torch.Size,
-            __import__("collections").OrderedDict, torch.float32]
+            collections.OrderedDict, torch.float32]
 
 
 def _write_ck(root: pathlib.Path) -> pathlib.Path:
@@ -211,6 +212,13 @@ def test_the_generator_splices_into_a_metadata_that_loads(base_ck, tmp_path):
     assert md.planner_data == "fine" and md == unpickle_metadata(splice(s("fine")))
     assert unpickle_metadata(splice(as_key(shared_tuples(8)))).planner_data  # a small DAG is fine
     assert unpickle_metadata(splice(g("torch", "float32"))).planner_data is torch.float32
+    md = _good_metadata()   # every allowed class, at each protocol DCP's writers use
+    md.storage_meta = StorageMeta(checkpoint_id=pathlib.PosixPath("/a/b"), save_id="s")
+    md.planner_data = collections.OrderedDict(a=("x", 1), b=[1.5, None, True, b"by", "\xe9"])
+    md.state_dict_metadata["w"].properties = TensorProperties(
+        dtype=torch.int8, memory_format=torch.channels_last, requires_grad=True)
+    for protocol in (3, 4, 5):
+        assert unpickle_metadata(pickle.dumps(md, protocol=protocol)) == md
 
 
 def test_bare_objects_handed_to_the_reader_are_a_typed_error():
