@@ -104,8 +104,10 @@ def resolve(module: str, name: str):
     found = _NAMES.get(key, _CALLS.get(key))
     if found is not None:
         return found
-    if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
-        return getattr(torch, name)
+    # vars(), not getattr(): torch's module __getattr__ imports submodules by name
+    found = vars(torch).get(name) if module == "torch" else None
+    if isinstance(found, (torch.dtype, torch.layout)):
+        return found
     raise ManifestError(f"refers to {module}.{name}, which DCP metadata never holds: not "
                         f"unpickled ({_FIX})", path=_WHERE)
 

@@ -345,3 +345,15 @@ def test_a_planner_data_of_another_type_converts_with_flat_names(base_ck, tmp_pa
         status = cli_main(["convert", str(ck), str(tmp_path / f"out{i}"), "--to", "cloudckpt",
                            "--trust"])
         assert status == 0, capsys.readouterr().err
+
+
+def test_a_global_of_torch_imports_nothing():
+    """``torch.NAME`` is looked up in torch's namespace, never through torch's module
+    ``__getattr__``, which imports the submodule of that name (running its code)."""
+    lazy = [n for n in ("onnx", "_inductor", "_export", "_dynamo") if f"torch.{n}" not in
+            sys.modules]
+    if not lazy:
+        pytest.skip("every lazily imported torch submodule is imported already")
+    with pytest.raises(ManifestError, match=f"torch.{lazy[0]}"):
+        unpickle_metadata(g("torch", lazy[0]) + b".")
+    assert f"torch.{lazy[0]}" not in sys.modules
