@@ -1,6 +1,6 @@
 """A bounded pickle interpreter that builds inert nodes, never objects: the first half of reading
-DCP's ``.metadata`` (:mod:`cloudckpt.dcp.metadata` is the second half, which turns nodes into
-DCP's classes after checking each one).
+DCP's ``.metadata`` (:mod:`cloudckpt.dcp.metadata_build` is the second half, which turns nodes
+into DCP's classes after checking each one).
 
 Contract of :func:`parse`:
 - It runs the opcodes of protocols 0-5 that plain data needs (numbers, strings, bytes, ``None``,
@@ -13,7 +13,9 @@ Contract of :func:`parse`:
   on a node already used inside another one. Tuples, lists and dicts are nodes too: nothing is
   hashed or compared while parsing.
 - Sets, persistent ids, extension codes, out-of-band buffers, ``INST`` / ``OBJ`` /
-  ``NEWOBJ_EX`` and any unknown opcode are refused.
+  ``NEWOBJ_EX`` and any unknown opcode are refused. (Objects in protocols 0 and 1, and bytes in
+  protocol 2, are pickled through ``copyreg`` / ``_codecs`` globals, which ``resolve`` refuses:
+  DCP writes protocol 4 or later.)
 - Bounded before anything exists: nesting depth (``max_depth``), the size of the result counted
   as a tree (``max_nodes``: a node reached twice through the memo counts twice, so hashing or
   walking the result later is bounded too), and an estimate of the memory of everything built,
@@ -54,10 +56,6 @@ class Node:
             ref, args
         self.state = None
         self.weight, self.depth, self.sealed = 1, 1, False
-
-
-def _sizes(value) -> tuple[int, int]:
-    return (value.weight, value.depth) if type(value) is Node else (1, 0)
 
 
 class _Parser:
