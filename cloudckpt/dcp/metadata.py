@@ -63,8 +63,6 @@ NODES_PER_BYTE = 2
 _NODES_FLOOR = 1 << 16
 #: Deepest nesting of values in a ``.metadata`` (DCP's own nest about 10 deep).
 MAX_DEPTH = 64
-#: Most dimensions of a tensor, a chunk box or an index offset.
-MAX_NDIM = 64
 
 
 def metadata_key(rank: int | None = None) -> str:
@@ -117,6 +115,8 @@ def check_metadata(md) -> None:
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
                                                        MetadataIndex, StorageMeta,
                                                        TensorStorageMetadata)
+
+    from cloudckpt.dcp.metadata_build import MAX_NDIM
 
     def bad(what: str, path: str):
         return ManifestError(what, path=f".metadata {path}".rstrip())

@@ -29,9 +29,11 @@ import torch
 from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from cloudckpt.dcp.metadata import MAX_NDIM
 from cloudckpt.dcp.unpickle import FIX as _FIX, Node
 from cloudckpt.errors import ManifestError
+
+#: Most dimensions of a tensor, a chunk box or an index offset in a ``.metadata``.
+MAX_NDIM = 64
 
 _WHERE = ".metadata"
 
