@@ -1,16 +1,24 @@
 """DCP's ``.metadata`` read safely, and the checksums cloudckpt keeps beside it.
 
 ``.metadata`` is a pickle of ``torch.distributed.checkpoint.metadata.Metadata``. Plain
-``pickle.load`` of an untrusted file runs whatever code it names, so :func:`read_metadata` uses a
-restricted unpickler that admits only the classes such a file holds: DCP's metadata classes
-(``Metadata``, ``TensorStorageMetadata``, ``BytesStorageMetadata``, ``ChunkStorageMetadata``,
+``pickle.load`` of an untrusted file runs whatever code it names, so :func:`read_metadata` never
+hands it to ``pickle``: :mod:`cloudckpt.dcp.unpickle` parses the opcodes into inert nodes,
+calling nothing, and :mod:`cloudckpt.dcp.metadata_build` makes the objects from them. Only the
+classes such a file holds are admitted: DCP's metadata classes (``Metadata``,
+``TensorStorageMetadata``, ``BytesStorageMetadata``, ``ChunkStorageMetadata``,
 ``TensorProperties``, ``MetadataIndex``, ``StorageMeta``, the memory-format enum),
 ``filesystem._StorageInfo``, ``torch.Size``, torch dtypes and layouts, ``collections.OrderedDict``
-and ``pathlib`` paths (``FileSystemWriter`` records its folder as one), plus the builtins pickle
-needs no global for. Any other global (``os.system``, ``builtins.eval``, a class of another
-package) raises :class:`~cloudckpt.errors.ManifestError` before anything is called. The result
-is then checked field by field (:func:`check_metadata`): types, chunk boxes inside their tensor,
-file names that stay inside the checkpoint, offsets and lengths that are whole numbers.
+and ``pathlib`` paths (``FileSystemWriter`` records its folder as one), plus plain data. Any
+other global (``os.system``, ``builtins.eval``, a class of another package) raises
+:class:`~cloudckpt.errors.ManifestError` before anything is built. Each object is made by its
+class's constructor from fields checked first (names its dataclass declares, of the declared
+types); nothing is set on a class or on an object the reader did not just make. Reading is
+bounded before anything exists: the file's size (``MAX_METADATA_BYTES``), nesting
+(``MAX_DEPTH``), values counted as a tree (``NODES_PER_BYTE``: a value shared through the memo
+counts each time it is used, so hashing a key is bounded too) and memory (``MEMORY_PER_BYTE``).
+The result is then checked field by field (:func:`check_metadata`): types, chunk boxes inside
+their tensor, file names that stay inside the checkpoint, offsets and lengths that are whole
+numbers.
 
 The checksums file (``.metadata.checksums``, or ``__<rank>.metadata.checksums`` beside a
 rank-local ``__<rank>.metadata``), written by :class:`cloudckpt.dcp.StorageWriter` before
@@ -26,9 +34,7 @@ by ``FileSystemWriter``, s3torchconnector, fsspec) loads without checksums.
 
 from __future__ import annotations
 
-import io
 import math
-import pickle
 import struct
 from dataclasses import dataclass
 
@@ -43,20 +49,20 @@ CHECKSUMS_FORMAT = "cloudckpt.dcp-checksums"
 _MAGIC = b"\xc1dcpcrc\n"
 _HEAD = struct.Struct("<8sI")
 #: The most bytes a ``.metadata`` or checksums file may have; larger ones are refused unread.
-MAX_METADATA_BYTES = 2 << 30
+MAX_METADATA_BYTES = 512 << 20
 
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED = {
-    (_DCP_METADATA, name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # how torch.strided is pickled: a name lookup
-    ("collections", "OrderedDict"),
-} | {(module, name) for module in ("pathlib", "pathlib._local")
-     for name in ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
+#: Decoding a ``.metadata`` may take at most this many bytes of memory per byte of the file (an
+#: estimate covering the parse's nodes, stack and memo; a DCP writer's file needs about 23), plus
+#: ``_MEMORY_FLOOR``; a file asking for more is refused while it is parsed. The objects built
+#: from the nodes then take about what ``pickle.loads`` would (some 13 bytes per byte).
+MEMORY_PER_BYTE = 48
+_MEMORY_FLOOR = 4 << 20
+#: Most values a ``.metadata`` may hold per byte of its size, counted as a tree (a value shared
+#: through the pickle's memo counts each time it is used), plus ``_NODES_FLOOR``.
+NODES_PER_BYTE = 2
+_NODES_FLOOR = 1 << 16
+#: Deepest nesting of values in a ``.metadata`` (DCP's own nest about 10 deep).
+MAX_DEPTH = 64
 
 
 def metadata_key(rank: int | None = None) -> str:
@@ -68,32 +74,22 @@ def checksums_key(rank: int | None = None) -> str:
     return metadata_key(rank) + CHECKSUMS_SUFFIX
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        import torch
-
-        if (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
-            return getattr(torch, name)
-        raise ManifestError(f"refers to {module}.{name}, which DCP metadata never holds: not "
-                            "unpickled (a damaged or hostile file)", path=METADATA_KEY)
-
-    def persistent_load(self, pid):
-        raise ManifestError("holds a persistent id, which DCP metadata never does: not unpickled",
-                            path=METADATA_KEY)
-
-
 def unpickle_metadata(data) -> object:
-    """The object a ``.metadata`` pickle holds, through the restricted unpickler (module doc).
-    A global outside the allow-list, or bytes that are not a pickle, raise ``ManifestError``."""
-    try:
-        return _MetadataUnpickler(io.BytesIO(data)).load()
-    except ManifestError:
-        raise
-    except Exception as exc:  # any malformed pickle: truncated, unknown opcode, bad state
-        raise ManifestError(f"not a DCP metadata pickle ({type(exc).__name__}: "
-                            f"{str(exc)[:200]})", path=METADATA_KEY) from exc
+    """The object a ``.metadata`` pickle holds, parsed by :mod:`cloudckpt.dcp.unpickle` within
+    the bounds above and built by :mod:`cloudckpt.dcp.metadata_build` (module doc). A global
+    outside the allow-list, a shape DCP's classes do not have, bytes that are not a pickle or
+    a file over a bound raise ``ManifestError`` before anything is built."""
+    from cloudckpt.dcp.metadata_build import build, resolve
+    from cloudckpt.dcp.unpickle import parse
+
+    size = memoryview(data).nbytes
+    if size > MAX_METADATA_BYTES:
+        raise ManifestError(f"is {size} bytes, more than the {MAX_METADATA_BYTES} allowed",
+                            path=METADATA_KEY)
+    nodes = parse(data, resolve, where=METADATA_KEY, max_depth=MAX_DEPTH,
+                  max_nodes=_NODES_FLOOR + NODES_PER_BYTE * size,
+                  max_cost=_MEMORY_FLOOR + MEMORY_PER_BYTE * size)
+    return build(nodes)
 
 
 def read_metadata(data):
@@ -103,26 +99,47 @@ def read_metadata(data):
     return metadata
 
 
+_MISSING = object()
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def check_metadata(md) -> None:
     """Raise ``ManifestError`` naming the first field of ``md`` that a DCP ``Metadata`` written
-    by a DCP writer would not have (module doc)."""
+    by a DCP writer would not have (module doc). Safe on any object: one made bare (without
+    its fields) is refused, not an ``AttributeError``."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorStorageMetadata)
+                                                       MetadataIndex, StorageMeta,
+                                                       TensorStorageMetadata)
+
+    from cloudckpt.dcp.metadata_build import MAX_NDIM
 
     def bad(what: str, path: str):
-        return ManifestError(what, path=f".metadata {path}")
+        return ManifestError(what, path=f".metadata {path}".rstrip())
+
+    def get(obj, name: str, where: str):
+        value = getattr(obj, name, _MISSING)
+        if value is _MISSING:
+            raise bad(f"has no field {name!r} (an object made without its fields)", where)
+        return value
+
+    def box(v) -> bool:
+        return isinstance(v, (torch.Size, tuple, list)) and len(v) <= MAX_NDIM \
+            and all(_is_int(x) and x >= 0 for x in v)
 
     if not isinstance(md, Metadata):
         raise bad(f"holds a {type(md).__name__}, not a DCP Metadata", "")
-    if not isinstance(md.state_dict_metadata, dict):
+    entries = get(md, "state_dict_metadata", "")
+    if not isinstance(entries, dict):
         raise bad("is not a dict", "state_dict_metadata")
-    for fqn, entry in md.state_dict_metadata.items():
+    meta = get(md, "storage_meta", "")
+    if meta is not None and not isinstance(meta, StorageMeta):
+        raise bad(f"is a {type(meta).__name__}, not a StorageMeta", "storage_meta")
+    for fqn, entry in entries.items():
         where = f"state_dict_metadata[{fqn!r:.80}]"
         if not isinstance(fqn, str):
             raise bad("key is not a str", where)
@@ -130,33 +147,37 @@ def check_metadata(md) -> None:
             continue
         if not isinstance(entry, TensorStorageMetadata):
             raise bad(f"is a {type(entry).__name__}", where)
-        if not isinstance(entry.size, torch.Size) or not isinstance(entry.chunks, list) \
-                or not isinstance(getattr(entry.properties, "dtype", None), torch.dtype):
+        size, chunks = get(entry, "size", where), get(entry, "chunks", where)
+        if not isinstance(size, torch.Size) or not box(size) or not isinstance(chunks, list) \
+                or not isinstance(getattr(get(entry, "properties", where), "dtype", None),
+                                  torch.dtype):
             raise bad("malformed tensor entry (size, chunks, dtype)", where)
-        for i, chunk in enumerate(entry.chunks):
+        for i, chunk in enumerate(chunks):
             offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
-            if not isinstance(offsets, (torch.Size, tuple, list)) \
-                    or not isinstance(sizes, (torch.Size, tuple, list)) \
-                    or not len(offsets) == len(sizes) == len(entry.size) \
-                    or not all(_is_int(o) and _is_int(s) and o >= 0 and s >= 0 and o + s <= n
-                               for o, s, n in zip(offsets, sizes, entry.size)):
+            if not box(offsets) or not box(sizes) or not len(offsets) == len(sizes) == len(size) \
+                    or not all(o + s <= n for o, s, n in zip(offsets, sizes, size)):
                 raise bad("chunk box outside the tensor", f"{where}.chunks[{i}]")
-    if not isinstance(md.storage_data, dict):
+    storage_data = get(md, "storage_data", "")
+    if not isinstance(storage_data, dict):
         raise bad("is not a dict", "storage_data")
-    for index, info in md.storage_data.items():
+    for index, info in storage_data.items():
         where = f"storage_data[{getattr(index, 'fqn', index)!r:.80}]"
-        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+        if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None),
+                                                                  str):
             raise bad("key is not a MetadataIndex", where)
+        offset = getattr(index, "offset", None)
+        if offset is not None and not box(offset):
+            raise bad("key's offset is not whole numbers", where)
         if not isinstance(info, _StorageInfo):
             raise bad(f"is a {type(info).__name__}, not a _StorageInfo", where)
-        if not _is_int(info.offset) or not _is_int(info.length) or info.offset < 0 \
-                or info.length < 0:
+        offset, length = get(info, "offset", where), get(info, "length", where)
+        if not _is_int(offset) or not _is_int(length) or offset < 0 or length < 0:
             raise bad("offset and length must be whole numbers", where)
         descriptors = getattr(info, "transform_descriptors", None)
         if descriptors is not None and not (isinstance(descriptors, (list, tuple)) and all(
                 isinstance(d, str) for d in descriptors)):
             raise bad("transform_descriptors must be strings", where)
-        check_file_name(info.relative_path, where)
+        check_file_name(get(info, "relative_path", where), where)
 
 
 def check_file_name(name, where: str) -> None:

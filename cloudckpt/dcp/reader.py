@@ -11,9 +11,10 @@ Reads any DCP checkpoint laid out as ``FileSystemWriter`` lays it out (``.metada
 ``FileSystemWriter`` / s3torchconnector / fsspec and uploaded. Every DCP planner works
 (resharding included: ``planner.resolve_tensor`` / ``commit_tensor`` / ``load_bytes``).
 
-- ``.metadata`` is unpickled by a restricted unpickler that admits only DCP's metadata classes
-  (:mod:`cloudckpt.dcp.metadata`): a hostile ``.metadata`` raises
-  :class:`~cloudckpt.errors.ManifestError` and runs nothing.
+- ``.metadata`` is read by cloudckpt's own bounded pickle parser, which admits only DCP's
+  metadata classes and builds them itself (:mod:`cloudckpt.dcp.metadata`): a hostile
+  ``.metadata`` raises :class:`~cloudckpt.errors.ManifestError` in bounded time and memory,
+  runs nothing and changes no class.
 - With a checksums file that belongs to this ``.metadata`` (written by cloudckpt's writer), every
   byte that reaches a destination was verified by crc32c: a damaged byte raises
   :class:`~cloudckpt.errors.ChecksumError` naming the file and range. Without one the files load

@@ -5,6 +5,11 @@ whole non-tensor item. :func:`read_parts` reads a list of parts and hands each t
 :class:`Consumer`, always in the calling thread (DCP's planners are not thread-safe).
 
 Contract:
+- Before any buffer or destination exists, every item is checked against the real size of its
+  data file (one HEAD per file, concurrently) and every wanted chunk's tensor against its item's
+  length: an item past the end of its file raises :class:`~cloudckpt.errors.InvalidRange`
+  (what reading it would raise), a tensor larger than its item
+  :class:`~cloudckpt.errors.IntegrityError`.
 - Items of one data file are read in offset order, in batches of about ``batch_bytes``, each one
   ``read_ranges`` call (the store coalesces neighbouring ranges into few large GETs and runs them
   concurrently); several batches are in flight while their fetched bytes stay under
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import io
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -33,10 +39,11 @@ import torch
 
 from cloudckpt.dcp.items import byte_view, load_tensor, region_span
 from cloudckpt.dcp.metadata import ItemChecksums
-from cloudckpt.errors import IntegrityError, ManifestError
+from cloudckpt.errors import IntegrityError, InvalidRange, ManifestError
 from cloudckpt.planning.batching import pack_in_order
-from cloudckpt.runtime import start_task
+from cloudckpt.runtime import run_coroutine, start_task
 from cloudckpt.storage import ReadRange
+from cloudckpt.storage.base import run_all
 
 
 @dataclass(frozen=True)
@@ -121,7 +128,9 @@ def read_parts(store, parts: Sequence[Part], *, storage_data, checksums: dict | 
                                      f"file says {checks.length} bytes, .metadata {info.length}")
             dtype, sizes = (None, ()) if part.is_bytes else chunks.of(part.index)
             unit = units[part.index] = _Unit(part.index, info, checks, dtype, sizes)
+            _check_fits(unit)
         unit.parts.append(part)
+    _check_files(store, units.values())
     ordered = sorted(units.values(), key=lambda u: (u.info.relative_path, u.info.offset))
     batches: list[list[_Unit]] = []
     by_file: dict[str, list[_Unit]] = collections.defaultdict(list)
@@ -160,6 +169,36 @@ def read_parts(store, parts: Sequence[Part], *, storage_data, checksums: dict | 
             if task is not None:
                 task.cancel_and_wait()
     return fetched
+
+
+def _check_fits(unit: _Unit) -> None:
+    """The chunk's tensor fits in its item (before anything is allocated for either)."""
+    if unit.dtype is None:
+        return
+    nbytes = unit.dtype.itemsize * math.prod(unit.sizes)
+    start = unit.checks.data_offset if unit.checks is not None else 0
+    if start + nbytes > unit.info.length:
+        raise IntegrityError(f"{unit.info.relative_path} at {unit.info.offset}: a tensor of "
+                             f"{nbytes} bytes does not fit in its {unit.info.length}-byte item "
+                             "(a damaged or hostile .metadata: copy the checkpoint again)")
+
+
+def _check_files(store, units) -> None:
+    """Every item lies inside its data file, by the files' real sizes (one HEAD per file, at
+    once), before any buffer or destination exists."""
+    by_file: dict[str, list] = collections.defaultdict(list)
+    for u in units:
+        by_file[u.info.relative_path].append(u.info)
+    names = list(by_file)
+    infos = run_coroutine(run_all([store.head(name) for name in names]))
+    for name, found in zip(names, infos):
+        for info in by_file[name]:
+            if info.offset + info.length > found.size:
+                raise InvalidRange(f"{name}: .metadata puts an item of {info.length} bytes at "
+                                   f"{info.offset}, past the file's {found.size} bytes (a "
+                                   "truncated file or a damaged .metadata: copy the checkpoint "
+                                   "again)", key=name,
+                                   operation="read")
 
 
 class _Batch:
@@ -225,13 +264,7 @@ class _Batch:
             self._plan_loaded(unit)
             return
         checks, dtype, sizes = unit.checks, unit.dtype, unit.sizes
-        itemsize = dtype.itemsize
-        nbytes = itemsize
-        for s in sizes:
-            nbytes *= s
-        if checks.data_offset + nbytes > unit.info.length:
-            raise IntegrityError(f"{unit.info.relative_path} at {unit.info.offset}: a tensor of "
-                                 f"{nbytes} bytes does not fit in its {unit.info.length}-byte item")
+        itemsize = dtype.itemsize   # the tensor fits in its item: _check_fits
         for part in unit.parts:
             target = self.consumer.target(part)
             a, b, contiguous = region_span(sizes, part.offsets, part.lengths, itemsize)

@@ -1,0 +1,435 @@
+"""A bounded pickle interpreter that builds inert nodes, never objects: the first half of reading
+DCP's ``.metadata`` (:mod:`cloudckpt.dcp.metadata_build` is the second half, which turns nodes
+into DCP's classes after checking each one).
+
+Contract of :func:`parse`:
+- It runs the opcodes of protocols 0-5 that plain data needs (numbers, strings, bytes, ``None``,
+  booleans, tuples, lists, dicts, the memo, marks, frames) and the object opcodes ``GLOBAL`` /
+  ``STACK_GLOBAL``, ``REDUCE``, ``NEWOBJ``, ``BUILD``. Nothing is called and no attribute is set:
+  a global is looked up by ``resolve(module, name)`` (which refuses names outside its allow-list)
+  and becomes a :class:`Node` of kind ``"g"``; ``REDUCE`` / ``NEWOBJ`` make a node that records
+  the global and its arguments; ``BUILD`` records a state on such a node, once, and only on a
+  node this parse created with ``REDUCE`` / ``NEWOBJ``, never on a global (a class) and never
+  on a node already used inside another one. Tuples, lists and dicts are nodes too: nothing is
+  hashed or compared while parsing.
+- Sets, persistent ids, extension codes, out-of-band buffers, ``INST`` / ``OBJ`` /
+  ``NEWOBJ_EX`` and any unknown opcode are refused. (Objects in protocols 0 and 1, and bytes in
+  protocol 2, are pickled through ``copyreg`` / ``_codecs`` globals, which ``resolve`` refuses:
+  DCP writes protocol 4 or later.)
+- Bounded before anything exists: nesting depth (``max_depth``), the size of the result counted
+  as a tree (``max_nodes``: a node reached twice through the memo counts twice, so hashing or
+  walking the result later is bounded too), and an estimate of the memory of everything built,
+  stack and memo included (``max_cost`` bytes); numbers of more than 64 digits or bytes are
+  refused. A node can only contain nodes built before it, so the result has no cycles.
+- Any refusal or malformed input raises :class:`~cloudckpt.errors.ManifestError` (``path``).
+"""
+
+from __future__ import annotations
+
+import codecs
+import struct
+from typing import Any, Callable
+
+from cloudckpt.errors import ManifestError
+
+_I4, _U4, _U8 = struct.Struct("<i"), struct.Struct("<I"), struct.Struct("<Q")
+_F8 = struct.Struct(">d")
+_MAX_DIGITS = 64
+#: What every refusal tells the user to do.
+FIX = ("a damaged or hostile file: copy the checkpoint again from where it was written, or "
+       "save it again")
+# estimated bytes held per thing built (a CPython object and the pointers to it)
+_COST_SCALAR, _COST_NODE, _COST_REF = 48, 144, 8
+
+
+class Node:
+    """An inert pickle value. ``kind``: ``"t"`` tuple, ``"l"`` list, ``"d"`` dict (``items`` are
+    keys and values in turn), ``"g"`` global (``ref`` is what ``resolve`` returned), ``"r"``
+    REDUCE / ``"n"`` NEWOBJ of global ``ref`` with ``args`` (a tuple node), ``state`` (BUILD)
+    and ``items`` (appends or set items sent to the object, in order). ``weight``: size as a
+    tree; ``depth``: nesting."""
+
+    __slots__ = ("kind", "items", "ref", "args", "state", "weight", "depth", "sealed")
+
+    def __init__(self, kind: str, items: list | None = None, ref: Any = None, args=None):
+        self.kind, self.items, self.ref, self.args = kind, items if items is not None else [], \
+            ref, args
+        self.state = None
+        self.weight, self.depth, self.sealed = 1, 1, False
+
+
+class _Parser:
+    def __init__(self, data, resolve: Callable[[str, str], Any], where: str, max_depth: int,
+                 max_nodes: int, max_cost: int):
+        self.data = bytes(data)
+        self.pos = 0
+        self.resolve, self.where = resolve, where
+        self.max_depth, self.max_nodes, self.max_cost = max_depth, max_nodes, max_cost
+        self.cost = 0
+        self.stack: list = []
+        self.marks: list[int] = []
+        self.memo: list = []
+
+    def fail(self, why: str):
+        return ManifestError(f"{why}: not unpickled ({FIX})",
+                             path=self.where)
+
+    def spend(self, n: int) -> None:
+        self.cost += n
+        if self.cost > self.max_cost:
+            raise self.fail(f"would take more than {self.max_cost} bytes of memory to decode")
+
+    # -- reading the stream --------------------------------------------------------------------
+
+    def take(self, n: int) -> bytes:
+        end = self.pos + n
+        if n < 0 or end > len(self.data):
+            raise self.fail("truncated")
+        out = self.data[self.pos:end]
+        self.pos = end
+        return out
+
+    def line(self) -> bytes:
+        end = self.data.find(b"\n", self.pos, self.pos + 4096)
+        if end < 0:
+            raise self.fail("a text field without its end of line")
+        out = self.data[self.pos:end]
+        self.pos = end + 1
+        return out
+
+    def sized(self, st: struct.Struct) -> bytes:
+        (n,) = st.unpack(self.take(st.size))
+        if n > len(self.data) - self.pos:
+            raise self.fail("a string or bytes field longer than the file")
+        return self.take(n)
+
+    # -- the stack -----------------------------------------------------------------------------
+
+    def push(self, value, cost: int = _COST_SCALAR) -> None:
+        self.cost += cost + _COST_REF
+        if self.cost > self.max_cost:
+            self.spend(0)
+        self.stack.append(value)
+
+    def pop(self):
+        if len(self.stack) <= (self.marks[-1] if self.marks else 0):
+            raise self.fail("pops an empty stack")
+        return self.stack.pop()
+
+    def pop_mark(self) -> list:
+        if not self.marks:
+            raise self.fail("no mark to pop to")
+        at = self.marks.pop()
+        items = self.stack[at:]
+        del self.stack[at:]
+        return items
+
+    def top_node(self, kinds: str) -> Node:
+        if len(self.stack) <= (self.marks[-1] if self.marks else 0):
+            raise self.fail("pops an empty stack")
+        node = self.stack[-1]
+        if type(node) is not Node or node.kind not in kinds:
+            raise self.fail("adds to or sets the state of something that cannot take it")
+        if node.sealed:
+            raise self.fail("changes an object after it was used (or puts one into itself)")
+        return node
+
+    def adopt(self, parent: Node, children) -> None:
+        """``children`` become part of ``parent``: sealed, counted in its weight and depth."""
+        weight, depth = parent.weight, parent.depth
+        for child in children:
+            if type(child) is Node:
+                child.sealed = True
+                weight += child.weight
+                if child.depth >= depth:
+                    depth = child.depth + 1
+            else:
+                weight += 1
+        if parent.sealed:   # a container put into itself
+            raise self.fail("changes an object after it was used (or puts one into itself)")
+        if depth > self.max_depth:
+            raise self.fail(f"nests deeper than {self.max_depth}")
+        if weight > self.max_nodes:
+            raise self.fail(f"holds more than {self.max_nodes} values (counted as a tree, a "
+                            "shared one each time it is used)")
+        parent.weight, parent.depth = weight, depth
+
+    def container(self, kind: str, items: list) -> Node:
+        node = Node(kind)
+        self.spend(_COST_NODE + _COST_REF * len(items))
+        self.adopt(node, items)
+        node.items = items
+        return node
+
+    def extend(self, node: Node, items: list) -> None:
+        self.spend(_COST_REF * len(items))
+        self.adopt(node, items)
+        node.items.extend(items)
+
+    # -- opcodes -------------------------------------------------------------------------------
+
+    def run(self):
+        # the commonest opcodes of a DCP .metadata inline, the others through _OPS
+        data, ops, stack, memo = self.data, _OPS, self.stack, self.memo
+        n = len(data)
+        while self.pos < n:
+            op = data[self.pos]
+            self.pos += 1
+            if op == 0x94:                                  # MEMOIZE
+                if not stack:
+                    raise self.fail("memoizes an empty stack")
+                memo.append(stack[-1])
+                self.spend(_COST_REF)
+            elif op == 0x8C:                                # SHORT_BINUNICODE
+                self.push_text(self.take(self.take(1)[0]), "utf-8", "surrogatepass")
+            elif op == 0x68:                                # BINGET
+                self.op_get(self.take(1)[0])
+            elif op == 0x4B:                                # BININT1
+                self.push(self.take(1)[0], 0)
+            else:
+                handler = ops.get(op)
+                if handler is None:
+                    raise self.fail(f"uses pickle opcode {bytes([op])!r}, which DCP metadata "
+                                    "never holds")
+                if handler(self) is _STOP:
+                    if len(stack) != 1 or self.marks:
+                        raise self.fail("ends with a stack of other than one value")
+                    return stack[0]
+        raise self.fail("truncated (no STOP)")
+
+    def op_int_text(self):
+        text = self.line()
+        if text in (b"00", b"01"):
+            self.push(text == b"01")
+        else:
+            self.push(self.number(text.rstrip(b"L")))
+
+    def number(self, text: bytes) -> int:
+        if len(text) > _MAX_DIGITS:
+            raise self.fail("a number of more than 64 digits")
+        try:
+            return int(text)
+        except ValueError as exc:
+            raise self.fail("a malformed number") from exc
+
+    def op_long_bin(self, n: int):
+        if n > _MAX_DIGITS:
+            raise self.fail("a number of more than 64 bytes")
+        self.push(int.from_bytes(self.take(n), "little", signed=True))
+
+    def op_float_text(self):
+        try:
+            self.push(float(self.line()))
+        except ValueError as exc:
+            raise self.fail("a malformed float") from exc
+
+    def op_string_text(self):
+        text = self.line()
+        if len(text) < 2 or text[0] != text[-1] or text[:1] not in (b'"', b"'"):
+            raise self.fail("a malformed STRING")
+        self.push_text(codecs.escape_decode(text[1:-1])[0], "ascii")
+
+    def push_text(self, raw: bytes, encoding: str, errors: str = "strict"):
+        try:
+            value = raw.decode(encoding, errors)
+        except UnicodeDecodeError as exc:
+            raise self.fail("a string that is not valid text") from exc
+        self.push(value, _COST_SCALAR + len(value))
+
+    def op_global(self, module: str, name: str):
+        node = Node("g", ref=self.resolve(module, name))
+        self.push(node, _COST_NODE)
+
+    def op_stack_global(self):
+        name, module = self.pop(), self.pop()
+        if type(module) is not str or type(name) is not str:
+            raise self.fail("STACK_GLOBAL of something other than two strings")
+        self.op_global(module, name)
+
+    def op_call(self, kind: str):
+        args, fn = self.pop(), self.pop()
+        if type(fn) is not Node or fn.kind != "g":
+            raise self.fail("calls something that is not an allowed global")
+        if type(args) is not Node or args.kind != "t":
+            raise self.fail("calls a global with arguments that are not a tuple")
+        node = Node(kind, ref=fn.ref)
+        self.spend(_COST_NODE)
+        self.adopt(node, [fn, args])
+        node.args = args
+        self.push(node, 0)
+
+    def op_build(self):
+        state = self.pop()
+        node = self.top_node("rn")
+        if node.state is not None:
+            raise self.fail("sets the state of an object twice")
+        if state is None:
+            raise self.fail("sets an empty state")
+        self.adopt(node, [state])
+        node.state = state
+
+    def op_setitems(self, items: list):
+        if len(items) % 2:
+            raise self.fail("SETITEMS with an odd number of values")
+        self.extend(self.top_node("drn"), items)
+
+    def op_appends(self, items: list):
+        self.extend(self.top_node("lrn"), items)
+
+    def op_put(self, index: int):
+        if not self.stack:
+            raise self.fail("memoizes an empty stack")
+        if index == len(self.memo):
+            self.spend(_COST_REF)
+            self.memo.append(self.stack[-1])
+        elif 0 <= index < len(self.memo):
+            self.memo[index] = self.stack[-1]
+        else:
+            raise self.fail("memo index out of order")
+
+    def op_get(self, index: int):
+        if not 0 <= index < len(self.memo):
+            raise self.fail("reads a memo entry never written")
+        self.push(self.memo[index], 0)
+
+    def op_mark(self):
+        self.spend(_COST_REF)
+        self.marks.append(len(self.stack))
+
+
+_STOP = object()
+
+
+def _u(fmt: struct.Struct):
+    return lambda p: fmt.unpack(p.take(fmt.size))[0]
+
+
+_u1 = lambda p: p.take(1)[0]           # noqa: E731
+_u2 = lambda p: int.from_bytes(p.take(2), "little")   # noqa: E731
+_i4, _u4, _u8 = _u(_I4), _u(_U4), _u(_U8)
+
+
+def _refuse(why: str):
+    def handler(p: _Parser):
+        raise p.fail(why)
+    return handler
+
+
+def _persistent(p: _Parser):
+    raise ManifestError("holds a persistent id, which DCP metadata never does: not unpickled",
+                        path=p.where)
+
+
+def _frame(p: _Parser):
+    p.take(8)   # frames only group opcodes: the length needs no checking beyond truncation
+
+
+def _text_global(p: _Parser):
+    try:
+        module, name = p.line().decode("ascii"), p.line().decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise p.fail("a global with a name that is not ASCII") from exc
+    p.op_global(module, name)
+
+
+def _tuple_of(n: int):
+    def handler(p: _Parser):
+        items = [p.pop() for _ in range(n)][::-1]
+        p.push(p.container("t", items), 0)
+    return handler
+
+
+def _bytes_of(read):
+    def handler(p: _Parser):
+        raw = read(p)
+        p.push(raw, _COST_SCALAR + len(raw))
+    return handler
+
+
+def _setitem(p: _Parser):
+    value, key = p.pop(), p.pop()
+    p.op_setitems([key, value])
+
+
+def _append(p: _Parser):
+    p.op_appends([p.pop()])
+
+
+def _pop_mark_to(kind: str):
+    return lambda p: p.push(p.container(kind, p.pop_mark()), 0)
+
+
+_OPS: dict[int, Callable[[_Parser], Any]] = {
+    0x80: lambda p: p.take(1),                                          # PROTO
+    0x95: _frame,                                                       # FRAME
+    ord("."): lambda p: _STOP,                                          # STOP
+    ord("("): _Parser.op_mark,                                          # MARK
+    ord("0"): lambda p: p.pop(),                                        # POP
+    ord("1"): lambda p: p.pop_mark(),                                   # POP_MARK
+    ord("2"): lambda p: p.push(p.stack[-1] if p.stack else p.pop(), 0),  # DUP
+    ord("I"): _Parser.op_int_text,                                      # INT
+    ord("L"): _Parser.op_int_text,                                      # LONG
+    ord("J"): lambda p: p.push(_i4(p)),                                 # BININT
+    ord("K"): lambda p: p.push(_u1(p), 0),                              # BININT1 (cached ints)
+    ord("M"): lambda p: p.push(_u2(p)),                                 # BININT2
+    0x8A: lambda p: p.op_long_bin(_u1(p)),                              # LONG1
+    0x8B: lambda p: p.op_long_bin(_i4(p)),                              # LONG4
+    ord("F"): _Parser.op_float_text,                                    # FLOAT
+    ord("G"): lambda p: p.push(_F8.unpack(p.take(8))[0]),               # BINFLOAT
+    ord("N"): lambda p: p.push(None, 0),                                # NONE
+    0x88: lambda p: p.push(True, 0),                                    # NEWTRUE
+    0x89: lambda p: p.push(False, 0),                                   # NEWFALSE
+    ord("S"): _Parser.op_string_text,                                   # STRING
+    ord("T"): lambda p: p.push_text(p.sized(_I4), "ascii"),             # BINSTRING
+    ord("U"): lambda p: p.push_text(p.take(_u1(p)), "ascii"),           # SHORT_BINSTRING
+    ord("V"): lambda p: p.push_text(p.line(), "raw-unicode-escape"),    # UNICODE
+    ord("X"): lambda p: p.push_text(p.sized(_U4), "utf-8", "surrogatepass"),  # BINUNICODE
+    0x8C: lambda p: p.push_text(p.take(_u1(p)), "utf-8", "surrogatepass"),    # SHORT_BINUNICODE
+    0x8D: lambda p: p.push_text(p.sized(_U8), "utf-8", "surrogatepass"),      # BINUNICODE8
+    ord("B"): _bytes_of(lambda p: p.sized(_U4)),                        # BINBYTES
+    ord("C"): _bytes_of(lambda p: p.take(_u1(p))),                      # SHORT_BINBYTES
+    0x8E: _bytes_of(lambda p: p.sized(_U8)),                            # BINBYTES8
+    ord(")"): lambda p: p.push(p.container("t", []), 0),                # EMPTY_TUPLE
+    ord("t"): _pop_mark_to("t"),                                        # TUPLE
+    0x85: _tuple_of(1), 0x86: _tuple_of(2), 0x87: _tuple_of(3),         # TUPLE1-3
+    ord("]"): lambda p: p.push(p.container("l", []), 0),                # EMPTY_LIST
+    ord("l"): _pop_mark_to("l"),                                        # LIST
+    ord("a"): _append,                                                  # APPEND
+    ord("e"): lambda p: p.op_appends(p.pop_mark()),                     # APPENDS
+    ord("}"): lambda p: p.push(p.container("d", []), 0),                # EMPTY_DICT
+    ord("d"): lambda p: _dict_of(p, p.pop_mark()),                      # DICT
+    ord("s"): _setitem,                                                 # SETITEM
+    ord("u"): lambda p: p.op_setitems(p.pop_mark()),                    # SETITEMS
+    ord("c"): _text_global,                                             # GLOBAL
+    0x93: _Parser.op_stack_global,                                      # STACK_GLOBAL
+    ord("R"): lambda p: p.op_call("r"),                                 # REDUCE
+    0x81: lambda p: p.op_call("n"),                                     # NEWOBJ
+    ord("b"): _Parser.op_build,                                         # BUILD
+    ord("p"): lambda p: p.op_put(p.number(p.line())),                   # PUT
+    ord("q"): lambda p: p.op_put(_u1(p)),                               # BINPUT
+    ord("r"): lambda p: p.op_put(_u4(p)),                               # LONG_BINPUT
+    0x94: lambda p: p.op_put(len(p.memo)),                              # MEMOIZE
+    ord("g"): lambda p: p.op_get(p.number(p.line())),                   # GET
+    ord("h"): lambda p: p.op_get(_u1(p)),                               # BINGET
+    ord("j"): lambda p: p.op_get(_u4(p)),                               # LONG_BINGET
+    ord("P"): _persistent, ord("Q"): _persistent,                       # PERSID, BINPERSID
+}
+for _op, _why in ((0x8F, "a set"), (0x90, "a set"), (0x91, "a frozenset"),
+                  (0x82, "an extension code"), (0x83, "an extension code"),
+                  (0x84, "an extension code"), (0x96, "a bytearray"),
+                  (0x97, "an out-of-band buffer"),
+                  (0x98, "an out-of-band buffer"), (ord("i"), "an INST call"),
+                  (ord("o"), "an OBJ call"), (0x92, "a NEWOBJ_EX call")):
+    _OPS[_op] = _refuse(f"holds {_why}, which DCP metadata never does")
+
+
+def _dict_of(p: _Parser, items: list) -> None:
+    if len(items) % 2:
+        raise p.fail("DICT with an odd number of values")
+    p.push(p.container("d", items), 0)
+
+
+def parse(data, resolve: Callable[[str, str], Any], *, where: str, max_depth: int,
+          max_nodes: int, max_cost: int):
+    """The value a pickle holds, as scalars and :class:`Node` objects (module doc)."""
+    return _Parser(data, resolve, where, max_depth, max_nodes, max_cost).run()
