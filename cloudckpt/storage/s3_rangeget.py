@@ -55,7 +55,7 @@ from botocore.exceptions import (
 
 from cloudckpt.storage.aws_config import ssl_context
 from cloudckpt.storage.ranges import HeldRange, LandingPool
-from cloudckpt.storage.s3_client import parse_content_range
+from cloudckpt.storage.s3_answers import BadAnswer, bytes_waiting, check_answer, http_int
 from cloudckpt.storage.s3_errors import RETRIABLE_STATUS, TruncatedBody
 
 #: Lifetime of a presigned URL: it is used at once; this only has to outlast clock skew.
@@ -69,10 +69,12 @@ _IDLE_CLEAR_S = 2.0
 
 
 class UseBotocore(Exception):
-    """The answer is not one this reader reads: send the request through aiobotocore."""
+    """The answer is not one this reader reads: send the request through aiobotocore.
+    ``kind`` names the kind of answer (``HTTP 403``, ``a chunked body``...) for the log."""
 
-    def __init__(self, status: int):
-        super().__init__(f"HTTP {status}")
+    def __init__(self, status: int, kind: str = ""):
+        self.kind = kind or f"HTTP {status}"
+        super().__init__(self.kind)
         self.status = status
 
 
@@ -144,8 +146,9 @@ class _Exchange:
     """One request's answer: the head into a small buffer, the body where it goes."""
 
     def __init__(self, future, cursor: Cursor, end: int, members, pool: LandingPool,
-                 scratch: memoryview, stats, service_model):
+                 scratch: memoryview, stats, service_model, where: str = ""):
         self.future = future
+        self.where = where
         self.service_model = service_model
         self.cursor = cursor
         self.start = cursor.pos
@@ -176,7 +179,7 @@ class _Exchange:
         if not self.segments:
             if self.hlen == len(self.head):
                 if len(self.head) >= _HEAD_MAX:
-                    raise UseBotocore(0)  # a head this large is not one we read
+                    raise UseBotocore(0, "a head over 64 KiB")  # not one we read
                 self.head.extend(bytes(len(self.head)))
             return memoryview(self.head)[self.hlen:]
         a, b, kind, target, off, _ = self.segments[self.seg]
@@ -208,12 +211,13 @@ class _Exchange:
     def fail(self, exc: BaseException | None) -> None:
         if self.future.done():
             return
-        if isinstance(exc, UseBotocore | ClientError):
+        if isinstance(exc, UseBotocore | ClientError | BadAnswer):
             self.future.set_exception(exc)
         elif exc is None or isinstance(exc, (ConnectionError, OSError)):
             self.future.set_exception(TruncatedBody(
-                f"the connection ended at byte {self.cursor.pos} of [{self.start}, {self.end})"
-                if self.answered else "the connection closed before an answer"))
+                f"GET {self.where or 'bytes'} [{self.start}, {self.end}): the connection "
+                + (f"ended at byte {self.cursor.pos}" if self.answered
+                   else "closed before an answer")))
         else:
             self.future.set_exception(exc)
 
@@ -222,9 +226,11 @@ class _Exchange:
     def _answer(self, end: int) -> None:
         lines = bytes(self.head[:end]).decode("latin-1").split("\r\n")
         version, _, rest = lines[0].partition(" ")
-        if not version.startswith("HTTP/1.") or not rest[:3].isdigit():
-            raise UseBotocore(0)
-        self.status = int(rest[:3])
+        status = http_int(rest[:3]) if rest[3:4] in ("", " ") else None
+        if not version.startswith("HTTP/1.") or status is None:
+            raise BadAnswer(f"GET {self.where}: asked bytes [{self.start}, {self.end}); the "
+                            f"answer's status line {lines[0][:40]!r} is not HTTP/1.x's")
+        self.status = status
         for line in lines[1:]:
             name, _, value = line.partition(":")
             name = name.strip().lower()
@@ -232,12 +238,17 @@ class _Exchange:
                 if name in self.headers else value.strip()
         spill = memoryview(self.head)[end + 4:self.hlen]
         h = self.headers
-        length = h.get("content-length", "")
         keep = version == "HTTP/1.1" and "close" not in h.get("connection", "").lower()
-        if not length.isdigit() or "transfer-encoding" in h or \
-                h.get("content-encoding", "identity").lower() not in ("", "identity"):
-            raise UseBotocore(self.status)  # not an answer whose end this reader knows
-        length = int(length)
+        body = self.status in (200, 206)  # else an error, whose kind is its status
+        if "content-length" not in h or "transfer-encoding" in h:  # its end is unknown
+            raise UseBotocore(self.status, "a chunked body" if body else "")
+        if h.get("content-encoding", "identity").lower() not in ("", "identity"):
+            raise UseBotocore(self.status, "an encoded body" if body else "")
+        length = http_int(h["content-length"])
+        if length is None:
+            raise BadAnswer(f"GET {self.where}: asked bytes [{self.start}, {self.end}); the "
+                            f"answer's Content-Length {h['content-length'][:40]!r} is not a "
+                            "number")
         if self.status not in (200, 206):
             if length > _ERROR_BODY_MAX:  # not an S3 error document: leave the body unread
                 if self.status in RETRIABLE_STATUS:
@@ -250,21 +261,12 @@ class _Exchange:
             if self.error_need <= 0 and not self.future.done():
                 self._finish_error()
             return
-        body_at = 0  # a 200 answer: the whole object
-        if self.status == 206:
-            crange = parse_content_range(h.get("content-range"))
-            if crange is None:
-                raise UseBotocore(self.status)
-            body_at, stop, total = crange
-            if stop - body_at != length:
-                raise UseBotocore(self.status)
-            if total is not None and total < self.end:
-                raise UseBotocore(self.status)  # past the end: botocore's answer says so
-        if body_at > self.start or body_at + length < self.end:
-            raise UseBotocore(self.status)
-        self.reusable = keep and body_at + length == self.end
-        self.at = body_at
-        self.segments = self._plan(body_at)
+        # exactly the bytes asked, or a retriable BadAnswer (InvalidRange: past the end)
+        check_answer(self.status, h.get("content-range"), length, self.start, self.end,
+                     where=self.where)
+        self.reusable = keep
+        self.at = self.start
+        self.segments = self._plan()
         self._take(spill)
 
     def _take(self, spill: memoryview) -> None:
@@ -298,19 +300,18 @@ class _Exchange:
 
     # -- the body --------------------------------------------------------------------------------
 
-    def _plan(self, body_at: int) -> list:
-        """Segments ``(a, b, kind, target, target offset, copies)`` of ``[body_at, end)``: kind
+    def _plan(self) -> list:
+        """Segments ``(a, b, kind, target, target offset, copies)`` of ``[start, end)``: kind
         ``o`` lands in an ``out`` view, ``h`` in a HeldRange's buffer, ``s`` in scratch (not
         needed). ``copies``: other ranges covering the segment, filled from what landed."""
         start, end = self.start, self.end
-        cuts = {body_at, start, end}
+        cuts = {start, end}
         for off, stop, _ in self.members:
             cuts.update(x for x in (off, stop) if start < x < end)
         bounds = sorted(cuts)
         segments = []
         for a, b in zip(bounds, bounds[1:]):
-            cover = [(off, t) for off, stop, t in self.members if off <= a and b <= stop] \
-                if a >= start else []
+            cover = [(off, t) for off, stop, t in self.members if off <= a and b <= stop]
             cover.sort(key=lambda c: isinstance(c[1], HeldRange))  # an out view first
             if not cover:
                 segments.append((a, b, "s", None, a, ()))
@@ -391,9 +392,10 @@ class RangeGetter:
         return True
 
     async def fetch(self, client, bucket: str, phys: str, cursor: Cursor, end: int,
-                    members, read_timeout: float, connect_timeout: float) -> None:
+                    members, read_timeout: float, connect_timeout: float,
+                    where: str = "") -> None:
         """GET bytes ``[cursor.pos, end)`` of ``phys`` into the Scatter ``members`` (module
-        docstring)."""
+        docstring); ``where`` names the object in messages."""
         self.fetches += 1
         url = await client.generate_presigned_url(
             "get_object", Params={"Bucket": bucket, "Key": phys}, ExpiresIn=URL_EXPIRES_S)
@@ -409,7 +411,8 @@ class RangeGetter:
                 reused = conn.used
                 conn.used = True
                 ex = _Exchange(asyncio.get_running_loop().create_future(), cursor, end, members,
-                               self.pool, self._scratch, self.stats, client.meta.service_model)
+                               self.pool, self._scratch, self.stats, client.meta.service_model,
+                               where)
                 conn.exchange = ex
                 try:
                     conn.transport.write(request)
@@ -447,8 +450,8 @@ class RangeGetter:
         while idle and not fresh:
             conn = idle.pop()
             self._idle_count -= 1
-            if not conn.broken and not conn.transport.is_closing():
-                return conn
+            if not (conn.broken or conn.transport.is_closing() or bytes_waiting(conn.transport)):
+                return conn  # (bytes waiting: sent after the last answer, never the next one)
             conn.transport.abort()
         port = parts.port or (443 if parts.scheme == "https" else 80)
         tls = self._ssl if parts.scheme == "https" else None
@@ -466,6 +469,7 @@ class RangeGetter:
         return conn
 
     def _release(self, parts, conn: _Conn, reusable: bool) -> None:
+        # ``reusable``: the answer ended where its Content-Length said, nothing after it
         if not reusable or self._idle_count >= self.options.concurrency:
             conn.transport.close()
             return
