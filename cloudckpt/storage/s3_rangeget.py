@@ -15,12 +15,15 @@ Contract (:class:`RangeGetter`):
   request is a GetObject URL presigned by the store's aiobotocore client (endpoint rules,
   addressing style, region, credentials and session token exactly as botocore signs them; the
   signature covers the host, the ``Range`` header is unsigned, as S3 allows).
-- Only an answer this reader fully understands is read here: 206 (or 200) with a
-  Content-Length, without Transfer-Encoding or Content-Encoding. A 429 or 5xx raises the
-  botocore ``ClientError`` its body parses to (retried like any). Anything else (403, 404, 416,
-  a redirect, a chunked body...) raises :class:`UseBotocore`: the caller sends the request the
-  usual way, whose answer is authoritative, and calls :meth:`disable` when that one succeeds
-  (the server disagrees with presigned requests).
+- Only an answer this reader fully understands is read here: 206 for exactly the bytes asked
+  (200 where they are the whole object) with a Content-Length, without Transfer-Encoding or
+  Content-Encoding (``s3_answers.check_answer``). A 429 or 5xx raises the botocore
+  ``ClientError`` its body parses to (retried like any). A status line or Content-Length that
+  is not HTTP's (ASCII digits), or an answer about other bytes than asked, raises
+  ``s3_answers.BadAnswer`` (retried), past the object's end ``InvalidRange``. Anything else
+  (403, 404, 416, a redirect, a chunked body...) raises :class:`UseBotocore`: the caller sends
+  the request the usual way, whose answer is authoritative, and calls :meth:`disable` when that
+  one succeeds (the server disagrees with presigned requests or frames bodies otherwise).
 - Transport failures raise what ``s3_errors.classify`` retries: ``ConnectTimeoutError`` and
   ``ReadTimeoutError`` (stalls: no connection, or ``read_timeout`` seconds without a byte),
   ``EndpointConnectionError``, ``TruncatedBody``; an untrusted TLS certificate raises botocore's
@@ -30,7 +33,8 @@ Contract (:class:`RangeGetter`):
   so a retry resumes there. Cancelled or failed, the connection is aborted before ``fetch``
   returns: no byte lands afterwards.
 - Connections are kept alive and reused (at most ``concurrency`` idle); a reused connection that
-  the server closed meanwhile is replaced once, silently (as aiohttp does).
+  the server closed meanwhile is replaced once, silently (as aiohttp does); one with bytes
+  waiting (sent after its last answer) is dropped, never reused.
 - :meth:`usable` says whether requests would reach the server as aiobotocore's do: http, or
   https on Python >= 3.11 (buffered reads over TLS) with the client's CA settings; no proxy, no
   client certificate. ``StorageOptions(direct_range_reads=False)`` turns the reader off.
