@@ -55,13 +55,13 @@ def parse_content_range(value: str | None) -> tuple[int, int, int | None] | None
 def check_answer(status: int, content_range: str | None, length: int | None, start: int,
                  end: int, *, where: str, key: str | None = None) -> None:
     """Check that a GET answer covers exactly the bytes ``[start, end)`` asked of the object
-    ``key`` at ``where`` (its URL, for the message): a 206 whose Content-Range says ``start-(end-1)``, whose
-    Content-Length is ``end - start`` and whose total size (where given) reaches ``end``, or a
-    200 (the whole object) when that is exactly the range asked. Raises :class:`BadAnswer`
-    (retried) otherwise, or ``InvalidRange`` when the answer is consistent and says the object
-    ends before ``end`` (the range is past its end). ``length`` None: the answer has no
-    Content-Length (a chunked body: its Content-Range alone is checked, the caller counts the
-    bytes)."""
+    ``key`` at ``where`` (its URL, for the message): a 206 whose Content-Range says
+    ``start-(end-1)``, whose Content-Length is ``end - start`` and whose total size (where
+    given) reaches ``end``, or a 200 (the whole object) when that is exactly the range asked.
+    Raises :class:`BadAnswer` (retried) otherwise, or ``InvalidRange`` when the answer is
+    consistent and says the object ends before ``end`` (the range is past its end). ``length``
+    None: the answer has no Content-Length (a chunked body: its Content-Range alone is checked,
+    the caller counts the bytes)."""
     asked = f"asked bytes [{start}, {end})"
     if status == 200:
         if start == 0 and length == end:

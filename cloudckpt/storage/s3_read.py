@@ -24,7 +24,7 @@ from cloudckpt.storage.s3_answers import (
 )
 from cloudckpt.storage.s3_client import iter_body
 from cloudckpt.storage.s3_conn import S3Connection
-from cloudckpt.storage.s3_rangeget import Cursor, UseBotocore
+from cloudckpt.storage.s3_exchange import Cursor, UseBotocore
 from cloudckpt.storage.s3_errors import TruncatedBody, error_code, is_bare_403
 from cloudckpt.storage.verified import read_verified
 

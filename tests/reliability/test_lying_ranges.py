@@ -80,7 +80,7 @@ def _through(s3_server, liar, reader, **kw):
     return storage_for(s3_server, endpoint_url=liar.endpoint_url, **READERS[reader], **kw)
 
 
-# -- every reader x every lie: a retriable typed error, never wrong bytes ---------------------------
+# -- every reader x every lie: a retriable typed error, never wrong bytes --------------------------
 
 @pytest.mark.parametrize("reader", READERS)
 @pytest.mark.parametrize("lie", FIRM_LIES)
