@@ -296,7 +296,7 @@ class S3Reader:
             if at > piece.end:
                 raise BadAnswer(f"GET {self.where}/{key}: asked bytes [{pos}, {piece.end}); "
                                 f"the body is longer than its Content-Length")
-            done = True
+            done = body_len is not None  # a chunked body's end is unseen: close it
         finally:
             if not done:
                 body.close()
