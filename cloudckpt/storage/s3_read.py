@@ -10,6 +10,7 @@ import contextlib
 import logging
 from collections.abc import Sequence
 
+import aiohttp
 from botocore.exceptions import ClientError
 
 from cloudckpt.errors import ObjectTooLarge
@@ -159,9 +160,13 @@ class S3Reader:
                                          f"{max_bytes} allowed", key=key, operation="get",
                                          size=total, limit=max_bytes)
                 chunks, got = [], 0
-                async for chunk in iter_body(body):
-                    chunks.append(chunk)
-                    got += len(chunk)
+                try:
+                    async for chunk in iter_body(body):
+                        chunks.append(chunk)
+                        got += len(chunk)
+                except aiohttp.ClientPayloadError as exc:
+                    raise TruncatedBody(f"GET {self.where}/{key}: the body of bytes [0, {length}) "
+                                        f"broke after {got} bytes ({exc})") from exc
                 conn.stats.bytes_received += got
                 if got != length:
                     raise TruncatedBody(f"GET {self.where}/{key}: the body of bytes [0, "
@@ -280,16 +285,21 @@ class S3Reader:
             check_answer(_status(resp), resp.get("ContentRange"), body_len, pos, piece.end,
                          where=f"{self.where}/{key}", key=key)
             at = pos
-            async for chunk in iter_body(body):
-                n_bytes = len(chunk)
-                stats.bytes_received += n_bytes
-                hi = min(at + n_bytes, piece.end)
-                if at < hi:
-                    scatter.feed(chunk if hi == at + n_bytes else memoryview(chunk)[:hi - at], at)
-                    cursor.pos = hi
-                at += n_bytes
-                if at >= piece.end:
-                    break
+            try:
+                async for chunk in iter_body(body):
+                    n_bytes = len(chunk)
+                    stats.bytes_received += n_bytes
+                    hi = min(at + n_bytes, piece.end)
+                    if at < hi:
+                        scatter.feed(chunk if hi == at + n_bytes else memoryview(chunk)[:hi - at],
+                                     at)
+                        cursor.pos = hi
+                    at += n_bytes
+                    if at >= piece.end:
+                        break
+            except aiohttp.ClientPayloadError as exc:  # resumed from ``at`` by the next attempt
+                raise TruncatedBody(f"GET {self.where}/{key}: the body of bytes [{piece.start}, "
+                                    f"{piece.end}) broke at byte {at} ({exc})") from exc
             if at < piece.end:
                 raise TruncatedBody(f"GET {self.where}/{key}: the body ended at byte {at} of "
                                     f"[{piece.start}, {piece.end})")

@@ -21,7 +21,7 @@ from cloudckpt.errors import ChecksumError, InvalidRange, RetriesExhausted
 from cloudckpt.storage import ReadRange, RetryOptions, open_store
 from cloudckpt.storage.ranges import checksum_error
 from cloudckpt.storage.s3_answers import BadAnswer, check_answer, http_int, parse_content_range
-from cloudckpt.storage.s3_errors import classify
+from cloudckpt.storage.s3_errors import TruncatedBody, classify
 from cloudckpt.testing.lyingproxy import LIES, LyingProxy
 from tests.reliability.conftest import storage_for
 
@@ -272,3 +272,51 @@ def test_a_local_file_that_shrinks_during_a_read_is_a_typed_error_naming_object_
     error = _run(str(tmp_path), None, body)
     assert "run/obj: range [4000, 6000)" in str(error) and "ended at byte 5000" in str(error)
     assert error.key == "run/obj"
+
+
+ONE_TRY = RetryOptions(max_attempts=1, attempt_timeout=20.0, deadline=60.0)
+
+
+@pytest.mark.parametrize("reader", READERS)
+@pytest.mark.parametrize("read", ["ranges", "get"])
+def test_every_truncated_body_message_names_object_and_range(
+        s3_server, stored, fault_proxy, reader, read):
+    """A body cut halfway (the fault proxy's "truncate"), on each reader and each kind of GET:
+    the ``TruncatedBody`` under ``RetriesExhausted`` names the object and the byte range."""
+    fault_proxy.configure(schedule=["truncate"])
+    options = storage_for(s3_server, endpoint_url=fault_proxy.endpoint_url, retry=ONE_TRY,
+                          **READERS[reader])
+
+    async def body(store):
+        with pytest.raises(RetriesExhausted) as info:
+            if read == "get":
+                await store.get("obj")
+            else:
+                await store.read_ranges("obj", [ReadRange(OFFSET, LENGTH)])
+        return info.value.last_cause
+
+    cause = _run(stored, options, body)
+    assert isinstance(cause, TruncatedBody), f"{type(cause).__name__}: {cause}"
+    asked = f"[0, {len(DATA)})" if read == "get" else f"[{OFFSET}, {OFFSET + LENGTH})"
+    assert f"{stored}/obj" in str(cause) and asked in str(cause), str(cause)
+
+
+def test_a_connection_closed_before_an_answer_names_object_and_range():
+    from cloudckpt.storage.ranges import LandingPool
+    from cloudckpt.storage.s3_exchange import Cursor, Exchange
+
+    async def main():
+        texts = []
+        for answered in (False, True):
+            ex = Exchange(asyncio.get_running_loop().create_future(), Cursor(10), 20, [],
+                          LandingPool(1), memoryview(bytearray(16)), None, None,
+                          where=f"{WHERE}")
+            ex.answered = answered
+            ex.fail(None)
+            with pytest.raises(TruncatedBody) as info:
+                ex.future.result()
+            texts.append(str(info.value))
+        return texts
+
+    for text in asyncio.run(main()):
+        assert WHERE in text and "[10, 20)" in text, text
