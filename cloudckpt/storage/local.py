@@ -303,10 +303,11 @@ class LocalStore:
                         target = targets[i]
                         if isinstance(target, HeldRange):  # verified, then copied to the sinks
                             part = memoryview(np.empty(hi - lo, dtype=np.uint8))
-                            _pread_into(fd, part, lo)
+                            _pread_into(fd, part, lo, self.url, key)
                             target.add(lo - offsets[i], part)
                         else:
-                            _pread_into(fd, target[lo - offsets[i]:hi - offsets[i]], lo)
+                            _pread_into(fd, target[lo - offsets[i]:hi - offsets[i]], lo,
+                                        self.url, key)
                 return run
 
             await run_all(self._run("get", key, reader(p)) for p in pieces)
@@ -369,12 +370,16 @@ def _open_inside(jail: Jail, parts: Sequence[str]) -> int:
         return d.open_file(parts[-1])
 
 
-def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+def _pread_into(fd: int, view: memoryview, offset: int, url: str, key: str) -> None:
+    """Fill ``view`` with the bytes at ``offset`` of the file ``fd`` (object ``key`` of the store
+    at ``url``); ``InvalidRange`` naming both when the file ends first (it shrank meanwhile)."""
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
-            raise InvalidRange(f"file ended at byte {offset + done}")
+            raise InvalidRange(f"{url}/{key}: range [{offset}, {offset + len(view)}) is past the "
+                               f"end of the object (the file ended at byte {offset + done} "
+                               "while it was read)", key=key, operation="get")
         done += n
 
 

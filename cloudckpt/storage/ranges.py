@@ -252,10 +252,13 @@ async def bad_crc_ranges(offsets: Sequence[int], crcs: Sequence[int | None],
     return bad
 
 
-def checksum_error(url: str, key: str, offset: int, length: int, expected: int,
-                   actual: int) -> ChecksumError:
-    """The ``ChecksumError`` for one failed range (names the object and byte range)."""
+def checksum_error(url: str, key: str, offset: int, length: int, expected: int | None,
+                   actual: int | None) -> ChecksumError:
+    """The ``ChecksumError`` for one failed range (names the object and byte range).
+    ``actual`` None: the range never completed (its read delivered fewer bytes than asked)."""
+    want = "none" if expected is None else f"{expected & 0xFFFFFFFF:08x}"
+    got = "an incomplete range" if actual is None else f"{actual & 0xFFFFFFFF:08x}"
     return ChecksumError(
-        f"crc32c mismatch in {url.rstrip('/')}/{key} bytes [{offset}, {offset + length}): "
-        f"expected {expected:08x}, got {actual:08x}",
+        f"crc32c mismatch in {str(url).rstrip('/')}/{key} bytes [{offset}, {offset + length}): "
+        f"expected {want}, got {got}",
         key=key, offset=offset, length=length)

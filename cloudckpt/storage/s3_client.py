@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import io
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -239,17 +238,3 @@ async def iter_body(body) -> AsyncIterator[bytes]:
             if not chunk:
                 return
             yield chunk
-
-
-_CONTENT_RANGE_RE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
-
-
-def parse_content_range(value: str | None) -> tuple[int, int, int | None] | None:
-    """``bytes a-b/total`` -> (a, b + 1, total or None); None when absent or unparsable."""
-    if not value:
-        return None
-    m = _CONTENT_RANGE_RE.match(value.strip())
-    if not m:
-        return None
-    total = None if m.group(3) == "*" else int(m.group(3))
-    return int(m.group(1)), int(m.group(2)) + 1, total

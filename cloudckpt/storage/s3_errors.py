@@ -30,6 +30,7 @@ from cloudckpt.errors import (
     StorageError,
 )
 from cloudckpt.storage.retry import AttemptTimeout, Verdict
+from cloudckpt.storage.s3_answers import http_int
 from cloudckpt.storage.s3_client import SendStall
 
 #: Error codes that name a transient server condition: the one list of them, used both for whole
@@ -71,7 +72,8 @@ CREATE_OPS = frozenset({"put", "complete_multipart", "probe"})
 
 
 class TruncatedBody(ConnectionError):
-    """A response body ended before its Content-Length (retried)."""
+    """A response body ended before its Content-Length (retried). Messages name the object
+    and the byte range where the caller knows them."""
 
 
 class TransientServerError(ConnectionError):
@@ -101,9 +103,9 @@ def error_code(exc: bex.ClientError) -> tuple[str, int]:
     """(S3 error code, HTTP status) of a ClientError ('' / 0 when absent)."""
     resp = getattr(exc, "response", None) or {}
     code = str(resp.get("Error", {}).get("Code", "") or "")
-    status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-    if not status and code.isdigit():
-        status = int(code)
+    status = http_int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)) or 0
+    if not status:
+        status = http_int(code) or 0
     return code, status
 
 

@@ -15,12 +15,15 @@ Contract (:class:`RangeGetter`):
   request is a GetObject URL presigned by the store's aiobotocore client (endpoint rules,
   addressing style, region, credentials and session token exactly as botocore signs them; the
   signature covers the host, the ``Range`` header is unsigned, as S3 allows).
-- Only an answer this reader fully understands is read here: 206 (or 200) with a
-  Content-Length, without Transfer-Encoding or Content-Encoding. A 429 or 5xx raises the
-  botocore ``ClientError`` its body parses to (retried like any). Anything else (403, 404, 416,
-  a redirect, a chunked body...) raises :class:`UseBotocore`: the caller sends the request the
-  usual way, whose answer is authoritative, and calls :meth:`disable` when that one succeeds
-  (the server disagrees with presigned requests).
+- Only an answer this reader fully understands is read here: 206 for exactly the bytes asked
+  (200 where they are the whole object) with a Content-Length, without Transfer-Encoding or
+  Content-Encoding (``s3_answers.check_answer``). A 429 or 5xx raises the botocore
+  ``ClientError`` its body parses to (retried like any). A status line or Content-Length that
+  is not HTTP's (ASCII digits), or an answer about other bytes than asked, raises
+  ``s3_answers.BadAnswer`` (retried), past the object's end ``InvalidRange``. Anything else
+  (403, 404, 416, a redirect, a chunked body...) raises :class:`UseBotocore`: the caller sends
+  the request the usual way, whose answer is authoritative, and calls :meth:`disable` when that
+  one succeeds (the server disagrees with presigned requests or frames bodies otherwise).
 - Transport failures raise what ``s3_errors.classify`` retries: ``ConnectTimeoutError`` and
   ``ReadTimeoutError`` (stalls: no connection, or ``read_timeout`` seconds without a byte),
   ``EndpointConnectionError``, ``TruncatedBody``; an untrusted TLS certificate raises botocore's
@@ -30,7 +33,8 @@ Contract (:class:`RangeGetter`):
   so a retry resumes there. Cancelled or failed, the connection is aborted before ``fetch``
   returns: no byte lands afterwards.
 - Connections are kept alive and reused (at most ``concurrency`` idle); a reused connection that
-  the server closed meanwhile is replaced once, silently (as aiohttp does).
+  the server closed meanwhile is replaced once, silently (as aiohttp does); one with bytes
+  waiting (sent after its last answer) is dropped, never reused.
 - :meth:`usable` says whether requests would reach the server as aiobotocore's do: http, or
   https on Python >= 3.11 (buffered reads over TLS) with the client's CA settings; no proxy, no
   client certificate. ``StorageOptions(direct_range_reads=False)`` turns the reader off.
@@ -39,14 +43,12 @@ Contract (:class:`RangeGetter`):
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
 import sys
 import time
 from urllib.parse import urlsplit
 
 from botocore.exceptions import (
-    ClientError,
     ConnectTimeoutError,
     EndpointConnectionError,
     ReadTimeoutError,
@@ -54,292 +56,16 @@ from botocore.exceptions import (
 )
 
 from cloudckpt.storage.aws_config import ssl_context
-from cloudckpt.storage.ranges import HeldRange, LandingPool
-from cloudckpt.storage.s3_client import parse_content_range
-from cloudckpt.storage.s3_errors import RETRIABLE_STATUS, TruncatedBody
+from cloudckpt.storage.ranges import LandingPool
+from cloudckpt.storage.s3_answers import bytes_waiting
+from cloudckpt.storage.s3_errors import TruncatedBody
+from cloudckpt.storage.s3_exchange import Connection, Cursor, Exchange
 
 #: Lifetime of a presigned URL: it is used at once; this only has to outlast clock skew.
 URL_EXPIRES_S = 900
-_HEAD_START = 16 * 1024
-_HEAD_MAX = 64 * 1024
-_ERROR_BODY_MAX = 64 * 1024
 _SCRATCH = 256 * 1024
 #: Idle landing buffers are dropped this long after the last ranged GET finished.
 _IDLE_CLEAR_S = 2.0
-
-
-class UseBotocore(Exception):
-    """The answer is not one this reader reads: send the request through aiobotocore."""
-
-    def __init__(self, status: int):
-        super().__init__(f"HTTP {status}")
-        self.status = status
-
-
-class Cursor:
-    """Where a ranged GET's delivery stands (absolute object position)."""
-
-    __slots__ = ("pos",)
-
-    def __init__(self, pos: int):
-        self.pos = pos
-
-
-class _Conn(asyncio.BufferedProtocol):
-    """One keep-alive HTTP/1.1 connection, one exchange at a time."""
-
-    def __init__(self):
-        self.transport = None
-        self.exchange: _Exchange | None = None
-        self.broken = False
-        self.used = False
-        self._spare = bytearray(4096)
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        ex = self.exchange
-        view = None
-        if ex is not None and not ex.future.done():
-            try:
-                view = ex.buffer()
-            except BaseException as exc:  # never let asyncio log a "fatal error"
-                ex.fail(exc)
-                self.transport.abort()
-        if view is None or not len(view):
-            self.broken = True  # bytes nobody asked for: the connection is unusable
-            return memoryview(self._spare)
-        return view
-
-    def buffer_updated(self, nbytes: int) -> None:
-        ex = self.exchange
-        if ex is None or ex.future.done():
-            self.broken = True
-            self.transport.abort()
-            return
-        try:
-            ex.updated(nbytes)
-        except BaseException as exc:  # never let asyncio log a "fatal error": fail the exchange
-            self.broken = True
-            ex.fail(exc)
-            self.transport.abort()
-
-    def eof_received(self) -> bool:
-        self.broken = True
-        if self.exchange is not None:
-            self.exchange.fail(None)
-        return False
-
-    def connection_lost(self, exc) -> None:
-        self.broken = True
-        if self.exchange is not None:
-            self.exchange.fail(exc)
-
-
-class _Exchange:
-    """One request's answer: the head into a small buffer, the body where it goes."""
-
-    def __init__(self, future, cursor: Cursor, end: int, members, pool: LandingPool,
-                 scratch: memoryview, stats, service_model):
-        self.future = future
-        self.service_model = service_model
-        self.cursor = cursor
-        self.start = cursor.pos
-        self.end = end
-        self.members = members
-        self.pool = pool
-        self.scratch = scratch
-        self.stats = stats
-        self.head = bytearray(_HEAD_START)
-        self.hlen = 0
-        self.status = 0
-        self.headers: dict[str, str] = {}
-        self.error_body: bytearray | None = None
-        self.error_need = 0
-        self.segments: list = []
-        self.seg = 0
-        self.at = 0
-        self.view: memoryview | None = None
-        self.reusable = False
-        self.answered = False  # any byte of the answer arrived
-        self.progress_at = time.monotonic()
-
-    # -- the protocol's side ---------------------------------------------------------------------
-
-    def buffer(self) -> memoryview | None:
-        if self.error_body is not None:
-            return memoryview(self.error_body)[len(self.error_body) - self.error_need:]
-        if not self.segments:
-            if self.hlen == len(self.head):
-                if len(self.head) >= _HEAD_MAX:
-                    raise UseBotocore(0)  # a head this large is not one we read
-                self.head.extend(bytes(len(self.head)))
-            return memoryview(self.head)[self.hlen:]
-        a, b, kind, target, off, _ = self.segments[self.seg]
-        at = self.at
-        if kind == "o":
-            view = target[at - off:b - off]
-        elif kind == "h":
-            view = target.landing(at - off, b - at, self.pool)
-        else:
-            view = self.scratch[:min(len(self.scratch), b - at)]
-        self.view = view
-        return view
-
-    def updated(self, n: int) -> None:
-        self.answered = True
-        self.progress_at = time.monotonic()
-        if self.error_body is not None:
-            self.error_need -= n
-            if self.error_need <= 0:
-                self._finish_error()
-        elif self.segments:
-            self._delivered(n)
-        else:
-            self.hlen += n
-            end = self.head.find(b"\r\n\r\n", max(0, self.hlen - n - 3), self.hlen)
-            if end >= 0:
-                self._answer(end)
-
-    def fail(self, exc: BaseException | None) -> None:
-        if self.future.done():
-            return
-        if isinstance(exc, UseBotocore | ClientError):
-            self.future.set_exception(exc)
-        elif exc is None or isinstance(exc, (ConnectionError, OSError)):
-            self.future.set_exception(TruncatedBody(
-                f"the connection ended at byte {self.cursor.pos} of [{self.start}, {self.end})"
-                if self.answered else "the connection closed before an answer"))
-        else:
-            self.future.set_exception(exc)
-
-    # -- the answer ------------------------------------------------------------------------------
-
-    def _answer(self, end: int) -> None:
-        lines = bytes(self.head[:end]).decode("latin-1").split("\r\n")
-        version, _, rest = lines[0].partition(" ")
-        if not version.startswith("HTTP/1.") or not rest[:3].isdigit():
-            raise UseBotocore(0)
-        self.status = int(rest[:3])
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            name = name.strip().lower()
-            self.headers[name] = f"{self.headers[name]}, {value.strip()}" \
-                if name in self.headers else value.strip()
-        spill = memoryview(self.head)[end + 4:self.hlen]
-        h = self.headers
-        length = h.get("content-length", "")
-        keep = version == "HTTP/1.1" and "close" not in h.get("connection", "").lower()
-        if not length.isdigit() or "transfer-encoding" in h or \
-                h.get("content-encoding", "identity").lower() not in ("", "identity"):
-            raise UseBotocore(self.status)  # not an answer whose end this reader knows
-        length = int(length)
-        if self.status not in (200, 206):
-            if length > _ERROR_BODY_MAX:  # not an S3 error document: leave the body unread
-                if self.status in RETRIABLE_STATUS:
-                    raise self._error(b"")
-                raise UseBotocore(self.status)
-            self.reusable = keep
-            self.error_body = bytearray(length)
-            self.error_need = length
-            self._take(spill)
-            if self.error_need <= 0 and not self.future.done():
-                self._finish_error()
-            return
-        body_at = 0  # a 200 answer: the whole object
-        if self.status == 206:
-            crange = parse_content_range(h.get("content-range"))
-            if crange is None:
-                raise UseBotocore(self.status)
-            body_at, stop, total = crange
-            if stop - body_at != length:
-                raise UseBotocore(self.status)
-            if total is not None and total < self.end:
-                raise UseBotocore(self.status)  # past the end: botocore's answer says so
-        if body_at > self.start or body_at + length < self.end:
-            raise UseBotocore(self.status)
-        self.reusable = keep and body_at + length == self.end
-        self.at = body_at
-        self.segments = self._plan(body_at)
-        self._take(spill)
-
-    def _take(self, spill: memoryview) -> None:
-        """Bytes of the answer that arrived with its head: as if received into the buffer."""
-        while len(spill) and not self.future.done():
-            view = self.buffer()
-            n = min(len(view), len(spill))
-            if not n:
-                break
-            view[:n] = spill[:n]
-            spill = spill[n:]
-            self.updated(n)
-        if len(spill):
-            self.reusable = False  # bytes past the answer: not a connection to reuse
-
-    def _error(self, body: bytes) -> ClientError:
-        """The ``ClientError`` botocore would raise for this answer."""
-        from botocore.parsers import create_parser
-
-        shape = self.service_model.operation_model("GetObject").output_shape
-        parsed = create_parser("rest-xml").parse(
-            {"status_code": self.status, "headers": dict(self.headers), "body": body}, shape)
-        return ClientError(parsed, "GetObject")
-
-    def _finish_error(self) -> None:
-        body = bytes(self.error_body or b"")
-        if self.status in RETRIABLE_STATUS:
-            self.future.set_exception(self._error(body))
-        else:
-            self.future.set_exception(UseBotocore(self.status))
-
-    # -- the body --------------------------------------------------------------------------------
-
-    def _plan(self, body_at: int) -> list:
-        """Segments ``(a, b, kind, target, target offset, copies)`` of ``[body_at, end)``: kind
-        ``o`` lands in an ``out`` view, ``h`` in a HeldRange's buffer, ``s`` in scratch (not
-        needed). ``copies``: other ranges covering the segment, filled from what landed."""
-        start, end = self.start, self.end
-        cuts = {body_at, start, end}
-        for off, stop, _ in self.members:
-            cuts.update(x for x in (off, stop) if start < x < end)
-        bounds = sorted(cuts)
-        segments = []
-        for a, b in zip(bounds, bounds[1:]):
-            cover = [(off, t) for off, stop, t in self.members if off <= a and b <= stop] \
-                if a >= start else []
-            cover.sort(key=lambda c: isinstance(c[1], HeldRange))  # an out view first
-            if not cover:
-                segments.append((a, b, "s", None, a, ()))
-                continue
-            off, target = cover[0]
-            kind = "h" if isinstance(target, HeldRange) else "o"
-            segments.append((a, b, kind, target, off, tuple(cover[1:])))
-        return segments
-
-    def _delivered(self, n: int) -> None:
-        a, b, kind, target, off, copies = self.segments[self.seg]
-        at = self.at
-        for c_off, c_target in copies:  # before the landed range may complete and recycle
-            src = self.view[:n]
-            if isinstance(c_target, HeldRange):
-                c_target.landing(at - c_off, n, self.pool)[:] = src
-                c_target.landed(at - c_off, n)
-            else:
-                c_target[at - c_off:at - c_off + n] = src
-        if kind == "h":
-            target.landed(at - off, n)
-        self.at = at = at + n
-        self.stats.bytes_received += n
-        if at > self.cursor.pos:
-            self.cursor.pos = at
-        if at >= b:
-            self.seg += 1
-            if at >= self.end:
-                self.future.set_result(None)
 
 
 class RangeGetter:
@@ -352,7 +78,7 @@ class RangeGetter:
         self.fetches = 0  #: requests sent by this reader (attempts, not counting re-sends)
         self.pool = LandingPool(options.concurrency)  # one range per request in flight
         self._scratch = memoryview(bytearray(_SCRATCH))
-        self._idle: dict[tuple, list[_Conn]] = {}
+        self._idle: dict[tuple, list[Connection]] = {}
         self._idle_count = 0
         self._checked_client = None
         self._usable = False
@@ -391,9 +117,10 @@ class RangeGetter:
         return True
 
     async def fetch(self, client, bucket: str, phys: str, cursor: Cursor, end: int,
-                    members, read_timeout: float, connect_timeout: float) -> None:
+                    members, read_timeout: float, connect_timeout: float,
+                    where: str = "") -> None:
         """GET bytes ``[cursor.pos, end)`` of ``phys`` into the Scatter ``members`` (module
-        docstring)."""
+        docstring); ``where`` names the object in messages."""
         self.fetches += 1
         url = await client.generate_presigned_url(
             "get_object", Params={"Bucket": bucket, "Key": phys}, ExpiresIn=URL_EXPIRES_S)
@@ -408,8 +135,9 @@ class RangeGetter:
                 conn = await self._connection(parts, fresh, connect_timeout)
                 reused = conn.used
                 conn.used = True
-                ex = _Exchange(asyncio.get_running_loop().create_future(), cursor, end, members,
-                               self.pool, self._scratch, self.stats, client.meta.service_model)
+                ex = Exchange(asyncio.get_running_loop().create_future(), cursor, end, members,
+                               self.pool, self._scratch, self.stats, client.meta.service_model,
+                               where)
                 conn.exchange = ex
                 try:
                     conn.transport.write(request)
@@ -431,7 +159,7 @@ class RangeGetter:
             if not self._inflight:
                 self._schedule_clear()
 
-    async def _answer(self, ex: _Exchange, read_timeout: float) -> None:
+    async def _answer(self, ex: Exchange, read_timeout: float) -> None:
         """Wait for the exchange; ``read_timeout`` seconds without a byte is a stall."""
         while True:
             wait = ex.progress_at + read_timeout - time.monotonic()
@@ -441,21 +169,21 @@ class RangeGetter:
             if done:
                 return ex.future.result()
 
-    async def _connection(self, parts, fresh: bool, connect_timeout: float) -> _Conn:
+    async def _connection(self, parts, fresh: bool, connect_timeout: float) -> Connection:
         key = (parts.scheme, parts.hostname, parts.port)
         idle = self._idle.get(key)
         while idle and not fresh:
             conn = idle.pop()
             self._idle_count -= 1
-            if not conn.broken and not conn.transport.is_closing():
-                return conn
+            if not (conn.broken or conn.transport.is_closing() or bytes_waiting(conn.transport)):
+                return conn  # (bytes waiting: sent after the last answer, never the next one)
             conn.transport.abort()
         port = parts.port or (443 if parts.scheme == "https" else 80)
         tls = self._ssl if parts.scheme == "https" else None
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(loop.create_connection(
-                _Conn, parts.hostname, port, ssl=tls,
+                Connection, parts.hostname, port, ssl=tls,
                 server_hostname=parts.hostname if tls is not None else None), connect_timeout)
         except asyncio.TimeoutError:
             raise ConnectTimeoutError(endpoint_url=self._endpoint) from None
@@ -465,7 +193,8 @@ class RangeGetter:
             raise EndpointConnectionError(endpoint_url=self._endpoint, error=exc) from exc
         return conn
 
-    def _release(self, parts, conn: _Conn, reusable: bool) -> None:
+    def _release(self, parts, conn: Connection, reusable: bool) -> None:
+        # ``reusable``: the answer ended where its Content-Length said, nothing after it
         if not reusable or self._idle_count >= self.options.concurrency:
             conn.transport.close()
             return

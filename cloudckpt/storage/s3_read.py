@@ -10,14 +10,22 @@ import contextlib
 import logging
 from collections.abc import Sequence
 
+import aiohttp
 from botocore.exceptions import ClientError
 
-from cloudckpt.errors import InvalidRange, ObjectTooLarge
+from cloudckpt.errors import ObjectTooLarge
 from cloudckpt.storage.base import ObjectInfo, ReadRange, run_all
 from cloudckpt.storage.ranges import Scatter, plan_pieces
-from cloudckpt.storage.s3_client import iter_body, parse_content_range
+from cloudckpt.storage.s3_answers import (
+    BadAnswer,
+    check_answer,
+    drop_stale_connections,
+    http_int,
+    parse_content_range,
+)
+from cloudckpt.storage.s3_client import iter_body
 from cloudckpt.storage.s3_conn import S3Connection
-from cloudckpt.storage.s3_rangeget import Cursor, UseBotocore
+from cloudckpt.storage.s3_exchange import Cursor, UseBotocore
 from cloudckpt.storage.s3_errors import TruncatedBody, error_code, is_bare_403
 from cloudckpt.storage.verified import read_verified
 
@@ -50,7 +58,8 @@ class S3Reader:
         async def attempt(n: int) -> ObjectInfo:
             client = await conn.client()
             try:
-                resp = await client.head_object(Bucket=conn.bucket, Key=phys)
+                resp = await _parsed(client.head_object(Bucket=conn.bucket, Key=phys),
+                                     f"{self.where}/{key}")
             except ClientError as exc:
                 if is_bare_403(exc):
                     raise await self._reason_of_403(client, phys, exc) from None
@@ -130,32 +139,38 @@ class S3Reader:
 
         async def attempt(n: int) -> tuple[list, int]:
             client = await conn.client()
+            drop_stale_connections(client)
             try:
-                resp = await client.get_object(Bucket=conn.bucket, Key=phys,
-                                               Range=f"bytes=0-{first - 1}")
+                resp = await _parsed(client.get_object(Bucket=conn.bucket, Key=phys,
+                                                       Range=f"bytes=0-{first - 1}"),
+                                     f"{self.where}/{key}")
             except ClientError as exc:
                 if error_code(exc)[1] != 416:
                     raise
                 # An empty object has no byte 0: ask for all of it.
                 conn.stats.count("get")
-                resp = await client.get_object(Bucket=conn.bucket, Key=phys)
+                resp = await _parsed(client.get_object(Bucket=conn.bucket, Key=phys),
+                                     f"{self.where}/{key}")
             body = resp["Body"]
-            length = int(resp.get("ContentLength", 0))
-            crange = parse_content_range(resp.get("ContentRange"))
-            total = crange[2] if crange and crange[2] is not None else length
             done = False
             try:
+                length, total = self._first_answer(key, resp, first)
                 if max_bytes is not None and total > max_bytes:
                     raise ObjectTooLarge(f"get {self.where}/{key}: {total} bytes, more than the "
                                          f"{max_bytes} allowed", key=key, operation="get",
                                          size=total, limit=max_bytes)
                 chunks, got = [], 0
-                async for chunk in iter_body(body):
-                    chunks.append(chunk)
-                    got += len(chunk)
+                try:
+                    async for chunk in iter_body(body):
+                        chunks.append(chunk)
+                        got += len(chunk)
+                except aiohttp.ClientPayloadError as exc:
+                    raise TruncatedBody(f"GET {self.where}/{key}: the body of bytes [0, {length}) "
+                                        f"broke after {got} bytes ({exc})") from exc
                 conn.stats.bytes_received += got
                 if got != length:
-                    raise TruncatedBody(f"got {got} of {length} bytes")
+                    raise TruncatedBody(f"GET {self.where}/{key}: the body of bytes [0, "
+                                        f"{length}) ended after {got} bytes")
                 done = True
                 return chunks, total
             finally:
@@ -163,6 +178,25 @@ class S3Reader:
                     body.close()
 
         return await conn.call("get", key, attempt, where=self.where, deadline=deadline)
+
+    def _first_answer(self, key: str, resp: dict, first: int) -> tuple[int, int]:
+        """(body length, object size) of the answer to ``get``'s first GET (bytes
+        ``[0, first)``, or the whole object): a 206 for bytes ``[0, min(first, size))``, or a
+        200 with the whole object; ``BadAnswer`` (retried) for any other."""
+        where = f"{self.where}/{key}"
+        length = http_int(resp.get("ContentLength"))
+        status = _status(resp)
+        if status == 200 and length is not None:
+            return length, length
+        crange = parse_content_range(resp.get("ContentRange"))
+        total = crange[2] if crange is not None else None
+        if total is not None:
+            check_answer(status, resp.get("ContentRange"), length, 0, min(first, total),
+                         where=where, key=key)
+            return length, total
+        raise BadAnswer(f"GET {where}: asked bytes [0, {first}); the answer is HTTP {status} "
+                        f"with Content-Range {resp.get('ContentRange')!r} and Content-Length "
+                        f"{resp.get('ContentLength')!r}")
 
     async def read_ranges(self, key: str, phys: str, ranges: Sequence[ReadRange]
                           ) -> list[memoryview]:
@@ -214,16 +248,22 @@ class S3Reader:
                 return await getter.fetch(
                     client, conn.bucket, phys, cursor, piece.end, scatter.members,
                     read_timeout=min(retry.read_timeout, retry.attempt_timeout),
-                    connect_timeout=min(retry.connect_timeout, retry.attempt_timeout))
+                    connect_timeout=min(retry.connect_timeout, retry.attempt_timeout),
+                    where=f"{self.where}/{key}")
             except UseBotocore as answer:
-                refused = answer.status
+                refused = answer.kind
             conn.stats.count("get")
             await self._fetch_botocore(client, key, phys, piece, scatter, cursor)
-            if not getter.disabled:  # botocore's request got through where ours did not
+            # Botocore's request got through where ours was answered in a way this reader does
+            # not read (a refused presigned URL, a chunked body): this server will answer so
+            # again, so this store reads through aiobotocore from now on. Answers that lie or
+            # are garbled never come here (BadAnswer, retried): they turn nothing off.
+            if not getter.disabled:
                 getter.disable()
-                logger.info("%s: a presigned ranged GET got HTTP %d where a signed one "
-                            "succeeded: ranged reads go through aiobotocore from now on",
-                            self.where, refused)
+                logger.warning("%s: a presigned ranged GET was answered with %s where a signed "
+                               "one succeeded: ranged reads go through aiobotocore from now on "
+                               "for this store (StorageOptions(direct_range_reads=False) skips "
+                               "the direct reader from the start)", self.where, refused)
 
         await conn.call("get", key, attempt, where=self.where, deadline=deadline)
 
@@ -233,35 +273,56 @@ class S3Reader:
         conn = self.conn
         stats = conn.stats
         pos = cursor.pos
-        resp = await client.get_object(Bucket=conn.bucket, Key=phys,
-                                       Range=f"bytes={pos}-{piece.end - 1}")
+        drop_stale_connections(client)
+        resp = await _parsed(client.get_object(Bucket=conn.bucket, Key=phys,
+                                               Range=f"bytes={pos}-{piece.end - 1}"),
+                             f"{self.where}/{key}")
         body = resp["Body"]
         done = False
         try:
-            crange = parse_content_range(resp.get("ContentRange"))
-            start = crange[0] if crange else 0
-            total = crange[2] if crange else int(resp.get("ContentLength", 0))
-            if total is not None and total < piece.end:
-                raise InvalidRange(
-                    f"{self.where}/{key}: range [{piece.start}, {piece.end}) is past the end "
-                    f"of the object ({total} bytes)", key=key, operation="get")
-            body_len = int(resp.get("ContentLength", 0))
-            at = start
-            async for chunk in iter_body(body):
-                n_bytes = len(chunk)
-                stats.bytes_received += n_bytes
-                lo, hi = max(at, pos), min(at + n_bytes, piece.end)
-                if lo < hi:
-                    scatter.feed(chunk if (lo == at and hi == at + n_bytes)
-                                 else memoryview(chunk)[lo - at:hi - at], lo)
-                    pos = cursor.pos = hi
-                at += n_bytes
-                if pos >= piece.end:
-                    break
-            if pos < piece.end:
-                raise TruncatedBody(f"body ended at byte {pos} of [{piece.start}, "
-                                    f"{piece.end})")
-            done = at - start == body_len
+            # exactly the bytes asked, or a retriable BadAnswer (InvalidRange: past the end)
+            body_len = http_int(resp.get("ContentLength"))
+            check_answer(_status(resp), resp.get("ContentRange"), body_len, pos, piece.end,
+                         where=f"{self.where}/{key}", key=key)
+            at = pos
+            try:
+                async for chunk in iter_body(body):
+                    n_bytes = len(chunk)
+                    stats.bytes_received += n_bytes
+                    hi = min(at + n_bytes, piece.end)
+                    if at < hi:
+                        scatter.feed(chunk if hi == at + n_bytes else memoryview(chunk)[:hi - at],
+                                     at)
+                        cursor.pos = hi
+                    at += n_bytes
+                    if at >= piece.end:
+                        break
+            except aiohttp.ClientPayloadError as exc:  # resumed from ``at`` by the next attempt
+                raise TruncatedBody(f"GET {self.where}/{key}: the body of bytes [{piece.start}, "
+                                    f"{piece.end}) broke at byte {at} ({exc})") from exc
+            if at < piece.end:
+                raise TruncatedBody(f"GET {self.where}/{key}: the body ended at byte {at} of "
+                                    f"[{piece.start}, {piece.end})")
+            if at > piece.end:
+                raise BadAnswer(f"GET {self.where}/{key}: asked bytes [{pos}, {piece.end}); "
+                                f"the body is longer than its Content-Length")
+            done = body_len is not None  # a chunked body's end is unseen: close it
         finally:
             if not done:
                 body.close()
+
+
+async def _parsed(request, where: str) -> dict:
+    """The answer of an aiobotocore ``request`` (a coroutine) about the object ``where``; a
+    header botocore fails to parse (a Content-Length of Unicode digits makes its ``int()``
+    raise ``ValueError``) is a :class:`BadAnswer`."""
+    try:
+        return await request
+    except (ValueError, TypeError) as exc:
+        raise BadAnswer(f"{where}: an answer botocore could not parse "
+                        f"({type(exc).__name__}: {str(exc)[:100]})") from exc
+
+
+def _status(resp: dict) -> int:
+    """The HTTP status of an aiobotocore answer (0 when it does not say)."""
+    return http_int((resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")) or 0
