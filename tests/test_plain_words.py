@@ -7,8 +7,6 @@ from __future__ import annotations
 import ast
 import logging
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from cloudckpt.planning.hints import (is_optimizer_name, missing_names_message,
                                       unexpected_names_message)
 from cloudckpt.transport import PHASE_WORDS, phase_words
 from cloudckpt.wording import plural, ranks_phrase
+from tests.cli_forkserver import run_cli
 from tests.reliability.stores import REPO, cli_env
 
 PACKAGE = Path(cloudckpt.__file__).parent
@@ -169,8 +168,7 @@ def test_cli_counts_read_plainly(tmp_path):
     cloudckpt.save({"w": torch.ones(4)}, url)
 
     def run(*args):
-        res = subprocess.run([sys.executable, "-m", "cloudckpt", *args], cwd=REPO,
-                             env=cli_env(None), capture_output=True, text=True, timeout=120)
+        res = run_cli(args, cwd=REPO, env=cli_env(None), timeout=120)
         assert res.returncode == 0, res
         return res.stdout
 

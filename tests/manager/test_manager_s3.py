@@ -18,6 +18,7 @@ from cloudckpt import CheckpointManager, SaveOptions
 from cloudckpt.errors import CheckpointExists, CheckpointNotFound
 from cloudckpt.manager import step_dir
 from cloudckpt.runtime import run_coroutine
+from tests.cli_forkserver import run_cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -314,14 +315,12 @@ def test_a_damaged_manifest_is_listed_as_damaged_and_the_others_still_are(s3_env
     assert infos[0].total_bytes == infos[2].total_bytes > 0
 
     env = {**os.environ, "PYTHONPATH": REPO}
-    res = subprocess.run([sys.executable, "-m", "cloudckpt", "ls", "--details", s3_url],
-                         capture_output=True, text=True, timeout=120, env=env)
+    res = run_cli(["ls", "--details", s3_url], cwd=REPO, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
     rows = {line.split()[0]: line for line in res.stdout.splitlines()[1:]}
     assert "DAMAGED" in rows["2"] and "DAMAGED" not in rows["1"] + rows["3"]
     assert f"step 2: cannot be loaded: {infos[1].damaged}" in res.stderr
-    res = subprocess.run([sys.executable, "-m", "cloudckpt", "ls", "--json", s3_url],
-                         capture_output=True, text=True, timeout=120, env=env)
+    res = run_cli(["ls", "--json", s3_url], cwd=REPO, env=env, timeout=120)
     import json
 
     assert [d["damaged"] is not None for d in json.loads(res.stdout)] == [False, True, False]
@@ -339,9 +338,8 @@ def test_prune_never_removes_the_newest_loadable_checkpoint_behind_a_damaged_one
     if entry == "manager":
         CheckpointManager(s3_url, keep_last=1).prune()
     else:
-        res = subprocess.run([sys.executable, "-m", "cloudckpt", "prune", "--keep-last", "1",
-                              s3_url], capture_output=True, text=True, timeout=120,
-                             env={**os.environ, "PYTHONPATH": REPO})
+        res = run_cli(["prune", "--keep-last", "1", s3_url], cwd=REPO,
+                      env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
         assert res.returncode == 0, res.stderr
         assert "step 4: its manifest is damaged" in res.stderr
     # the newest (damaged) step is kept as always, and so is step 2, the newest that loads;

@@ -9,7 +9,6 @@ import asyncio
 import logging
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from cloudckpt.storage import RetryOptions, StorageOptions, open_store
 from cloudckpt.storage.s3_client import _config
 from cloudckpt.storage.s3_errors import Endpoint
 from cloudckpt.testing.deadend import SilentServer, TrickleServer, closed_port
+from tests.cli_forkserver import run_cli
 from tests.reliability.stores import cli_env
 
 QUICK = RetryOptions(base_delay=0.01, max_delay=0.05, connect_timeout=1.0, read_timeout=0.5,
@@ -140,8 +140,7 @@ def test_api_and_manager_fail_on_a_silent_endpoint():
 def _cli_run(args: list[str], endpoint: str, cwd) -> subprocess.CompletedProcess:
     env = cli_env(None, AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="AKIDFAST",
                   AWS_SECRET_ACCESS_KEY="fast-secret-not-shown", AWS_DEFAULT_REGION="us-east-1")
-    return subprocess.run([sys.executable, "-m", "cloudckpt", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=240)
+    return run_cli(args, cwd=str(cwd), env=env, timeout=240)
 
 
 def test_cli_ls_on_a_closed_port_prints_one_warning_then_the_error(tmp_path):

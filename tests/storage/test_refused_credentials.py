@@ -6,8 +6,6 @@ one GET of the object's first byte asks why. Messages name the access key id, ne
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ import torch
 import cloudckpt
 from cloudckpt.errors import AccessDenied
 from cloudckpt.storage import open_store
+from tests.cli_forkserver import run_cli
 from tests.reliability.stores import REPO, cli_env
 from tests.storage.conftest import s3_options
 
@@ -121,9 +120,8 @@ def test_save_load_and_cli_say_the_credentials_were_refused(s3_server, s3_url):
         assert "the credentials were refused (403 SignatureDoesNotMatch)" in str(err.value)
         assert "planning" not in str(err.value)
     for command in (["ls", s3_url], ["show", s3_url], ["verify", s3_url]):
-        res = subprocess.run([sys.executable, "-m", "cloudckpt", *command], cwd=REPO,
-                             env=cli_env(s3_server, AWS_SECRET_ACCESS_KEY=WRONG_SECRET),
-                             capture_output=True, text=True, timeout=120)
+        res = run_cli(command, cwd=REPO,
+                      env=cli_env(s3_server, AWS_SECRET_ACCESS_KEY=WRONG_SECRET), timeout=120)
         assert res.returncode == 2, res
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and "the credentials were refused" in lines[0], lines

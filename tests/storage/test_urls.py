@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import string
-import subprocess
-import sys
 import uuid
 
 import pytest
@@ -21,6 +19,7 @@ from cloudckpt.errors import ConfigError
 from cloudckpt.runtime import shared_store
 from cloudckpt.storage import LocalStore, S3Store, open_store, parse_store_url
 from cloudckpt.storage.urls import parse_s3_url
+from tests.cli_forkserver import run_cli
 from tests.reliability.stores import REPO, cli_env
 
 SCHEME_LIKE = ["s3:/bucket/x", "s3:bucket/x", "s3:", "s3:/", "S3://bucket/x", "S3:/bucket",
@@ -161,10 +160,9 @@ def test_python_entry_points_refuse_before_touching_anything(url, tmp_path, monk
                                   ["prune", "s3:/b/run", "--keep-last", "1"],
                                   ["export", "s3:/b/x", "out.pt"]])
 def test_cli_refuses_malformed_urls_as_usage_errors(args, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "cloudckpt", *args], cwd=tmp_path,
-                         env=cli_env(None, AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s",
-                                     AWS_ENDPOINT_URL="http://127.0.0.1:9"),
-                         capture_output=True, text=True, timeout=120)
+    res = run_cli(args, cwd=str(tmp_path),
+                  env=cli_env(None, AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s",
+                              AWS_ENDPOINT_URL="http://127.0.0.1:9"), timeout=120)
     assert res.returncode == 2, (args, res.stdout, res.stderr)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"cloudckpt {args[0]}: error: "), lines
@@ -191,7 +189,5 @@ def test_bucket_root_is_a_run_and_checkpoint_root(s3_server, s3_env):
     mgr.save(2, state)
     assert [i.step for i in mgr.list()] == [2]
     assert mgr.latest().url == f"s3://{run_bucket}/step-000000000002"
-    res = subprocess.run([sys.executable, "-m", "cloudckpt", "ls", f"s3://{run_bucket}"],
-                         cwd=REPO, env=cli_env(s3_server), capture_output=True, text=True,
-                         timeout=120)
+    res = run_cli(["ls", f"s3://{run_bucket}"], cwd=REPO, env=cli_env(s3_server), timeout=120)
     assert res.returncode == 0 and res.stdout.splitlines()[1].split()[0] == "2", res
