@@ -58,9 +58,12 @@ from typing import Any, Sequence
 
 from cloudckpt.errors import (AccessDenied, BucketNotFound, CheckpointNotFound, CloudCkptError,
                               ConfigError, ObjectNotFound)
-from cloudckpt.layout import MANIFEST_KEY
 from cloudckpt import cli_json
+from cloudckpt.cli_delete import cmd_prune, cmd_rm
 from cloudckpt.cli_show import print_show
+from cloudckpt.cli_stdout import guarded, stdout_is_gone
+from cloudckpt.cli_store import has_manifest, manager, open_store, progress, set_storage, storage
+from cloudckpt.cli_urls import check_local_url, refuse_not_a_run
 from cloudckpt.cli_options import (EXIT_USAGE, Parser, UsageError, global_options, seconds,
                                    storage_options, whole_number)
 from cloudckpt.wording import plural
@@ -94,39 +97,11 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out=None) -> N
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip(), file=out)
 
 
-def _progress(total: int | None, desc: str, unit: str = "obj"):
-    """A tqdm bar on stderr when it is a terminal, else a silent stand-in."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", file=sys.stderr,
-                leave=False, disable=not sys.stderr.isatty())
-
-
-#: The StorageOptions of this run of the command (None: the AWS chain); set by :func:`main`.
-_STORAGE = None
-
-
-def _open(url: str):
-    from cloudckpt.runtime import shared_store
-
-    return shared_store(url, _STORAGE)  # closed at exit
-
-
-def _has_manifest(store) -> bool:
-    from cloudckpt.runtime import run_coroutine
-
-    try:
-        run_coroutine(store.head(MANIFEST_KEY))
-        return True
-    except ObjectNotFound:
-        return False
-
-
 def _resolve_checkpoint(url: str, step: int | None) -> str:
     """The checkpoint URL meant by ``url`` / ``--step`` (newest complete of a run by default)."""
     from cloudckpt.manager import join_url, step_dir
 
-    is_checkpoint = _has_manifest(_open(url))
+    is_checkpoint = has_manifest(open_store(url))
     if step is not None:
         if is_checkpoint:
             raise UsageError(f"{url} is a checkpoint already; give its run's URL with --step "
@@ -134,7 +109,7 @@ def _resolve_checkpoint(url: str, step: int | None) -> str:
         return join_url(url, step_dir(step))
     if is_checkpoint:
         return url
-    latest = _manager(url).latest()
+    latest = manager(url).latest()
     if latest is None:
         raise CheckpointNotFound(f"no complete checkpoint at {url} (nor a run with one)")
     print(f"using the newest complete checkpoint: step {latest.step} ({latest.url})",
@@ -142,28 +117,15 @@ def _resolve_checkpoint(url: str, step: int | None) -> str:
     return latest.url
 
 
-def _manager(url: str, **kwargs):
-    from cloudckpt.manager import CheckpointManager
-
-    return CheckpointManager(url, storage=_STORAGE, **kwargs)
-
-
-def _refuse_checkpoint_as_run(url: str, command: str) -> None:
-    """``ls``/``prune`` given a checkpoint (a manifest at URL) instead of a run: a UsageError."""
-    if _has_manifest(_open(url)):
-        raise UsageError(f"{url} is a checkpoint, not a run: {command} takes a run's URL; "
-                         f"to see this checkpoint use: cloudckpt show {url}")
-
-
 # -- commands -----------------------------------------------------------------------------------
 
 
 def cmd_ls(args) -> int:
-    mgr = _manager(args.url)
+    mgr = manager(args.url)
     infos = mgr.list()
     if not infos:
-        _refuse_checkpoint_as_run(args.url, "ls")
-    with _progress(sum(i.complete for i in infos), "reading manifests") as bar:
+        refuse_not_a_run(args.url, "ls")
+    with progress(sum(i.complete for i in infos), "reading manifests") as bar:
         infos = mgr.list(details=True, progress=bar.update) if infos else infos
     if args.json:
         cli_json.emit(cli_json.ls_document(infos, args.details))
@@ -192,7 +154,7 @@ def _manifest_bytes(url: str) -> bytes:
     from cloudckpt.runtime import run_coroutine
 
     try:
-        return run_coroutine(fetch_manifest_bytes(_open(url)))
+        return run_coroutine(fetch_manifest_bytes(open_store(url)))
     except ObjectNotFound as exc:
         raise CheckpointNotFound(f"no complete checkpoint at {url} ({exc})") from exc
 
@@ -205,7 +167,7 @@ def cmd_show(args) -> int:
     url = _resolve_checkpoint(args.url, args.step)
     pickled: tuple[str, ...] = ()
     if args.allow_pickle:
-        manifest = cloudckpt.read_manifest(url, allow_pickle=True, storage=_STORAGE)
+        manifest = cloudckpt.read_manifest(url, allow_pickle=True, storage=storage())
     else:
         manifest, pickled = decode_manifest_without_pickle(_manifest_bytes(url))
     if args.json:
@@ -225,8 +187,8 @@ def cmd_verify(args) -> int:
         from cloudckpt.manager import decode_manifest_without_pickle
 
         total = decode_manifest_without_pickle(_manifest_bytes(url))[0].total_bytes()
-    with _progress(total, "verifying", unit="B") as bar:
-        report = cloudckpt.verify(url, progress=bar.update, storage=_STORAGE)
+    with progress(total, "verifying", unit="B") as bar:
+        report = cloudckpt.verify(url, progress=bar.update, storage=storage())
     if args.json:
         cli_json.emit(cli_json.verify_document(url, report))
         return EXIT_OK if report.ok else EXIT_FAILED
@@ -244,128 +206,6 @@ def cmd_verify(args) -> int:
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
-def _left_note(url: str, plan, verb: str) -> None:
-    """One stderr line about the keys a deletion leaves because the layout does not own them."""
-    if plan.left:
-        more = ", ..." if plan.left > len(plan.left_examples) else ""
-        print(f"{verb} {plural(plan.left, 'key')} under {url} that "
-              f"{'is' if plan.left == 1 else 'are'} not part of a checkpoint: "
-              f"{', '.join(plan.left_examples)}{more}", file=sys.stderr)
-
-
-def _print_keys(base: str, plan) -> None:
-    """Every object and upload of ``plan`` (keys relative to ``base``), one per line."""
-    from cloudckpt.manager import join_url
-
-    for key in plan.objects:
-        print(f"  {join_url(base, key)}")
-    for upload in plan.uploads:
-        print(f"  upload {join_url(base, upload.key)} {upload.upload_id}")
-
-
-def cmd_prune(args) -> int:
-    mgr = _manager(args.url, keep_last=args.keep_last, keep_every=args.keep_every,
-                   abandoned_after=args.abandoned_after)
-    if not mgr.list():
-        _refuse_checkpoint_as_run(args.url, "prune")
-    with _progress(None, "deleting") as bar:
-        removed = mgr.prune_plans(dry_run=args.dry_run, progress=bar.update)
-    if args.json:
-        cli_json.emit(cli_json.prune_document(mgr.url, removed, args.dry_run))
-        for info, plan in removed:
-            _left_note(info.url, plan, "would leave" if args.dry_run else "left")
-        return EXIT_OK
-    verb = "would remove" if args.dry_run else "removed"
-    if not removed:
-        print("nothing to remove")
-    for info, plan in removed:
-        state = "complete" if info.complete else "abandoned"
-        counts = f"{plural(len(plan.objects), 'object')}, {plural(len(plan.uploads), 'upload')}"
-        if plan.kept:
-            counts += f"; {plural(plan.kept, 'object')} kept, other checkpoints use them"
-        print(f"{verb} step {info.step} ({state})  {info.url}  ({counts})")
-        if args.dry_run:
-            _print_keys(mgr.url, plan)
-        _left_note(info.url, plan, "would leave" if args.dry_run else "left")
-    return EXIT_OK
-
-
-def _step_of_url(url: str) -> tuple[str, int] | None:
-    """(run URL, step) when ``url``'s last segment is a step folder ``step-<012d>`` of a run."""
-    from cloudckpt.manager import parse_step_dir
-
-    parent, _, last = url.rstrip("/").rpartition("/")
-    step = parse_step_dir(last + "/")
-    if step is None or not parent.strip("/") or parent.endswith((":", "/")):
-        return None  # no run above it (a bucket, a filesystem root, a relative name)
-    return parent, step
-
-
-def cmd_rm(args) -> int:
-    """Delete one checkpoint, complete or incomplete: only the keys the layout owns. A step of a
-    run (``--step N``, or a URL ending in ``step-<012d>``) goes through
-    ``CheckpointManager(run).delete`` and its guards; a run or a folder that is neither is
-    refused (exit 2), and a URL with nothing there is "nothing to remove" (exit 1). A URL with no
-    manifest that holds step checkpoints is a run, unless it is a step that owns keys itself."""
-    from cloudckpt.manager import join_url, step_dir
-    from cloudckpt.run_cleanup import delete_checkpoint, plan_checkpoint
-    from cloudckpt.runtime import run_coroutine
-
-    located = (args.url, args.step) if args.step is not None else _step_of_url(args.url)
-    if located is not None:
-        if args.step is not None and _has_manifest(_open(args.url)):
-            raise UsageError(f"{args.url} is a checkpoint already; give its run's URL with "
-                             f"--step {args.step}, or drop --step")
-        mgr, step = _manager(located[0]), located[1]
-        url, base = join_url(mgr.url, step_dir(step)), mgr.url
-        plan = mgr.plan_delete(step)  # refuses a step folder that leads out of the run
-
-        def delete(progress) -> int:
-            return mgr.delete(step, progress=progress)
-    else:  # from the folder above it, when there is one: siblings may reference its objects
-        from cloudckpt.run_layout import split_folder
-        from cloudckpt.storage import parse_store_url
-
-        url, plan, above = args.url, None, split_folder(args.url)
-        if above is not None and os.path.islink(parse_store_url(url).path or "/"):
-            above = None  # a folder the user named through a symlink: itself, no siblings
-        base, prefix = (url, "") if above is None else (above[0], above[1] + "/")
-        store = _open(base)
-
-        def delete(progress) -> int:
-            return run_coroutine(delete_checkpoint(store, prefix, progress=progress))
-    # a run is refused; a step of a run that owns something is a checkpoint whatever it holds
-    if (plan.empty if plan is not None else not _has_manifest(_open(url))):
-        others = _manager(url).list()
-        if others:
-            raise UsageError(f"{url} is a run with {plural(len(others), 'checkpoint')}, not a "
-                             "checkpoint; give one checkpoint URL or --step N")
-    if plan is None:
-        plan = run_coroutine(plan_checkpoint(store, prefix))
-    if plan.empty and plan.left:
-        raise UsageError(f"{url} is neither a checkpoint nor a run ({plural(plan.left, 'key')} "
-                         "there, none part of a checkpoint); nothing removed")
-    if plan.empty:
-        used = f": its {plural(plan.kept, 'object')} are used by other checkpoints" \
-            if plan.kept else ""
-        print(f"nothing to remove at {url}{used}", file=sys.stderr)
-        return EXIT_FAILED
-    state = "" if plan.has_manifest else "incomplete checkpoint, "
-    if args.dry_run:
-        print(f"would remove {url} ({state}{plural(len(plan.objects), 'object')}, "
-              f"{plural(len(plan.uploads), 'upload')})")
-        _print_keys(base, plan)
-        _left_note(url, plan, "would leave")
-        return EXIT_OK
-    with _progress(len(plan.objects), "deleting") as bar:
-        removed = delete(bar.update)
-    kept = f"; {plural(plan.kept, 'object')} kept, other checkpoints use them" if plan.kept else ""
-    print(f"removed {url} ({state}{plural(removed, 'object')}, "
-          f"{plural(len(plan.uploads), 'upload')}{kept})")
-    _left_note(url, plan, "left")
-    return EXIT_OK
-
-
 def cmd_export(args) -> int:
     """Write one consolidated file; see :mod:`cloudckpt.export` for how OUT is written (a fresh,
     exclusively created temporary file renamed onto OUT; nothing left behind on failure)."""
@@ -374,7 +214,7 @@ def cmd_export(args) -> int:
 
     if cli_export.wants_folder(args):
         return cli_export.cmd_export_folder(args, _resolve_checkpoint(args.url, args.step),
-                                            _STORAGE, _progress)
+                                            storage(), progress)
     out = args.out
     if export_kind(out) is None:
         raise UsageError(f"OUT must end with .safetensors or .pt, got {out!r}")
@@ -385,7 +225,7 @@ def cmd_export(args) -> int:
     if os.path.isdir(out):
         raise UsageError(f"cannot write {out}: it is a folder; give a file name")
     url = _resolve_checkpoint(args.url, args.step)
-    skipped = export(url, out, allow_pickle=args.allow_pickle, storage=_STORAGE)
+    skipped = export(url, out, allow_pickle=args.allow_pickle, storage=storage())
     if skipped:
         print(f"warning: {plural(len(skipped), 'non-tensor value')} not representable in "
               f"JSON {'was' if len(skipped) == 1 else 'were'} "
@@ -407,12 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     global_options(p, default=None)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, fn, help_: str, *, run_only: bool = False, json_: bool = False):
+    def add(name: str, fn, help_: str, *, run_only: bool = False, json_: bool = False,
+            url_help: str = "a checkpoint's URL, or a run's (its newest complete checkpoint, "
+                            "or the one of --step)"):
         sp = sub.add_parser(name, help=help_, description=help_)
         sp.add_argument("url", metavar="RUN_URL" if run_only else "URL",
                         help="a run's URL (s3://BUCKET/PATH, file:///PATH or a path)" if run_only
-                        else "a checkpoint's URL, or a run's (its newest complete checkpoint, "
-                             "or the one of --step)")
+                        else url_help)
         if not run_only:
             sp.add_argument("--step", type=whole_number(0), default=None, metavar="N",
                             help="the checkpoint of step N of the run at URL")
@@ -423,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(fn=fn)
         return sp
 
-    sp = add("ls", cmd_ls, "list the checkpoints of a run", run_only=True, json_=True)
+    sp = add("ls", cmd_ls, "list the checkpoints of a run (objects: data objects, the manifest "
+             "not counted, as everywhere in cloudckpt)", run_only=True, json_=True)
     sp.add_argument("--details", action="store_true", help="also each checkpoint's own bytes, "
                     "the bytes it shares with older ones (incremental) and its base step")
     sp = add("show", cmd_show, "show a checkpoint's tensors and values", json_=True)
@@ -440,7 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar="SECONDS",
                     help="age after which an incomplete checkpoint is abandoned (default 3600)")
     sp.add_argument("--dry-run", action="store_true", help="say what would be removed")
-    sp = add("rm", cmd_rm, "delete one checkpoint (manifest first, then its objects)")
+    sp = add("rm", cmd_rm, "delete one checkpoint (manifest first, then its objects)",
+             url_help="a checkpoint's URL, or a run's with --step N (a run without --step is "
+                      "refused: rm never picks a checkpoint for you)")
     sp.add_argument("--dry-run", action="store_true",
                     help="list every object and upload that would be removed")
     sp = add("export", cmd_export, "write a checkpoint as one .safetensors or .pt file")
@@ -456,8 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns (and, as a console script, exits with) the status."""
-    global _STORAGE
+    """Run the command line; returns (and, as a console script, exits with) the status. Output
+    into a pipe closed early ends quietly with status 141 (:mod:`cloudckpt.cli_stdout`)."""
+    return guarded(lambda: _main(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     debug = bool(os.environ.get("CLOUDCKPT_DEBUG"))
     try:
@@ -465,15 +313,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from cloudckpt.storage import parse_store_url
 
         parse_store_url(args.url)  # a malformed URL is a usage error before anything runs
-        _STORAGE = storage_options(args)
-        if _STORAGE is not None:  # also for any call below that is given no storage
-            set_default_storage(_STORAGE)
+        check_local_url(args.url)  # bucket/x written without s3://
+        set_storage(storage_options(args))
+        if storage() is not None:  # also for any call below that is given no storage
+            set_default_storage(storage())
         return args.fn(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:  # one line, no traceback: this is the command's whole error surface
-        if debug:
+        if debug or (isinstance(exc, BrokenPipeError) and stdout_is_gone()):
             raise
         status = EXIT_USAGE if isinstance(
             exc, (UsageError, ConfigError, AccessDenied, BucketNotFound)) else EXIT_FAILED
