@@ -16,7 +16,8 @@ cloudckpt convert SRC DST --to dcp|cloudckpt [--trust]   to or from torch DCP (c
 ```
 
 ``URL`` is a checkpoint URL, or a run URL with ``--step N``; ``show``, ``verify`` and ``export``
-given a run URL without ``--step`` use its newest complete checkpoint. Credentials and endpoint
+given a run URL without ``--step`` use its newest complete checkpoint (``rm`` never does: it
+refuses a run and prints the ``--step`` to type). Credentials and endpoint
 come from the standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...);
 ``--endpoint-url``, ``--profile`` and ``--timeout`` (accepted before or after the command, as
 ``aws`` does) override them for one run: they make the one ``StorageOptions`` every command uses
@@ -26,25 +27,36 @@ stdout, shapes in :mod:`cloudckpt.cli_json`.
 
 Mistakes are refused with one line and exit 2 before anything is changed: a malformed option
 (argparse's errors are one line here, with a pointer to ``--help``), a bad endpoint or unknown
-profile, ``ls``/``prune`` given a checkpoint instead of a run (``ls`` suggests ``show``),
-``--step`` given with a URL that is already a checkpoint, ``export`` into a folder that does not
-exist. A run with no checkpoints (or nothing at the URL) is not a mistake: ``ls`` says "no
-checkpoints under URL" on stderr and exits 0 (``--json``: ``[]``). ``--timeout`` defaults to about 60 seconds.
+profile, ``ls``/``prune`` given a checkpoint, a folder of checkpoints or a folder of runs instead
+of a run (the line names the command to type: ``show URL/NAME``, ``ls URL/RUN``), a relative path
+such as ``bucket/x`` that does not exist locally (it suggests ``s3://bucket/x``; as a destination
+of ``convert`` or ``export --format``, ``./bucket/x`` says "a new local folder"), ``--step`` given
+with a URL that is already a checkpoint, ``export`` into a folder that does not exist
+(:mod:`cloudckpt.cli_urls`). A run with no checkpoints (or nothing under an S3 prefix) is not a
+mistake: ``ls`` says "no checkpoints under URL" on stderr and exits 0 (``--json``: ``[]``); a
+local folder that does not exist is (exit 1). ``--timeout`` defaults to about 60 seconds.
+
+Counts: "objects" are a checkpoint's data objects everywhere (``ls``, ``show``, ``verify``,
+``SaveResult.objects``); ``rm`` and ``prune`` name the manifest apart ("the manifest and 3
+objects, 0 uploads").
 
 ``rm`` and ``prune`` delete only what the checkpoint layout owns: each checkpoint's
 ``manifest.msgpack`` (first), its ``data/<attempt>/r<rank>-<n>.bin`` objects and unfinished uploads
 of those keys. Other keys under a checkpoint are left, and a line on stderr says so. ``rm`` takes a
 checkpoint, complete or not (an incomplete one: its data objects and uploads); given a run it
-refuses (exit 2), given a URL that is neither a checkpoint nor a run (a folder of runs, other
-files) it refuses (exit 2, nothing removed), given a URL with nothing there it exits 1. A step of
-a run (``--step N``, or a URL ending in ``step-<012d>``) is deleted through
-``CheckpointManager(run).delete``: on a local path, a step folder that is a symlink leading out of
-the run is refused (``AccessDenied``, exit 2). ``--dry-run`` lists every object and upload that
-would go, one per line, and removes nothing.
+refuses (exit 2) and names ``--step`` of its newest complete checkpoint, given a URL that is neither
+a checkpoint nor a run (a folder of runs, other files) it refuses (exit 2, nothing removed), given a
+URL with nothing there it exits 1. A step of a run (``--step N``, or a URL ending in
+``step-<012d>``) is deleted through ``CheckpointManager(run).delete``: on a local path, a step
+folder that is a symlink leading out of the run is refused (``AccessDenied``, exit 2). ``--dry-run``
+lists every object and upload that would go, one per line, and removes nothing.
 
 Exit status: 0 success; 1 the operation failed (checkpoint missing, verification failed, storage
-error); 2 usage error, bad URL, missing or refused credentials, missing bucket; 130 interrupted.
-Errors are one line on stderr, never a traceback (set ``CLOUDCKPT_DEBUG=1`` to get one).
+error); 2 usage error, bad URL, missing or refused credentials, missing bucket; 130 interrupted;
+141 stdout's reader went away.
+Errors are one line on stderr, never a traceback (set ``CLOUDCKPT_DEBUG=1`` to get one). Output
+into a pipe that closes early (``cloudckpt show URL | head``) ends quietly with 141, as unix
+tools do (:mod:`cloudckpt.cli_stdout`).
 Progress bars (tqdm) are drawn on stderr when it is a terminal.
 """
 
@@ -63,7 +75,7 @@ from cloudckpt.cli_delete import cmd_prune, cmd_rm
 from cloudckpt.cli_show import print_show
 from cloudckpt.cli_stdout import guarded, stdout_is_gone
 from cloudckpt.cli_store import has_manifest, manager, open_store, progress, set_storage, storage
-from cloudckpt.cli_urls import check_local_url, refuse_not_a_run
+from cloudckpt.cli_urls import check_local_destination, check_local_url, refuse_not_a_run
 from cloudckpt.cli_options import (EXIT_USAGE, Parser, UsageError, global_options, seconds,
                                    storage_options, whole_number)
 from cloudckpt.wording import plural
@@ -213,6 +225,7 @@ def cmd_export(args) -> int:
     from cloudckpt.export import export, export_kind
 
     if cli_export.wants_folder(args):
+        check_local_destination(args.out, "OUT")
         return cli_export.cmd_export_folder(args, _resolve_checkpoint(args.url, args.step),
                                             storage(), progress)
     out = args.out

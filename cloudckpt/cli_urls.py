@@ -5,6 +5,10 @@ Contract:
   could be a bucket name (``bucket/x``) is a :class:`UsageError` (exit 2) that suggests
   ``s3://bucket/x``; the command never looks at an empty local listing for it. Every command
   runs it on its URL.
+- :func:`check_local_destination`: the same for a place to write (``convert``'s DST, ``export
+  --format``'s OUT) when it has two segments or more and its first does not exist here:
+  ``bucket/x`` would otherwise become a new local folder ``bucket`` silently. ``./bucket/x`` is
+  the way to say "a new local folder".
 - :func:`missing_local_folder`: ``ls`` and ``prune`` given a local path that does not exist get a
   :class:`CheckpointNotFound` (exit 1), not "no checkpoints" and exit 0. An S3 prefix with nothing
   under it stays an empty run (S3 has no folders to be missing; a new run looks like that).
@@ -54,6 +58,18 @@ def check_local_url(url: str) -> None:
     if _BUCKET_LIKE.match(first):
         raise UsageError(f"{url} is not a local path (nothing there, relative to "
                          f"{os.getcwd()}); an S3 URL needs its scheme: s3://{path}")
+
+
+def check_local_destination(url: str, what: str) -> None:
+    """Refuse a destination ``bucket/x`` (see the module docstring); ``what``: its name."""
+    path = _plain_path(url)
+    if path is None or os.path.isabs(path) or path.startswith(("~", ".")) or "/" not in path:
+        return
+    first = path.split("/", 1)[0]
+    if _BUCKET_LIKE.match(first) and not os.path.lexists(first):
+        raise UsageError(f"{what} {url} is neither an S3 URL nor under a local folder that "
+                         f"exists ({first} is not in {os.getcwd()}): write s3://{path} for S3, "
+                         f"or ./{path} for a new local folder")
 
 
 def missing_local_folder(url: str) -> None:
