@@ -75,7 +75,8 @@ from cloudckpt.cli_delete import cmd_prune, cmd_rm
 from cloudckpt.cli_show import print_show
 from cloudckpt.cli_stdout import guarded, stdout_is_gone
 from cloudckpt.cli_store import has_manifest, manager, open_store, progress, set_storage, storage
-from cloudckpt.cli_urls import check_local_destination, check_local_url, refuse_not_a_run
+from cloudckpt.cli_urls import (check_local_destination, check_local_url, not_a_run,
+                                refuse_not_a_run)
 from cloudckpt.cli_options import (EXIT_USAGE, Parser, UsageError, global_options, seconds,
                                    storage_options, whole_number)
 from cloudckpt.wording import plural
@@ -109,8 +110,9 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out=None) -> N
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip(), file=out)
 
 
-def _resolve_checkpoint(url: str, step: int | None) -> str:
-    """The checkpoint URL meant by ``url`` / ``--step`` (newest complete of a run by default)."""
+def _resolve_checkpoint(url: str, step: int | None, command: str) -> str:
+    """The checkpoint URL meant by ``url`` / ``--step`` (newest complete of a run by default);
+    a folder of checkpoints or runs is a UsageError naming them (``command``: for its hint)."""
     from cloudckpt.manager import join_url, step_dir
 
     is_checkpoint = has_manifest(open_store(url))
@@ -123,6 +125,11 @@ def _resolve_checkpoint(url: str, step: int | None) -> str:
         return url
     latest = manager(url).latest()
     if latest is None:
+        from cloudckpt.runtime import run_coroutine
+
+        reason = run_coroutine(not_a_run(open_store(url), url, command))
+        if reason is not None:  # a folder of checkpoints or of runs: say which to give
+            raise UsageError(reason)
         raise CheckpointNotFound(f"no complete checkpoint at {url} (nor a run with one)")
     print(f"using the newest complete checkpoint: step {latest.step} ({latest.url})",
           file=sys.stderr)
@@ -176,7 +183,7 @@ def cmd_show(args) -> int:
 
     from cloudckpt.manager import decode_manifest_without_pickle
 
-    url = _resolve_checkpoint(args.url, args.step)
+    url = _resolve_checkpoint(args.url, args.step, "show")
     pickled: tuple[str, ...] = ()
     if args.allow_pickle:
         manifest = cloudckpt.read_manifest(url, allow_pickle=True, storage=storage())
@@ -193,7 +200,7 @@ def cmd_show(args) -> int:
 def cmd_verify(args) -> int:
     import cloudckpt
 
-    url = _resolve_checkpoint(args.url, args.step)
+    url = _resolve_checkpoint(args.url, args.step, "verify")
     total = None
     if sys.stderr.isatty():
         from cloudckpt.manager import decode_manifest_without_pickle
@@ -226,8 +233,8 @@ def cmd_export(args) -> int:
 
     if cli_export.wants_folder(args):
         check_local_destination(args.out, "OUT")
-        return cli_export.cmd_export_folder(args, _resolve_checkpoint(args.url, args.step),
-                                            storage(), progress)
+        url = _resolve_checkpoint(args.url, args.step, "export")
+        return cli_export.cmd_export_folder(args, url, storage(), progress)
     out = args.out
     if export_kind(out) is None:
         raise UsageError(f"OUT must end with .safetensors or .pt, got {out!r}")
@@ -237,7 +244,7 @@ def cmd_export(args) -> int:
                          "first")
     if os.path.isdir(out):
         raise UsageError(f"cannot write {out}: it is a folder; give a file name")
-    url = _resolve_checkpoint(args.url, args.step)
+    url = _resolve_checkpoint(args.url, args.step, "export")
     skipped = export(url, out, allow_pickle=args.allow_pickle, storage=storage())
     if skipped:
         print(f"warning: {plural(len(skipped), 'non-tensor value')} not representable in "
@@ -278,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
         return sp
 
     sp = add("ls", cmd_ls, "list the checkpoints of a run (objects: data objects, the manifest "
-             "not counted, as everywhere in cloudckpt)", run_only=True, json_=True)
+             "not counted)", run_only=True, json_=True)
     sp.add_argument("--details", action="store_true", help="also each checkpoint's own bytes, "
                     "the bytes it shares with older ones (incremental) and its base step")
     sp = add("show", cmd_show, "show a checkpoint's tensors and values", json_=True)

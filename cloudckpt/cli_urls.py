@@ -13,15 +13,16 @@ Contract:
   :class:`CheckpointNotFound` (exit 1), not "no checkpoints" and exit 0. An S3 prefix with nothing
   under it stays an empty run (S3 has no folders to be missing; a new run looks like that).
 - :func:`refuse_not_a_run`: what ``ls`` and ``prune`` do when a URL holds no step checkpoint:
-  the two checks below, then a checkpoint at the URL is a :class:`UsageError` that names
+  :func:`missing_local_folder`, then a checkpoint at the URL is a :class:`UsageError` that names
   ``cloudckpt show URL`` (and its run, when it is a step of one), and so is :func:`not_a_run`'s
   reason; otherwise the URL is an empty run.
-- :func:`not_a_run`: for a URL with no step folders and no manifest, the one-line reason it is
-  not a run when the folders right under it are checkpoints (what ``examples/smoke.py`` leaves
-  under ``smoke/``) or runs; ``None`` when neither is found. Bounded: the first
-  :data:`MAX_LISTED` entries of one delimited listing, then at most :data:`MAX_PROBED` folders,
-  each one HEAD and, when that is not a checkpoint, one delimited listing stopped at its first
-  step folder.
+- :func:`not_a_run`: for a URL with no step folders and no manifest (``ls``, ``prune``, and
+  ``show``/``verify``/``export`` finding no checkpoint to use), the one-line reason it is not a
+  run when the folders right under it are checkpoints (what ``examples/smoke.py`` leaves under
+  ``smoke/``) or runs; ``None`` when neither is found. Bounded: the first :data:`MAX_LISTED`
+  entries of one delimited listing, then at most :data:`MAX_PROBED` folders, each one HEAD and,
+  when that is not a checkpoint, one delimited listing stopped at its first step folder or after
+  :data:`MAX_LISTED` entries.
 """
 
 from __future__ import annotations
@@ -106,10 +107,14 @@ async def _kind(store, folder: str) -> str | None:
         return "checkpoint"
     except ObjectNotFound:
         pass
+    seen = 0
     async for entry in store.list(folder, delimiter="/"):
         key = getattr(entry, "prefix", None)
         if key is not None and parse_step_dir(key[len(folder):]) is not None:
             return "run"
+        seen += 1
+        if seen >= MAX_LISTED:
+            break
     return None
 
 
@@ -117,7 +122,8 @@ async def not_a_run(store, url: str, command: str) -> str | None:
     """Why ``url`` is not a run when checkpoints or runs sit right under it (module docstring)."""
     folders = (await _children(store))[:MAX_PROBED]
     kinds = await asyncio.gather(*(_kind(store, f) for f in folders))
-    for kind, what, then in (("checkpoint", "checkpoints", "see one with: cloudckpt show"),
+    reads = command if command in ("show", "verify") else "show"
+    for kind, what, then in (("checkpoint", "checkpoints", f"see one with: cloudckpt {reads}"),
                              ("run", "runs", f"use one with: cloudckpt {command}")):
         found = [join_url(url, f) for f, k in zip(folders, kinds) if k == kind]
         if found:

@@ -7,7 +7,8 @@ over a temporary file ("capture") or over a fresh pipe whose reading end is alre
 ("closed": ``cloudckpt ... | head`` after head has gone); output the command leaves unflushed
 shows as "unflushed output at exit" in its stderr, where the interpreter would complain.
 Results, in order: ``{"status", "stdout", "stderr"}`` (``status``: what main returned, or the
-SystemExit code of argparse). The real stderr of this process is left alone: the caller checks it stays empty.
+SystemExit code of argparse). The real stderr of this process is left alone: the caller checks
+it stays empty.
 """
 
 from __future__ import annotations

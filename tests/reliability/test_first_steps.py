@@ -68,34 +68,31 @@ def _one_line(result: dict, status: int, text: str) -> str:
 
 def test_rm_of_a_run_says_what_to_type_and_its_help_agrees(s3_env, s3_url, tmp_path):
     """``rm RUN`` never picks a checkpoint: it refuses, exit 2, and prints the command for the
-    newest complete one; ``rm --help`` no longer says a run means its newest checkpoint. The
-    line's command works as printed."""
+    newest complete one, which works as printed; ``rm --help`` no longer says a run means its
+    newest checkpoint."""
     run = _run(s3_url, steps=(10, 20))
     local = _run(str(tmp_path / "run"), steps=(3,))
-    res = cli(s3_env, "rm", run)  # the real entry point
-    line = _one_line({"status": res.returncode, "stderr": res.stderr, "stdout": res.stdout}, 2,
-                     "is a run with 2 checkpoints")
-    assert line.endswith(f"cloudckpt rm {run} --step 20)"), line
-    r_dry, r_local = batch(s3_env, [{"argv": ["rm", run, "--dry-run"]},
-                                    {"argv": ["rm", local]}], tmp_path)
+    typed = ["rm", run, "--step", "20"]
+    r_run, r_dry, r_local, done = batch(s3_env, [
+        {"argv": ["rm", run]}, {"argv": ["rm", run, "--dry-run"]}, {"argv": ["rm", local]},
+        {"argv": typed}], tmp_path)
+    line = _one_line(r_run, 2, "is a run with 2 checkpoints")
+    assert line.endswith(f"(its newest complete: cloudckpt {' '.join(typed)})"), line
     _one_line(r_dry, 2, f"cloudckpt rm {run} --step 20")
     _one_line(r_local, 2, f"cloudckpt rm {local} --step 3")
-    assert [i.step for i in CheckpointManager(run).list()] == [10, 20]
+    assert done["status"] == 0, done  # the command as the line prints it
+    assert [i.step for i in CheckpointManager(run).list()] == [10]
     assert [i.step for i in CheckpointManager(local).list()] == [3]
     rm = build_parser()._subparsers._group_actions[0].choices["rm"]
     url_help = " ".join(next(a for a in rm._actions if a.dest == "url").help.split())
     assert "newest" not in url_help and "with --step N" in url_help, url_help
-    # what the line says to type does what it says
-    (done,) = batch(s3_env, [{"argv": line.rsplit("(its newest complete: ", 1)[1][:-1]
-                              .split()[1:]}], tmp_path)
-    assert done["status"] == 0, done
-    assert [i.step for i in CheckpointManager(run).list()] == [10]
 
 
 def test_ls_and_prune_of_a_url_that_is_not_a_run_say_what_it_is(s3_env, s3_url, tmp_path):
     """Where ``examples/smoke.py`` saves (a checkpoint in a folder of its own), a folder of runs,
     a step checkpoint: ``ls`` and ``prune`` say what the URL is and what to type (exit 2),
-    never "no checkpoints" with exit 0; nothing is deleted. An S3 prefix with nothing under it
+    never "no checkpoints" with exit 0 (``show`` and ``verify``, which found no checkpoint to
+    use, say the same); nothing is deleted. An S3 prefix with nothing under it
     and an empty local folder stay empty runs (exit 0)."""
     listed = []
     for base in (s3_url, str(tmp_path / "store")):
@@ -113,7 +110,9 @@ def test_ls_and_prune_of_a_url_that_is_not_a_run_say_what_it_is(s3_env, s3_url, 
                 (["prune", smoke, "--keep-last", "0"], "a folder of checkpoints"),
                 (["ls", f"{base}/runs"], f"use one with: cloudckpt ls {base}/runs/a"),
                 (["prune", f"{base}/runs", "--keep-last", "0"], "a folder of runs"),
-                (["ls", _ckpt(f"{base}/runs/a", 5)], f"or its run: cloudckpt ls {base}/runs/a")):
+                (["ls", _ckpt(f"{base}/runs/a", 5)], f"or its run: cloudckpt ls {base}/runs/a"),
+                (["show", smoke], f"see one with: cloudckpt show {first}"),
+                (["verify", f"{base}/runs"], f"use one with: cloudckpt verify {base}/runs/a")):
             cases.append({"argv": argv})
             expect.append((2, text))
     cases += [{"argv": ["ls", f"{s3_url}/nothing-here"]}, {"argv": ["ls", "empty"]}]
