@@ -307,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "refused: rm never picks a checkpoint for you)")
     sp.add_argument("--dry-run", action="store_true",
                     help="list every object and upload that would be removed")
-    sp = add("export", cmd_export, "write a checkpoint as one .safetensors or .pt file")
+    sp = add("export", cmd_export, "write a checkpoint as one .safetensors or .pt file, or "
+             "(--format safetensors) as a Hugging Face folder")
     sp.add_argument("out", metavar="OUT",
                     help="the file to write, ending in .safetensors or .pt, in a folder that "
                          "exists (with --format: a folder or s3:// prefix)")
