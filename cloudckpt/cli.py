@@ -77,11 +77,10 @@ from cloudckpt.cli_stdout import guarded, stdout_is_gone
 from cloudckpt.cli_store import has_manifest, manager, open_store, progress, set_storage, storage
 from cloudckpt.cli_urls import (check_local_destination, check_local_url, not_a_run,
                                 refuse_not_a_run)
-from cloudckpt.cli_options import (EXIT_USAGE, Parser, UsageError, global_options, seconds,
-                                   storage_options, whole_number)
+from cloudckpt.cli_options import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Parser,
+                                   UsageError, global_options, seconds, storage_options,
+                                   whole_number)
 from cloudckpt.wording import plural
-
-EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -11,12 +11,10 @@ import os
 import sys
 
 from cloudckpt import cli_json
-from cloudckpt.cli_options import UsageError
+from cloudckpt.cli_options import EXIT_FAILED, EXIT_OK, UsageError
 from cloudckpt.cli_store import has_manifest, manager, open_store, progress
 from cloudckpt.cli_urls import refuse_not_a_run, step_of_url
 from cloudckpt.wording import plural
-
-EXIT_OK, EXIT_FAILED = 0, 1
 
 
 def _left_note(url: str, plan, verb: str) -> None:
