@@ -17,7 +17,8 @@ cloudckpt convert SRC DST --to dcp|cloudckpt [--trust]   to or from torch DCP (c
 ```
 
 ``URL`` is a checkpoint URL, or a run URL with ``--step N``; ``show``, ``verify`` and ``export``
-given a run URL without ``--step`` use its newest complete checkpoint. Credentials and endpoint
+given a run URL without ``--step`` use its newest complete checkpoint (``rm`` never does: it
+refuses a run and prints the ``--step`` to type). Credentials and endpoint
 come from the standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...);
 ``--endpoint-url``, ``--profile`` and ``--timeout`` (accepted before or after the command, as
 ``aws`` does) override them for one run: they make the one ``StorageOptions`` every command uses
@@ -27,25 +28,36 @@ stdout, shapes in :mod:`cloudckpt.cli_json`.
 
 Mistakes are refused with one line and exit 2 before anything is changed: a malformed option
 (argparse's errors are one line here, with a pointer to ``--help``), a bad endpoint or unknown
-profile, ``ls``/``prune`` given a checkpoint instead of a run (``ls`` suggests ``show``),
-``--step`` given with a URL that is already a checkpoint, ``export`` into a folder that does not
-exist. A run with no checkpoints (or nothing at the URL) is not a mistake: ``ls`` says "no
-checkpoints under URL" on stderr and exits 0 (``--json``: ``[]``). ``--timeout`` defaults to about 60 seconds.
+profile, ``ls``/``prune`` given a checkpoint, a folder of checkpoints or a folder of runs instead
+of a run (the line names the command to type: ``show URL/NAME``, ``ls URL/RUN``), a relative path
+such as ``bucket/x`` that does not exist locally (it suggests ``s3://bucket/x``; as a destination
+of ``convert`` or ``export --format``, ``./bucket/x`` says "a new local folder"), ``--step`` given
+with a URL that is already a checkpoint, ``export`` into a folder that does not exist
+(:mod:`cloudckpt.cli_urls`). A run with no checkpoints (or nothing under an S3 prefix) is not a
+mistake: ``ls`` says "no checkpoints under URL" on stderr and exits 0 (``--json``: ``[]``); a
+local folder that does not exist is (exit 1). ``--timeout`` defaults to about 60 seconds.
+
+Counts: "objects" are a checkpoint's data objects everywhere (``ls``, ``show``, ``verify``,
+``SaveResult.objects``); ``rm`` and ``prune`` name the manifest apart ("the manifest and 3
+objects, 0 uploads").
 
 ``rm`` and ``prune`` delete only what the checkpoint layout owns: each checkpoint's
 ``manifest.msgpack`` (first), its ``data/<attempt>/r<rank>-<n>.bin`` objects and unfinished uploads
 of those keys. Other keys under a checkpoint are left, and a line on stderr says so. ``rm`` takes a
 checkpoint, complete or not (an incomplete one: its data objects and uploads); given a run it
-refuses (exit 2), given a URL that is neither a checkpoint nor a run (a folder of runs, other
-files) it refuses (exit 2, nothing removed), given a URL with nothing there it exits 1. A step of
-a run (``--step N``, or a URL ending in ``step-<012d>``) is deleted through
-``CheckpointManager(run).delete``: on a local path, a step folder that is a symlink leading out of
-the run is refused (``AccessDenied``, exit 2). ``--dry-run`` lists every object and upload that
-would go, one per line, and removes nothing.
+refuses (exit 2) and names ``--step`` of its newest complete checkpoint, given a URL that is neither
+a checkpoint nor a run (a folder of runs, other files) it refuses (exit 2, nothing removed), given a
+URL with nothing there it exits 1. A step of a run (``--step N``, or a URL ending in
+``step-<012d>``) is deleted through ``CheckpointManager(run).delete``: on a local path, a step
+folder that is a symlink leading out of the run is refused (``AccessDenied``, exit 2). ``--dry-run``
+lists every object and upload that would go, one per line, and removes nothing.
 
 Exit status: 0 success; 1 the operation failed (checkpoint missing, verification failed, storage
-error); 2 usage error, bad URL, missing or refused credentials, missing bucket; 130 interrupted.
-Errors are one line on stderr, never a traceback (set ``CLOUDCKPT_DEBUG=1`` to get one).
+error); 2 usage error, bad URL, missing or refused credentials, missing bucket; 130 interrupted;
+141 stdout's reader went away.
+Errors are one line on stderr, never a traceback (set ``CLOUDCKPT_DEBUG=1`` to get one). Output
+into a pipe that closes early (``cloudckpt show URL | head``) ends quietly with 141, as unix
+tools do (:mod:`cloudckpt.cli_stdout`).
 Progress bars (tqdm) are drawn on stderr when it is a terminal.
 """
 
@@ -59,14 +71,17 @@ from typing import Any, Sequence
 
 from cloudckpt.errors import (AccessDenied, BucketNotFound, CheckpointNotFound, CloudCkptError,
                               ConfigError, ObjectNotFound)
-from cloudckpt.layout import MANIFEST_KEY
 from cloudckpt import cli_json
+from cloudckpt.cli_delete import cmd_prune, cmd_rm
 from cloudckpt.cli_show import print_show
-from cloudckpt.cli_options import (EXIT_USAGE, Parser, UsageError, global_options, seconds,
-                                   storage_options, whole_number)
+from cloudckpt.cli_stdout import guarded, stdout_is_gone
+from cloudckpt.cli_store import has_manifest, manager, open_store, progress, set_storage, storage
+from cloudckpt.cli_urls import (check_local_destination, check_local_url, not_a_run,
+                                refuse_not_a_run)
+from cloudckpt.cli_options import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Parser,
+                                   UsageError, global_options, seconds, storage_options,
+                                   whole_number)
 from cloudckpt.wording import plural
-
-EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -95,39 +110,12 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out=None) -> N
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip(), file=out)
 
 
-def _progress(total: int | None, desc: str, unit: str = "obj"):
-    """A tqdm bar on stderr when it is a terminal, else a silent stand-in."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", file=sys.stderr,
-                leave=False, disable=not sys.stderr.isatty())
-
-
-#: The StorageOptions of this run of the command (None: the AWS chain); set by :func:`main`.
-_STORAGE = None
-
-
-def _open(url: str):
-    from cloudckpt.runtime import shared_store
-
-    return shared_store(url, _STORAGE)  # closed at exit
-
-
-def _has_manifest(store) -> bool:
-    from cloudckpt.runtime import run_coroutine
-
-    try:
-        run_coroutine(store.head(MANIFEST_KEY))
-        return True
-    except ObjectNotFound:
-        return False
-
-
-def _resolve_checkpoint(url: str, step: int | None) -> str:
-    """The checkpoint URL meant by ``url`` / ``--step`` (newest complete of a run by default)."""
+def _resolve_checkpoint(url: str, step: int | None, command: str) -> str:
+    """The checkpoint URL meant by ``url`` / ``--step`` (newest complete of a run by default);
+    a folder of checkpoints or runs is a UsageError naming them (``command``: for its hint)."""
     from cloudckpt.manager import join_url, step_dir
 
-    is_checkpoint = _has_manifest(_open(url))
+    is_checkpoint = has_manifest(open_store(url))
     if step is not None:
         if is_checkpoint:
             raise UsageError(f"{url} is a checkpoint already; give its run's URL with --step "
@@ -135,36 +123,28 @@ def _resolve_checkpoint(url: str, step: int | None) -> str:
         return join_url(url, step_dir(step))
     if is_checkpoint:
         return url
-    latest = _manager(url).latest()
+    latest = manager(url).latest()
     if latest is None:
+        from cloudckpt.runtime import run_coroutine
+
+        reason = run_coroutine(not_a_run(open_store(url), url, command))
+        if reason is not None:  # a folder of checkpoints or of runs: say which to give
+            raise UsageError(reason)
         raise CheckpointNotFound(f"no complete checkpoint at {url} (nor a run with one)")
     print(f"using the newest complete checkpoint: step {latest.step} ({latest.url})",
           file=sys.stderr)
     return latest.url
 
 
-def _manager(url: str, **kwargs):
-    from cloudckpt.manager import CheckpointManager
-
-    return CheckpointManager(url, storage=_STORAGE, **kwargs)
-
-
-def _refuse_checkpoint_as_run(url: str, command: str) -> None:
-    """``ls``/``prune`` given a checkpoint (a manifest at URL) instead of a run: a UsageError."""
-    if _has_manifest(_open(url)):
-        raise UsageError(f"{url} is a checkpoint, not a run: {command} takes a run's URL; "
-                         f"to see this checkpoint use: cloudckpt show {url}")
-
-
 # -- commands -----------------------------------------------------------------------------------
 
 
 def cmd_ls(args) -> int:
-    mgr = _manager(args.url)
+    mgr = manager(args.url)
     infos = mgr.list()
     if not infos:
-        _refuse_checkpoint_as_run(args.url, "ls")
-    with _progress(sum(i.complete for i in infos), "reading manifests") as bar:
+        refuse_not_a_run(args.url, "ls")
+    with progress(sum(i.complete for i in infos), "reading manifests") as bar:
         infos = mgr.list(details=True, progress=bar.update) if infos else infos
     if not args.details:  # retained folders are listed with --details only
         infos = [i for i in infos if not i.retained]
@@ -198,7 +178,7 @@ def _manifest_bytes(url: str) -> bytes:
     from cloudckpt.runtime import run_coroutine
 
     try:
-        return run_coroutine(fetch_manifest_bytes(_open(url)))
+        return run_coroutine(fetch_manifest_bytes(open_store(url)))
     except ObjectNotFound as exc:
         raise CheckpointNotFound(f"no complete checkpoint at {url} ({exc})") from exc
 
@@ -208,10 +188,10 @@ def cmd_show(args) -> int:
 
     from cloudckpt.manager import decode_manifest_without_pickle
 
-    url = _resolve_checkpoint(args.url, args.step)
+    url = _resolve_checkpoint(args.url, args.step, "show")
     pickled: tuple[str, ...] = ()
     if args.allow_pickle:
-        manifest = cloudckpt.read_manifest(url, allow_pickle=True, storage=_STORAGE)
+        manifest = cloudckpt.read_manifest(url, allow_pickle=True, storage=storage())
     else:
         manifest, pickled = decode_manifest_without_pickle(_manifest_bytes(url))
     if args.json:
@@ -225,14 +205,14 @@ def cmd_show(args) -> int:
 def cmd_verify(args) -> int:
     import cloudckpt
 
-    url = _resolve_checkpoint(args.url, args.step)
+    url = _resolve_checkpoint(args.url, args.step, "verify")
     total = None
     if sys.stderr.isatty():
         from cloudckpt.manager import decode_manifest_without_pickle
 
         total = decode_manifest_without_pickle(_manifest_bytes(url))[0].total_bytes()
-    with _progress(total, "verifying", unit="B") as bar:
-        report = cloudckpt.verify(url, progress=bar.update, storage=_STORAGE)
+    with progress(total, "verifying", unit="B") as bar:
+        report = cloudckpt.verify(url, progress=bar.update, storage=storage())
     if args.json:
         cli_json.emit(cli_json.verify_document(url, report))
         return EXIT_OK if report.ok else EXIT_FAILED
@@ -250,128 +230,6 @@ def cmd_verify(args) -> int:
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
-def _left_note(url: str, plan, verb: str) -> None:
-    """One stderr line about the keys a deletion leaves because the layout does not own them."""
-    if plan.left:
-        more = ", ..." if plan.left > len(plan.left_examples) else ""
-        print(f"{verb} {plural(plan.left, 'key')} under {url} that "
-              f"{'is' if plan.left == 1 else 'are'} not part of a checkpoint: "
-              f"{', '.join(plan.left_examples)}{more}", file=sys.stderr)
-
-
-def _print_keys(base: str, plan) -> None:
-    """Every object and upload of ``plan`` (keys relative to ``base``), one per line."""
-    from cloudckpt.manager import join_url
-
-    for key in plan.objects:
-        print(f"  {join_url(base, key)}")
-    for upload in plan.uploads:
-        print(f"  upload {join_url(base, upload.key)} {upload.upload_id}")
-
-
-def cmd_prune(args) -> int:
-    mgr = _manager(args.url, keep_last=args.keep_last, keep_every=args.keep_every,
-                   abandoned_after=args.abandoned_after)
-    if not mgr.list():
-        _refuse_checkpoint_as_run(args.url, "prune")
-    with _progress(None, "deleting") as bar:
-        removed = mgr.prune_plans(dry_run=args.dry_run, progress=bar.update)
-    if args.json:
-        cli_json.emit(cli_json.prune_document(mgr.url, removed, args.dry_run))
-        for info, plan in removed:
-            _left_note(info.url, plan, "would leave" if args.dry_run else "left")
-        return EXIT_OK
-    verb = "would remove" if args.dry_run else "removed"
-    if not removed:
-        print("nothing to remove")
-    for info, plan in removed:
-        state = "complete" if info.complete else "abandoned"
-        counts = f"{plural(len(plan.objects), 'object')}, {plural(len(plan.uploads), 'upload')}"
-        if plan.kept:
-            counts += f"; {plural(plan.kept, 'object')} kept, other checkpoints use them"
-        print(f"{verb} step {info.step} ({state})  {info.url}  ({counts})")
-        if args.dry_run:
-            _print_keys(mgr.url, plan)
-        _left_note(info.url, plan, "would leave" if args.dry_run else "left")
-    return EXIT_OK
-
-
-def _step_of_url(url: str) -> tuple[str, int] | None:
-    """(run URL, step) when ``url``'s last segment is a step folder ``step-<012d>`` of a run."""
-    from cloudckpt.manager import parse_step_dir
-
-    parent, _, last = url.rstrip("/").rpartition("/")
-    step = parse_step_dir(last + "/")
-    if step is None or not parent.strip("/") or parent.endswith((":", "/")):
-        return None  # no run above it (a bucket, a filesystem root, a relative name)
-    return parent, step
-
-
-def cmd_rm(args) -> int:
-    """Delete one checkpoint, complete or incomplete: only the keys the layout owns. A step of a
-    run (``--step N``, or a URL ending in ``step-<012d>``) goes through
-    ``CheckpointManager(run).delete`` and its guards; a run or a folder that is neither is
-    refused (exit 2), and a URL with nothing there is "nothing to remove" (exit 1). A URL with no
-    manifest that holds step checkpoints is a run, unless it is a step that owns keys itself."""
-    from cloudckpt.manager import join_url, step_dir
-    from cloudckpt.run_cleanup import delete_checkpoint, plan_checkpoint
-    from cloudckpt.runtime import run_coroutine
-
-    located = (args.url, args.step) if args.step is not None else _step_of_url(args.url)
-    if located is not None:
-        if args.step is not None and _has_manifest(_open(args.url)):
-            raise UsageError(f"{args.url} is a checkpoint already; give its run's URL with "
-                             f"--step {args.step}, or drop --step")
-        mgr, step = _manager(located[0]), located[1]
-        url, base = join_url(mgr.url, step_dir(step)), mgr.url
-        plan = mgr.plan_delete(step)  # refuses a step folder that leads out of the run
-
-        def delete(progress) -> int:
-            return mgr.delete(step, progress=progress)
-    else:  # from the folder above it, when there is one: siblings may reference its objects
-        from cloudckpt.run_layout import split_folder
-        from cloudckpt.storage import parse_store_url
-
-        url, plan, above = args.url, None, split_folder(args.url)
-        if above is not None and os.path.islink(parse_store_url(url).path or "/"):
-            above = None  # a folder the user named through a symlink: itself, no siblings
-        base, prefix = (url, "") if above is None else (above[0], above[1] + "/")
-        store = _open(base)
-
-        def delete(progress) -> int:
-            return run_coroutine(delete_checkpoint(store, prefix, progress=progress))
-    # a run is refused; a step of a run that owns something is a checkpoint whatever it holds
-    if (plan.empty if plan is not None else not _has_manifest(_open(url))):
-        others = _manager(url).list()
-        if others:
-            raise UsageError(f"{url} is a run with {plural(len(others), 'checkpoint')}, not a "
-                             "checkpoint; give one checkpoint URL or --step N")
-    if plan is None:
-        plan = run_coroutine(plan_checkpoint(store, prefix))
-    if plan.empty and plan.left:
-        raise UsageError(f"{url} is neither a checkpoint nor a run ({plural(plan.left, 'key')} "
-                         "there, none part of a checkpoint); nothing removed")
-    if plan.empty:
-        used = f": its {plural(plan.kept, 'object')} are used by other checkpoints" \
-            if plan.kept else ""
-        print(f"nothing to remove at {url}{used}", file=sys.stderr)
-        return EXIT_FAILED
-    state = "" if plan.has_manifest else "incomplete checkpoint, "
-    if args.dry_run:
-        print(f"would remove {url} ({state}{plural(len(plan.objects), 'object')}, "
-              f"{plural(len(plan.uploads), 'upload')})")
-        _print_keys(base, plan)
-        _left_note(url, plan, "would leave")
-        return EXIT_OK
-    with _progress(len(plan.objects), "deleting") as bar:
-        removed = delete(bar.update)
-    kept = f"; {plural(plan.kept, 'object')} kept, other checkpoints use them" if plan.kept else ""
-    print(f"removed {url} ({state}{plural(removed, 'object')}, "
-          f"{plural(len(plan.uploads), 'upload')}{kept})")
-    _left_note(url, plan, "left")
-    return EXIT_OK
-
-
 def cmd_export(args) -> int:
     """Write one consolidated file; see :mod:`cloudckpt.export` for how OUT is written (a fresh,
     exclusively created temporary file renamed onto OUT; nothing left behind on failure)."""
@@ -379,8 +237,9 @@ def cmd_export(args) -> int:
     from cloudckpt.export import export, export_kind
 
     if cli_export.wants_folder(args):
-        return cli_export.cmd_export_folder(args, _resolve_checkpoint(args.url, args.step),
-                                            _STORAGE, _progress)
+        check_local_destination(args.out, "OUT")
+        url = _resolve_checkpoint(args.url, args.step, "export")
+        return cli_export.cmd_export_folder(args, url, storage(), progress)
     out = args.out
     if export_kind(out) is None:
         raise UsageError(f"OUT must end with .safetensors or .pt, got {out!r}")
@@ -390,8 +249,8 @@ def cmd_export(args) -> int:
                          "first")
     if os.path.isdir(out):
         raise UsageError(f"cannot write {out}: it is a folder; give a file name")
-    url = _resolve_checkpoint(args.url, args.step)
-    skipped = export(url, out, allow_pickle=args.allow_pickle, storage=_STORAGE)
+    url = _resolve_checkpoint(args.url, args.step, "export")
+    skipped = export(url, out, allow_pickle=args.allow_pickle, storage=storage())
     if skipped:
         print(f"warning: {plural(len(skipped), 'non-tensor value')} not representable in "
               f"JSON {'was' if len(skipped) == 1 else 'were'} "
@@ -413,12 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
     global_options(p, default=None)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, fn, help_: str, *, run_only: bool = False, json_: bool = False):
+    def add(name: str, fn, help_: str, *, run_only: bool = False, json_: bool = False,
+            url_help: str = "a checkpoint's URL, or a run's (its newest complete checkpoint, "
+                            "or the one of --step)"):
         sp = sub.add_parser(name, help=help_, description=help_)
         sp.add_argument("url", metavar="RUN_URL" if run_only else "URL",
                         help="a run's URL (s3://BUCKET/PATH, file:///PATH or a path)" if run_only
-                        else "a checkpoint's URL, or a run's (its newest complete checkpoint, "
-                             "or the one of --step)")
+                        else url_help)
         if not run_only:
             sp.add_argument("--step", type=whole_number(0), default=None, metavar="N",
                             help="the checkpoint of step N of the run at URL")
@@ -429,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(fn=fn)
         return sp
 
-    sp = add("ls", cmd_ls, "list the checkpoints of a run", run_only=True, json_=True)
+    sp = add("ls", cmd_ls, "list the checkpoints of a run (objects: data objects, the manifest "
+             "not counted)", run_only=True, json_=True)
     sp.add_argument("--details", action="store_true", help="also each checkpoint's own bytes, "
                     "the bytes it shares with older ones (incremental) and its base step")
     sp = add("show", cmd_show, "show a checkpoint's tensors and values", json_=True)
@@ -446,10 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar="SECONDS",
                     help="age after which an incomplete checkpoint is abandoned (default 3600)")
     sp.add_argument("--dry-run", action="store_true", help="say what would be removed")
-    sp = add("rm", cmd_rm, "delete one checkpoint (manifest first, then its objects)")
+    sp = add("rm", cmd_rm, "delete one checkpoint (manifest first, then its objects)",
+             url_help="a checkpoint's URL, or a run's with --step N (a run without --step is "
+                      "refused: rm never picks a checkpoint for you)")
     sp.add_argument("--dry-run", action="store_true",
                     help="list every object and upload that would be removed")
-    sp = add("export", cmd_export, "write a checkpoint as one .safetensors or .pt file")
+    sp = add("export", cmd_export, "write a checkpoint as one .safetensors or .pt file, or "
+             "(--format safetensors) as a Hugging Face folder")
     sp.add_argument("out", metavar="OUT",
                     help="the file to write, ending in .safetensors or .pt, in a folder that "
                          "exists (with --format: a folder or s3:// prefix)")
@@ -462,8 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns (and, as a console script, exits with) the status."""
-    global _STORAGE
+    """Run the command line; returns (and, as a console script, exits with) the status. Output
+    into a pipe closed early ends quietly with status 141 (:mod:`cloudckpt.cli_stdout`)."""
+    return guarded(lambda: _main(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     debug = bool(os.environ.get("CLOUDCKPT_DEBUG"))
     try:
@@ -471,15 +339,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from cloudckpt.storage import parse_store_url
 
         parse_store_url(args.url)  # a malformed URL is a usage error before anything runs
-        _STORAGE = storage_options(args)
-        if _STORAGE is not None:  # also for any call below that is given no storage
-            set_default_storage(_STORAGE)
+        check_local_url(args.url)  # bucket/x written without s3://
+        set_storage(storage_options(args))
+        if storage() is not None:  # also for any call below that is given no storage
+            set_default_storage(storage())
         return args.fn(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:  # one line, no traceback: this is the command's whole error surface
-        if debug:
+        if debug or (isinstance(exc, BrokenPipeError) and stdout_is_gone()):
             raise
         status = EXIT_USAGE if isinstance(
             exc, (UsageError, ConfigError, AccessDenied, BucketNotFound)) else EXIT_FAILED

@@ -21,6 +21,7 @@ import argparse
 import sys
 
 from cloudckpt.cli_options import UsageError, global_options
+from cloudckpt.cli_urls import check_local_destination
 from cloudckpt.wording import plural
 
 
@@ -32,6 +33,7 @@ def cmd_convert(args) -> int:
         parse_store_url(args.dst)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+    check_local_destination(args.dst, "DST")
     if args.to == "cloudckpt" and not args.trust:
         raise UsageError(TRUST_MESSAGE.replace("pass allow_pickle=True (command line: --trust)",
                                                "add --trust"))

@@ -17,7 +17,8 @@ from typing import Any
 
 from cloudckpt.errors import ConfigError
 
-EXIT_USAGE = 2
+#: The command's exit statuses (141, stdout closed by its reader: cloudckpt.cli_stdout).
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class UsageError(Exception):

