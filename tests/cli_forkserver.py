@@ -66,14 +66,15 @@ class _Server:
                 self._proc.kill()
             self._proc = None
 
-    def run(self, args: list[str], *, cwd: str, env: dict[str, str],
-            timeout: float) -> subprocess.CompletedProcess:
+    def run(self, args: list[str], *, cwd: str, env: dict[str, str], timeout: float,
+            closed_stdout: bool) -> subprocess.CompletedProcess:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._start()
             with tempfile.TemporaryDirectory(prefix="cloudckpt-cli-run-") as out:
                 paths = (os.path.join(out, "stdout"), os.path.join(out, "stderr"))
-                self._conn.send(("run", list(args), str(cwd), dict(env), paths, float(timeout)))
+                self._conn.send(("run", list(args), str(cwd), dict(env), paths, float(timeout),
+                                 closed_stdout))
                 status = self._conn.recv()
                 stdout, stderr = (Path(p).read_text(errors="replace") for p in paths)
         argv = [sys.executable, "-m", "cloudckpt", *args]
@@ -85,11 +86,14 @@ class _Server:
 _SERVER = _Server()
 
 
-def run_cli(args, *, cwd: str, env: dict[str, str], timeout: float = 120.0
-            ) -> subprocess.CompletedProcess:
+def run_cli(args, *, cwd: str, env: dict[str, str], timeout: float = 120.0,
+            closed_stdout: bool = False) -> subprocess.CompletedProcess:
     """Like ``subprocess.run([sys.executable, "-m", "cloudckpt", *args], cwd=cwd, env=env,
-    capture_output=True, text=True, timeout=timeout)``, in a child of the fork server."""
-    return _SERVER.run([str(a) for a in args], cwd=cwd, env=env, timeout=timeout)
+    capture_output=True, text=True, timeout=timeout)``, in a child of the fork server.
+    ``closed_stdout``: stdout is a pipe whose reader has already gone (``cloudckpt ... | head``
+    after head exited); ``stdout`` is then empty."""
+    return _SERVER.run([str(a) for a in args], cwd=str(cwd), env=env, timeout=timeout,
+                       closed_stdout=closed_stdout)
 
 
 # -- server side ---------------------------------------------------------------------------------
@@ -122,18 +126,18 @@ def serve(address: str) -> None:
     conn = multiprocessing.connection.Client(address, family="AF_UNIX", authkey=key)
     while True:
         try:
-            _, args, cwd, env, paths, timeout = conn.recv()
+            _, args, cwd, env, paths, timeout, closed_stdout = conn.recv()
         except EOFError:
             return
         pid = os.fork()
         if pid == 0:
             conn.close()
-            _become_the_command(args, cwd, env, paths)  # never returns
+            _become_the_command(args, cwd, env, paths, closed_stdout)  # never returns
         conn.send(_wait(pid, timeout))
 
 
 def _become_the_command(args: list[str], cwd: str, env: dict[str, str],
-                        paths: tuple[str, str]) -> None:
+                        paths: tuple[str, str], closed_stdout: bool) -> None:
     """In the child: set up the process as ``python -m cloudckpt ARGS`` would have it, run the
     module, and exit with its status."""
     import runpy
@@ -149,6 +153,12 @@ def _become_the_command(args: list[str], cwd: str, env: dict[str, str],
         os.dup2(target, fd)
         os.close(target)
     os.close(null)
+    if closed_stdout:
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        os.dup2(write_end, 1)
+        os.close(write_end)
+    _open_stdio(unbuffered=bool(env.get("PYTHONUNBUFFERED")))
     sys.argv = [str(Path(REPO) / "cloudckpt" / "__main__.py"), *args]
     sys.modules.pop("cloudckpt.__main__", None)
     try:
@@ -169,6 +179,23 @@ def _become_the_command(args: list[str], cwd: str, env: dict[str, str],
         except (OSError, ValueError):
             code = 120  # the status Python gives when flushing at exit fails
     os._exit(code)
+
+
+def _open_stdio(*, unbuffered: bool) -> None:
+    """sys.stdout and sys.stderr made anew over fds 1 and 2, buffered as the interpreter makes
+    them at start-up for this command's environment (the server's were made for its own):
+    stdout block-buffered unless ``PYTHONUNBUFFERED`` (line-buffered on a terminal), stderr
+    line-buffered."""
+    import io
+
+    def stream(fd: int, *, errors: str, line_buffering: bool) -> io.TextIOWrapper:
+        raw = io.FileIO(fd, "w", closefd=False)
+        binary = raw if unbuffered else io.BufferedWriter(raw)
+        return io.TextIOWrapper(binary, encoding="utf-8", errors=errors,
+                                line_buffering=line_buffering, write_through=unbuffered)
+
+    sys.stdout = sys.__stdout__ = stream(1, errors="strict", line_buffering=os.isatty(1))
+    sys.stderr = sys.__stderr__ = stream(2, errors="backslashreplace", line_buffering=True)
 
 
 def _exit_status(code) -> int:

@@ -4,8 +4,8 @@ folders: what ``--help`` says is what the command does, a URL that is not a run 
 folder, output into a closed pipe ends quietly, one meaning of "objects", and the local server
 says what to install.
 
-Most runs go through :mod:`tests.reliability.cli_batch` (many runs of ``cloudckpt.cli.main`` in
-one process, each with its own stdout), a few through ``python -m cloudckpt`` itself."""
+Most runs go through the CLI fork server (:mod:`tests.cli_forkserver`: each run its own process,
+without the imports' seconds), a few through a fresh ``python -m cloudckpt``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import cloudckpt
 from cloudckpt import CheckpointManager
 from cloudckpt.cli import build_parser
 from cloudckpt.manager import step_dir
+from tests.cli_forkserver import run_cli
 from tests.reliability.stores import REPO, cli, cli_env
 
 COMMANDS = ("ls", "show", "verify", "prune", "rm", "export", "convert")
@@ -44,19 +45,16 @@ def _ckpt(run: str, step: int) -> str:
 
 
 def batch(server, cases: list[dict], cwd: Path) -> list[dict]:
-    """Each case ``{"argv": [...], "stdout": "capture" | "closed"}`` run in one process; the
-    process's own stderr must stay empty (no "Exception ignored" at exit)."""
-    cases = [{"cwd": str(cwd), "stdout": "capture", **case} for case in cases]
-    given, results = cwd / ".cases.json", cwd / ".results.json"
-    given.write_text(json.dumps(cases))
-    res = subprocess.run([sys.executable, "-m", "tests.reliability.cli_batch", str(given),
-                          str(results)], cwd=REPO, env=cli_env(server), capture_output=True,
-                         text=True, timeout=240)
-    assert res.returncode == 0 and res.stderr == "", res.stderr
-    out = json.loads(results.read_text())
-    given.unlink()
-    results.unlink()
-    return out
+    """Each case ``{"argv": [...], "stdout": "capture" | "closed"}`` run as ``python -m
+    cloudckpt`` (a child of the CLI fork server) in ``cwd``, stdout block-buffered as usual:
+    ``{"status", "stdout", "stderr"}`` each, in order."""
+    results = []
+    for case in cases:
+        res = run_cli(case["argv"], cwd=str(cwd), env=cli_env(server, PYTHONUNBUFFERED=None),
+                      timeout=240,
+                      closed_stdout=case.get("stdout") == "closed")
+        results.append({"status": res.returncode, "stdout": res.stdout, "stderr": res.stderr})
+    return results
 
 
 def _one_line(result: dict, status: int, text: str) -> str:
