@@ -1,15 +1,14 @@
-"""The ``cloudckpt`` command, run as a subprocess against the session's SeaweedFS."""
+"""The ``cloudckpt`` command, run as a process (a child of the CLI fork server) against the
+session's SeaweedFS."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from cloudckpt import CheckpointManager
 from cloudckpt.manager import step_dir
+from tests.cli_forkserver import run_cli
 from tests.reliability.stores import REPO, cli, cli_env
 
 
@@ -130,13 +129,10 @@ def test_error_cases_exit_cleanly(s3_env, s3_url, tmp_path):
         (["export", s3_url, str(tmp_path / "out.txt")], {}, 2, "OUT must end"),
         (["prune", s3_url], {}, 2, "--keep-last"),
     ]
-    procs = [subprocess.Popen([sys.executable, "-m", "cloudckpt", *args], cwd=REPO,
-                              env=cli_env(s3_env, **env), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-             for args, env, _, _ in cases]
-    for proc, (args, _, status, text) in zip(procs, cases):
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == status, (args, out, err)
+    for args, env, status, text in cases:
+        res = run_cli(args, cwd=REPO, env=cli_env(s3_env, **env), timeout=180)
+        out, err = res.stdout, res.stderr
+        assert res.returncode == status, (args, out, err)
         assert text in err, (args, err)
         assert "Traceback" not in err, (args, err)
     assert [i.step for i in mgr.list()] == [1]
