@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from typing import Any
 
 from cloudckpt.errors import ConfigError
@@ -34,12 +35,16 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {text} (see {self.prog} --help)\n")
 
 
+_WHOLE = re.compile(r"[+-]?[0-9]+")
+_DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
 def whole_number(minimum: int):
+    """ASCII digits only (``int()`` also takes ``٣``, ``1_0`` and spaces)."""
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not _WHOLE.fullmatch(text):
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+        value = int(text)
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
         return value
@@ -47,12 +52,11 @@ def whole_number(minimum: int):
 
 
 def seconds(*, positive: bool):
+    """A decimal number in ASCII (``float()`` also takes ``nan``, ``١.٥`` and ``1_0``)."""
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") \
-                from None
+        if not _DECIMAL.fullmatch(text):
+            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}")
+        value = float(text)
         if not math.isfinite(value) or value < 0 or (positive and value == 0):
             raise argparse.ArgumentTypeError(
                 f"must be {'>' if positive else '>='} 0 seconds, got {text}")

