@@ -55,8 +55,79 @@ _ERROR_XML = ('<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code
               '<Message>{message}</Message><RequestId>faultproxy</RequestId></Error>')
 
 
-class FaultProxy:
+class LoopThreadServer:
+    """A test server served by an event loop of its own in a daemon thread, on 127.0.0.1.
+    Subclasses define ``async _serve()`` (start listening, set ``self.port``) and ``async
+    _shutdown()`` (close what ``_serve`` opened); ``start()`` / ``stop()`` are idempotent."""
+
+    _thread_name = "cloudckpt-test-server"
+    port: int | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+
+    async def _serve(self) -> None:
+        raise NotImplementedError
+
+    async def _shutdown(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def endpoint_url(self) -> str:
+        if self.port is None:
+            raise RuntimeError(f"the {type(self).__name__} is not running")
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> str:
+        """Start serving; returns ``endpoint_url``. Idempotent."""
+        if self._thread is not None:
+            return self.endpoint_url
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                loop.run_until_complete(self._serve())
+            except BaseException as exc:  # noqa: BLE001 - reported to start()
+                failure.append(exc)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self._shutdown())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name=self._thread_name, daemon=True)
+        self._thread.start()
+        ready.wait(30)
+        if failure:
+            self._thread = None
+            raise RuntimeError(f"{type(self).__name__} failed to start") from failure[0]
+        return self.endpoint_url
+
+    def stop(self) -> None:
+        """Stop serving and join the thread. Idempotent."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        thread.join(30)
+        self.port = None
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class FaultProxy(LoopThreadServer):
     """See the module docstring. Every option can be changed at runtime with ``configure``."""
+
+    _thread_name = "cloudckpt-faultproxy"
 
     def __init__(self, upstream: str, *, rate: float = 0.0,
                  kinds: Iterable[str] = _FAILING_KINDS, fail_all: bool = False,
@@ -148,58 +219,6 @@ class FaultProxy:
         order (headers as sent by the client, before any re-signing)."""
         with self._lock:
             return list(self._requests)
-
-    @property
-    def endpoint_url(self) -> str:
-        if self.port is None:
-            raise RuntimeError("the proxy is not running")
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> str:
-        """Start serving; returns ``endpoint_url``. Idempotent."""
-        if self._thread is not None:
-            return self.endpoint_url
-        ready = threading.Event()
-        failure: list[BaseException] = []
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            try:
-                loop.run_until_complete(self._serve())
-            except BaseException as exc:  # noqa: BLE001 - reported to start()
-                failure.append(exc)
-                ready.set()
-                return
-            ready.set()
-            loop.run_forever()
-            loop.run_until_complete(self._shutdown())
-            loop.close()
-
-        self._thread = threading.Thread(target=run, name="cloudckpt-faultproxy", daemon=True)
-        self._thread.start()
-        ready.wait(30)
-        if failure:
-            self._thread = None
-            raise RuntimeError("fault proxy failed to start") from failure[0]
-        return self.endpoint_url
-
-    def stop(self) -> None:
-        """Stop serving and join the thread. Idempotent."""
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        thread.join(30)
-        self.port = None
-
-    def __enter__(self) -> FaultProxy:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     # --- serving (proxy thread) -------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import aiohttp
 from yarl import URL
 
-from cloudckpt.testing.faultproxy import _resign
+from cloudckpt.testing.faultproxy import LoopThreadServer, _resign
 
 __all__ = ["LIES", "LyingProxy"]
 
@@ -49,8 +49,10 @@ _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-leng
 _RANGE_RE = re.compile(rb"bytes ([0-9]+)-([0-9]+)/([0-9]+)")
 
 
-class LyingProxy:
+class LyingProxy(LoopThreadServer):
     """See the module docstring. ``configure`` changes the plan at runtime."""
+
+    _thread_name = "cloudckpt-lyingproxy"
 
     def __init__(self, upstream: str, *, lie: str | None = None,
                  schedule: Sequence[str | None] = (), late_s: float = 0.05,
@@ -98,58 +100,26 @@ class LyingProxy:
         with self._lock:
             return self._schedule.pop(0) if self._schedule else self.lie
 
-    @property
-    def endpoint_url(self) -> str:
-        if self.port is None:
-            raise RuntimeError("the proxy is not running")
-        return f"http://127.0.0.1:{self.port}"
+    # --- lifetime (LoopThreadServer: start, stop, endpoint_url) ----------------------------------
 
-    # --- lifetime -------------------------------------------------------------------------------
+    async def _serve(self) -> None:
+        self._server = await asyncio.start_server(self._serve_connection, "127.0.0.1", 0,
+                                                  limit=1 << 20)
+        self.port = self._server.sockets[0].getsockname()[1]
 
-    def start(self) -> str:
-        if self._thread is not None:
-            return self.endpoint_url
-        ready = threading.Event()
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            self._server = loop.run_until_complete(
-                asyncio.start_server(self._serve, "127.0.0.1", 0, limit=1 << 20))
-            self.port = self._server.sockets[0].getsockname()[1]
-            ready.set()
-            loop.run_forever()
-            self._server.close()
-            for writer in list(self._writers):  # each connection's loop then ends by itself
-                writer.transport.abort()
-            tasks = asyncio.all_tasks(loop)
-            loop.run_until_complete(asyncio.wait(tasks, timeout=5) if tasks else asyncio.sleep(0))
-            loop.close()
-
-        self._thread = threading.Thread(target=run, name="cloudckpt-lyingproxy", daemon=True)
-        self._thread.start()
-        ready.wait(30)
-        return self.endpoint_url
-
-    def stop(self) -> None:
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        thread.join(30)
-        self.port = None
-
-    def __enter__(self) -> LyingProxy:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    async def _shutdown(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):  # each connection's loop then ends by itself
+            writer.transport.abort()
+        tasks = asyncio.all_tasks() - {asyncio.current_task()}
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
 
     # --- serving (proxy thread) -------------------------------------------------------------------
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve_connection(self, reader: asyncio.StreamReader,
+                                writer: asyncio.StreamWriter) -> None:
         session = aiohttp.ClientSession(auto_decompress=False, trust_env=False,
                                         timeout=aiohttp.ClientTimeout(total=120))
         late: list[asyncio.Task] = []

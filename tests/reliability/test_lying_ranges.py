@@ -24,6 +24,7 @@ from cloudckpt.storage.s3_answers import BadAnswer, check_answer, http_int, pars
 from cloudckpt.storage.s3_errors import TruncatedBody, classify
 from cloudckpt.testing.lyingproxy import LIES, LyingProxy
 from tests.reliability.conftest import storage_for
+from tests.storage.conftest import run_on_store
 
 MiB = 1 << 20
 DATA = os.urandom(3 * MiB + 4321)
@@ -66,16 +67,6 @@ def lies(liar):
     liar.configure(lie=None, schedule=[], only=None)
 
 
-def _run(url, options, fn):
-    async def main():
-        store = open_store(url, options)
-        try:
-            return await fn(store)
-        finally:
-            await store.close()
-    return asyncio.run(main())
-
-
 def _through(s3_server, liar, reader, **kw):
     return storage_for(s3_server, endpoint_url=liar.endpoint_url, **READERS[reader], **kw)
 
@@ -98,7 +89,7 @@ def test_a_lying_answer_is_a_retriable_error_naming_object_and_range(
             await store.read_ranges("obj", [rng])
         return info.value, store.connection.range_getter.disabled
 
-    error, disabled = _run(stored, _through(s3_server, lies, reader, retry=TWO_TRIES), body)
+    error, disabled = run_on_store(stored, _through(s3_server, lies, reader, retry=TWO_TRIES), body)
     cause = error.last_cause
     assert error.attempts == 2  # retried: a later answer may be true
     assert classify(cause, "get", "obj", stored).retry
@@ -125,7 +116,7 @@ def test_a_lie_once_then_the_truth_reads_true_bytes_and_keeps_the_reader_on(
         return whole, store.stats.retries, store.connection.range_getter.disabled
 
     lies.configure(schedule=[lie, None, lie])
-    whole, retries, disabled = _run(stored, _through(s3_server, lies, reader, retry=QUICK), body)
+    whole, retries, disabled = run_on_store(stored, _through(s3_server, lies, reader, retry=QUICK), body)
     assert bytes(dest) == DATA[OFFSET:OFFSET + LENGTH]
     assert whole == DATA
     assert retries == (1 if lie == "whole" else 2)  # get() asks for the whole object anyway
@@ -147,7 +138,7 @@ def test_bytes_sent_after_an_answer_never_become_the_next_answer(s3_server, stor
             time.sleep(0.3)  # the loop blocked: the late bytes arrive, unread
         return got
 
-    got = _run(stored, _through(s3_server, lies, reader, retry=QUICK), body)
+    got = run_on_store(stored, _through(s3_server, lies, reader, retry=QUICK), body)
     assert got == [DATA[OFFSET:OFFSET + LENGTH]] * 3
 
 
@@ -246,7 +237,7 @@ def test_a_short_file_in_a_local_store_is_a_typed_error_naming_object_and_range(
             await store.read_ranges("obj", [ReadRange(4000, 2000)])
         return str(info.value)
 
-    text = _run(str(tmp_path), None, body)
+    text = run_on_store(str(tmp_path), None, body)
     assert "obj" in text and "[4000, 6000)" in text
 
 
@@ -269,7 +260,7 @@ def test_a_local_file_that_shrinks_during_a_read_is_a_typed_error_naming_object_
             await store.read_ranges("run/obj", [ReadRange(4000, 2000)])
         return info.value
 
-    error = _run(str(tmp_path), None, body)
+    error = run_on_store(str(tmp_path), None, body)
     assert "run/obj: range [4000, 6000)" in str(error) and "ended at byte 5000" in str(error)
     assert error.key == "run/obj"
 
@@ -295,7 +286,7 @@ def test_every_truncated_body_message_names_object_and_range(
                 await store.read_ranges("obj", [ReadRange(OFFSET, LENGTH)])
         return info.value.last_cause
 
-    cause = _run(stored, options, body)
+    cause = run_on_store(stored, options, body)
     assert isinstance(cause, TruncatedBody), f"{type(cause).__name__}: {cause}"
     asked = f"[0, {len(DATA)})" if read == "get" else f"[{OFFSET}, {OFFSET + LENGTH})"
     assert f"{stored}/obj" in str(cause) and asked in str(cause), str(cause)
