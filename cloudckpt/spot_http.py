@@ -37,6 +37,8 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 
+from cloudckpt.http_numbers import http_int
+
 __all__ = ["Answer", "Deadline", "RequestFailed", "Stopped", "exchange",
            "MAX_HEAD_BYTES", "STOP_SLICE_S"]
 
@@ -257,10 +259,10 @@ def _read_body(sock, data: bytearray, fields: dict[str, str], deadline: Deadline
     chunked = "chunked" in fields.get("transfer-encoding", "").lower()
     length = None
     if not chunked and "content-length" in fields:
-        if not fields["content-length"].isdigit():
+        length = http_int(fields["content-length"])
+        if length is None:
             raise RequestFailed("not HTTP", f"{what}: Content-Length "
                                             f"{fields['content-length'][:40]!r} is not a number")
-        length = int(fields["content-length"])
     # the raw bytes kept are bounded: the body limit plus the chunk framing's share of it
     raw_limit = max_body + 1024 if chunked else min(max_body, length if length is not None
                                                     else max_body)

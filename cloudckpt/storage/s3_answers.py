@@ -1,7 +1,7 @@
 """What an answer of the S3 server must be before its bytes are used: header numbers parsed as
-HTTP defines them (:func:`http_int`, :func:`parse_content_range`: ASCII digits only), a ranged
-GET's answer covering exactly the bytes asked (:func:`check_answer`), and kept-alive connections
-with bytes waiting dropped rather than reused (:func:`bytes_waiting`,
+HTTP defines them (:func:`cloudckpt.http_numbers.http_int`, :func:`parse_content_range`: ASCII
+digits only), a ranged GET's answer covering exactly the bytes asked (:func:`check_answer`), and
+kept-alive connections with bytes waiting dropped rather than reused (:func:`bytes_waiting`,
 :func:`drop_stale_connections`). A server, proxy or connection that labels its bytes wrongly
 raises :class:`BadAnswer`, which is retried (``s3_errors.classify``: a ``ConnectionError``).
 Shared by the direct reader (``s3_rangeget``) and the aiobotocore one (``s3_read``).
@@ -22,27 +22,12 @@ class BadAnswer(ConnectionError):
     attempt may reach a server, proxy or connection that tells the truth)."""
 
 
-#: Header numbers as HTTP defines them: ASCII digits only (``str.isdigit`` and ``\\d`` take
-#: Unicode digits too, which ``int`` then refuses or reads), at most 19 of them (below 2**63).
-_DIGITS_RE = re.compile(r"[0-9]{1,19}", re.ASCII)
 _CONTENT_RANGE_RE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/([0-9]{1,19}|\*)", re.ASCII)
-
-
-def http_int(value) -> int | None:
-    """A Content-Length, status or other numeric header value -> int; None when absent or not
-    1-19 ASCII digits (surrounding blanks allowed). An ``int`` (botocore's parsed
-    ``ContentLength``) is taken as it is when not negative."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value if value >= 0 else None
-    if not isinstance(value, str):
-        return None
-    value = value.strip(" \t")
-    return int(value) if _DIGITS_RE.fullmatch(value) else None
 
 
 def parse_content_range(value: str | None) -> tuple[int, int, int | None] | None:
     """``bytes a-b/total`` -> (a, b + 1, total or None); None when absent or unparsable
-    (ASCII digits only, as :func:`http_int`)."""
+    (ASCII digits only, as :func:`cloudckpt.http_numbers.http_int`)."""
     if not value or not isinstance(value, str):
         return None
     m = _CONTENT_RANGE_RE.fullmatch(value.strip(" \t"))

@@ -30,7 +30,7 @@ from cloudckpt.errors import (
     StorageError,
 )
 from cloudckpt.storage.retry import AttemptTimeout, Verdict
-from cloudckpt.storage.s3_answers import http_int
+from cloudckpt.http_numbers import http_int
 from cloudckpt.storage.s3_client import SendStall
 
 #: Error codes that name a transient server condition: the one list of them, used both for whole

@@ -15,7 +15,8 @@ import time
 from botocore.exceptions import ClientError
 
 from cloudckpt.storage.ranges import HeldRange, LandingPool
-from cloudckpt.storage.s3_answers import BadAnswer, check_answer, http_int
+from cloudckpt.http_numbers import http_int
+from cloudckpt.storage.s3_answers import BadAnswer, check_answer
 from cloudckpt.storage.s3_errors import RETRIABLE_STATUS, TruncatedBody
 
 _HEAD_START = 16 * 1024

@@ -14,13 +14,13 @@ import aiohttp
 from botocore.exceptions import ClientError
 
 from cloudckpt.errors import ObjectTooLarge
+from cloudckpt.http_numbers import http_int
 from cloudckpt.storage.base import ObjectInfo, ReadRange, run_all
 from cloudckpt.storage.ranges import Scatter, plan_pieces
 from cloudckpt.storage.s3_answers import (
     BadAnswer,
     check_answer,
     drop_stale_connections,
-    http_int,
     parse_content_range,
 )
 from cloudckpt.storage.s3_client import iter_body

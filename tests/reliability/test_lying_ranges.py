@@ -20,7 +20,8 @@ from cloudckpt.checksum import crc32c
 from cloudckpt.errors import ChecksumError, InvalidRange, RetriesExhausted
 from cloudckpt.storage import ReadRange, RetryOptions, open_store
 from cloudckpt.storage.ranges import checksum_error
-from cloudckpt.storage.s3_answers import BadAnswer, check_answer, http_int, parse_content_range
+from cloudckpt.http_numbers import http_int
+from cloudckpt.storage.s3_answers import BadAnswer, check_answer, parse_content_range
 from cloudckpt.storage.s3_errors import TruncatedBody, classify
 from cloudckpt.testing.lyingproxy import LIES, LyingProxy
 from tests.reliability.conftest import storage_for

@@ -210,3 +210,32 @@ def test_https_endpoint_verified_and_polled(tmp_path, monkeypatch, caplog):
         with SpotNoticePoller(calls, options=options) as poller:
             assert poller.wait_for_notice(15)
     assert calls.n == 1 and poller.notice == NOTICE
+
+
+@pytest.mark.parametrize("length", [b"\xb2", b"1\xb2", b"\xd9\xa3", b"+5", b"5 5", b"x"])
+def test_a_content_length_that_is_not_ascii_digits_is_a_typed_failure(length):
+    """The head's numbers are HTTP's (ASCII digits, :mod:`cloudckpt.http_numbers`): a
+    Content-Length of ``²`` (latin-1 0xb2, which ``str.isdigit`` takes) or of other scripts' digits
+    is "not HTTP", never a bare ``ValueError`` from ``int()``."""
+    import socket
+
+    from cloudckpt.spot_http import Deadline, RequestFailed, exchange
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: " + length + b"\r\n\r\nbody")
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(RequestFailed, match="Content-Length"):
+            exchange(f"http://127.0.0.1:{port}", "GET", "/latest/meta-data/spot/instance-action",
+                     {}, deadline=Deadline(5.0, threading.Event()), max_body=1 << 16)
+    finally:
+        thread.join(5)
+        server.close()
