@@ -108,10 +108,15 @@ def encode_pin(pin: Pin) -> bytes:
                           "attempt": pin.attempt, "lease": float(pin.lease)})
 
 
+def clamp_lease(lease: float) -> float:
+    """A pin's lease as every writer and reader counts it: within [:data:`MIN_PIN_LEASE`,
+    :data:`MAX_PIN_LEASE`]."""
+    return min(max(float(lease), MIN_PIN_LEASE), MAX_PIN_LEASE)
+
+
 def decode_pin(raw: bytes, key: str) -> Pin:
     """The pin stored at ``key`` (relative to its checkpoint root); ``ValueError`` when it is
-    malformed or does not match its key. Its lease is clamped to [:data:`MIN_PIN_LEASE`,
-    :data:`MAX_PIN_LEASE`]."""
+    malformed or does not match its key. Its lease is clamped (:func:`clamp_lease`)."""
     named = parse_pin_key(key)
     try:
         doc = msgpack.unpackb(raw, raw=False, strict_map_key=True)
@@ -123,4 +128,4 @@ def decode_pin(raw: bytes, key: str) -> Pin:
     if named is None or (doc.get("attempt"), doc.get("folder")) != named \
             or type(lease) is not float or not math.isfinite(lease):
         raise ValueError(f"pin {key} does not match its key, or has no lease")
-    return Pin(folder=named[1], attempt=named[0], lease=min(max(lease, MIN_PIN_LEASE), MAX_PIN_LEASE))
+    return Pin(folder=named[1], attempt=named[0], lease=clamp_lease(lease))

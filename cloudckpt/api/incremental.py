@@ -34,8 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from cloudckpt.errors import CheckpointError, ConfigError, ManifestError, ObjectNotFound
-from cloudckpt.layout import (MANIFEST_KEY, MAX_PIN_LEASE, MIN_PIN_LEASE, Pin, encode_pin,
-                              pin_key)
+from cloudckpt.layout import MANIFEST_KEY, Pin, clamp_lease, encode_pin, pin_key
 from cloudckpt.manifest import decode_manifest
 from cloudckpt.api.manifest_io import fetch_manifest_bytes
 from cloudckpt.planning.incremental import BaseChunks, match_base
@@ -149,7 +148,7 @@ async def open_base(run_store, *, folder: str, base: str, attempt: str, skeleton
     """Read (unless ``read``, :func:`read_base`'s result, is given), match and pin the base
     ``base`` of the save ``attempt`` of ``folder`` (see the module docstring); ``None`` when
     the save must write every chunk itself."""
-    lease = min(max(float(lease), MIN_PIN_LEASE), MAX_PIN_LEASE)
+    lease = clamp_lease(lease)
     manifest_key = f"{base}/{MANIFEST_KEY}"
     if read is None:
         read = await read_base(run_store, base)
