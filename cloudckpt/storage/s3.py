@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from botocore.exceptions import ClientError
 
 from cloudckpt.errors import ConfigError, ObjectNotFound, StorageError
+from cloudckpt.http_numbers import http_int
 from cloudckpt.storage.base import (
     Body,
     CommonPrefix,
@@ -311,7 +312,7 @@ def whole_checksum_of(resp: dict) -> WholeChecksum | None:
     is a composite (``-N``) or not a full-object one, else an ETag that is an MD5 (32 hex digits:
     a single-part upload; not for SSE-KMS or SSE-C objects, whose ETags are not MD5s), else
     None."""
-    size = int(resp.get("ContentLength") or 0)
+    size = http_int(resp.get("ContentLength")) or 0
     crc = resp.get("ChecksumCRC32C")
     if crc and "-" not in crc and resp.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT":
         try:
