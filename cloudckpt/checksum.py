@@ -3,13 +3,16 @@ the ``crc32c`` package (about 15 GB/s here; it releases the GIL on large buffers
 hash incremental saves compare chunks by (:func:`content_hash`: XXH3-128 of the ``xxhash``
 package, about 10 GB/s on one core here, 2x blake3's 4.6 GB/s; it releases the GIL too).
 :func:`hash_and_block_crcs` computes both in one pass over the bytes (what an incremental save's
-writer does: the bytes are read from memory once).
+writer does: the bytes are read from memory once). :func:`crc32c_combine` joins the crcs of two
+pieces into the crc of both (what checking a file read in ranges, in any order, needs).
 
 Pure and dependency-light: used by the writer, the reader and the storage layer. Buffers are read
 in place (no copy) whatever their format, as long as they are C-contiguous.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import crc32c as _crc32c_lib
 import xxhash
@@ -80,3 +83,47 @@ def hash_and_block_crcs(data, block_size: int) -> tuple[bytes, tuple[int, ...]]:
             hasher.update(piece)
         crcs.append(crc)
     return hasher.digest(), tuple(crcs)
+
+
+#: Castagnoli polynomial, reflected.
+_POLY = 0x82F63B78
+
+
+def _times(mat: Sequence[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _square(mat: Sequence[int]) -> list[int]:
+    return [_times(mat, mat[n]) for n in range(32)]
+
+
+def _zero_byte_operators() -> list[list[int]]:
+    """``ops[k]``: the GF(2) operator that appends ``2**k`` zero bytes to a crc32c register."""
+    one_bit = [_POLY] + [1 << n for n in range(31)]
+    op = _square(_square(_square(one_bit)))  # 8 zero bits
+    ops = [op]
+    for _ in range(63):
+        op = _square(op)
+        ops.append(op)
+    return ops
+
+
+_OPS = _zero_byte_operators()
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The crc32c of ``A + B`` from ``crc1 = crc32c(A)``, ``crc2 = crc32c(B)`` and ``len(B)``
+    (zlib's ``crc32_combine``, for the Castagnoli polynomial)."""
+    k = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _times(_OPS[k], crc1)
+        len2 >>= 1
+        k += 1
+    return crc1 ^ crc2

@@ -28,56 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cloudckpt.checksum import crc32c
+from cloudckpt.checksum import crc32c, crc32c_combine
 from cloudckpt.errors import ChecksumError
 
-#: Castagnoli polynomial, reflected.
-_POLY = 0x82F63B78
 #: Folding more bytes than this at once runs in a worker thread (keeps the event loop free).
 _THREAD_BYTES = 4 << 20
-
-
-def _times(mat: Sequence[int], vec: int) -> int:
-    out, i = 0, 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-def _square(mat: Sequence[int]) -> list[int]:
-    return [_times(mat, mat[n]) for n in range(32)]
-
-
-def _zero_byte_operators() -> list[list[int]]:
-    """``ops[k]``: the GF(2) operator that appends ``2**k`` zero bytes to a crc32c register."""
-    one_bit = [_POLY] + [1 << n for n in range(31)]
-    op = _square(_square(_square(one_bit)))  # 8 zero bits
-    ops = [op]
-    for _ in range(63):
-        op = _square(op)
-        ops.append(op)
-    return ops
-
-
-_OPS = _zero_byte_operators()
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The crc32c of ``A + B`` from ``crc1 = crc32c(A)``, ``crc2 = crc32c(B)`` and ``len(B)``
-    (zlib's ``crc32_combine``, for the Castagnoli polynomial)."""
-    k = 0
-    while len2:
-        if len2 & 1:
-            crc1 = _times(_OPS[k], crc1)
-        len2 >>= 1
-        k += 1
-    return crc1 ^ crc2
 
 
 @dataclass(frozen=True)

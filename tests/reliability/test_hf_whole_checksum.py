@@ -124,7 +124,8 @@ def test_ranges_in_any_order_are_folded_into_the_whole_files_checksum(tmp_path, 
     MD5 can only be folded in file order, so that file goes unchecked, as documented."""
     import hashlib
 
-    from cloudckpt.hf.whole import ExpectedFile, VerifyingStore, crc32c_combine
+    from cloudckpt.checksum import crc32c_combine
+    from cloudckpt.hf.whole import ExpectedFile, VerifyingStore
     from cloudckpt.storage import ReadRange
 
     blob, data_start, _ = safetensors_file()
