@@ -2,8 +2,7 @@
 read-once-broadcast assignment, with msgpack codecs. No I/O, no torch, no collectives."""
 
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
-from cloudckpt.planning import load_plan as _load_plan
-from cloudckpt.planning import local_plan as _local_plan
+from cloudckpt.planning.memos import clear_header_caches
 from cloudckpt.planning.assemble import (
     WrittenChunks,
     assemble_manifest,
@@ -36,9 +35,3 @@ __all__ = [
     "find_cover_defect", "key_digest", "plan_global_save", "plan_local_load", "region_str",
     "save_plan_cache_key",
 ]
-
-
-def clear_header_caches() -> None:
-    """Forget the plan headers the plan codecs memoise (pure memos: only memory is freed)."""
-    _load_plan.HEADER_CACHE.clear()
-    _local_plan.HEADER_CACHE.clear()
