@@ -1,6 +1,6 @@
 """Rank side of benchmarks/cluster.py: the state, the methods and one measured step.
 
-Runs inside the simulated cluster's rank processes (cloudckpt.testing.cluster), which see the
+Runs inside the simulated cluster's rank processes (cloudckpt.testing.cluster.simulated), which see the
 store through the standard AWS variables. State: save_load.py's kinds of tensors (large, medium,
 tiny, non-tensor values) with row counts divisible by every world size used, in two cases:
 - sharded: large and medium tensors are DTensors, Shard(0) over the world's 1-D mesh (or over the
@@ -40,8 +40,14 @@ def state_bytes(total_bytes: int) -> int:
 # -- building the state ----------------------------------------------------------------------------
 
 
-def rank_build(case: str, total_bytes: int, seed: int, args: dict, readers: int | None = None,
-               with_src: bool = True) -> dict:
+def rank_build(
+    case: str,
+    total_bytes: int,
+    seed: int,
+    args: dict,
+    readers: int | None = None,
+    with_src: bool = True,
+) -> dict:
     """Build this rank's source and zeroed destination of `case`. `readers`: the number of ranks
     that hold the destination (a checkpoint of the whole world loaded by the first `readers`
     ranks; the others hold nothing); default: every rank. `with_src=False` keeps only the
@@ -80,18 +86,31 @@ def rank_build(case: str, total_bytes: int, seed: int, args: dict, readers: int 
         if member:
             want = full.chunk(readers)[rank].clone() if sharded else full
             out = torch.zeros_like(want)
-            dest[s["name"]] = (DTensor.from_local(out, dest_mesh, [Shard(0)], run_check=False)
-                               if sharded else out)
+            dest[s["name"]] = (
+                DTensor.from_local(out, dest_mesh, [Shard(0)], run_check=False) if sharded else out
+            )
             local_dest[s["name"]], expected[s["name"]] = out, want
         del full
     if with_src:
         src["meta"] = SL.meta_values()
     dest["meta"] = SL.meta_values(blank=True)
-    _CTX.update(case=case, specs=specs, rank=rank, world=world, readers=readers, group=group,
-                member=member, args=args, src=SL._nest(src), dest=SL._nest(dest),
-                local_src=local_src, local_dest=local_dest, expected=expected,
-                streams=SL.raw_layout(specs, case, world),
-                scratch=bytearray(args["raw_object_mib"] * C.MiB))
+    _CTX.update(
+        case=case,
+        specs=specs,
+        rank=rank,
+        world=world,
+        readers=readers,
+        group=group,
+        member=member,
+        args=args,
+        src=SL._nest(src),
+        dest=SL._nest(dest),
+        local_src=local_src,
+        local_dest=local_dest,
+        expected=expected,
+        streams=SL.raw_layout(specs, case, world),
+        scratch=bytearray(args["raw_object_mib"] * C.MiB),
+    )
     return {"rss": C.rss_bytes(), "local_bytes": sum(t.nbytes for t in local_src.values())}
 
 
@@ -99,16 +118,21 @@ def rank_build(case: str, total_bytes: int, seed: int, args: dict, readers: int 
 
 
 def _info():
-    from cloudckpt.testing.s3server import S3ServerInfo
+    from cloudckpt.testing.servers.seaweed import S3ServerInfo
 
     env = os.environ
-    return S3ServerInfo(endpoint_url=env["AWS_ENDPOINT_URL"], access_key=env["AWS_ACCESS_KEY_ID"],
-                        secret_key=env["AWS_SECRET_ACCESS_KEY"], region=env["AWS_DEFAULT_REGION"],
-                        bucket=env["CLUSTER_BENCH_BUCKET"], readonly_access_key="",
-                        readonly_secret_key="")
+    return S3ServerInfo(
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        access_key=env["AWS_ACCESS_KEY_ID"],
+        secret_key=env["AWS_SECRET_ACCESS_KEY"],
+        region=env["AWS_DEFAULT_REGION"],
+        bucket=env["CLUSTER_BENCH_BUCKET"],
+        readonly_access_key="",
+        readonly_secret_key="",
+    )
 
 
-def _raw() -> "C.RawSession":
+def _raw() -> C.RawSession:
     """This process's raw client, kept across steps (made on first use)."""
     if _RAW.get("session") is None:
         concurrency = int(os.environ["CLUSTER_BENCH_RAW_CONCURRENCY"])
@@ -131,7 +155,7 @@ def _item_view(tensors: dict, item):
     if not first <= shard < first + per_reader:
         return None
     start = (shard - first) * nbytes
-    return view[start:start + nbytes]
+    return view[start : start + nbytes]
 
 
 def _raw_objects(prefix: str, for_put: bool, own_only: bool = False) -> list:
@@ -143,11 +167,16 @@ def _raw_objects(prefix: str, for_put: bool, own_only: bool = False) -> list:
     for writer, stream in enumerate(_CTX["streams"]):
         if (for_put or own_only) and writer != _CTX["rank"]:
             continue
-        groups = [[(_item_view(tensors, it), it[2]) for it in stream if (len(it[4]) > 1) == shared]
-                  for shared in (True, False)]
-        objects += C.cut_objects(f"{prefix}r{writer}-", groups,
-                                 _CTX["args"]["raw_object_mib"] * C.MiB,
-                                 memoryview(_CTX["scratch"]))
+        groups = [
+            [(_item_view(tensors, it), it[2]) for it in stream if (len(it[4]) > 1) == shared]
+            for shared in (True, False)
+        ]
+        objects += C.cut_objects(
+            f"{prefix}r{writer}-",
+            groups,
+            _CTX["args"]["raw_object_mib"] * C.MiB,
+            memoryview(_CTX["scratch"]),
+        )
     return objects
 
 
@@ -160,7 +189,9 @@ def rank_link_check(nbytes: int, prefix: str, bcast_bytes: int) -> dict:
     import torch.distributed as dist
 
     data = np.random.default_rng(dist.get_rank()).integers(0, 255, nbytes, dtype=np.uint8)
-    objects = C.cut_objects(f"{prefix}r{dist.get_rank()}-", [[(memoryview(data), nbytes)]], 4 * C.MiB)
+    objects = C.cut_objects(
+        f"{prefix}r{dist.get_rank()}-", [[(memoryview(data), nbytes)]], 4 * C.MiB
+    )
     out = {}
     raw = _raw()
     for action, fn in (("put", raw.put), ("get", raw.get)):
@@ -171,8 +202,10 @@ def rank_link_check(nbytes: int, prefix: str, bcast_bytes: int) -> dict:
     world = dist.get_world_size()
     buf = torch.zeros(bcast_bytes // world * world, dtype=torch.uint8)
     parts = list(buf.chunk(world))
-    for name, op in (("broadcast", lambda: dist.broadcast(buf, 0)),
-                     ("all_gather", lambda: dist.all_gather(parts, parts[dist.get_rank()].clone()))):
+    for name, op in (
+        ("broadcast", lambda: dist.broadcast(buf, 0)),
+        ("all_gather", lambda: dist.all_gather(parts, parts[dist.get_rank()].clone())),
+    ):
         op()  # connections
         dist.barrier()
         start = time.perf_counter()
@@ -187,17 +220,25 @@ def rank_link_check(nbytes: int, prefix: str, bcast_bytes: int) -> dict:
 
 def _s3fs_kwargs() -> dict:
     env = os.environ
-    return {"key": env["AWS_ACCESS_KEY_ID"], "secret": env["AWS_SECRET_ACCESS_KEY"],
-            "client_kwargs": {"endpoint_url": env["AWS_ENDPOINT_URL"],
-                              "region_name": env["AWS_DEFAULT_REGION"]},
-            "config_kwargs": {"s3": {"addressing_style": "path", "payload_signing_enabled": False},
-                              "request_checksum_calculation": "when_required",
-                              "response_checksum_validation": "when_required"}}
+    return {
+        "key": env["AWS_ACCESS_KEY_ID"],
+        "secret": env["AWS_SECRET_ACCESS_KEY"],
+        "client_kwargs": {
+            "endpoint_url": env["AWS_ENDPOINT_URL"],
+            "region_name": env["AWS_DEFAULT_REGION"],
+        },
+        "config_kwargs": {
+            "s3": {"addressing_style": "path", "payload_signing_enabled": False},
+            "request_checksum_calculation": "when_required",
+            "response_checksum_validation": "when_required",
+        },
+    }
 
 
 def _do(method: str, action: str, target: str) -> dict:
-    import cloudckpt
     import torch.distributed.checkpoint as dcp
+
+    import cloudckpt
 
     args, group = _CTX["args"], _CTX["group"]
     if method.startswith("cloudckpt"):
@@ -209,12 +250,20 @@ def _do(method: str, action: str, target: str) -> dict:
         return {"fetched": r.bytes_fetched, "received": r.bytes_received}
     if method == "dcp":
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
         if action == "save":
-            dcp.save(_CTX["src"], storage_writer=FsspecWriter(
-                target, thread_count=args["dcp_threads"], sync_files=False, **_s3fs_kwargs()))
+            dcp.save(
+                _CTX["src"],
+                storage_writer=FsspecWriter(
+                    target, thread_count=args["dcp_threads"], sync_files=False, **_s3fs_kwargs()
+                ),
+            )
         else:
-            dcp.load(_CTX["dest"], storage_reader=FsspecReader(target, **_s3fs_kwargs()),
-                     process_group=group)
+            dcp.load(
+                _CTX["dest"],
+                storage_reader=FsspecReader(target, **_s3fs_kwargs()),
+                process_group=group,
+            )
         return {}
     if method in ("raw", "raw-share"):
         objects = _raw_objects(target, action == "save", own_only=method == "raw-share")
@@ -248,8 +297,12 @@ def rank_step(method: str, action: str, target: str) -> dict:
         if _CTX["member"] or action == "save":
             extra = _do(method, action, target)
     dist.barrier()
-    out = {"seconds": time.perf_counter() - start, "cpu": meter.result.cpu,
-           "growth": meter.result.rss_growth, **extra}
+    out = {
+        "seconds": time.perf_counter() - start,
+        "cpu": meter.result.cpu,
+        "growth": meter.result.rss_growth,
+        **extra,
+    }
     if action == "load" and _CTX["member"]:
         if method == "raw-share":  # a share of the bytes only: nothing to compare
             for t in _CTX["local_dest"].values():

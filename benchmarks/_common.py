@@ -1,7 +1,7 @@
 """Shared helpers of the end-to-end benchmarks (not part of the library).
 
 - `repo_on_path()`: make `import cloudckpt` work when a script is run as `python benchmarks/x.py`.
-- `start_server()`: one local SeaweedFS with credentials (cloudckpt.testing.s3server.S3Server).
+- `start_server()`: one local SeaweedFS with credentials (cloudckpt.testing.servers.seaweed.S3Server).
 - `Meter`: wall seconds, process CPU seconds (every thread of this process: user + system) and
   RSS figures of one measured step. Peak RSS is the kernel's VmHWM, reset before the step by
   writing 5 to /proc/self/clear_refs (Linux >= 4.0); when the reset is refused the peak is the
@@ -23,9 +23,9 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -46,7 +46,7 @@ def start_server(bucket: str = "bench"):
     """Start one SeaweedFS S3 endpoint with credentials; returns the S3Server (`.info`, `.pid`,
     `.stop()`)."""
     repo_on_path()
-    from cloudckpt.testing.s3server import S3Server
+    from cloudckpt.testing.servers.seaweed import S3Server
 
     server = S3Server(bucket=bucket)
     server.start()
@@ -126,7 +126,7 @@ class Measure:
 class Meter:
     """`with Meter() as m: step()` fills `m.result` (a Measure)."""
 
-    def __enter__(self) -> "Meter":
+    def __enter__(self) -> Meter:
         self.result = Measure()
         self.result.hwm_reset = reset_peak_rss()
         self.result.rss_before = rss_bytes()
@@ -169,8 +169,13 @@ def _raw_client(info, concurrency: int):
         retries={"total_max_attempts": 3},
     )
     return AioSession().create_client(
-        "s3", endpoint_url=info.endpoint_url, aws_access_key_id=info.access_key,
-        aws_secret_access_key=info.secret_key, region_name=info.region, config=config)
+        "s3",
+        endpoint_url=info.endpoint_url,
+        aws_access_key_id=info.access_key,
+        aws_secret_access_key=info.secret_key,
+        region_name=info.region,
+        config=config,
+    )
 
 
 async def _put_with(client, bucket: str, objects: Sequence[RawObject], concurrency: int) -> int:
@@ -203,13 +208,13 @@ async def _get_with(client, bucket: str, objects: Sequence[RawObject], concurren
                 while view:
                     target = parts[index]
                     n = min(len(view), len(target) - pos)
-                    target[pos:pos + n] = view[:n]
+                    target[pos : pos + n] = view[:n]
                     view = view[n:]
                     pos += n
                     if pos == len(target):
                         index, pos = index + 1, 0
             if total != obj.nbytes:
-                raise IOError(f"raw GET {obj.key}: {total} bytes, expected {obj.nbytes}")
+                raise OSError(f"raw GET {obj.key}: {total} bytes, expected {obj.nbytes}")
             return total
 
     return sum(await asyncio.gather(*(get(o) for o in objects)))
@@ -238,30 +243,36 @@ class RawSession:
 
     def put(self, objects: Sequence[RawObject], *, bucket: str | None = None) -> int:
         return self.loop.run_until_complete(
-            _put_with(self.client, bucket or self.info.bucket, objects, self.concurrency))
+            _put_with(self.client, bucket or self.info.bucket, objects, self.concurrency)
+        )
 
     def get(self, objects: Sequence[RawObject], *, bucket: str | None = None) -> int:
         return self.loop.run_until_complete(
-            _get_with(self.client, bucket or self.info.bucket, objects, self.concurrency))
+            _get_with(self.client, bucket or self.info.bucket, objects, self.concurrency)
+        )
 
     def close(self) -> None:
         self.loop.run_until_complete(self._cm.__aexit__(None, None, None))
         self.loop.close()
 
 
-def raw_put(info, objects: Sequence[RawObject], *, bucket: str | None = None,
-            concurrency: int = 16) -> int:
+def raw_put(
+    info, objects: Sequence[RawObject], *, bucket: str | None = None, concurrency: int = 16
+) -> int:
     """PUT every object (`concurrency` in flight); returns the bytes sent."""
     return asyncio.run(_raw_put(info, bucket or info.bucket, objects, concurrency))
 
 
-def raw_get(info, objects: Sequence[RawObject], *, bucket: str | None = None,
-            concurrency: int = 16) -> int:
+def raw_get(
+    info, objects: Sequence[RawObject], *, bucket: str | None = None, concurrency: int = 16
+) -> int:
     """GET every object into its parts (`concurrency` in flight); returns the bytes received."""
     return asyncio.run(_raw_get(info, bucket or info.bucket, objects, concurrency))
 
 
-def cut_objects(key_prefix: str, groups, object_size: int, scratch: memoryview | None = None) -> list[RawObject]:
+def cut_objects(
+    key_prefix: str, groups, object_size: int, scratch: memoryview | None = None
+) -> list[RawObject]:
     """Cut byte streams into objects of `object_size` bytes named `<key_prefix><n>`.
 
     `groups` is a list of streams, each a list of `(view, length)` segments; streams never share
@@ -279,7 +290,9 @@ def cut_objects(key_prefix: str, groups, object_size: int, scratch: memoryview |
                 view, length = group[index]
                 n = min(length - pos, object_size - filled)
                 need |= view is not None
-                parts.append(view[pos:pos + n] if view is not None else scratch[filled:filled + n])
+                parts.append(
+                    view[pos : pos + n] if view is not None else scratch[filled : filled + n]
+                )
                 filled += n
                 pos += n
                 if pos == length:
@@ -298,7 +311,8 @@ def s3_prefix_usage(info, prefix: str, *, bucket: str | None = None) -> tuple[in
     client = info.boto3_client()
     total = count = 0
     for page in client.get_paginator("list_objects_v2").paginate(
-            Bucket=bucket or info.bucket, Prefix=prefix):
+        Bucket=bucket or info.bucket, Prefix=prefix
+    ):
         for obj in page.get("Contents", ()):
             total += obj["Size"]
             count += 1
@@ -312,7 +326,7 @@ def s3_delete_prefix(info, prefix: str, *, bucket: str | None = None) -> None:
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         keys += [{"Key": o["Key"]} for o in page.get("Contents", ())]
     for i in range(0, len(keys), 1000):
-        client.delete_objects(Bucket=bucket, Delete={"Objects": keys[i:i + 1000], "Quiet": True})
+        client.delete_objects(Bucket=bucket, Delete={"Objects": keys[i : i + 1000], "Quiet": True})
 
 
 def dir_usage(path: str) -> tuple[int, int]:
@@ -357,19 +371,30 @@ class Table:
         self.rows.append([str(c) for c in cells])
 
     def render(self) -> str:
-        widths = [max(len(r[i]) for r in [self.headers] + self.rows) for i in range(len(self.headers))]
+        widths = [
+            max(len(r[i]) for r in [self.headers] + self.rows) for i in range(len(self.headers))
+        ]
 
         def line(cells):
-            return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                             for i, (c, w) in enumerate(zip(cells, widths)))
+            return "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+            )
 
         out = [line(self.headers), "  ".join("-" * w for w in widths)]
         out += [line(r) for r in self.rows]
         return "\n".join(out)
 
 
-def ratio_line(label: str, measured: float | None, baseline: float | None, limit: float, *,
-               at_most: bool = True, measured_name: str = "", baseline_name: str = "") -> tuple[str, bool | None]:
+def ratio_line(
+    label: str,
+    measured: float | None,
+    baseline: float | None,
+    limit: float,
+    *,
+    at_most: bool = True,
+    measured_name: str = "",
+    baseline_name: str = "",
+) -> tuple[str, bool | None]:
     """`label: measured / baseline = r (target <= limit) PASS|MISS`. Returns (text, passed);
     passed is None when a figure is missing."""
     names = f" [{measured_name} / {baseline_name}]" if measured_name else ""
@@ -378,8 +403,10 @@ def ratio_line(label: str, measured: float | None, baseline: float | None, limit
     r = measured / baseline
     ok = r <= limit if at_most else r >= limit
     sign = "<=" if at_most else ">="
-    return (f"{label}: {measured:.3f} / {baseline:.3f} = {r:.3f}  (target {sign} {limit:g})  "
-            f"{'PASS' if ok else 'MISS'}{names}"), ok
+    return (
+        f"{label}: {measured:.3f} / {baseline:.3f} = {r:.3f}  (target {sign} {limit:g})  "
+        f"{'PASS' if ok else 'MISS'}{names}"
+    ), ok
 
 
 def print_targets(lines: Sequence[tuple[str, bool | None]]) -> None:
@@ -404,8 +431,10 @@ def tensor_bytes_view(tensor) -> memoryview:
 def describe_machine() -> str:
     import platform
 
-    return (f"{platform.node()} | {os.cpu_count()} cpus | {platform.python_version()} | "
-            f"{time.strftime('%Y-%m-%d %H:%M %Z')}")
+    return (
+        f"{platform.node()} | {os.cpu_count()} cpus | {platform.python_version()} | "
+        f"{time.strftime('%Y-%m-%d %H:%M %Z')}"
+    )
 
 
 def now_stamp() -> str:

@@ -29,7 +29,6 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common as C  # noqa: E402
 import save_load as SL  # noqa: E402  (state specs and builder shared with the save/load benchmark)
 
-
 # -- rank side -------------------------------------------------------------------------------------
 
 
@@ -64,6 +63,7 @@ def rank_clone(clones: int) -> dict:
 def rank_async(url: str) -> dict:
     """One async save: time blocked in the call, then time until the save is complete."""
     import torch.distributed as dist
+
     import cloudckpt
 
     storage = SL._storage_options()
@@ -73,17 +73,26 @@ def rank_async(url: str) -> dict:
     with C.Meter() as rest:
         result = handle.result()
     dist.barrier()
-    return {"blocked": handle.blocked_seconds, "call_wall": call.result.seconds,
-            "call_cpu": call.result.cpu, "call_growth": call.result.rss_growth,
-            "call_peak": call.result.peak_rss, "background": rest.result.seconds,
-            "bg_growth": rest.result.rss_growth, "bg_peak": rest.result.peak_rss,
-            "total": call.result.seconds + rest.result.seconds,
-            "allocations": handle.staging_allocations, "bytes_written": result.bytes_written,
-            "objects": result.objects, "rss_after": C.rss_bytes()}
+    return {
+        "blocked": handle.blocked_seconds,
+        "call_wall": call.result.seconds,
+        "call_cpu": call.result.cpu,
+        "call_growth": call.result.rss_growth,
+        "call_peak": call.result.peak_rss,
+        "background": rest.result.seconds,
+        "bg_growth": rest.result.rss_growth,
+        "bg_peak": rest.result.peak_rss,
+        "total": call.result.seconds + rest.result.seconds,
+        "allocations": handle.staging_allocations,
+        "bytes_written": result.bytes_written,
+        "objects": result.objects,
+        "rss_after": C.rss_bytes(),
+    }
 
 
 def rank_sync(url: str) -> dict:
     import torch.distributed as dist
+
     import cloudckpt
 
     storage = SL._storage_options()
@@ -91,8 +100,13 @@ def rank_sync(url: str) -> dict:
     with C.Meter() as m:
         result = cloudckpt.save(SL._CTX["src"], url, storage=storage)
     dist.barrier()
-    return {"seconds": m.result.seconds, "cpu": m.result.cpu, "growth": m.result.rss_growth,
-            "peak": m.result.peak_rss, "bytes_written": result.bytes_written}
+    return {
+        "seconds": m.result.seconds,
+        "cpu": m.result.cpu,
+        "growth": m.result.rss_growth,
+        "peak": m.result.peak_rss,
+        "bytes_written": result.bytes_written,
+    }
 
 
 # -- driver ---------------------------------------------------------------------------------------
@@ -107,7 +121,9 @@ def _med(values):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--gib", type=float, default=1.0, help="total state size in GiB (default 1.0)")
     p.add_argument("--quick", action="store_true", help="~64 MiB (development)")
     p.add_argument("--case", default="sharded", choices=("sharded", "replicated"))
@@ -141,18 +157,25 @@ def main(argv=None) -> int:
             clone = world.run(rank_clone, a.clones)
             print(f"  clone: {[f'{x:.3f}' for x in clone[0]['clone']]} s (rank 0)", flush=True)
             first = world.run(rank_async, info.url("async/first"))
-            print(f"  async #1: blocked {_max(first, 'blocked'):.3f} s, total {_max(first, 'total'):.3f} s",
-                  flush=True)
+            print(
+                f"  async #1: blocked {_max(first, 'blocked'):.3f} s, total {_max(first, 'total'):.3f} s",
+                flush=True,
+            )
             for k in range(a.repeat):
                 steady.append(world.run(rank_async, info.url(f"async/steady{k}")))
-                print(f"  async #{k + 2}: blocked {_max(steady[-1], 'blocked'):.3f} s, "
-                      f"total {_max(steady[-1], 'total'):.3f} s", flush=True)
+                print(
+                    f"  async #{k + 2}: blocked {_max(steady[-1], 'blocked'):.3f} s, "
+                    f"total {_max(steady[-1], 'total'):.3f} s",
+                    flush=True,
+                )
             for k in range(a.repeat):
                 syncs.append(world.run(rank_sync, info.url(f"sync/s{k}")))
                 print(f"  sync save: {_max(syncs[-1], 'seconds'):.3f} s", flush=True)
     except (RankFailedError, WorldTimeoutError) as exc:
         detail = getattr(exc, "failures", None) or getattr(exc, "stacks", {})
-        failures.append(f"{exc}\n" + "\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(detail.items())))
+        failures.append(
+            f"{exc}\n" + "\n".join(f"--- rank {r} ---\n{t}" for r, t in sorted(detail.items()))
+        )
     except BaseException:
         failures.append(traceback.format_exc())
     finally:
@@ -160,36 +183,79 @@ def main(argv=None) -> int:
 
     state = sum(s["nbytes"] for s in SL.make_specs(total))
     print(f"\n# async_save results  ({C.describe_machine()})")
-    print(f"state: {state / C.MiB:,.1f} MiB in total, case {a.case}, world 2; per-rank figures "
-          f"as rank0/rank1; times are the max over ranks")
+    print(
+        f"state: {state / C.MiB:,.1f} MiB in total, case {a.case}, world 2; per-rank figures "
+        f"as rank0/rank1; times are the max over ranks"
+    )
     if clone:
         print(f"local tensor bytes per rank: {'/'.join(C.fmt_mib(r['bytes']) for r in clone)} MiB")
-    t = C.Table(["step", "blocked s", "call wall s", "total s", "call CPU s", "RSS growth in call MiB",
-                 "RSS growth after MiB", "peak RSS MiB", "staging allocs"])
+    t = C.Table(
+        [
+            "step",
+            "blocked s",
+            "call wall s",
+            "total s",
+            "call CPU s",
+            "RSS growth in call MiB",
+            "RSS growth after MiB",
+            "peak RSS MiB",
+            "staging allocs",
+        ]
+    )
     clone_s = _med([max(c["clone"][i] for c in clone) for i in range(a.clones)]) if clone else None
     if clone:
-        t.add(f"clone() x{a.clones} (median)", "", C.fmt_s(clone_s), "",
-              "/".join(f"{_med(c['clone_cpu']):.2f}" for c in clone),
-              "/".join(f"{max(c['clone_growth']) / C.MiB:.0f}" for c in clone), "", "", "")
-        t.add("copy_() into existing buffers", "", C.fmt_s(_max(clone, "copy_into")), "", "", "", "", "", "")
+        t.add(
+            f"clone() x{a.clones} (median)",
+            "",
+            C.fmt_s(clone_s),
+            "",
+            "/".join(f"{_med(c['clone_cpu']):.2f}" for c in clone),
+            "/".join(f"{max(c['clone_growth']) / C.MiB:.0f}" for c in clone),
+            "",
+            "",
+            "",
+        )
+        t.add(
+            "copy_() into existing buffers",
+            "",
+            C.fmt_s(_max(clone, "copy_into")),
+            "",
+            "",
+            "",
+            "",
+            "",
+            "",
+        )
 
     def async_row(label, runs):
-        t.add(label, C.fmt_s(_max(runs, "blocked")), C.fmt_s(_max(runs, "call_wall")),
-              C.fmt_s(_max(runs, "total")), "/".join(f"{r['call_cpu']:.2f}" for r in runs),
-              "/".join(f"{r['call_growth'] / C.MiB:.0f}" for r in runs),
-              "/".join(f"{r['bg_growth'] / C.MiB:.0f}" for r in runs),
-              "/".join(f"{max(r['call_peak'], r['bg_peak']) / C.MiB:.0f}" for r in runs),
-              "/".join(str(r["allocations"]) for r in runs))
+        t.add(
+            label,
+            C.fmt_s(_max(runs, "blocked")),
+            C.fmt_s(_max(runs, "call_wall")),
+            C.fmt_s(_max(runs, "total")),
+            "/".join(f"{r['call_cpu']:.2f}" for r in runs),
+            "/".join(f"{r['call_growth'] / C.MiB:.0f}" for r in runs),
+            "/".join(f"{r['bg_growth'] / C.MiB:.0f}" for r in runs),
+            "/".join(f"{max(r['call_peak'], r['bg_peak']) / C.MiB:.0f}" for r in runs),
+            "/".join(str(r["allocations"]) for r in runs),
+        )
 
     if first:
         async_row("async_save #1 (first)", first)
     for k, runs in enumerate(steady):
         async_row(f"async_save #{k + 2} (steady)", runs)
     for k, runs in enumerate(syncs):
-        t.add(f"cloudckpt.save (sync) #{k + 1}", "", C.fmt_s(_max(runs, "seconds")),
-              C.fmt_s(_max(runs, "seconds")), "/".join(f"{r['cpu']:.2f}" for r in runs),
-              "/".join(f"{r['growth'] / C.MiB:.0f}" for r in runs), "",
-              "/".join(f"{r['peak'] / C.MiB:.0f}" for r in runs), "")
+        t.add(
+            f"cloudckpt.save (sync) #{k + 1}",
+            "",
+            C.fmt_s(_max(runs, "seconds")),
+            C.fmt_s(_max(runs, "seconds")),
+            "/".join(f"{r['cpu']:.2f}" for r in runs),
+            "/".join(f"{r['growth'] / C.MiB:.0f}" for r in runs),
+            "",
+            "/".join(f"{r['peak'] / C.MiB:.0f}" for r in runs),
+            "",
+        )
     print(t.render())
 
     # what training experiences: the larger of blocked_seconds and the wall time around the call
@@ -199,8 +265,10 @@ def main(argv=None) -> int:
     blocked_steady = _med([blocked(r) for r in steady]) if steady else None
     sync_s = _med([_max(r, "seconds") for r in syncs]) if syncs else None
     blocked_first = blocked(first) if first else None
-    print("\n## targets (measured / baseline; blocked = max(blocked_seconds, call wall), "
-          "steady = median of the steady saves)")
+    print(
+        "\n## targets (measured / baseline; blocked = max(blocked_seconds, call wall), "
+        "steady = median of the steady saves)"
+    )
     lines = [
         C.ratio_line("steady async blocked / clone", blocked_steady, clone_s, 1.2),
         C.ratio_line("steady async blocked / sync save (>=10x less)", blocked_steady, sync_s, 0.1),

@@ -76,6 +76,7 @@ class _Recorder:
 def _instrument() -> _Recorder:
     """Wrap ``Phase`` (its block, then its exchange) and torch's collectives."""
     import torch.distributed as dist
+
     from cloudckpt import transport
 
     rec = _Recorder()
@@ -93,8 +94,19 @@ def _instrument() -> _Recorder:
             rec.mark(self.what, "end")
 
     transport.Phase.__enter__, transport.Phase.__exit__ = phase_enter, phase_exit
-    for op in ("all_gather", "broadcast", "barrier", "all_gather_into_tensor", "all_gather_single",
-               "batch_isend_irecv", "send", "recv", "all_reduce", "gather", "scatter"):
+    for op in (
+        "all_gather",
+        "broadcast",
+        "barrier",
+        "all_gather_into_tensor",
+        "all_gather_single",
+        "batch_isend_irecv",
+        "send",
+        "recv",
+        "all_reduce",
+        "gather",
+        "scatter",
+    ):
         fn = getattr(dist, op, None)
         if fn is None:
             continue
@@ -115,21 +127,30 @@ def _instrument() -> _Recorder:
 #: functions whose calls ``--phases`` times (wall and the calling thread's CPU seconds):
 #: ``module:attribute`` (a dotted attribute for a method), patched where callers look them up.
 TRACED = (
-    "cloudckpt.api.load:StoredManifest.read", "cloudckpt.api.load:StoredManifest.decode",
-    "cloudckpt.api.load:StoredManifest.check", "cloudckpt.api.load:_Wanted.of",
-    "cloudckpt.api.load:plan_local_load", "cloudckpt.api.load:move_data",
-    "cloudckpt.api.reports:LoadPlanReport.encode", "cloudckpt.api.reports:LoadPlanReport.decode",
-    "cloudckpt.api.load_data:assign_readers", "cloudckpt.api.load_data:select_broadcasts",
+    "cloudckpt.api.load:StoredManifest.read",
+    "cloudckpt.api.load:StoredManifest.decode",
+    "cloudckpt.api.load:StoredManifest.check",
+    "cloudckpt.api.load:_Wanted.of",
+    "cloudckpt.api.load:plan_local_load",
+    "cloudckpt.api.load:move_data",
+    "cloudckpt.api.reports:LoadPlanReport.encode",
+    "cloudckpt.api.reports:LoadPlanReport.decode",
+    "cloudckpt.api.load_data:assign_readers",
+    "cloudckpt.api.load_data:select_broadcasts",
     "cloudckpt.dataplane.broadcast:BroadcastSession.__init__",
-    "cloudckpt.api.load_data:run_broadcasts", "cloudckpt.dataplane.reader:plan_pieces",
+    "cloudckpt.api.load_data:run_broadcasts",
+    "cloudckpt.dataplane.reader:plan_pieces",
     "cloudckpt.dataplane.broadcast:BroadcastSession.deliver_round",
     "cloudckpt.dataplane.broadcast:BroadcastSession.deliver",
     "cloudckpt.dataplane.broadcast:BroadcastSession.land",
     "cloudckpt.dataplane.broadcast:BroadcastSession.prefetch",
-    "cloudckpt.transport:Broadcaster.all_gather", "cloudckpt.transport:Broadcaster.exchange",
+    "cloudckpt.transport:Broadcaster.all_gather",
+    "cloudckpt.transport:Broadcaster.exchange",
     "cloudckpt.transport:Broadcaster.prepare",
-    "cloudckpt.api.save:_plan_locally", "cloudckpt.api.save:_plan_globally",
-    "cloudckpt.api.save:_upload", "cloudckpt.api.save:_commit",
+    "cloudckpt.api.save:_plan_locally",
+    "cloudckpt.api.save:_plan_globally",
+    "cloudckpt.api.save:_upload",
+    "cloudckpt.api.save:_commit",
 )
 
 
@@ -168,20 +189,26 @@ def _trace(rec: _Recorder, spec: str) -> None:
     setattr(owner, name, wrap_as(traced) if wrap_as else traced)
 
 
-def rank_setup(total_bytes: int, seed: int, code: str | None, phases: bool,
-               load_options: dict | None = None, gc_mode: str = "on") -> str:
+def rank_setup(
+    total_bytes: int,
+    seed: int,
+    code: str | None,
+    phases: bool,
+    load_options: dict | None = None,
+    gc_mode: str = "on",
+) -> str:
     """Build this rank's sharded source and zeroed destination (GlobalPiece row shards).
     ``gc_mode``: ``on`` (Python's default), ``freeze`` (``gc.freeze()`` after the set-up:
     what was allocated so far is never scanned again) or ``off`` (``gc.disable()``)."""
     import gc
 
     _use_code(code)
+    import _cluster_ranks as R
+    import save_load as SL
     import torch
     import torch.distributed as dist
 
     import cloudckpt
-    import _cluster_ranks as R
-    import save_load as SL
 
     rank, world = dist.get_rank(), dist.get_world_size()
     src, dest, expected = {}, {}, {}
@@ -192,7 +219,7 @@ def rank_setup(total_bytes: int, seed: int, code: str | None, phases: bool,
             expected[s["name"]] = (dest[s["name"]], full)
             continue
         rows = full.shape[0] // world
-        mine = full[rank * rows:(rank + 1) * rows].clone()
+        mine = full[rank * rows : (rank + 1) * rows].clone()
         out = torch.zeros_like(mine)
         offsets = (rank * rows, 0)
         src[s["name"]] = cloudckpt.GlobalPiece(mine, tuple(full.shape), offsets)
@@ -206,9 +233,14 @@ def rank_setup(total_bytes: int, seed: int, code: str | None, phases: bool,
         gc.freeze()
     elif gc_mode == "off":
         gc.disable()
-    _CTX.update(src=SL._nest(src), dest=SL._nest(dest), expected=expected,
-                load_options=cloudckpt.LoadOptions(**load_options) if load_options else None,
-                recorder=_instrument() if phases else None, profile=None)
+    _CTX.update(
+        src=SL._nest(src),
+        dest=SL._nest(dest),
+        expected=expected,
+        load_options=cloudckpt.LoadOptions(**load_options) if load_options else None,
+        recorder=_instrument() if phases else None,
+        profile=None,
+    )
     return cloudckpt.__file__
 
 
@@ -216,7 +248,7 @@ def _on_loop(fn) -> None:
     """Run ``fn`` on cloudckpt's loop thread and wait for it."""
     import concurrent.futures
 
-    from cloudckpt.runtime import get_loop
+    from cloudckpt.runtime.loop import get_loop
 
     done = concurrent.futures.Future()
     get_loop().call_soon_threadsafe(lambda: (fn(), done.set_result(None)))
@@ -286,8 +318,7 @@ def rank_call(action: str, url: str) -> dict:
     import torch.distributed as dist
 
     import cloudckpt
-
-    from cloudckpt.runtime import shared_store
+    from cloudckpt.runtime.loop import shared_store
 
     rec, prof = _CTX["recorder"], _CTX["profile"]
     if action != _CTX.get("profile_action"):
@@ -319,12 +350,22 @@ def rank_call(action: str, url: str) -> dict:
     if events:
         events.append(("return", "start", end, cpu1))
     dist.barrier()
-    requests = {op: n - requests0.get(op, 0) for op, n in stats.requests.items()
-                if n != requests0.get(op, 0)}
-    out = {"wall": end - start, "cpu": cpu1 - cpu0, "start": start, "cpu0": cpu0,
-           "events": events,
-           "requests": requests, "gc": gc_seconds, "gc_counts": gc_counts,
-           "fns": {k: list(v) for k, v in rec.fns.items()} if rec is not None else {}}
+    requests = {
+        op: n - requests0.get(op, 0)
+        for op, n in stats.requests.items()
+        if n != requests0.get(op, 0)
+    }
+    out = {
+        "wall": end - start,
+        "cpu": cpu1 - cpu0,
+        "start": start,
+        "cpu0": cpu0,
+        "events": events,
+        "requests": requests,
+        "gc": gc_seconds,
+        "gc_counts": gc_counts,
+        "fns": {k: list(v) for k, v in rec.fns.items()} if rec is not None else {},
+    }
     if action == "load":
         ok = all(torch.equal(got, want) for got, want in _CTX["expected"].values())
         for got, _ in _CTX["expected"].values():
@@ -381,11 +422,15 @@ def measure(world, server_pid: int, label: str, action: str, url: str) -> dict:
     for r in ranks:
         for op, k in r["requests"].items():
             requests[op] = requests.get(op, 0) + k
-    rec = {"wall": max(r["wall"] for r in ranks), "cpu": statistics.mean(r["cpu"] for r in ranks),
-           "server_cpu": C.proc_cpu_seconds(server_pid) - server0, "requests": requests,
-           "gc": statistics.mean(r["gc"] for r in ranks),
-           "gc_full": statistics.mean(r["gc_counts"][2] for r in ranks),
-           "verified": all(r.get("verified", True) for r in ranks)}
+    rec = {
+        "wall": max(r["wall"] for r in ranks),
+        "cpu": statistics.mean(r["cpu"] for r in ranks),
+        "server_cpu": C.proc_cpu_seconds(server_pid) - server0,
+        "requests": requests,
+        "gc": statistics.mean(r["gc"] for r in ranks),
+        "gc_full": statistics.mean(r["gc_counts"][2] for r in ranks),
+        "verified": all(r.get("verified", True) for r in ranks),
+    }
     if ranks[0]["events"]:
         rec["phases"] = [_phase_rows(r["events"], r["start"], r["cpu0"]) for r in ranks]
         rec["collectives"] = _collectives(ranks[0]["events"])
@@ -400,36 +445,60 @@ def main() -> int:
     ap.add_argument("--kib", type=int, default=1024, help="state size in KiB (default 1024)")
     ap.add_argument("--phases", action="store_true", help="per-phase and per-collective figures")
     ap.add_argument("--baseline", default=None, help="a directory holding another cloudckpt")
-    ap.add_argument("--load-option", action="append", default=[], metavar="NAME=INT",
-                    help="a LoadOptions field for every load (repeatable), e.g. "
-                         "min_broadcast_bytes=0")
-    ap.add_argument("--gc", default="on", choices=("on", "freeze", "off"),
-                    help="the ranks' garbage collector: on (default), frozen after the set-up, "
-                         "or off (to see its share of the cost)")
-    ap.add_argument("--profile-rank", type=int, default=None,
-                    help="write cProfile stats of this rank's measured calls (largest N)")
+    ap.add_argument(
+        "--load-option",
+        action="append",
+        default=[],
+        metavar="NAME=INT",
+        help="a LoadOptions field for every load (repeatable), e.g. min_broadcast_bytes=0",
+    )
+    ap.add_argument(
+        "--gc",
+        default="on",
+        choices=("on", "freeze", "off"),
+        help="the ranks' garbage collector: on (default), frozen after the set-up, "
+        "or off (to see its share of the cost)",
+    )
+    ap.add_argument(
+        "--profile-rank",
+        type=int,
+        default=None,
+        help="write cProfile stats of this rank's measured calls (largest N)",
+    )
     ap.add_argument("--profile-action", default="load", choices=("save", "load"))
     ap.add_argument("--profile-dir", default="/tmp/fixed_cost_profiles")
     args = ap.parse_args()
     ns = [int(x) for x in args.ns.split(",")]
-    codes = [("this", None)] + ([("baseline", os.path.abspath(args.baseline))]
-                                if args.baseline else [])
+    codes = [("this", None)] + (
+        [("baseline", os.path.abspath(args.baseline))] if args.baseline else []
+    )
     C.repo_on_path()
     import fixed_cost as R
+
     from cloudckpt.testing import ProcessWorld
 
     server = C.start_server(BUCKET)
     info = server.info
     results: dict = {}
     try:
-        print(f"# fixed cost: {os.uname().nodename} | {os.cpu_count()} cpus | load average "
-              f"{', '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
+        print(
+            f"# fixed cost: {os.uname().nodename} | {os.cpu_count()} cpus | load average "
+            f"{', '.join(f'{v:.2f}' for v in os.getloadavg())}",
+            flush=True,
+        )
         for n in ns:
             worlds = {}
             for label, code in codes:
                 world = ProcessWorld(n, env=info.env(), timeout=300)
-                origin = world.run(R.rank_setup, args.kib * 1024, 3, code, args.phases,
-                                   _load_options(args.load_option), args.gc)[0]
+                origin = world.run(
+                    R.rank_setup,
+                    args.kib * 1024,
+                    3,
+                    code,
+                    args.phases,
+                    _load_options(args.load_option),
+                    args.gc,
+                )[0]
                 worlds[label] = world
                 first = []
                 for i in range(2):  # warm-up: imports, clients, connections, plan caches
@@ -437,10 +506,15 @@ def main() -> int:
                     for action in ("save", "load"):
                         ranks = world.run(R.rank_call, action, url, timeout=300)
                         if i == 0:
-                            first.append(f"{action} {max(r['wall'] for r in ranks):.3f} s, "
-                                         f"{statistics.mean(r['cpu'] for r in ranks):.3f} CPU s/rank")
-                print(f"N={n} {label}: cloudckpt from {os.path.dirname(origin)}; first calls "
-                      f"in the world (not counted): {'; '.join(first)}", flush=True)
+                            first.append(
+                                f"{action} {max(r['wall'] for r in ranks):.3f} s, "
+                                f"{statistics.mean(r['cpu'] for r in ranks):.3f} CPU s/rank"
+                            )
+                print(
+                    f"N={n} {label}: cloudckpt from {os.path.dirname(origin)}; first calls "
+                    f"in the world (not counted): {'; '.join(first)}",
+                    flush=True,
+                )
             profile = args.profile_rank is not None and n == max(ns)
             for rep in range(args.repeat):
                 for label, _ in codes:
@@ -456,12 +530,16 @@ def main() -> int:
             if profile:
                 os.makedirs(args.profile_dir, exist_ok=True)
                 for label, _ in codes:
-                    path = os.path.join(args.profile_dir,
-                                        f"{label}-n{n}-rank{args.profile_rank}.prof")
+                    path = os.path.join(
+                        args.profile_dir, f"{label}-n{n}-rank{args.profile_rank}.prof"
+                    )
                     worlds[label].run(R.rank_profile_dump, path)
-                    print(f"cProfile (thread CPU s) of rank {args.profile_rank}'s measured "
-                          f"{args.profile_action}s ({label}): {path} (calling thread), "
-                          f"{path}.loop (loop thread)", flush=True)
+                    print(
+                        f"cProfile (thread CPU s) of rank {args.profile_rank}'s measured "
+                        f"{args.profile_action}s ({label}): {path} (calling thread), "
+                        f"{path}.loop (loop thread)",
+                        flush=True,
+                    )
             for world in worlds.values():
                 world.close()
             _report_n(n, codes, results, args)
@@ -487,19 +565,23 @@ def _report_n(n: int, codes, results, args) -> None:
         for action in ("save", "load"):
             recs = results[(n, label, action)]
             reqs = recs[-1]["requests"]
-            line.append(f"{action} {statistics.median(r['wall'] for r in recs):.3f} s wall, "
-                        f"{statistics.median(r['cpu'] for r in recs):.3f} CPU s/rank, server "
-                        f"{statistics.median(r['server_cpu'] for r in recs):.3f} CPU s, GC "
-                        f"{statistics.mean(r['gc'] for r in recs):.3f} s/rank (full "
-                        f"{statistics.mean(r['gc_full'] for r in recs):.2f}/call), requests "
-                        + ",".join(f"{op} {k}" for op, k in sorted(reqs.items())))
+            line.append(
+                f"{action} {statistics.median(r['wall'] for r in recs):.3f} s wall, "
+                f"{statistics.median(r['cpu'] for r in recs):.3f} CPU s/rank, server "
+                f"{statistics.median(r['server_cpu'] for r in recs):.3f} CPU s, GC "
+                f"{statistics.mean(r['gc'] for r in recs):.3f} s/rank (full "
+                f"{statistics.mean(r['gc_full'] for r in recs):.2f}/call), requests "
+                + ",".join(f"{op} {k}" for op, k in sorted(reqs.items()))
+            )
         print(f"N={n} {label:8s} " + " | ".join(line), flush=True)
         if not args.phases:
             continue
         for action in ("save", "load"):
             recs = results[(n, label, action)]
-            print(f"  {action} phases (median over repeats; wall s rank 0 / max over ranks; "
-                  f"CPU s rank 0 / mean over ranks):")
+            print(
+                f"  {action} phases (median over repeats; wall s rank 0 / max over ranks; "
+                f"CPU s rank 0 / mean over ranks):"
+            )
             rows: dict[str, list] = {}
             for rec in recs:
                 for rank, phase_rows in enumerate(rec["phases"]):
@@ -515,8 +597,11 @@ def _report_n(n: int, codes, results, args) -> None:
             for rec in recs:
                 for op, (count, secs) in rec["collectives"].items():
                     ops.setdefault(op, []).append((count, secs))
-            text = ", ".join(f"{op} x{statistics.median(c for c, _ in v):g} "
-                             f"({statistics.median(s for _, s in v):.3f} s)" for op, v in ops.items())
+            text = ", ".join(
+                f"{op} x{statistics.median(c for c, _ in v):g} "
+                f"({statistics.median(s for _, s in v):.3f} s)"
+                for op, v in ops.items()
+            )
             print(f"    collectives (rank 0): {text or 'none'}")
             fns: dict[str, list] = {}
             for rec in recs:
@@ -525,15 +610,19 @@ def _report_n(n: int, codes, results, args) -> None:
                         fns.setdefault(name, []).append((calls, wall, cpu))
             for name, v in sorted(fns.items(), key=lambda kv: -sum(c for _, _, c in kv[1])):
                 k = len(v)
-                print(f"    fn {name:55s} calls {sum(c for c, _, _ in v) / k:5.1f}  wall "
-                      f"{sum(w for _, w, _ in v) / k:7.4f}  CPU {sum(c for _, _, c in v) / k:7.4f} "
-                      "(mean per rank and call)")
+                print(
+                    f"    fn {name:55s} calls {sum(c for c, _, _ in v) / k:5.1f}  wall "
+                    f"{sum(w for _, w, _ in v) / k:7.4f}  CPU {sum(c for _, _, c in v) / k:7.4f} "
+                    "(mean per rank and call)"
+                )
 
 
 def _summary(ns, codes, results) -> None:
     print("\n## fixed cost per call (median of repeats; wall: slowest rank; CPU: per rank, mean)")
-    head = ("   N  version   save wall s  save CPU s/rank  load wall s  load CPU s/rank  "
-            "load/save wall  server CPU s save/load")
+    head = (
+        "   N  version   save wall s  save CPU s/rank  load wall s  load CPU s/rank  "
+        "load/save wall  server CPU s save/load"
+    )
     print(head)
     print("-" * len(head))
     for n in ns:
@@ -543,8 +632,10 @@ def _summary(ns, codes, results) -> None:
             sc, lc = (statistics.median(r["cpu"] for r in x) for x in (s, l_))
             ss, ls = (statistics.median(r["server_cpu"] for r in x) for x in (s, l_))
             ok = all(r["verified"] for r in l_)
-            print(f"{n:4d}  {label:8s}  {sw:11.3f}  {sc:15.3f}  {lw:11.3f}  {lc:15.3f}  "
-                  f"{lw / sw:14.2f}  {ss:10.3f} / {ls:.3f}" + ("" if ok else "  NOT VERIFIED"))
+            print(
+                f"{n:4d}  {label:8s}  {sw:11.3f}  {sc:15.3f}  {lw:11.3f}  {lc:15.3f}  "
+                f"{lw / sw:14.2f}  {ss:10.3f} / {ls:.3f}" + ("" if ok else "  NOT VERIFIED")
+            )
 
 
 if __name__ == "__main__":

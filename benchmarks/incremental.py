@@ -41,8 +41,9 @@ def make_specs(total_bytes: int) -> list[tuple[str, int, bool]]:
     """(name, rows, frozen) of every tensor: 90% of the bytes frozen; rows even (two ranks)."""
     frozen_rows = max(2, int(0.9 * total_bytes / N_FROZEN / (COLS * 4)) // 2 * 2)
     trained_rows = max(2, int(0.1 * total_bytes / N_TRAINED / (COLS * 4)) // 2 * 2)
-    return ([(f"base.layer{i}.weight", frozen_rows, True) for i in range(N_FROZEN)]
-            + [(f"adapter{i}.weight", trained_rows, False) for i in range(N_TRAINED)])
+    return [(f"base.layer{i}.weight", frozen_rows, True) for i in range(N_FROZEN)] + [
+        (f"adapter{i}.weight", trained_rows, False) for i in range(N_TRAINED)
+    ]
 
 
 def rank_build(total_bytes: int, info) -> dict:
@@ -61,8 +62,12 @@ def rank_build(total_bytes: int, info) -> dict:
         state[name] = cloudckpt.GlobalPiece(t, (rows, COLS), (rank * mine, 0))
         nbytes += rows * COLS * 4
     state["meta"] = {"step": 0, "lr": 1e-4, "note": "incremental benchmark"}
-    storage = StorageOptions(endpoint_url=info.endpoint_url, region=info.region,
-                             access_key_id=info.access_key, secret_access_key=info.secret_key)
+    storage = StorageOptions(
+        endpoint_url=info.endpoint_url,
+        region=info.region,
+        access_key_id=info.access_key,
+        secret_access_key=info.secret_key,
+    )
     _CTX.update(state=state, local=local, storage=storage, state_bytes=nbytes)
     return {"state_bytes": nbytes}
 
@@ -81,11 +86,21 @@ def rank_save(url: str, *, change: str, base: str | None, hashes: bool) -> dict:
     _CTX["state"]["meta"]["step"] += 1
     dist.barrier()
     started, cpu = time.perf_counter(), time.process_time()
-    result = cloudckpt.save(_CTX["state"], url, storage=_CTX["storage"], base=base,
-                            options=SaveOptions(content_hashes=hashes))
+    result = cloudckpt.save(
+        _CTX["state"],
+        url,
+        storage=_CTX["storage"],
+        base=base,
+        options=SaveOptions(content_hashes=hashes),
+    )
     seconds = time.perf_counter() - started
-    return {"seconds": seconds, "cpu": time.process_time() - cpu,
-            "written": result.bytes_written, "reused": result.bytes_reused, "base": result.base}
+    return {
+        "seconds": seconds,
+        "cpu": time.process_time() - cpu,
+        "written": result.bytes_written,
+        "reused": result.bytes_reused,
+        "base": result.base,
+    }
 
 
 def rank_check(url: str) -> bool:
@@ -94,20 +109,26 @@ def rank_check(url: str) -> bool:
 
     import cloudckpt
 
-    blank = {k: cloudckpt.GlobalPiece(torch.zeros_like(v.local), v.global_shape, v.offsets)
-             for k, v in _CTX["state"].items() if k != "meta"}
+    blank = {
+        k: cloudckpt.GlobalPiece(torch.zeros_like(v.local), v.global_shape, v.offsets)
+        for k, v in _CTX["state"].items()
+        if k != "meta"
+    }
     blank["meta"] = {"step": -1, "lr": 0.0, "note": ""}
     cloudckpt.load(blank, url, storage=_CTX["storage"])
-    return all(torch.equal(blank[k].local, v.local) for k, v in _CTX["state"].items()
-               if k != "meta") and blank["meta"] == _CTX["state"]["meta"]
+    return (
+        all(torch.equal(blank[k].local, v.local) for k, v in _CTX["state"].items() if k != "meta")
+        and blank["meta"] == _CTX["state"]["meta"]
+    )
 
 
 class Bench:
     def __init__(self, args, server):
         self.args, self.server, self.info = args, server, server.info
         self.lines: list[tuple[str, bool | None]] = []
-        self.table = C.Table(("case", "save", "seconds", "rank cpu", "server cpu", "written",
-                              "reused", "base"))
+        self.table = C.Table(
+            ("case", "save", "seconds", "rank cpu", "server cpu", "written", "reused", "base")
+        )
 
     def url(self, *parts: str) -> str:
         return "s3://" + self.info.bucket + "/" + "/".join(("incremental",) + parts)
@@ -117,16 +138,30 @@ class Bench:
         res = world.run(rank_save, url, **kw, timeout=self.args.timeout)
         # CPU seconds (every rank's process, and the server's) depend far less on other load on
         # the machine than wall times do
-        out = {"seconds": max(r["seconds"] for r in res), "written": res[0]["written"],
-               "reused": res[0]["reused"], "base": res[0]["base"],
-               "rank_cpu": sum(r["cpu"] for r in res),
-               "server_cpu": C.proc_cpu_seconds(self.server.pid) - server_cpu}
-        self.table.add(case, label, C.fmt_s(out["seconds"]), C.fmt_s(out["rank_cpu"]),
-                       C.fmt_s(out["server_cpu"]), C.fmt_mib(out["written"]),
-                       C.fmt_mib(out["reused"]), out["base"] or "-")
-        print(f"  {case} {label:14s} {out['seconds']:7.2f} s  cpu ranks {out['rank_cpu']:.2f} s"
-              f" server {out['server_cpu']:.2f} s  written {C.fmt_mib(out['written'])}"
-              f"  reused {C.fmt_mib(out['reused'])}  base {out['base'] or '-'}", flush=True)
+        out = {
+            "seconds": max(r["seconds"] for r in res),
+            "written": res[0]["written"],
+            "reused": res[0]["reused"],
+            "base": res[0]["base"],
+            "rank_cpu": sum(r["cpu"] for r in res),
+            "server_cpu": C.proc_cpu_seconds(self.server.pid) - server_cpu,
+        }
+        self.table.add(
+            case,
+            label,
+            C.fmt_s(out["seconds"]),
+            C.fmt_s(out["rank_cpu"]),
+            C.fmt_s(out["server_cpu"]),
+            C.fmt_mib(out["written"]),
+            C.fmt_mib(out["reused"]),
+            out["base"] or "-",
+        )
+        print(
+            f"  {case} {label:14s} {out['seconds']:7.2f} s  cpu ranks {out['rank_cpu']:.2f} s"
+            f" server {out['server_cpu']:.2f} s  written {C.fmt_mib(out['written'])}"
+            f"  reused {C.fmt_mib(out['reused'])}  base {out['base'] or '-'}",
+            flush=True,
+        )
         return out
 
     def check(self, world, url: str) -> None:
@@ -134,32 +169,61 @@ class Bench:
 
     def case_a_and_c(self, world, state_bytes: int) -> None:
         a = self.args
-        fulls = [self.save(world, "a", f"full {i}", self.url("a-full", str(i)), change="trained",
-                           base=None, hashes=False) for i in range(a.repeat)]
+        fulls = [
+            self.save(
+                world,
+                "a",
+                f"full {i}",
+                self.url("a-full", str(i)),
+                change="trained",
+                base=None,
+                hashes=False,
+            )
+            for i in range(a.repeat)
+        ]
         full_s = statistics.median(f["seconds"] for f in fulls)
         full_stored, _ = C.s3_prefix_usage(self.info, "incremental/a-full/0/")
         previous = None
         incr = []
         for i in range(a.saves):
             url = self.url("a-run", f"step-{i:012d}")
-            incr.append(self.save(world, "a", f"incr {i}", url, change="trained", base=previous,
-                                  hashes=True))
+            incr.append(
+                self.save(
+                    world, "a", f"incr {i}", url, change="trained", base=previous, hashes=True
+                )
+            )
             previous = url
         self.check(world, previous)
         later = incr[1:]
         worst_written = max(s["written"] for s in later)
         median_s = statistics.median(s["seconds"] for s in later)
-        self.lines.append(C.ratio_line("(a) bytes written by a save after the first / state bytes",
-                                       worst_written, state_bytes, 0.12,
-                                       measured_name="largest", baseline_name="state"))
-        self.lines.append(C.ratio_line("(a) save time after the first / full save time",
-                                       median_s, full_s, 0.25,
-                                       measured_name="median incremental", baseline_name="median full"))
+        self.lines.append(
+            C.ratio_line(
+                "(a) bytes written by a save after the first / state bytes",
+                worst_written,
+                state_bytes,
+                0.12,
+                measured_name="largest",
+                baseline_name="state",
+            )
+        )
+        self.lines.append(
+            C.ratio_line(
+                "(a) save time after the first / full save time",
+                median_s,
+                full_s,
+                0.25,
+                measured_name="median incremental",
+                baseline_name="median full",
+            )
+        )
         run_stored, run_objects = C.s3_prefix_usage(self.info, "incremental/a-run/")
         ratio = run_stored / (full_stored * a.saves)
-        self.storage_line = (f"(c) stored by {a.saves} incremental saves: {C.fmt_mib(run_stored)} "
-                             f"({run_objects} objects) / {a.saves} full saves: "
-                             f"{C.fmt_mib(full_stored * a.saves)} = {ratio:.3f}")
+        self.storage_line = (
+            f"(c) stored by {a.saves} incremental saves: {C.fmt_mib(run_stored)} "
+            f"({run_objects} objects) / {a.saves} full saves: "
+            f"{C.fmt_mib(full_stored * a.saves)} = {ratio:.3f}"
+        )
         print("  " + self.storage_line, flush=True)
         C.s3_delete_prefix(self.info, "incremental/a-")
 
@@ -172,30 +236,49 @@ class Bench:
             order = ("full", "incr") if i % 2 == 0 else ("incr", "full")
             for kind in order:
                 if kind == "full":
-                    full.append(self.save(world, "b", f"full {i}", self.url("b", f"full-{i}"),
-                                          change="all", base=None, hashes=False))
+                    full.append(
+                        self.save(
+                            world,
+                            "b",
+                            f"full {i}",
+                            self.url("b", f"full-{i}"),
+                            change="all",
+                            base=None,
+                            hashes=False,
+                        )
+                    )
                 else:
                     url = self.url("b", f"incr-{i}")
-                    incr.append(self.save(world, "b", f"incr {i}", url, change="all",
-                                          base=previous, hashes=True))
+                    incr.append(
+                        self.save(
+                            world, "b", f"incr {i}", url, change="all", base=previous, hashes=True
+                        )
+                    )
                     previous = url
                     if i == a.repeat - 1:
                         self.check(world, url)  # before the next save changes the state
         assert all(s["reused"] == 0 for s in incr), "every tensor changed: nothing to reuse"
-        self.lines.append(C.ratio_line(
-            "(b) every tensor changed: incremental save time / full save time",
-            statistics.median(s["seconds"] for s in incr),
-            statistics.median(s["seconds"] for s in full), 1.05,
-            measured_name="median incremental", baseline_name="median full"))
+        self.lines.append(
+            C.ratio_line(
+                "(b) every tensor changed: incremental save time / full save time",
+                statistics.median(s["seconds"] for s in incr),
+                statistics.median(s["seconds"] for s in full),
+                1.05,
+                measured_name="median incremental",
+                baseline_name="median full",
+            )
+        )
         fastest = min(s["seconds"] for s in incr) / min(s["seconds"] for s in full)
 
         def cpu(saves, key):
             return statistics.median(s[key] for s in saves)
 
-        self.note = (f"(b) fastest incremental / fastest full: {fastest:.3f} (less sensitive to "
-                     "other load on the machine; not a target); median CPU seconds, incremental "
-                     f"/ full: ranks {cpu(incr, 'rank_cpu'):.2f} / {cpu(full, 'rank_cpu'):.2f}, "
-                     f"server {cpu(incr, 'server_cpu'):.2f} / {cpu(full, 'server_cpu'):.2f}")
+        self.note = (
+            f"(b) fastest incremental / fastest full: {fastest:.3f} (less sensitive to "
+            "other load on the machine; not a target); median CPU seconds, incremental "
+            f"/ full: ranks {cpu(incr, 'rank_cpu'):.2f} / {cpu(full, 'rank_cpu'):.2f}, "
+            f"server {cpu(incr, 'server_cpu'):.2f} / {cpu(full, 'server_cpu'):.2f}"
+        )
         print("  " + self.note, flush=True)
         C.s3_delete_prefix(self.info, "incremental/b/")
 
@@ -205,10 +288,14 @@ class Bench:
         a = self.args
         with ProcessWorld(2, timeout=a.timeout) as world:
             state_bytes = world.run(rank_build, a.total_bytes, self.info)[0]["state_bytes"]
-            print(f"state: {C.fmt_mib(state_bytes)} in {N_FROZEN + N_TRAINED} tensors, "
-                  f"{N_FROZEN} frozen (90%)", flush=True)
-            self.save(world, "-", "warm-up", self.url("warmup"), change="trained", base=None,
-                      hashes=True)
+            print(
+                f"state: {C.fmt_mib(state_bytes)} in {N_FROZEN + N_TRAINED} tensors, "
+                f"{N_FROZEN} frozen (90%)",
+                flush=True,
+            )
+            self.save(
+                world, "-", "warm-up", self.url("warmup"), change="trained", base=None, hashes=True
+            )
             C.s3_delete_prefix(self.info, "incremental/warmup")
             if "a" in a.cases:
                 self.case_a_and_c(world, state_bytes)
@@ -226,8 +313,9 @@ class Bench:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1.0)")
     p.add_argument("--quick", action="store_true", help="~64 MiB (development)")
     p.add_argument("--saves", type=int, default=10, help="saves of the incremental run (a, c)")

@@ -40,8 +40,12 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common as C  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
 
 METHODS = ("cloudckpt-dcp", "s3torchconnector", "dcp-s3fs", "cloudckpt")
-LABEL = {"cloudckpt-dcp": "DCP + cloudckpt.dcp", "s3torchconnector": "DCP + s3torchconnector",
-         "dcp-s3fs": "DCP + fsspec/s3fs", "cloudckpt": "cloudckpt save/load"}
+LABEL = {
+    "cloudckpt-dcp": "DCP + cloudckpt.dcp",
+    "s3torchconnector": "DCP + s3torchconnector",
+    "dcp-s3fs": "DCP + fsspec/s3fs",
+    "cloudckpt": "cloudckpt save/load",
+}
 
 
 # -- the state (every process computes the same specs) --------------------------------------------
@@ -55,17 +59,35 @@ def make_specs(total_bytes: int) -> list[dict]:
     for i in range(4):
         dtype = ("float32", "bfloat16")[i % 2]
         rows = max(2, int(0.85 * total_bytes / 4 / (2048 * size[dtype])) // 2 * 2)
-        specs.append({"name": f"model.layers.{i}.weight", "dtype": dtype, "shape": (rows, 2048),
-                      "sharded": True})
+        specs.append(
+            {
+                "name": f"model.layers.{i}.weight",
+                "dtype": dtype,
+                "shape": (rows, 2048),
+                "sharded": True,
+            }
+        )
     for j in range(32):
         dtype = ("float32", "bfloat16")[j % 2]
         rows = max(2, int(0.14 * total_bytes / 32 / (512 * size[dtype])) // 2 * 2)
-        specs.append({"name": f"model.layers.{j % 4}.mlp{j}.weight", "dtype": dtype,
-                      "shape": (rows, 512), "sharded": True})
+        specs.append(
+            {
+                "name": f"model.layers.{j % 4}.mlp{j}.weight",
+                "dtype": dtype,
+                "shape": (rows, 512),
+                "sharded": True,
+            }
+        )
     shapes = [(), (1,), (64,), (3, 5), (257,)]
     for k in range(200):
-        specs.append({"name": f"optim.state.p{k // 4}.t{k % 4}", "dtype": ("float32", "int64")[k % 2],
-                      "shape": shapes[k % len(shapes)], "sharded": False})
+        specs.append(
+            {
+                "name": f"optim.state.p{k // 4}.t{k % 4}",
+                "dtype": ("float32", "int64")[k % 2],
+                "shape": shapes[k % len(shapes)],
+                "sharded": False,
+            }
+        )
     for s in specs:
         n = 1
         for d in s["shape"]:
@@ -125,8 +147,15 @@ def rank_build(total_bytes: int, seed: int, info, args: dict) -> dict:
         local_src[s["name"]], local_dest[s["name"]] = mine, out
         del full
     src["meta"], dest["meta"] = values(), values(blank=True)
-    _CTX.update(rank=rank, info=info, args=args, src=_nest(src), dest=_nest(dest),
-                local_src=local_src, local_dest=local_dest)
+    _CTX.update(
+        rank=rank,
+        info=info,
+        args=args,
+        src=_nest(src),
+        dest=_nest(dest),
+        local_src=local_src,
+        local_dest=local_dest,
+    )
     return {"rss": C.rss_bytes()}
 
 
@@ -134,17 +163,26 @@ def _storage():
     from cloudckpt.storage import StorageOptions
 
     info = _CTX["info"]
-    return StorageOptions(endpoint_url=info.endpoint_url, region=info.region,
-                          access_key_id=info.access_key, secret_access_key=info.secret_key)
+    return StorageOptions(
+        endpoint_url=info.endpoint_url,
+        region=info.region,
+        access_key_id=info.access_key,
+        secret_access_key=info.secret_key,
+    )
 
 
 def _s3fs_kwargs() -> dict:
     info = _CTX["info"]
-    return {"key": info.access_key, "secret": info.secret_key,
-            "client_kwargs": {"endpoint_url": info.endpoint_url, "region_name": info.region},
-            "config_kwargs": {"s3": {"addressing_style": "path", "payload_signing_enabled": False},
-                              "request_checksum_calculation": "when_required",
-                              "response_checksum_validation": "when_required"}}
+    return {
+        "key": info.access_key,
+        "secret": info.secret_key,
+        "client_kwargs": {"endpoint_url": info.endpoint_url, "region_name": info.region},
+        "config_kwargs": {
+            "s3": {"addressing_style": "path", "payload_signing_enabled": False},
+            "request_checksum_calculation": "when_required",
+            "response_checksum_validation": "when_required",
+        },
+    }
 
 
 def _do(method: str, action: str, target: str) -> None:
@@ -154,6 +192,7 @@ def _do(method: str, action: str, target: str) -> None:
     src, dest = _CTX["src"], _CTX["dest"]
     if method == "cloudckpt-dcp":
         from cloudckpt.dcp import StorageReader, StorageWriter
+
         if save:
             dcp.save(src, storage_writer=StorageWriter(target, _storage()))
         else:
@@ -161,21 +200,32 @@ def _do(method: str, action: str, target: str) -> None:
     elif method == "s3torchconnector":
         from s3torchconnector import S3ClientConfig
         from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+
         config, region = S3ClientConfig(force_path_style=True), _CTX["info"].region
         if save:
-            dcp.save(src, storage_writer=S3StorageWriter(region, target, s3client_config=config,
-                                                         thread_count=args["dcp_threads"]))
+            dcp.save(
+                src,
+                storage_writer=S3StorageWriter(
+                    region, target, s3client_config=config, thread_count=args["dcp_threads"]
+                ),
+            )
         else:
             dcp.load(dest, storage_reader=S3StorageReader(region, target, s3client_config=config))
     elif method == "dcp-s3fs":
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
         if save:
-            dcp.save(src, storage_writer=FsspecWriter(target, thread_count=args["dcp_threads"],
-                                                      sync_files=False, **_s3fs_kwargs()))
+            dcp.save(
+                src,
+                storage_writer=FsspecWriter(
+                    target, thread_count=args["dcp_threads"], sync_files=False, **_s3fs_kwargs()
+                ),
+            )
         else:
             dcp.load(dest, storage_reader=FsspecReader(target, **_s3fs_kwargs()))
     elif method == "cloudckpt":
         import cloudckpt
+
         if save:
             cloudckpt.save(src, target, storage=_storage())
         else:
@@ -187,8 +237,9 @@ def _do(method: str, action: str, target: str) -> None:
 def _verify_and_reset() -> bool:
     import torch
 
-    ok = all(bool(torch.equal(out, _CTX["local_src"][name]))
-             for name, out in _CTX["local_dest"].items())
+    ok = all(
+        bool(torch.equal(out, _CTX["local_src"][name])) for name, out in _CTX["local_dest"].items()
+    )
     ok &= _CTX["dest"]["meta"] == values()
     for out in _CTX["local_dest"].values():
         out.zero_()
@@ -205,8 +256,13 @@ def rank_step(method: str, action: str, target: str) -> dict:
         _do(method, action, target)
     dist.barrier()
     m = meter.result
-    out = {"seconds": time.perf_counter() - start, "cpu": m.cpu, "growth": m.rss_growth,
-           "peak_rss": m.peak_rss, "hwm_reset": m.hwm_reset}
+    out = {
+        "seconds": time.perf_counter() - start,
+        "cpu": m.cpu,
+        "growth": m.rss_growth,
+        "peak_rss": m.peak_rss,
+        "hwm_reset": m.hwm_reset,
+    }
     if action == "load":
         out["verified"] = _verify_and_reset()
     return out
@@ -235,8 +291,8 @@ def rank_warmup(methods, targets: dict, info, args: dict) -> None:
 class Runner:
     def __init__(self, args, server):
         self.args, self.server, self.info = args, server, server.info
-        self.results: dict = {}      # (method, action) -> [per-repeat list of rank dicts]
-        self.stored: dict = {}       # method -> (bytes, objects)
+        self.results: dict = {}  # (method, action) -> [per-repeat list of rank dicts]
+        self.stored: dict = {}  # method -> (bytes, objects)
         self.failures: list[str] = []
         self.targets: list = []
         self.rank_args = {"dcp_threads": args.dcp_threads}
@@ -256,25 +312,30 @@ class Runner:
             print(f"  {method:17s} {action}: FAILED", flush=True)
             return False
         self.results.setdefault((method, action), []).append(res)
-        print(f"  {method:17s} {action}: {max(r['seconds'] for r in res):7.3f} s"
-              + ("" if action == "save" else f"  verified={all(r['verified'] for r in res)}"),
-              flush=True)
+        print(
+            f"  {method:17s} {action}: {max(r['seconds'] for r in res):7.3f} s"
+            + ("" if action == "save" else f"  verified={all(r['verified'] for r in res)}"),
+            flush=True,
+        )
         return True
 
     def run(self) -> None:
         from cloudckpt.testing import ProcessWorld
 
         a = self.args
-        env = self.info.env()    # s3torchconnector reads the endpoint and keys from here
+        env = self.info.env()  # s3torchconnector reads the endpoint and keys from here
         with ProcessWorld(2, timeout=a.timeout, env=env) as world:
             warm = {m: self.target("warmup", m, 0) for m in a.methods}
             world.run(rank_warmup, a.methods, warm, self.info, self.rank_args, timeout=a.timeout)
             C.s3_delete_prefix(self.info, "interop/warmup/")
-            world.run(rank_build, a.total_bytes, a.seed, self.info, self.rank_args,
-                      timeout=a.timeout)
+            world.run(
+                rank_build, a.total_bytes, a.seed, self.info, self.rank_args, timeout=a.timeout
+            )
             for rep in range(a.repeat):
                 order = list(a.methods) if rep % 2 == 0 else list(a.methods)[::-1]
-                saved = [m for m in order if self.step(world, m, "save", self.target("run", m, rep))]
+                saved = [
+                    m for m in order if self.step(world, m, "save", self.target("run", m, rep))
+                ]
                 for m in saved:
                     self.stored[m] = C.s3_prefix_usage(self.info, self.prefix("run", m, rep) + "/")
                 for m in saved:
@@ -302,8 +363,18 @@ class Runner:
         return None if run is None else max(max(r["growth"] for r in run), C.MiB) / C.MiB
 
     def table(self, action: str) -> str:
-        t = C.Table(["method", "seconds", "MB/s", "RSS growth MiB/rank", "CPU s/rank",
-                     "stored MiB", "objects", "verified"])
+        t = C.Table(
+            [
+                "method",
+                "seconds",
+                "MB/s",
+                "RSS growth MiB/rank",
+                "CPU s/rank",
+                "stored MiB",
+                "objects",
+                "verified",
+            ]
+        )
         for m in self.args.methods:
             run = self.pick(m, action)
             if run is None:
@@ -311,39 +382,59 @@ class Runner:
                 continue
             secs = max(r["seconds"] for r in run)
             stored, objects = self.stored.get(m, (None, None))
-            t.add(LABEL[m], C.fmt_s(secs), C.fmt_rate(self.state_bytes, secs),
-                  "/".join(f"{r['growth'] / C.MiB:.0f}" for r in run),
-                  "/".join(f"{r['cpu']:.2f}" for r in run),
-                  C.fmt_mib(stored) if action == "save" else "",
-                  str(objects) if action == "save" and objects is not None else "",
-                  "" if action == "save" else C.human_bool(all(r["verified"] for r in run)))
+            t.add(
+                LABEL[m],
+                C.fmt_s(secs),
+                C.fmt_rate(self.state_bytes, secs),
+                "/".join(f"{r['growth'] / C.MiB:.0f}" for r in run),
+                "/".join(f"{r['cpu']:.2f}" for r in run),
+                C.fmt_mib(stored) if action == "save" else "",
+                str(objects) if action == "save" and objects is not None else "",
+                "" if action == "save" else C.human_bool(all(r["verified"] for r in run)),
+            )
         return t.render()
 
     def report(self) -> None:
         a = self.args
         print(f"\n# interop results  ({C.describe_machine()})")
-        print(f"state: {self.state_bytes / C.MiB:,.1f} MiB ({len(make_specs(a.total_bytes))} "
-              f"tensors + values), world 2, DTensor Shard(0), repeats {a.repeat} (median shown), "
-              f"DCP writer thread_count {a.dcp_threads} (s3torchconnector, fsspec)")
+        print(
+            f"state: {self.state_bytes / C.MiB:,.1f} MiB ({len(make_specs(a.total_bytes))} "
+            f"tensors + values), world 2, DTensor Shard(0), repeats {a.repeat} (median shown), "
+            f"DCP writer thread_count {a.dcp_threads} (s3torchconnector, fsspec)"
+        )
         for action in ("save", "load"):
             print(f"\n## {action} (MB/s = state bytes / s)")
             print(self.table(action))
         ours, theirs = "cloudckpt-dcp", "s3torchconnector"
         for action in ("save", "load"):
-            self.targets.append(C.ratio_line(
-                f"{action}: seconds cloudckpt.dcp / s3torchconnector (at least as fast)",
-                self.seconds(ours, action), self.seconds(theirs, action), 1.0))
-            self.targets.append(C.ratio_line(
-                f"{action}: peak RSS growth per rank cloudckpt.dcp / s3torchconnector "
-                "(less memory)", self.growth_mib(ours, action), self.growth_mib(theirs, action),
-                1.0))
+            self.targets.append(
+                C.ratio_line(
+                    f"{action}: seconds cloudckpt.dcp / s3torchconnector (at least as fast)",
+                    self.seconds(ours, action),
+                    self.seconds(theirs, action),
+                    1.0,
+                )
+            )
+            self.targets.append(
+                C.ratio_line(
+                    f"{action}: peak RSS growth per rank cloudckpt.dcp / s3torchconnector "
+                    "(less memory)",
+                    self.growth_mib(ours, action),
+                    self.growth_mib(theirs, action),
+                    1.0,
+                )
+            )
         print("\n## targets (measured / baseline)")
         C.print_targets(self.targets)
         print("\n## for reference (not targets)")
         for action in ("save", "load"):
             for m in ("dcp-s3fs", "cloudckpt"):
-                text, _ = C.ratio_line(f"{action}: seconds cloudckpt.dcp / {m}",
-                                       self.seconds(ours, action), self.seconds(m, action), 1e9)
+                text, _ = C.ratio_line(
+                    f"{action}: seconds cloudckpt.dcp / {m}",
+                    self.seconds(ours, action),
+                    self.seconds(m, action),
+                    1e9,
+                )
                 print("  " + text.split("  (target")[0])
         if any(not r["hwm_reset"] for runs in self.results.values() for run in runs for r in run):
             print("  note: /proc/self/clear_refs refused: peak RSS figures are lifetime peaks")
@@ -364,8 +455,11 @@ def hf_export_section(runner, world) -> None:
     s3://, next to the old one-file export, on this run's server; one process per method."""
     from interop_hf import export_table, run_export_benchmark
 
-    rows = run_export_benchmark(runner.args.total_bytes / C.GiB, info=runner.info,
-                                shard_mib=max(4, runner.args.total_bytes // C.MiB // 4))
+    rows = run_export_benchmark(
+        runner.args.total_bytes / C.GiB,
+        info=runner.info,
+        shard_mib=max(4, runner.args.total_bytes // C.MiB // 4),
+    )
     print(export_table(rows, "HF export"))
 
 
@@ -373,17 +467,26 @@ EXTRA_SECTIONS: list = [hf_export_section]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--gib", type=float, default=0.5, help="total state size in GiB (default 0.5)")
     p.add_argument("--quick", action="store_true", help="~64 MiB (development)")
-    p.add_argument("--repeat", type=int, default=2,
-                   help="repeats, the order reversed on odd ones; the lower median shown "
-                        "(default 2: the first save after the state is built runs slower on "
-                        "this server, whichever method it is)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=2,
+        help="repeats, the order reversed on odd ones; the lower median shown "
+        "(default 2: the first save after the state is built runs slower on "
+        "this server, whichever method it is)",
+    )
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--dcp-threads", type=int, default=4,
-                   help="thread_count of S3StorageWriter and FsspecWriter (default 4)")
+    p.add_argument(
+        "--dcp-threads",
+        type=int,
+        default=4,
+        help="thread_count of S3StorageWriter and FsspecWriter (default 4)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per step")
     a = p.parse_args(argv)

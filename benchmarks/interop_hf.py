@@ -16,7 +16,7 @@ at the start of the step):
 
 ``--shard-mib`` sets the shard size (default 128 MiB, so the export makes several files).
 :func:`run_export_benchmark` runs it all and returns the rows; another script can call it
-with a server of its own (``info``: a ``cloudckpt.testing.s3server.S3ServerInfo``).
+with a server of its own (``info``: a ``cloudckpt.testing.servers.seaweed.S3ServerInfo``).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _measure(method: str, url: str, out: str, shard: int) -> dict:
     import torch
 
     import cloudckpt
-    from cloudckpt.export import export
+    from cloudckpt.export.file import export
     from cloudckpt.testing.memory import PeakRSS
 
     with tempfile.TemporaryDirectory() as tmp:  # warm-up: imports, runtime thread, the store
@@ -74,12 +74,23 @@ def _measure(method: str, url: str, out: str, shard: int) -> dict:
         else:
             result = cloudckpt.export_safetensors(url, out, max_shard_bytes=shard)
             files = list(result.files)
-    return {"seconds": meter.result.seconds, "cpu": meter.result.cpu, "growth": rss.growth,
-            "files": len(files)}
+    return {
+        "seconds": meter.result.seconds,
+        "cpu": meter.result.cpu,
+        "growth": rss.growth,
+        "files": len(files),
+    }
 
 
-def run_export_benchmark(gib: float = 0.5, *, shard_mib: int = 128, info=None,
-                         workdir: str | None = None, methods=METHODS, log=print) -> list[dict]:
+def run_export_benchmark(
+    gib: float = 0.5,
+    *,
+    shard_mib: int = 128,
+    info=None,
+    workdir: str | None = None,
+    methods=METHODS,
+    log=print,
+) -> list[dict]:
     """Run every method once; returns one row per method: ``method``, ``seconds``, ``mbps``
     (bytes exported / second, 10**6), ``growth`` (peak RSS growth, bytes), ``files``,
     ``bytes`` (the checkpoint's tensor bytes). ``info``: a running server's S3ServerInfo (one is
@@ -103,12 +114,26 @@ def run_export_benchmark(gib: float = 0.5, *, shard_mib: int = 128, info=None,
             nbytes = cloudckpt.read_manifest(url).total_bytes()
             log(f"checkpoint {url}: {nbytes / C.MiB:.0f} MiB")
             for method in methods:
-                out = {"single-file": os.path.join(tmp, "model.safetensors"),
-                       "folder-local": os.path.join(tmp, "hf"),
-                       "folder-s3": info.url("bench-hf/hf")}[method]
-                res = subprocess.run([sys.executable, os.path.abspath(__file__), "--measure",
-                                      method, url, out, str(shard_mib * C.MiB)], env=env,
-                                     capture_output=True, text=True, timeout=3600)
+                out = {
+                    "single-file": os.path.join(tmp, "model.safetensors"),
+                    "folder-local": os.path.join(tmp, "hf"),
+                    "folder-s3": info.url("bench-hf/hf"),
+                }[method]
+                res = subprocess.run(
+                    [
+                        sys.executable,
+                        os.path.abspath(__file__),
+                        "--measure",
+                        method,
+                        url,
+                        out,
+                        str(shard_mib * C.MiB),
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=3600,
+                )
                 if res.returncode != 0:
                     raise RuntimeError(f"{method} failed: {res.stderr[-2000:]}")
                 row = json.loads(res.stdout.strip().splitlines()[-1])
@@ -125,8 +150,14 @@ def export_table(rows: list[dict], title: str = "method") -> str:
     """The rows of :func:`run_export_benchmark` as a table."""
     table = C.Table((title, "exported MiB", "files", "seconds", "MB/s", "peak RSS growth MiB"))
     for r in rows:
-        table.add(r["method"], C.fmt_mib(r["bytes"]), r["files"], C.fmt_s(r["seconds"]),
-                  f"{r['mbps']:.0f}", C.fmt_mib(r["growth"]))
+        table.add(
+            r["method"],
+            C.fmt_mib(r["bytes"]),
+            r["files"],
+            C.fmt_s(r["seconds"]),
+            f"{r['mbps']:.0f}",
+            C.fmt_mib(r["growth"]),
+        )
     return table.render()
 
 
@@ -136,8 +167,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="about 64 MiB")
     p.add_argument("--shard-mib", type=int, default=128)
     p.add_argument("--workdir", default=None, help="where local files go (default: /tmp)")
-    p.add_argument("--measure", nargs=4, metavar=("METHOD", "URL", "OUT", "SHARD"),
-                   help=argparse.SUPPRESS)
+    p.add_argument(
+        "--measure", nargs=4, metavar=("METHOD", "URL", "OUT", "SHARD"), help=argparse.SUPPRESS
+    )
     args = p.parse_args()
     if args.measure:
         method, url, out, shard = args.measure

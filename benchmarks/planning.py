@@ -32,25 +32,25 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # run from a checkout without installing
 
-from cloudckpt.manifest import decode_manifest, encode_manifest
-from cloudckpt.planning import (
-    LocalSavePlan,
-    PieceHeader,
-    PieceSpec,
-    PieceTable,
-    SavePlanCache,
-    WrittenChunks,
-    assemble_manifest,
-    assign_readers,
+from cloudckpt.manifest.codec import decode_manifest, encode_manifest
+from cloudckpt.planning.broadcast.readers import assign_readers
+from cloudckpt.planning.load.plan import (
     decode_local_load_plan,
-    decode_local_save_plan,
     encode_local_load_plan,
-    encode_local_save_plan,
-    plan_global_save,
     plan_local_load,
-    save_plan_cache_key,
+)
+from cloudckpt.planning.pieces import PieceHeader, PieceSpec, PieceTable
+from cloudckpt.planning.save.assemble import WrittenChunks, assemble_manifest
+from cloudckpt.planning.save.cache import SavePlanCache, save_plan_cache_key
+from cloudckpt.planning.save.global_plan import plan_global_save
+from cloudckpt.planning.save.local_plan import (
+    LocalSavePlan,
+    decode_local_save_plan,
+    encode_local_save_plan,
 )
 
 BLOCK = 4 << 20
@@ -63,7 +63,9 @@ def make_job(world: int, n_sharded: int, n_replicated: int, seed: int = 0):
     for i in range(n_sharded):
         names.append(f"model.layers.{i // 8}.w{i % 8}")
         dtypes.append("bfloat16" if i % 3 else "float32")
-        shapes.append((int(rng.integers(world // 2 + 1, 16 * world)), int(rng.choice([64, 256, 1024]))))
+        shapes.append(
+            (int(rng.integers(world // 2 + 1, 16 * world)), int(rng.choice([64, 256, 1024])))
+        )
     for i in range(n_replicated):
         names.append(f"model.norms.{i}.weight")
         dtypes.append("float32")
@@ -95,10 +97,18 @@ def fake_written(plan, world: int) -> list[WrittenChunks]:
         lens = sk.nbytes[ids]
         offs = np.concatenate(([0], np.cumsum(lens)[:-1]))
         ncrc = np.maximum(1, -(-lens // BLOCK))
-        out.append(WrittenChunks(rank=r, object_keys=(f"data/0123456789abcdef/r{r:05d}-0000.bin",), chunk_ids=ids,
-                                 object_index=np.zeros(len(ids), np.int64), byte_offset=offs, byte_length=lens,
-                                 crcs=rng.integers(0, 1 << 32, int(ncrc.sum())),
-                                 values={"step": b"\x05"} if r == 0 else {}))
+        out.append(
+            WrittenChunks(
+                rank=r,
+                object_keys=(f"data/0123456789abcdef/r{r:05d}-0000.bin",),
+                chunk_ids=ids,
+                object_index=np.zeros(len(ids), np.int64),
+                byte_offset=offs,
+                byte_length=lens,
+                crcs=rng.integers(0, 1 << 32, int(ncrc.sum())),
+                values={"step": b"\x05"} if r == 0 else {},
+            )
+        )
     return out
 
 
@@ -113,18 +123,24 @@ def best_of(repeat: int, fn):
 
 
 def run(world: int, n_sharded: int, n_replicated: int, load_world: int, repeat: int) -> dict:
-    print(f"\n== {world} ranks x {n_sharded} sharded + {n_replicated} replicated tensors "
-          f"(best of {repeat}) ==")
+    print(
+        f"\n== {world} ranks x {n_sharded} sharded + {n_replicated} replicated tensors "
+        f"(best of {repeat}) =="
+    )
     names, dtypes, shapes, local_plan = make_job(world, n_sharded, n_replicated)
-    t_enc, encoded = best_of(1, lambda: [encode_local_save_plan(local_plan(r)) for r in range(world)])
+    t_enc, encoded = best_of(
+        1, lambda: [encode_local_save_plan(local_plan(r)) for r in range(world)]
+    )
     size = np.mean([len(e) for e in encoded]) / 1024
     print(f"local plan: encode {t_enc / world * 1e3:.2f} ms per rank, {size:.1f} KiB")
 
     t_dec, plans = best_of(repeat, lambda: [decode_local_save_plan(e) for e in encoded])
     t_plan, gplan = best_of(repeat, lambda: plan_global_save(plans, rank=0))
     chunks = gplan.skeleton.num_chunks
-    print(f"global save plan: {t_dec + t_plan:.3f} s = decode {world} plans {t_dec:.3f} s + plan {t_plan:.3f} s; "
-          f"{chunks:,} chunks; rank 0 writes {len(gplan.writes)}")
+    print(
+        f"global save plan: {t_dec + t_plan:.3f} s = decode {world} plans {t_dec:.3f} s + plan {t_plan:.3f} s; "
+        f"{chunks:,} chunks; rank 0 writes {len(gplan.writes)}"
+    )
 
     cache = SavePlanCache()
     fps = [p.fingerprint() for p in plans]
@@ -137,21 +153,49 @@ def run(world: int, n_sharded: int, n_replicated: int, load_world: int, repeat: 
 
     t_cached, hit = best_of(repeat, cached)
     assert hit is gplan
-    print(f"cached plan: {t_cached * 1e3:.2f} ms (fingerprint own plan + key over {world} fingerprints + lookup)")
+    print(
+        f"cached plan: {t_cached * 1e3:.2f} ms (fingerprint own plan + key over {world} fingerprints + lookup)"
+    )
 
     written = fake_written(gplan, world)
-    t_asm, manifest = best_of(repeat, lambda: assemble_manifest(
-        gplan.skeleton, written, world_size=world, checksum_block_size=BLOCK, metadata={"step": 5}, created_at=0.0))
+    t_asm, manifest = best_of(
+        repeat,
+        lambda: assemble_manifest(
+            gplan.skeleton,
+            written,
+            world_size=world,
+            checksum_block_size=BLOCK,
+            metadata={"step": 5},
+            created_at=0.0,
+        ),
+    )
     t_menc, data = best_of(repeat, lambda: encode_manifest(manifest))
     t_mdec, decoded = best_of(repeat, lambda: decode_manifest(data))
     assert decoded.num_chunks == chunks
-    info = {name: (manifest.tensors[name].dtype, manifest.tensors[name].shape,
-                   [(c.offsets, c.sizes, manifest.objects[c.object_index], c.byte_offset, c.byte_length, c.crc32c)
-                    for c in manifest.tensors[name].chunks]) for name in manifest.tensors}
+    info = {
+        name: (
+            manifest.tensors[name].dtype,
+            manifest.tensors[name].shape,
+            [
+                (
+                    c.offsets,
+                    c.sizes,
+                    manifest.objects[c.object_index],
+                    c.byte_offset,
+                    c.byte_length,
+                    c.crc32c,
+                )
+                for c in manifest.tensors[name].chunks
+            ],
+        )
+        for name in manifest.tensors
+    }
     pickled = len(pickle.dumps(info, protocol=pickle.HIGHEST_PROTOCOL))
-    print(f"manifest: assemble {t_asm:.3f} s, encode {t_menc:.3f} s, decode+validate {t_mdec:.3f} s "
-          f"({chunks / t_mdec / 1e6:.2f} M chunks/s); {len(data):,} bytes = {len(data) / chunks:.1f} bytes/chunk; "
-          f"pickle of the same information {pickled:,} bytes ({pickled / len(data):.1f}x larger)")
+    print(
+        f"manifest: assemble {t_asm:.3f} s, encode {t_menc:.3f} s, decode+validate {t_mdec:.3f} s "
+        f"({chunks / t_mdec / 1e6:.2f} M chunks/s); {len(data):,} bytes = {len(data) / chunks:.1f} bytes/chunk; "
+        f"pickle of the same information {pickled:,} bytes ({pickled / len(data):.1f}x larger)"
+    )
 
     # load by another world size: every rank wants its torch.chunk shard of every sharded tensor
     rows = np.array([s[0] for s in shapes[:n_sharded]])
@@ -169,19 +213,36 @@ def run(world: int, n_sharded: int, n_replicated: int, load_world: int, repeat: 
         return out
 
     reqs = [requests(r) for r in range(load_world)]
-    t_first, _ = best_of(1, lambda: plan_local_load(decoded, reqs[0], rank=0, value_names=("step",)))
-    t_local, lp0 = best_of(repeat, lambda: plan_local_load(decoded, reqs[0], rank=0, value_names=("step",)))
-    load_plans = [lp0] + [plan_local_load(decoded, reqs[r], rank=r, value_names=("step",))
-                          for r in range(1, load_world)]
+    t_first, _ = best_of(
+        1, lambda: plan_local_load(decoded, reqs[0], rank=0, value_names=("step",))
+    )
+    t_local, lp0 = best_of(
+        repeat, lambda: plan_local_load(decoded, reqs[0], rank=0, value_names=("step",))
+    )
+    load_plans = [lp0] + [
+        plan_local_load(decoded, reqs[r], rank=r, value_names=("step",))
+        for r in range(1, load_world)
+    ]
     enc = [encode_local_load_plan(p) for p in load_plans]
     t_ldec, dec = best_of(repeat, lambda: [decode_local_load_plan(e) for e in enc])
-    t_assign, assignment = best_of(repeat, lambda: assign_readers(dec, min_broadcast_bytes=32 * 1024))
+    t_assign, assignment = best_of(
+        repeat, lambda: assign_readers(dec, min_broadcast_bytes=32 * 1024)
+    )
     t_load = t_first + t_ldec + t_assign
-    print(f"load by {load_world} ranks: local plan {t_first * 1e3:.1f} ms on first use of the manifest (index build), "
-          f"{t_local * 1e3:.1f} ms after ({len(lp0.reads)} reads); decode {load_world} plans {t_ldec:.3f} s; "
-          f"assign_readers {t_assign:.3f} s ({len(assignment.broadcasts)} broadcasts); per rank {t_load:.3f} s")
-    return {"world": world, "global": t_dec + t_plan, "cached": t_cached, "bytes_per_chunk": len(data) / chunks,
-            "pickle_ratio": pickled / len(data), "decode_rate": chunks / t_mdec, "load": t_load}
+    print(
+        f"load by {load_world} ranks: local plan {t_first * 1e3:.1f} ms on first use of the manifest (index build), "
+        f"{t_local * 1e3:.1f} ms after ({len(lp0.reads)} reads); decode {load_world} plans {t_ldec:.3f} s; "
+        f"assign_readers {t_assign:.3f} s ({len(assignment.broadcasts)} broadcasts); per rank {t_load:.3f} s"
+    )
+    return {
+        "world": world,
+        "global": t_dec + t_plan,
+        "cached": t_cached,
+        "bytes_per_chunk": len(data) / chunks,
+        "pickle_ratio": pickled / len(data),
+        "decode_rate": chunks / t_mdec,
+        "load": t_load,
+    }
 
 
 def traced(fn):
@@ -198,19 +259,27 @@ def traced(fn):
 
 
 def hostile(repeat: int, sizes: list[str]) -> None:
-    from cloudckpt.planning import find_cover_defect
+    from cloudckpt.planning.coverage import find_cover_defect
     from tests.reliability import hostile_layouts as hl
 
     cases = {
-        "columns": ("column split K=24,000", lambda: hl.layout_manifest_bytes({"w": hl.column_split(24_000)})),
-        "rows": ("row split K=24,000", lambda: hl.layout_manifest_bytes({"w": hl.row_split(24_000)})),
+        "columns": (
+            "column split K=24,000",
+            lambda: hl.layout_manifest_bytes({"w": hl.column_split(24_000)}),
+        ),
+        "rows": (
+            "row split K=24,000",
+            lambda: hl.layout_manifest_bytes({"w": hl.row_split(24_000)}),
+        ),
         "empty-0.4": ("empty 64-dim chunks, 0.4 MB", lambda: hl.empty_chunks(400_000)),
         "empty-4": ("empty 64-dim chunks, 4 MB", lambda: hl.empty_chunks(4_000_000)),
         "deep": ("structure nested 100,000 deep", lambda: hl.deep_structure(100_000)),
     }
     print(f"\n== hostile manifests (seconds: best of {repeat}; memory: tracemalloc peak) ==")
-    print(f"{'manifest':32} {'bytes':>10} | {'decode':>17} | {'plan 1 element, first':>22} | "
-          f"{'again':>8} | {'cover check':>11}")
+    print(
+        f"{'manifest':32} {'bytes':>10} | {'decode':>17} | {'plan 1 element, first':>22} | "
+        f"{'again':>8} | {'cover check':>11}"
+    )
     mib = 1 << 20
     for key in sizes:
         label, make = cases[key]
@@ -218,8 +287,10 @@ def hostile(repeat: int, sizes: list[str]) -> None:
         peak, manifest = traced(lambda: decode_manifest(data))
         if isinstance(manifest, Exception):
             t_dec, _ = best_of(repeat, lambda: _refused(decode_manifest, data))
-            print(f"{label:32} {len(data):>10,} | {t_dec:7.3f} s {peak / mib:5.0f} MiB | "
-                  f"refused: {type(manifest).__name__}: {str(manifest)[:60]}")
+            print(
+                f"{label:32} {len(data):>10,} | {t_dec:7.3f} s {peak / mib:5.0f} MiB | "
+                f"refused: {type(manifest).__name__}: {str(manifest)[:60]}"
+            )
             continue
         t_dec, _ = best_of(repeat, lambda: decode_manifest(data))
         name = max(manifest.tensors, key=lambda n: len(manifest.tensors[n].chunks))
@@ -238,9 +309,11 @@ def hostile(repeat: int, sizes: list[str]) -> None:
         off, size = (np.asarray(rec.chunks.offsets), np.asarray(rec.chunks.sizes))
         t_cover, defect = best_of(repeat, lambda: find_cover_defect(rec.shape, off, size))
         assert len(plan.reads) == 1 and defect is None
-        print(f"{label:32} {len(data):>10,} | {t_dec:7.3f} s {peak / mib:5.0f} MiB | "
-              f"{min(firsts):8.3f} s {plan_peak / mib:6.0f} MiB | {t_again * 1e3:5.1f} ms | "
-              f"{t_cover:9.3f} s")
+        print(
+            f"{label:32} {len(data):>10,} | {t_dec:7.3f} s {peak / mib:5.0f} MiB | "
+            f"{min(firsts):8.3f} s {plan_peak / mib:6.0f} MiB | {t_again * 1e3:5.1f} ms | "
+            f"{t_cover:9.3f} s"
+        )
 
 
 def _refused(fn, *args):
@@ -257,22 +330,30 @@ def main() -> None:
     ap.add_argument("--replicated", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", choices=["jobs", "hostile"], help="run one section (default: both)")
-    ap.add_argument("--hostile", nargs="+", default=["columns", "rows", "empty-0.4", "empty-4", "deep"],
-                    help="hostile manifests to run (columns rows empty-0.4 empty-4 deep)")
+    ap.add_argument(
+        "--hostile",
+        nargs="+",
+        default=["columns", "rows", "empty-0.4", "empty-4", "deep"],
+        help="hostile manifests to run (columns rows empty-0.4 empty-4 deep)",
+    )
     args = ap.parse_args()
     if args.only != "jobs":
         hostile(args.repeat, args.hostile)
     if args.only == "hostile":
         return
-    results = [run(w, args.tensors, args.replicated, max(1, w * 3 // 4), args.repeat) for w in args.ranks]
+    results = [
+        run(w, args.tensors, args.replicated, max(1, w * 3 // 4), args.repeat) for w in args.ranks
+    ]
     print("\ntargets:")
     for r in results:
         limit = 1.0 if r["world"] <= 256 else 5.0
-        print(f"  {r['world']:>5} ranks: global plan {r['global']:.2f} s (< {limit:g}: {r['global'] < limit}), "
-              f"cached {r['cached'] * 1e3:.1f} ms (< 50: {r['cached'] < 0.05}), "
-              f"{r['bytes_per_chunk']:.1f} bytes/chunk (<= 40: {r['bytes_per_chunk'] <= 40}), "
-              f"pickle {r['pickle_ratio']:.1f}x larger (> 1: {r['pickle_ratio'] > 1}), "
-              f"decode {r['decode_rate'] / 1e6:.2f} M chunks/s (>= 1: {r['decode_rate'] >= 1e6})")
+        print(
+            f"  {r['world']:>5} ranks: global plan {r['global']:.2f} s (< {limit:g}: {r['global'] < limit}), "
+            f"cached {r['cached'] * 1e3:.1f} ms (< 50: {r['cached'] < 0.05}), "
+            f"{r['bytes_per_chunk']:.1f} bytes/chunk (<= 40: {r['bytes_per_chunk'] <= 40}), "
+            f"pickle {r['pickle_ratio']:.1f}x larger (> 1: {r['pickle_ratio'] > 1}), "
+            f"decode {r['decode_rate'] / 1e6:.2f} M chunks/s (>= 1: {r['decode_rate'] >= 1e6})"
+        )
 
 
 if __name__ == "__main__":

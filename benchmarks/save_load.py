@@ -28,9 +28,13 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common as C  # noqa: E402  (benchmarks/ is sys.path[0] when run as a script)
 
 METHODS = ("cloudckpt-s3", "dcp-s3", "raw-s3", "cloudckpt-file", "dcp-file")
-LABEL = {"cloudckpt-s3": "cloudckpt s3://", "dcp-s3": "DCP fsspec+s3fs",
-         "raw-s3": "raw aiobotocore", "cloudckpt-file": "cloudckpt file://",
-         "dcp-file": "DCP FileSystem"}
+LABEL = {
+    "cloudckpt-s3": "cloudckpt s3://",
+    "dcp-s3": "DCP fsspec+s3fs",
+    "raw-s3": "raw aiobotocore",
+    "cloudckpt-file": "cloudckpt file://",
+    "dcp-file": "DCP FileSystem",
+}
 RSS_BUDGET = 256 * C.MiB
 
 
@@ -48,17 +52,35 @@ def make_specs(total_bytes: int) -> list[dict]:
 
     for i in range(4):
         dtype = ("float32", "bfloat16")[i % 2]
-        specs.append({"name": f"model.block{i}.weight", "dtype": dtype, "kind": "large",
-                      "shape": (rows_for(0.85 * total_bytes / 4, 2048, dtype), 2048)})
+        specs.append(
+            {
+                "name": f"model.block{i}.weight",
+                "dtype": dtype,
+                "kind": "large",
+                "shape": (rows_for(0.85 * total_bytes / 4, 2048, dtype), 2048),
+            }
+        )
     for j in range(48):
         dtype = ("float32", "bfloat16")[j % 2]
-        specs.append({"name": f"model.block{j % 4}.mlp{j}.weight", "dtype": dtype, "kind": "medium",
-                      "shape": (rows_for(0.14 * total_bytes / 48, 512, dtype), 512)})
+        specs.append(
+            {
+                "name": f"model.block{j % 4}.mlp{j}.weight",
+                "dtype": dtype,
+                "kind": "medium",
+                "shape": (rows_for(0.14 * total_bytes / 48, 512, dtype), 512),
+            }
+        )
     shapes = [(), (1,), (7,), (64,), (3, 5), (257,), (1024,)]
     dtypes = ("float32", "int64", "bool", "bfloat16")
     for k in range(400):
-        specs.append({"name": f"optim.state.p{k // 8}.t{k % 8}", "dtype": dtypes[k % 4],
-                      "kind": "tiny", "shape": shapes[k % len(shapes)]})
+        specs.append(
+            {
+                "name": f"optim.state.p{k // 8}.t{k % 8}",
+                "dtype": dtypes[k % 4],
+                "kind": "tiny",
+                "shape": shapes[k % len(shapes)],
+            }
+        )
     for s in specs:
         n = 1
         for d in s["shape"]:
@@ -69,9 +91,20 @@ def make_specs(total_bytes: int) -> list[dict]:
 
 def meta_values(blank: bool = False) -> dict:
     if blank:
-        return {"step": 0, "lr": 0.0, "name": "", "betas": [0.0, 0.0], "flags": {"amp": False, "note": 0}}
-    return {"step": 1234, "lr": 3e-4, "name": "bench-run", "betas": [0.9, 0.95],
-            "flags": {"amp": True, "note": None}}
+        return {
+            "step": 0,
+            "lr": 0.0,
+            "name": "",
+            "betas": [0.0, 0.0],
+            "flags": {"amp": False, "note": 0},
+        }
+    return {
+        "step": 1234,
+        "lr": 3e-4,
+        "name": "bench-run",
+        "betas": [0.9, 0.95],
+        "flags": {"amp": True, "note": None},
+    }
 
 
 def raw_layout(specs, case: str, world: int = 2):
@@ -122,8 +155,15 @@ def _full_tensor(spec, seed: int, index: int):
     return torch.rand(shape, generator=g, dtype=torch.float32).to(getattr(torch, dtype))
 
 
-def rank_build(case: str, total_bytes: int, seed: int, info, args: dict,
-               layout_case: str | None = None, with_dest: bool = True) -> dict:
+def rank_build(
+    case: str,
+    total_bytes: int,
+    seed: int,
+    info,
+    args: dict,
+    layout_case: str | None = None,
+    with_dest: bool = True,
+) -> dict:
     """Build this rank's source and (zeroed) destination state; world 1 builds full tensors.
     `layout_case`: the case whose raw layout (world 2) this process reads (default `case`);
     `with_dest=False` skips the destinations (save-only benchmarks)."""
@@ -136,12 +176,14 @@ def rank_build(case: str, total_bytes: int, seed: int, info, args: dict,
     mesh = None
     if world > 1 and case == "sharded":
         from torch.distributed.device_mesh import init_device_mesh
+
         mesh = init_device_mesh("cpu", (world,))
     src, dest, local_src, local_dest = {}, {}, {}, {}
     for i, s in enumerate(specs):
         full = _full_tensor(s, seed, i)
         if mesh is not None and s["kind"] != "tiny":
             from torch.distributed.tensor import DTensor, Shard
+
             rows = s["shape"][0] // world
             mine = full.narrow(0, rank * rows, rows).clone()
             out = torch.zeros_like(mine) if with_dest else None
@@ -156,9 +198,20 @@ def rank_build(case: str, total_bytes: int, seed: int, info, args: dict,
             local_dest[s["name"]] = out
         del full
     src["meta"], dest["meta"] = meta_values(), meta_values(blank=True)
-    _CTX.update(case=case, specs=specs, rank=rank, world=world, info=info, args=args,
-                src=_nest(src), dest=_nest(dest), local_src=local_src, local_dest=local_dest,
-                streams=raw_layout(specs, layout_case or case, 2), scratch=bytearray(args["raw_object_mib"] * C.MiB))
+    _CTX.update(
+        case=case,
+        specs=specs,
+        rank=rank,
+        world=world,
+        info=info,
+        args=args,
+        src=_nest(src),
+        dest=_nest(dest),
+        local_src=local_src,
+        local_dest=local_dest,
+        streams=raw_layout(specs, layout_case or case, 2),
+        scratch=bytearray(args["raw_object_mib"] * C.MiB),
+    )
     return {"rss": C.rss_bytes()}
 
 
@@ -170,7 +223,7 @@ def _item_view(tensors: dict, item):
     if shard is None:
         return view
     if world == 1:
-        return view[offset:offset + nbytes]
+        return view[offset : offset + nbytes]
     return view if shard == rank else None
 
 
@@ -183,10 +236,16 @@ def _raw_objects(prefix: str, for_put: bool) -> list:
     for writer, stream in enumerate(_CTX["streams"]):
         if for_put and writer != _CTX["rank"]:
             continue
-        groups = [[(_item_view(tensors, it), it[2]) for it in stream if (len(it[4]) > 1) == shared]
-                  for shared in (True, False)]
-        objects += C.cut_objects(f"{prefix}r{writer}-", groups, _CTX["args"]["raw_object_mib"] * C.MiB,
-                                 memoryview(_CTX["scratch"]))
+        groups = [
+            [(_item_view(tensors, it), it[2]) for it in stream if (len(it[4]) > 1) == shared]
+            for shared in (True, False)
+        ]
+        objects += C.cut_objects(
+            f"{prefix}r{writer}-",
+            groups,
+            _CTX["args"]["raw_object_mib"] * C.MiB,
+            memoryview(_CTX["scratch"]),
+        )
     return objects
 
 
@@ -194,24 +253,34 @@ def _storage_options():
     from cloudckpt.storage import StorageOptions
 
     info = _CTX["info"]
-    return StorageOptions(endpoint_url=info.endpoint_url, region=info.region,
-                          access_key_id=info.access_key, secret_access_key=info.secret_key)
+    return StorageOptions(
+        endpoint_url=info.endpoint_url,
+        region=info.region,
+        access_key_id=info.access_key,
+        secret_access_key=info.secret_key,
+    )
 
 
 def _s3fs_kwargs() -> dict:
     """s3fs settings for DCP: same endpoint and keys, path style, and the same cheap request
     settings cloudckpt and the raw baseline use (no checksum computed on every body)."""
     info = _CTX["info"]
-    return {"key": info.access_key, "secret": info.secret_key,
-            "client_kwargs": {"endpoint_url": info.endpoint_url, "region_name": info.region},
-            "config_kwargs": {"s3": {"addressing_style": "path", "payload_signing_enabled": False},
-                              "request_checksum_calculation": "when_required",
-                              "response_checksum_validation": "when_required"}}
+    return {
+        "key": info.access_key,
+        "secret": info.secret_key,
+        "client_kwargs": {"endpoint_url": info.endpoint_url, "region_name": info.region},
+        "config_kwargs": {
+            "s3": {"addressing_style": "path", "payload_signing_enabled": False},
+            "request_checksum_calculation": "when_required",
+            "response_checksum_validation": "when_required",
+        },
+    }
 
 
 def _do(method: str, action: str, target: str) -> dict:
-    import cloudckpt
     import torch.distributed.checkpoint as dcp
+
+    import cloudckpt
 
     args, extra = _CTX["args"], {}
     if method.startswith("cloudckpt"):
@@ -225,15 +294,24 @@ def _do(method: str, action: str, target: str) -> dict:
             extra = {"fetched": r.bytes_fetched, "received": r.bytes_received}
     elif method == "dcp-s3":
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
         if action == "save":
-            dcp.save(_CTX["src"], storage_writer=FsspecWriter(
-                target, thread_count=args["dcp_threads"], sync_files=False, **_s3fs_kwargs()))
+            dcp.save(
+                _CTX["src"],
+                storage_writer=FsspecWriter(
+                    target, thread_count=args["dcp_threads"], sync_files=False, **_s3fs_kwargs()
+                ),
+            )
         else:
             dcp.load(_CTX["dest"], storage_reader=FsspecReader(target, **_s3fs_kwargs()))
     elif method == "dcp-file":
         if action == "save":
-            dcp.save(_CTX["src"], storage_writer=dcp.FileSystemWriter(
-                target, thread_count=args["dcp_threads"], sync_files=args["fsync"]))
+            dcp.save(
+                _CTX["src"],
+                storage_writer=dcp.FileSystemWriter(
+                    target, thread_count=args["dcp_threads"], sync_files=args["fsync"]
+                ),
+            )
         else:
             dcp.load(_CTX["dest"], storage_reader=dcp.FileSystemReader(target))
     elif method == "raw-s3":
@@ -244,8 +322,10 @@ def _do(method: str, action: str, target: str) -> dict:
             extra = {"requests": len(objects)}
         else:
             objects = _raw_objects(target, False)
-            extra = {"fetched": C.raw_get(info, objects, concurrency=args["raw_concurrency"]),
-                     "requests": len(objects)}
+            extra = {
+                "fetched": C.raw_get(info, objects, concurrency=args["raw_concurrency"]),
+                "requests": len(objects),
+            }
     else:
         raise ValueError(method)
     return extra
@@ -272,7 +352,8 @@ def rank_step(method: str, action: str, target: str) -> dict:
 
     stats = None
     if method.startswith("cloudckpt"):  # the counters of the store cloudckpt will use, if shared
-        from cloudckpt.runtime import shared_store
+        from cloudckpt.runtime.loop import shared_store
+
         storage = _storage_options() if method == "cloudckpt-s3" else None
         stats = shared_store(target, storage).stats
         if shared_store(target, storage).stats is not stats:
@@ -287,9 +368,16 @@ def rank_step(method: str, action: str, target: str) -> dict:
     m = meter.result
     if stats is not None:
         extra["requests"] = stats.total_requests - requests0
-    out = {"seconds": time.perf_counter() - start, "local_seconds": m.seconds, "cpu": m.cpu,
-           "rss_before": m.rss_before, "peak_rss": m.peak_rss, "growth": m.rss_growth,
-           "hwm_reset": m.hwm_reset, **extra}
+    out = {
+        "seconds": time.perf_counter() - start,
+        "local_seconds": m.seconds,
+        "cpu": m.cpu,
+        "rss_before": m.rss_before,
+        "peak_rss": m.peak_rss,
+        "growth": m.rss_growth,
+        "hwm_reset": m.hwm_reset,
+        **extra,
+    }
     if action == "load":
         out["verified"] = _verify_and_reset(values=method != "raw-s3")
     return out
@@ -337,19 +425,26 @@ def method_order(methods, rep: int) -> list[str]:
 class Runner:
     def __init__(self, args, server):
         self.args, self.server, self.info = args, server, server.info
-        self.results: dict = {}      # (phase, method, action) -> [per-repeat list of rank dicts]
+        self.results: dict = {}  # (phase, method, action) -> [per-repeat list of rank dicts]
         self.server_cpu: dict = {}
         self.failures: list[str] = []
         self.workdir = tempfile.mkdtemp(prefix="cloudckpt-bench-", dir=args.workdir)
-        self.rank_args = {"dcp_threads": args.dcp_threads, "raw_concurrency": args.raw_concurrency,
-                          "raw_object_mib": args.raw_object_mib, "fsync": False,
-                          "no_plan_cache": args.no_plan_cache}
+        self.rank_args = {
+            "dcp_threads": args.dcp_threads,
+            "raw_concurrency": args.raw_concurrency,
+            "raw_object_mib": args.raw_object_mib,
+            "fsync": False,
+            "no_plan_cache": args.no_plan_cache,
+        }
 
     def target(self, case: str, method: str, rep: int) -> str:
         tag = f"{case}/{method}/rep{rep}"
         if method.endswith("file"):
-            return (f"file://{self.workdir}/{tag}" if method.startswith("cloudckpt")
-                    else f"{self.workdir}/{tag}")
+            return (
+                f"file://{self.workdir}/{tag}"
+                if method.startswith("cloudckpt")
+                else f"{self.workdir}/{tag}"
+            )
         if method == "raw-s3":
             return f"{tag}/"
         return f"s3://{self.info.bucket}/{tag}"
@@ -367,7 +462,9 @@ class Runner:
             if method.endswith("file"):
                 C.remove_dir(t.removeprefix("file://"))
             else:
-                C.s3_delete_prefix(self.info, t.removeprefix(f"s3://{self.info.bucket}/").rstrip("/") + "/")
+                C.s3_delete_prefix(
+                    self.info, t.removeprefix(f"s3://{self.info.bucket}/").rstrip("/") + "/"
+                )
 
     def step(self, world, build, phase: str, method: str, action: str, target: str) -> bool:
         from cloudckpt.testing import RankFailedError, WorldTimeoutError
@@ -386,17 +483,27 @@ class Runner:
             world.run(*build)  # the world was restarted: rebuild the state
             return False
         self.server_cpu.setdefault((phase, method, action), []).append(
-            C.proc_cpu_seconds(self.server.pid) - cpu0)
+            C.proc_cpu_seconds(self.server.pid) - cpu0
+        )
         self.results.setdefault((phase, method, action), []).append(res)
-        print(f"  {phase:10s} {method:15s} {action}: {max(r['seconds'] for r in res):7.3f} s"
-              + ("" if action == "save" else f"  verified={all(r['verified'] for r in res)}"),
-              flush=True)
+        print(
+            f"  {phase:10s} {method:15s} {action}: {max(r['seconds'] for r in res):7.3f} s"
+            + ("" if action == "save" else f"  verified={all(r['verified'] for r in res)}"),
+            flush=True,
+        )
         return True
 
     def warm_up(self, world, case: str, tag: str) -> None:
         targets = {m: self.target(f"warmup-{tag}", m, 0) for m in self.args.methods}
-        world.run(rank_warmup, self.args.methods, targets, case, self.info, self.rank_args,
-                  timeout=self.args.timeout)
+        world.run(
+            rank_warmup,
+            self.args.methods,
+            targets,
+            case,
+            self.info,
+            self.rank_args,
+            timeout=self.args.timeout,
+        )
         self.cleanup(f"warmup-{tag}", 0)
 
     def run_case(self, case: str) -> None:
@@ -413,12 +520,16 @@ class Runner:
                 for action in ("save", "load"):
                     for m in order:
                         if action == "load" and m not in saved:
-                            print(f"  {case:10s} {m:15s} load: skipped (its save failed)", flush=True)
+                            print(
+                                f"  {case:10s} {m:15s} load: skipped (its save failed)", flush=True
+                            )
                             continue
                         ok = self.step(world, build, case, m, action, self.target(case, m, rep))
                         if ok and action == "save":
                             saved.add(m)
-                            self.results[(case, m, "save")][-1][0]["stored"] = self.stored(case, m, rep)
+                            self.results[(case, m, "save")][-1][0]["stored"] = self.stored(
+                                case, m, rep
+                            )
                 if rep + 1 < a.repeat:
                     self.cleanup(case, rep)
         if case == "sharded" and not a.no_world1:
@@ -430,8 +541,9 @@ class Runner:
                     order = method_order(a.methods, rep)
                     for m in order:
                         if m in saved:
-                            self.step(w1, build1, "world1", m, "load",
-                                      self.target(case, m, a.repeat - 1))
+                            self.step(
+                                w1, build1, "world1", m, "load", self.target(case, m, a.repeat - 1)
+                            )
         for rep in range(a.repeat):
             self.cleanup(case, rep)
 
@@ -451,9 +563,23 @@ class Runner:
         return None if run is None else max(r["seconds"] for r in run)
 
     def table(self, phase: str, action: str, delivered: int) -> str:
-        t = C.Table(["method", "seconds", "MB/s", "stored MiB", "objects", "requests", "fetched MiB",
-                     "bcast MiB", "peak RSS MiB", "RSS growth MiB", "client CPU s", "server CPU s",
-                     "verified"])
+        t = C.Table(
+            [
+                "method",
+                "seconds",
+                "MB/s",
+                "stored MiB",
+                "objects",
+                "requests",
+                "fetched MiB",
+                "bcast MiB",
+                "peak RSS MiB",
+                "RSS growth MiB",
+                "client CPU s",
+                "server CPU s",
+                "verified",
+            ]
+        )
         for m in self.args.methods:
             run, scpu = self.pick(phase, m, action)
             if run is None:
@@ -471,27 +597,43 @@ class Runner:
                 received = C.fmt_mib(sum(r["received"] for r in run) if "received" in r0 else None)
                 ver = C.human_bool(all(r["verified"] for r in run))
             requests = sum(r["requests"] for r in run) if "requests" in r0 else "-"
-            t.add(LABEL[m], C.fmt_s(secs), C.fmt_rate(delivered, secs), stored_txt, objects_txt,
-                  requests, fetched, received,
-                  "/".join(f"{r['peak_rss'] / C.MiB:.0f}" for r in run),
-                  "/".join(f"{r['growth'] / C.MiB:.0f}" for r in run),
-                  "/".join(f"{r['cpu']:.2f}" for r in run), f"{scpu:.2f}", ver)
+            t.add(
+                LABEL[m],
+                C.fmt_s(secs),
+                C.fmt_rate(delivered, secs),
+                stored_txt,
+                objects_txt,
+                requests,
+                fetched,
+                received,
+                "/".join(f"{r['peak_rss'] / C.MiB:.0f}" for r in run),
+                "/".join(f"{r['growth'] / C.MiB:.0f}" for r in run),
+                "/".join(f"{r['cpu']:.2f}" for r in run),
+                f"{scpu:.2f}",
+                ver,
+            )
         return t.render()
 
     def rss_line(self, phase: str, method: str, action: str):
         run, _ = self.pick(phase, method, action)
         growth = None if run is None else max(max(r["growth"] for r in run), 1) / C.MiB
-        return C.ratio_line(f"[{phase}] {method} {action}: max peak RSS growth per rank / 256 MiB",
-                            growth, RSS_BUDGET / C.MiB, 1.0)
+        return C.ratio_line(
+            f"[{phase}] {method} {action}: max peak RSS growth per rank / 256 MiB",
+            growth,
+            RSS_BUDGET / C.MiB,
+            1.0,
+        )
 
     def report(self) -> None:
         a = self.args
         state = sum(s["nbytes"] for s in make_specs(a.total_bytes))
         print(f"\n# save_load results  ({C.describe_machine()})")
-        print(f"state: {state / C.MiB:,.1f} MiB ({len(make_specs(a.total_bytes))} tensors + values), "
-              f"world 2, repeats {a.repeat} (median shown{'; of 2: the faster' if a.repeat == 2 else ''}), "
-              f"raw: {a.raw_concurrency} in flight, "
-              f"{a.raw_object_mib} MiB objects, DCP thread_count {a.dcp_threads}, no fsync anywhere")
+        print(
+            f"state: {state / C.MiB:,.1f} MiB ({len(make_specs(a.total_bytes))} tensors + values), "
+            f"world 2, repeats {a.repeat} (median shown{'; of 2: the faster' if a.repeat == 2 else ''}), "
+            f"raw: {a.raw_concurrency} in flight, "
+            f"{a.raw_object_mib} MiB objects, DCP thread_count {a.dcp_threads}, no fsync anywhere"
+        )
         targets = []
         for case in a.cases:
             delivered_load = state * 2 if case == "replicated" else state
@@ -500,14 +642,39 @@ class Runner:
             print(f"\n## case {case}: load (MB/s = bytes landed in all ranks' tensors / s)")
             print(self.table(case, "load", delivered_load))
             s = lambda m, act, ph=case: self.seconds(ph, m, act)  # noqa: E731
-            load_name, load_limit = ("raw GET", 0.8) if case == "sharded" else (
-                "raw GET by every rank of everything (cloudckpt reads once + broadcasts)", 0.7)
+            load_name, load_limit = (
+                ("raw GET", 0.8)
+                if case == "sharded"
+                else (
+                    "raw GET by every rank of everything (cloudckpt reads once + broadcasts)",
+                    0.7,
+                )
+            )
             for label, m1, m2, act, limit in (
-                    ("save cloudckpt / raw PUT", "cloudckpt-s3", "raw-s3", "save", 0.9),
-                    (f"load cloudckpt / {load_name}", "cloudckpt-s3", "raw-s3", "load", load_limit),
-                    ("load cloudckpt / DCP s3fs (>=3x faster)", "cloudckpt-s3", "dcp-s3", "load", 1 / 3),
-                    ("file:// save cloudckpt / DCP FileSystemWriter", "cloudckpt-file", "dcp-file", "save", 1.0),
-                    ("file:// load cloudckpt / DCP FileSystemReader", "cloudckpt-file", "dcp-file", "load", 1.0)):
+                ("save cloudckpt / raw PUT", "cloudckpt-s3", "raw-s3", "save", 0.9),
+                (f"load cloudckpt / {load_name}", "cloudckpt-s3", "raw-s3", "load", load_limit),
+                (
+                    "load cloudckpt / DCP s3fs (>=3x faster)",
+                    "cloudckpt-s3",
+                    "dcp-s3",
+                    "load",
+                    1 / 3,
+                ),
+                (
+                    "file:// save cloudckpt / DCP FileSystemWriter",
+                    "cloudckpt-file",
+                    "dcp-file",
+                    "save",
+                    1.0,
+                ),
+                (
+                    "file:// load cloudckpt / DCP FileSystemReader",
+                    "cloudckpt-file",
+                    "dcp-file",
+                    "load",
+                    1.0,
+                ),
+            ):
                 targets.append(C.ratio_line(f"[{case}] {label}", s(m1, act), s(m2, act), limit))
             for m in ("cloudckpt-s3", "cloudckpt-file"):
                 for act in ("save", "load"):
@@ -515,8 +682,14 @@ class Runner:
         if "sharded" in a.cases and not a.no_world1:
             print("\n## world-2 sharded checkpoint loaded by world 1 (full tensors)")
             print(self.table("world1", "load", state))
-            targets.append(C.ratio_line("[world1] load cloudckpt / raw GET", self.seconds("world1", "cloudckpt-s3", "load"),
-                                        self.seconds("world1", "raw-s3", "load"), 1.0))
+            targets.append(
+                C.ratio_line(
+                    "[world1] load cloudckpt / raw GET",
+                    self.seconds("world1", "cloudckpt-s3", "load"),
+                    self.seconds("world1", "raw-s3", "load"),
+                    1.0,
+                )
+            )
             targets.append(self.rss_line("world1", "cloudckpt-s3", "load"))
         print("\n## targets (measured / baseline)")
         C.print_targets(targets)
@@ -529,7 +702,9 @@ class Runner:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--gib", type=float, default=1.0, help="total state size in GiB (default 1.0)")
     p.add_argument("--quick", action="store_true", help="~64 MiB, one repeat (development)")
     p.add_argument("--repeat", type=int, default=1, help="repeats; order alternates; median shown")
@@ -539,8 +714,9 @@ def parse_args(argv=None):
     p.add_argument("--dcp-threads", type=int, default=4, help="DCP writer thread_count")
     p.add_argument("--raw-concurrency", type=int, default=16)
     p.add_argument("--raw-object-mib", type=int, default=16)
-    p.add_argument("--no-plan-cache", action="store_true",
-                   help="cloudckpt: SaveOptions(use_plan_cache=False)")
+    p.add_argument(
+        "--no-plan-cache", action="store_true", help="cloudckpt: SaveOptions(use_plan_cache=False)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per step")
     p.add_argument("--workdir", default=None, help="parent of the file:// checkpoints")

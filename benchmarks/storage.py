@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cloudckpt.storage import ReadRange, StorageOptions, open_store
-from cloudckpt.testing.s3server import S3Server
+from cloudckpt.testing.servers.seaweed import S3Server
 
 MiB = 1024 * 1024
 
@@ -89,7 +89,7 @@ def boto3_single(client, info, keys, views, dest_views, op: str) -> None:
             body = client.get_object(Bucket=info.bucket, Key=k)["Body"]
             pos = 0
             for chunk in body.iter_chunks(1 << 20):
-                d[pos:pos + len(chunk)] = chunk
+                d[pos : pos + len(chunk)] = chunk
                 pos += len(chunk)
 
 
@@ -97,14 +97,21 @@ def _aio_client(info, concurrency):
     from aiobotocore.config import AioConfig
     from aiobotocore.session import get_session
 
-    config = AioConfig(max_pool_connections=concurrency,
-                       s3={"addressing_style": "path", "payload_signing_enabled": False},
-                       request_checksum_calculation="when_required",
-                       response_checksum_validation="when_required",
-                       retries={"total_max_attempts": 3})
+    config = AioConfig(
+        max_pool_connections=concurrency,
+        s3={"addressing_style": "path", "payload_signing_enabled": False},
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        retries={"total_max_attempts": 3},
+    )
     return get_session().create_client(
-        "s3", endpoint_url=info.endpoint_url, region_name=info.region, config=config,
-        aws_access_key_id=info.access_key, aws_secret_access_key=info.secret_key)
+        "s3",
+        endpoint_url=info.endpoint_url,
+        region_name=info.region,
+        config=config,
+        aws_access_key_id=info.access_key,
+        aws_secret_access_key=info.secret_key,
+    )
 
 
 async def raw_loop(info, keys, views, dest_views, op: str, concurrency: int, mode: str):
@@ -122,19 +129,20 @@ async def raw_loop(info, keys, views, dest_views, op: str, concurrency: int, mod
             async with sem:
                 resp = await client.get_object(Bucket=info.bucket, Key=k)
                 data = await resp["Body"].read()
-                d[:len(data)] = data
+                d[: len(data)] = data
 
         async def get_range(k, d, start, stop):
             async with sem:
-                resp = await client.get_object(Bucket=info.bucket, Key=k,
-                                               Range=f"bytes={start}-{stop - 1}")
+                resp = await client.get_object(
+                    Bucket=info.bucket, Key=k, Range=f"bytes={start}-{stop - 1}"
+                )
                 content = resp["Body"].raw_stream.content
                 pos = start
                 while True:
                     chunk = await content.readany()
                     if not chunk:
                         break
-                    d[pos:pos + len(chunk)] = chunk
+                    d[pos : pos + len(chunk)] = chunk
                     pos += len(chunk)
 
         t0, c0 = time.perf_counter(), time.process_time()
@@ -144,29 +152,38 @@ async def raw_loop(info, keys, views, dest_views, op: str, concurrency: int, mod
             await asyncio.gather(*(get_whole(k, d) for k, d in zip(keys, dest_views)))
         else:
             piece = 16 * MiB
-            await asyncio.gather(*(get_range(k, d, s, min(s + piece, len(d)))
-                                   for k, d in zip(keys, dest_views)
-                                   for s in range(0, len(d), piece)))
+            await asyncio.gather(
+                *(
+                    get_range(k, d, s, min(s + piece, len(d)))
+                    for k, d in zip(keys, dest_views)
+                    for s in range(0, len(d), piece)
+                )
+            )
         return time.perf_counter() - t0, time.process_time() - c0
 
 
-async def store_loop(info, keys, views, dest_views, op: str, options: StorageOptions,
-                     mode: str):
+async def store_loop(info, keys, views, dest_views, op: str, options: StorageOptions, mode: str):
     """One S3Store run: (seconds, client CPU seconds), store opened before the clocks."""
     store = open_store(info.url("bench"), options)
     try:
         async for _ in store.list("warmup/"):
             pass
-        rel = [k[len("bench/"):] for k in keys]
+        rel = [k[len("bench/") :] for k in keys]
         t0, c0 = time.perf_counter(), time.process_time()
         if op == "put":
             await asyncio.gather(*(store.put(k, v) for k, v in zip(rel, views)))
         elif mode == "read_ranges":
-            await asyncio.gather(*(store.read_ranges(k, [ReadRange(0, len(d), out=d)])
-                                   for k, d in zip(rel, dest_views)))
+            await asyncio.gather(
+                *(
+                    store.read_ranges(k, [ReadRange(0, len(d), out=d)])
+                    for k, d in zip(rel, dest_views)
+                )
+            )
         else:
+
             async def get(k):
                 return len(await store.get(k))
+
             await asyncio.gather(*(get(k) for k in rel))
         return time.perf_counter() - t0, time.process_time() - c0
     finally:
@@ -214,15 +231,20 @@ def _run_variant(info, variant, keys, views, dviews, options) -> tuple[float, fl
     if kind == "raw":
         return asyncio.run(raw_loop(info, keys, views, dviews, op, c, mode))
     import dataclasses
-    return asyncio.run(store_loop(info, keys, views, dviews, op,
-                                  dataclasses.replace(options, concurrency=c), mode))
+
+    return asyncio.run(
+        store_loop(info, keys, views, dviews, op, dataclasses.replace(options, concurrency=c), mode)
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=3, help="runs of each variant (best kept)")
-    parser.add_argument("--concurrency", default="4,8,16",
-                        help="concurrencies of the raw loops (and of the store, for comparison)")
+    parser.add_argument(
+        "--concurrency",
+        default="4,8,16",
+        help="concurrencies of the raw loops (and of the store, for comparison)",
+    )
     parser.add_argument("--layouts", default="16x64,256x4", help="COUNTxMIB,...")
     args = parser.parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -236,15 +258,19 @@ def main(argv=None) -> int:
     server = S3Server(bucket="cloudckpt-bench")
     info = server.start()
     try:
-        options = StorageOptions(endpoint_url=info.endpoint_url, region=info.region,
-                                 access_key_id=info.access_key, secret_access_key=info.secret_key)
+        options = StorageOptions(
+            endpoint_url=info.endpoint_url,
+            region=info.region,
+            access_key_id=info.access_key,
+            secret_access_key=info.secret_key,
+        )
         for count, size_mib in layouts:
             size = size_mib * MiB
             gib = count * size / (1 << 30)
             layout = f"{count} x {size_mib} MiB"
             keys = [f"bench/{count}x{size_mib}/obj-{i:04d}" for i in range(count)]
-            views = [memoryview(source[i * size:(i + 1) * size]) for i in range(count)]
-            dviews = [memoryview(dest[i * size:(i + 1) * size]) for i in range(count)]
+            views = [memoryview(source[i * size : (i + 1) * size]) for i in range(count)]
+            dviews = [memoryview(dest[i * size : (i + 1) * size]) for i in range(count)]
             variants = _variants(concurrencies, defaults.concurrency)
             results: dict[str, dict] = {}
             for rep in range(args.reps):
@@ -258,55 +284,83 @@ def main(argv=None) -> int:
                             dest[:] = 0
                         server0 = _cpu_seconds(server.pid)
                         with PeakRSS() as mem:
-                            seconds, client_cpu = _run_variant(info, variant, keys, views, dviews,
-                                                               options)
+                            seconds, client_cpu = _run_variant(
+                                info, variant, keys, views, dviews, options
+                            )
                         client_cpu /= gib
                         server_cpu = (_cpu_seconds(server.pid) - server0) / gib
                         if op == "get" and variant[4] != "get":
-                            if not np.array_equal(dest[:count * size], source[:count * size]):
+                            if not np.array_equal(dest[: count * size], source[: count * size]):
                                 raise SystemExit(f"{name}: read back wrong bytes")
                         rate = count * size / MiB / seconds
-                        r = results.setdefault((name, op), {"op": op, "rate": 0.0, "extra": 0.0,
-                                                            "client": [], "server": []})
+                        r = results.setdefault(
+                            (name, op),
+                            {"op": op, "rate": 0.0, "extra": 0.0, "client": [], "server": []},
+                        )
                         r["rate"] = max(r["rate"], rate)
                         r["client"].append(client_cpu)
                         r["server"].append(server_cpu)
                         r["extra"] = max(r["extra"], mem.extra_mib)
-                        print(f"  [{layout} rep {rep}] {op} {name:40s} {rate:8.1f} MiB/s  "
-                              f"cpu client {client_cpu:4.2f} server {server_cpu:4.2f} s/GiB  "
-                              f"+{mem.extra_mib:6.1f} MiB", flush=True)
+                        print(
+                            f"  [{layout} rep {rep}] {op} {name:40s} {rate:8.1f} MiB/s  "
+                            f"cpu client {client_cpu:4.2f} server {server_cpu:4.2f} s/GiB  "
+                            f"+{mem.extra_mib:6.1f} MiB",
+                            flush=True,
+                        )
             for op in ("put", "get"):
                 names = [n for (n, o) in results if o == op]
-                raw_best = max((n for n in names if n.startswith("raw")),
-                               key=lambda n: results[(n, op)]["rate"])
+                raw_best = max(
+                    (n for n in names if n.startswith("raw")),
+                    key=lambda n: results[(n, op)]["rate"],
+                )
                 raw = results[(raw_best, op)]
                 raw_cpu = _median(raw["client"]) + _median(raw["server"])
                 mine = [n for n in names if n.startswith("S3")]
                 store_best = max(mine, key=lambda n: results[(n, op)]["rate"])
-                shown = ["boto3 single", raw_best] + [n for n in mine if "(default)" in n
-                                                      or n == store_best or "get()" in n]
+                shown = ["boto3 single", raw_best] + [
+                    n for n in mine if "(default)" in n or n == store_best or "get()" in n
+                ]
                 for name in dict.fromkeys(shown):
                     r = results[(name, op)]
                     client, srv = _median(r["client"]), _median(r["server"])
-                    table.append((layout, op, name, r["rate"], r["rate"] / raw["rate"], client,
-                                  srv, raw_cpu / (client + srv), r["extra"]))
+                    table.append(
+                        (
+                            layout,
+                            op,
+                            name,
+                            r["rate"],
+                            r["rate"] / raw["rate"],
+                            client,
+                            srv,
+                            raw_cpu / (client + srv),
+                            r["extra"],
+                        )
+                    )
     finally:
         server.stop()
     print()
-    print(f"{'layout':13s} {'op':4s} {'variant':38s} {'MiB/s':>7s} {'x raw':>6s} "
-          f"{'client':>7s} {'server':>7s} {'x raw':>6s} {'peak':>7s}")
-    print(f"{'':13s} {'':4s} {'':38s} {'best':>7s} {'wall':>6s} "
-          f"{'cpu s/GiB':>15s} {'cpu':>6s} {'+MiB':>7s}")
+    print(
+        f"{'layout':13s} {'op':4s} {'variant':38s} {'MiB/s':>7s} {'x raw':>6s} "
+        f"{'client':>7s} {'server':>7s} {'x raw':>6s} {'peak':>7s}"
+    )
+    print(
+        f"{'':13s} {'':4s} {'':38s} {'best':>7s} {'wall':>6s} "
+        f"{'cpu s/GiB':>15s} {'cpu':>6s} {'+MiB':>7s}"
+    )
     for layout, op, name, rate, ratio, client, srv, cpu_ratio, extra in table:
-        print(f"{layout:13s} {op:4s} {name:38s} {rate:7.1f} {ratio:6.2f} {client:7.2f} "
-              f"{srv:7.2f} {cpu_ratio:6.2f} {extra:7.1f}")
-    print(f"\nMiB/s: best of {args.reps} runs. 'x raw wall' = that / the best raw aiobotocore "
-          f"parallel loop of the same layout and op. cpu: median client / server (weed) CPU "
-          f"seconds per GiB; 'x raw cpu' = (raw best's client+server cpu) / (this row's): the "
-          f"throughput ratio when the machine's cores are the bottleneck, robust to other load. "
-          f"'peak +MiB': high-water RSS during the phase minus RSS before it (worst run). "
-          f"Process high-water RSS: {_status_kib('VmHWM') / 1024:.0f} MiB (the source and "
-          f"destination arrays hold {2 * total / MiB:.0f} MiB).")
+        print(
+            f"{layout:13s} {op:4s} {name:38s} {rate:7.1f} {ratio:6.2f} {client:7.2f} "
+            f"{srv:7.2f} {cpu_ratio:6.2f} {extra:7.1f}"
+        )
+    print(
+        f"\nMiB/s: best of {args.reps} runs. 'x raw wall' = that / the best raw aiobotocore "
+        f"parallel loop of the same layout and op. cpu: median client / server (weed) CPU "
+        f"seconds per GiB; 'x raw cpu' = (raw best's client+server cpu) / (this row's): the "
+        f"throughput ratio when the machine's cores are the bottleneck, robust to other load. "
+        f"'peak +MiB': high-water RSS during the phase minus RSS before it (worst run). "
+        f"Process high-water RSS: {_status_kib('VmHWM') / 1024:.0f} MiB (the source and "
+        f"destination arrays hold {2 * total / MiB:.0f} MiB)."
+    )
     return 0
 
 

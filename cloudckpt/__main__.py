@@ -1,7 +1,7 @@
-"""``python -m cloudckpt``: the ``cloudckpt`` command (see :mod:`cloudckpt.cli`)."""
+"""``python -m cloudckpt``: the ``cloudckpt`` command (see :mod:`cloudckpt.cli.main`)."""
 
 import sys
 
-from cloudckpt.cli import main
+from cloudckpt.cli.main import main
 
 sys.exit(main())

@@ -45,7 +45,7 @@ def block_crcs(data, block_size: int) -> tuple[int, ...]:
     n = len(mv)
     if n == 0:
         return (0,)
-    return tuple(_extend(mv[i:i + block_size], 0) for i in range(0, n, block_size))
+    return tuple(_extend(mv[i : i + block_size], 0) for i in range(0, n, block_size))
 
 
 def content_hash(data) -> bytes:
@@ -78,7 +78,7 @@ def hash_and_block_crcs(data, block_size: int) -> tuple[bytes, tuple[int, ...]]:
         end = min(start + block_size, n)
         crc = 0
         for i in range(start, end, step):
-            piece = mv[i:min(i + step, end)]
+            piece = mv[i : min(i + step, end)]
             crc = _extend(piece, crc)
             hasher.update(piece)
         crcs.append(crc)

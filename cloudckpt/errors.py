@@ -10,8 +10,8 @@ Messages never contain secrets (keys, tokens, signed URLs).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 
 class CloudCkptError(Exception):
@@ -54,8 +54,15 @@ class ObjectTooLarge(StorageError, ValueError):
     """A size-limited read (``get(key, max_bytes=...)``) found the object larger than the limit;
     its body was not read. ``size`` and ``limit`` say by how much."""
 
-    def __init__(self, message: str, *, key: str | None = None, operation: str | None = None,
-                 size: int | None = None, limit: int | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str | None = None,
+        operation: str | None = None,
+        size: int | None = None,
+        limit: int | None = None,
+    ):
         super().__init__(message, key=key, operation=operation)
         self.size = size
         self.limit = limit
@@ -71,8 +78,15 @@ class RetriesExhausted(StorageError):
     ``last_cause`` holds the exception of the last attempt; ``attempts`` how many were made.
     """
 
-    def __init__(self, message: str, *, key: str | None = None, operation: str | None = None,
-                 attempts: int = 0, last_cause: BaseException | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str | None = None,
+        operation: str | None = None,
+        attempts: int = 0,
+        last_cause: BaseException | None = None,
+    ):
         super().__init__(message, key=key, operation=operation)
         self.attempts = attempts
         self.last_cause = last_cause
@@ -88,8 +102,14 @@ class IntegrityError(CloudCkptError, ValueError):
 class ChecksumError(IntegrityError):
     """A crc32c mismatch. Names the object and the byte range that failed."""
 
-    def __init__(self, message: str, *, key: str | None = None, offset: int | None = None,
-                 length: int | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str | None = None,
+        offset: int | None = None,
+        length: int | None = None,
+    ):
         super().__init__(message)
         self.key = key
         self.offset = offset

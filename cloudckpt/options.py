@@ -40,9 +40,11 @@ class SaveOptions:
 
     def __post_init__(self) -> None:
         if not 60.0 <= self.pin_lease <= 86400.0:
-            raise ValueError(f"pin_lease must be from 60 to 86400 seconds (a day), got "
-                             f"{self.pin_lease!r}; pins are renewed while a save runs, so a "
-                             f"longer lease is never needed")
+            raise ValueError(
+                f"pin_lease must be from 60 to 86400 seconds (a day), got "
+                f"{self.pin_lease!r}; pins are renewed while a save runs, so a "
+                f"longer lease is never needed"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

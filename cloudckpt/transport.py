@@ -17,7 +17,7 @@ Knows nothing of storage or checkpoints. Two pieces:
   CUDA tensors, gloo CPU tensors.
 
 The groups of both (control lanes, broadcast subgroups) are held by the runtime context
-(:class:`cloudckpt.context.GroupCache`) for the default process group they were created in: after
+(:class:`cloudckpt.runtime.context.GroupCache`) for the default process group they were created in: after
 ``destroy_process_group`` and a new ``init_process_group`` they are created anew. A channel
 object itself belongs to the world it was created in.
 
@@ -29,14 +29,15 @@ from __future__ import annotations
 import datetime as _dt
 import threading
 import traceback as _tb
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import msgpack
 import torch
 import torch.distributed as dist
 
-from cloudckpt.context import current
 from cloudckpt.errors import CheckpointError, CollectiveTimeout, RankFailure
+from cloudckpt.runtime.context import current
 from cloudckpt.wording import ranks_phrase
 
 INLINE_BYTES = 504
@@ -104,7 +105,7 @@ class PhaseReport(Protocol):
     def encode(self) -> bytes: ...
 
     @classmethod
-    def decode(cls, raw: bytes) -> "PhaseReport": ...
+    def decode(cls, raw: bytes) -> PhaseReport: ...
 
 
 class ControlChannel:
@@ -153,7 +154,7 @@ class ControlChannel:
         slot = bytearray(_LENGTH_BYTES + inline)
         slot[:_LENGTH_BYTES] = n.to_bytes(_LENGTH_BYTES, "little")
         if n <= inline:
-            slot[_LENGTH_BYTES:_LENGTH_BYTES + n] = payload
+            slot[_LENGTH_BYTES : _LENGTH_BYTES + n] = payload
         try:
             firsts = [torch.empty(len(slot), dtype=torch.uint8) for _ in self.ranks]
             dist.all_gather(firsts, torch.frombuffer(slot, dtype=torch.uint8), group=self.group)
@@ -161,7 +162,7 @@ class ControlChannel:
             lengths = [int.from_bytes(h[:_LENGTH_BYTES], "little") for h in heads]
             width = max(lengths)
             if width <= inline:
-                return [h[_LENGTH_BYTES:_LENGTH_BYTES + k] for h, k in zip(heads, lengths)]
+                return [h[_LENGTH_BYTES : _LENGTH_BYTES + k] for h, k in zip(heads, lengths)]
             mine = torch.zeros(width, dtype=torch.uint8)
             if n > inline:
                 mine[:n] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -169,11 +170,14 @@ class ControlChannel:
             dist.all_gather(outs, mine, group=self.group)
         except RuntimeError as exc:
             raise self._collective_failed("all_gather", exc) from exc
-        return [h[_LENGTH_BYTES:_LENGTH_BYTES + k] if k <= inline
-                else bytes(o[:k].numpy().tobytes()) for h, o, k in zip(heads, outs, lengths)]
+        return [
+            h[_LENGTH_BYTES : _LENGTH_BYTES + k] if k <= inline else bytes(o[:k].numpy().tobytes())
+            for h, o, k in zip(heads, outs, lengths)
+        ]
 
-    def broadcast_bytes(self, payload: bytes | None, *, src: int = 0,
-                        length: int | None = None) -> bytes:
+    def broadcast_bytes(
+        self, payload: bytes | None, *, src: int = 0, length: int | None = None
+    ) -> bytes:
         """Rank ``src`` sends ``payload``; every rank returns it. ``length``: the payload's
         length when every rank knows it already (e.g. from a phase report): one broadcast
         instead of two."""
@@ -185,8 +189,11 @@ class ControlChannel:
                 dist.broadcast(n, src=self.ranks[src], group=self.group)
                 length = int(n.item())
             if self.rank == src:
-                buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if length else \
-                    torch.empty(0, dtype=torch.uint8)
+                buf = (
+                    torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                    if length
+                    else torch.empty(0, dtype=torch.uint8)
+                )
             else:
                 buf = torch.empty(length, dtype=torch.uint8)
             if length:
@@ -201,8 +208,9 @@ class ControlChannel:
 
     # -- fail together --------------------------------------------------------------------------
 
-    def phase(self, what: str, report: type[PhaseReport] | None = None, *,
-              inline: int = INLINE_BYTES) -> Phase:
+    def phase(
+        self, what: str, report: type[PhaseReport] | None = None, *, inline: int = INLINE_BYTES
+    ) -> Phase:
         """One step of a protocol, run on every rank of the channel and closed by an agreement::
 
             with channel.phase("save upload", UploadReport) as upload:
@@ -220,8 +228,14 @@ class ControlChannel:
         """
         return Phase(self, what, report, inline)
 
-    def agree(self, what: str, payload: bytes = b"", error: BaseException | None = None, *,
-              inline: int = INLINE_BYTES) -> list[bytes]:
+    def agree(
+        self,
+        what: str,
+        payload: bytes = b"",
+        error: BaseException | None = None,
+        *,
+        inline: int = INLINE_BYTES,
+    ) -> list[bytes]:
         """Exchange one phase's outcome. Returns every rank's ``payload`` if all succeeded.
 
         If any rank passes an ``error``, every rank raises the same :class:`CheckpointError`
@@ -244,7 +258,9 @@ class ControlChannel:
             if ok:
                 payloads.append(body)
             else:
-                failures[r] = RankFailure(rank=r, error_type=info[0], message=info[1], traceback=info[2])
+                failures[r] = RankFailure(
+                    rank=r, error_type=info[0], message=info[1], traceback=info[2]
+                )
         if not failures:
             return payloads
         cls = _common_error_class(failures)
@@ -273,8 +289,13 @@ class Phase:
     type), or left ``None``. ``reports``: after the block, every rank's report in rank order.
     """
 
-    def __init__(self, channel: ControlChannel, what: str, report_type: type | None,
-                 inline: int = INLINE_BYTES):
+    def __init__(
+        self,
+        channel: ControlChannel,
+        what: str,
+        report_type: type | None,
+        inline: int = INLINE_BYTES,
+    ):
         self.channel = channel
         self.what = what
         self.report_type = report_type
@@ -282,7 +303,7 @@ class Phase:
         self.report = None
         self.reports: tuple = ()
 
-    def __enter__(self) -> "Phase":
+    def __enter__(self) -> Phase:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -290,9 +311,11 @@ class Phase:
         if error is None and self.report is not None:
             try:
                 if self.report_type is None or not isinstance(self.report, self.report_type):
-                    raise TypeError(f"{self.what}: the report must be a "
-                                    f"{getattr(self.report_type, '__name__', 'None')}, got "
-                                    f"{type(self.report).__name__}")
+                    raise TypeError(
+                        f"{self.what}: the report must be a "
+                        f"{getattr(self.report_type, '__name__', 'None')}, got "
+                        f"{type(self.report).__name__}"
+                    )
                 payload = self.report.encode()
             except BaseException as encode_error:  # reported to every rank like the block's own
                 error = encode_error
@@ -339,8 +362,12 @@ def _cached_group(key: tuple, create):
 
 
 def _control_group(ranks: tuple[int, ...], timeout: float, lane: str):
-    return _cached_group(("control", ranks, timeout, lane), lambda: _new_group(
-        ranks, "gloo", timeout, every_rank_calls=len(ranks) == dist.get_world_size()))
+    return _cached_group(
+        ("control", ranks, timeout, lane),
+        lambda: _new_group(
+            ranks, "gloo", timeout, every_rank_calls=len(ranks) == dist.get_world_size()
+        ),
+    )
 
 
 def _new_group(ranks: tuple[int, ...], backend: str, timeout: float, *, every_rank_calls: bool):
@@ -348,8 +375,12 @@ def _new_group(ranks: tuple[int, ...], backend: str, timeout: float, *, every_ra
     this for the same groups in the same order (members or not; torch's numbering stays
     aligned). Otherwise only members call it (local synchronisation), which works when every
     member has created the same number of groups before."""
-    return dist.new_group(list(ranks), backend=backend, timeout=_dt.timedelta(seconds=timeout),
-                          use_local_synchronization=not every_rank_calls)
+    return dist.new_group(
+        list(ranks),
+        backend=backend,
+        timeout=_dt.timedelta(seconds=timeout),
+        use_local_synchronization=not every_rank_calls,
+    )
 
 
 class Broadcaster:
@@ -368,8 +399,11 @@ class Broadcaster:
     def __init__(self, channel: ControlChannel):
         self.channel = channel
         self.backend = "nccl" if channel.backend == "nccl" else "gloo"
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if self.backend == "nccl" else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.backend == "nccl"
+            else torch.device("cpu")
+        )
 
     @property
     def can_use_subgroups(self) -> bool:
@@ -389,9 +423,10 @@ class Broadcaster:
             # the whole channel: reuse the control group for gloo, the default backend otherwise
             if self.backend == "gloo":
                 return self.channel.group
-        return _cached_group(("broadcast", self.backend, ranks, self.channel.timeout),
-                             lambda: _new_group(ranks, self.backend, self.channel.timeout,
-                                                every_rank_calls=True))
+        return _cached_group(
+            ("broadcast", self.backend, ranks, self.channel.timeout),
+            lambda: _new_group(ranks, self.backend, self.channel.timeout, every_rank_calls=True),
+        )
 
     def broadcast(self, buf: torch.Tensor, *, src: int, members: tuple[int, ...]) -> None:
         """Broadcast ``buf`` (a contiguous tensor on :attr:`device`) from channel rank ``src``."""
@@ -402,16 +437,17 @@ class Broadcaster:
         except RuntimeError as exc:
             raise self.channel._collective_failed("broadcast", exc) from exc
 
-    def all_gather(self, out: torch.Tensor, mine: torch.Tensor, *,
-                   members: tuple[int, ...]) -> None:
+    def all_gather(
+        self, out: torch.Tensor, mine: torch.Tensor, *, members: tuple[int, ...]
+    ) -> None:
         """Every member contributes ``mine`` (contiguous, on :attr:`device`, the same size on
         every member); ``out`` (``len(members)`` times that size) receives member ``j``'s at
         slot ``j`` (``members`` sorted). ``mine`` may be this rank's slot of ``out`` itself."""
         me = members.index(self.channel.rank)
         n = mine.numel()
         if len(members) <= 1 or not self.channel.distributed:
-            if out[me * n:(me + 1) * n].data_ptr() != mine.data_ptr():
-                out[me * n:(me + 1) * n].copy_(mine)
+            if out[me * n : (me + 1) * n].data_ptr() != mine.data_ptr():
+                out[me * n : (me + 1) * n].copy_(mine)
             return
         ranks = [self.channel.ranks[m] for m in members]
         order = sorted(range(len(members)), key=ranks.__getitem__)  # a group's rank order
@@ -425,7 +461,7 @@ class Broadcaster:
         except RuntimeError as exc:
             raise self.channel._collective_failed("all_gather", exc) from exc
         for g, j in enumerate(order):
-            out[j * n:(j + 1) * n].copy_(by_group[g * n:(g + 1) * n])
+            out[j * n : (j + 1) * n].copy_(by_group[g * n : (g + 1) * n])
 
     def exchange(self, slots: Sequence[torch.Tensor], *, members: tuple[int, ...]) -> None:
         """Every member ``j`` sends its ``slots[j]`` to every other member, into their

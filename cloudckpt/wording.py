@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+
 def plural(n: int, word: str, many: str | None = None) -> str:
     """``"1 object"``, ``"2 objects"``, ``"0 objects"``; ``many`` overrides the plural form
     (``plural(n, "entry", "entries")``)."""

@@ -4,7 +4,7 @@
 #   python3 -m venv .venv && . .venv/bin/activate && bash examples/demo.sh
 #
 # 1. installs what is missing (torch==2.13.0 first, then this package with its test extras);
-# 2. starts a local S3 server (SeaweedFS, `python -m cloudckpt.testing.s3server`);
+# 2. starts a local S3 server (SeaweedFS, `python -m cloudckpt.testing.servers.seaweed`);
 # 3. trains examples/train.py on 2 processes (FSDP2, async saves every 10 steps, keep_last=3)
 #    and sends SIGTERM to ONE rank: every rank saves that step and exits (preemption);
 # 4. resumes on 1 process (a different world size) and SIGKILLs the whole job mid-run;
@@ -34,8 +34,8 @@ elapsed() { echo "$(( $(date +%s) - T_START )) s"; }
 # -- 1. install -------------------------------------------------------------------------------
 installed() {
   # run from / so that the checkout itself is not what gets imported
-  (cd / && "$PY" -c "import torch, aiobotocore, cloudckpt.manager
-from cloudckpt.testing.s3server import find_weed; find_weed()" >/dev/null 2>&1) \
+  (cd / && "$PY" -c "import torch, aiobotocore, cloudckpt.runs.manager
+from cloudckpt.testing.servers.seaweed import find_weed; find_weed()" >/dev/null 2>&1) \
     && command -v cloudckpt >/dev/null && command -v torchrun >/dev/null
 }
 if ! installed; then
@@ -105,7 +105,7 @@ cleanup() {
     echo "demo: the checkpoints lived at $RUN, on the local S3 server at ${AWS_ENDPOINT_URL:-?}"
     echo "demo: that server is stopped and its data (under $DEMO_TMP) is removed;" \
          "no process of this demo is left; finished in $(elapsed)"
-    echo "demo: to keep checkpoints, run 'python -m cloudckpt.testing.s3server' in another" \
+    echo "demo: to keep checkpoints, run 'python -m cloudckpt.testing.servers.seaweed' in another" \
          "terminal, eval its export lines, then: torchrun --nproc-per-node 2 examples/train.py" \
          "--url s3://cloudckpt-test/my-run"
   else
@@ -118,8 +118,8 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 # -- 2. local S3 server -----------------------------------------------------------------------
-say "starting a local S3 server: python -m cloudckpt.testing.s3server"
-"$PY" -m cloudckpt.testing.s3server --bucket cloudckpt-test --workdir "$DEMO_TMP" >"$DEMO_TMP/server.out" 2>"$DEMO_TMP/server.err" &
+say "starting a local S3 server: python -m cloudckpt.testing.servers.seaweed"
+"$PY" -m cloudckpt.testing.servers.seaweed --bucket cloudckpt-test --workdir "$DEMO_TMP" >"$DEMO_TMP/server.out" 2>"$DEMO_TMP/server.err" &
 SERVER_PID=$!
 for _ in $(seq 600); do
   grep -q '^export AWS_SECRET_ACCESS_KEY=' "$DEMO_TMP/server.out" 2>/dev/null && break

@@ -14,7 +14,7 @@ What it shows:
   to torchrun, it is forwarded to every worker) goes through ``cloudckpt.PreemptionHandler``:
   every rank stops at the same step, saves it and exits with status 143 (torchrun itself then
   exits 1: ``--preempted-marker FILE`` tells a wrapper script that this was a preemption);
-  with ``--spot-notices``, an EC2 spot interruption notice does the same (``cloudckpt.spot``).
+  with ``--spot-notices``, an EC2 spot interruption notice does the same (``cloudckpt.runs.spot``).
 
 The data is synthetic and deterministic: the global batch of step ``s`` is a function of ``s``
 only (token sequences of a seeded Markov chain), split over the ranks. A resumed run, on any
@@ -25,7 +25,7 @@ Storage: ``--url`` names the run (``s3://bucket/prefix``); endpoint and credenti
 the standard AWS variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...) or the usual AWS
 chain. With neither ``--url`` nor ``AWS_ENDPOINT_URL``, rank 0 starts a private local SeaweedFS
 for this run only (its checkpoints vanish when the run ends: use ``examples/demo.sh`` or
-``python -m cloudckpt.testing.s3server`` for a server that outlives runs).
+``python -m cloudckpt.testing.servers.seaweed`` for a server that outlives runs).
 
 Every rank prints nothing; rank 0 prints one line per ``--log-every`` steps (step, loss, time)
 and one per checkpoint event. ``--loss-log FILE`` appends ``step loss world_size`` lines.
@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cloudckpt
-from cloudckpt.preemption import Preempted
+from cloudckpt.runs.preemption import Preempted
 
 DEFAULT_BUCKET = "cloudckpt-test"
 
@@ -71,8 +71,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), is_causal=True)
+        att = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
@@ -105,8 +106,9 @@ def successor_table(vocab: int, branching: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab, (vocab, branching), generator=gen)
 
 
-def global_batch(step: int, *, table: torch.Tensor, batch: int, seq_len: int,
-                 seed: int) -> torch.Tensor:
+def global_batch(
+    step: int, *, table: torch.Tensor, batch: int, seq_len: int, seed: int
+) -> torch.Tensor:
     """The ``batch x (seq_len + 1)`` token sequences of ``step``: a function of ``step`` only."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     vocab, branching = table.shape
@@ -171,10 +173,13 @@ def resolve_storage(args, rank: int):
         raise SystemExit("AWS_ENDPOINT_URL is set: pass --url s3://<bucket>/<prefix> as well")
     server, env_lines = None, b""
     if rank == 0:
-        from cloudckpt.testing.s3server import S3Server
+        from cloudckpt.testing.servers.seaweed import S3Server
 
-        print("train: no --url and no AWS_ENDPOINT_URL: starting a private local SeaweedFS "
-              "(its checkpoints vanish when this run ends)", flush=True)
+        print(
+            "train: no --url and no AWS_ENDPOINT_URL: starting a private local SeaweedFS "
+            "(its checkpoints vanish when this run ends)",
+            flush=True,
+        )
         server = S3Server()
         info = server.start()
         env_lines = "\n".join(f"{k}={v}" for k, v in info.env().items()).encode()
@@ -189,8 +194,9 @@ def resolve_storage(args, rank: int):
 
 def build(args, world: int, device: torch.device):
     torch.manual_seed(args.seed)  # identical initial weights on every rank and world size
-    model = TinyLM(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads,
-                   seq_len=args.seq_len).to(device)
+    model = TinyLM(
+        vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads, seq_len=args.seq_len
+    ).to(device)
     if dist.is_initialized():
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -199,8 +205,7 @@ def build(args, world: int, device: torch.device):
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                              weight_decay=0.01)
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     return model, optim
 
 
@@ -218,12 +223,11 @@ def restore(mgr, model, optim) -> int:
     Returns its step, or 0 when the run has none."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    state = checkpoint_state(model, optim, 0)   # this rank's shards, to be filled in place
+    state = checkpoint_state(model, optim, 0)  # this rank's shards, to be filled in place
     step = mgr.load(state)
     if step is None:
         return 0
-    set_state_dict(model, optim, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["step"])
 
 
@@ -236,8 +240,9 @@ def learning_rate(step: int, args) -> float:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--url", help="run URL s3://bucket/prefix (default: a private local server)")
     p.add_argument("--steps", type=int, default=60, help="train up to this step")
     p.add_argument("--save-every", type=int, default=10)
@@ -253,16 +258,25 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--step-delay", type=float, default=0.0,
-                   help="sleep this long after each step (to leave time to interrupt a demo)")
+    p.add_argument(
+        "--step-delay",
+        type=float,
+        default=0.0,
+        help="sleep this long after each step (to leave time to interrupt a demo)",
+    )
     p.add_argument("--pid-dir", help="write rank<R>.pid files here (to signal a given rank)")
     p.add_argument("--loss-log", help="append 'step loss world_size' lines to this file (rank 0)")
-    p.add_argument("--spot-notices", action="store_true",
-                   help="also stop as on SIGTERM at an EC2 spot interruption notice (polled by "
-                        "local rank 0 from the instance metadata: cloudckpt.SpotNoticePoller)")
-    p.add_argument("--preempted-marker",
-                   help="every rank creates this file after a preemption save (a wrapper around "
-                        "torchrun, which exits 1 either way, can then exit 143)")
+    p.add_argument(
+        "--spot-notices",
+        action="store_true",
+        help="also stop as on SIGTERM at an EC2 spot interruption notice (polled by "
+        "local rank 0 from the instance metadata: cloudckpt.SpotNoticePoller)",
+    )
+    p.add_argument(
+        "--preempted-marker",
+        help="every rank creates this file after a preemption save (a wrapper around "
+        "torchrun, which exits 1 either way, can then exit 143)",
+    )
     return p.parse_args(argv)
 
 
@@ -300,30 +314,37 @@ def main(argv=None) -> int:
 def train(args, rank, world, device, url, say) -> int:
     model, optim = build(args, world, device)
     n_params = sum(p.numel() for p in model.parameters())  # global numel, also for DTensors
-    say(f"train: {n_params / 1e6:.2f} M parameters, world size {world}, device {device.type}, "
-        f"run {url}")
+    say(
+        f"train: {n_params / 1e6:.2f} M parameters, world size {world}, device {device.type}, "
+        f"run {url}"
+    )
     table = successor_table(args.vocab, args.branching, args.seed)
     mgr = cloudckpt.CheckpointManager(url, keep_last=args.keep_last)
     loss_log = open(args.loss_log, "a") if args.loss_log and rank == 0 else None
 
-    with cloudckpt.PreemptionHandler(mgr) as preempt, (loss_log or nullcontext()), \
-            spot_notices(args, preempt):
+    with (
+        cloudckpt.PreemptionHandler(mgr) as preempt,
+        loss_log or nullcontext(),
+        spot_notices(args, preempt),
+    ):
         t0 = time.perf_counter()
         start = restore(mgr, model, optim)
         if start:
-            say(f"train: resumed from step {start} (newest complete checkpoint) in "
-                f"{time.perf_counter() - t0:.2f} s, world size {world}")
+            say(
+                f"train: resumed from step {start} (newest complete checkpoint) in "
+                f"{time.perf_counter() - t0:.2f} s, world size {world}"
+            )
         else:
             say("train: no checkpoint found: starting from step 0")
         last = time.perf_counter()
         for step in range(start + 1, args.steps + 1):
-            tokens = global_batch(step, table=table, batch=args.batch, seq_len=args.seq_len,
-                                  seed=args.seed)[rank::world].to(device)
+            tokens = global_batch(
+                step, table=table, batch=args.batch, seq_len=args.seq_len, seed=args.seed
+            )[rank::world].to(device)
             for group in optim.param_groups:
                 group["lr"] = learning_rate(step, args)
             logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                   tokens[:, 1:].reshape(-1))
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
             optim.zero_grad(set_to_none=True)
             loss.backward()
             optim.step()
@@ -337,21 +358,27 @@ def train(args, rank, world, device, url, say) -> int:
                 loss_log.flush()
             if step % args.log_every == 0:
                 now = time.perf_counter()
-                say(f"step {step:4d}  loss {global_loss.item():.4f}  "
-                    f"({(now - last) / args.log_every:.2f} s/step)")
+                say(
+                    f"step {step:4d}  loss {global_loss.item():.4f}  "
+                    f"({(now - last) / args.log_every:.2f} s/step)"
+                )
                 last = now
 
             if step % args.save_every == 0 or step == args.steps:
                 save_async(mgr, step, checkpoint_state(model, optim, step), say)
-            if preempt.should_stop(step):   # collective: every rank, every step
+            if preempt.should_stop(step):  # collective: every rank, every step
                 t = time.perf_counter()
-                say(f"train: stop requested (SIGTERM or spot notice): saving step {step} and "
-                    "exiting")
+                say(
+                    f"train: stop requested (SIGTERM or spot notice): saving step {step} and "
+                    "exiting"
+                )
                 try:
                     preempt.save_and_exit(step, checkpoint_state(model, optim, step))
                 except Preempted:  # saved on every rank: exit with status 143
-                    say(f"train: preemption checkpoint of step {step} done in "
-                        f"{time.perf_counter() - t:.2f} s")
+                    say(
+                        f"train: preemption checkpoint of step {step} done in "
+                        f"{time.perf_counter() - t:.2f} s"
+                    )
                     if args.preempted_marker:
                         with open(args.preempted_marker, "w") as f:
                             f.write(f"{step}\n")
@@ -382,8 +409,10 @@ def save_async(mgr, step: int, state: dict, say) -> None:
             say(f"[ckpt] step {step}: save FAILED: {exc}")
         else:
             r = h.result()
-            say(f"[ckpt] step {step}: committed {r.bytes_written / 2**20:.1f} MiB in {r.objects} "
-                f"object(s), {r.seconds:.2f} s")
+            say(
+                f"[ckpt] step {step}: committed {r.bytes_written / 2**20:.1f} MiB in {r.objects} "
+                f"object(s), {r.seconds:.2f} s"
+            )
 
     handle.add_done_callback(done)
 

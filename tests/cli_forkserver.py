@@ -10,7 +10,7 @@ handlers run, streams flushed) giving the exit status. Tests that need a real in
 starting their own subprocess.
 
 Test infrastructure: requests are pickled over a private socket between a test process and its
-own server (as in :mod:`cloudckpt.testing.zygote`).
+own server (as in :mod:`cloudckpt.testing.dist.zygote`).
 """
 
 from __future__ import annotations
@@ -45,8 +45,17 @@ class _Server:
         listener = multiprocessing.connection.Listener(address, family="AF_UNIX", authkey=key)
         env = dict(os.environ, PYTHONPATH=REPO)
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys, tests.cli_forkserver as m; m.serve(sys.argv[1])",
-             address], cwd=REPO, env=env, stdin=subprocess.PIPE, start_new_session=True)
+            [
+                sys.executable,
+                "-c",
+                "import sys, tests.cli_forkserver as m; m.serve(sys.argv[1])",
+                address,
+            ],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+        )
         assert self._proc.stdin is not None
         self._proc.stdin.write(key)
         self._proc.stdin.close()
@@ -66,15 +75,17 @@ class _Server:
                 self._proc.kill()
             self._proc = None
 
-    def run(self, args: list[str], *, cwd: str, env: dict[str, str], timeout: float,
-            closed_stdout: bool) -> subprocess.CompletedProcess:
+    def run(
+        self, args: list[str], *, cwd: str, env: dict[str, str], timeout: float, closed_stdout: bool
+    ) -> subprocess.CompletedProcess:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._start()
             with tempfile.TemporaryDirectory(prefix="cloudckpt-cli-run-") as out:
                 paths = (os.path.join(out, "stdout"), os.path.join(out, "stderr"))
-                self._conn.send(("run", list(args), str(cwd), dict(env), paths, float(timeout),
-                                 closed_stdout))
+                self._conn.send(
+                    ("run", list(args), str(cwd), dict(env), paths, float(timeout), closed_stdout)
+                )
                 status = self._conn.recv()
                 stdout, stderr = (Path(p).read_text(errors="replace") for p in paths)
         argv = [sys.executable, "-m", "cloudckpt", *args]
@@ -86,14 +97,16 @@ class _Server:
 _SERVER = _Server()
 
 
-def run_cli(args, *, cwd: str, env: dict[str, str], timeout: float = 120.0,
-            closed_stdout: bool = False) -> subprocess.CompletedProcess:
+def run_cli(
+    args, *, cwd: str, env: dict[str, str], timeout: float = 120.0, closed_stdout: bool = False
+) -> subprocess.CompletedProcess:
     """Like ``subprocess.run([sys.executable, "-m", "cloudckpt", *args], cwd=cwd, env=env,
     capture_output=True, text=True, timeout=timeout)``, in a child of the fork server.
     ``closed_stdout``: stdout is a pipe whose reader has already gone (``cloudckpt ... | head``
     after head exited); ``stdout`` is then empty."""
-    return _SERVER.run([str(a) for a in args], cwd=str(cwd), env=env, timeout=timeout,
-                       closed_stdout=closed_stdout)
+    return _SERVER.run(
+        [str(a) for a in args], cwd=str(cwd), env=env, timeout=timeout, closed_stdout=closed_stdout
+    )
 
 
 # -- server side ---------------------------------------------------------------------------------
@@ -118,9 +131,10 @@ def _wait(pid: int, timeout: float) -> int | None:
 
 def serve(address: str) -> None:
     """Import what the commands need, then fork one child per request until EOF."""
-    import cloudckpt.cli  # noqa: F401
-    import cloudckpt.storage  # noqa: F401
     import torch  # noqa: F401  (export, verify, convert import it)
+
+    import cloudckpt.cli.main  # noqa: F401
+    import cloudckpt.storage  # noqa: F401
 
     key = sys.stdin.buffer.read()
     conn = multiprocessing.connection.Client(address, family="AF_UNIX", authkey=key)
@@ -136,8 +150,9 @@ def serve(address: str) -> None:
         conn.send(_wait(pid, timeout))
 
 
-def _become_the_command(args: list[str], cwd: str, env: dict[str, str],
-                        paths: tuple[str, str], closed_stdout: bool) -> None:
+def _become_the_command(
+    args: list[str], cwd: str, env: dict[str, str], paths: tuple[str, str], closed_stdout: bool
+) -> None:
     """In the child: set up the process as ``python -m cloudckpt ARGS`` would have it, run the
     module, and exit with its status."""
     import runpy
@@ -191,8 +206,13 @@ def _open_stdio(*, unbuffered: bool) -> None:
     def stream(fd: int, *, errors: str, line_buffering: bool) -> io.TextIOWrapper:
         raw = io.FileIO(fd, "w", closefd=False)
         binary = raw if unbuffered else io.BufferedWriter(raw)
-        return io.TextIOWrapper(binary, encoding="utf-8", errors=errors,
-                                line_buffering=line_buffering, write_through=unbuffered)
+        return io.TextIOWrapper(
+            binary,
+            encoding="utf-8",
+            errors=errors,
+            line_buffering=line_buffering,
+            write_through=unbuffered,
+        )
 
     sys.stdout = sys.__stdout__ = stream(1, errors="strict", line_buffering=os.isatty(1))
     sys.stderr = sys.__stderr__ = stream(2, errors="backslashreplace", line_buffering=True)

@@ -14,9 +14,9 @@ import uuid
 
 import pytest
 
-from cloudckpt.testing.dist import ProcessWorld
-from cloudckpt.testing.motoserver import MotoServer
-from cloudckpt.testing.s3server import S3Server, S3ServerInfo
+from cloudckpt.testing.dist.world import ProcessWorld
+from cloudckpt.testing.servers.moto import MotoServer
+from cloudckpt.testing.servers.seaweed import S3Server, S3ServerInfo
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +40,7 @@ def s3_url(s3_server: S3ServerInfo, request) -> str:
 @pytest.fixture(scope="session")
 def moto_server() -> S3ServerInfo:
     """The session's moto S3 endpoint (a subprocess; any credentials are accepted, checksums
-    are not checked: see cloudckpt.testing.motoserver)."""
+    are not checked: see cloudckpt.testing.servers.moto)."""
     with MotoServer() as info:
         yield info
 

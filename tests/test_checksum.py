@@ -60,13 +60,20 @@ def test_matches_the_reference_and_chains(data, draw):
     assert crc32c(data[cut:], crc32c(data[:cut])) == crc32c(data)
 
 
-@pytest.mark.parametrize("make", [
-    bytes, bytearray, memoryview, lambda b: memoryview(bytearray(b)).toreadonly(),
-    lambda b: np.frombuffer(b, np.uint8).copy(),
-    lambda b: np.frombuffer(b, np.float32).copy(),            # a multi-byte format: cast to bytes
-    lambda b: np.frombuffer(b, np.int64).reshape(4, -1).copy(),  # 2-D, C-contiguous
-    lambda b: array.array("i", b),
-], ids=["bytes", "bytearray", "memoryview", "readonly", "u8", "f32", "i64-2d", "array"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        bytes,
+        bytearray,
+        memoryview,
+        lambda b: memoryview(bytearray(b)).toreadonly(),
+        lambda b: np.frombuffer(b, np.uint8).copy(),
+        lambda b: np.frombuffer(b, np.float32).copy(),  # a multi-byte format: cast to bytes
+        lambda b: np.frombuffer(b, np.int64).reshape(4, -1).copy(),  # 2-D, C-contiguous
+        lambda b: array.array("i", b),
+    ],
+    ids=["bytes", "bytearray", "memoryview", "readonly", "u8", "f32", "i64-2d", "array"],
+)
 def test_every_buffer_format_gives_the_crc_of_its_bytes(make):
     raw = bytes(range(256)) * 4
     assert crc32c(make(raw)) == reference_crc32c(raw)
@@ -75,7 +82,7 @@ def test_every_buffer_format_gives_the_crc_of_its_bytes(make):
 @settings(max_examples=100, deadline=None)
 @given(st.binary(max_size=3000), st.integers(1, 700))
 def test_block_crcs_are_the_crcs_of_each_block(data, block):
-    expected = tuple(reference_crc32c(data[i:i + block]) for i in range(0, len(data), block))
+    expected = tuple(reference_crc32c(data[i : i + block]) for i in range(0, len(data), block))
     assert block_crcs(data, block) == (expected or (0,))
 
 
@@ -90,11 +97,14 @@ def test_hash_and_block_crcs_is_both_functions_in_one_pass(data, block):
     assert hash_and_block_crcs(data, block) == (content_hash(data), block_crcs(data, block))
 
 
-@pytest.mark.parametrize("size, block", [
-    (3 * FUSED_PIECE + 17, 4 << 20),            # one block, several pieces, a short last piece
-    (5 * FUSED_PIECE, 2 * FUSED_PIECE + 3),     # blocks and pieces not aligned
-    (2 * FUSED_PIECE, FUSED_PIECE // 3),        # blocks smaller than a piece
-])
+@pytest.mark.parametrize(
+    "size, block",
+    [
+        (3 * FUSED_PIECE + 17, 4 << 20),  # one block, several pieces, a short last piece
+        (5 * FUSED_PIECE, 2 * FUSED_PIECE + 3),  # blocks and pieces not aligned
+        (2 * FUSED_PIECE, FUSED_PIECE // 3),  # blocks smaller than a piece
+    ],
+)
 def test_hash_and_block_crcs_across_piece_boundaries(size, block):
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     assert hash_and_block_crcs(data, block) == (content_hash(data), block_crcs(data, block))

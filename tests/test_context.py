@@ -12,16 +12,20 @@ import pytest
 import torch
 
 import cloudckpt
-from cloudckpt import runtime
 from cloudckpt.api import async_save as async_save_module
-from cloudckpt.context import GroupCache, current
 from cloudckpt.errors import StagingMemoryError
-from cloudckpt.planning import load_plan, local_plan
+from cloudckpt.planning.load import plan as load_plan
+from cloudckpt.planning.save import local_plan
+from cloudckpt.runtime import loop as runtime
+from cloudckpt.runtime.context import GroupCache, current
 
 
 def _state(step: int = 1) -> dict:
-    return {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(step)),
-            "b": torch.arange(10.0) + step, "step": step}
+    return {
+        "w": torch.randn(64, 64, generator=torch.Generator().manual_seed(step)),
+        "b": torch.arange(10.0) + step,
+        "step": step,
+    }
 
 
 def _load_equal(url: str, step: int) -> bool:
@@ -32,8 +36,11 @@ def _load_equal(url: str, step: int) -> bool:
 
 
 def _cloudckpt_threads() -> list[str]:
-    return [t.name for t in threading.enumerate()
-            if t.name == "cloudckpt-loop" or t.name.startswith("cloudckpt-save_")]
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.name == "cloudckpt-loop" or t.name.startswith("cloudckpt-save_")
+    ]
 
 
 def test_reset_empties_every_piece_and_the_next_calls_start_afresh(s3_env, s3_url, tmp_path):
@@ -140,6 +147,7 @@ def test_group_cache_keeps_groups_for_one_world_and_drops_them_when_it_changes()
         def create():
             made.append(name)
             return object()
+
         return create
 
     first = _World()

@@ -84,8 +84,11 @@ def test_pinned_by_holds():
     from importlib.metadata import requires
 
     for dist, parent in PINNED_BY.items():
-        needs = {canonicalize_name(Requirement(r).name) for r in requires(parent) or ()
-                 if "extra ==" not in r}
+        needs = {
+            canonicalize_name(Requirement(r).name)
+            for r in requires(parent) or ()
+            if "extra ==" not in r
+        }
         assert dist in needs, f"{parent} no longer requires {dist}: declare {dist} directly"
 
 
@@ -100,8 +103,9 @@ def _testing_files():
 def test_every_library_import_is_a_declared_runtime_dependency():
     declared = set(runtime_requirements())
     imports = third_party_imports(_library_files())
-    assert {"torch", "aiobotocore", "aiohttp", "botocore", "crc32c"} <= set(imports), \
+    assert {"torch", "aiobotocore", "aiohttp", "botocore", "crc32c"} <= set(imports), (
         f"the scan of cloudckpt/ found too little: {sorted(imports)}"
+    )
     missing = {m: sorted(files) for m, files in imports.items() if not _declares(declared, m)}
     assert not missing, f"imported but not declared in [project].dependencies: {missing}"
 
@@ -118,8 +122,10 @@ def test_every_runtime_dependency_is_imported_by_the_library():
     for module in third_party_imports(_library_files()):
         imported |= _distributions(module)
     unused = sorted(set(runtime_requirements()) - imported)
-    assert not unused, (f"runtime dependencies the library never imports: {unused}; "
-                        "move what only tests or tools use to the test extra")
+    assert not unused, (
+        f"runtime dependencies the library never imports: {unused}; "
+        "move what only tests or tools use to the test extra"
+    )
 
 
 def test_boto3_is_no_dependency_at_all():
@@ -133,8 +139,10 @@ def test_boto3_is_no_dependency_at_all():
 def test_runtime_dependency_has_no_upper_bound(name):
     req = runtime_requirements()[name]
     capped = [str(s) for s in req.specifier if s.operator in ("<", "<=", "==", "===", "~=", "!=")]
-    assert not capped, (f"{req}: a library states the oldest version it supports, never an upper "
-                        "bound or a pin (pin in the install commands instead)")
+    assert not capped, (
+        f"{req}: a library states the oldest version it supports, never an upper "
+        "bound or a pin (pin in the install commands instead)"
+    )
 
 
 def test_torch_states_its_oldest_supported_version():
@@ -143,12 +151,15 @@ def test_torch_states_its_oldest_supported_version():
     assert len(lower) == 1 and lower[0].version == "2.6", str(torch)
 
 
-@pytest.mark.parametrize("path, package_install", [
-    (".ci/run", r"pip install .*-e '\.\[test\]'"),
-    ("README.md", r"pip install -e '\.\[test\]'"),
-    ("examples/demo.sh", r"pip_step .*-e '\.\[test\]'"),  # pip_step: demo_lib.sh's pip install
-    ("infra/docker/Dockerfile", r"pip install .*/src"),
-])
+@pytest.mark.parametrize(
+    "path, package_install",
+    [
+        (".ci/run", r"pip install .*-e '\.\[test\]'"),
+        ("README.md", r"pip install -e '\.\[test\]'"),
+        ("examples/demo.sh", r"pip_step .*-e '\.\[test\]'"),  # pip_step: demo_lib.sh's pip install
+        ("infra/docker/Dockerfile", r"pip install .*/src"),
+    ],
+)
 def test_install_commands_install_pinned_torch_before_the_package(path, package_install):
     text = (ROOT / path).read_text()
     torch_at = re.search(r"(pip install|pip_step) [^\n]*torch==2\.13\.0", text)

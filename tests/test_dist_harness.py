@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cloudckpt.testing.dist import ProcessWorld, RankFailedError, WorldTimeoutError
+from cloudckpt.testing.dist.world import ProcessWorld, RankFailedError, WorldTimeoutError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,8 +31,14 @@ def all_reduce_rank_plus_one() -> list[float]:
 def describe_rank(tag: str, *, scale: int = 1) -> tuple:
     import torch.distributed as dist
 
-    return (dist.get_rank(), dist.get_world_size(), tag, scale * dist.get_rank(),
-            os.environ.get("RANK"), os.environ.get("HARNESS_MARK"))
+    return (
+        dist.get_rank(),
+        dist.get_world_size(),
+        tag,
+        scale * dist.get_rank(),
+        os.environ.get("RANK"),
+        os.environ.get("HARNESS_MARK"),
+    )
 
 
 def fail_on_rank_one() -> int:
@@ -67,7 +73,8 @@ def put_object_with_env_credentials(bucket: str, prefix: str) -> str:
 
     # what boto3.client("s3") does, without boto3 (not a dependency)
     client = botocore.session.get_session().create_client(
-        "s3", config=Config(s3={"addressing_style": "path"}))
+        "s3", config=Config(s3={"addressing_style": "path"})
+    )
     key = f"{prefix}/rank{dist.get_rank()}"
     client.put_object(Bucket=bucket, Key=key, Body=str(dist.get_rank()).encode())
     return key
@@ -83,7 +90,9 @@ def test_three_ranks_all_reduce(world3):
 def test_arguments_results_and_env_reach_every_rank():
     with ProcessWorld(2, env={"HARNESS_MARK": "seen"}) as world:
         assert world.run(describe_rank, "t", scale=10) == [
-            (0, 2, "t", 0, "0", "seen"), (1, 2, "t", 10, "1", "seen")]
+            (0, 2, "t", 0, "0", "seen"),
+            (1, 2, "t", 10, "1", "seen"),
+        ]
         assert world.generation == 1  # successful calls reuse the same workers
         world.run(describe_rank, "again")
         assert world.generation == 1
@@ -120,7 +129,9 @@ def test_a_rank_that_dies_is_reported():
             world.run(exit_on_rank_zero)
         assert "rank 0 died (exit code 3)" in str(exc.value)
         assert world.run(describe_rank, "after") == [
-            (0, 2, "after", 0, "0", None), (1, 2, "after", 1, "1", None)]
+            (0, 2, "after", 0, "0", None),
+            (1, 2, "after", 1, "1", None),
+        ]
 
 
 def test_workers_see_the_s3_server_through_aws_variables(world2, s3_server, s3_url):
@@ -141,14 +152,20 @@ def _alive(pid: int) -> bool:
 
 def test_sigkill_of_owner_leaves_no_workers():
     owner = subprocess.Popen(
-        [sys.executable, "-c",
-         "import time\n"
-         "from cloudckpt.testing.dist import ProcessWorld, _ZYGOTE\n"
-         "w = ProcessWorld(2, timeout=60); w.start()\n"
-         "print(*w.pids, _ZYGOTE._proc.pid, flush=True)\n"
-         "time.sleep(600)\n"],
-        cwd=REPO, stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
+        [
+            sys.executable,
+            "-c",
+            "import time\n"
+            "from cloudckpt.testing.dist.world import ProcessWorld, _ZYGOTE\n"
+            "w = ProcessWorld(2, timeout=60); w.start()\n"
+            "print(*w.pids, _ZYGOTE._proc.pid, flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         pids = [int(p) for p in owner.stdout.readline().split()]
         assert len(pids) == 3 and all(_alive(p) for p in pids)

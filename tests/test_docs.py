@@ -48,10 +48,15 @@ def python_blocks(text: str) -> list[tuple[int, str, bool]]:
 
 
 def test_block_extraction_honours_fences_and_no_run():
-    text = ("intro\n```python\na = 1\n```\n```bash\necho no\n```\n"
-            "```python no-run\nraise SystemExit\n```\n```\nplain\n```\n```python\nb = a\n```\n")
-    assert python_blocks(text) == [(3, "a = 1\n", True), (9, "raise SystemExit\n", False),
-                                   (15, "b = a\n", True)]
+    text = (
+        "intro\n```python\na = 1\n```\n```bash\necho no\n```\n"
+        "```python no-run\nraise SystemExit\n```\n```\nplain\n```\n```python\nb = a\n```\n"
+    )
+    assert python_blocks(text) == [
+        (3, "a = 1\n", True),
+        (9, "raise SystemExit\n", False),
+        (15, "b = a\n", True),
+    ]
 
 
 @pytest.mark.parametrize("doc", [d for d in DOC_FILES if (ROOT / d).exists()])
@@ -71,5 +76,6 @@ def test_doc_python_blocks_run(doc, s3_env):
         try:
             exec(compile(code, f"{doc}:{line}", "exec"), namespace)
         except BaseException as exc:
-            raise AssertionError(f"the python block at {doc}:{line} failed: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+            raise AssertionError(
+                f"the python block at {doc}:{line} failed: {type(exc).__name__}: {exc}"
+            ) from exc

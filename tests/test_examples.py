@@ -15,21 +15,34 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(PYTHONPATH=str(REPO), AWS_CONFIG_FILE=os.devnull,
-               AWS_SHARED_CREDENTIALS_FILE=os.devnull, OMP_NUM_THREADS="1", **extra)
+    env.update(
+        PYTHONPATH=str(REPO),
+        AWS_CONFIG_FILE=os.devnull,
+        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+        OMP_NUM_THREADS="1",
+        **extra,
+    )
     return env
 
 
 def _smoke(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "examples/smoke.py", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "examples/smoke.py", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_smoke_uses_the_endpoint_in_the_environment(s3_server, monkeypatch):
     res = _smoke(_env(**s3_server.env()))
     assert res.returncode == 0, res.stderr
-    assert (f"using the S3 endpoint in AWS_ENDPOINT_URL ({s3_server.endpoint_url}), "
-            f"bucket {s3_server.bucket}") in res.stdout
+    assert (
+        f"using the S3 endpoint in AWS_ENDPOINT_URL ({s3_server.endpoint_url}), "
+        f"bucket {s3_server.bucket}"
+    ) in res.stdout
     assert "private" not in res.stdout
     url = re.search(r"the checkpoint stays at (\S+);", res.stdout).group(1)
     assert url.startswith(f"s3://{s3_server.bucket}/smoke/")
@@ -84,9 +97,14 @@ Root Cause (first observed failure):
 
 def _demo_lib(script: str, tmp_path: Path) -> str:
     """Run `script` in bash after sourcing demo_lib.sh; stdout is a pipe, not a terminal."""
-    res = subprocess.run(["bash", "-c", f". examples/demo_lib.sh\n{script}"], cwd=REPO,
-                         capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PY": sys.executable, "TMPDIR": str(tmp_path)})
+    res = subprocess.run(
+        ["bash", "-c", f". examples/demo_lib.sh\n{script}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PY": sys.executable, "TMPDIR": str(tmp_path)},
+    )
     assert res.returncode == 0, res.stderr
     return res.stdout
 
@@ -124,8 +142,11 @@ def test_demo_explains_each_rank_of_a_torchrun_summary(tmp_path):
 
 
 def test_demo_install_step_shows_progress_and_failures(tmp_path):
-    out = _demo_lib("pip_step 'a missing wheel' --no-index --find-links . "
-                    "no-such-package-cloudckpt || echo status=$?", tmp_path)
+    out = _demo_lib(
+        "pip_step 'a missing wheel' --no-index --find-links . "
+        "no-such-package-cloudckpt || echo status=$?",
+        tmp_path,
+    )
     assert out.startswith("  installing a missing wheel ...\n")
     assert "status=1" in out
     ok = _demo_lib("pip_step 'an installed package' --no-index pip", tmp_path)

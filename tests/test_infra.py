@@ -45,15 +45,21 @@ S3_CALL_TO_IAM = {
     "get_object_attributes": {"s3:GetObject", "s3:GetObjectAttributes"},
 }
 NOT_S3_REQUESTS = {"close", "get_paginator", "can_paginate", "meta"}
-OBJECT_ACTIONS = {"s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload",
-                  "s3:ListMultipartUploadParts", "s3:GetObjectAttributes"}
+OBJECT_ACTIONS = {
+    "s3:GetObject",
+    "s3:PutObject",
+    "s3:DeleteObject",
+    "s3:AbortMultipartUpload",
+    "s3:ListMultipartUploadParts",
+    "s3:GetObjectAttributes",
+}
 _CLIENT_CALL = re.compile(r"\bclient\s*\.\s*([a-z][a-z0-9_]*)\s*\(")
 
 
 def s3_calls_of_storage_layer() -> set[str]:
-    """Every ``client.<method>(`` of the aiobotocore client in cloudckpt/storage/*.py."""
+    """Every ``client.<method>(`` of the aiobotocore client in cloudckpt/storage/**/*.py."""
     calls: set[str] = set()
-    for path in sorted(STORAGE.glob("*.py")):
+    for path in sorted(STORAGE.rglob("*.py")):
         calls |= set(_CLIENT_CALL.findall(path.read_text()))
     return calls - NOT_S3_REQUESTS
 
@@ -72,9 +78,16 @@ def infra_files(*suffixes: str) -> list[Path]:
 
 def test_infra_has_the_expected_files():
     names = {p.relative_to(INFRA).as_posix() for p in INFRA.rglob("*") if p.is_file()}
-    assert {"README.md", "kubernetes/train-job.yaml", "slurm/train.sbatch", "aws/iam-policy.json",
-            "aws/lifecycle-abort-incomplete-uploads.json", "aws/lifecycle-versioned-bucket.json",
-            "docker/Dockerfile", "docker/Dockerfile.dockerignore"} <= names
+    assert {
+        "README.md",
+        "kubernetes/train-job.yaml",
+        "slurm/train.sbatch",
+        "aws/iam-policy.json",
+        "aws/lifecycle-abort-incomplete-uploads.json",
+        "aws/lifecycle-versioned-bucket.json",
+        "docker/Dockerfile",
+        "docker/Dockerfile.dockerignore",
+    } <= names
 
 
 def _readme_table() -> dict[str, str]:
@@ -95,8 +108,9 @@ def test_every_infra_file_says_what_it_is_for():
                 assert rule["ID"].startswith("cloudckpt-") and len(rule["ID"]) > 30, rel
             continue
         head = path.read_text().splitlines()[:3]
-        assert any(re.match(r"^#!?\s*\S", line) and len(line) > 30 for line in head), \
+        assert any(re.match(r"^#!?\s*\S", line) and len(line) > 30 for line in head), (
             f"{path}: no description in its first lines"
+        )
 
 
 def test_yaml_files_parse():
@@ -135,10 +149,14 @@ def test_lifecycle_configuration_is_valid_for_s3(path):
     from botocore.validate import ParamValidator
 
     doc = json.loads(path.read_text())
-    operation = botocore.session.get_session().get_service_model("s3").operation_model(
-        "PutBucketLifecycleConfiguration")
-    report = ParamValidator().validate({"Bucket": "BUCKET", "LifecycleConfiguration": doc},
-                                       operation.input_shape)
+    operation = (
+        botocore.session.get_session()
+        .get_service_model("s3")
+        .operation_model("PutBucketLifecycleConfiguration")
+    )
+    report = ParamValidator().validate(
+        {"Bucket": "BUCKET", "LifecycleConfiguration": doc}, operation.input_shape
+    )
     assert not report.has_errors(), report.generate_report()
     ids = [r["ID"] for r in doc["Rules"]]
     assert len(set(ids)) == len(ids) and all(len(i) <= 255 for i in ids)
@@ -149,8 +167,9 @@ def test_lifecycle_configuration_is_valid_for_s3(path):
     # putting a lifecycle configuration replaces the bucket's whole one: each file stands alone,
     # so each aborts the multipart uploads a killed save leaves behind
     aborts = [r for r in doc["Rules"] if "AbortIncompleteMultipartUpload" in r]
-    assert aborts and all(r["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] >= 1
-                          for r in aborts)
+    assert aborts and all(
+        r["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] >= 1 for r in aborts
+    )
 
 
 def test_versioned_bucket_rule_frees_what_pruning_deletes():
@@ -158,8 +177,9 @@ def test_versioned_bucket_rule_frees_what_pruning_deletes():
     version until a NoncurrentVersionExpiration rule removes them."""
     doc = json.loads((INFRA / "aws" / "lifecycle-versioned-bucket.json").read_text())
     rules = doc["Rules"]
-    assert any(r.get("NoncurrentVersionExpiration", {}).get("NoncurrentDays", 0) >= 1
-               for r in rules)
+    assert any(
+        r.get("NoncurrentVersionExpiration", {}).get("NoncurrentDays", 0) >= 1 for r in rules
+    )
     assert any(r.get("Expiration", {}).get("ExpiredObjectDeleteMarker") is True for r in rules)
     readme = (INFRA / "README.md").read_text()
     assert "lifecycle-versioned-bucket.json" in readme and "noncurrent" in readme.lower()
@@ -180,11 +200,14 @@ def test_iam_policy_is_an_identity_policy():
 
 def test_storage_layer_calls_are_known():
     calls = s3_calls_of_storage_layer()
-    assert {"put_object", "get_object", "list_objects_v2"} <= calls, \
+    assert {"put_object", "get_object", "list_objects_v2"} <= calls, (
         f"the grep of cloudckpt/storage found too little: {sorted(calls)}"
+    )
     unknown = calls - set(S3_CALL_TO_IAM)
-    assert not unknown, (f"cloudckpt/storage calls {sorted(unknown)}: add them to S3_CALL_TO_IAM "
-                         "here and the IAM actions they need to infra/aws/iam-policy.json")
+    assert not unknown, (
+        f"cloudckpt/storage calls {sorted(unknown)}: add them to S3_CALL_TO_IAM "
+        "here and the IAM actions they need to infra/aws/iam-policy.json"
+    )
 
 
 def test_iam_policy_grants_exactly_the_actions_cloudckpt_calls():
@@ -206,8 +229,9 @@ def test_iam_policy_grants_exactly_the_actions_cloudckpt_calls():
                 assert resource == "arn:aws:s3:::BUCKET", resource
         granted |= actions
     needed = set().union(*(S3_CALL_TO_IAM[c] for c in s3_calls_of_storage_layer()))
-    assert granted == needed, (f"missing {sorted(needed - granted)}, "
-                               f"not needed {sorted(granted - needed)}")
+    assert granted == needed, (
+        f"missing {sorted(needed - granted)}, not needed {sorted(granted - needed)}"
+    )
 
 
 # -- examples/train.py: a checkpoint saved by 2 processes resumes on 1 ---------------------------
@@ -229,18 +253,38 @@ def test_train_example_resumes_on_another_world_size(s3_env, s3_url, tmp_path):
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     losses = tmp_path / "losses.txt"
-    common = [str(ROOT / "examples" / "train.py"), "--url", s3_url, "--steps", "8",
-              "--save-every", "4", "--loss-log", str(losses), "--dim", "64", "--layers", "2"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2"]
+    common = [
+        str(ROOT / "examples" / "train.py"),
+        "--url",
+        s3_url,
+        "--steps",
+        "8",
+        "--save-every",
+        "4",
+        "--loss-log",
+        str(losses),
+        "--dim",
+        "64",
+        "--layers",
+        "2",
+    ]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
     first = subprocess.run(torchrun + common, env=env, capture_output=True, text=True, timeout=240)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     mgr = CheckpointManager(s3_url)
     assert [c.step for c in mgr.list() if c.complete] == [4, 8]
     mgr.delete(8)  # as if the job had died after step 8 and before its save
 
-    second = subprocess.run([sys.executable] + common, env=env, capture_output=True, text=True,
-                            timeout=240)
+    second = subprocess.run(
+        [sys.executable] + common, env=env, capture_output=True, text=True, timeout=240
+    )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resumed from step 4" in second.stdout and "world size 1" in second.stdout
     by_step = _read_losses(losses)

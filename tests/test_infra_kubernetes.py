@@ -25,8 +25,17 @@ JOB_FILE = ROOT / "infra" / "kubernetes" / "train-job.yaml"
 DOCKERFILE = ROOT / "infra" / "docker" / "Dockerfile"
 
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
-_FACTORS = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+_FACTORS = {
+    None: 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+}
 
 
 def quantity(text) -> float:
@@ -85,8 +94,9 @@ def test_torchrun_rendezvous_is_elastic_through_the_headless_service():
     assert int(port) in {p["containerPort"] for p in trainer(pod)["ports"]}
 
     low, high = parse_min_max_nnodes(args.nnodes)
-    assert 1 <= low < high == job["spec"]["completions"] == job["spec"]["parallelism"], \
+    assert 1 <= low < high == job["spec"]["completions"] == job["spec"]["parallelism"], (
         "elastic: fewer pods than the Job's may go on; never more than it runs"
+    )
     assert args.max_restarts >= 1, "a lost pod must restart the survivors' workers, not end them"
     assert args.training_script == "examples/train.py"
     batch = int(args.training_script_args[args.training_script_args.index("--batch") + 1])
@@ -123,10 +133,12 @@ def test_pod_has_a_sized_dev_shm_and_resource_requests():
     gpus = resources["limits"].get("nvidia.com/gpu")
     if gpus is not None:  # extended resources: a request, if given, equals the limit
         assert resources["requests"].get("nvidia.com/gpu", gpus) == gpus
-        assert int(gpus) == int(next(e["value"] for e in container["env"]
-                                     if e["name"] == "NPROC_PER_NODE"))
-    assert quantity(resources["limits"]["memory"]) > shm, \
+        assert int(gpus) == int(
+            next(e["value"] for e in container["env"] if e["name"] == "NPROC_PER_NODE")
+        )
+    assert quantity(resources["limits"]["memory"]) > shm, (
         "/dev/shm pages count against the memory limit: it must exceed the sizeLimit"
+    )
 
 
 def test_job_matches_the_preemption_budget():
@@ -137,8 +149,9 @@ def test_job_matches_the_preemption_budget():
     assert pod["restartPolicy"] == "Never"
     ignored = [r for r in spec["podFailurePolicy"]["rules"] if r["action"] == "Ignore"]
     assert any(143 in r.get("onExitCodes", {}).get("values", []) for r in ignored)
-    assert any(c["type"] == "DisruptionTarget" for r in ignored
-               for c in r.get("onPodConditions", []))
+    assert any(
+        c["type"] == "DisruptionTarget" for r in ignored for c in r.get("onPodConditions", [])
+    )
     command = " ".join(trainer(pod)["args"])
     # PID 1 forwards SIGTERM, and a preemption save becomes exit status 143
     assert "trap 'kill -TERM" in command and "--preempted-marker" in command
@@ -152,8 +165,9 @@ def test_job_matches_the_preemption_budget():
         if not line.strip().startswith("#"):
             break
         comment.append(line)
-    assert "--shutdown-timeout" in " ".join(comment) and "save" in " ".join(comment), \
+    assert "--shutdown-timeout" in " ".join(comment) and "save" in " ".join(comment), (
         "the grace period needs the comment above it that explains the match"
+    )
 
 
 # -- the image ------------------------------------------------------------------------------------
@@ -177,18 +191,31 @@ def test_dockerfile_installs_pinned_torch_before_the_package():
     ins = dockerfile()
     assert ins[0]["instruction"] in ("FROM", "ARG")
     runs = [(n, i["value"]) for n, i in enumerate(ins) if i["instruction"] == "RUN"]
-    torch_at = _index(ins, lambda i: i["instruction"] == "RUN"
-                      and re.search(r"pip install .*\btorch==2\.13\.0\b", i["value"]),
-                      "RUN pip install ... torch==2.13.0")
+    torch_at = _index(
+        ins,
+        lambda i: (
+            i["instruction"] == "RUN"
+            and re.search(r"pip install .*\btorch==2\.13\.0\b", i["value"])
+        ),
+        "RUN pip install ... torch==2.13.0",
+    )
     assert "--index-url" in ins[torch_at]["value"], "torch from a wheel index of one build (CPU)"
-    package_at = _index(ins, lambda i: i["instruction"] == "RUN"
-                        and re.search(r"pip install (?!.*torch)\S*/src\b", i["value"]),
-                        "RUN pip install /src")
+    package_at = _index(
+        ins,
+        lambda i: (
+            i["instruction"] == "RUN" and re.search(r"pip install (?!.*torch)\S*/src\b", i["value"])
+        ),
+        "RUN pip install /src",
+    )
     assert torch_at < package_at
     first_pip = min(n for n, v in runs if "pip install" in v)
     assert first_pip == torch_at, "nothing may pull a torch in before the pinned one"
-    copies = [n for n, i in enumerate(ins) if i["instruction"] == "COPY"
-              and ("cloudckpt" in i["value"] or "pyproject.toml" in i["value"])]
+    copies = [
+        n
+        for n, i in enumerate(ins)
+        if i["instruction"] == "COPY"
+        and ("cloudckpt" in i["value"] or "pyproject.toml" in i["value"])
+    ]
     assert copies and max(copies) < package_at
 
 
@@ -216,9 +243,11 @@ def test_image_holds_the_script_the_job_runs():
     ins = dockerfile()
     workdir = [i["value"] for i in ins if i["instruction"] == "WORKDIR"][-1]
     script = PurePosixPath(workdir) / "examples" / "train.py"
-    assert any(PurePosixPath(dest) in (script.parent, script.parent.parent)
-               or PurePosixPath(dest) == script for _, dest in _copies(ins)), \
-        f"{script} is not copied into the image"
+    assert any(
+        PurePosixPath(dest) in (script.parent, script.parent.parent)
+        or PurePosixPath(dest) == script
+        for _, dest in _copies(ins)
+    ), f"{script} is not copied into the image"
     assert (ROOT / "examples" / "train.py").is_file()
     user = [i["value"] for i in ins if i["instruction"] == "USER"]
     assert user and user[-1].split(":")[0] not in ("root", "0"), "the trainer does not run as root"
@@ -226,7 +255,8 @@ def test_image_holds_the_script_the_job_runs():
     assert image.split(":")[0] in DOCKERFILE.read_text(), "the build command tags the Job's image"
 
 
-@pytest.mark.parametrize("text, value", [("64Gi", 64 * 2**30), ("512Gi", 512 * 2**30),
-                                         ("64", 64), ("1.5G", 1.5e9)])
+@pytest.mark.parametrize(
+    "text, value", [("64Gi", 64 * 2**30), ("512Gi", 512 * 2**30), ("64", 64), ("1.5G", 1.5e9)]
+)
 def test_quantity(text, value):
     assert quantity(text) == value

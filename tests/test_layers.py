@@ -63,40 +63,72 @@ def test_no_import_cycle():
 
 def _violations(prefix: str, forbidden: tuple[str, ...]) -> list[str]:
     graph = _graph(at_import_time=False)
-    return sorted(f"{m} imports {d}" for m, deps in graph.items()
-                  if m == prefix or m.startswith(prefix + ".")
-                  for d in deps if any(d == f or d.startswith(f + ".") for f in forbidden))
+    return sorted(
+        f"{m} imports {d}"
+        for m, deps in graph.items()
+        if m == prefix or m.startswith(prefix + ".")
+        for d in deps
+        if any(d == f or d.startswith(f + ".") for f in forbidden)
+    )
 
 
 def test_the_data_plane_runs_no_collective_and_knows_no_protocol():
-    assert _violations("cloudckpt.dataplane", ("cloudckpt.transport", "cloudckpt.api",
-                                               "cloudckpt.manager", "cloudckpt.cli",
-                                               "cloudckpt.preemption")) == []
+    assert (
+        _violations(
+            "cloudckpt.dataplane",
+            (
+                "cloudckpt.transport",
+                "cloudckpt.api",
+                "cloudckpt.runs.manager",
+                "cloudckpt.cli.main",
+                "cloudckpt.runs.preemption",
+            ),
+        )
+        == []
+    )
 
 
 def test_planning_and_manifest_are_pure():
-    impure = ("cloudckpt.dataplane", "cloudckpt.storage", "cloudckpt.transport", "cloudckpt.api",
-              "cloudckpt.runtime", "cloudckpt.statedict")
+    impure = (
+        "cloudckpt.dataplane",
+        "cloudckpt.storage",
+        "cloudckpt.transport",
+        "cloudckpt.api",
+        "cloudckpt.runtime.loop",
+        "cloudckpt.statedict.pieces",
+    )
     assert _violations("cloudckpt.planning", impure) == []
     assert _violations("cloudckpt.manifest", impure + ("cloudckpt.planning",)) == []
     for prefix in ("cloudckpt/planning", "cloudckpt/manifest"):
         for path in (PACKAGE.parent / prefix).glob("*.py"):
             tree = ast.parse(path.read_text())
-            names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
-                     for a in n.names}
-            names |= {(n.module or "").split(".")[0] for n in ast.walk(tree)
-                      if isinstance(n, ast.ImportFrom)}
+            names = {
+                a.name.split(".")[0]
+                for n in ast.walk(tree)
+                if isinstance(n, ast.Import)
+                for a in n.names
+            }
+            names |= {
+                (n.module or "").split(".")[0]
+                for n in ast.walk(tree)
+                if isinstance(n, ast.ImportFrom)
+            }
             assert "torch" not in names, path
 
 
 def test_only_the_api_drives_the_data_plane():
     graph = _graph(at_import_time=False)
-    users = sorted(m for m, deps in graph.items() if not m.startswith("cloudckpt.dataplane")
-                   and any(d.startswith("cloudckpt.dataplane") for d in deps))
+    users = sorted(
+        m
+        for m, deps in graph.items()
+        if not m.startswith("cloudckpt.dataplane")
+        and any(d.startswith("cloudckpt.dataplane") for d in deps)
+    )
     # the runtime context holds the staging pool (process state), and nothing else of it
-    assert {d for d in graph["cloudckpt.context"] if d.startswith("cloudckpt.dataplane")} \
-        <= {"cloudckpt.dataplane.staging"}
-    users = [m for m in users if m != "cloudckpt.context"]
+    assert {
+        d for d in graph["cloudckpt.runtime.context"] if d.startswith("cloudckpt.dataplane")
+    } <= {"cloudckpt.dataplane.staging"}
+    users = [m for m in users if m != "cloudckpt.runtime.context"]
     assert users and all(m.startswith("cloudckpt.api.") for m in users), users
 
 
@@ -105,11 +137,12 @@ def _private_uses(module: str, source: str) -> list[str]:
     uses: ``from cloudckpt.x import _y`` and ``<cloudckpt.x>._y`` through any name bound to a
     cloudckpt module (``import cloudckpt.x as m``, ``from cloudckpt import x``). Dunders are
     public (``__version__``)."""
+
     def private(name: str) -> bool:
         return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
     tree = ast.parse(source)
-    bound: dict[str, str] = {}      # local name -> the cloudckpt module it names
+    bound: dict[str, str] = {}  # local name -> the cloudckpt module it names
     found: list[str] = []
     for n in ast.walk(tree):
         if isinstance(n, ast.Import):
@@ -136,7 +169,7 @@ def _private_uses(module: str, source: str) -> list[str]:
         if not isinstance(root, ast.Name) or root.id not in bound:
             continue
         owner = bound[root.id]
-        for attr in reversed(chain[1:]):   # descend while the chain names submodules
+        for attr in reversed(chain[1:]):  # descend while the chain names submodules
             if f"{owner}.{attr}" not in MODULES:
                 break
             owner = f"{owner}.{attr}"
@@ -147,24 +180,33 @@ def _private_uses(module: str, source: str) -> list[str]:
 
 
 def test_the_private_name_scan_finds_each_form():
-    src = ("import cloudckpt.runtime as rt\nfrom cloudckpt import context\n"
-           "from cloudckpt.run_cleanup import _Sorter, carry_out\nimport cloudckpt\n"
-           "rt._one_line(1); context._CONTEXT; cloudckpt.run_layout._STEP_RE\n"
-           "context.current(); cloudckpt.__version__; rt.__name__\n")
-    assert sorted(_private_uses("cloudckpt.manager", src)) == [
-        "cloudckpt.manager imports cloudckpt.run_cleanup._Sorter",
-        "cloudckpt.manager uses cloudckpt.context._CONTEXT",
-        "cloudckpt.manager uses cloudckpt.run_layout._STEP_RE",
-        "cloudckpt.manager uses cloudckpt.runtime._one_line"]
-    assert _private_uses("cloudckpt.runtime", "from cloudckpt.runtime import _one_line\n") == []
+    src = (
+        "import cloudckpt.runtime.loop as rt\nfrom cloudckpt.runtime import context\n"
+        "from cloudckpt.runs.cleanup import _Sorter, carry_out\nimport cloudckpt\n"
+        "rt._one_line(1); context._CONTEXT; cloudckpt.layout._STEP_RE\n"
+        "context.current(); cloudckpt.__version__; rt.__name__\n"
+    )
+    assert sorted(_private_uses("cloudckpt.runs.manager", src)) == [
+        "cloudckpt.runs.manager imports cloudckpt.runs.cleanup._Sorter",
+        "cloudckpt.runs.manager uses cloudckpt.layout._STEP_RE",
+        "cloudckpt.runs.manager uses cloudckpt.runtime.context._CONTEXT",
+        "cloudckpt.runs.manager uses cloudckpt.runtime.loop._one_line",
+    ]
+    assert (
+        _private_uses("cloudckpt.runtime.loop", "from cloudckpt.runtime.loop import _one_line\n")
+        == []
+    )
 
 
 def test_no_module_uses_another_modules_private_names():
     """A module's underscore names are its own: what another module needs is public (the
     manager once imported run_cleanup's helpers). ``cloudckpt.testing`` (test support) aside."""
-    found = [use for name, path in MODULES.items()
-             if not (name == "cloudckpt.testing" or name.startswith("cloudckpt.testing."))
-             for use in _private_uses(name, path.read_text())]
+    found = [
+        use
+        for name, path in MODULES.items()
+        if not (name == "cloudckpt.testing" or name.startswith("cloudckpt.testing."))
+        for use in _private_uses(name, path.read_text())
+    ]
     assert found == []
 
 
@@ -178,8 +220,12 @@ def _manifest_private_names() -> set[str]:
     for n in ast.walk(cls):
         if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
             names.add(n.attr)
-        elif (isinstance(n, ast.Subscript) and isinstance(n.value, ast.Attribute)
-              and n.value.attr == "__dict__" and isinstance(n.slice, ast.Constant)):
+        elif (
+            isinstance(n, ast.Subscript)
+            and isinstance(n.value, ast.Attribute)
+            and n.value.attr == "__dict__"
+            and isinstance(n.slice, ast.Constant)
+        ):
             names.add(n.slice.value)
     return {x for x in names if x.startswith("_") and not x.endswith("__")}
 
@@ -189,13 +235,22 @@ def _reads_of(names: set[str], module: str, source: str) -> list[str]:
     ``<expr>.__dict__`` lookups of those names."""
     found = []
     for n in ast.walk(ast.parse(source)):
-        if (isinstance(n, ast.Attribute) and n.attr in names
-                and not (isinstance(n.value, ast.Name) and n.value.id == "self")):
+        if (
+            isinstance(n, ast.Attribute)
+            and n.attr in names
+            and not (isinstance(n.value, ast.Name) and n.value.id == "self")
+        ):
             found.append(f"{module}:{n.lineno} reads {ast.unparse(n)}")
-        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.args
-              and isinstance(n.func.value, ast.Attribute) and n.func.value.attr == "__dict__"
-              and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str)
-              and n.args[0].value.startswith("_cloudckpt")):
+        elif (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.args
+            and isinstance(n.func.value, ast.Attribute)
+            and n.func.value.attr == "__dict__"
+            and isinstance(n.args[0], ast.Constant)
+            and isinstance(n.args[0].value, str)
+            and n.args[0].value.startswith("_cloudckpt")
+        ):
             found.append(f"{module}:{n.lineno} keeps {n.args[0].value} in an object's __dict__")
     return found
 
@@ -203,11 +258,16 @@ def _reads_of(names: set[str], module: str, source: str) -> list[str]:
 def test_the_manifest_scan_finds_each_form():
     names = _manifest_private_names()
     assert {"_offsets", "_sizes", "_shapes", "_name_index", "_chunk_start", "_record"} <= names
-    src = ("def f(m, idx):\n    m._offsets; idx.manifest._shapes; m.columns.offsets; m.shapes\n"
-           "    m.__dict__.get('_cloudckpt_index')\n"
-           "class A:\n    def g(self):\n        return self._offsets\n")
-    assert _reads_of(names, "x", src) == ["x:2 reads m._offsets", "x:2 reads idx.manifest._shapes",
-                                          "x:3 keeps _cloudckpt_index in an object's __dict__"]
+    src = (
+        "def f(m, idx):\n    m._offsets; idx.manifest._shapes; m.columns.offsets; m.shapes\n"
+        "    m.__dict__.get('_cloudckpt_index')\n"
+        "class A:\n    def g(self):\n        return self._offsets\n"
+    )
+    assert _reads_of(names, "x", src) == [
+        "x:2 reads m._offsets",
+        "x:2 reads idx.manifest._shapes",
+        "x:3 keeps _cloudckpt_index in an object's __dict__",
+    ]
 
 
 def test_no_module_reads_the_manifests_private_attributes():
@@ -215,6 +275,10 @@ def test_no_module_reads_the_manifests_private_attributes():
     ``.derived``): the codec, the chunk index and load planning once read its underscore
     attributes and kept the chunk index in its ``__dict__``."""
     names = _manifest_private_names()
-    found = [use for name, path in MODULES.items() if name != "cloudckpt.manifest.model"
-             for use in _reads_of(names, name, path.read_text())]
+    found = [
+        use
+        for name, path in MODULES.items()
+        if name != "cloudckpt.manifest.model"
+        for use in _reads_of(names, name, path.read_text())
+    ]
     assert found == []

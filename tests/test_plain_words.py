@@ -13,10 +13,18 @@ import pytest
 import torch
 
 import cloudckpt
-from cloudckpt.errors import CheckpointExists, CheckpointNotFound, MissingKeysError, UnsupportedValueError
+from cloudckpt.errors import (
+    CheckpointExists,
+    CheckpointNotFound,
+    MissingKeysError,
+    UnsupportedValueError,
+)
 from cloudckpt.manifest.values import encode_value
-from cloudckpt.planning.hints import (is_optimizer_name, missing_names_message,
-                                      unexpected_names_message)
+from cloudckpt.planning.load.hints import (
+    is_optimizer_name,
+    missing_names_message,
+    unexpected_names_message,
+)
 from cloudckpt.transport import PHASE_WORDS, phase_words
 from cloudckpt.wording import plural, ranks_phrase
 from tests.cli_forkserver import run_cli
@@ -33,14 +41,20 @@ def test_plural_and_ranks():
 
 def _string_literals(tree: ast.AST):
     """Every string constant of a module that is not a docstring."""
-    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
-                                       ast.AsyncFunctionDef))
-                  and node.body and isinstance(node.body[0], ast.Expr)
-                  and isinstance(node.body[0].value, ast.Constant)}
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
     for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
-                and id(node) not in docstrings:
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+        ):
             yield node
 
 
@@ -60,9 +74,13 @@ def test_every_phase_has_plain_words():
     names = set()
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                    and node.func.attr in ("agree", "phase") and node.args \
-                    and isinstance(node.args[0], ast.Constant):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("agree", "phase")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
                 names.add(node.args[0].value)
     assert names, "no phase found"
     for name in names:
@@ -96,12 +114,13 @@ def _model_and_optimizer(step: bool):
 
 def test_optimizer_names():
     model, optim = _model_and_optimizer(step=True)
-    from cloudckpt.statedict import flatten_state_dict
+    from cloudckpt.statedict.pieces import flatten_state_dict
 
     flat = flatten_state_dict({"model": model.state_dict(), "optim": optim.state_dict()})
     names = list(flat.tensors) + list(flat.values)
     assert {n for n in names if is_optimizer_name(n)} == {
-        n for n in names if n.startswith("optim.")}
+        n for n in names if n.startswith("optim.")
+    }
     assert not is_optimizer_name("model.state.weight") and not is_optimizer_name("step")
 
 
@@ -136,8 +155,9 @@ def test_unexpected_names_warning_hints_at_a_fresh_optimizer_only_then(tmp_path,
     cloudckpt.load({"model": fresh_model.state_dict()}, url)  # the optimizer not asked for
     only_model = [r.getMessage() for r in caplog.records if "not requested" in r.getMessage()]
     assert len(only_model) == 1 and "optimizer" not in only_model[0], only_model
-    assert unexpected_names_message(["x"]).startswith("1 stored name was not requested and "
-                                                      "stays unloaded: 'x'")
+    assert unexpected_names_message(["x"]).startswith(
+        "1 stored name was not requested and stays unloaded: 'x'"
+    )
 
 
 def test_allow_pickle_is_suggested_only_for_values_pickle_can_hold(tmp_path):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cloudckpt.runtime import start_task
+from cloudckpt.runtime.loop import start_task
 
 
 def test_cancel_and_wait_returns_only_after_the_coroutine_stopped():

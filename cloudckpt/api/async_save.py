@@ -11,7 +11,7 @@ Contract:
   for the previous one (``wait_for_previous=False`` raises :class:`SaveInProgress` instead).
 - ``handle.result()`` returns the :class:`SaveResult` or raises the save's error, the same on
   every rank. At interpreter exit an unfinished save is completed, never dropped; its failure
-  is reported on stderr and the exit status is 1 (see :mod:`cloudckpt.runtime`).
+  is reported on stderr and the exit status is 1 (see :mod:`cloudckpt.runtime.loop`).
 """
 
 from __future__ import annotations
@@ -19,21 +19,28 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from cloudckpt import runtime
-from cloudckpt.context import current
+from cloudckpt.api.save import finish_save, prepare_save
 from cloudckpt.errors import SaveInProgress
 from cloudckpt.options import SaveOptions, SaveResult
-from cloudckpt.api.save import finish_save, prepare_save
+from cloudckpt.runtime import loop as runtime
+from cloudckpt.runtime.context import current
 
 log = logging.getLogger(__name__)
+
 
 class SaveHandle:
     """A future for one async save (``done``, ``result``, ``exception``, ``add_done_callback``)."""
 
-    def __init__(self, future: concurrent.futures.Future, url: str, blocked_seconds: float,
-                 staging_allocations: int):
+    def __init__(
+        self,
+        future: concurrent.futures.Future,
+        url: str,
+        blocked_seconds: float,
+        staging_allocations: int,
+    ):
         self._future = future
         self.url = url
         self.blocked_seconds = blocked_seconds
@@ -48,7 +55,7 @@ class SaveHandle:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         return self._future.exception(timeout)
 
-    def add_done_callback(self, fn: Callable[["SaveHandle"], Any]) -> None:
+    def add_done_callback(self, fn: Callable[[SaveHandle], Any]) -> None:
         self._future.add_done_callback(lambda _f: fn(self))
 
     def __repr__(self) -> str:
@@ -56,10 +63,18 @@ class SaveHandle:
         return f"SaveHandle({self.url!r}, {state})"
 
 
-def async_save(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage=None,
-               allow_pickle: bool = False, metadata: Mapping[str, Any] | None = None,
-               options: SaveOptions | None = None, wait_for_previous: bool = True,
-               base: str | None = None) -> SaveHandle:
+def async_save(
+    state_dict: Mapping[str, Any],
+    url: str,
+    *,
+    process_group=None,
+    storage=None,
+    allow_pickle: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+    options: SaveOptions | None = None,
+    wait_for_previous: bool = True,
+    base: str | None = None,
+) -> SaveHandle:
     """Start saving ``state_dict`` to ``url``; return once the data is staged in host memory.
 
     Collective, like :func:`cloudckpt.save` (``base``: an incremental save; the base is read
@@ -73,9 +88,16 @@ def async_save(state_dict: Mapping[str, Any], url: str, *, process_group=None, s
             raise SaveInProgress("an async save is still running")
         runtime.wait_for_pending_save()
     options = options or SaveOptions()
-    prepared = prepare_save(state_dict, url, process_group=process_group, storage=storage,
-                            allow_pickle=allow_pickle, metadata=metadata, options=options,
-                            base=base)
+    prepared = prepare_save(
+        state_dict,
+        url,
+        process_group=process_group,
+        storage=storage,
+        allow_pickle=allow_pickle,
+        metadata=metadata,
+        options=options,
+        base=base,
+    )
     context = current()
     with prepared.channel.phase("async save staging"):
         pool = context.staging_pool(options.max_async_staging_bytes)

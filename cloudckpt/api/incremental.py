@@ -8,7 +8,7 @@ Contract (the protocol and why it is safe: docs/architecture.md, "Incremental ch
 - :func:`read_base` reads the base's manifest (HEAD for its ETag, GET, decoded without ever
   unpickling): the save starts it on the coordinator during planning, so that the read is off
   its critical path. :func:`open_base` matches it against the new save's skeleton
-  (:func:`cloudckpt.planning.incremental.match_base`). When some chunk matches, it writes a pin
+  (:func:`cloudckpt.planning.save.incremental.match_base`). When some chunk matches, it writes a pin
   (``<home>/pins/<attempt>.<folder>``, overwrite) into every folder the save may reference (the
   base's and the base's homes), then HEADs the base's manifest again: only if it is still there
   with the same ETag does the save go on incrementally. Otherwise (no manifest, no hashes,
@@ -34,11 +34,10 @@ import time
 from dataclasses import dataclass, field
 
 from cloudckpt.errors import CheckpointError, ConfigError, ManifestError, ObjectNotFound
-from cloudckpt.layout import MANIFEST_KEY, Pin, clamp_lease, encode_pin, pin_key
-from cloudckpt.manifest import decode_manifest
-from cloudckpt.api.manifest_io import fetch_manifest_bytes
-from cloudckpt.planning.incremental import BaseChunks, match_base
-from cloudckpt.run_layout import split_folder
+from cloudckpt.layout import MANIFEST_KEY, Pin, clamp_lease, encode_pin, pin_key, split_folder
+from cloudckpt.manifest.codec import decode_manifest
+from cloudckpt.planning.save.incremental import BaseChunks, match_base
+from cloudckpt.stored import fetch_manifest_bytes
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +47,14 @@ def base_folder(url: str, base: str) -> tuple[str, str, str]:
     another checkpoint of the run ``url`` is in (the folder right above both)."""
     mine, theirs = split_folder(url), split_folder(base)
     if mine is None:
-        raise ConfigError(f"an incremental save needs a folder above its checkpoint (the run), "
-                          f"and {url} has none")
+        raise ConfigError(
+            f"an incremental save needs a folder above its checkpoint (the run), and {url} has none"
+        )
     if theirs is None or theirs[0] != mine[0] or theirs[1] == mine[1]:
-        raise ConfigError(f"the base {base} is not another checkpoint of the run {mine[0]} "
-                          f"(a base must be a sibling folder of {url})")
+        raise ConfigError(
+            f"the base {base} is not another checkpoint of the run {mine[0]} "
+            f"(a base must be a sibling folder of {url})"
+        )
     return mine[0], mine[1], theirs[1]
 
 
@@ -74,13 +76,13 @@ async def read_base(run_store, base: str) -> BaseRead:
     manifest_key = f"{base}/{MANIFEST_KEY}"
     try:
         before = await run_store.head(manifest_key)
-        manifest = decode_manifest(await fetch_manifest_bytes(run_store, manifest_key),
-                                   allow_pickle="inspect")
+        manifest = decode_manifest(
+            await fetch_manifest_bytes(run_store, manifest_key), allow_pickle="inspect"
+        )
     except ObjectNotFound:
         return BaseRead(None, None, "it has no manifest")
     except ManifestError as exc:  # a damaged base must not stop every later save of the run
-        return BaseRead(None, None, f"its manifest is damaged or unreadable: {exc}",
-                        damaged=True)
+        return BaseRead(None, None, f"its manifest is damaged or unreadable: {exc}", damaged=True)
     if manifest.chunk_hashes is None:
         return BaseRead(before, None, "its manifest records no chunk hashes")
     return BaseRead(before, manifest)
@@ -91,11 +93,11 @@ class PinnedBase:
     """A usable base, pinned. ``chunks``: the base and the matching chunks."""
 
     chunks: BaseChunks
-    store: object                      # the run root's store
-    keys: tuple[str, ...]              # run-relative pin keys
+    store: object  # the run root's store
+    keys: tuple[str, ...]  # run-relative pin keys
     body: bytes
     lease: float
-    renewed: float                     # time.monotonic() when the last full write started
+    renewed: float  # time.monotonic() when the last full write started
     task: object = field(default=None)  # the refresher (a runtime.BackgroundTask)
 
     def check_lease(self) -> None:
@@ -104,7 +106,8 @@ class PinnedBase:
             raise CheckpointError(
                 f"the pins protecting this save's base were last renewed {age:.0f} s ago, over "
                 f"half their lease of {self.lease:.0f} s: a clean-up may have removed objects "
-                f"the checkpoint would reference; save again")
+                f"the checkpoint would reference; save again"
+            )
 
     async def refresh(self) -> None:
         while True:
@@ -130,8 +133,9 @@ class PinnedBase:
             if unused:
                 await self.store.delete(unused)
         except Exception as exc:  # noqa: BLE001 - they are only stale pins
-            log.warning("could not remove %d unused pins of an incremental save: %s",
-                        len(unused), exc)
+            log.warning(
+                "could not remove %d unused pins of an incremental save: %s", len(unused), exc
+            )
 
     async def release(self) -> None:
         """Remove the pins (the save failed or fell back to a full save)."""
@@ -142,9 +146,17 @@ async def _put_all(store, keys, body) -> None:
     await asyncio.gather(*(store.put(k, body) for k in keys))
 
 
-async def open_base(run_store, *, folder: str, base: str, attempt: str, skeleton,
-                    checksum_block_size: int, lease: float, read: BaseRead | None = None
-                    ) -> PinnedBase | None:
+async def open_base(
+    run_store,
+    *,
+    folder: str,
+    base: str,
+    attempt: str,
+    skeleton,
+    checksum_block_size: int,
+    lease: float,
+    read: BaseRead | None = None,
+) -> PinnedBase | None:
     """Read (unless ``read``, :func:`read_base`'s result, is given), match and pin the base
     ``base`` of the save ``attempt`` of ``folder`` (see the module docstring); ``None`` when
     the save must write every chunk itself."""
@@ -157,14 +169,17 @@ async def open_base(run_store, *, folder: str, base: str, attempt: str, skeleton
     before, manifest = read.info, read.manifest
     match = match_base(skeleton, manifest, checksum_block_size=checksum_block_size)
     if not (match >= 0).any():
-        return _full(base, "none of its chunks has the box, dtype and checksum block size of "
-                           "one of this save's")
+        return _full(
+            base,
+            "none of its chunks has the box, dtype and checksum block size of one of this save's",
+        )
     chunks = BaseChunks(folder=base, manifest=manifest, match=match)
     keys = tuple(f"{home}/{pin_key(attempt, folder)}" for home in sorted(chunks.homes()))
     body = encode_pin(Pin(folder=folder, attempt=attempt, lease=lease))
     renewed = time.monotonic()
-    pinned = PinnedBase(chunks=chunks, store=run_store, keys=keys, body=body, lease=lease,
-                        renewed=renewed)
+    pinned = PinnedBase(
+        chunks=chunks, store=run_store, keys=keys, body=body, lease=lease, renewed=renewed
+    )
     try:
         await _put_all(run_store, keys, body)
         after = await run_store.head(manifest_key)
@@ -180,6 +195,10 @@ async def open_base(run_store, *, folder: str, base: str, attempt: str, skeleton
 
 
 def _full(base: str, why: str, *, warn: bool = False) -> None:
-    log.log(logging.WARNING if warn else logging.INFO,
-            "incremental save: not using %s as the base (%s): every chunk is written", base, why)
+    log.log(
+        logging.WARNING if warn else logging.INFO,
+        "incremental save: not using %s as the base (%s): every chunk is written",
+        base,
+        why,
+    )
     return None

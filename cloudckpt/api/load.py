@@ -36,26 +36,33 @@ import concurrent.futures
 import logging
 import time
 from collections import OrderedDict, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from cloudckpt import layout
-from cloudckpt.errors import CheckpointNotFound, ManifestError, ObjectNotFound
-from cloudckpt.manifest import Manifest, decode_manifest
-from cloudckpt.options import LoadOptions, LoadResult
-from cloudckpt.api.homes import reading_view
 from cloudckpt.api.load_data import move_data
-from cloudckpt.api.manifest_io import fetch_manifest_bytes
 from cloudckpt.api.reports import LoadPlanReport, ManifestRead
 from cloudckpt.dataplane.destinations import fetch_into
-from cloudckpt.planning import PieceSpec, plan_local_load
-from cloudckpt.planning.hints import unexpected_names_message
-from cloudckpt.runtime import run_coroutine, shared_store, submit, wait_for_pending_save
-from cloudckpt.stateful import resolve_stateful, restore_stateful
-from cloudckpt.statedict import (check_replaceable, flatten_state_dict, set_by_path, torch_dtype,
-                                 unflatten_state_dict)
+from cloudckpt.errors import CheckpointNotFound, ManifestError, ObjectNotFound
+from cloudckpt.manifest.codec import decode_manifest
+from cloudckpt.manifest.model import Manifest
+from cloudckpt.options import LoadOptions, LoadResult
+from cloudckpt.planning.load.hints import unexpected_names_message
+from cloudckpt.planning.load.plan import plan_local_load
+from cloudckpt.planning.pieces import PieceSpec
+from cloudckpt.runtime.loop import run_coroutine, shared_store, submit, wait_for_pending_save
+from cloudckpt.statedict.pieces import (
+    check_replaceable,
+    flatten_state_dict,
+    set_by_path,
+    torch_dtype,
+    unflatten_state_dict,
+)
+from cloudckpt.statedict.stateful import resolve_stateful, restore_stateful
+from cloudckpt.stored import fetch_manifest_bytes, reading_view
 from cloudckpt.transport import INLINE_BYTES, ControlChannel
 
 log = logging.getLogger(__name__)
@@ -74,9 +81,16 @@ def read_manifest_bytes(url: str, storage) -> bytes:
         raise CheckpointNotFound(f"no committed checkpoint at {url} (no manifest: {exc})") from exc
 
 
-def load(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage=None,
-         allow_pickle: bool = False, strict: bool = True,
-         options: LoadOptions | None = None) -> LoadResult:
+def load(
+    state_dict: Mapping[str, Any],
+    url: str,
+    *,
+    process_group=None,
+    storage=None,
+    allow_pickle: bool = False,
+    strict: bool = True,
+    options: LoadOptions | None = None,
+) -> LoadResult:
     """Fill ``state_dict`` in place from the checkpoint at ``url``. Collective.
 
     Tensors (plain, DTensor, :class:`cloudckpt.GlobalPiece`) are filled in place, converting
@@ -84,8 +98,13 @@ def load(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage
     default) a name missing from the checkpoint raises :class:`MissingKeysError`; names stored but
     not requested are reported in ``LoadResult.unexpected_keys``.
     """
-    return load_from(state_dict, StoredManifest(url, storage, allow_pickle),
-                     process_group=process_group, strict=strict, options=options)
+    return load_from(
+        state_dict,
+        StoredManifest(url, storage, allow_pickle),
+        process_group=process_group,
+        strict=strict,
+        options=options,
+    )
 
 
 class ManifestSource(Protocol):
@@ -137,8 +156,14 @@ class StoredManifest:
         return store
 
 
-def load_from(state_dict: Mapping[str, Any], source: ManifestSource, *, process_group=None,
-              strict: bool = True, options: LoadOptions | None = None) -> LoadResult:
+def load_from(
+    state_dict: Mapping[str, Any],
+    source: ManifestSource,
+    *,
+    process_group=None,
+    strict: bool = True,
+    options: LoadOptions | None = None,
+) -> LoadResult:
     """:func:`load` from any :class:`ManifestSource` (a cloudckpt checkpoint, an index of
     foreign files such as safetensors): the same four phases, the same guarantees. Collective."""
     wait_for_pending_save()
@@ -164,24 +189,34 @@ def load_from(state_dict: Mapping[str, Any], source: ManifestSource, *, process_
             store, manifest = reading_view(source.url, source.storage, source.decode(raw))
             reading.report = ManifestRead(length=len(raw))
     if options.share_manifest:
-        raw = channel.broadcast_bytes(raw if channel.is_coordinator else None,
-                                      length=reading.reports[0].length)
+        raw = channel.broadcast_bytes(
+            raw if channel.is_coordinator else None, length=reading.reports[0].length
+        )
 
-    with channel.phase("load planning", LoadPlanReport, inline=plan_slot_bytes(channel.size)) \
-            as planning:
+    with channel.phase(
+        "load planning", LoadPlanReport, inline=plan_slot_bytes(channel.size)
+    ) as planning:
         if manifest is None:
             decode = _decode_shared(source) if options.share_manifest else source.decode
             store, manifest = reading_view(source.url, source.storage, decode(raw))
         # the coordinator checks the stored objects while every rank plans (nothing is
         # allocated from the manifest before the data phase, which follows this exchange)
-        checking = submit(asyncio.to_thread(source.check, manifest, store)) \
-            if channel.is_coordinator else None
+        checking = (
+            submit(asyncio.to_thread(source.check, manifest, store))
+            if channel.is_coordinator
+            else None
+        )
         try:
             if wanted_error is not None:
                 raise wanted_error
             wanted.check_replaceable(state_dict, manifest)
-            plan = plan_local_load(manifest, wanted.requests, rank=channel.rank,
-                                   value_names=tuple(wanted.flat.values), strict=strict)
+            plan = plan_local_load(
+                manifest,
+                wanted.requests,
+                rank=channel.rank,
+                value_names=tuple(wanted.flat.values),
+                strict=strict,
+            )
             planning.report = LoadPlanReport(plan, wanted.restore_can_fail(state_dict))
         except BaseException:
             if checking is not None:
@@ -192,8 +227,13 @@ def load_from(state_dict: Mapping[str, Any], source: ManifestSource, *, process_
 
     with channel.phase("load"):
         fetched, received, broadcasts = move_data(
-            source.data_store(store, raw), manifest, [r.plan for r in planning.reports], channel,
-            wanted.dests, options)
+            source.data_store(store, raw),
+            manifest,
+            [r.plan for r in planning.reports],
+            channel,
+            wanted.dests,
+            options,
+        )
 
     # only once every rank has all of its data; closed by an exchange when a rank's restore
     # runs code that may raise (load_state_dict(), a container's own item assignment)
@@ -205,13 +245,19 @@ def load_from(state_dict: Mapping[str, Any], source: ManifestSource, *, process_
 
     if plan.unexpected and channel.is_coordinator:
         log.warning("cloudckpt.load: %s", unexpected_names_message(plan.unexpected))
-    return LoadResult(url=source.url, bytes_fetched=fetched, bytes_received=received,
-                      seconds=time.perf_counter() - started,
-                      unexpected_keys=tuple(plan.unexpected), broadcasts=broadcasts)
+    return LoadResult(
+        url=source.url,
+        bytes_fetched=fetched,
+        bytes_received=received,
+        seconds=time.perf_counter() - started,
+        unexpected_keys=tuple(plan.unexpected),
+        broadcasts=broadcasts,
+    )
 
 
-def load_full(url: str, *, storage=None, allow_pickle: bool = False,
-              options: LoadOptions | None = None) -> dict:
+def load_full(
+    url: str, *, storage=None, allow_pickle: bool = False, options: LoadOptions | None = None
+) -> dict:
     """Consolidate the checkpoint at ``url`` into full CPU tensors in this process.
 
     No collective; works with or without ``torch.distributed``. Returns the nested state dict
@@ -219,16 +265,24 @@ def load_full(url: str, *, storage=None, allow_pickle: bool = False,
     """
     options = options or LoadOptions()
     store, manifest = reading_view(
-        url, storage, read_manifest(url, storage=storage, allow_pickle=allow_pickle))
+        url, storage, read_manifest(url, storage=storage, allow_pickle=allow_pickle)
+    )
     run_coroutine(check_object_extents(store, manifest))  # before allocating declared shapes
     leaves: dict[str, Any] = dict(manifest.values)
     requests, dests = [], []
     for name, record in manifest.tensors.items():
         full = torch.empty(tuple(record.shape), dtype=torch_dtype(record.dtype))
         leaves[name] = full
-        requests.append(PieceSpec(name=name, dtype=record.dtype, global_shape=tuple(record.shape),
-                                  offsets=(0,) * len(record.shape), sizes=tuple(record.shape),
-                                  broadcastable=False))
+        requests.append(
+            PieceSpec(
+                name=name,
+                dtype=record.dtype,
+                global_shape=tuple(record.shape),
+                offsets=(0,) * len(record.shape),
+                sizes=tuple(record.shape),
+                broadcastable=False,
+            )
+        )
         dests.append(full)
     plan = plan_local_load(manifest, requests, rank=0, value_names=tuple(manifest.values))
     run_coroutine(fetch_into(store, manifest, plan.reads, dests, options.max_read_bytes))
@@ -253,8 +307,10 @@ async def check_object_extents(store, manifest) -> None:
         except ObjectNotFound as exc:
             raise ManifestError(f"data object {key} is missing", path=f"objects[{index}]") from exc
         if info.size < need:
-            raise ManifestError(f"data object {key} holds {info.size} bytes, the manifest "
-                                f"refers to {need}", path=f"objects[{index}]")
+            raise ManifestError(
+                f"data object {key} holds {info.size} bytes, the manifest refers to {need}",
+                path=f"objects[{index}]",
+            )
 
     await asyncio.gather(*(check(i, k) for i, k in enumerate(manifest.objects)))
 
@@ -288,10 +344,11 @@ class _Wanted:
     dests: list
 
     @classmethod
-    def of(cls, state_dict, channel: ControlChannel) -> "_Wanted":
+    def of(cls, state_dict, channel: ControlChannel) -> _Wanted:
         resolved, found = resolve_stateful(state_dict)
-        flat = flatten_state_dict(resolved, is_broadcastable=_broadcast_predicate(channel),
-                                  nesting=False)
+        flat = flatten_state_dict(
+            resolved, is_broadcastable=_broadcast_predicate(channel), nesting=False
+        )
         requests, dests = [], []
         for leaf in flat.tensors.values():
             for spec, tensor in leaf.pieces:
@@ -312,17 +369,20 @@ class _Wanted:
         failing), in the caller's containers or their copies."""
         if self.found:
             return True
-        return not all(_plain_containers(root, leaf.path)
-                       for leaf in self.flat.values.values() for root in (state_dict, self.resolved))
+        return not all(
+            _plain_containers(root, leaf.path)
+            for leaf in self.flat.values.values()
+            for root in (state_dict, self.resolved)
+        )
 
     def restore(self, state_dict, manifest) -> None:
         """Set the loaded non-tensor values, then ``load_state_dict()`` on stateful objects."""
         for name, leaf in self.flat.values.items():
             if name in manifest.values:
-                _assign_value(state_dict, self.resolved, self.found, leaf.path,
-                              manifest.values[name])
+                _assign_value(
+                    state_dict, self.resolved, self.found, leaf.path, manifest.values[name]
+                )
         restore_stateful(self.resolved, self.found)
-
 
 
 def _broadcast_predicate(channel: ControlChannel):
@@ -354,4 +414,4 @@ def _plain_containers(root, path: tuple) -> bool:
 
 
 def _under_stateful(path: tuple, found) -> bool:
-    return any(path[:len(p)] == p for p, _ in found)
+    return any(path[: len(p)] == p for p, _ in found)

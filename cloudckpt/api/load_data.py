@@ -31,9 +31,9 @@ import torch
 from cloudckpt.dataplane.broadcast import BroadcastSession, sent_ok
 from cloudckpt.dataplane.destinations import fetch_into
 from cloudckpt.options import LoadOptions
-from cloudckpt.planning import assign_readers
-from cloudckpt.planning.groups import select_broadcasts
-from cloudckpt.runtime import run_coroutine, submit
+from cloudckpt.planning.broadcast.groups import select_broadcasts
+from cloudckpt.planning.broadcast.readers import assign_readers
+from cloudckpt.runtime.loop import run_coroutine, submit
 from cloudckpt.transport import Broadcaster
 
 
@@ -49,12 +49,18 @@ def move_data(store, manifest, plans, channel, dests, options: LoadOptions):
     # move min_broadcast_bytes in all (small regions travel together in its batches)
     assignment = assign_readers(plans, min_broadcast_bytes=0)
     if broadcaster.can_use_subgroups:
-        kept = select_broadcasts(assignment.broadcasts, options.max_broadcast_groups,
-                                 min_group_bytes=options.min_broadcast_bytes)
+        kept = select_broadcasts(
+            assignment.broadcasts,
+            options.max_broadcast_groups,
+            min_group_bytes=options.min_broadcast_bytes,
+        )
     elif broadcaster.backend == "gloo":  # a strict subgroup job: whole-channel gloo only
-        kept = select_broadcasts(assignment.broadcasts, options.max_broadcast_groups,
-                                 only_group=tuple(range(channel.size)),
-                                 min_group_bytes=options.min_broadcast_bytes)
+        kept = select_broadcasts(
+            assignment.broadcasts,
+            options.max_broadcast_groups,
+            only_group=tuple(range(channel.size)),
+            min_group_bytes=options.min_broadcast_bytes,
+        )
     else:
         kept = ()
     # each of this rank's read items is served by a kept broadcast, or read by the rank itself
@@ -68,12 +74,19 @@ def move_data(store, manifest, plans, channel, dests, options: LoadOptions):
     own = submit(fetch_into(store, manifest, own_reads, dests, options.max_read_bytes // 2))
     session = None
     try:
-        session = BroadcastSession(store, manifest, assignment.broadcasts, kept,
-                                   items_by_broadcast, dests, rank=channel.rank,
-                                   device=broadcaster.device,
-                                   batch_bytes=options.broadcast_batch_bytes,
-                                   max_read_bytes=options.max_read_bytes,
-                                   loads=assignment.own_bytes(kept))
+        session = BroadcastSession(
+            store,
+            manifest,
+            assignment.broadcasts,
+            kept,
+            items_by_broadcast,
+            dests,
+            rank=channel.rank,
+            device=broadcaster.device,
+            batch_bytes=options.broadcast_batch_bytes,
+            max_read_bytes=options.max_read_bytes,
+            loads=assignment.own_bytes(kept),
+        )
         broadcaster.prepare(session.member_sets)  # every rank creates every group, in order
         run_broadcasts(session, broadcaster)
     finally:
@@ -132,7 +145,7 @@ def _exchange(session: BroadcastSession, broadcaster: Broadcaster, pos: int, lan
         session.deliver_round(pos, slots, [not t.numel() or sent_ok(t) for t in slots.tensors])
         return
     statuses = torch.zeros(len(members), dtype=torch.uint8, device=broadcaster.device)
-    mine = statuses[members.index(session.rank):][:1]
+    mine = statuses[members.index(session.rank) :][:1]
     mine.fill_(0 if landing is not None and not landing.ok else 1)
     broadcaster.all_gather(statuses, mine, members=members)
     oks = [bool(v) for v in statuses.tolist()]

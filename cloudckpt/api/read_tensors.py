@@ -20,14 +20,15 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from cloudckpt.api.homes import reading_view
 from cloudckpt.api.load import check_object_extents, read_manifest
 from cloudckpt.dataplane.destinations import fetch_into
 from cloudckpt.errors import MissingKeysError
 from cloudckpt.options import LoadOptions
-from cloudckpt.planning import PieceSpec, plan_local_load
-from cloudckpt.runtime import run_coroutine
-from cloudckpt.statedict import torch_dtype
+from cloudckpt.planning.load.plan import plan_local_load
+from cloudckpt.planning.pieces import PieceSpec
+from cloudckpt.runtime.loop import run_coroutine
+from cloudckpt.statedict.pieces import torch_dtype
+from cloudckpt.stored import reading_view
 
 
 class TensorReader:
@@ -35,12 +36,22 @@ class TensorReader:
     caller has decoded it already (for instance without its pickled values); otherwise it is
     read here (``allow_pickle`` as for :func:`cloudckpt.read_manifest`)."""
 
-    def __init__(self, url: str, *, manifest=None, storage=None, allow_pickle: bool = False,
-                 options: LoadOptions | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        manifest=None,
+        storage=None,
+        allow_pickle: bool = False,
+        options: LoadOptions | None = None,
+    ):
         self.url = url
         self.options = options or LoadOptions()
-        manifest = manifest if manifest is not None else read_manifest(
-            url, storage=storage, allow_pickle=allow_pickle)
+        manifest = (
+            manifest
+            if manifest is not None
+            else read_manifest(url, storage=storage, allow_pickle=allow_pickle)
+        )
         # an incremental checkpoint's objects may live in sibling folders: read as load does
         self._store, self.manifest = reading_view(url, storage, manifest)
         run_coroutine(check_object_extents(self._store, self.manifest))
@@ -52,19 +63,30 @@ class TensorReader:
         requests, dests = [], []
         for name, offsets, dest in pieces:
             record = self._record(name)
-            requests.append(PieceSpec(name=name, dtype=str(dest.dtype).removeprefix("torch."),
-                                      global_shape=tuple(record.shape), offsets=tuple(offsets),
-                                      sizes=tuple(dest.shape), broadcastable=False))
+            requests.append(
+                PieceSpec(
+                    name=name,
+                    dtype=str(dest.dtype).removeprefix("torch."),
+                    global_shape=tuple(record.shape),
+                    offsets=tuple(offsets),
+                    sizes=tuple(dest.shape),
+                    broadcastable=False,
+                )
+            )
             dests.append(dest)
         plan = plan_local_load(self.manifest, requests, rank=0)
-        return run_coroutine(fetch_into(self._store, self.manifest, plan.reads, dests,
-                                        self.options.max_read_bytes))
+        return run_coroutine(
+            fetch_into(self._store, self.manifest, plan.reads, dests, self.options.max_read_bytes)
+        )
 
-    def read_boxes(self, boxes: Sequence[tuple[str, Sequence[int], Sequence[int]]]
-                   ) -> list[torch.Tensor]:
+    def read_boxes(
+        self, boxes: Sequence[tuple[str, Sequence[int], Sequence[int]]]
+    ) -> list[torch.Tensor]:
         """Fresh CPU tensors of the stored dtype, one per ``(name, offsets, sizes)`` box."""
-        dests = [torch.empty(tuple(sizes), dtype=torch_dtype(self._record(name).dtype))
-                 for name, _, sizes in boxes]
+        dests = [
+            torch.empty(tuple(sizes), dtype=torch_dtype(self._record(name).dtype))
+            for name, _, sizes in boxes
+        ]
         self.read_into([(name, offsets, dest) for (name, offsets, _), dest in zip(boxes, dests)])
         return dests
 

@@ -26,14 +26,29 @@ from typing import Any, ClassVar
 import msgpack
 
 from cloudckpt.errors import PlanningError, ProtocolError
-from cloudckpt.manifest import decode_value
-from cloudckpt.planning import (LocalLoadPlan, LocalSavePlan, WrittenChunks,
-                                decode_local_load_plan, decode_local_save_plan,
-                                decode_written_chunks, encode_local_load_plan,
-                                encode_local_save_plan)
+from cloudckpt.manifest.values import decode_value
+from cloudckpt.planning.load.plan import (
+    LocalLoadPlan,
+    decode_local_load_plan,
+    encode_local_load_plan,
+)
+from cloudckpt.planning.save.assemble import WrittenChunks, decode_written_chunks
+from cloudckpt.planning.save.local_plan import (
+    LocalSavePlan,
+    decode_local_save_plan,
+    encode_local_save_plan,
+)
 
-__all__ = ["LatestStep", "LoadPlanReport", "ManifestRead", "SavePlanReport", "SavePlanning",
-           "StepSaved", "StopVote", "UploadReport"]
+__all__ = [
+    "LatestStep",
+    "LoadPlanReport",
+    "ManifestRead",
+    "SavePlanReport",
+    "SavePlanning",
+    "StepSaved",
+    "StopVote",
+    "UploadReport",
+]
 
 
 def _conforms(value: Any, hint: Any) -> bool:
@@ -78,8 +93,9 @@ class _Record:
         return None
 
     def __post_init__(self) -> None:
-        wrong = self._wrong_fields({f.name: getattr(self, f.name)
-                                    for f in dataclasses.fields(self)})
+        wrong = self._wrong_fields(
+            {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        )
         if wrong is not None:
             raise TypeError(f"{type(self).__name__}: {wrong}")
 
@@ -105,8 +121,10 @@ class _Record:
 
 
 def _malformed(record: str, detail: str) -> ProtocolError:
-    return ProtocolError(f"malformed {record} report from a peer rank: {detail} "
-                         "(run the same cloudckpt version on every rank)")
+    return ProtocolError(
+        f"malformed {record} report from a peer rank: {detail} "
+        "(run the same cloudckpt version on every rank)"
+    )
 
 
 # -- save -----------------------------------------------------------------------------------------
@@ -156,7 +174,7 @@ class SavePlanReport:
         return encode_local_save_plan(self.plan)
 
     @classmethod
-    def decode(cls, raw: bytes) -> "SavePlanReport":
+    def decode(cls, raw: bytes) -> SavePlanReport:
         try:
             return cls(decode_local_save_plan(raw))
         except PlanningError as exc:
@@ -187,7 +205,7 @@ class LoadPlanReport:
         return (b"\x01" if self.restore_can_fail else b"\x00") + encode_local_load_plan(self.plan)
 
     @classmethod
-    def decode(cls, raw: bytes) -> "LoadPlanReport":
+    def decode(cls, raw: bytes) -> LoadPlanReport:
         if not isinstance(raw, bytes) or raw[:1] not in (b"\x00", b"\x01"):
             raise _malformed("load plan", "no restore flag")
         try:

@@ -30,28 +30,37 @@ it reads the staged copies).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import msgpack
 
 from cloudckpt import layout
-from cloudckpt.context import current
-from cloudckpt.api.reports import SavePlanning, SavePlanReport, UploadReport
-from cloudckpt.errors import CheckpointExists, ObjectExists, ObjectNotFound
 from cloudckpt.api.incremental import PinnedBase, base_folder, open_base, read_base
-from cloudckpt.manifest import encode_manifest, encode_value
-from cloudckpt.options import SaveOptions, SaveResult
-from cloudckpt.planning import (GlobalSavePlan, LocalSavePlan, WrittenChunks,
-                                assemble_manifest, encode_written_chunks, key_digest,
-                                plan_global_save, save_plan_cache_key)
-from cloudckpt.planning.incremental import decode_known, encode_known, reused_chunks
-from cloudckpt.runtime import (run_coroutine, shared_store, start_task, submit,
-                               wait_for_pending_save)
-from cloudckpt.stateful import resolve_stateful
-from cloudckpt.statedict import flatten_state_dict, merge_structures
-from cloudckpt.transport import ControlChannel
+from cloudckpt.api.reports import SavePlanning, SavePlanReport, UploadReport
 from cloudckpt.dataplane.writer import ItemDigests, WriterOptions, write_chunks
+from cloudckpt.errors import CheckpointExists, ObjectExists, ObjectNotFound
+from cloudckpt.manifest.codec import encode_manifest
+from cloudckpt.manifest.values import encode_value
+from cloudckpt.options import SaveOptions, SaveResult
+from cloudckpt.planning.save.assemble import WrittenChunks, assemble_manifest, encode_written_chunks
+from cloudckpt.planning.save.cache import key_digest, save_plan_cache_key
+from cloudckpt.planning.save.global_plan import GlobalSavePlan, plan_global_save
+from cloudckpt.planning.save.incremental import decode_known, encode_known, reused_chunks
+from cloudckpt.planning.save.local_plan import LocalSavePlan
+from cloudckpt.runtime.context import current
+from cloudckpt.runtime.loop import (
+    run_coroutine,
+    shared_store,
+    start_task,
+    submit,
+    wait_for_pending_save,
+)
+from cloudckpt.statedict.pieces import flatten_state_dict, merge_structures
+from cloudckpt.statedict.stateful import resolve_stateful
+from cloudckpt.transport import ControlChannel
+
 
 @dataclass
 class PreparedSave:
@@ -63,24 +72,32 @@ class PreparedSave:
     storage: Any
     attempt: str
     plan: GlobalSavePlan
-    items: list                    # [(chunk_id, tensor)] this rank writes
-    values: dict[str, bytes]       # encoded values this rank owns
+    items: list  # [(chunk_id, tensor)] this rank writes
+    values: dict[str, bytes]  # encoded values this rank owns
     structure: Any
     metadata: dict
     allow_pickle: bool
     plan_cached: bool
     started: float = field(default_factory=time.perf_counter)
-    incremental: bool = False      # every rank hashes its items (the coordinator's word)
-    base: str | None = None        # the coordinator's base URL
-    base_read: Any = None          # the coordinator's read of the base (a future), if any
-    manifest_sent: bool = False    # the coordinator issued the manifest's PUT
+    incremental: bool = False  # every rank hashes its items (the coordinator's word)
+    base: str | None = None  # the coordinator's base URL
+    base_read: Any = None  # the coordinator's read of the base (a future), if any
+    manifest_sent: bool = False  # the coordinator issued the manifest's PUT
     used_homes: frozenset = frozenset()  # the folders the committed manifest references
-    base_used: str = ""            # the base's folder, on every rank ("": a full save)
+    base_used: str = ""  # the base's folder, on every rank ("": a full save)
 
 
-def save(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage=None,
-         allow_pickle: bool = False, metadata: Mapping[str, Any] | None = None,
-         options: SaveOptions | None = None, base: str | None = None) -> SaveResult:
+def save(
+    state_dict: Mapping[str, Any],
+    url: str,
+    *,
+    process_group=None,
+    storage=None,
+    allow_pickle: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+    options: SaveOptions | None = None,
+    base: str | None = None,
+) -> SaveResult:
     """Save ``state_dict`` (this rank's part) to the checkpoint at ``url``. Collective.
 
     ``url`` is ``s3://bucket/prefix``, ``file:///path`` or a plain path. ``storage`` is a
@@ -96,14 +113,30 @@ def save(state_dict: Mapping[str, Any], url: str, *, process_group=None, storage
     gone, changed meanwhile or records no chunk hashes makes a full save (logged). Chunk hashes
     are recorded with a base or ``options.content_hashes``.
     """
-    prepared = prepare_save(state_dict, url, process_group=process_group, storage=storage,
-                            allow_pickle=allow_pickle, metadata=metadata, options=options,
-                            base=base)
+    prepared = prepare_save(
+        state_dict,
+        url,
+        process_group=process_group,
+        storage=storage,
+        allow_pickle=allow_pickle,
+        metadata=metadata,
+        options=options,
+        base=base,
+    )
     return finish_save(prepared)
 
 
-def prepare_save(state_dict, url, *, process_group=None, storage=None, allow_pickle=False,
-                 metadata=None, options=None, base=None) -> PreparedSave:
+def prepare_save(
+    state_dict,
+    url,
+    *,
+    process_group=None,
+    storage=None,
+    allow_pickle=False,
+    metadata=None,
+    options=None,
+    base=None,
+) -> PreparedSave:
     """Phases 1-2: plan the save on every rank. Collective."""
     wait_for_pending_save()
     options = options or SaveOptions()
@@ -122,11 +155,16 @@ def prepare_save(state_dict, url, *, process_group=None, storage=None, allow_pic
             # read the base's manifest while the planning goes on (no side effect)
             base_read = submit(read_base(shared_store(run_url, storage), base_name))
         planning.report = SavePlanning(
-            fingerprint=local.plan.fingerprint(), attempt=attempt, cached_plans=tuple(cached),
-            incremental=channel.is_coordinator and (base is not None or options.content_hashes))
+            fingerprint=local.plan.fingerprint(),
+            attempt=attempt,
+            cached_plans=tuple(cached),
+            incremental=channel.is_coordinator and (base is not None or options.content_hashes),
+        )
 
-    key = save_plan_cache_key([r.fingerprint for r in planning.reports],
-                              replicas_to_lowest_rank=options.replicas_to_lowest_rank)
+    key = save_plan_cache_key(
+        [r.fingerprint for r in planning.reports],
+        replicas_to_lowest_rank=options.replicas_to_lowest_rank,
+    )
     key = key + (msgpack.packb(list(channel.ranks)),)
     digest = key_digest(key)
     # caches can differ between ranks (a restarted rank): reuse only if every rank holds it
@@ -136,14 +174,29 @@ def prepare_save(state_dict, url, *, process_group=None, storage=None, allow_pic
         plan_cache.put(key, plan)
 
     items = [(w.chunk_id, _chunk_view(local.tensors[w.piece_index], w)) for w in plan.writes]
-    owned = {name: local.values[name] for name, owner in plan.value_owner.items()
-             if owner == channel.rank and name in local.values}
-    return PreparedSave(url=url, channel=channel, options=options, storage=storage,
-                        attempt=planning.reports[0].attempt, plan=plan, items=items, values=owned,
-                        structure=local.structure, metadata=dict(metadata or {}),
-                        allow_pickle=allow_pickle, plan_cached=plan_cached, started=started,
-                        incremental=planning.reports[0].incremental,
-                        base=base if channel.is_coordinator else None, base_read=base_read)
+    owned = {
+        name: local.values[name]
+        for name, owner in plan.value_owner.items()
+        if owner == channel.rank and name in local.values
+    }
+    return PreparedSave(
+        url=url,
+        channel=channel,
+        options=options,
+        storage=storage,
+        attempt=planning.reports[0].attempt,
+        plan=plan,
+        items=items,
+        values=owned,
+        structure=local.structure,
+        metadata=dict(metadata or {}),
+        allow_pickle=allow_pickle,
+        plan_cached=plan_cached,
+        started=started,
+        incremental=planning.reports[0].incremental,
+        base=base if channel.is_coordinator else None,
+        base_read=base_read,
+    )
 
 
 def finish_save(p: PreparedSave) -> SaveResult:
@@ -163,7 +216,9 @@ def finish_save(p: PreparedSave) -> SaveResult:
                     pinned = _pin_base(p)
             table = channel.broadcast_bytes(
                 (encode_known(pinned.chunks.known(), pinned.chunks.folder) if pinned else b"")
-                if channel.is_coordinator else None)
+                if channel.is_coordinator
+                else None
+            )
             if table:
                 mine = {w.chunk_id for w in p.plan.writes}
                 known, p.base_used = decode_known(table)
@@ -190,12 +245,17 @@ def finish_save(p: PreparedSave) -> SaveResult:
             run_coroutine(pinned.drop_unused(p.used_homes))
 
     reports = upload.reports
-    return SaveResult(url=p.url, bytes_written=sum(r.bytes_written for r in reports),
-                      objects=sum(r.objects for r in reports),
-                      seconds=time.perf_counter() - p.started,
-                      rank_bytes_written=reports[channel.rank].bytes_written,
-                      attempt=p.attempt, plan_cached=p.plan_cached,
-                      bytes_reused=sum(r.bytes_reused for r in reports), base=p.base_used)
+    return SaveResult(
+        url=p.url,
+        bytes_written=sum(r.bytes_written for r in reports),
+        objects=sum(r.objects for r in reports),
+        seconds=time.perf_counter() - p.started,
+        rank_bytes_written=reports[channel.rank].bytes_written,
+        attempt=p.attempt,
+        plan_cached=p.plan_cached,
+        bytes_reused=sum(r.bytes_reused for r in reports),
+        base=p.base_used,
+    )
 
 
 # -- the work of each phase -------------------------------------------------------------------
@@ -220,10 +280,16 @@ def _plan_locally(state_dict, channel: ControlChannel, allow_pickle: bool) -> _L
         for spec, tensor in leaf.pieces:
             pieces.append(spec)
             tensors.append(tensor)
-    values = {name: encode_value(v.value, key=name, allow_pickle=allow_pickle)
-              for name, v in flat.values.items()}
-    plan = LocalSavePlan(rank=channel.rank, world_size=channel.size, pieces=tuple(pieces),
-                         value_names=tuple(flat.values))
+    values = {
+        name: encode_value(v.value, key=name, allow_pickle=allow_pickle)
+        for name, v in flat.values.items()
+    }
+    plan = LocalSavePlan(
+        rank=channel.rank,
+        world_size=channel.size,
+        pieces=tuple(pieces),
+        value_names=tuple(flat.values),
+    )
     return _LocalSave(plan=plan, tensors=tensors, values=values, structure=flat.structure)
 
 
@@ -242,13 +308,17 @@ def _new_attempt(url: str, storage) -> str:
     return layout.new_attempt_id()
 
 
-def _plan_globally(channel: ControlChannel, local: LocalSavePlan,
-                   options: SaveOptions) -> GlobalSavePlan:
+def _plan_globally(
+    channel: ControlChannel, local: LocalSavePlan, options: SaveOptions
+) -> GlobalSavePlan:
     with channel.phase("save plan exchange", SavePlanReport) as exchange:
         exchange.report = SavePlanReport(local)
     with channel.phase("save global planning"):
-        plan = plan_global_save([r.plan for r in exchange.reports], rank=channel.rank,
-                                replicas_to_lowest_rank=options.replicas_to_lowest_rank)
+        plan = plan_global_save(
+            [r.plan for r in exchange.reports],
+            rank=channel.rank,
+            replicas_to_lowest_rank=options.replicas_to_lowest_rank,
+        )
     return plan
 
 
@@ -256,40 +326,58 @@ def _pin_base(p: PreparedSave) -> PinnedBase | None:
     """The coordinator's part of ``save base``: the pinned base, its pins kept fresh."""
     run_url, folder, base = base_folder(p.url, p.base)
     read = p.base_read.result() if p.base_read is not None else None
-    pinned = run_coroutine(open_base(
-        shared_store(run_url, p.storage), folder=folder, base=base, attempt=p.attempt,
-        skeleton=p.plan.skeleton, checksum_block_size=p.options.checksum_block_size,
-        lease=p.options.pin_lease, read=read))
+    pinned = run_coroutine(
+        open_base(
+            shared_store(run_url, p.storage),
+            folder=folder,
+            base=base,
+            attempt=p.attempt,
+            skeleton=p.plan.skeleton,
+            checksum_block_size=p.options.checksum_block_size,
+            lease=p.options.pin_lease,
+            read=read,
+        )
+    )
     if pinned is not None:
         pinned.task = start_task(pinned.refresh())
     return pinned
 
 
 def _writer_options(options: SaveOptions) -> WriterOptions:
-    return WriterOptions(object_size=options.object_size,
-                         checksum_block_size=options.checksum_block_size,
-                         max_staging_bytes=options.max_staging_bytes)
+    return WriterOptions(
+        object_size=options.object_size,
+        checksum_block_size=options.checksum_block_size,
+        max_staging_bytes=options.max_staging_bytes,
+    )
 
 
-def _upload(p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | None
-            ) -> UploadReport:
+def _upload(p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | None) -> UploadReport:
     rank = p.channel.rank
     store = shared_store(p.url, p.storage)
     locations, stats = run_coroutine(
-        write_chunks(store, p.items, rank=rank, attempt=p.attempt,
-                     options=_writer_options(p.options), hashing=p.incremental, known=known,
-                     digests=digests))
+        write_chunks(
+            store,
+            p.items,
+            rank=rank,
+            attempt=p.attempt,
+            options=_writer_options(p.options),
+            hashing=p.incremental,
+            known=known,
+            digests=digests,
+        )
+    )
     written = _written_chunks(rank, locations, p.values, [c for c, _ in stats.reused])
     return UploadReport(
         written=encode_written_chunks(written),
-        plan_digest=p.plan.skeleton.digest(), bytes_written=stats.bytes_written,
+        plan_digest=p.plan.skeleton.digest(),
+        bytes_written=stats.bytes_written,
         objects=stats.objects,
         structure=encode_value(p.structure, key="structure", allow_pickle=False),
-        bytes_reused=stats.bytes_reused)
+        bytes_reused=stats.bytes_reused,
+    )
 
 
-def _commit(p: PreparedSave, reports: tuple[UploadReport, ...],
-            pinned: PinnedBase | None) -> None:
+def _commit(p: PreparedSave, reports: tuple[UploadReport, ...], pinned: PinnedBase | None) -> None:
     """The coordinator's part of the commit: assemble the manifest, write it in create mode."""
     if len({r.plan_digest for r in reports}) != 1:
         raise RuntimeError("ranks disagree on the global save plan (plan cache out of sync)")
@@ -299,13 +387,19 @@ def _commit(p: PreparedSave, reports: tuple[UploadReport, ...],
         ids = sorted(int(c) for w in written for c in w.reused)
         reused = reused_chunks(pinned.chunks, ids)
     manifest = assemble_manifest(
-        p.plan.skeleton, written,
-        world_size=p.channel.size, checksum_block_size=p.options.checksum_block_size,
-        metadata=p.metadata, allow_pickle=p.allow_pickle,
+        p.plan.skeleton,
+        written,
+        world_size=p.channel.size,
+        checksum_block_size=p.options.checksum_block_size,
+        metadata=p.metadata,
+        allow_pickle=p.allow_pickle,
         # ranks may hold different keys (pipeline stages): the union of their nestings
         structure=merge_structures([r.structure_value() for r in reports]),
-        reused=reused, hashed=p.incremental, attempt=p.attempt if p.incremental else "",
-        base=pinned.chunks.folder if pinned is not None else "")
+        reused=reused,
+        hashed=p.incremental,
+        attempt=p.attempt if p.incremental else "",
+        base=pinned.chunks.folder if pinned is not None else "",
+    )
     if pinned is not None:
         pinned.check_lease()
     store = shared_store(p.url, p.storage)
@@ -330,10 +424,14 @@ def _written_chunks(rank: int, locations, values: dict[str, bytes], reused) -> W
     for loc in locations:
         keys.setdefault(loc.object_key, len(keys))
     return WrittenChunks(
-        rank=rank, object_keys=tuple(keys),
+        rank=rank,
+        object_keys=tuple(keys),
         chunk_ids=[loc.chunk_id for loc in locations],
         object_index=[keys[loc.object_key] for loc in locations],
         byte_offset=[loc.byte_offset for loc in locations],
         byte_length=[loc.byte_length for loc in locations],
-        crcs=[c for loc in locations for c in loc.crcs], values=values,
-        hashes=b"".join(loc.content_hash for loc in locations), reused=reused)
+        crcs=[c for loc in locations for c in loc.crcs],
+        values=values,
+        hashes=b"".join(loc.content_hash for loc in locations),
+        reused=reused,
+    )

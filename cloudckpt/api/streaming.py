@@ -30,19 +30,20 @@ Contract of :class:`StreamingSave`:
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from cloudckpt import layout
 from cloudckpt.dataplane.writer import WriterOptions, write_chunks
 from cloudckpt.errors import CheckpointExists, ObjectExists, ObjectNotFound, PlanningError
-from cloudckpt.manifest import encode_manifest
 from cloudckpt.manifest.builder import ManifestBuilder
+from cloudckpt.manifest.codec import encode_manifest
 from cloudckpt.options import SaveOptions, SaveResult
-from cloudckpt.planning.chunk_index import coverage_errors
-from cloudckpt.runtime import run_coroutine, shared_store
-from cloudckpt.statedict import dtype_name
+from cloudckpt.planning.load.chunk_index import coverage_errors
+from cloudckpt.runtime.loop import run_coroutine, shared_store
+from cloudckpt.statedict.pieces import dtype_name
 
 
 class StreamingSave:
@@ -56,9 +57,16 @@ class StreamingSave:
     checkpoint.
     """
 
-    def __init__(self, url: str, *, storage=None, options: SaveOptions | None = None,
-                 batch_bytes: int = 256 << 20, allow_pickle: bool = False,
-                 metadata: dict | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        storage=None,
+        options: SaveOptions | None = None,
+        batch_bytes: int = 256 << 20,
+        allow_pickle: bool = False,
+        metadata: dict | None = None,
+    ):
         self.url = url
         self.storage = storage
         self.options = options or SaveOptions()
@@ -72,10 +80,11 @@ class StreamingSave:
         else:
             raise CheckpointExists(f"a checkpoint is already committed at {url}")
         self.attempt = layout.new_attempt_id()
-        self._builder = ManifestBuilder(world_size=1, metadata=metadata,
-                                        checksum_block_size=self.options.checksum_block_size)
+        self._builder = ManifestBuilder(
+            world_size=1, metadata=metadata, checksum_block_size=self.options.checksum_block_size
+        )
         self._dtypes: dict[str, str] = {}
-        self._order: list[tuple[str, str]] = []     # (name, "x" | "v") in the order added
+        self._order: list[tuple[str, str]] = []  # (name, "x" | "v") in the order added
         self._waiting: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
         self._waiting_bytes = 0
         self._objects = 0
@@ -94,8 +103,9 @@ class StreamingSave:
         if name not in self._dtypes:
             raise PlanningError(f"write of {name!r}: call add_tensor first")
         if dtype_name(tensor.dtype) != self._dtypes[name]:
-            raise PlanningError(f"piece of {name!r} is {tensor.dtype}, the tensor "
-                                f"{self._dtypes[name]}")
+            raise PlanningError(
+                f"piece of {name!r} is {tensor.dtype}, the tensor {self._dtypes[name]}"
+            )
         if tensor.numel() == 0:
             return
         self._waiting.append((name, tuple(int(o) for o in offsets), tensor))
@@ -111,7 +121,7 @@ class StreamingSave:
 
     def commit(self, structure: Any = None) -> SaveResult:
         """Upload what waits, then write the manifest (module doc). ``structure`` (a
-        :mod:`cloudckpt.statedict` structure) defaults to a flat dict of the names in the order
+        :mod:`cloudckpt.statedict.pieces` structure) defaults to a flat dict of the names in the order
         they were added."""
         self._upload()
         if structure is None:
@@ -126,25 +136,44 @@ class StreamingSave:
             run_coroutine(store.put(layout.MANIFEST_KEY, encode_manifest(manifest), mode="create"))
         except ObjectExists as exc:
             raise CheckpointExists(f"a checkpoint was committed at {self.url} meanwhile") from exc
-        return SaveResult(url=self.url, bytes_written=self.bytes_written, objects=self._objects,
-                          seconds=time.perf_counter() - self.started,
-                          rank_bytes_written=self.bytes_written, attempt=self.attempt)
+        return SaveResult(
+            url=self.url,
+            bytes_written=self.bytes_written,
+            objects=self._objects,
+            seconds=time.perf_counter() - self.started,
+            rank_bytes_written=self.bytes_written,
+            attempt=self.attempt,
+        )
 
     def _upload(self) -> None:
         if not self._waiting:
             return
         waiting, self._waiting, self._waiting_bytes = self._waiting, [], 0
         o = self.options
-        locations, stats = run_coroutine(write_chunks(
-            shared_store(self.url, self.storage),
-            [(i, t) for i, (_, _, t) in enumerate(waiting)], rank=0, attempt=self.attempt,
-            options=WriterOptions(object_size=o.object_size,
-                                  checksum_block_size=o.checksum_block_size,
-                                  max_staging_bytes=o.max_staging_bytes),
-            first_index=self._objects))
+        locations, stats = run_coroutine(
+            write_chunks(
+                shared_store(self.url, self.storage),
+                [(i, t) for i, (_, _, t) in enumerate(waiting)],
+                rank=0,
+                attempt=self.attempt,
+                options=WriterOptions(
+                    object_size=o.object_size,
+                    checksum_block_size=o.checksum_block_size,
+                    max_staging_bytes=o.max_staging_bytes,
+                ),
+                first_index=self._objects,
+            )
+        )
         for loc in locations:
             name, offsets, tensor = waiting[loc.chunk_id]
-            self._builder.add_chunk(name, offsets, tuple(tensor.shape), loc.object_key,
-                                    loc.byte_offset, loc.byte_length, loc.crcs)
+            self._builder.add_chunk(
+                name,
+                offsets,
+                tuple(tensor.shape),
+                loc.object_key,
+                loc.byte_offset,
+                loc.byte_length,
+                loc.crcs,
+            )
         self._objects += stats.objects
         self.bytes_written += stats.bytes_written

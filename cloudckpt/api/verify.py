@@ -25,18 +25,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cloudckpt.api.homes import reading_view
 from cloudckpt.api.load import read_manifest_bytes
 from cloudckpt.dataplane.buffers import BufferPool
-from cloudckpt.errors import CloudCkptError
-from cloudckpt.manifest import decode_manifest
-from cloudckpt.manifest.framing import stored_version
-from cloudckpt.planning import Region
-from cloudckpt.planning.chunk_index import coverage_errors
-from cloudckpt.planning.windows import plan_windows
 from cloudckpt.dataplane.reader import read_windows
-from cloudckpt.runtime import run_coroutine, shared_store
-from cloudckpt.statedict import torch_dtype
+from cloudckpt.errors import CloudCkptError
+from cloudckpt.manifest.codec import decode_manifest
+from cloudckpt.manifest.framing import stored_version
+from cloudckpt.planning.load.chunk_index import coverage_errors
+from cloudckpt.planning.load.plan import Region
+from cloudckpt.planning.load.windows import plan_windows
+from cloudckpt.runtime.loop import run_coroutine, shared_store
+from cloudckpt.statedict.pieces import torch_dtype
+from cloudckpt.stored import reading_view
 
 #: bytes read and checked at once per request; at most ``_IN_FLIGHT`` chunks in progress.
 _WINDOW = 16 << 20
@@ -56,8 +56,10 @@ class VerifyReport:
 
 
 #: The note of a manifest without a checksum of its own.
-UNCHECKSUMMED = ("the manifest has no checksum of its own (format version 1, written by an "
-                 "older cloudckpt): damage to it cannot be detected; the data was verified")
+UNCHECKSUMMED = (
+    "the manifest has no checksum of its own (format version 1, written by an "
+    "older cloudckpt): damage to it cannot be detected; the data was verified"
+)
 
 
 def verify(url: str, *, storage=None, progress=None) -> VerifyReport:
@@ -108,8 +110,7 @@ async def _verify(url, store, manifest, progress, notes) -> VerifyReport:
         key = manifest.objects[chunk.object_index]
         if key in bad_objects:
             return
-        region = Region(name, index, (0,) * len(chunk.sizes), tuple(chunk.sizes),
-                        chunk.byte_length)
+        region = Region(name, index, (0,) * len(chunk.sizes), tuple(chunk.sizes), chunk.byte_length)
         try:
             windows = plan_windows(manifest, region, _WINDOW)
         except CloudCkptError as exc:
@@ -118,11 +119,15 @@ async def _verify(url, store, manifest, progress, notes) -> VerifyReport:
         for window in windows:
             buf = pool.take() if window.length <= pool.size else None
             try:
-                await read_windows(store, [window], buf if buf is not None else
-                                   torch.empty(window.length, dtype=torch.uint8))
+                await read_windows(
+                    store,
+                    [window],
+                    buf if buf is not None else torch.empty(window.length, dtype=torch.uint8),
+                )
             except CloudCkptError as exc:
-                problems.append(f"{key}: tensor {name!r} chunk {index}: "
-                                f"{type(exc).__name__}: {exc}")
+                problems.append(
+                    f"{key}: tensor {name!r} chunk {index}: {type(exc).__name__}: {exc}"
+                )
                 return
             finally:
                 if buf is not None:
@@ -138,8 +143,14 @@ async def _verify(url, store, manifest, progress, notes) -> VerifyReport:
             await check_chunk(name, index, manifest.tensors[name].chunks[index])
 
     await asyncio.gather(*(worker() for _ in range(_IN_FLIGHT)))
-    return VerifyReport(url=url, ok=not problems, problems=sorted(problems),
-                        objects_checked=len(expected), bytes_checked=checked, notes=notes)
+    return VerifyReport(
+        url=url,
+        ok=not problems,
+        problems=sorted(problems),
+        objects_checked=len(expected),
+        bytes_checked=checked,
+        notes=notes,
+    )
 
 
 def _nonempty_chunks(manifest):

@@ -1,7 +1,7 @@
 """Read once, share: this rank's bytes in a load's broadcast rounds (no collective here).
 
 A :class:`BroadcastSession` holds this rank's share of the rounds (planned identically on every
-rank: :func:`~cloudckpt.planning.parts.plan_parts`, each part's source balanced over its group
+rank: :func:`~cloudckpt.planning.broadcast.parts.plan_parts`, each part's source balanced over its group
 by :func:`~cloudckpt.planning.batching.balance_sources`, then
 :func:`~cloudckpt.planning.batching.batch_parts` and
 :func:`~cloudckpt.planning.batching.plan_rounds`) and everything about their bytes: fetching
@@ -51,19 +51,26 @@ import asyncio
 import ctypes
 import math
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
 from cloudckpt.dataplane.buffers import BufferPool, byte_view, flat_bytes, is_byte_viewable
 from cloudckpt.dataplane.destinations import dest_view, sub_view
 from cloudckpt.dataplane.reader import read_windows, run_ranges, stored_dtype, window_boxes
-from cloudckpt.planning.batching import (BroadcastBatch, Round, RunBatch, balance_sources,
-                                         batch_parts, pack_in_order, plan_rounds)
-from cloudckpt.planning.parts import WINDOW_ALIGN, RunPart, part_window_bytes, plan_parts
-from cloudckpt.planning.windows import boxes_in_flat_range
-from cloudckpt.runtime import BackgroundTask, start_task
+from cloudckpt.planning.batching import (
+    BroadcastBatch,
+    Round,
+    RunBatch,
+    balance_sources,
+    batch_parts,
+    pack_in_order,
+    plan_rounds,
+)
+from cloudckpt.planning.broadcast.parts import WINDOW_ALIGN, RunPart, part_window_bytes, plan_parts
+from cloudckpt.planning.load.windows import boxes_in_flat_range
+from cloudckpt.runtime.loop import BackgroundTask, start_task
 from cloudckpt.storage.base import run_all
 
 #: the largest window a part carries (the unit a source fetches and verifies before sending).
@@ -170,24 +177,36 @@ class BroadcastSession:
     """This rank's share of the broadcast rounds (see module doc).
 
     ``broadcasts``: the assignment's broadcasts (the one global order); ``kept``: indices of
-    those that run (:func:`~cloudckpt.planning.groups.select_broadcasts`); ``items_by_broadcast``:
+    those that run (:func:`~cloudckpt.planning.broadcast.groups.select_broadcasts`); ``items_by_broadcast``:
     this rank's read items each kept broadcast serves; ``dests``: this rank's destinations;
     ``device``: where sent buffers live (CPU for gloo, CUDA for NCCL); ``loads``: per channel
     rank, the bytes it fetches for itself (balancing counts them; default none).
     """
 
-    def __init__(self, store, manifest, broadcasts: Sequence, kept: Sequence[int],
-                 items_by_broadcast: dict, dests: Sequence[torch.Tensor], *, rank: int,
-                 device: torch.device, batch_bytes: int, max_read_bytes: int,
-                 loads: Sequence[int] | None = None):
+    def __init__(
+        self,
+        store,
+        manifest,
+        broadcasts: Sequence,
+        kept: Sequence[int],
+        items_by_broadcast: dict,
+        dests: Sequence[torch.Tensor],
+        *,
+        rank: int,
+        device: torch.device,
+        batch_bytes: int,
+        max_read_bytes: int,
+        loads: Sequence[int] | None = None,
+    ):
         self.store, self.manifest, self.rank, self.device = store, manifest, rank, device
         self.broadcasts, self.items_by_broadcast, self.dests = broadcasts, items_by_broadcast, dests
         if loads is None:
             loads = [0] * (1 + max([rank] + [m for i in kept for m in broadcasts[i].group]))
         # small batch sizes (tests) shrink the windows too, so every path runs at small scale
         total = sum(broadcasts[i].region.nbytes for i in kept)
-        window = part_window_bytes(total, len(loads), min(WINDOW_BYTES, batch_bytes),
-                                   max_read_bytes)
+        window = part_window_bytes(
+            total, len(loads), min(WINDOW_BYTES, batch_bytes), max_read_bytes
+        )
         parts = plan_parts(manifest, broadcasts, kept, window, min(RUN_MIN_BYTES, batch_bytes))
         sources = balance_sources(broadcasts, parts, loads)
         every = plan_rounds(batch_parts(broadcasts, parts, window, sources))
@@ -198,13 +217,15 @@ class BroadcastSession:
         #: the batches of those rounds (this rank sends or receives each)
         self.batches: list[BroadcastBatch] = [b for r in self.rounds for b in r.batches]
         #: round position -> the batch this rank sends in it
-        self._mine = {pos: b for pos, r in enumerate(self.rounds)
-                      for b in r.batches if b.src == rank}
+        self._mine = {
+            pos: b for pos, r in enumerate(self.rounds) for b in r.batches if b.src == rank
+        }
         biggest = max([b.nbytes for r in every for b in r.batches] or [0])
         self.pool = BufferPool(biggest + WINDOW_ALIGN)
         self.budget = max(max_read_bytes // 4, biggest)
-        self.dtypes = {name: stored_dtype(manifest, name)
-                       for name in {broadcasts[i].region.name for i in kept}}
+        self.dtypes = {
+            name: stored_dtype(manifest, name) for name in {broadcasts[i].region.name for i in kept}
+        }
         self._pending: dict[int, _PendingFetch] = {}
         self._gate = _InOrder(_FETCHES_IN_FLIGHT)
         self.fetched = self.received = 0
@@ -222,9 +243,9 @@ class BroadcastSession:
         can take them in place, else the start of a pool buffer (to give back after use)."""
         view = self._in_place_view(part)
         if view is not None:
-            return flat_bytes(view)[part.run.lo:part.run.hi], None
+            return flat_bytes(view)[part.run.lo : part.run.hi], None
         buf = self.pool.take()
-        return buf[:part.run.hi - part.run.lo], buf
+        return buf[: part.run.hi - part.run.lo], buf
 
     def _in_place_view(self, part: RunPart) -> torch.Tensor | None:
         """This rank's destination of a run part's region, when it can take the bytes in
@@ -269,10 +290,15 @@ class BroadcastSession:
             run = batch.part.run
             land, pooled = self._run_landing(batch.part)
             ranges = run_ranges(run, [byte_view(land)], base=run.lo)
-            groups = [[ranges[i] for i in g]
-                      for g in pack_in_order([r.length for r in ranges], _REQUEST_BYTES)]
-            task = start_task(self._gate.run(lambda: run_all(
-                self.store.read_ranges(run.object_key, g) for g in groups)))
+            groups = [
+                [ranges[i] for i in g]
+                for g in pack_in_order([r.length for r in ranges], _REQUEST_BYTES)
+            ]
+            task = start_task(
+                self._gate.run(
+                    lambda: run_all(self.store.read_ranges(run.object_key, g) for g in groups)
+                )
+            )
             self._pending[k] = _PendingFetch(task, land, pooled, size)
         else:
             buf = self.pool.take()
@@ -330,8 +356,9 @@ class BroadcastSession:
         wire = landing.buf[:n]
         return wire if self.device.type == "cpu" else wire.to(self.device)
 
-    def exchange_slots(self, pos: int, landing: Landing | None,
-                       oks: Sequence[bool] | None) -> ExchangeSlots:
+    def exchange_slots(
+        self, pos: int, landing: Landing | None, oks: Sequence[bool] | None
+    ) -> ExchangeSlots:
         """Where each member's batch of exchange round ``pos`` is, or arrives, on this rank:
         this rank's own batch where it landed; another source's, when ``oks`` (per member)
         says it is coming, in place in this rank's destination where it can (a run batch, a
@@ -413,9 +440,11 @@ class BroadcastSession:
         for item in items[1:] if in_place else items:
             view = dest_view(self.dests, item)
             pos = 0
-            for offsets, sizes in boxes_in_flat_range((0,) * len(lengths), lengths, lengths, lo, hi):
+            for offsets, sizes in boxes_in_flat_range(
+                (0,) * len(lengths), lengths, lengths, lo, hi
+            ):
                 n = math.prod(sizes)
-                sub_view(view, offsets, sizes).copy_(elements[pos:pos + n].view(sizes))
+                sub_view(view, offsets, sizes).copy_(elements[pos : pos + n].view(sizes))
                 pos += n
 
     def _deliver_windows(self, batch, wire: torch.Tensor) -> None:
@@ -439,8 +468,11 @@ class BroadcastSession:
                     rest = []
                     for item in items:
                         view = dest_view(self.dests, item)
-                        if view.dtype == dtype and is_byte_viewable(view) \
-                                and view.numel() * view.element_size() == n:
+                        if (
+                            view.dtype == dtype
+                            and is_byte_viewable(view)
+                            and view.numel() * view.element_size() == n
+                        ):
                             ctypes.memmove(view.data_ptr(), start, n)  # a dense run each
                         else:
                             rest.append(item)

@@ -22,8 +22,13 @@ import torch
 
 def is_byte_viewable(t: torch.Tensor) -> bool:
     """Whether ``t``'s memory holds exactly its values in row-major order (see module doc)."""
-    return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
-            and not t.is_conj() and not t.is_neg())
+    return (
+        t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+    )
 
 
 def host_contiguous(t: torch.Tensor) -> torch.Tensor:

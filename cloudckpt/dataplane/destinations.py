@@ -10,7 +10,7 @@ destination. No collective.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -55,5 +55,6 @@ async def fetch_into(store, manifest, reads, dests: Sequence[torch.Tensor], max_
     def targets(region):
         return [dest_view(dests, item) for item in by_region[region_key(region)]]
 
-    return await fetch_regions(store, manifest, regions, consume=consume, targets=targets,
-                               max_bytes=max_bytes)
+    return await fetch_regions(
+        store, manifest, regions, consume=consume, targets=targets, max_bytes=max_bytes
+    )

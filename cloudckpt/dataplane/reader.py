@@ -7,7 +7,7 @@ A *region* is a box inside one stored chunk (see :class:`cloudckpt.planning.Regi
   a destination.
 - :func:`fetch_regions` lands regions stored as one run straight in contiguous destinations
   (verified sinks, see :func:`direct_ranges`) and reads any other region through bounded
-  windows (see :mod:`cloudckpt.planning.windows`) into pooled buffers, with at most
+  windows (see :mod:`cloudckpt.planning.load.windows`) into pooled buffers, with at most
   ``max_bytes`` of buffers alive at once, handing each verified part to a consumer; the store
   bounds and coalesces the requests themselves. :func:`read_windows` / :func:`window_boxes` are the same steps for a
   caller that owns the buffer (broadcast batches).
@@ -15,33 +15,40 @@ A *region* is a box inside one stored chunk (see :class:`cloudckpt.planning.Regi
 
 A manifest without checksums (``Manifest.checksums`` false: foreign files such as safetensors)
 has nothing to verify: its windows are exact element runs whose ranges carry no crc, and no
-region lands directly (see :mod:`cloudckpt.planning.windows`).
+region lands directly (see :mod:`cloudckpt.planning.load.windows`).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Union
 
 import torch
 
 from cloudckpt.dataplane.buffers import BufferPool, byte_view, is_byte_viewable
-from cloudckpt.planning import Region
 from cloudckpt.planning.batching import Span, batch_by_object
-from cloudckpt.planning.parts import aligned, layout_windows
-from cloudckpt.planning.windows import (RunWindow, Window, plan_run_windows,
-                                        plan_run_windows_many, plan_windows_many)
-from cloudckpt.storage import ReadRange
-from cloudckpt.statedict import torch_dtype
-
+from cloudckpt.planning.broadcast.parts import aligned, layout_windows
+from cloudckpt.planning.load.plan import Region
+from cloudckpt.planning.load.windows import (
+    RunWindow,
+    Window,
+    plan_run_windows,
+    plan_run_windows_many,
+    plan_windows_many,
+)
+from cloudckpt.statedict.pieces import torch_dtype
+from cloudckpt.storage.base import ReadRange
 
 #: ``consume`` calls for buffers holding at least this many bytes run in a worker thread.
 _THREAD_COPY_BYTES = 1 << 20
 #: batches landing straight in destinations in flight at once (they hold no buffer of ours: at
 #: most one checksum block of received chunks per request; the store bounds requests too).
 _DIRECT_BATCHES = 8
+
+
 def window_ranges(windows: Sequence[Window], buf: torch.Tensor) -> dict[str, list[ReadRange]]:
     """Per object key, the block ranges that read ``windows`` into ``buf`` (a flat uint8 CPU
     tensor) at :func:`layout_windows` offsets, each with its crc32c."""
@@ -55,8 +62,11 @@ def window_ranges(windows: Sequence[Window], buf: torch.Tensor) -> dict[str, lis
         for j, crc in enumerate(w.crc32c):
             lo = j * w.block_size
             n = min(w.block_size, w.length - lo)
-            ranges.append(ReadRange(offset=w.start + lo, length=n, out=mv[off + lo:off + lo + n],
-                                    crc32c=crc))
+            ranges.append(
+                ReadRange(
+                    offset=w.start + lo, length=n, out=mv[off + lo : off + lo + n], crc32c=crc
+                )
+            )
     return by_key
 
 
@@ -79,14 +89,23 @@ def stored_dtype(manifest, name: str) -> torch.dtype:
 def run_ranges(window: RunWindow, views: Sequence[memoryview], base: int = 0) -> list[ReadRange]:
     """Block ranges that deliver ``window`` (verified) into each of ``views``, flat byte views
     whose byte 0 is the region's byte ``base``."""
-    return [ReadRange(offset=b.offset, length=b.length, crc32c=b.crc32c,
-                      sinks=tuple((b.keep_at, v[b.region_pos - base:b.region_pos - base + b.keep_len])
-                                  for v in views))
-            for b in window.blocks]
+    return [
+        ReadRange(
+            offset=b.offset,
+            length=b.length,
+            crc32c=b.crc32c,
+            sinks=tuple(
+                (b.keep_at, v[b.region_pos - base : b.region_pos - base + b.keep_len])
+                for v in views
+            ),
+        )
+        for b in window.blocks
+    ]
 
 
-def direct_ranges(manifest, region, targets: Sequence[torch.Tensor],
-                  window_bytes: int) -> list[tuple[str, list[ReadRange]]] | None:
+def direct_ranges(
+    manifest, region, targets: Sequence[torch.Tensor], window_bytes: int
+) -> list[tuple[str, list[ReadRange]]] | None:
     """Block ranges that land ``region`` straight in ``targets`` (its destinations), grouped in
     windows of about ``window_bytes`` as ``(object key, ranges)``; None when that is not
     possible.
@@ -112,15 +131,16 @@ def _can_land(manifest, region, targets) -> bool:
         return False
     dtype = stored_dtype(manifest, region.name)
     lengths = tuple(int(n) for n in region.lengths)
-    return all(is_byte_viewable(t) and t.dtype == dtype and tuple(t.shape) == lengths
-               for t in targets)
+    return all(
+        is_byte_viewable(t) and t.dtype == dtype and tuple(t.shape) == lengths for t in targets
+    )
 
 
 def window_boxes(window: Window, buf: torch.Tensor, offset: int, dtype: torch.dtype):
     """``(SubBox, tensor)`` for each part of the region held by ``window``, whose bytes are at
     ``offset`` in ``buf``: views of the stored dtype into ``buf`` (no copy)."""
     n = window.length // window.itemsize
-    flat = buf[offset:offset + n * window.itemsize].view(dtype)
+    flat = buf[offset : offset + n * window.itemsize].view(dtype)
     base = flat.storage_offset()
     for sub in window.boxes:
         yield sub, flat.as_strided(sub.lengths, window.strides, base + sub.first)
@@ -159,14 +179,14 @@ Piece = Union[DirectPiece, WindowPiece]
 def plan_pieces(manifest, regions: Sequence, targets, window_bytes: int) -> list[Piece]:
     """How every region is read: direct pieces when ``targets(region)`` can take it in place
     (see :func:`direct_ranges`), windows of at most ``window_bytes`` otherwise. The regions are
-    located together (:func:`~cloudckpt.planning.windows.plan_run_windows_many`)."""
+    located together (:func:`~cloudckpt.planning.load.windows.plan_run_windows_many`)."""
     dests = [targets(r) for r in regions] if targets is not None else [None] * len(regions)
     landing = [i for i, (r, d) in enumerate(zip(regions, dests)) if _can_land(manifest, r, d)]
-    runs = dict(zip(landing, plan_run_windows_many(manifest, [regions[i] for i in landing],
-                                                   window_bytes)))
+    runs = dict(
+        zip(landing, plan_run_windows_many(manifest, [regions[i] for i in landing], window_bytes))
+    )
     rest = [i for i in range(len(regions)) if runs.get(i) is None]
-    windows = dict(zip(rest, plan_windows_many(manifest, [regions[i] for i in rest],
-                                               window_bytes)))
+    windows = dict(zip(rest, plan_windows_many(manifest, [regions[i] for i in rest], window_bytes)))
     pieces: list[Piece] = []
     for i, region in enumerate(regions):
         if runs.get(i) is not None:
@@ -178,16 +198,22 @@ def plan_pieces(manifest, regions: Sequence, targets, window_bytes: int) -> list
     return pieces
 
 
-async def fetch_regions(store, manifest, regions: Sequence, *,
-                        consume: Callable[[object, tuple, torch.Tensor], None],
-                        targets: Callable[[object], Sequence[torch.Tensor]] | None = None,
-                        max_bytes: int = 192 << 20, window_bytes: int = 32 << 20) -> int:
+async def fetch_regions(
+    store,
+    manifest,
+    regions: Sequence,
+    *,
+    consume: Callable[[object, tuple, torch.Tensor], None],
+    targets: Callable[[object], Sequence[torch.Tensor]] | None = None,
+    max_bytes: int = 192 << 20,
+    window_bytes: int = 32 << 20,
+) -> int:
     """Fetch every region into its destinations. Returns the bytes fetched.
 
     When ``targets(region)`` gives destinations that :func:`direct_ranges` can fill, the
     verified bytes land there directly (one copy from the received data, no buffer of ours).
     Otherwise the region is read through windows of at most ``window_bytes`` (see
-    :mod:`cloudckpt.planning.windows`) into pooled buffers (at most ``max_bytes`` of them, at
+    :mod:`cloudckpt.planning.load.windows`) into pooled buffers (at most ``max_bytes`` of them, at
     least one, reused from window to window) and ``consume(region, offsets, tensor)`` is called
     for each verified part: ``tensor`` is a view (stored dtype) of the part of ``region``
     starting at ``offsets`` (relative to the region's origin), valid only during the call.
@@ -203,15 +229,19 @@ async def fetch_regions(store, manifest, regions: Sequence, *,
     pieces = plan_pieces(manifest, regions, targets, window_bytes)
     if not pieces:
         return 0
-    slab = aligned(max([window_bytes] + [p.window.length for p in pieces
-                                         if isinstance(p, WindowPiece)]))
-    batches = [[pieces[i] for i in b.members]
-               for b in batch_by_object([p.span for p in pieces], slab)]
+    slab = aligned(
+        max([window_bytes] + [p.window.length for p in pieces if isinstance(p, WindowPiece)])
+    )
+    batches = [
+        [pieces[i] for i in b.members] for b in batch_by_object([p.span for p in pieces], slab)
+    ]
     pool = BufferPool(slab)
-    slots = asyncio.Semaphore(max(1, max_bytes // slab))    # batches holding a pool buffer
-    direct_slots = asyncio.Semaphore(_DIRECT_BATCHES)       # batches landing in destinations
-    tasks = [asyncio.ensure_future(_read_batch(store, batch, pool, consume, slots, direct_slots))
-             for batch in batches]
+    slots = asyncio.Semaphore(max(1, max_bytes // slab))  # batches holding a pool buffer
+    direct_slots = asyncio.Semaphore(_DIRECT_BATCHES)  # batches landing in destinations
+    tasks = [
+        asyncio.ensure_future(_read_batch(store, batch, pool, consume, slots, direct_slots))
+        for batch in batches
+    ]
     try:
         return sum(await asyncio.gather(*tasks))
     except BaseException:
@@ -221,13 +251,14 @@ async def fetch_regions(store, manifest, regions: Sequence, *,
         raise
 
 
-async def _read_batch(store, batch: Sequence[Piece], pool: BufferPool, consume, slots,
-                      direct_slots) -> int:
+async def _read_batch(
+    store, batch: Sequence[Piece], pool: BufferPool, consume, slots, direct_slots
+) -> int:
     """One ``read_ranges`` call for ``batch`` (pieces of one object, in byte order), then the
     windows' parts handed to ``consume``. Returns the bytes fetched."""
     windows = [p for p in batch if isinstance(p, WindowPiece)]
     key = batch[0].span.object_key
-    async with (slots if windows else direct_slots):
+    async with slots if windows else direct_slots:
         buf = pool.take() if windows else None
         try:
             ranges = [r for p in batch if isinstance(p, DirectPiece) for r in p.ranges]

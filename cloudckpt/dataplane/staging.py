@@ -18,7 +18,7 @@ Contract:
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -47,7 +47,8 @@ class StagingPool:
             raise StagingMemoryError(
                 f"async save needs {need} bytes of host staging memory on this rank, more than "
                 f"the limit of {self.limit_bytes} bytes (raise max_staging_bytes, or save "
-                f"synchronously)")
+                f"synchronously)"
+            )
         with self._lock:
             if layout != self._layout:
                 self._buffers = [self._allocate(t) for _, t in items]

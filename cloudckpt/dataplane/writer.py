@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 
-from cloudckpt.dataplane.buffers import byte_view, host_contiguous, is_byte_viewable
 from cloudckpt.checksum import block_crcs, hash_and_block_crcs
+from cloudckpt.dataplane.buffers import byte_view, host_contiguous, is_byte_viewable
 from cloudckpt.layout import data_key
 from cloudckpt.planning.batching import pack_in_order
 from cloudckpt.storage.base import ByteBudget
@@ -95,14 +95,15 @@ class ItemDigests:
     with the same ``items`` and ``options``; :meth:`stop` it if the upload never runs. Both
     run on cloudckpt's loop."""
 
-    def __init__(self, items: Sequence[tuple[int, torch.Tensor]],
-                 options: WriterOptions = WriterOptions()):
+    def __init__(
+        self, items: Sequence[tuple[int, torch.Tensor]], options: WriterOptions = WriterOptions()
+    ):
         self.items = items
         self.block_size = options.checksum_block_size
         self.budget = ByteBudget(max(1, options.max_staging_bytes))
         self.hashes: list[bytes] = [b""] * len(items)
         self.crcs: list[tuple[int, ...] | None] = [None] * len(items)
-        self.ready = 0                 # items[:ready] are digested
+        self.ready = 0  # items[:ready] are digested
         self._task: asyncio.Task | None = None
         self._changed = asyncio.Event()
 
@@ -124,7 +125,8 @@ class ItemDigests:
             copies = sum(_nbytes(items[i][1]) for i in batch if not is_byte_viewable(items[i][1]))
             async with _holding(self.budget, copies):
                 digests = await asyncio.to_thread(
-                    _digest_tensors, [items[i][1] for i in batch], self.block_size)
+                    _digest_tensors, [items[i][1] for i in batch], self.block_size
+                )
             for i, (digest, crcs) in zip(batch, digests):
                 self.hashes[i], self.crcs[i] = digest, crcs
             self.ready = batch[-1] + 1
@@ -145,11 +147,18 @@ class ItemDigests:
             await self._changed.wait()
 
 
-async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank: int,
-                       attempt: str, options: WriterOptions = WriterOptions(),
-                       hashing: bool = False, known: Mapping[int, bytes] | None = None,
-                       first_index: int = 0, digests: ItemDigests | None = None
-                       ) -> tuple[list[ChunkLocation], WriteStats]:
+async def write_chunks(
+    store,
+    items: Sequence[tuple[int, torch.Tensor]],
+    *,
+    rank: int,
+    attempt: str,
+    options: WriterOptions = WriterOptions(),
+    hashing: bool = False,
+    known: Mapping[int, bytes] | None = None,
+    first_index: int = 0,
+    digests: ItemDigests | None = None,
+) -> tuple[list[ChunkLocation], WriteStats]:
     """Upload ``items`` (``(chunk_id, tensor)`` pairs) as data objects of save ``attempt``,
     numbered from ``first_index`` (a writer calling this several times for one attempt passes
     the count of objects its earlier calls wrote).
@@ -174,12 +183,12 @@ async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank
 
     async def upload(obj_index: int, members: list[int]) -> int:
         key = data_key(attempt, rank, first_index + obj_index)
-        needs_copy = sum(sizes[i] for i in members
-                         if not is_byte_viewable(items[i][1]))
+        needs_copy = sum(sizes[i] for i in members if not is_byte_viewable(items[i][1]))
         async with _holding(staging_budget, needs_copy):
             if needs_copy:
                 tensors = await asyncio.to_thread(
-                    lambda: [host_contiguous(items[i][1]) for i in members])
+                    lambda: [host_contiguous(items[i][1]) for i in members]
+                )
             else:
                 tensors = [items[i][1] for i in members]
             views = [byte_view(t) for t in tensors]
@@ -187,8 +196,8 @@ async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank
             todo = [k for k, c in enumerate(crcs) if c is None]
             if todo:
                 computed = await asyncio.to_thread(
-                    lambda vs=views: [block_crcs(vs[k], options.checksum_block_size)
-                                      for k in todo])
+                    lambda vs=views: [block_crcs(vs[k], options.checksum_block_size) for k in todo]
+                )
                 for k, c in zip(todo, computed):
                     crcs[k] = c
             offset = 0
@@ -204,12 +213,21 @@ async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank
     reused: list[int] = []
     try:
         if digests is not None:
-            await _pack_digested(items, sizes, digests, known or {}, options, reused,
-                                 lambda members: tasks.append(asyncio.ensure_future(
-                                     upload(len(tasks), members))), tasks)
+            await _pack_digested(
+                items,
+                sizes,
+                digests,
+                known or {},
+                options,
+                reused,
+                lambda members: tasks.append(asyncio.ensure_future(upload(len(tasks), members))),
+                tasks,
+            )
         else:
-            tasks += [asyncio.ensure_future(upload(k, members))
-                      for k, members in enumerate(pack_in_order(sizes, options.object_size))]
+            tasks += [
+                asyncio.ensure_future(upload(k, members))
+                for k, members in enumerate(pack_in_order(sizes, options.object_size))
+            ]
         written = await asyncio.gather(*tasks)
     except BaseException:
         for t in tasks:
@@ -218,14 +236,18 @@ async def write_chunks(store, items: Sequence[tuple[int, torch.Tensor]], *, rank
         if own_digests:
             await digests.stop()
         raise
-    stats = WriteStats(sum(written), len(tasks),
-                       reused=tuple((items[i][0], hashes[i]) for i in reused),
-                       bytes_reused=sum(sizes[i] for i in reused))
+    stats = WriteStats(
+        sum(written),
+        len(tasks),
+        reused=tuple((items[i][0], hashes[i]) for i in reused),
+        bytes_reused=sum(sizes[i] for i in reused),
+    )
     return [loc for loc in locations if loc is not None], stats
 
 
-async def _pack_digested(items, sizes, digests: ItemDigests, known, options, reused, launch,
-                         tasks) -> None:
+async def _pack_digested(
+    items, sizes, digests: ItemDigests, known, options, reused, launch, tasks
+) -> None:
     """Take every item in order as ``digests`` gets to it; items whose hash ``known`` holds go
     to ``reused``, the others are cut into objects by the rule of ``pack_in_order`` and each
     object is passed to ``launch`` as soon as it is cut."""

@@ -60,19 +60,25 @@ import torch
 
 from cloudckpt.dcp.nesting import dcp_items, dcp_name, materialize, rebuild
 from cloudckpt.dcp.options import DCPOptions
-from cloudckpt.dcp.reads import ChunkIndex, Part, read_parts
 from cloudckpt.dcp.reader import check_value, load_checkpoint_metadata
+from cloudckpt.dcp.reads import ChunkIndex, Part, read_parts
 from cloudckpt.dcp.writes import DCP_VERSION, FileOptions, commit, refuse_existing, write_files
-from cloudckpt.errors import (ConfigError, DuplicateKeyError, PickleNotAllowed, PlanningError,
-                              UnsupportedValueError)
+from cloudckpt.errors import (
+    ConfigError,
+    DuplicateKeyError,
+    PickleNotAllowed,
+    PlanningError,
+    UnsupportedValueError,
+)
 from cloudckpt.planning.batching import pack_in_order
-from cloudckpt.runtime import run_coroutine, shared_store
+from cloudckpt.runtime.loop import run_coroutine, shared_store
 
 TARGETS = ("dcp", "cloudckpt")
 TRUST_MESSAGE = (
     "reading a DCP checkpoint means unpickling its .metadata, and a pickle can run any code it "
     "names; cloudckpt uses a restricted unpickler, but convert a DCP checkpoint only when you "
-    "trust who wrote it: pass allow_pickle=True (command line: --trust)")
+    "trust who wrote it: pass allow_pickle=True (command line: --trust)"
+)
 
 
 @dataclass(frozen=True)
@@ -93,8 +99,15 @@ class ConvertResult:
     changed: tuple[str, ...] = ()
 
 
-def convert(src: str, dst: str, *, to: str, allow_pickle: bool = False, storage=None,
-            options: DCPOptions | None = None) -> ConvertResult:
+def convert(
+    src: str,
+    dst: str,
+    *,
+    to: str,
+    allow_pickle: bool = False,
+    storage=None,
+    options: DCPOptions | None = None,
+) -> ConvertResult:
     """Convert the checkpoint at ``src`` into a new one at ``dst`` of format ``to`` (``"dcp"``:
     ``src`` is a cloudckpt checkpoint; ``"cloudckpt"``: ``src`` is a DCP checkpoint). See the
     module doc. ``storage``: :class:`cloudckpt.storage.StorageOptions` for both sides;
@@ -109,68 +122,100 @@ def convert(src: str, dst: str, *, to: str, allow_pickle: bool = False, storage=
         if not allow_pickle:
             raise PickleNotAllowed(TRUST_MESSAGE)
         counts = _to_cloudckpt(str(src), str(dst), storage, options)
-    return ConvertResult(src=str(src), dst=str(dst), to=to, seconds=time.perf_counter() - started,
-                         **counts)
+    return ConvertResult(
+        src=str(src), dst=str(dst), to=to, seconds=time.perf_counter() - started, **counts
+    )
 
 
 # -- cloudckpt -> DCP -------------------------------------------------------------------------
 
 
 def _to_dcp(src: str, dst: str, allow_pickle: bool, storage, options: DCPOptions) -> dict:
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, StorageMeta,
-                                                       TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     from cloudckpt.api.read_tensors import TensorReader
     from cloudckpt.options import LoadOptions
-    from cloudckpt.statedict import torch_dtype, unflatten_state_dict
+    from cloudckpt.statedict.pieces import torch_dtype, unflatten_state_dict
 
-    reader = TensorReader(src, storage=storage, allow_pickle=allow_pickle,
-                          options=LoadOptions(max_read_bytes=options.max_read_bytes))
+    reader = TensorReader(
+        src,
+        storage=storage,
+        allow_pickle=allow_pickle,
+        options=LoadOptions(max_read_bytes=options.max_read_bytes),
+    )
     manifest = reader.manifest
     store = shared_store(dst, storage)
     run_coroutine(refuse_existing(store, dst))
     # the nesting load_full gives, tensors as meta placeholders, split as DCP's planner splits it
-    stored = {name: torch.empty(tuple(r.shape), dtype=torch_dtype(r.dtype), device="meta")
-              for name, r in manifest.tensors.items()}
+    stored = {
+        name: torch.empty(tuple(r.shape), dtype=torch_dtype(r.dtype), device="meta")
+        for name, r in manifest.tensors.items()
+    }
     names_of = {id(t): name for name, t in stored.items()}
-    items, changed = dcp_items(unflatten_state_dict(manifest.structure,
-                                                    {**manifest.values, **stored}))
+    items, changed = dcp_items(
+        unflatten_state_dict(manifest.structure, {**manifest.values, **stored})
+    )
     reached = set(_leaf_names(manifest.structure))
-    skipped = [f"{name}: not in the checkpoint's nesting (load_full does not return it either)"
-               for name in list(manifest.tensors) + list(manifest.values) if name not in reached]
+    skipped = [
+        f"{name}: not in the checkpoint's nesting (load_full does not return it either)"
+        for name in list(manifest.tensors) + list(manifest.values)
+        if name not in reached
+    ]
     seen: dict[str, tuple] = {}
     for path, _ in items:
         if seen.setdefault(dcp_name(path), path) != path:
             raise DuplicateKeyError(
                 f"paths {seen[dcp_name(path)]!r} and {path!r} both make DCP's name "
-                f"{dcp_name(path)!r}: DCP cannot hold both; rename one key and save again")
-    tensor_items = [(dcp_name(p), names_of[id(leaf)]) for p, leaf in items
-                    if isinstance(leaf, torch.Tensor) and id(leaf) in names_of]
+                f"{dcp_name(path)!r}: DCP cannot hold both; rename one key and save again"
+            )
+    tensor_items = [
+        (dcp_name(p), names_of[id(leaf)])
+        for p, leaf in items
+        if isinstance(leaf, torch.Tensor) and id(leaf) in names_of
+    ]
     state_md: dict = {}
-    boxes: list[tuple[str, tuple, tuple, int]] = []   # name, offsets, sizes, bytes
+    boxes: list[tuple[str, tuple, tuple, int]] = []  # name, offsets, sizes, bytes
     fqn_of: dict[str, str] = {}
     for fqn, name in tensor_items:
         record = manifest.tensors[name]
         fqn_of[name] = fqn
         chunks = [(c.offsets, c.sizes) for c in record.chunks if math.prod(c.sizes)]
-        if not chunks:   # a tensor without elements: one empty chunk, as DCP writes it
+        if not chunks:  # a tensor without elements: one empty chunk, as DCP writes it
             chunks = [((0,) * len(record.shape), tuple(record.shape))]
         state_md[fqn] = TensorStorageMetadata(
-            TensorProperties(dtype=stored[name].dtype), torch.Size(record.shape),
-            [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
+            TensorProperties(dtype=stored[name].dtype),
+            torch.Size(record.shape),
+            [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks],
+        )
         boxes += [(name, o, s, math.prod(s) * record.itemsize) for o, s in chunks]
     bytes_items = [(p, leaf) for p, leaf in items if dcp_name(p) not in state_md]
 
-    file_opts = FileOptions(object_size=options.object_size,
-                            checksum_block_size=options.checksum_block_size,
-                            max_staging_bytes=options.max_staging_bytes)
+    file_opts = FileOptions(
+        object_size=options.object_size,
+        checksum_block_size=options.checksum_block_size,
+        max_staging_bytes=options.max_staging_bytes,
+    )
     storage_data, checks, files, moved = {}, {}, 0, 0
 
     def put(items: list, keys: list) -> None:
         nonlocal files
-        written = run_coroutine(write_files(store, [0] * len(items), lambda i: items[i],
-                                            prefix="__0_", options=file_opts, first_file=files))
+        written = run_coroutine(
+            write_files(
+                store,
+                [0] * len(items),
+                lambda i: items[i],
+                prefix="__0_",
+                options=file_opts,
+                first_file=files,
+            )
+        )
         files += len({w.info.relative_path for w in written})
         for key, w in zip(keys, written):
             storage_data[key] = w.info
@@ -180,9 +225,10 @@ def _to_dcp(src: str, dst: str, allow_pickle: bool, storage, options: DCPOptions
         batch = [boxes[i] for i in group]
         wanted = [(n, o, s) for n, o, s, nbytes in batch if nbytes]
         fetched = iter(reader.read_boxes(wanted))
-        tensors = [next(fetched) if nbytes else
-                   torch.empty(s, dtype=stored[n].dtype)
-                   for n, o, s, nbytes in batch]
+        tensors = [
+            next(fetched) if nbytes else torch.empty(s, dtype=stored[n].dtype)
+            for n, o, s, nbytes in batch
+        ]
         put(tensors, [MetadataIndex(fqn_of[n], o) for n, o, _, _ in batch])
         moved += sum(b[3] for b in batch)
         del tensors, fetched
@@ -190,16 +236,26 @@ def _to_dcp(src: str, dst: str, allow_pickle: bool, storage, options: DCPOptions
 
     save_id = str(uuid.uuid4())
     planner_data = {dcp_name(path): path for path, _ in items}
-    metadata = Metadata(state_dict_metadata={name: state_md[name] for name in planner_data},
-                        planner_data=planner_data,
-                        storage_data=storage_data,
-                        storage_meta=StorageMeta(checkpoint_id=dst, save_id=save_id),
-                        version=DCP_VERSION)
-    run_coroutine(commit(store, dst, metadata, checks, save_id=save_id,
-                         block_size=options.checksum_block_size))
-    return dict(tensors=len(tensor_items), chunks=len(boxes),
-                values=len(planner_data) - len(tensor_items), bytes=moved,
-                skipped=tuple(skipped), changed=tuple(changed))
+    metadata = Metadata(
+        state_dict_metadata={name: state_md[name] for name in planner_data},
+        planner_data=planner_data,
+        storage_data=storage_data,
+        storage_meta=StorageMeta(checkpoint_id=dst, save_id=save_id),
+        version=DCP_VERSION,
+    )
+    run_coroutine(
+        commit(
+            store, dst, metadata, checks, save_id=save_id, block_size=options.checksum_block_size
+        )
+    )
+    return dict(
+        tensors=len(tensor_items),
+        chunks=len(boxes),
+        values=len(planner_data) - len(tensor_items),
+        bytes=moved,
+        skipped=tuple(skipped),
+        changed=tuple(changed),
+    )
 
 
 def _write_values(items, names_of: dict, reader, put, state_md: dict, batch: int) -> int:
@@ -214,7 +270,7 @@ def _write_values(items, names_of: dict, reader, put, state_md: dict, batch: int
     def full(t: torch.Tensor) -> torch.Tensor:
         nonlocal moved
         name = names_of.get(id(t))
-        if name is None:   # a tensor inside a pickled value: it is one already
+        if name is None:  # a tensor inside a pickled value: it is one already
             return t
         moved += t.numel() * t.element_size()
         if not t.numel():
@@ -293,7 +349,7 @@ def _unkept(fqn: str, value) -> str | None:
     """Why cloudckpt cannot keep the DCP value ``fqn`` (tensors inside become tensors of
     their own, the rest values msgpack holds), or None."""
     from cloudckpt.manifest.values import encode_value
-    from cloudckpt.statedict import flatten_state_dict
+    from cloudckpt.statedict.pieces import flatten_state_dict
 
     try:
         flat = flatten_state_dict({fqn: value})
@@ -305,7 +361,8 @@ def _unkept(fqn: str, value) -> str | None:
         except UnsupportedValueError as exc:
             inner = leaf.value is not value
             return f"a {type(leaf.value).__name__} msgpack cannot hold" + (
-                f" ({exc.__cause__})" if inner and exc.__cause__ else "")
+                f" ({exc.__cause__})" if inner and exc.__cause__ else ""
+            )
     return None
 
 
@@ -314,7 +371,7 @@ def _to_cloudckpt(src: str, dst: str, storage, options: DCPOptions) -> dict:
 
     from cloudckpt import SaveOptions
     from cloudckpt.api.streaming import StreamingSave
-    from cloudckpt.statedict import dtype_name, flatten_state_dict
+    from cloudckpt.statedict.pieces import dtype_name, flatten_state_dict
 
     store = shared_store(src, storage)
     metadata, checksums = load_checkpoint_metadata(store, src)
@@ -323,24 +380,33 @@ def _to_cloudckpt(src: str, dst: str, storage, options: DCPOptions) -> dict:
     consumer = _IntoSave(index, skipped)
 
     def read(parts: list[Part]) -> None:
-        read_parts(store, parts, storage_data=metadata.storage_data,
-                   checksums=checksums.items if checksums else None, chunks=index,
-                   consumer=consumer, batch_bytes=options.read_batch_bytes,
-                   max_bytes=options.max_read_bytes,
-                   block_size=checksums.block_size if checksums else 1)
+        read_parts(
+            store,
+            parts,
+            storage_data=metadata.storage_data,
+            checksums=checksums.items if checksums else None,
+            chunks=index,
+            consumer=consumer,
+            batch_bytes=options.read_batch_bytes,
+            max_bytes=options.max_read_bytes,
+            block_size=checksums.block_size if checksums else 1,
+        )
 
     # values first: the whole nesting is planned before anything is written
-    read([Part(ref=fqn, index=MetadataIndex(fqn), is_bytes=True)
-          for fqn, entry in metadata.state_dict_metadata.items()
-          if not isinstance(entry, TensorStorageMetadata)])
+    read(
+        [
+            Part(ref=fqn, index=MetadataIndex(fqn), is_bytes=True)
+            for fqn, entry in metadata.state_dict_metadata.items()
+            if not isinstance(entry, TensorStorageMetadata)
+        ]
+    )
     entries, placeholders = [], {}
     for fqn, entry in metadata.state_dict_metadata.items():
         if isinstance(entry, TensorStorageMetadata):
             try:
                 dtype_name(entry.properties.dtype)
             except PlanningError:
-                skipped.append(f"{fqn}: dtype {entry.properties.dtype} is not one cloudckpt "
-                               "stores")
+                skipped.append(f"{fqn}: dtype {entry.properties.dtype} is not one cloudckpt stores")
                 continue
             leaf = torch.empty(tuple(entry.size), dtype=entry.properties.dtype, device="meta")
             placeholders[id(leaf)] = fqn
@@ -351,17 +417,24 @@ def _to_cloudckpt(src: str, dst: str, storage, options: DCPOptions) -> dict:
     try:
         flat = flatten_state_dict(nested)
     except DuplicateKeyError as exc:
-        raise DuplicateKeyError(f"{exc}: cloudckpt names each leaf by its path, so it cannot "
-                                "hold both; rename one in the DCP checkpoint's state dict "
-                                "and save it again") from exc
+        raise DuplicateKeyError(
+            f"{exc}: cloudckpt names each leaf by its path, so it cannot "
+            "hold both; rename one in the DCP checkpoint's state dict "
+            "and save it again"
+        ) from exc
     del nested
 
     out = consumer.out = StreamingSave(
-        dst, storage=storage, batch_bytes=options.object_size,
+        dst,
+        storage=storage,
+        batch_bytes=options.object_size,
         metadata={"converted_from": src, "format": "dcp"},
-        options=SaveOptions(object_size=options.object_size,
-                            checksum_block_size=options.checksum_block_size,
-                            max_staging_bytes=options.max_staging_bytes))
+        options=SaveOptions(
+            object_size=options.object_size,
+            checksum_block_size=options.checksum_block_size,
+            max_staging_bytes=options.max_staging_bytes,
+        ),
+    )
     for name, leaf in flat.values.items():
         out.set_value(name, leaf.value)
     parts, inline = [], []
@@ -369,25 +442,35 @@ def _to_cloudckpt(src: str, dst: str, storage, options: DCPOptions) -> dict:
         ((spec, tensor),) = leaf.pieces
         out.add_tensor(name, spec.dtype, spec.global_shape)
         fqn = placeholders.get(id(tensor))
-        if fqn is None:   # a tensor that sat inside a DCP value
+        if fqn is None:  # a tensor that sat inside a DCP value
             inline.append((name, tensor))
             continue
         consumer.name_of[fqn] = name
         for chunk in metadata.state_dict_metadata[fqn].chunks:
             sizes = tuple(chunk.sizes)
             if math.prod(sizes):
-                parts.append(Part(ref=(fqn, tuple(chunk.offsets)),
-                                  index=MetadataIndex(fqn, chunk.offsets), is_bytes=False,
-                                  offsets=(0,) * len(sizes), lengths=sizes))
+                parts.append(
+                    Part(
+                        ref=(fqn, tuple(chunk.offsets)),
+                        index=MetadataIndex(fqn, chunk.offsets),
+                        is_bytes=False,
+                        offsets=(0,) * len(sizes),
+                        lengths=sizes,
+                    )
+                )
     read(parts)
     for name, tensor in inline:
         out.write(name, (0,) * tensor.dim(), tensor)
         consumer.moved += tensor.numel() * tensor.element_size()
     out.commit(flat.structure)
-    return dict(tensors=len(flat.tensors),
-                chunks=len(parts) + sum(t.numel() > 0 for _, t in inline),
-                values=len(flat.values), bytes=consumer.moved, skipped=tuple(skipped),
-                changed=tuple(changed))
+    return dict(
+        tensors=len(flat.tensors),
+        chunks=len(parts) + sum(t.numel() > 0 for _, t in inline),
+        values=len(flat.values),
+        bytes=consumer.moved,
+        skipped=tuple(skipped),
+        changed=tuple(changed),
+    )
 
 
 __all__ = ["ConvertResult", "TARGETS", "TRUST_MESSAGE", "convert"]

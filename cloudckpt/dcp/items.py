@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -63,9 +63,15 @@ def byte_view(t: torch.Tensor) -> memoryview:
 def owns_its_storage(t: torch.Tensor) -> bool:
     """Whether ``torch.save(t)`` would write exactly ``t``'s values in row-major order: a dense
     contiguous CPU tensor, no lazy conjugate or negative bit, alone in its whole storage."""
-    return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
-            and not t.is_conj() and not t.is_neg() and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+    return (
+        t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
@@ -85,7 +91,7 @@ class _SplitWriter(io.RawIOBase):
 
     def __init__(self) -> None:
         self.parts: list[bytes] = []
-        self.holes: list[tuple[int, int]] = []   # (position, length)
+        self.holes: list[tuple[int, int]] = []  # (position, length)
         self.pos = 0
 
     def writable(self) -> bool:
@@ -126,20 +132,28 @@ def tensor_item(t: torch.Tensor) -> Item:
     if skip is not None:
         with skip():
             torch.save(t, split)
-    if skip is None or len(split.holes) > 1 or (split.holes and split.holes[0][1] != nbytes) \
-            or (nbytes and not split.holes):
+    if (
+        skip is None
+        or len(split.holes) > 1
+        or (split.holes and split.holes[0][1] != nbytes)
+        or (nbytes and not split.holes)
+    ):
         # an archive layout this code does not know: let torch.save copy the bytes
         buf = io.BytesIO()
         torch.save(t, buf)
         return Item(segments=(buf.getbuffer(),), data_offset=0, data_length=0, keep=buf)
-    if not split.holes:   # an empty tensor: no storage bytes to skip
+    if not split.holes:  # an empty tensor: no storage bytes to skip
         blob = b"".join(split.parts)
         return Item(segments=(memoryview(blob),), data_offset=len(blob), data_length=0, keep=t)
     at = split.parts.index(b"")
     head = b"".join(split.parts[:at])
-    tail = b"".join(split.parts[at + 1:])
-    return Item(segments=(memoryview(head), data, memoryview(tail)), data_offset=len(head),
-                data_length=nbytes, keep=t)
+    tail = b"".join(split.parts[at + 1 :])
+    return Item(
+        segments=(memoryview(head), data, memoryview(tail)),
+        data_offset=len(head),
+        data_length=nbytes,
+        keep=t,
+    )
 
 
 def bytes_item(buf: io.BytesIO | bytes) -> Item:
@@ -159,7 +173,7 @@ def block_crcs_of(segments: Sequence[memoryview], block: int) -> list[int]:
         pos = 0
         while pos < len(seg):
             take = min(block - filled, len(seg) - pos)
-            value = crc32c(seg[pos:pos + take], value)
+            value = crc32c(seg[pos : pos + take], value)
             filled += take
             pos += take
             if filled == block:
@@ -170,8 +184,9 @@ def block_crcs_of(segments: Sequence[memoryview], block: int) -> list[int]:
     return crcs
 
 
-def region_span(sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int],
-                itemsize: int) -> tuple[int, int, bool]:
+def region_span(
+    sizes: Sequence[int], offsets: Sequence[int], lengths: Sequence[int], itemsize: int
+) -> tuple[int, int, bool]:
     """``(start, end, contiguous)``: the bytes of a row-major chunk of ``sizes`` that hold the
     box at ``offsets`` of ``lengths`` lie in ``[start, end)``; ``contiguous`` when they are
     exactly the box's bytes in row-major order. An empty box gives ``(0, 0, True)``."""
@@ -192,8 +207,10 @@ def load_tensor(data, what: str) -> torch.Tensor:
     try:
         value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise IntegrityError(f"{what}: its bytes are not a tensor torch.load can read "
-                             f"({type(exc).__name__}: {str(exc)[:200]})") from exc
+        raise IntegrityError(
+            f"{what}: its bytes are not a tensor torch.load can read "
+            f"({type(exc).__name__}: {str(exc)[:200]})"
+        ) from exc
     if not isinstance(value, torch.Tensor):
         raise IntegrityError(f"{what}: holds a {type(value).__name__}, not a tensor")
     return value

@@ -84,11 +84,17 @@ def unpickle_metadata(data) -> object:
 
     size = memoryview(data).nbytes
     if size > MAX_METADATA_BYTES:
-        raise ManifestError(f"is {size} bytes, more than the {MAX_METADATA_BYTES} allowed",
-                            path=METADATA_KEY)
-    nodes = parse(data, resolve, where=METADATA_KEY, max_depth=MAX_DEPTH,
-                  max_nodes=_NODES_FLOOR + NODES_PER_BYTE * size,
-                  max_cost=_MEMORY_FLOOR + MEMORY_PER_BYTE * size)
+        raise ManifestError(
+            f"is {size} bytes, more than the {MAX_METADATA_BYTES} allowed", path=METADATA_KEY
+        )
+    nodes = parse(
+        data,
+        resolve,
+        where=METADATA_KEY,
+        max_depth=MAX_DEPTH,
+        max_nodes=_NODES_FLOOR + NODES_PER_BYTE * size,
+        max_cost=_MEMORY_FLOOR + MEMORY_PER_BYTE * size,
+    )
     return build(nodes)
 
 
@@ -112,9 +118,13 @@ def check_metadata(md) -> None:
     its fields) is refused, not an ``AttributeError``."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
-                                                       MetadataIndex, StorageMeta,
-                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorStorageMetadata,
+    )
 
     from cloudckpt.dcp.metadata_build import MAX_NDIM
 
@@ -128,8 +138,11 @@ def check_metadata(md) -> None:
         return value
 
     def box(v) -> bool:
-        return isinstance(v, (torch.Size, tuple, list)) and len(v) <= MAX_NDIM \
+        return (
+            isinstance(v, (torch.Size, tuple, list))
+            and len(v) <= MAX_NDIM
             and all(_is_int(x) and x >= 0 for x in v)
+        )
 
     if not isinstance(md, Metadata):
         raise bad(f"holds a {type(md).__name__}, not a DCP Metadata", "")
@@ -148,22 +161,28 @@ def check_metadata(md) -> None:
         if not isinstance(entry, TensorStorageMetadata):
             raise bad(f"is a {type(entry).__name__}", where)
         size, chunks = get(entry, "size", where), get(entry, "chunks", where)
-        if not isinstance(size, torch.Size) or not box(size) or not isinstance(chunks, list) \
-                or not isinstance(getattr(get(entry, "properties", where), "dtype", None),
-                                  torch.dtype):
+        if (
+            not isinstance(size, torch.Size)
+            or not box(size)
+            or not isinstance(chunks, list)
+            or not isinstance(getattr(get(entry, "properties", where), "dtype", None), torch.dtype)
+        ):
             raise bad("malformed tensor entry (size, chunks, dtype)", where)
         for i, chunk in enumerate(chunks):
             offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
-            if not box(offsets) or not box(sizes) or not len(offsets) == len(sizes) == len(size) \
-                    or not all(o + s <= n for o, s, n in zip(offsets, sizes, size)):
+            if (
+                not box(offsets)
+                or not box(sizes)
+                or not len(offsets) == len(sizes) == len(size)
+                or not all(o + s <= n for o, s, n in zip(offsets, sizes, size))
+            ):
                 raise bad("chunk box outside the tensor", f"{where}.chunks[{i}]")
     storage_data = get(md, "storage_data", "")
     if not isinstance(storage_data, dict):
         raise bad("is not a dict", "storage_data")
     for index, info in storage_data.items():
         where = f"storage_data[{getattr(index, 'fqn', index)!r:.80}]"
-        if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None),
-                                                                  str):
+        if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None), str):
             raise bad("key is not a MetadataIndex", where)
         offset = getattr(index, "offset", None)
         if offset is not None and not box(offset):
@@ -174,8 +193,9 @@ def check_metadata(md) -> None:
         if not _is_int(offset) or not _is_int(length) or offset < 0 or length < 0:
             raise bad("offset and length must be whole numbers", where)
         descriptors = getattr(info, "transform_descriptors", None)
-        if descriptors is not None and not (isinstance(descriptors, (list, tuple)) and all(
-                isinstance(d, str) for d in descriptors)):
+        if descriptors is not None and not (
+            isinstance(descriptors, (list, tuple)) and all(isinstance(d, str) for d in descriptors)
+        ):
             raise bad("transform_descriptors must be strings", where)
         check_file_name(get(info, "relative_path", where), where)
 
@@ -189,8 +209,10 @@ def check_file_name(name, where: str) -> None:
             raise ConfigError("not a str")
         check_key(name)
     except ConfigError as exc:
-        raise ManifestError(f"data file name {name!r:.80} leaves the checkpoint or is malformed",
-                            path=f".metadata {where}") from exc
+        raise ManifestError(
+            f"data file name {name!r:.80} leaves the checkpoint or is malformed",
+            path=f".metadata {where}",
+        ) from exc
 
 
 # -- the checksums file ---------------------------------------------------------------------------
@@ -218,16 +240,29 @@ class Checksums:
     items: dict
 
     def matches(self, metadata_bytes) -> bool:
-        return (len(metadata_bytes) == self.metadata_size
-                and crc32c(metadata_bytes) == self.metadata_crc32c)
+        return (
+            len(metadata_bytes) == self.metadata_size
+            and crc32c(metadata_bytes) == self.metadata_crc32c
+        )
 
 
 def encode_checksums(c: Checksums) -> bytes:
-    items = [[path, offset, it.length, it.data_offset, struct.pack(f"<{len(it.crcs)}I", *it.crcs)]
-             for (path, offset), it in c.items.items()]
-    payload = msgpack.packb({"format": CHECKSUMS_FORMAT, "version": 1, "save_id": c.save_id,
-                             "block_size": c.block_size, "metadata_crc32c": c.metadata_crc32c,
-                             "metadata_size": c.metadata_size, "items": items}, use_bin_type=True)
+    items = [
+        [path, offset, it.length, it.data_offset, struct.pack(f"<{len(it.crcs)}I", *it.crcs)]
+        for (path, offset), it in c.items.items()
+    ]
+    payload = msgpack.packb(
+        {
+            "format": CHECKSUMS_FORMAT,
+            "version": 1,
+            "save_id": c.save_id,
+            "block_size": c.block_size,
+            "metadata_crc32c": c.metadata_crc32c,
+            "metadata_size": c.metadata_size,
+            "items": items,
+        },
+        use_bin_type=True,
+    )
     return _HEAD.pack(_MAGIC, crc32c(payload)) + payload
 
 
@@ -238,28 +273,39 @@ def decode_checksums(data) -> Checksums:
     if len(mv) < _HEAD.size or bytes(mv[:8]) != _MAGIC:
         raise ManifestError("not a cloudckpt DCP checksums file", path=where)
     _, stored = _HEAD.unpack_from(mv)
-    payload = mv[_HEAD.size:]
+    payload = mv[_HEAD.size :]
     if crc32c(payload) != stored:
         raise ManifestError("checksum mismatch: the file is damaged", path=where)
     try:
         doc = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-        if not isinstance(doc, dict) or doc.get("format") != CHECKSUMS_FORMAT \
-                or doc.get("version") != 1:
+        if (
+            not isinstance(doc, dict)
+            or doc.get("format") != CHECKSUMS_FORMAT
+            or doc.get("version") != 1
+        ):
             raise ValueError("unknown format or version")
         block = doc["block_size"]
         if not _is_int(block) or block <= 0:
             raise ValueError("bad block size")
         items = {}
         for path, offset, length, data_offset, raw in doc["items"]:
-            if not all(_is_int(v) and v >= 0 for v in (offset, length, data_offset)) \
-                    or not isinstance(path, str) or not isinstance(raw, bytes) \
-                    or len(raw) != 4 * max(1, math.ceil(length / block)) \
-                    or data_offset > length:
+            if (
+                not all(_is_int(v) and v >= 0 for v in (offset, length, data_offset))
+                or not isinstance(path, str)
+                or not isinstance(raw, bytes)
+                or len(raw) != 4 * max(1, math.ceil(length / block))
+                or data_offset > length
+            ):
                 raise ValueError(f"bad item entry for {path!r:.80}")
-            items[(path, offset)] = ItemChecksums(length, data_offset,
-                                                  struct.unpack(f"<{len(raw) // 4}I", raw))
-        return Checksums(save_id=str(doc["save_id"]), block_size=block,
-                         metadata_crc32c=int(doc["metadata_crc32c"]),
-                         metadata_size=int(doc["metadata_size"]), items=items)
+            items[(path, offset)] = ItemChecksums(
+                length, data_offset, struct.unpack(f"<{len(raw) // 4}I", raw)
+            )
+        return Checksums(
+            save_id=str(doc["save_id"]),
+            block_size=block,
+            metadata_crc32c=int(doc["metadata_crc32c"]),
+            metadata_size=int(doc["metadata_size"]),
+            items=items,
+        )
     except (KeyError, TypeError, ValueError) as exc:  # msgpack errors are ValueErrors
         raise ManifestError(f"malformed ({exc})", path=where) from exc

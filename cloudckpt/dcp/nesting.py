@@ -58,12 +58,16 @@ def dcp_items(nested: Mapping) -> tuple[list[tuple[tuple, object]], list[str]]:
     def walk(path: tuple, value) -> None:
         if isinstance(value, Mapping):
             if type(value) is not dict:
-                changed.append(f"{_shown(path)}: a {type(value).__name__} comes back a dict "
-                               "(DCP records no mapping kind)")
+                changed.append(
+                    f"{_shown(path)}: a {type(value).__name__} comes back a dict "
+                    "(DCP records no mapping kind)"
+                )
             ints = [k for k in value if type(k) is not str]
             if ints:
-                changed.append(f"{_shown(path)}: {plural(len(ints), 'key')} not str (such as "
-                               f"{ints[0]!r}) come back str (DCP's paths name keys as str)")
+                changed.append(
+                    f"{_shown(path)}: {plural(len(ints), 'key')} not str (such as "
+                    f"{ints[0]!r}) come back str (DCP's paths name keys as str)"
+                )
             if not value and path:
                 changed.append(f"{_shown(path)}: an empty mapping, which DCP does not store")
             for k, v in value.items():
@@ -118,12 +122,12 @@ def rebuild(entries: list[tuple[str, object]], planner_data) -> tuple[dict, list
 
 
 _HOLE = object()
-MAX_DEPTH = 100   # as cloudckpt.statedict.flatten_state_dict
+MAX_DEPTH = 100  # as cloudckpt.statedict.pieces.flatten_state_dict
 
 
 def _set_elements(entries, planner_data: dict) -> tuple[dict, list[str]]:
     root: dict = {}
-    made = {id(root): root}   # the containers built here (not leaves), by id
+    made = {id(root): root}  # the containers built here (not leaves), by id
     holes_left = len(entries) + 1024
 
     def make(kind):
@@ -152,8 +156,11 @@ def _set_elements(entries, planner_data: dict) -> tuple[dict, list[str]]:
 
     for fqn, leaf in entries:
         path = planner_data.get(fqn, (fqn,))
-        if not isinstance(path, (tuple, list)) or not path or not all(
-                type(k) is str or (type(k) is int and k >= 0) for k in path):
+        if (
+            not isinstance(path, (tuple, list))
+            or not path
+            or not all(type(k) is str or (type(k) is int and k >= 0) for k in path)
+        ):
             raise Incoherent(f"the path of {fqn!r} is not a tuple of str keys and list indices")
         path = tuple(path)
         if len(path) > MAX_DEPTH:
@@ -162,26 +169,30 @@ def _set_elements(entries, planner_data: dict) -> tuple[dict, list[str]]:
         for depth, key in enumerate(path[:-1]):
             node = child(node, key, dict if type(path[depth + 1]) is str else list, path[:depth])
             if id(node) not in made:
-                raise Incoherent(f"{_shown(path[:depth + 1])} is both a leaf and a container")
+                raise Incoherent(f"{_shown(path[: depth + 1])} is both a leaf and a container")
         if child(node, path[-1], None, path[:-1]) is not _HOLE:
             raise Incoherent(f"two items at {_shown(path)}")
         node[path[-1]] = leaf
 
     notes: list[str] = []
 
-    def fill(node, path: tuple) -> None:   # only through the containers built here
-        for key, v in (node.items() if isinstance(node, dict) else enumerate(node)):
+    def fill(node, path: tuple) -> None:  # only through the containers built here
+        for key, v in node.items() if isinstance(node, dict) else enumerate(node):
             if v is _HOLE:
                 node[key] = None
-                notes.append(f"{_shown(path + (key,))}: not in the DCP checkpoint (DCP stores "
-                             "no empty mapping), rebuilt as None")
+                notes.append(
+                    f"{_shown(path + (key,))}: not in the DCP checkpoint (DCP stores "
+                    "no empty mapping), rebuilt as None"
+                )
             elif id(v) in made:
                 fill(v, path + (key,))
         if isinstance(node, list) and _terminal(node):
             # DCP splits a list only when it holds a tensor or a mapping: it held a mapping
             # DCP dropped (an empty one); dcp_to_torch_save fails on such a checkpoint
-            notes.append(f"{_shown(path)}: a list that held an empty mapping DCP did not "
-                         "store; rebuilt without it")
+            notes.append(
+                f"{_shown(path)}: a list that held an empty mapping DCP did not "
+                "store; rebuilt without it"
+            )
 
     fill(root, ())
     return root, notes

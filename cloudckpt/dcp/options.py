@@ -32,9 +32,15 @@ class DCPOptions:
     max_read_bytes: int = 192 << 20
 
     def __post_init__(self) -> None:
-        for name in ("object_size", "checksum_block_size", "max_staging_bytes",
-                     "read_batch_bytes", "max_read_bytes"):
+        for name in (
+            "object_size",
+            "checksum_block_size",
+            "max_staging_bytes",
+            "read_batch_bytes",
+            "max_read_bytes",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"DCPOptions.{name} must be a positive number of bytes, "
-                                  f"got {value!r}")
+                raise ConfigError(
+                    f"DCPOptions.{name} must be a positive number of bytes, got {value!r}"
+                )

@@ -43,14 +43,26 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader as _TorchStorageReader
 from torch.futures import Future
 
-from cloudckpt.dcp.metadata import (MAX_METADATA_BYTES, Checksums, checksums_key,
-                                    decode_checksums, metadata_key, read_metadata)
+from cloudckpt.dcp.metadata import (
+    MAX_METADATA_BYTES,
+    Checksums,
+    checksums_key,
+    decode_checksums,
+    metadata_key,
+    read_metadata,
+)
 from cloudckpt.dcp.options import DCPOptions
 from cloudckpt.dcp.reads import ChunkIndex, Part, read_parts
 from cloudckpt.dcp.writer import checkpoint_url, valid_checkpoint_id
-from cloudckpt.errors import (CheckpointNotFound, IntegrityError, ManifestError, ObjectNotFound,
-                              ObjectTooLarge, PickleNotAllowed)
-from cloudckpt.runtime import run_coroutine, shared_store
+from cloudckpt.errors import (
+    CheckpointNotFound,
+    IntegrityError,
+    ManifestError,
+    ObjectNotFound,
+    ObjectTooLarge,
+    PickleNotAllowed,
+)
+from cloudckpt.runtime.loop import run_coroutine, shared_store
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +72,16 @@ async def fetch_small(store, key: str, what: str) -> bytes:
     try:
         return await store.get(key, max_bytes=MAX_METADATA_BYTES)
     except ObjectTooLarge as exc:
-        raise ManifestError(f"is {exc.size} bytes, more than the {MAX_METADATA_BYTES} allowed "
-                            "(refused without reading it)", path=what) from exc
+        raise ManifestError(
+            f"is {exc.size} bytes, more than the {MAX_METADATA_BYTES} allowed "
+            "(refused without reading it)",
+            path=what,
+        ) from exc
 
 
-def load_checkpoint_metadata(store, url: str, rank: int | None = None
-                             ) -> tuple[Metadata, Checksums | None]:
+def load_checkpoint_metadata(
+    store, url: str, rank: int | None = None
+) -> tuple[Metadata, Checksums | None]:
     """The checked ``Metadata`` of the DCP checkpoint at ``url`` and the checksums that belong
     to it (None without a matching checksums file). ``CheckpointNotFound`` without
     ``.metadata``."""
@@ -76,18 +92,23 @@ def load_checkpoint_metadata(store, url: str, rank: int | None = None
         raise CheckpointNotFound(f"no DCP checkpoint at {url} (no {key})") from exc
     metadata = read_metadata(raw)
     try:
-        sidecar = decode_checksums(run_coroutine(fetch_small(store, checksums_key(rank),
-                                                             checksums_key(rank))))
+        sidecar = decode_checksums(
+            run_coroutine(fetch_small(store, checksums_key(rank), checksums_key(rank)))
+        )
     except ObjectNotFound:
         return metadata, None
     if sidecar.matches(raw):
         return metadata, sidecar
     meta = getattr(metadata, "storage_meta", None)
     if meta is not None and getattr(meta, "save_id", None) == sidecar.save_id:
-        raise IntegrityError(f"{url}/{key} does not match the checksums its save wrote: the "
-                             ".metadata is damaged")
-    log.warning("%s: %s belongs to another save (the prefix was written again): loading "
-                "without checksums", url, checksums_key(rank))
+        raise IntegrityError(
+            f"{url}/{key} does not match the checksums its save wrote: the .metadata is damaged"
+        )
+    log.warning(
+        "%s: %s belongs to another save (the prefix was written again): loading without checksums",
+        url,
+        checksums_key(rank),
+    )
     return metadata, None
 
 
@@ -123,7 +144,8 @@ def check_value(data: bytes, fqn: str):
             f"value {fqn!r} of the DCP checkpoint cannot be read by torch.load(weights_only=True) "
             f"({why}); DCP's planner would unpickle it with weights_only=False, which runs any "
             "code it names: pass allow_pickle=True to cloudckpt.dcp.StorageReader only if you "
-            "trust who wrote the checkpoint") from exc
+            "trust who wrote the checkpoint"
+        ) from exc
 
 
 class StorageReader(_TorchStorageReader):
@@ -134,8 +156,14 @@ class StorageReader(_TorchStorageReader):
     the planner anyway. See the module doc.
     """
 
-    def __init__(self, url: str | os.PathLike, storage=None, *, options: DCPOptions | None = None,
-                 allow_pickle: bool = False):
+    def __init__(
+        self,
+        url: str | os.PathLike,
+        storage=None,
+        *,
+        options: DCPOptions | None = None,
+        allow_pickle: bool = False,
+    ):
         super().__init__()
         self.url = checkpoint_url(url)
         self.storage = storage
@@ -165,8 +193,9 @@ class StorageReader(_TorchStorageReader):
         self._read = (metadata, checksums)
         return metadata
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args,
-                              **kwargs) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args, **kwargs
+    ) -> None:
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
         if self._read is None or self._read[0] is not metadata:
@@ -188,17 +217,28 @@ class StorageReader(_TorchStorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        parts = [Part(ref=item, index=item.storage_index,
-                      is_bytes=item.type == LoadItemType.BYTE_IO,
-                      offsets=tuple(item.storage_offsets), lengths=tuple(item.lengths))
-                 for item in plan.items]
+        parts = [
+            Part(
+                ref=item,
+                index=item.storage_index,
+                is_bytes=item.type == LoadItemType.BYTE_IO,
+                offsets=tuple(item.storage_offsets),
+                lengths=tuple(item.lengths),
+            )
+            for item in plan.items
+        ]
         sums = self._checksums
-        read_parts(self._store(), parts, storage_data=self.storage_data,
-                   checksums=sums.items if sums is not None else None, chunks=self._chunks,
-                   consumer=_PlannerConsumer(planner, self.allow_pickle),
-                   batch_bytes=self.options.read_batch_bytes,
-                   max_bytes=self.options.max_read_bytes,
-                   block_size=sums.block_size if sums is not None else 1)
+        read_parts(
+            self._store(),
+            parts,
+            storage_data=self.storage_data,
+            checksums=sums.items if sums is not None else None,
+            chunks=self._chunks,
+            consumer=_PlannerConsumer(planner, self.allow_pickle),
+            batch_bytes=self.options.read_batch_bytes,
+            max_bytes=self.options.max_read_bytes,
+            block_size=sums.block_size if sums is not None else 1,
+        )
         future: Future[None] = Future()
         future.set_result(None)
         return future

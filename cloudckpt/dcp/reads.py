@@ -32,8 +32,9 @@ from __future__ import annotations
 import collections
 import io
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -41,9 +42,8 @@ from cloudckpt.dcp.items import byte_view, load_tensor, region_span
 from cloudckpt.dcp.metadata import ItemChecksums
 from cloudckpt.errors import IntegrityError, InvalidRange, ManifestError
 from cloudckpt.planning.batching import pack_in_order
-from cloudckpt.runtime import run_coroutine, start_task
-from cloudckpt.storage import ReadRange
-from cloudckpt.storage.base import run_all
+from cloudckpt.runtime.loop import run_coroutine, start_task
+from cloudckpt.storage.base import ReadRange, run_all
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,10 @@ class _Unit:
         if self.checks is None or any(p.is_bytes for p in self.parts) or self.dtype is None:
             return self.info.length
         item = self.dtype.itemsize
-        return sum(b - a for a, b, _ in (region_span(self.sizes, p.offsets, p.lengths, item)
-                                         for p in self.parts))
+        return sum(
+            b - a
+            for a, b, _ in (region_span(self.sizes, p.offsets, p.lengths, item) for p in self.parts)
+        )
 
 
 class ChunkIndex:
@@ -99,20 +101,34 @@ class ChunkIndex:
         for fqn, entry in metadata.state_dict_metadata.items():
             if isinstance(entry, TensorStorageMetadata):
                 for chunk in entry.chunks:
-                    self.chunks[(fqn, tuple(chunk.offsets))] = (entry.properties.dtype,
-                                                                tuple(chunk.sizes))
+                    self.chunks[(fqn, tuple(chunk.offsets))] = (
+                        entry.properties.dtype,
+                        tuple(chunk.sizes),
+                    )
 
     def of(self, index) -> tuple[torch.dtype, tuple[int, ...]]:
         key = (index.fqn, tuple(index.offset or ()))
         if key not in self.chunks:
-            raise ManifestError(f"no stored chunk of {index.fqn!r} at {key[1]}",
-                                path=".metadata state_dict_metadata")
+            raise ManifestError(
+                f"no stored chunk of {index.fqn!r} at {key[1]}",
+                path=".metadata state_dict_metadata",
+            )
         return self.chunks[key]
 
 
-def read_parts(store, parts: Sequence[Part], *, storage_data, checksums: dict | None,
-               chunks: ChunkIndex, consumer: Consumer, batch_bytes: int, max_bytes: int,
-               block_size: int, allow_transforms: bool = True) -> int:
+def read_parts(
+    store,
+    parts: Sequence[Part],
+    *,
+    storage_data,
+    checksums: dict | None,
+    chunks: ChunkIndex,
+    consumer: Consumer,
+    batch_bytes: int,
+    max_bytes: int,
+    block_size: int,
+    allow_transforms: bool = True,
+) -> int:
     """Read ``parts`` (module doc). Returns the bytes fetched."""
     units: dict = {}
     for part in parts:
@@ -120,12 +136,15 @@ def read_parts(store, parts: Sequence[Part], *, storage_data, checksums: dict | 
         if unit is None:
             info = storage_data.get(part.index)
             if info is None:
-                raise ManifestError(f"no storage entry for {part.index.fqn!r}",
-                                    path=".metadata storage_data")
+                raise ManifestError(
+                    f"no storage entry for {part.index.fqn!r}", path=".metadata storage_data"
+                )
             checks = (checksums or {}).get((info.relative_path, info.offset))
             if checks is not None and checks.length != info.length:
-                raise IntegrityError(f"{info.relative_path} at {info.offset}: the checksums "
-                                     f"file says {checks.length} bytes, .metadata {info.length}")
+                raise IntegrityError(
+                    f"{info.relative_path} at {info.offset}: the checksums "
+                    f"file says {checks.length} bytes, .metadata {info.length}"
+                )
             dtype, sizes = (None, ()) if part.is_bytes else chunks.of(part.index)
             unit = units[part.index] = _Unit(part.index, info, checks, dtype, sizes)
             _check_fits(unit)
@@ -152,8 +171,11 @@ def read_parts(store, parts: Sequence[Part], *, storage_data, checksums: dict | 
                     task.result()
                 in_flight -= done.nbytes
                 fetched += done.deliver()
-            task = start_task(store.read_ranges(prepared.key, prepared.ranges)) \
-                if prepared.ranges else None
+            task = (
+                start_task(store.read_ranges(prepared.key, prepared.ranges))
+                if prepared.ranges
+                else None
+            )
             pending.append((prepared, task))
             in_flight += prepared.nbytes
         while pending:
@@ -178,9 +200,11 @@ def _check_fits(unit: _Unit) -> None:
     nbytes = unit.dtype.itemsize * math.prod(unit.sizes)
     start = unit.checks.data_offset if unit.checks is not None else 0
     if start + nbytes > unit.info.length:
-        raise IntegrityError(f"{unit.info.relative_path} at {unit.info.offset}: a tensor of "
-                             f"{nbytes} bytes does not fit in its {unit.info.length}-byte item "
-                             "(a damaged or hostile .metadata: copy the checkpoint again)")
+        raise IntegrityError(
+            f"{unit.info.relative_path} at {unit.info.offset}: a tensor of "
+            f"{nbytes} bytes does not fit in its {unit.info.length}-byte item "
+            "(a damaged or hostile .metadata: copy the checkpoint again)"
+        )
 
 
 def _check_files(store, units) -> None:
@@ -194,11 +218,14 @@ def _check_files(store, units) -> None:
     for name, found in zip(names, infos):
         for info in by_file[name]:
             if info.offset + info.length > found.size:
-                raise InvalidRange(f"{name}: .metadata puts an item of {info.length} bytes at "
-                                   f"{info.offset}, past the file's {found.size} bytes (a "
-                                   "truncated file or a damaged .metadata: copy the checkpoint "
-                                   "again)", key=name,
-                                   operation="read")
+                raise InvalidRange(
+                    f"{name}: .metadata puts an item of {info.length} bytes at "
+                    f"{info.offset}, past the file's {found.size} bytes (a "
+                    "truncated file or a damaged .metadata: copy the checkpoint "
+                    "again)",
+                    key=name,
+                    operation="read",
+                )
 
 
 class _Batch:
@@ -215,9 +242,12 @@ class _Batch:
         self.nbytes = 0
         for unit in units:
             self._plan(unit)
-        ranges = [ReadRange(off, length, crc32c=crc, sinks=tuple(sinks)) if sinks
-                  else ReadRange(off, length, crc32c=crc)   # verified, then dropped
-                  for off, (length, crc, sinks) in sorted(self.blocks.items())]
+        ranges = [
+            ReadRange(off, length, crc32c=crc, sinks=tuple(sinks))
+            if sinks
+            else ReadRange(off, length, crc32c=crc)  # verified, then dropped
+            for off, (length, crc, sinks) in sorted(self.blocks.items())
+        ]
         self.ranges = sorted(ranges + self.plain, key=lambda r: r.offset)
 
     # -- planning -----------------------------------------------------------------------------
@@ -230,7 +260,7 @@ class _Batch:
             b0, b1 = k * block, min((k + 1) * block, unit.info.length)
             lo, hi = max(start, b0), min(end, b1)
             if hi > lo:
-                self._block(unit, k)[2].append((lo - b0, dest[lo - start:hi - start]))
+                self._block(unit, k)[2].append((lo - b0, dest[lo - start : hi - start]))
 
     def _block(self, unit: _Unit, k: int) -> tuple[int, int, list]:
         b0 = k * self.block
@@ -264,7 +294,7 @@ class _Batch:
             self._plan_loaded(unit)
             return
         checks, dtype, sizes = unit.checks, unit.dtype, unit.sizes
-        itemsize = dtype.itemsize   # the tensor fits in its item: _check_fits
+        itemsize = dtype.itemsize  # the tensor fits in its item: _check_fits
         for part in unit.parts:
             target = self.consumer.target(part)
             a, b, contiguous = region_span(sizes, part.offsets, part.lengths, itemsize)
@@ -279,10 +309,12 @@ class _Batch:
             buf = torch.empty(b - a, dtype=torch.uint8)
             self.nbytes += b - a
             self._sink(unit, checks.data_offset + a, byte_view(buf))
-            self.after.append(lambda part=part, t=target, buf=buf: self._copy_out(
-                part, t, buf, dtype, sizes))
-        if any(all(o == 0 for o in p.offsets) and tuple(p.lengths) == tuple(sizes)
-               for p in unit.parts):
+            self.after.append(
+                lambda part=part, t=target, buf=buf: self._copy_out(part, t, buf, dtype, sizes)
+            )
+        if any(
+            all(o == 0 for o in p.offsets) and tuple(p.lengths) == tuple(sizes) for p in unit.parts
+        ):
             self._verify_whole(unit)
 
     def _plan_loaded(self, unit: _Unit) -> None:
@@ -297,8 +329,10 @@ class _Batch:
                 stream = io.BytesIO(_untransform(unit, stream, descriptors, self.transforms))
             tensor = load_tensor(stream.getbuffer(), what)
             if tuple(tensor.shape) != unit.sizes:
-                raise IntegrityError(f"{what}: holds a tensor of shape {tuple(tensor.shape)}, "
-                                     f".metadata says {unit.sizes}")
+                raise IntegrityError(
+                    f"{what}: holds a tensor of shape {tuple(tensor.shape)}, "
+                    f".metadata says {unit.sizes}"
+                )
             for part, target in targets:
                 view = tensor
                 for dim, (off, n) in enumerate(zip(part.offsets, part.lengths)):
@@ -308,8 +342,7 @@ class _Batch:
 
         self.after.append(deliver)
 
-    def _copy_out(self, part: Part, target: torch.Tensor, buf: torch.Tensor, dtype,
-                  sizes) -> None:
+    def _copy_out(self, part: Part, target: torch.Tensor, buf: torch.Tensor, dtype, sizes) -> None:
         strides = [1] * len(sizes)
         for d in range(len(sizes) - 2, -1, -1):
             strides[d] = strides[d + 1] * sizes[d + 1]
@@ -329,21 +362,31 @@ class _Batch:
 
 
 def _lands_directly(target: torch.Tensor, dtype: torch.dtype) -> bool:
-    return (target.dtype == dtype and target.device.type == "cpu"
-            and target.layout == torch.strided and target.is_contiguous()
-            and not target.is_conj() and not target.is_neg())
+    return (
+        target.dtype == dtype
+        and target.device.type == "cpu"
+        and target.layout == torch.strided
+        and target.is_contiguous()
+        and not target.is_conj()
+        and not target.is_neg()
+    )
 
 
 def _untransform(unit: _Unit, stream, descriptors, allowed: bool) -> bytes:
     if not allowed:
-        raise IntegrityError(f"{unit.info.relative_path}: stream transforms "
-                             f"{list(descriptors)} are not supported here")
+        raise IntegrityError(
+            f"{unit.info.relative_path}: stream transforms "
+            f"{list(descriptors)} are not supported here"
+        )
     try:
-        from torch.distributed.checkpoint._extension import ExtensionRegistry, \
-            StreamTransformExtension
+        from torch.distributed.checkpoint._extension import (
+            ExtensionRegistry,
+            StreamTransformExtension,
+        )
     except ImportError as exc:  # pragma: no cover - torch without DCP extensions
-        raise IntegrityError(f"{unit.info.relative_path}: stream transforms "
-                             f"{list(descriptors)} need a newer torch") from exc
+        raise IntegrityError(
+            f"{unit.info.relative_path}: stream transforms {list(descriptors)} need a newer torch"
+        ) from exc
     out = stream
     for ext in ExtensionRegistry().from_descriptor_list(list(descriptors)):
         if isinstance(ext, StreamTransformExtension):

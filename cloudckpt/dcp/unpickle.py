@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import codecs
 import struct
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from cloudckpt.errors import ManifestError
 
@@ -36,8 +37,10 @@ _I4, _U4, _U8 = struct.Struct("<i"), struct.Struct("<I"), struct.Struct("<Q")
 _F8 = struct.Struct(">d")
 _MAX_DIGITS = 64
 #: What every refusal tells the user to do.
-FIX = ("a damaged or hostile file: copy the checkpoint again from where it was written, or "
-       "save it again")
+FIX = (
+    "a damaged or hostile file: copy the checkpoint again from where it was written, or "
+    "save it again"
+)
 # estimated bytes held per thing built (a CPython object and the pointers to it)
 _COST_SCALAR, _COST_NODE, _COST_REF = 48, 144, 8
 
@@ -52,15 +55,26 @@ class Node:
     __slots__ = ("kind", "items", "ref", "args", "state", "weight", "depth", "sealed")
 
     def __init__(self, kind: str, items: list | None = None, ref: Any = None, args=None):
-        self.kind, self.items, self.ref, self.args = kind, items if items is not None else [], \
-            ref, args
+        self.kind, self.items, self.ref, self.args = (
+            kind,
+            items if items is not None else [],
+            ref,
+            args,
+        )
         self.state = None
         self.weight, self.depth, self.sealed = 1, 1, False
 
 
 class _Parser:
-    def __init__(self, data, resolve: Callable[[str, str], Any], where: str, max_depth: int,
-                 max_nodes: int, max_cost: int):
+    def __init__(
+        self,
+        data,
+        resolve: Callable[[str, str], Any],
+        where: str,
+        max_depth: int,
+        max_nodes: int,
+        max_cost: int,
+    ):
         self.data = bytes(data)
         self.pos = 0
         self.resolve, self.where = resolve, where
@@ -71,8 +85,7 @@ class _Parser:
         self.memo: list = []
 
     def fail(self, why: str):
-        return ManifestError(f"{why}: not unpickled ({FIX})",
-                             path=self.where)
+        return ManifestError(f"{why}: not unpickled ({FIX})", path=self.where)
 
     def spend(self, n: int) -> None:
         self.cost += n
@@ -85,7 +98,7 @@ class _Parser:
         end = self.pos + n
         if n < 0 or end > len(self.data):
             raise self.fail("truncated")
-        out = self.data[self.pos:end]
+        out = self.data[self.pos : end]
         self.pos = end
         return out
 
@@ -93,7 +106,7 @@ class _Parser:
         end = self.data.find(b"\n", self.pos, self.pos + 4096)
         if end < 0:
             raise self.fail("a text field without its end of line")
-        out = self.data[self.pos:end]
+        out = self.data[self.pos : end]
         self.pos = end + 1
         return out
 
@@ -145,13 +158,15 @@ class _Parser:
                     depth = child.depth + 1
             else:
                 weight += 1
-        if parent.sealed:   # a container put into itself
+        if parent.sealed:  # a container put into itself
             raise self.fail("changes an object after it was used (or puts one into itself)")
         if depth > self.max_depth:
             raise self.fail(f"nests deeper than {self.max_depth}")
         if weight > self.max_nodes:
-            raise self.fail(f"holds more than {self.max_nodes} values (counted as a tree, a "
-                            "shared one each time it is used)")
+            raise self.fail(
+                f"holds more than {self.max_nodes} values (counted as a tree, a "
+                "shared one each time it is used)"
+            )
         parent.weight, parent.depth = weight, depth
 
     def container(self, kind: str, items: list) -> Node:
@@ -175,22 +190,23 @@ class _Parser:
         while self.pos < n:
             op = data[self.pos]
             self.pos += 1
-            if op == 0x94:                                  # MEMOIZE
+            if op == 0x94:  # MEMOIZE
                 if not stack:
                     raise self.fail("memoizes an empty stack")
                 memo.append(stack[-1])
                 self.spend(_COST_REF)
-            elif op == 0x8C:                                # SHORT_BINUNICODE
+            elif op == 0x8C:  # SHORT_BINUNICODE
                 self.push_text(self.take(self.take(1)[0]), "utf-8", "surrogatepass")
-            elif op == 0x68:                                # BINGET
+            elif op == 0x68:  # BINGET
                 self.op_get(self.take(1)[0])
-            elif op == 0x4B:                                # BININT1
+            elif op == 0x4B:  # BININT1
                 self.push(self.take(1)[0], 0)
             else:
                 handler = ops.get(op)
                 if handler is None:
-                    raise self.fail(f"uses pickle opcode {bytes([op])!r}, which DCP metadata "
-                                    "never holds")
+                    raise self.fail(
+                        f"uses pickle opcode {bytes([op])!r}, which DCP metadata never holds"
+                    )
                 if handler(self) is _STOP:
                     if len(stack) != 1 or self.marks:
                         raise self.fail("ends with a stack of other than one value")
@@ -304,24 +320,26 @@ def _u(fmt: struct.Struct):
     return lambda p: fmt.unpack(p.take(fmt.size))[0]
 
 
-_u1 = lambda p: p.take(1)[0]           # noqa: E731
-_u2 = lambda p: int.from_bytes(p.take(2), "little")   # noqa: E731
+_u1 = lambda p: p.take(1)[0]  # noqa: E731
+_u2 = lambda p: int.from_bytes(p.take(2), "little")  # noqa: E731
 _i4, _u4, _u8 = _u(_I4), _u(_U4), _u(_U8)
 
 
 def _refuse(why: str):
     def handler(p: _Parser):
         raise p.fail(why)
+
     return handler
 
 
 def _persistent(p: _Parser):
-    raise ManifestError("holds a persistent id, which DCP metadata never does: not unpickled",
-                        path=p.where)
+    raise ManifestError(
+        "holds a persistent id, which DCP metadata never does: not unpickled", path=p.where
+    )
 
 
 def _frame(p: _Parser):
-    p.take(8)   # frames only group opcodes: the length needs no checking beyond truncation
+    p.take(8)  # frames only group opcodes: the length needs no checking beyond truncation
 
 
 def _text_global(p: _Parser):
@@ -336,6 +354,7 @@ def _tuple_of(n: int):
     def handler(p: _Parser):
         items = [p.pop() for _ in range(n)][::-1]
         p.push(p.container("t", items), 0)
+
     return handler
 
 
@@ -343,6 +362,7 @@ def _bytes_of(read):
     def handler(p: _Parser):
         raw = read(p)
         p.push(raw, _COST_SCALAR + len(raw))
+
     return handler
 
 
@@ -360,66 +380,77 @@ def _pop_mark_to(kind: str):
 
 
 _OPS: dict[int, Callable[[_Parser], Any]] = {
-    0x80: lambda p: p.take(1),                                          # PROTO
-    0x95: _frame,                                                       # FRAME
-    ord("."): lambda p: _STOP,                                          # STOP
-    ord("("): _Parser.op_mark,                                          # MARK
-    ord("0"): lambda p: p.pop(),                                        # POP
-    ord("1"): lambda p: p.pop_mark(),                                   # POP_MARK
+    0x80: lambda p: p.take(1),  # PROTO
+    0x95: _frame,  # FRAME
+    ord("."): lambda p: _STOP,  # STOP
+    ord("("): _Parser.op_mark,  # MARK
+    ord("0"): lambda p: p.pop(),  # POP
+    ord("1"): lambda p: p.pop_mark(),  # POP_MARK
     ord("2"): lambda p: p.push(p.stack[-1] if p.stack else p.pop(), 0),  # DUP
-    ord("I"): _Parser.op_int_text,                                      # INT
-    ord("L"): _Parser.op_int_text,                                      # LONG
-    ord("J"): lambda p: p.push(_i4(p)),                                 # BININT
-    ord("K"): lambda p: p.push(_u1(p), 0),                              # BININT1 (cached ints)
-    ord("M"): lambda p: p.push(_u2(p)),                                 # BININT2
-    0x8A: lambda p: p.op_long_bin(_u1(p)),                              # LONG1
-    0x8B: lambda p: p.op_long_bin(_i4(p)),                              # LONG4
-    ord("F"): _Parser.op_float_text,                                    # FLOAT
-    ord("G"): lambda p: p.push(_F8.unpack(p.take(8))[0]),               # BINFLOAT
-    ord("N"): lambda p: p.push(None, 0),                                # NONE
-    0x88: lambda p: p.push(True, 0),                                    # NEWTRUE
-    0x89: lambda p: p.push(False, 0),                                   # NEWFALSE
-    ord("S"): _Parser.op_string_text,                                   # STRING
-    ord("T"): lambda p: p.push_text(p.sized(_I4), "ascii"),             # BINSTRING
-    ord("U"): lambda p: p.push_text(p.take(_u1(p)), "ascii"),           # SHORT_BINSTRING
-    ord("V"): lambda p: p.push_text(p.line(), "raw-unicode-escape"),    # UNICODE
+    ord("I"): _Parser.op_int_text,  # INT
+    ord("L"): _Parser.op_int_text,  # LONG
+    ord("J"): lambda p: p.push(_i4(p)),  # BININT
+    ord("K"): lambda p: p.push(_u1(p), 0),  # BININT1 (cached ints)
+    ord("M"): lambda p: p.push(_u2(p)),  # BININT2
+    0x8A: lambda p: p.op_long_bin(_u1(p)),  # LONG1
+    0x8B: lambda p: p.op_long_bin(_i4(p)),  # LONG4
+    ord("F"): _Parser.op_float_text,  # FLOAT
+    ord("G"): lambda p: p.push(_F8.unpack(p.take(8))[0]),  # BINFLOAT
+    ord("N"): lambda p: p.push(None, 0),  # NONE
+    0x88: lambda p: p.push(True, 0),  # NEWTRUE
+    0x89: lambda p: p.push(False, 0),  # NEWFALSE
+    ord("S"): _Parser.op_string_text,  # STRING
+    ord("T"): lambda p: p.push_text(p.sized(_I4), "ascii"),  # BINSTRING
+    ord("U"): lambda p: p.push_text(p.take(_u1(p)), "ascii"),  # SHORT_BINSTRING
+    ord("V"): lambda p: p.push_text(p.line(), "raw-unicode-escape"),  # UNICODE
     ord("X"): lambda p: p.push_text(p.sized(_U4), "utf-8", "surrogatepass"),  # BINUNICODE
-    0x8C: lambda p: p.push_text(p.take(_u1(p)), "utf-8", "surrogatepass"),    # SHORT_BINUNICODE
-    0x8D: lambda p: p.push_text(p.sized(_U8), "utf-8", "surrogatepass"),      # BINUNICODE8
-    ord("B"): _bytes_of(lambda p: p.sized(_U4)),                        # BINBYTES
-    ord("C"): _bytes_of(lambda p: p.take(_u1(p))),                      # SHORT_BINBYTES
-    0x8E: _bytes_of(lambda p: p.sized(_U8)),                            # BINBYTES8
-    ord(")"): lambda p: p.push(p.container("t", []), 0),                # EMPTY_TUPLE
-    ord("t"): _pop_mark_to("t"),                                        # TUPLE
-    0x85: _tuple_of(1), 0x86: _tuple_of(2), 0x87: _tuple_of(3),         # TUPLE1-3
-    ord("]"): lambda p: p.push(p.container("l", []), 0),                # EMPTY_LIST
-    ord("l"): _pop_mark_to("l"),                                        # LIST
-    ord("a"): _append,                                                  # APPEND
-    ord("e"): lambda p: p.op_appends(p.pop_mark()),                     # APPENDS
-    ord("}"): lambda p: p.push(p.container("d", []), 0),                # EMPTY_DICT
-    ord("d"): lambda p: _dict_of(p, p.pop_mark()),                      # DICT
-    ord("s"): _setitem,                                                 # SETITEM
-    ord("u"): lambda p: p.op_setitems(p.pop_mark()),                    # SETITEMS
-    ord("c"): _text_global,                                             # GLOBAL
-    0x93: _Parser.op_stack_global,                                      # STACK_GLOBAL
-    ord("R"): lambda p: p.op_call("r"),                                 # REDUCE
-    0x81: lambda p: p.op_call("n"),                                     # NEWOBJ
-    ord("b"): _Parser.op_build,                                         # BUILD
-    ord("p"): lambda p: p.op_put(p.number(p.line())),                   # PUT
-    ord("q"): lambda p: p.op_put(_u1(p)),                               # BINPUT
-    ord("r"): lambda p: p.op_put(_u4(p)),                               # LONG_BINPUT
-    0x94: lambda p: p.op_put(len(p.memo)),                              # MEMOIZE
-    ord("g"): lambda p: p.op_get(p.number(p.line())),                   # GET
-    ord("h"): lambda p: p.op_get(_u1(p)),                               # BINGET
-    ord("j"): lambda p: p.op_get(_u4(p)),                               # LONG_BINGET
-    ord("P"): _persistent, ord("Q"): _persistent,                       # PERSID, BINPERSID
+    0x8C: lambda p: p.push_text(p.take(_u1(p)), "utf-8", "surrogatepass"),  # SHORT_BINUNICODE
+    0x8D: lambda p: p.push_text(p.sized(_U8), "utf-8", "surrogatepass"),  # BINUNICODE8
+    ord("B"): _bytes_of(lambda p: p.sized(_U4)),  # BINBYTES
+    ord("C"): _bytes_of(lambda p: p.take(_u1(p))),  # SHORT_BINBYTES
+    0x8E: _bytes_of(lambda p: p.sized(_U8)),  # BINBYTES8
+    ord(")"): lambda p: p.push(p.container("t", []), 0),  # EMPTY_TUPLE
+    ord("t"): _pop_mark_to("t"),  # TUPLE
+    0x85: _tuple_of(1),
+    0x86: _tuple_of(2),
+    0x87: _tuple_of(3),  # TUPLE1-3
+    ord("]"): lambda p: p.push(p.container("l", []), 0),  # EMPTY_LIST
+    ord("l"): _pop_mark_to("l"),  # LIST
+    ord("a"): _append,  # APPEND
+    ord("e"): lambda p: p.op_appends(p.pop_mark()),  # APPENDS
+    ord("}"): lambda p: p.push(p.container("d", []), 0),  # EMPTY_DICT
+    ord("d"): lambda p: _dict_of(p, p.pop_mark()),  # DICT
+    ord("s"): _setitem,  # SETITEM
+    ord("u"): lambda p: p.op_setitems(p.pop_mark()),  # SETITEMS
+    ord("c"): _text_global,  # GLOBAL
+    0x93: _Parser.op_stack_global,  # STACK_GLOBAL
+    ord("R"): lambda p: p.op_call("r"),  # REDUCE
+    0x81: lambda p: p.op_call("n"),  # NEWOBJ
+    ord("b"): _Parser.op_build,  # BUILD
+    ord("p"): lambda p: p.op_put(p.number(p.line())),  # PUT
+    ord("q"): lambda p: p.op_put(_u1(p)),  # BINPUT
+    ord("r"): lambda p: p.op_put(_u4(p)),  # LONG_BINPUT
+    0x94: lambda p: p.op_put(len(p.memo)),  # MEMOIZE
+    ord("g"): lambda p: p.op_get(p.number(p.line())),  # GET
+    ord("h"): lambda p: p.op_get(_u1(p)),  # BINGET
+    ord("j"): lambda p: p.op_get(_u4(p)),  # LONG_BINGET
+    ord("P"): _persistent,
+    ord("Q"): _persistent,  # PERSID, BINPERSID
 }
-for _op, _why in ((0x8F, "a set"), (0x90, "a set"), (0x91, "a frozenset"),
-                  (0x82, "an extension code"), (0x83, "an extension code"),
-                  (0x84, "an extension code"), (0x96, "a bytearray"),
-                  (0x97, "an out-of-band buffer"),
-                  (0x98, "an out-of-band buffer"), (ord("i"), "an INST call"),
-                  (ord("o"), "an OBJ call"), (0x92, "a NEWOBJ_EX call")):
+for _op, _why in (
+    (0x8F, "a set"),
+    (0x90, "a set"),
+    (0x91, "a frozenset"),
+    (0x82, "an extension code"),
+    (0x83, "an extension code"),
+    (0x84, "an extension code"),
+    (0x96, "a bytearray"),
+    (0x97, "an out-of-band buffer"),
+    (0x98, "an out-of-band buffer"),
+    (ord("i"), "an INST call"),
+    (ord("o"), "an OBJ call"),
+    (0x92, "a NEWOBJ_EX call"),
+):
     _OPS[_op] = _refuse(f"holds {_why}, which DCP metadata never does")
 
 
@@ -429,7 +460,14 @@ def _dict_of(p: _Parser, items: list) -> None:
     p.push(p.container("d", items), 0)
 
 
-def parse(data, resolve: Callable[[str, str], Any], *, where: str, max_depth: int,
-          max_nodes: int, max_cost: int):
+def parse(
+    data,
+    resolve: Callable[[str, str], Any],
+    *,
+    where: str,
+    max_depth: int,
+    max_nodes: int,
+    max_cost: int,
+):
     """The value a pickle holds, as scalars and :class:`Node` objects (module doc)."""
     return _Parser(data, resolve, where, max_depth, max_nodes, max_cost).run()

@@ -42,7 +42,7 @@ from cloudckpt.dcp.metadata import ItemChecksums
 from cloudckpt.dcp.options import DCPOptions
 from cloudckpt.dcp.writes import DCP_VERSION, FileOptions, commit, refuse_existing, write_files
 from cloudckpt.errors import ConfigError
-from cloudckpt.runtime import run_coroutine, shared_store
+from cloudckpt.runtime.loop import run_coroutine, shared_store
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,12 @@ class ChecksummedWriteResult(WriteResult):
 
 def checkpoint_url(checkpoint_id) -> str:
     """A DCP ``checkpoint_id`` as a store URL (``s3://...``, ``file://...`` or a path)."""
-    from cloudckpt.storage import parse_store_url
+    from cloudckpt.storage.urls import parse_store_url
 
     if not isinstance(checkpoint_id, (str, os.PathLike)):
-        raise ConfigError(f"a checkpoint id must be a URL or a path, got "
-                          f"{type(checkpoint_id).__name__}")
+        raise ConfigError(
+            f"a checkpoint id must be a URL or a path, got {type(checkpoint_id).__name__}"
+        )
     url = os.fspath(checkpoint_id)
     parse_store_url(url)  # ConfigError with a hint for anything else
     return url.rstrip("/") if url.startswith("s3://") else url
@@ -125,23 +126,42 @@ class StorageWriter(_TorchStorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [dataclasses.replace(plan, storage_data=FilePrefix(f"__{i}_"))
-                if plan.storage_data is None else plan for i, plan in enumerate(plans)]
+        return [
+            dataclasses.replace(plan, storage_data=FilePrefix(f"__{i}_"))
+            if plan.storage_data is None
+            else plan
+            for i, plan in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         items = plan.items
-        sizes = [0 if it.type == WriteItemType.BYTE_IO else (it.tensor_storage_size() or 0)
-                 for it in items]
+        sizes = [
+            0 if it.type == WriteItemType.BYTE_IO else (it.tensor_storage_size() or 0)
+            for it in items
+        ]
         o = self.options
-        written = run_coroutine(write_files(
-            self._store(), sizes, lambda i: planner.resolve_data(items[i]),
-            prefix=plan.storage_data.prefix,
-            options=FileOptions(object_size=o.object_size,
-                                checksum_block_size=o.checksum_block_size,
-                                max_staging_bytes=o.max_staging_bytes)))
-        results = [ChecksummedWriteResult(index=item.index, size_in_bytes=w.info.length,
-                                           storage_data=w.info, checksums=w.checks)
-                   for item, w in zip(items, written)]
+        written = run_coroutine(
+            write_files(
+                self._store(),
+                sizes,
+                lambda i: planner.resolve_data(items[i]),
+                prefix=plan.storage_data.prefix,
+                options=FileOptions(
+                    object_size=o.object_size,
+                    checksum_block_size=o.checksum_block_size,
+                    max_staging_bytes=o.max_staging_bytes,
+                ),
+            )
+        )
+        results = [
+            ChecksummedWriteResult(
+                index=item.index,
+                size_in_bytes=w.info.length,
+                storage_data=w.info,
+                checksums=w.checks,
+            )
+            for item, w in zip(items, written)
+        ]
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -157,9 +177,17 @@ class StorageWriter(_TorchStorageWriter):
         metadata.version = DCP_VERSION
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
-        run_coroutine(commit(self._store(), self.url, metadata, checks, save_id=self.save_id,
-                             block_size=self.options.checksum_block_size,
-                             rank=self.rank if self._rank_local() else None))
+        run_coroutine(
+            commit(
+                self._store(),
+                self.url,
+                metadata,
+                checks,
+                save_id=self.save_id,
+                block_size=self.options.checksum_block_size,
+                rank=self.rank if self._rank_local() else None,
+            )
+        )
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

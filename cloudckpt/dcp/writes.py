@@ -25,15 +25,20 @@ from __future__ import annotations
 import asyncio
 import io
 import pickle
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
 from cloudckpt.checksum import crc32c
 from cloudckpt.dcp.items import Item, block_crcs_of, bytes_item, owns_its_storage, tensor_item
-from cloudckpt.dcp.metadata import (Checksums, ItemChecksums, checksums_key, encode_checksums,
-                                    metadata_key)
+from cloudckpt.dcp.metadata import (
+    Checksums,
+    ItemChecksums,
+    checksums_key,
+    encode_checksums,
+    metadata_key,
+)
 from cloudckpt.errors import CheckpointExists, ObjectExists, ObjectNotFound
 from cloudckpt.planning.batching import pack_in_order
 from cloudckpt.storage.base import ByteBudget, run_all
@@ -56,7 +61,7 @@ class FileOptions:
 class Written:
     """Where one item landed and its checksums."""
 
-    info: object               # torch's _StorageInfo
+    info: object  # torch's _StorageInfo
     checks: ItemChecksums
 
 
@@ -84,8 +89,15 @@ def _copy_bytes(data) -> int:
     return 0
 
 
-async def write_files(store, sizes: Sequence[int], resolve: Callable[[int], object], *,
-                      prefix: str, options: FileOptions, first_file: int = 0) -> list[Written]:
+async def write_files(
+    store,
+    sizes: Sequence[int],
+    resolve: Callable[[int], object],
+    *,
+    prefix: str,
+    options: FileOptions,
+    first_file: int = 0,
+) -> list[Written]:
     """Write items ``0 .. len(sizes) - 1`` (``sizes``: their expected bytes, for packing) into
     data files (module doc), numbered from ``first_file``."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -105,8 +117,10 @@ async def write_files(store, sizes: Sequence[int], resolve: Callable[[int], obje
             offset = 0
             for i, (item, crcs) in zip(members, built):
                 length = item.length
-                written[i] = Written(_StorageInfo(name, offset, length),
-                                     ItemChecksums(length, item.data_offset, tuple(crcs)))
+                written[i] = Written(
+                    _StorageInfo(name, offset, length),
+                    ItemChecksums(length, item.data_offset, tuple(crcs)),
+                )
                 offset += length
             segments = [s for item, _ in built for s in item.segments if len(s)]
             await store.put(name, segments if segments else b"")
@@ -120,28 +134,46 @@ async def write_files(store, sizes: Sequence[int], resolve: Callable[[int], obje
 
 def refuse_existing(store, url: str, rank: int | None = None):
     """Coroutine: raise ``CheckpointExists`` when the checkpoint's ``.metadata`` exists."""
+
     async def check() -> None:
         try:
             await store.head(metadata_key(rank))
         except ObjectNotFound:
             return
-        raise CheckpointExists(f"a DCP checkpoint is already committed at {url} (its "
-                               f"{metadata_key(rank)} exists); save to a new prefix")
+        raise CheckpointExists(
+            f"a DCP checkpoint is already committed at {url} (its "
+            f"{metadata_key(rank)} exists); save to a new prefix"
+        )
+
     return check()
 
 
-async def commit(store, url: str, metadata, checks: dict, *, save_id: str, block_size: int,
-                 rank: int | None = None) -> int:
+async def commit(
+    store,
+    url: str,
+    metadata,
+    checks: dict,
+    *,
+    save_id: str,
+    block_size: int,
+    rank: int | None = None,
+) -> int:
     """Write the checksums file, then the pickled ``metadata`` as ``.metadata`` (or
     ``__<rank>.metadata``) in create mode. ``checks``: ``(file, offset) -> ItemChecksums``.
     Returns the size of ``.metadata``."""
     raw = pickle.dumps(metadata)
-    sidecar = Checksums(save_id=save_id, block_size=block_size, metadata_crc32c=crc32c(raw),
-                        metadata_size=len(raw), items=checks)
+    sidecar = Checksums(
+        save_id=save_id,
+        block_size=block_size,
+        metadata_crc32c=crc32c(raw),
+        metadata_size=len(raw),
+        items=checks,
+    )
     await store.put(checksums_key(rank), encode_checksums(sidecar))
     try:
         await store.put(metadata_key(rank), raw, mode="create")
     except ObjectExists as exc:
-        raise CheckpointExists(f"a DCP checkpoint was committed at {url} meanwhile (its "
-                               f"{metadata_key(rank)} exists)") from exc
+        raise CheckpointExists(
+            f"a DCP checkpoint was committed at {url} meanwhile (its {metadata_key(rank)} exists)"
+        ) from exc
     return len(raw)

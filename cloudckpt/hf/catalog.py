@@ -37,10 +37,10 @@ from cloudckpt import __version__
 from cloudckpt.errors import ConfigError, DuplicateKeyError, SafetensorsError
 from cloudckpt.hf.header import Header, TensorEntry, load_json, parse_header
 from cloudckpt.hf.whole import ExpectedFile
-from cloudckpt.manifest import Manifest, validate_object_key
+from cloudckpt.manifest.model import Manifest, validate_object_key
 
 #: a dict (listed names renamed, others kept) or a callable (name -> new name, None drops it).
-KeyMap = Union[Mapping[str, str], Callable[[str], Union[str, None]], None]
+KeyMap = Union[Mapping[str, str], Callable[[str], str | None], None]
 
 BUNDLE_FORMAT = "cloudckpt.safetensors_headers"
 #: the largest index file accepted.
@@ -57,13 +57,13 @@ def parse_index(raw: bytes, *, key: str) -> dict[str, str]:
     a safe relative key (no ``..``, not absolute: see
     :func:`~cloudckpt.manifest.validate_object_key`)."""
     if len(raw) > MAX_INDEX_BYTES:
-        raise SafetensorsError(f"{len(raw)} bytes is more than the {MAX_INDEX_BYTES} an index "
-                               f"may have", path=key)
+        raise SafetensorsError(
+            f"{len(raw)} bytes is more than the {MAX_INDEX_BYTES} an index may have", path=key
+        )
     doc = load_json(raw, path=key)
     weight_map = doc.get("weight_map") if type(doc) is dict else None
     if type(weight_map) is not dict:
-        raise SafetensorsError("an index must be an object with a \"weight_map\" object",
-                               path=key)
+        raise SafetensorsError('an index must be an object with a "weight_map" object', path=key)
     for name, file in weight_map.items():
         why = validate_object_key(file) if type(file) is str else "a file name must be a string"
         if why:
@@ -71,8 +71,9 @@ def parse_index(raw: bytes, *, key: str) -> dict[str, str]:
     return weight_map
 
 
-def locate_tensors(files: Mapping[str, Header], weight_map: Mapping[str, str] | None = None
-                   ) -> dict[str, tuple[int, TensorEntry]]:
+def locate_tensors(
+    files: Mapping[str, Header], weight_map: Mapping[str, str] | None = None
+) -> dict[str, tuple[int, TensorEntry]]:
     """Every tensor of ``files`` (file key -> its header): name -> (position of its file,
     tensor), in file then data order. A name in two files is refused; with an index, every name
     it maps must be in the header of the file it names."""
@@ -82,14 +83,18 @@ def locate_tensors(files: Mapping[str, Header], weight_map: Mapping[str, str] | 
         for t in header.tensors:
             if t.name in found:
                 other = keys[found[t.name][0]]
-                raise SafetensorsError(f"tensor {json.dumps(t.name)} is in two files, {other} "
-                                       f"and {key}", path=_where(key, t.name))
+                raise SafetensorsError(
+                    f"tensor {json.dumps(t.name)} is in two files, {other} and {key}",
+                    path=_where(key, t.name),
+                )
             found[t.name] = (i, t)
     for name, file in (weight_map or {}).items():
         place = found.get(name)
         if place is None or keys[place[0]] != file:
-            raise SafetensorsError(f"the index puts {json.dumps(name)} in {file}, whose header "
-                                   f"does not have it", path=_where(file, name))
+            raise SafetensorsError(
+                f"the index puts {json.dumps(name)} in {file}, whose header does not have it",
+                path=_where(file, name),
+            )
     return found
 
 
@@ -97,10 +102,17 @@ def encode_bundle(files: Sequence[tuple], index: tuple[str, bytes] | None) -> by
     """The bundle of ``files`` (``(key, size, header bytes[, whole-file checksum])``, the
     checksum ``(kind, value)`` of :class:`~cloudckpt.storage.base.WholeChecksum` or None) and
     the ``index`` read, if any (``(key, bytes)``)."""
-    return msgpack.packb({"format": BUNDLE_FORMAT, "index": list(index) if index else None,
-                          "files": [[f[0], f[1], bytes(f[2]),
-                                     list(f[3]) if len(f) > 3 and f[3] else None]
-                                    for f in files]}, use_bin_type=True)
+    return msgpack.packb(
+        {
+            "format": BUNDLE_FORMAT,
+            "index": list(index) if index else None,
+            "files": [
+                [f[0], f[1], bytes(f[2]), list(f[3]) if len(f) > 3 and f[3] else None]
+                for f in files
+            ],
+        },
+        use_bin_type=True,
+    )
 
 
 def _decode_bundle(raw: bytes):
@@ -119,9 +131,15 @@ def _decode_bundle(raw: bytes):
             if type(key) is not str or type(size) is not int or type(header) is not bytes:
                 raise ValueError("bad file entry")
             if whole is not None and not (
-                    type(whole) is list and len(whole) == 2
-                    and (whole[0] == "crc32c" and type(whole[1]) is int
-                         or whole[0] == "md5" and type(whole[1]) is bytes)):
+                type(whole) is list
+                and len(whole) == 2
+                and (
+                    whole[0] == "crc32c"
+                    and type(whole[1]) is int
+                    or whole[0] == "md5"
+                    and type(whole[1]) is bytes
+                )
+            ):
                 raise ValueError("bad whole-file checksum")
             files.append((key, size, header, whole and tuple(whole)))
         if len({f[0] for f in files}) != len(files):
@@ -165,17 +183,21 @@ def map_names(names: Sequence[str], key_map: KeyMap) -> list[str | None]:
         if new is None:
             continue
         if type(new) is not str:
-            raise ConfigError(f"key_map gave {new!r:.60} for {json.dumps(name)}: a string or "
-                              f"None was expected")
+            raise ConfigError(
+                f"key_map gave {new!r:.60} for {json.dumps(name)}: a string or None was expected"
+            )
         if new in seen:
-            raise DuplicateKeyError(f"key_map maps both {json.dumps(seen[new])} and "
-                                    f"{json.dumps(name)} to {json.dumps(new)}")
+            raise DuplicateKeyError(
+                f"key_map maps both {json.dumps(seen[new])} and "
+                f"{json.dumps(name)} to {json.dumps(new)}"
+            )
         seen[new] = name
     return out
 
 
-def build_manifest(files: Mapping[str, Header], weight_map: Mapping[str, str] | None,
-                   key_map: KeyMap = None) -> Manifest:
+def build_manifest(
+    files: Mapping[str, Header], weight_map: Mapping[str, str] | None, key_map: KeyMap = None
+) -> Manifest:
     """The in-memory manifest (module doc) of ``files`` (file key -> header); tensors in file
     then data order, named through ``key_map``."""
     found = locate_tensors(files, weight_map)
@@ -194,12 +216,25 @@ def build_manifest(files: Mapping[str, Header], weight_map: Mapping[str, str] | 
         lengths.append(t.nbytes)
 
     return Manifest(
-        world_size=1, created_at=0.0, cloudckpt_version=__version__,
-        metadata={"format": "safetensors"}, checksum_block_size=0, checksums=False,
-        objects=list(files), tensor_names=names, tensor_dtypes=dtypes,
-        tensor_shapes=shapes, chunk_counts=[1] * len(names), chunk_offsets=[0] * len(sizes),
-        chunk_sizes=sizes, chunk_object_index=objs, chunk_byte_offset=offsets,
-        chunk_byte_length=lengths, chunk_crcs=[], value_blobs={})
+        world_size=1,
+        created_at=0.0,
+        cloudckpt_version=__version__,
+        metadata={"format": "safetensors"},
+        checksum_block_size=0,
+        checksums=False,
+        objects=list(files),
+        tensor_names=names,
+        tensor_dtypes=dtypes,
+        tensor_shapes=shapes,
+        chunk_counts=[1] * len(names),
+        chunk_offsets=[0] * len(sizes),
+        chunk_sizes=sizes,
+        chunk_object_index=objs,
+        chunk_byte_offset=offsets,
+        chunk_byte_length=lengths,
+        chunk_crcs=[],
+        value_blobs={},
+    )
 
 
 def manifest_of_bundle(raw: bytes, key_map: KeyMap = None) -> Manifest:

@@ -66,18 +66,31 @@ METADATA_KEY = "__metadata__"
 MAX_PARSE_BYTES = 256 << 20
 
 #: safetensors dtype name -> torch dtype name (without ``torch.``); others are refused.
-DTYPES: Mapping[str, str] = MappingProxyType({
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
-    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8",
-    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
-})
+DTYPES: Mapping[str, str] = MappingProxyType(
+    {
+        "F64": "float64",
+        "F32": "float32",
+        "F16": "float16",
+        "BF16": "bfloat16",
+        "I64": "int64",
+        "I32": "int32",
+        "I16": "int16",
+        "I8": "int8",
+        "U64": "uint64",
+        "U32": "uint32",
+        "U16": "uint16",
+        "U8": "uint8",
+        "BOOL": "bool",
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E5M2": "float8_e5m2",
+        "C64": "complex64",
+    }
+)
 _FROM_TORCH = {v: k for k, v in DTYPES.items()}
 #: bytes per element, by safetensors dtype name.
 ITEMSIZE: Mapping[str, int] = MappingProxyType({k: DTYPE_ITEMSIZE[v] for k, v in DTYPES.items()})
 #: Floating dtypes (torch names): the ones an export's dtype cast applies to.
-FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn",
-                      "float8_e5m2"})
+FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 
 
 def _name_of(dtype) -> str:
@@ -95,8 +108,10 @@ def safetensors_dtype(dtype) -> str:
         return text
     if text in _FROM_TORCH:
         return _FROM_TORCH[text]
-    raise SafetensorsError(f"dtype {text!r} has no safetensors equivalent (safetensors holds "
-                           f"{', '.join(DTYPES.values())})")
+    raise SafetensorsError(
+        f"dtype {text!r} has no safetensors equivalent (safetensors holds "
+        f"{', '.join(DTYPES.values())})"
+    )
 
 
 def torch_dtype_name(dtype) -> str:
@@ -154,8 +169,9 @@ def _nbytes(dtype: str, shape: Sequence[int]) -> int:
     return math.prod(shape) * ITEMSIZE[dtype]
 
 
-def build_header(tensors: Sequence[tuple[str, object, Sequence[int]]],
-                 metadata: Mapping[str, str] | None = None) -> tuple[bytes, Header]:
+def build_header(
+    tensors: Sequence[tuple[str, object, Sequence[int]]], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, Header]:
     """The header bytes (length prefix, JSON, padding) of a file holding ``tensors``, given as
     ``(name, dtype, shape)`` in data order (dtype: torch or safetensors name, or a
     ``torch.dtype``), and the :class:`Header` they describe. ``SafetensorsError`` for a
@@ -182,8 +198,10 @@ def build_header(tensors: Sequence[tuple[str, object, Sequence[int]]],
     text = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     text += b" " * (-(PREFIX_BYTES + len(text)) % ALIGNMENT)
     if len(text) > MAX_HEADER_BYTES:
-        raise SafetensorsError(f"the header would be {len(text)} bytes, more than the "
-                               f"{MAX_HEADER_BYTES} safetensors reads")
+        raise SafetensorsError(
+            f"the header would be {len(text)} bytes, more than the "
+            f"{MAX_HEADER_BYTES} safetensors reads"
+        )
     header = Header(tuple(entries), MappingProxyType(meta), PREFIX_BYTES + len(text), pos)
     return len(text).to_bytes(PREFIX_BYTES, "little") + text, header
 
@@ -193,54 +211,73 @@ def header_length(prefix: bytes, *, file_size: int | None = None, key: str | Non
     :data:`MAX_HEADER_BYTES` and ``file_size`` (so a reader knows how much to read next, and
     reads nothing for a false length). ``key`` names the file in errors."""
     if len(prefix) < PREFIX_BYTES:
-        raise SafetensorsError(f"a safetensors file starts with {PREFIX_BYTES} bytes of header "
-                               f"length; got {len(prefix)} bytes", path=_where(key))
+        raise SafetensorsError(
+            f"a safetensors file starts with {PREFIX_BYTES} bytes of header "
+            f"length; got {len(prefix)} bytes",
+            path=_where(key),
+        )
     n = int.from_bytes(prefix[:PREFIX_BYTES], "little")
     if n > MAX_HEADER_BYTES:
-        raise SafetensorsError(f"header length {n} is more than the {MAX_HEADER_BYTES} bytes "
-                               "safetensors allows", path=_where(key))
+        raise SafetensorsError(
+            f"header length {n} is more than the {MAX_HEADER_BYTES} bytes safetensors allows",
+            path=_where(key),
+        )
     if n < 2:
-        raise SafetensorsError(f"header length {n} is too short for a JSON object",
-                               path=_where(key))
+        raise SafetensorsError(
+            f"header length {n} is too short for a JSON object", path=_where(key)
+        )
     if file_size is not None and PREFIX_BYTES + n > file_size:
-        raise SafetensorsError(f"header length {n} reaches past the end of the "
-                               f"{file_size}-byte file", path=_where(key))
+        raise SafetensorsError(
+            f"header length {n} reaches past the end of the {file_size}-byte file", path=_where(key)
+        )
     return n
 
 
-def parse_header(data: bytes, *, file_size: int | None = None,
-                 key: str | None = None) -> Header:
+def parse_header(data: bytes, *, file_size: int | None = None, key: str | None = None) -> Header:
     """Parse and validate the header at the start of ``data`` (the length prefix and the JSON;
     bytes after them are ignored). With ``file_size``, the data must end exactly at the end of
     the file; without it, the data's size is where the last tensor ends. ``key`` names the file
     in errors. Raises :class:`SafetensorsError` (see the module doc)."""
     n = header_length(data, file_size=file_size, key=key)
     if len(data) < PREFIX_BYTES + n:
-        raise SafetensorsError(f"header truncated: {len(data) - PREFIX_BYTES} of {n} bytes",
-                               path=_where(key))
-    doc = load_json(bytes(data[PREFIX_BYTES:PREFIX_BYTES + n]), path=_where(key))
+        raise SafetensorsError(
+            f"header truncated: {len(data) - PREFIX_BYTES} of {n} bytes", path=_where(key)
+        )
+    doc = load_json(bytes(data[PREFIX_BYTES : PREFIX_BYTES + n]), path=_where(key))
     if type(doc) is not dict:
-        raise SafetensorsError(f"the header must be a JSON object, got {type(doc).__name__}",
-                               path=_where(key))
+        raise SafetensorsError(
+            f"the header must be a JSON object, got {type(doc).__name__}", path=_where(key)
+        )
     meta = doc.pop(METADATA_KEY, {})
     if type(meta) is not dict or any(type(v) is not str for v in meta.values()):
-        raise SafetensorsError("must be an object of strings (str -> str)",
-                               path=_where(key, METADATA_KEY))
-    entries = sorted((_entry(name, value, _where(key, name)) for name, value in doc.items()),
-                     key=lambda e: (e.start, e.end))
+        raise SafetensorsError(
+            "must be an object of strings (str -> str)", path=_where(key, METADATA_KEY)
+        )
+    entries = sorted(
+        (_entry(name, value, _where(key, name)) for name, value in doc.items()),
+        key=lambda e: (e.start, e.end),
+    )
     pos, last = 0, None
     for e in entries:
         if e.start != pos:
-            what = (f"overlap those of {json.dumps(last.name[:80])}" if e.start < pos
-                    else "leave a hole before them")
-            raise SafetensorsError(f"data_offsets [{e.start}, {e.end}] {what} (the tensors' "
-                                   f"data must be back to back: expected to start at {pos})",
-                                   path=_where(key, e.name))
+            what = (
+                f"overlap those of {json.dumps(last.name[:80])}"
+                if e.start < pos
+                else "leave a hole before them"
+            )
+            raise SafetensorsError(
+                f"data_offsets [{e.start}, {e.end}] {what} (the tensors' "
+                f"data must be back to back: expected to start at {pos})",
+                path=_where(key, e.name),
+            )
         pos, last = e.end, e
     data_start = PREFIX_BYTES + n
     if file_size is not None and file_size - data_start != pos:
-        raise SafetensorsError(f"the tensors' data is {pos} bytes, the file holds "
-                               f"{file_size - data_start} after the header", path=_where(key))
+        raise SafetensorsError(
+            f"the tensors' data is {pos} bytes, the file holds "
+            f"{file_size - data_start} after the header",
+            path=_where(key),
+        )
     return Header(tuple(entries), MappingProxyType(meta), data_start, pos)
 
 
@@ -253,8 +290,9 @@ def _checked_object(pairs):
             try:  # "\\ud800" decodes to a str that is not text (and no UTF-8 encodes it)
                 text.encode("utf-8")
             except UnicodeEncodeError as exc:
-                raise _BadJson(f"a string holds a lone surrogate escape at character "
-                               f"{exc.start}") from exc
+                raise _BadJson(
+                    f"a string holds a lone surrogate escape at character {exc.start}"
+                ) from exc
         out[k] = v
     return out
 
@@ -265,8 +303,10 @@ def _constant_refused(name: str):
 
 def _short_int(text: str) -> int:
     if len(text.lstrip("-")) > MAX_NUMBER_DIGITS:
-        raise _BadJson(f"not valid JSON for safetensors: a number of {len(text)} digits (at "
-                       f"most {MAX_NUMBER_DIGITS})")
+        raise _BadJson(
+            f"not valid JSON for safetensors: a number of {len(text)} digits (at "
+            f"most {MAX_NUMBER_DIGITS})"
+        )
     return int(text)
 
 
@@ -285,8 +325,9 @@ def load_json(raw: bytes, *, path: str | None = None, budget: int = MAX_PARSE_BY
     ints = {"parse_int": _short_int} if has_long_number(raw) else {}
     try:
         text = bytes(raw).decode("utf-8")
-        return json.loads(text, object_pairs_hook=_checked_object,
-                          parse_constant=_constant_refused, **ints)
+        return json.loads(
+            text, object_pairs_hook=_checked_object, parse_constant=_constant_refused, **ints
+        )
     except _BadJson as exc:
         raise SafetensorsError(str(exc), path=path) from exc
     except UnicodeDecodeError as exc:
@@ -303,8 +344,11 @@ def load_json(raw: bytes, *, path: str | None = None, budget: int = MAX_PARSE_BY
 
 def _short(value) -> str:
     """A value of the header for a message: at most about 80 characters, cheap for any size."""
-    if type(value) is list and len(value) <= MAX_NDIM \
-            and all(type(v) is int and -(1 << 64) < v < 1 << 64 for v in value):
+    if (
+        type(value) is list
+        and len(value) <= MAX_NDIM
+        and all(type(v) is int and -(1 << 64) < v < 1 << 64 for v in value)
+    ):
         text = str(value)
     elif type(value) is str:
         text = json.dumps(value[:80])
@@ -315,11 +359,15 @@ def _short(value) -> str:
 
 def _check_shape(dtype: str, shape, path: str | None) -> None:
     if len(shape) > MAX_NDIM or any(type(d) is not int or d < 0 for d in shape):
-        raise SafetensorsError(f"shape must be a list of at most {MAX_NDIM} non-negative "
-                               "integers", path=path)
+        raise SafetensorsError(
+            f"shape must be a list of at most {MAX_NDIM} non-negative integers", path=path
+        )
     if math.prod(max(d, 1) for d in shape) * ITEMSIZE[dtype] > MAX_ELEMENTS:
-        raise SafetensorsError(f"shape {_short(list(shape))} spans more than 2**60 bytes (empty "
-                               "dimensions counted as 1)", path=path)
+        raise SafetensorsError(
+            f"shape {_short(list(shape))} spans more than 2**60 bytes (empty "
+            "dimensions counted as 1)",
+            path=path,
+        )
 
 
 def _entry(name: str, value, path: str | None) -> TensorEntry:
@@ -332,19 +380,29 @@ def _entry(name: str, value, path: str | None) -> TensorEntry:
             raise SafetensorsError(f"the tensor entry has no {field!r}", path=path)
     dtype, shape, offsets = value["dtype"], value["shape"], value["data_offsets"]
     if type(dtype) is not str or dtype not in DTYPES:
-        raise SafetensorsError(f"unknown dtype {_short(dtype)} (safetensors dtypes: "
-                               f"{', '.join(DTYPES)})", path=path)
+        raise SafetensorsError(
+            f"unknown dtype {_short(dtype)} (safetensors dtypes: {', '.join(DTYPES)})", path=path
+        )
     if type(shape) is not list:
-        raise SafetensorsError(f"shape must be a list of at most {MAX_NDIM} non-negative "
-                               "integers", path=path)
+        raise SafetensorsError(
+            f"shape must be a list of at most {MAX_NDIM} non-negative integers", path=path
+        )
     _check_shape(dtype, shape, path)
-    if (type(offsets) is not list or len(offsets) != 2
-            or any(type(o) is not int or o < 0 for o in offsets) or offsets[0] > offsets[1]):
-        raise SafetensorsError("data_offsets must be [begin, end] with 0 <= begin <= end",
-                               path=path)
+    if (
+        type(offsets) is not list
+        or len(offsets) != 2
+        or any(type(o) is not int or o < 0 for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise SafetensorsError(
+            "data_offsets must be [begin, end] with 0 <= begin <= end", path=path
+        )
     start, end = offsets
     need = _nbytes(dtype, shape)
     if end - start != need:
-        raise SafetensorsError(f"data_offsets [{start}, {end}] span {end - start} bytes, a "
-                               f"{dtype} tensor of shape {_short(shape)} has {need}", path=path)
+        raise SafetensorsError(
+            f"data_offsets [{start}, {end}] span {end - start} bytes, a "
+            f"{dtype} tensor of shape {_short(shape)} has {need}",
+            path=path,
+        )
     return TensorEntry(name, dtype, tuple(shape), start, end)

@@ -59,10 +59,16 @@ def estimate_parse_bytes(raw: bytes) -> int:
     objects (module doc)."""
     raw = bytes(raw)
     width = _char_width(raw)
-    return (_FIXED + 3 * width * len(raw) + len(raw)
-            + _PER_OBJECT * raw.count(b"{") + _PER_ARRAY * raw.count(b"[")
-            + _PER_MEMBER * raw.count(b":") + _PER_VALUE * (raw.count(b",") + 1)
-            + (_PER_STRING + width) * (raw.count(b'"') // 2))
+    return (
+        _FIXED
+        + 3 * width * len(raw)
+        + len(raw)
+        + _PER_OBJECT * raw.count(b"{")
+        + _PER_ARRAY * raw.count(b"[")
+        + _PER_MEMBER * raw.count(b":")
+        + _PER_VALUE * (raw.count(b",") + 1)
+        + (_PER_STRING + width) * (raw.count(b'"') // 2)
+    )
 
 
 def check_json_cost(raw: bytes, *, budget: int, path: str | None = None) -> None:
@@ -74,7 +80,9 @@ def check_json_cost(raw: bytes, *, budget: int, path: str | None = None) -> None
             f"refused before parsing: its {len(raw)} bytes of JSON could take {cost >> 20} MiB "
             f"to parse, more than the {budget >> 20} MiB allowed ({raw.count(b'{')} objects, "
             f"{raw.count(b',') + 1} values; a real header takes far less): re-save the file "
-            f"with the safetensors library", path=path)
+            f"with the safetensors library",
+            path=path,
+        )
 
 
 def has_long_number(raw: bytes) -> bool:

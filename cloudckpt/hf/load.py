@@ -10,16 +10,17 @@ the same bytes into the same manifest.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from cloudckpt.api.load import load_from
 from cloudckpt.hf.catalog import KeyMap, expected_files, manifest_of_bundle
 from cloudckpt.hf.source import read_header_bundle
 from cloudckpt.hf.whole import VerifyingStore
-from cloudckpt.manifest import Manifest
+from cloudckpt.manifest.model import Manifest
 from cloudckpt.options import LoadOptions, LoadResult
-from cloudckpt.runtime import run_coroutine, shared_store
+from cloudckpt.runtime.loop import run_coroutine, shared_store
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,16 @@ class SafetensorsSource:
         return VerifyingStore(store, expected) if expected else store
 
 
-def load_safetensors(state_dict: Mapping[str, Any], src: str, *, key_map: KeyMap = None,
-                     process_group=None, storage=None, strict: bool = True,
-                     options: LoadOptions | None = None) -> LoadResult:
+def load_safetensors(
+    state_dict: Mapping[str, Any],
+    src: str,
+    *,
+    key_map: KeyMap = None,
+    process_group=None,
+    storage=None,
+    strict: bool = True,
+    options: LoadOptions | None = None,
+) -> LoadResult:
     """Fill ``state_dict`` in place from the safetensors checkpoint at ``src``. Collective.
 
     ``src``: a local folder or an ``s3://`` prefix holding ``*.safetensors`` files, with or
@@ -77,5 +85,10 @@ def load_safetensors(state_dict: Mapping[str, Any], src: str, *, key_map: KeyMap
       :class:`SafetensorsError` on every rank before any data is read; no files raises
       :class:`CheckpointNotFound`.
     """
-    return load_from(state_dict, SafetensorsSource(src, storage, key_map),
-                     process_group=process_group, strict=strict, options=options)
+    return load_from(
+        state_dict,
+        SafetensorsSource(src, storage, key_map),
+        process_group=process_group,
+        strict=strict,
+        options=options,
+    )

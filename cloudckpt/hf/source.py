@@ -25,7 +25,7 @@ import asyncio
 from cloudckpt.errors import CheckpointNotFound, SafetensorsError
 from cloudckpt.hf.catalog import MAX_INDEX_BYTES, encode_bundle, parse_index
 from cloudckpt.hf.header import MAX_HEADER_BYTES, PREFIX_BYTES, header_length
-from cloudckpt.storage import ObjectInfo, ReadRange
+from cloudckpt.storage.base import ObjectInfo, ReadRange
 from cloudckpt.wording import plural
 
 SUFFIX = ".safetensors"
@@ -39,8 +39,11 @@ _CONCURRENT_FILES = 16
 
 async def list_top_level(store) -> dict[str, int]:
     """Key -> size of the objects at the top level of ``store`` (one delimited listing)."""
-    return {item.key: item.size async for item in store.list("", delimiter="/")
-            if isinstance(item, ObjectInfo)}
+    return {
+        item.key: item.size
+        async for item in store.list("", delimiter="/")
+        if isinstance(item, ObjectInfo)
+    }
 
 
 def choose_index(keys) -> str | None:
@@ -49,16 +52,21 @@ def choose_index(keys) -> str | None:
     if DEFAULT_INDEX in indexes:
         return DEFAULT_INDEX
     if len(indexes) > 1:
-        raise SafetensorsError(f"several indexes ({', '.join(indexes)}) and none is "
-                               f"{DEFAULT_INDEX}: point the load at a folder with one")
+        raise SafetensorsError(
+            f"several indexes ({', '.join(indexes)}) and none is "
+            f"{DEFAULT_INDEX}: point the load at a folder with one"
+        )
     return indexes[0] if indexes else None
 
 
 async def read_prefix(store, key: str, size: int) -> int:
     """The header length of file ``key`` (``size`` bytes), from its 8-byte prefix, checked
     against the file's size (:func:`~cloudckpt.hf.header.header_length`)."""
-    (prefix,) = await store.read_ranges(key, [ReadRange(0, PREFIX_BYTES)]) \
-        if size >= PREFIX_BYTES else (b"",)
+    (prefix,) = (
+        await store.read_ranges(key, [ReadRange(0, PREFIX_BYTES)])
+        if size >= PREFIX_BYTES
+        else (b"",)
+    )
     return header_length(bytes(prefix), file_size=size, key=key)
 
 
@@ -76,16 +84,22 @@ async def read_header_bundle(store, where: str) -> bytes:
         keys = sorted(set(weight_map.values()))
         missing = [k for k in keys if k not in sizes]
         if missing:
-            raise SafetensorsError(f"the index names {plural(len(missing), 'file')} that "
-                                   f"{'is' if len(missing) == 1 else 'are'} not in {where}: "
-                                   f"{', '.join(missing[:5])}", path=index_key)
+            raise SafetensorsError(
+                f"the index names {plural(len(missing), 'file')} that "
+                f"{'is' if len(missing) == 1 else 'are'} not in {where}: "
+                f"{', '.join(missing[:5])}",
+                path=index_key,
+            )
         index = (index_key, raw)
     else:
         keys = sorted(k for k in sizes if k.endswith(SUFFIX))
     if not keys:
-        hint = (" (files that are symlinks, as in a Hugging Face cache snapshot, are not "
-                "followed: copy the files, or download with --local-dir)"
-                if store.local_root is not None else "")
+        hint = (
+            " (files that are symlinks, as in a Hugging Face cache snapshot, are not "
+            "followed: copy the files, or download with --local-dir)"
+            if store.local_root is not None
+            else ""
+        )
         raise CheckpointNotFound(f"no *{SUFFIX} files at {where}{hint}")
     slots = asyncio.Semaphore(_CONCURRENT_FILES)
 
@@ -95,15 +109,33 @@ async def read_header_bundle(store, where: str) -> bytes:
 
     lengths = await _all(bounded(read_prefix, store, k, sizes[k]) for k in keys)
     if sum(lengths) > MAX_TOTAL_HEADER_BYTES:
-        raise SafetensorsError(f"the {len(keys)} headers declare {sum(lengths)} bytes, more "
-                               f"than the {MAX_TOTAL_HEADER_BYTES} a load reads", path=where)
-    found = await _all([*(bounded(store.read_ranges, k, [ReadRange(PREFIX_BYTES, n)])
-                          for k, n in zip(keys, lengths)),
-                        *(bounded(store.whole_checksum, k) for k in keys)])
-    bodies, sums = found[:len(keys)], found[len(keys):]
-    return encode_bundle([(k, sizes[k], b"".join((n.to_bytes(PREFIX_BYTES, "little"), b[0])),
-                           (c.kind, c.value) if c is not None and c.size == sizes[k] else None)
-                          for k, n, b, c in zip(keys, lengths, bodies, sums)], index)
+        raise SafetensorsError(
+            f"the {len(keys)} headers declare {sum(lengths)} bytes, more "
+            f"than the {MAX_TOTAL_HEADER_BYTES} a load reads",
+            path=where,
+        )
+    found = await _all(
+        [
+            *(
+                bounded(store.read_ranges, k, [ReadRange(PREFIX_BYTES, n)])
+                for k, n in zip(keys, lengths)
+            ),
+            *(bounded(store.whole_checksum, k) for k in keys),
+        ]
+    )
+    bodies, sums = found[: len(keys)], found[len(keys) :]
+    return encode_bundle(
+        [
+            (
+                k,
+                sizes[k],
+                b"".join((n.to_bytes(PREFIX_BYTES, "little"), b[0])),
+                (c.kind, c.value) if c is not None and c.size == sizes[k] else None,
+            )
+            for k, n, b, c in zip(keys, lengths, bodies, sums)
+        ],
+        index,
+    )
 
 
 async def _all(coros) -> list:

@@ -126,8 +126,11 @@ class VerifyingStore:
             pieces.append((r.offset, view))
         size = sum(len(v) for _, v in pieces)
         async with running.lock:
-            ok = await asyncio.to_thread(running.fold, pieces) if size > _THREAD_BYTES \
+            ok = (
+                await asyncio.to_thread(running.fold, pieces)
+                if size > _THREAD_BYTES
                 else running.fold(pieces)
+            )
         if key not in self._running:
             return views  # given up on, or checked, by a concurrent call
         if not ok:
@@ -140,5 +143,9 @@ class VerifyingStore:
                 raise ChecksumError(
                     f"{key}: the bytes read do not match the {what} the store holds of the "
                     f"whole file: the file changed or was damaged in transit; read it again, "
-                    f"or re-upload it if this persists", key=key, offset=0, length=want.size)
+                    f"or re-upload it if this persists",
+                    key=key,
+                    offset=0,
+                    length=want.size,
+                )
         return views

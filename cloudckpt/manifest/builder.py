@@ -32,9 +32,16 @@ class ManifestBuilder:
     :class:`~cloudckpt.errors.ManifestError` for anything the manifest validation refuses.
     """
 
-    def __init__(self, *, world_size: int, metadata: Mapping | None = None,
-                 checksum_block_size: int = DEFAULT_CHECKSUM_BLOCK_SIZE, structure: object = None,
-                 created_at: float | None = None, cloudckpt_version: str | None = None):
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        metadata: Mapping | None = None,
+        checksum_block_size: int = DEFAULT_CHECKSUM_BLOCK_SIZE,
+        structure: object = None,
+        created_at: float | None = None,
+        cloudckpt_version: str | None = None,
+    ):
         self.world_size = world_size
         self.metadata = dict(metadata or {})
         self.checksum_block_size = checksum_block_size
@@ -55,15 +62,31 @@ class ManifestBuilder:
         """Index of ``object_key`` in the object table (added on first use)."""
         return self._objects.setdefault(object_key, len(self._objects))
 
-    def add_chunk(self, name: str, offsets: Sequence[int], sizes: Sequence[int], object_key: str,
-                  byte_offset: int, byte_length: int, crcs: Sequence[int]) -> None:
+    def add_chunk(
+        self,
+        name: str,
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        object_key: str,
+        byte_offset: int,
+        byte_length: int,
+        crcs: Sequence[int],
+    ) -> None:
         if name not in self._tensors:
             raise PlanningError(f"add_chunk for unknown tensor {name!r}: call add_tensor first")
         ndim = len(self._tensors[name][1])
         if len(offsets) != ndim or len(sizes) != ndim:
             raise PlanningError(f"chunk of {name!r} needs {ndim} offsets and sizes")
-        self._tensors[name][2].append((tuple(offsets), tuple(sizes), self.object_index(object_key),
-                                       int(byte_offset), int(byte_length), tuple(crcs)))
+        self._tensors[name][2].append(
+            (
+                tuple(offsets),
+                tuple(sizes),
+                self.object_index(object_key),
+                int(byte_offset),
+                int(byte_length),
+                tuple(crcs),
+            )
+        )
 
     def set_value(self, name: str, value: object, *, allow_pickle: bool = False) -> None:
         if name in self._tensors:
@@ -89,13 +112,26 @@ class ManifestBuilder:
                 blen.append(bl)
                 crcs.extend(cr)
         return Manifest(
-            world_size=self.world_size, created_at=self.created_at, cloudckpt_version=self.cloudckpt_version,
-            metadata=self.metadata, checksum_block_size=self.checksum_block_size, objects=list(self._objects),
-            tensor_names=names, tensor_dtypes=dtypes, tensor_shapes=shapes, chunk_counts=counts,
-            chunk_offsets=np.array(offsets, dtype=np.int64), chunk_sizes=np.array(sizes, dtype=np.int64),
-            chunk_object_index=obj, chunk_byte_offset=boff, chunk_byte_length=blen,
-            chunk_crcs=np.array(crcs, dtype=np.int64), value_blobs=self._blobs, values=self._values,
-            structure=self.structure, allow_pickle=True,
+            world_size=self.world_size,
+            created_at=self.created_at,
+            cloudckpt_version=self.cloudckpt_version,
+            metadata=self.metadata,
+            checksum_block_size=self.checksum_block_size,
+            objects=list(self._objects),
+            tensor_names=names,
+            tensor_dtypes=dtypes,
+            tensor_shapes=shapes,
+            chunk_counts=counts,
+            chunk_offsets=np.array(offsets, dtype=np.int64),
+            chunk_sizes=np.array(sizes, dtype=np.int64),
+            chunk_object_index=obj,
+            chunk_byte_offset=boff,
+            chunk_byte_length=blen,
+            chunk_crcs=np.array(crcs, dtype=np.int64),
+            value_blobs=self._blobs,
+            values=self._values,
+            structure=self.structure,
+            allow_pickle=True,
         )
 
 

@@ -55,8 +55,14 @@ import msgpack
 import numpy as np
 
 from cloudckpt.errors import ManifestError, UnsupportedManifestVersion
-from cloudckpt.manifest.columns import (ColumnError, decode_int_column, decode_u32,
-                                        encode_int_column, encode_u32, iter_int_column)
+from cloudckpt.manifest.columns import (
+    ColumnError,
+    decode_int_column,
+    decode_u32,
+    encode_int_column,
+    encode_u32,
+    iter_int_column,
+)
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE, MAX_NDIM
 from cloudckpt.manifest.framing import frame, unframe
 from cloudckpt.manifest.lineage import HASH_ALGORITHM
@@ -68,9 +74,26 @@ MAX_MANIFEST_BYTES = 1 << 31
 #: Most chunk coordinates a manifest may declare per byte of its size, a shape dimension
 #: counting as two (a coordinate costs 16 bytes once decoded: its offset and its size).
 DIMS_PER_BYTE = 2
-_FIELDS = frozenset({"format", "version", "cloudckpt_version", "created_at", "world_size",
-                     "checksum_block_size", "metadata", "structure", "objects", "tensors",
-                     "chunks", "values", "homes", "base", "attempt", "hash_algorithm"})
+_FIELDS = frozenset(
+    {
+        "format",
+        "version",
+        "cloudckpt_version",
+        "created_at",
+        "world_size",
+        "checksum_block_size",
+        "metadata",
+        "structure",
+        "objects",
+        "tensors",
+        "chunks",
+        "values",
+        "homes",
+        "base",
+        "attempt",
+        "hash_algorithm",
+    }
+)
 _DTYPE_NAMES = {name: name for name in DTYPE_ITEMSIZE}  # one str object per dtype name
 
 
@@ -86,7 +109,9 @@ def _dim_major_index(counts: np.ndarray, ndims: np.ndarray) -> np.ndarray:
     chunk_base = coord_start[chunk_tensor] + chunk_local * chunk_ndim
     dim = np.arange(ncoords, dtype=np.int64) - np.repeat(chunk_base, chunk_ndim)
     coord_tensor = np.repeat(chunk_tensor, chunk_ndim)
-    return coord_start[coord_tensor] + dim * counts[coord_tensor] + np.repeat(chunk_local, chunk_ndim)
+    return (
+        coord_start[coord_tensor] + dim * counts[coord_tensor] + np.repeat(chunk_local, chunk_ndim)
+    )
 
 
 def needed_version(m: Manifest) -> int:
@@ -106,8 +131,10 @@ def encode_manifest(m: Manifest, *, format_version: int | None = None) -> bytes:
     always carries its data's crc32c values.
     """
     if not m.checksums:
-        raise ManifestError("a manifest without data checksums (an index of foreign files) "
-                            "cannot be stored", path="checksums")
+        raise ManifestError(
+            "a manifest without data checksums (an index of foreign files) cannot be stored",
+            path="checksums",
+        )
     needed = needed_version(m)
     format_version = needed if format_version is None else format_version
     if needed == 3 and format_version < 3:
@@ -154,8 +181,12 @@ def encode_manifest(m: Manifest, *, format_version: int | None = None) -> bytes:
         if format_version >= 3:
             hashes = m.chunk_hashes
             doc["chunks"]["hash"] = b"" if hashes is None else hashes.tobytes()
-            doc.update(homes=list(m.object_homes), base=m.base, attempt=m.attempt,
-                       hash_algorithm="" if hashes is None else HASH_ALGORITHM)
+            doc.update(
+                homes=list(m.object_homes),
+                base=m.base,
+                attempt=m.attempt,
+                hash_algorithm="" if hashes is None else HASH_ALGORITHM,
+            )
         return msgpack.packb(doc, use_bin_type=True)
 
     data = frame(document(True), format_version)
@@ -168,9 +199,9 @@ def encode_manifest(m: Manifest, *, format_version: int | None = None) -> bytes:
 class ManifestDocument:
     """The checked top level of stored manifest bytes (see :func:`read_document`)."""
 
-    version: int   # format version of the stored bytes: 1 (no checksum) or 2
-    size: int      # bytes stored
-    fields: dict   # the known top-level fields, decoded by msgpack, not validated yet
+    version: int  # format version of the stored bytes: 1 (no checksum) or 2
+    size: int  # bytes stored
+    fields: dict  # the known top-level fields, decoded by msgpack, not validated yet
 
 
 def _refuse_ext(code, data):
@@ -191,8 +222,9 @@ def read_document(data, *, max_bytes: int = MAX_MANIFEST_BYTES) -> ManifestDocum
         raise ManifestError(f"manifest is {size} bytes, more than max_bytes={max_bytes}")
     version, payload = unframe(data)
     length = len(payload)
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, ext_hook=_refuse_ext,
-                                max_buffer_size=max(1, length))
+    unpacker = msgpack.Unpacker(
+        raw=False, strict_map_key=True, ext_hook=_refuse_ext, max_buffer_size=max(1, length)
+    )
     fields: dict = {}
     try:
         unpacker.feed(payload)
@@ -226,8 +258,10 @@ def _field(doc: dict, key: str, types, path: str | None = None):
         raise ManifestError("missing field", path=path or key)
     value = doc[key]
     if not isinstance(value, types) or type(value) is bool:
-        raise ManifestError(f"expected {getattr(types, '__name__', types)}, got {type(value).__name__}",
-                            path=path or key)
+        raise ManifestError(
+            f"expected {getattr(types, '__name__', types)}, got {type(value).__name__}",
+            path=path or key,
+        )
     return value
 
 
@@ -240,8 +274,9 @@ def _column(section: dict, key: str, path: str, **kw) -> np.ndarray:
         raise ManifestError(str(exc), path=f"{path}.{key}") from exc
 
 
-def _chunk_major(section: dict, key: str, counts: np.ndarray, ndims: np.ndarray,
-                 ncoords: int) -> np.ndarray:
+def _chunk_major(
+    section: dict, key: str, counts: np.ndarray, ndims: np.ndarray, ncoords: int
+) -> np.ndarray:
     """Decode a dimension-major coordinate column straight into chunk-major order, block by
     block (no permutation array, no second copy of the column)."""
     if key not in section:
@@ -262,8 +297,13 @@ def _chunk_major(section: dict, key: str, counts: np.ndarray, ndims: np.ndarray,
     return out
 
 
-def decode_manifest(data: bytes, *, allow_pickle: bool | str = False,
-                    max_bytes: int = MAX_MANIFEST_BYTES, structure: bool = True) -> Manifest:
+def decode_manifest(
+    data: bytes,
+    *,
+    allow_pickle: bool | str = False,
+    max_bytes: int = MAX_MANIFEST_BYTES,
+    structure: bool = True,
+) -> Manifest:
     """Decode and fully validate manifest bytes from an untrusted source.
 
     Raises :class:`~cloudckpt.errors.UnsupportedManifestVersion` for another format or version,
@@ -276,38 +316,44 @@ def decode_manifest(data: bytes, *, allow_pickle: bool | str = False,
     neither decoded nor checked): for a reader that fills its own state dict and was handed
     bytes another decode has validated whole (the ranks of a load other than the coordinator).
     """
-    return manifest_from_document(read_document(data, max_bytes=max_bytes),
-                                  allow_pickle=allow_pickle, structure=structure)
+    return manifest_from_document(
+        read_document(data, max_bytes=max_bytes), allow_pickle=allow_pickle, structure=structure
+    )
 
 
-def manifest_from_document(document: ManifestDocument, *,
-                           allow_pickle: bool | str = False, structure: bool = True) -> Manifest:
+def manifest_from_document(
+    document: ManifestDocument, *, allow_pickle: bool | str = False, structure: bool = True
+) -> Manifest:
     """Validate the fields of a :class:`ManifestDocument` into a :class:`Manifest` (see
     :func:`decode_manifest`). Does not modify the document."""
     doc = document.fields
     if doc.get("format") != FORMAT_NAME:
-        raise UnsupportedManifestVersion(f"format {doc.get('format')!r:.80} is not {FORMAT_NAME!r}",
-                                         path="format")
+        raise UnsupportedManifestVersion(
+            f"format {doc.get('format')!r:.80} is not {FORMAT_NAME!r}", path="format"
+        )
     version = doc.get("version")
     if type(version) is not int or version != document.version:
         raise UnsupportedManifestVersion(
             f"manifest version {version!r:.40} is not supported here (a "
             f"{'framed' if document.version > 1 else 'header-less'} manifest is version "
-            f"{document.version})", path="version")
+            f"{document.version})",
+            path="version",
+        )
     world_size = _field(doc, "world_size", int)
     created_at = _field(doc, "created_at", (int, float))
     cloudckpt_version = _field(doc, "cloudckpt_version", str)
     block = _field(doc, "checksum_block_size", int)
     metadata = decode_plain(_field(doc, "metadata", bytes), path="metadata")
-    nesting = decode_plain(_field(doc, "structure", bytes), path="structure") \
-        if structure else None
+    nesting = decode_plain(_field(doc, "structure", bytes), path="structure") if structure else None
     objects = _field(doc, "objects", list)
     tensors = _field(doc, "tensors", dict)
     chunks = _field(doc, "chunks", dict)
     values = _field(doc, "values", dict)
     names = _field(tensors, "names", list, "tensors.names")
-    dtypes = [_DTYPE_NAMES.get(d, d) if type(d) is str else d
-              for d in _field(tensors, "dtypes", list, "tensors.dtypes")]
+    dtypes = [
+        _DTYPE_NAMES.get(d, d) if type(d) is str else d
+        for d in _field(tensors, "dtypes", list, "tensors.dtypes")
+    ]
     n_tensors = len(names)
     crc_bytes = _field(chunks, "crc32c", bytes, "chunks.crc32c")
     try:
@@ -322,14 +368,18 @@ def manifest_from_document(document: ManifestDocument, *,
         raise ManifestError("negative chunk count", path="tensors.chunk_counts")
     # every chunk carries at least one crc: bounds what follows (each count first: no overflow)
     if n_tensors and (counts.max() > len(crcs) or int(counts.sum()) > len(crcs)):
-        raise ManifestError(f"{int(counts.astype(np.float64).sum()):.0f} chunks but only "
-                            f"{len(crcs)} crc32c values", path="chunks")
+        raise ManifestError(
+            f"{int(counts.astype(np.float64).sum()):.0f} chunks but only {len(crcs)} crc32c values",
+            path="chunks",
+        )
     nchunks, nshape = int(counts.sum()), int(ndims.sum())
     ncoords = int((counts * ndims).sum())
     if 2 * nshape + ncoords > DIMS_PER_BYTE * document.size:
         raise ManifestError(
             f"declares {nshape} shape dimensions and {ncoords} chunk coordinates, more than "
-            f"{DIMS_PER_BYTE} per byte of its {document.size} bytes", path="tensors")
+            f"{DIMS_PER_BYTE} per byte of its {document.size} bytes",
+            path="tensors",
+        )
     shapes = _column(tensors, "shapes", "tensors", expected=nshape)
     offsets = _chunk_major(chunks, "offsets", counts, ndims, ncoords)
     sizes = _chunk_major(chunks, "sizes", counts, ndims, ncoords)
@@ -340,15 +390,28 @@ def manifest_from_document(document: ManifestDocument, *,
             raise ManifestError("encoded value must be bytes", path=f"values[{name!r:.80}]")
         blobs[name] = blob
     return Manifest(
-        world_size=world_size, created_at=created_at, cloudckpt_version=cloudckpt_version,
-        metadata=metadata, checksum_block_size=block, objects=objects, tensor_names=names,
-        tensor_dtypes=dtypes, tensor_shapes=shapes, tensor_ndims=ndims, chunk_counts=counts,
-        chunk_offsets=offsets, chunk_sizes=sizes,
+        world_size=world_size,
+        created_at=created_at,
+        cloudckpt_version=cloudckpt_version,
+        metadata=metadata,
+        checksum_block_size=block,
+        objects=objects,
+        tensor_names=names,
+        tensor_dtypes=dtypes,
+        tensor_shapes=shapes,
+        tensor_ndims=ndims,
+        chunk_counts=counts,
+        chunk_offsets=offsets,
+        chunk_sizes=sizes,
         chunk_object_index=_column(chunks, "object_index", "chunks", expected=nchunks),
         chunk_byte_offset=_column(chunks, "byte_offset", "chunks", expected=nchunks),
         chunk_byte_length=_column(chunks, "byte_length", "chunks", expected=nchunks),
-        chunk_crcs=crcs, value_blobs=blobs, structure=nesting, allow_pickle=allow_pickle,
-        **lineage)
+        chunk_crcs=crcs,
+        value_blobs=blobs,
+        structure=nesting,
+        allow_pickle=allow_pickle,
+        **lineage,
+    )
 
 
 def _read_lineage(doc: dict, chunks: dict) -> dict:
@@ -357,7 +420,14 @@ def _read_lineage(doc: dict, chunks: dict) -> dict:
     algorithm = _field(doc, "hash_algorithm", str)
     hashes = _field(chunks, "hash", bytes, "chunks.hash")
     if algorithm not in ("", HASH_ALGORITHM) or bool(algorithm) != bool(hashes):
-        raise ManifestError(f"chunk hashes {algorithm!r:.40} ({len(hashes)} bytes) are not "
-                            f"{HASH_ALGORITHM!r} hashes", path="hash_algorithm")
-    return dict(object_homes=homes, chunk_hashes=hashes if algorithm else None,
-                base=_field(doc, "base", str), attempt=_field(doc, "attempt", str))
+        raise ManifestError(
+            f"chunk hashes {algorithm!r:.40} ({len(hashes)} bytes) are not "
+            f"{HASH_ALGORITHM!r} hashes",
+            path="hash_algorithm",
+        )
+    return dict(
+        object_homes=homes,
+        chunk_hashes=hashes if algorithm else None,
+        base=_field(doc, "base", str),
+        attempt=_field(doc, "attempt", str),
+    )

@@ -88,7 +88,7 @@ def _raw_pieces(payload, compression: str, nbytes: int, step: int):
             raise ColumnError(f"column payload has {len(payload)} bytes, expected {nbytes}")
         view = memoryview(payload)
         for pos in range(0, nbytes, step):
-            yield view[pos:pos + step]
+            yield view[pos : pos + step]
         return
     inflater = zlib.decompressobj()
     source = memoryview(payload)
@@ -97,9 +97,10 @@ def _raw_pieces(payload, compression: str, nbytes: int, step: int):
         while produced < nbytes:
             if not tail:  # feed the input in bounded pieces: unconsumed_tail is a copy
                 if pos >= len(source):
-                    raise ColumnError(f"zlib column payload inflates to {produced} bytes, "
-                                      f"expected {nbytes}")
-                tail, pos = source[pos:pos + _FEED], pos + _FEED
+                    raise ColumnError(
+                        f"zlib column payload inflates to {produced} bytes, expected {nbytes}"
+                    )
+                tail, pos = source[pos : pos + _FEED], pos + _FEED
             piece = inflater.decompress(tail, min(step - len(pending), nbytes - produced))
             tail = inflater.unconsumed_tail
             if piece:
@@ -109,8 +110,9 @@ def _raw_pieces(payload, compression: str, nbytes: int, step: int):
                     yield bytes(pending)
                     pending = bytearray()
             elif inflater.eof:
-                raise ColumnError(f"zlib column payload inflates to {produced} bytes, "
-                                  f"expected {nbytes}")
+                raise ColumnError(
+                    f"zlib column payload inflates to {produced} bytes, expected {nbytes}"
+                )
         extra = inflater.decompress(bytes(tail) + bytes(source[pos:]), 1)
     except zlib.error as exc:
         raise ColumnError(f"corrupt zlib column payload: {exc}") from exc
@@ -118,8 +120,9 @@ def _raw_pieces(payload, compression: str, nbytes: int, step: int):
         raise ColumnError(f"zlib column payload does not inflate to exactly {nbytes} bytes")
 
 
-def iter_int_column(column, *, expected: int | None = None, max_count: int | None = None,
-                    block: int = BLOCK):
+def iter_int_column(
+    column, *, expected: int | None = None, max_count: int | None = None, block: int = BLOCK
+):
     """Decode a column piecewise: yields ``(start, values)``, ``values`` an int64 array of at most
     ``block`` values (delta already undone) starting at value ``start``, in order.
 
@@ -139,7 +142,9 @@ def iter_int_column(column, *, expected: int | None = None, max_count: int | Non
         start += len(values)
 
 
-def decode_int_column(column, *, expected: int | None = None, max_count: int | None = None) -> np.ndarray:
+def decode_int_column(
+    column, *, expected: int | None = None, max_count: int | None = None
+) -> np.ndarray:
     """Decode a column into a read-only int64 array.
 
     ``expected``: the exact number of values required; ``max_count``: an upper bound when the
@@ -149,7 +154,7 @@ def decode_int_column(column, *, expected: int | None = None, max_count: int | N
     _, _, _, count, _ = _header(column, expected, max_count)
     out = np.empty(count, dtype=np.int64)
     for start, values in iter_int_column(column, expected=expected, max_count=max_count):
-        out[start:start + len(values)] = values
+        out[start : start + len(values)] = values
     out.flags.writeable = False
     return out
 

@@ -57,7 +57,7 @@ def stored_version(data) -> int:
     Raises :class:`~cloudckpt.errors.ManifestError` when they are neither.
     """
     mv = memoryview(data).cast("B")
-    if bytes(mv[:len(MAGIC)]) == MAGIC:
+    if bytes(mv[: len(MAGIC)]) == MAGIC:
         if len(mv) >= HEADER.size and HEADER.unpack_from(mv)[1] in FRAMED_VERSIONS:
             return HEADER.unpack_from(mv)[1]
         return FRAMED_VERSION
@@ -65,10 +65,12 @@ def stored_version(data) -> int:
         return 1
     if not len(mv):
         raise ManifestError("manifest is empty")
-    if len(mv) < len(MAGIC) and bytes(mv) == MAGIC[:len(mv)]:
+    if len(mv) < len(MAGIC) and bytes(mv) == MAGIC[: len(mv)]:
         raise ManifestError(f"manifest header truncated ({len(mv)} bytes)")
-    raise ManifestError("not a cloudckpt manifest: it starts with neither the manifest header "
-                        "nor a msgpack map (damaged, or another file)")
+    raise ManifestError(
+        "not a cloudckpt manifest: it starts with neither the manifest header "
+        "nor a msgpack map (damaged, or another file)"
+    )
 
 
 def unframe(data) -> tuple[int, memoryview]:
@@ -87,10 +89,14 @@ def unframe(data) -> tuple[int, memoryview]:
     if declared not in FRAMED_VERSIONS:
         raise UnsupportedManifestVersion(
             f"manifest format version {declared} is not supported (this cloudckpt reads versions "
-            f"{', '.join(map(str, SUPPORTED_VERSIONS))}; or the header is damaged)", path="version")
-    payload = mv[HEADER.size:]
-    actual = crc32c(payload, crc32c(mv[:HEADER.size - 4]))
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))}; or the header is damaged)",
+            path="version",
+        )
+    payload = mv[HEADER.size :]
+    actual = crc32c(payload, crc32c(mv[: HEADER.size - 4]))
     if actual != stored:
-        raise ManifestError(f"manifest checksum mismatch (stored crc32c {stored:08x}, computed "
-                            f"{actual:08x}): its {len(mv)} bytes are damaged")
+        raise ManifestError(
+            f"manifest checksum mismatch (stored crc32c {stored:08x}, computed "
+            f"{actual:08x}): its {len(mv)} bytes are damaged"
+        )
     return declared, payload

@@ -64,9 +64,13 @@ def check_lineage(object_homes, chunk_hashes, base, attempt, *, objects: int, ch
     hashes = None
     if chunk_hashes is not None:
         raw = chunk_hashes.tobytes() if isinstance(chunk_hashes, np.ndarray) else chunk_hashes
-        if not isinstance(raw, (bytes, bytearray, memoryview)) or \
-                memoryview(raw).nbytes != HASH_BYTES * chunks:
-            raise ManifestError(f"chunk hashes must be {HASH_BYTES} bytes for each of the "
-                                f"{chunks} chunks", path="chunks.hash")
+        if (
+            not isinstance(raw, (bytes, bytearray, memoryview))
+            or memoryview(raw).nbytes != HASH_BYTES * chunks
+        ):
+            raise ManifestError(
+                f"chunk hashes must be {HASH_BYTES} bytes for each of the {chunks} chunks",
+                path="chunks.hash",
+            )
         hashes = np.frombuffer(bytes(raw), dtype=np.uint8).reshape(chunks, HASH_BYTES)
     return homes, hashes, base, attempt

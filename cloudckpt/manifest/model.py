@@ -23,8 +23,13 @@ from cloudckpt.errors import ManifestError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE, MAX_ELEMENTS, MAX_NDIM
 from cloudckpt.manifest.lineage import check_lineage
 from cloudckpt.manifest.records import ChunkTable, ManifestColumns, TensorRecord
-from cloudckpt.manifest.validation import (check_shape, flat_dims, tensor_path,
-                                           validate_object_key, validate_structure)
+from cloudckpt.manifest.validation import (
+    check_shape,
+    flat_dims,
+    tensor_path,
+    validate_object_key,
+    validate_structure,
+)
 from cloudckpt.manifest.values import decode_value, value_path
 
 FORMAT_NAME = "cloudckpt"
@@ -46,7 +51,7 @@ def crc_counts(byte_length: np.ndarray, block_size: int) -> np.ndarray:
 class _TensorMap(Mapping):
     """name -> TensorRecord, built lazily from the manifest's arrays."""
 
-    def __init__(self, manifest: "Manifest"):
+    def __init__(self, manifest: Manifest):
         self._m = manifest
         self._cache: dict[str, TensorRecord] = {}
 
@@ -70,8 +75,13 @@ class _TensorMap(Mapping):
 def _ro(a, dtype) -> np.ndarray:
     """A read-only 1-D copy of ``a``; an array that already is one (the decoder's, which owns
     its data) is taken as it is."""
-    if (isinstance(a, np.ndarray) and a.dtype == dtype and a.ndim == 1 and a.base is None
-            and not a.flags.writeable):
+    if (
+        isinstance(a, np.ndarray)
+        and a.dtype == dtype
+        and a.ndim == 1
+        and a.base is None
+        and not a.flags.writeable
+    ):
         return a
     arr = np.array(a, dtype=dtype, copy=True).reshape(-1)
     arr.flags.writeable = False
@@ -104,30 +114,63 @@ class Manifest:
     refuses to encode one, so a checkpoint cannot lose its checksums by going through storage.
     """
 
-    def __init__(self, *, world_size: int, created_at: float, cloudckpt_version: str, metadata: dict,
-                 checksum_block_size: int, objects: Sequence[str], tensor_names: Sequence[str],
-                 tensor_dtypes: Sequence[str], tensor_shapes: Sequence[Sequence[int]], chunk_counts,
-                 chunk_offsets, chunk_sizes, chunk_object_index, chunk_byte_offset, chunk_byte_length,
-                 chunk_crcs, value_blobs: Mapping[str, bytes], values: Mapping[str, object] | None = None,
-                 structure: object = None, allow_pickle: bool = False, tensor_ndims=None,
-                 object_homes=None, chunk_hashes=None, base: str = "", attempt: str = "",
-                 checksums: bool = True):
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        created_at: float,
+        cloudckpt_version: str,
+        metadata: dict,
+        checksum_block_size: int,
+        objects: Sequence[str],
+        tensor_names: Sequence[str],
+        tensor_dtypes: Sequence[str],
+        tensor_shapes: Sequence[Sequence[int]],
+        chunk_counts,
+        chunk_offsets,
+        chunk_sizes,
+        chunk_object_index,
+        chunk_byte_offset,
+        chunk_byte_length,
+        chunk_crcs,
+        value_blobs: Mapping[str, bytes],
+        values: Mapping[str, object] | None = None,
+        structure: object = None,
+        allow_pickle: bool = False,
+        tensor_ndims=None,
+        object_homes=None,
+        chunk_hashes=None,
+        base: str = "",
+        attempt: str = "",
+        checksums: bool = True,
+    ):
         if type(world_size) is not int or world_size < 1:
-            raise ManifestError(f"world_size must be a positive int, got {world_size!r}", path="world_size")
+            raise ManifestError(
+                f"world_size must be a positive int, got {world_size!r}", path="world_size"
+            )
         if type(created_at) not in (int, float) or not math.isfinite(created_at):
-            raise ManifestError(f"created_at must be a finite number, got {created_at!r}", path="created_at")
+            raise ManifestError(
+                f"created_at must be a finite number, got {created_at!r}", path="created_at"
+            )
         if type(cloudckpt_version) is not str:
             raise ManifestError("cloudckpt_version must be a string", path="cloudckpt_version")
         if type(metadata) is not dict:
             raise ManifestError("metadata must be a dict", path="metadata")
         if type(checksums) is not bool:
-            raise ManifestError(f"checksums must be a bool, got {checksums!r:.40}", path="checksums")
-        if checksums and (type(checksum_block_size) is not int
-                          or not 0 < checksum_block_size <= MAX_CHECKSUM_BLOCK_SIZE):
-            raise ManifestError(f"bad checksum_block_size {checksum_block_size!r}", path="checksum_block_size")
+            raise ManifestError(
+                f"checksums must be a bool, got {checksums!r:.40}", path="checksums"
+            )
+        if checksums and (
+            type(checksum_block_size) is not int
+            or not 0 < checksum_block_size <= MAX_CHECKSUM_BLOCK_SIZE
+        ):
+            raise ManifestError(
+                f"bad checksum_block_size {checksum_block_size!r}", path="checksum_block_size"
+            )
         if not checksums and (type(checksum_block_size) is not int or checksum_block_size != 0):
-            raise ManifestError("a manifest without checksums has checksum_block_size 0",
-                                path="checksum_block_size")
+            raise ManifestError(
+                "a manifest without checksums has checksum_block_size 0", path="checksum_block_size"
+            )
         #: False only for an in-memory index of foreign data (see the class docstring)
         self.checksums = checksums
         self.world_size = world_size
@@ -144,14 +187,25 @@ class Manifest:
         if len(set(self.objects)) != len(self.objects):
             raise ManifestError("duplicate object keys", path="objects")
         self._init_tensors(tensor_names, tensor_dtypes, tensor_shapes, tensor_ndims, chunk_counts)
-        self._init_chunks(chunk_offsets, chunk_sizes, chunk_object_index, chunk_byte_offset,
-                          chunk_byte_length, chunk_crcs)
+        self._init_chunks(
+            chunk_offsets,
+            chunk_sizes,
+            chunk_object_index,
+            chunk_byte_offset,
+            chunk_byte_length,
+            chunk_crcs,
+        )
         self._init_values(value_blobs, values, allow_pickle)
         if structure is not None:
             validate_structure(structure, self._name_index, self._value_blobs)
         self.object_homes, self.chunk_hashes, self.base, self.attempt = check_lineage(
-            object_homes, chunk_hashes, base, attempt, objects=len(self.objects),
-            chunks=self.num_chunks)
+            object_homes,
+            chunk_hashes,
+            base,
+            attempt,
+            objects=len(self.objects),
+            chunks=self.num_chunks,
+        )
         self.tensors: Mapping[str, TensorRecord] = _TensorMap(self)
         self._derived: dict = {}
 
@@ -163,33 +217,44 @@ class Manifest:
         if ndims is None:  # a sequence of shapes
             shapes = tuple(s if type(s) is tuple else tuple(s) for s in shapes)
             if len(shapes) != n:
-                raise ManifestError("tensor names, dtypes and shapes differ in length", path="tensors")
+                raise ManifestError(
+                    "tensor names, dtypes and shapes differ in length", path="tensors"
+                )
             self.__dict__["_shapes"] = shapes
             ndims = np.fromiter(map(len, shapes), dtype=np.int64, count=n)
             flat = flat_dims(shapes, int(ndims.sum())) if n and ndims.max() <= MAX_NDIM else None
         else:  # columnar: every dim in one array
             ndims, flat = _ro(ndims, np.int64), _ro(shapes, np.int64)
-            if len(ndims) != n or (n and (ndims.min() < 0 or ndims.max() > MAX_NDIM)) \
-                    or int(ndims.sum()) != len(flat):
+            if (
+                len(ndims) != n
+                or (n and (ndims.min() < 0 or ndims.max() > MAX_NDIM))
+                or int(ndims.sum()) != len(flat)
+            ):
                 raise ManifestError("tensor shapes do not match the tensors", path="tensors")
         if len(dtypes) != n:
             raise ManifestError("tensor names, dtypes and shapes differ in length", path="tensors")
         index: dict[str, int] = {}
         for i, name in enumerate(names):
             if type(name) is not str:
-                raise ManifestError(f"tensor name must be a string, got {type(name).__name__}", path=f"tensors[{i}]")
+                raise ManifestError(
+                    f"tensor name must be a string, got {type(name).__name__}", path=f"tensors[{i}]"
+                )
             if name in index:
                 raise ManifestError("duplicate tensor name", path=tensor_path(name))
             index[name] = i
         for name, dtype in zip(names, dtypes):
             if type(dtype) is not str or dtype not in DTYPE_ITEMSIZE:
-                raise ManifestError(f"dtype {dtype!r:.80} is not allowed", path=f"{tensor_path(name)}.dtype")
+                raise ManifestError(
+                    f"dtype {dtype!r:.80} is not allowed", path=f"{tensor_path(name)}.dtype"
+                )
         starts = np.concatenate(([0], np.cumsum(ndims))).astype(np.int64)
         has = ndims > 0
         if flat is None:  # odd dims (not ints, beyond int64, too many): check one by one
             for t in range(n):
                 check_shape(names[t], dtypes[t], shapes[t])
-            flat = np.fromiter(itertools.chain.from_iterable(shapes), dtype=np.int64, count=int(starts[-1]))
+            flat = np.fromiter(
+                itertools.chain.from_iterable(shapes), dtype=np.int64, count=int(starts[-1])
+            )
         elif flat.size:  # vectorised; suspects get the exact check
             negative = np.zeros(n, dtype=bool)
             negative[has] = np.minimum.reduceat(flat, starts[:-1][has]) < 0
@@ -199,7 +264,7 @@ class Manifest:
             log_bytes[has] += np.add.reduceat(logs, starts[:-1][has])
             del logs
             for t in np.flatnonzero(negative | (log_bytes > 59.5)).tolist():
-                check_shape(names[t], dtypes[t], tuple(flat[starts[t]:starts[t + 1]].tolist()))
+                check_shape(names[t], dtypes[t], tuple(flat[starts[t] : starts[t + 1]].tolist()))
         numel = np.ones(n, dtype=np.int64)  # no overflow: every product is at most 2**60
         if has.any():
             numel[has] = np.multiply.reduceat(flat, starts[:-1][has])
@@ -207,7 +272,9 @@ class Manifest:
         if len(counts) != n:
             raise ManifestError("chunk counts do not match the tensors", path="tensors")
         if n and counts.min() < 0:
-            raise ManifestError("negative chunk count", path=tensor_path(names[int(np.argmin(counts))]))
+            raise ManifestError(
+                "negative chunk count", path=tensor_path(names[int(np.argmin(counts))])
+            )
         chunk_start = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
         coord_start = np.concatenate(([0], np.cumsum(counts * ndims))).astype(np.int64)
         for arr in (flat, starts, ndims, numel, chunk_start, coord_start):
@@ -227,18 +294,30 @@ class Manifest:
     def _init_chunks(self, offsets, sizes, object_index, byte_offset, byte_length, crcs) -> None:
         nchunks, ncoords = int(self._chunk_start[-1]), int(self._coord_start[-1])
         offsets, sizes = _ro(offsets, np.int64), _ro(sizes, np.int64)
-        object_index, byte_offset, byte_length = (_ro(a, np.int64) for a in (object_index, byte_offset, byte_length))
+        object_index, byte_offset, byte_length = (
+            _ro(a, np.int64) for a in (object_index, byte_offset, byte_length)
+        )
         if len(offsets) != ncoords or len(sizes) != ncoords:
-            raise ManifestError(f"chunk coordinates hold {len(offsets)}/{len(sizes)} numbers, expected {ncoords}",
-                                path="chunks")
-        for arr, field in ((object_index, "object_index"), (byte_offset, "byte_offset"), (byte_length, "byte_length")):
+            raise ManifestError(
+                f"chunk coordinates hold {len(offsets)}/{len(sizes)} numbers, expected {ncoords}",
+                path="chunks",
+            )
+        for arr, field in (
+            (object_index, "object_index"),
+            (byte_offset, "byte_offset"),
+            (byte_length, "byte_length"),
+        ):
             if len(arr) != nchunks:
-                raise ManifestError(f"{field} holds {len(arr)} values, expected {nchunks}", path="chunks")
+                raise ManifestError(
+                    f"{field} holds {len(arr)} values, expected {nchunks}", path="chunks"
+                )
         n_tensors = len(self._names)
         chunk_tensor = np.repeat(np.arange(n_tensors, dtype=np.int64), np.diff(self._chunk_start))
         chunk_ndim = self._ndims[chunk_tensor]
-        chunk_coord_start = self._coord_start[chunk_tensor] + (
-            np.arange(nchunks, dtype=np.int64) - self._chunk_start[chunk_tensor]) * chunk_ndim
+        chunk_coord_start = (
+            self._coord_start[chunk_tensor]
+            + (np.arange(nchunks, dtype=np.int64) - self._chunk_start[chunk_tensor]) * chunk_ndim
+        )
         self._check_boxes(offsets, sizes, chunk_tensor, chunk_ndim, chunk_coord_start)
         numel = np.ones(nchunks, dtype=np.int64)
         has_dims = chunk_ndim > 0
@@ -251,42 +330,58 @@ class Manifest:
             bad = arr < 0 if field == "byte_offset" else (arr < 0) | (arr >= len(self.objects))
             if bad.any():
                 c = int(np.flatnonzero(bad)[0])
-                raise ManifestError(f"{field} {int(arr[c])} out of range", path=self._chunk_path(c, f".{field}"))
+                raise ManifestError(
+                    f"{field} {int(arr[c])} out of range", path=self._chunk_path(c, f".{field}")
+                )
         bad = (byte_length != expected) | (byte_offset > MAX_ELEMENTS)
         if bad.any():
             c = int(np.flatnonzero(bad)[0])
             raise ManifestError(
                 f"byte_length {int(byte_length[c])} does not match {int(numel[c])} elements of "
                 f"{self._dtypes[int(chunk_tensor[c])]} ({int(expected[c])} bytes)",
-                path=self._chunk_path(c, ".byte_length"))
+                path=self._chunk_path(c, ".byte_length"),
+            )
         del bad, expected, chunk_tensor
         total = np.concatenate(([0], np.cumsum(numel)))
         covered = total[self._chunk_start[1:]] - total[self._chunk_start[:-1]]
         tensor_numel = self._numel
-        total_f = np.concatenate(([0.0], np.cumsum(numel, dtype=np.float64)))  # guards int64 wrap-around
+        total_f = np.concatenate(
+            ([0.0], np.cumsum(numel, dtype=np.float64))
+        )  # guards int64 wrap-around
         covered_f = total_f[self._chunk_start[1:]] - total_f[self._chunk_start[:-1]]
-        bad = (covered != tensor_numel) | (covered_f > 2.0 ** 61)
+        bad = (covered != tensor_numel) | (covered_f > 2.0**61)
         if bad.any():
             t = int(np.flatnonzero(bad)[0])
             raise ManifestError(
                 f"chunks hold {int(covered[t])} elements, the tensor has {int(tensor_numel[t])}",
-                path=tensor_path(self._names[t]))
+                path=tensor_path(self._names[t]),
+            )
         del total, total_f, numel
         self._check_no_shared_bytes(object_index, byte_offset, byte_length)
-        ncrc = crc_counts(byte_length, self.checksum_block_size) if self.checksums \
+        ncrc = (
+            crc_counts(byte_length, self.checksum_block_size)
+            if self.checksums
             else np.zeros(nchunks, dtype=np.int64)
+        )
         crc_start = np.concatenate(([0], np.cumsum(ncrc))).astype(np.int64)
         del ncrc
         crcs = np.asarray(crcs)
         if crcs.ndim != 1 or len(crcs) != int(crc_start[-1]):
-            raise ManifestError(f"{len(crcs)} crc32c values, expected {int(crc_start[-1])} "
-                                f"(one per {self.checksum_block_size}-byte block of every chunk)", path="chunks.crc32c")
+            raise ManifestError(
+                f"{len(crcs)} crc32c values, expected {int(crc_start[-1])} "
+                f"(one per {self.checksum_block_size}-byte block of every chunk)",
+                path="chunks.crc32c",
+            )
         if len(crcs) and (int(crcs.min()) < 0 or int(crcs.max()) >= 1 << 32):
             raise ManifestError("crc32c values must be unsigned 32-bit", path="chunks.crc32c")
         crcs = _ro(crcs, np.uint32)
         crc_start.flags.writeable = False
         self._offsets, self._sizes = offsets, sizes
-        self._object_index, self._byte_offset, self._byte_length = object_index, byte_offset, byte_length
+        self._object_index, self._byte_offset, self._byte_length = (
+            object_index,
+            byte_offset,
+            byte_length,
+        )
         self._crcs, self._crc_start = crcs, crc_start
 
     def _check_boxes(self, offsets, sizes, chunk_tensor, chunk_ndim, chunk_coord_start) -> None:
@@ -298,14 +393,16 @@ class Manifest:
             # start where the next one does)
             chunk = np.searchsorted(chunk_coord_start, pos, side="right") - 1
             limit = shape_flat[shape_start[chunk_tensor[chunk]] + pos - chunk_coord_start[chunk]]
-            off, size = offsets[pos[0]:pos[-1] + 1], sizes[pos[0]:pos[-1] + 1]
+            off, size = offsets[pos[0] : pos[-1] + 1], sizes[pos[0] : pos[-1] + 1]
             bad = (size < 0) | (off < 0) | (off > limit) | (size > limit - off)
             if bad.any():
                 c = int(chunk[int(np.flatnonzero(bad)[0])])
                 s, nd = int(chunk_coord_start[c]), int(chunk_ndim[c])
                 raise ManifestError(
-                    f"box offsets={tuple(offsets[s:s + nd].tolist())} sizes={tuple(sizes[s:s + nd].tolist())} "
-                    f"is not inside shape {self._shape(int(chunk_tensor[c]))}", path=self._chunk_path(c))
+                    f"box offsets={tuple(offsets[s : s + nd].tolist())} sizes={tuple(sizes[s : s + nd].tolist())} "
+                    f"is not inside shape {self._shape(int(chunk_tensor[c]))}",
+                    path=self._chunk_path(c),
+                )
 
     def _check_no_shared_bytes(self, object_index, byte_offset, byte_length) -> None:
         """No two chunks' byte ranges in one object overlap (O(n log n)): one stored byte
@@ -324,7 +421,9 @@ class Manifest:
             raise ManifestError(
                 f"bytes [{int(start[i + 1])}, {int(end[i + 1])}) of object "
                 f"{self.objects[int(obj[i])]!r} are also those of {self._chunk_path(first)} "
-                f"([{int(start[i])}, {int(end[i])}))", path=self._chunk_path(second))
+                f"([{int(start[i])}, {int(end[i])}))",
+                path=self._chunk_path(second),
+            )
 
     def _init_values(self, value_blobs, values, allow_pickle) -> None:
         blobs: dict[str, bytes] = {}
@@ -349,9 +448,13 @@ class Manifest:
         k0, k1 = int(self._coord_start[t]), int(self._coord_start[t + 1])
         nd = int(self._ndims[t])
         table = ChunkTable(
-            self._offsets[k0:k1].reshape(c1 - c0, nd), self._sizes[k0:k1].reshape(c1 - c0, nd),
-            self._object_index[c0:c1], self._byte_offset[c0:c1], self._byte_length[c0:c1],
-            self._crc_start[c0:c1 + 1] - self._crc_start[c0], self._crcs[self._crc_start[c0]:self._crc_start[c1]],
+            self._offsets[k0:k1].reshape(c1 - c0, nd),
+            self._sizes[k0:k1].reshape(c1 - c0, nd),
+            self._object_index[c0:c1],
+            self._byte_offset[c0:c1],
+            self._byte_length[c0:c1],
+            self._crc_start[c0 : c1 + 1] - self._crc_start[c0],
+            self._crcs[self._crc_start[c0] : self._crc_start[c1]],
         )
         return TensorRecord(self._names[t], self._dtypes[t], self._shape(t), table)
 
@@ -360,7 +463,7 @@ class Manifest:
         shapes = self.__dict__.get("_shapes")
         if shapes is not None:
             return shapes[t]
-        return tuple(self._shape_flat[self._shape_start[t]:self._shape_start[t + 1]].tolist())
+        return tuple(self._shape_flat[self._shape_start[t] : self._shape_start[t + 1]].tolist())
 
     @functools.cached_property
     def _shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -373,10 +476,23 @@ class Manifest:
     def columns(self) -> ManifestColumns:
         """The manifest's columns, read-only (see :class:`ManifestColumns`); no copy is made."""
         return ManifestColumns(
-            self._names, self._dtypes, MappingProxyType(self._name_index), self._ndims,
-            self._shape_flat, self._shape_start, self._chunk_start, self._coord_start,
-            self._offsets, self._sizes, self._object_index, self._byte_offset, self._byte_length,
-            self._crcs, self._crc_start, MappingProxyType(self._value_blobs))
+            self._names,
+            self._dtypes,
+            MappingProxyType(self._name_index),
+            self._ndims,
+            self._shape_flat,
+            self._shape_start,
+            self._chunk_start,
+            self._coord_start,
+            self._offsets,
+            self._sizes,
+            self._object_index,
+            self._byte_offset,
+            self._byte_length,
+            self._crcs,
+            self._crc_start,
+            MappingProxyType(self._value_blobs),
+        )
 
     @property
     def shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -402,9 +518,9 @@ class Manifest:
         """Whether some object lies under another checkpoint's folder (a non-empty home)."""
         return any(self.object_homes)
 
-    def with_object_keys(self, keys) -> "Manifest":
+    def with_object_keys(self, keys) -> Manifest:
         """This manifest with ``keys`` (distinct valid keys relative to another store root: the
-        run's, see ``cloudckpt.api.homes``) as its objects and no homes; arrays are shared."""
+        run's, see ``cloudckpt.stored``) as its objects and no homes; arrays are shared."""
         import copy
 
         keys = tuple(keys)
@@ -433,5 +549,7 @@ class Manifest:
         return dict(zip(self.objects, ends.tolist()))
 
     def __repr__(self) -> str:
-        return (f"Manifest(world_size={self.world_size}, tensors={len(self._names)}, chunks={self.num_chunks}, "
-                f"values={len(self.values)}, objects={len(self.objects)})")
+        return (
+            f"Manifest(world_size={self.world_size}, tensors={len(self._names)}, chunks={self.num_chunks}, "
+            f"values={len(self.values)}, objects={len(self.objects)})"
+        )

@@ -8,9 +8,8 @@ when asked for.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
@@ -39,7 +38,15 @@ class ChunkTable(Sequence):
     ``i``'s crcs.
     """
 
-    __slots__ = ("offsets", "sizes", "object_index", "byte_offset", "byte_length", "_crc_start", "_crcs")
+    __slots__ = (
+        "offsets",
+        "sizes",
+        "object_index",
+        "byte_offset",
+        "byte_length",
+        "_crc_start",
+        "_crcs",
+    )
 
     def __init__(self, offsets, sizes, object_index, byte_offset, byte_length, crc_start, crcs):
         self.offsets = offsets
@@ -54,7 +61,7 @@ class ChunkTable(Sequence):
         return len(self.byte_length)
 
     def crcs(self, i: int) -> tuple[int, ...]:
-        return tuple(self._crcs[self._crc_start[i]:self._crc_start[i + 1]].tolist())
+        return tuple(self._crcs[self._crc_start[i] : self._crc_start[i + 1]].tolist())
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -65,8 +72,12 @@ class ChunkTable(Sequence):
         if not 0 <= i < n:
             raise IndexError(i)
         return ChunkRecord(
-            tuple(self.offsets[i].tolist()), tuple(self.sizes[i].tolist()), int(self.object_index[i]),
-            int(self.byte_offset[i]), int(self.byte_length[i]), self.crcs(i),
+            tuple(self.offsets[i].tolist()),
+            tuple(self.sizes[i].tolist()),
+            int(self.object_index[i]),
+            int(self.byte_offset[i]),
+            int(self.byte_length[i]),
+            self.crcs(i),
         )
 
     def __iter__(self) -> Iterator[ChunkRecord]:

@@ -48,7 +48,7 @@ _STRUCTURE_TAGS = {"d": "dict", "o": "OrderedDict", "l": "list", "t": "tuple"}
 
 
 def validate_structure(structure, tensor_names: Mapping | set, value_names: Mapping | set) -> None:
-    """Check a structure mapping (see ``cloudckpt.statedict``): nodes ``[tag, body]`` with tags
+    """Check a structure mapping (see ``cloudckpt.statedict.pieces``): nodes ``[tag, body]`` with tags
     d/o (body: ``[[key, node], ...]``, keys str or int), l/t (body: ``[node, ...]``), x (a tensor
     name of this manifest) or v (a value name). Raises ManifestError(path="structure")."""
     stack = [(structure, 0)]
@@ -62,13 +62,22 @@ def validate_structure(structure, tensor_names: Mapping | set, value_names: Mapp
         if tag == "x" or tag == "v":
             names = tensor_names if tag == "x" else value_names
             if type(body) is not str or body not in names:
-                raise ManifestError(f"refers to unknown {'tensor' if tag == 'x' else 'value'} {body!r:.80}",
-                                    path="structure")
+                raise ManifestError(
+                    f"refers to unknown {'tensor' if tag == 'x' else 'value'} {body!r:.80}",
+                    path="structure",
+                )
         elif tag in _STRUCTURE_TAGS and type(body) is list:
             for child in body:
                 if tag in ("d", "o"):
-                    if type(child) is not list or len(child) != 2 or type(child[0]) not in (str, int):
-                        raise ManifestError(f"malformed {_STRUCTURE_TAGS[tag]} entry {child!r:.80}", path="structure")
+                    if (
+                        type(child) is not list
+                        or len(child) != 2
+                        or type(child[0]) not in (str, int)
+                    ):
+                        raise ManifestError(
+                            f"malformed {_STRUCTURE_TAGS[tag]} entry {child!r:.80}",
+                            path="structure",
+                        )
                     child = child[1]
                 stack.append((child, depth + 1))
         else:
@@ -95,5 +104,7 @@ def check_shape(name: str, dtype: str, shape: tuple) -> None:
         raise ManifestError(f"bad shape {shape!r:.200}", path=f"{where}.shape")
     # every dim counted as at least 1: an empty shape's strides must fit int64 too
     if math.prod(max(s, 1) for s in shape) * DTYPE_ITEMSIZE[dtype] > MAX_ELEMENTS:
-        raise ManifestError(f"shape {shape!r:.200} is too large (more than 2**60 bytes, "
-                            f"empty dims counted as 1)", path=f"{where}.shape")
+        raise ManifestError(
+            f"shape {shape!r:.200} is too large (more than 2**60 bytes, empty dims counted as 1)",
+            path=f"{where}.shape",
+        )

@@ -64,7 +64,9 @@ def _tree(value, where: str, depth: int):
     if t is dict:
         out = {}
         for k, v in value.items():
-            out[_tree(k, f"{where} (key {k!r})", depth + 1)] = _tree(v, f"{where}[{k!r}]", depth + 1)
+            out[_tree(k, f"{where} (key {k!r})", depth + 1)] = _tree(
+                v, f"{where}[{k!r}]", depth + 1
+            )
         return out
     raise _Unsupported(f"type {t.__module__}.{t.__qualname__}", where)
 
@@ -94,7 +96,9 @@ def encode_value(value, *, key: str, allow_pickle: bool) -> bytes:
         try:
             data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as pexc:  # noqa: BLE001 - pickle raises anything
-            raise UnsupportedValueError(f"value {key!r} can be neither msgpacked nor pickled: {pexc}") from pexc
+            raise UnsupportedValueError(
+                f"value {key!r} can be neither msgpacked nor pickled: {pexc}"
+            ) from pexc
         return msgpack.packb(msgpack.ExtType(EXT_PICKLE, data), use_bin_type=True)
 
 
@@ -105,9 +109,11 @@ def _pickle_hint(value) -> str:
         pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # noqa: BLE001 - pickle raises anything
         why = re.sub(r" at 0x[0-9a-fA-F]+", "", str(exc).split("\n")[0])[:120]
-        return (f"pickle cannot hold it either ({type(exc).__name__}: {why}), so allow_pickle "
-                "would not help: store plain data instead (numbers, strings, lists, dicts, "
-                "tensors; for a function or a lambda, the name or parameters it is built from)")
+        return (
+            f"pickle cannot hold it either ({type(exc).__name__}: {why}), so allow_pickle "
+            "would not help: store plain data instead (numbers, strings, lists, dicts, "
+            "tensors; for a function or a lambda, the name or parameters it is built from)"
+        )
     return "pass allow_pickle=True (on save and on load) to pickle it"
 
 
@@ -167,8 +173,9 @@ def _decode(data, *, path: str, pickle_mode: str):
     except PickleNotAllowed:
         raise
     except _TooDeep:
-        raise ManifestError(f"nested deeper than {MAX_DEPTH} levels (the encoder writes no deeper)",
-                            path=path) from None
+        raise ManifestError(
+            f"nested deeper than {MAX_DEPTH} levels (the encoder writes no deeper)", path=path
+        ) from None
     except Exception as exc:  # noqa: BLE001 - anything from malformed input or unpickling
         raise ManifestError(f"undecodable value ({type(exc).__name__}: {exc})", path=path) from exc
 
@@ -194,9 +201,15 @@ def _resolve(root, hook, leaves: set[int]):
             return None
         if items and depth >= MAX_DEPTH:
             raise _TooDeep
-        todo = [i for i, c in enumerate(items)
-                if type(c) is _Tuple or (type(c) in _OPEN and len(c) and not _plain(c, depth + 1))] \
-            if not _NESTED.isdisjoint(map(type, items)) else []
+        todo = (
+            [
+                i
+                for i, c in enumerate(items)
+                if type(c) is _Tuple or (type(c) in _OPEN and len(c) and not _plain(c, depth + 1))
+            ]
+            if not _NESTED.isdisjoint(map(type, items))
+            else []
+        )
         todo.reverse()
         return [tuple if t is _Tuple else t, items, todo, depth, node, pos, t is _Tuple]
 
@@ -206,8 +219,9 @@ def _resolve(root, hook, leaves: set[int]):
         if id(node) in leaves:
             return False
         if type(node) is dict:
-            nested = not (_NESTED.isdisjoint(map(type, node))
-                          and _NESTED.isdisjoint(map(type, node.values())))
+            nested = not (
+                _NESTED.isdisjoint(map(type, node)) and _NESTED.isdisjoint(map(type, node.values()))
+            )
         else:
             nested = not _NESTED.isdisjoint(map(type, node))
         if nested:

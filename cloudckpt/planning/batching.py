@@ -20,11 +20,12 @@ order: the rounds are the one sequence of collectives every rank runs.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence, Union
+from typing import Union
 
-from cloudckpt.planning.parts import Part, RunPart, WindowPart, aligned, layout_windows
+from cloudckpt.planning.broadcast.parts import Part, RunPart, WindowPart, aligned, layout_windows
 
 
 def pack_in_order(sizes: Sequence[int], cap: int) -> list[list[int]]:
@@ -66,7 +67,7 @@ class ObjectBatch:
 def batch_by_object(spans: Sequence[Span], cap: int) -> list[ObjectBatch]:
     """Group ``spans`` per object (objects in order of first appearance), each object's spans
     sorted by start (ties keep input order) and cut by :func:`pack_in_order` on their
-    :func:`~cloudckpt.planning.parts.aligned` lengths with ``cap``. Every span is in exactly
+    :func:`~cloudckpt.planning.broadcast.parts.aligned` lengths with ``cap``. Every span is in exactly
     one batch."""
     per_object: dict[str, list[int]] = {}
     for i, s in enumerate(spans):
@@ -100,7 +101,7 @@ class RunBatch:
 @dataclass(frozen=True)
 class WindowBatch:
     """Window parts broadcast together from ``src`` to ``members`` through one buffer, each at
-    its :func:`~cloudckpt.planning.parts.layout_windows` offset."""
+    its :func:`~cloudckpt.planning.broadcast.parts.layout_windows` offset."""
 
     members: tuple[int, ...]
     src: int
@@ -146,8 +147,9 @@ def balance_sources(broadcasts, parts: Sequence[Part], loads: Sequence[int]) -> 
     return sources
 
 
-def batch_parts(broadcasts, parts: Sequence[Part], batch_bytes: int,
-                sources: Sequence[int] | None = None) -> list[BroadcastBatch]:
+def batch_parts(
+    broadcasts, parts: Sequence[Part], batch_bytes: int, sources: Sequence[int] | None = None
+) -> list[BroadcastBatch]:
     """Cut ``parts`` (in global order) into broadcast batches.
 
     ``sources[i]`` is part ``i``'s source (:func:`balance_sources`); without it, its
@@ -231,8 +233,12 @@ def plan_rounds(batches: Sequence[BroadcastBatch]) -> list[Round]:
     queues = []
     for members, by_src in per_group.items():
         depth = max(len(q) for q in by_src.values())
-        queues.append([Round(members, tuple(by_src[s][k] for s in sorted(by_src)
-                                            if k < len(by_src[s]))) for k in range(depth)])
+        queues.append(
+            [
+                Round(members, tuple(by_src[s][k] for s in sorted(by_src) if k < len(by_src[s])))
+                for k in range(depth)
+            ]
+        )
     ordered: list[Round] = []
     for k in range(max((len(q) for q in queues), default=0)):
         ordered.extend(q[k] for q in queues if k < len(q))

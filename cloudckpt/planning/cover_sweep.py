@@ -79,10 +79,12 @@ class _Boxes:
                 break  # sid[0] is never used (axis 0 is always swept)
             pair = inv[:rows] * r + inv[rows:]  # < r**2 <= 4 rows**2
             if j < d - 1:
-                if 4 * rows ** 3 < 1 << 62:  # one key: (pair, sid of the axes after j)
+                if 4 * rows**3 < 1 << 62:  # one key: (pair, sid of the axes after j)
                     pair = pair * rows + self.sid[j + 1]
                 else:
-                    pair = np.unique(pair, return_inverse=True)[1].reshape(-1) * rows + self.sid[j + 1]
+                    pair = (
+                        np.unique(pair, return_inverse=True)[1].reshape(-1) * rows + self.sid[j + 1]
+                    )
             self.sid[j] = np.unique(pair, return_inverse=True)[1].reshape(-1)
 
 
@@ -114,8 +116,9 @@ def _split(bx: _Boxes, j: int, e: _Entries, *, skip: bool):
     starts = _group_starts(e.gid)
     lens = np.diff(np.concatenate((starts, [len(e)])))
     lo_r, hi_r = bx.rank_lo[j][e.b], bx.rank_hi[j][e.b]
-    same = ((np.minimum.reduceat(lo_r, starts) == np.maximum.reduceat(lo_r, starts))
-            & (np.minimum.reduceat(hi_r, starts) == np.maximum.reduceat(hi_r, starts)))
+    same = (np.minimum.reduceat(lo_r, starts) == np.maximum.reduceat(lo_r, starts)) & (
+        np.minimum.reduceat(hi_r, starts) == np.maximum.reduceat(hi_r, starts)
+    )
     same_e = np.repeat(same, lens)
     keep, cut = np.flatnonzero(same_e), np.flatnonzero(~same_e)
     sentinel = int(bx.n_coords[j])
@@ -128,13 +131,19 @@ def _split(bx: _Boxes, j: int, e: _Entries, *, skip: bool):
     order = stable_order([group_key, bx.sid[j + 1][b]], stable=False)  # equal keys merge anyway
     group_key, b, w, root, coord = group_key[order], b[order], w[order], root[order], coord[order]
     sid = bx.sid[j + 1][b]
-    run = np.flatnonzero(np.concatenate(([True], (group_key[1:] != group_key[:-1]) | (sid[1:] != sid[:-1]))))
+    run = np.flatnonzero(
+        np.concatenate(([True], (group_key[1:] != group_key[:-1]) | (sid[1:] != sid[:-1])))
+    )
     w = np.add.reduceat(w, run) if len(run) else w
     live = run[w != 0]
     w = w[w != 0]
     group_key, b, root, coord = group_key[live], b[live], root[live], coord[live]
     parent = gid[order][live]
-    new_group = np.concatenate(([True], group_key[1:] != group_key[:-1])) if len(live) else np.zeros(0, bool)
+    new_group = (
+        np.concatenate(([True], group_key[1:] != group_key[:-1]))
+        if len(live)
+        else np.zeros(0, bool)
+    )
     if skip and len(live):
         g_start = np.flatnonzero(new_group)
         g_len = np.diff(np.concatenate((g_start, [len(live)])))
@@ -147,16 +156,33 @@ def _split(bx: _Boxes, j: int, e: _Entries, *, skip: bool):
             drop_group = np.zeros(len(g_start), dtype=bool)
             drop_group[pick[first]] = True
             alive = ~np.repeat(drop_group, g_len)
-            b, w, root, coord, group_key = b[alive], w[alive], root[alive], coord[alive], group_key[alive]
-            new_group = np.concatenate(([True], group_key[1:] != group_key[:-1])) if len(b) else new_group[:0]
+            b, w, root, coord, group_key = (
+                b[alive],
+                w[alive],
+                root[alive],
+                coord[alive],
+                group_key[alive],
+            )
+            new_group = (
+                np.concatenate(([True], group_key[1:] != group_key[:-1]))
+                if len(b)
+                else new_group[:0]
+            )
     gid_new = np.cumsum(new_group) - 1
     g_coord = coord[new_group]
     g_coord = np.where(g_coord == sentinel, -1, g_coord)
     return _Entries(gid_new.astype(np.int64), b, w, root), g_coord
 
 
-def _failing_roots(bx: _Boxes, j0: int, e: _Entries, budget: np.ndarray, *, stop_at_first: bool,
-                   stats: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _failing_roots(
+    bx: _Boxes,
+    j0: int,
+    e: _Entries,
+    budget: np.ndarray,
+    *,
+    stop_at_first: bool,
+    stats: dict | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """(roots whose signed sum is not zero, roots past their work bound), checking axes ``j0..``.
 
     ``budget[r]``: the most entries root ``r`` may have in flight after any axis; a root past it
@@ -183,7 +209,9 @@ def _failing_roots(bx: _Boxes, j0: int, e: _Entries, budget: np.ndarray, *, stop
     return np.unique(e.root), irregular
 
 
-def covers_many(lo: np.ndarray, hi: np.ndarray, group: np.ndarray, shapes: np.ndarray) -> np.ndarray:
+def covers_many(
+    lo: np.ndarray, hi: np.ndarray, group: np.ndarray, shapes: np.ndarray
+) -> np.ndarray:
     """Exact-cover verdicts of several tensors at once, each exactly what :func:`find_defect`
     decides alone: per group ``1`` covered exactly once, ``0`` not, ``-1`` too irregular.
 
@@ -192,7 +220,11 @@ def covers_many(lo: np.ndarray, hi: np.ndarray, group: np.ndarray, shapes: np.nd
     """
     n_groups, width = shapes.shape
     counts = np.bincount(group, minlength=n_groups)
-    axes = np.flatnonzero(((lo != 0) | (hi != shapes[group])).any(axis=0)) if len(lo) else np.zeros(0, np.int64)
+    axes = (
+        np.flatnonzero(((lo != 0) | (hi != shapes[group])).any(axis=0))
+        if len(lo)
+        else np.zeros(0, np.int64)
+    )
     verdict = np.ones(n_groups, dtype=np.int64)
     if not len(axes):  # every box is its whole tensor: exact iff alone
         verdict[counts != 1] = 0
@@ -243,7 +275,9 @@ def find_defect(shape, offsets: np.ndarray, sizes: np.ndarray, *, stats: dict | 
     budget = np.array([WORK_FACTOR * rows + WORK_FLOOR])
     if stats is not None:
         stats["rows"] = rows
-    failing, irregular = _failing_roots(bx, 0, _initial(rows), budget, stop_at_first=True, stats=stats)
+    failing, irregular = _failing_roots(
+        bx, 0, _initial(rows), budget, stop_at_first=True, stats=stats
+    )
     if len(irregular):
         raise TooIrregular(rows)
     if not len(failing):
@@ -258,15 +292,21 @@ def find_defect(shape, offsets: np.ndarray, sizes: np.ndarray, *, stats: dict | 
         coords = np.unique(np.concatenate((lo[e.b, j], hi[e.b, j])))
         jumps, g_coord = _split(bx, j, e, skip=False)
         jumps.root = jumps.gid.copy()
-        failing, irregular = _failing_roots(bx, j + 1, jumps, np.full(int(jumps.gid.max()) + 1, budget[0]),
-                                            stop_at_first=False)
+        failing, irregular = _failing_roots(
+            bx, j + 1, jumps, np.full(int(jumps.gid.max()) + 1, budget[0]), stop_at_first=False
+        )
         if len(irregular):
             raise TooIrregular(rows)
         g = int(failing.min())  # groups are numbered by coordinate: the first failing jump
         x = _coord_value(bx, j, int(g_coord[g]))
         region_lo[j], region_hi[j] = x, int(coords[np.searchsorted(coords, x, side="right")])
         mine = np.flatnonzero(jumps.gid == g)
-        e = _Entries(np.zeros(len(mine), np.int64), jumps.b[mine], jumps.w[mine], np.zeros(len(mine), np.int64))
+        e = _Entries(
+            np.zeros(len(mine), np.int64),
+            jumps.b[mine],
+            jumps.w[mine],
+            np.zeros(len(mine), np.int64),
+        )
     value = int(e.w.sum())
     region = _unproject(shape, axes, region_lo, region_hi)
     return ("gap" if value < 0 else "overlap", *region)

@@ -95,8 +95,9 @@ def find_cover_defect(shape, offsets: np.ndarray, sizes: np.ndarray):
         return ("irregular", (0,) * d, shape)
 
 
-def slab_segments_ok(seg_start: np.ndarray, row_shape: np.ndarray, offsets: np.ndarray,
-                     sizes: np.ndarray) -> np.ndarray:
+def slab_segments_ok(
+    seg_start: np.ndarray, row_shape: np.ndarray, offsets: np.ndarray, sizes: np.ndarray
+) -> np.ndarray:
     """Vectorised fast path over many tensors at once.
 
     Rows (non-empty boxes, padded to a common width with offset 0 / size 1 / shape 1) are sorted

@@ -1,7 +1,7 @@
 """The memos of the plan codecs, forgotten together."""
 
-from cloudckpt.planning import load_plan as _load_plan
-from cloudckpt.planning import local_plan as _local_plan
+from cloudckpt.planning.load import plan as _load_plan
+from cloudckpt.planning.save import local_plan as _local_plan
 
 
 def clear_header_caches() -> None:

@@ -52,15 +52,21 @@ class PieceSpec:
         if type(self.name) is not str:
             raise PlanningError(f"piece name must be a string, got {self.name!r}")
         if self.dtype not in DTYPE_ITEMSIZE:
-            raise PlanningError(f"tensor {self.name!r}: dtype {self.dtype!r} is not supported "
-                                f"(allowed: {', '.join(DTYPE_ITEMSIZE)})")
+            raise PlanningError(
+                f"tensor {self.name!r}: dtype {self.dtype!r} is not supported "
+                f"(allowed: {', '.join(DTYPE_ITEMSIZE)})"
+            )
         if not len(shape) == len(offsets) == len(sizes) or len(shape) > MAX_NDIM:
-            raise PlanningError(f"tensor {self.name!r}: global shape {shape}, offsets {offsets} and sizes "
-                                f"{sizes} must have the same length (at most {MAX_NDIM})")
+            raise PlanningError(
+                f"tensor {self.name!r}: global shape {shape}, offsets {offsets} and sizes "
+                f"{sizes} must have the same length (at most {MAX_NDIM})"
+            )
         for g, o, s in zip(shape, offsets, sizes):
             if g < 0 or o < 0 or s < 0 or o + s > g:
-                raise PlanningError(f"tensor {self.name!r}: piece {region_str(offsets, sizes)} is not inside "
-                                    f"global shape {shape}")
+                raise PlanningError(
+                    f"tensor {self.name!r}: piece {region_str(offsets, sizes)} is not inside "
+                    f"global shape {shape}"
+                )
         if math.prod(shape) * DTYPE_ITEMSIZE[self.dtype] > MAX_ELEMENTS:
             raise PlanningError(f"tensor {self.name!r}: global shape {shape} is too large")
 
@@ -76,9 +82,20 @@ class PieceSpec:
 class PieceHeader:
     """Distinct tensor names of a piece table with their dtype and global shape (immutable)."""
 
-    __slots__ = ("names", "dtypes", "shapes", "index", "ndims", "itemsizes", "_packed", "__weakref__")
+    __slots__ = (
+        "names",
+        "dtypes",
+        "shapes",
+        "index",
+        "ndims",
+        "itemsizes",
+        "_packed",
+        "__weakref__",
+    )
 
-    def __init__(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[tuple[int, ...]]):
+    def __init__(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[tuple[int, ...]]
+    ):
         self.names = tuple(names)
         self.dtypes = tuple(dtypes)
         self.shapes = tuple(tuple(s) for s in shapes)
@@ -96,27 +113,42 @@ class PieceHeader:
     def packed(self) -> bytes:
         """msgpack bytes ``[names, dtypes, shapes]`` (canonical for this header)."""
         if self._packed is None:
-            self._packed = msgpack.packb([list(self.names), list(self.dtypes), [list(s) for s in self.shapes]],
-                                         use_bin_type=True)
+            self._packed = msgpack.packb(
+                [list(self.names), list(self.dtypes), [list(s) for s in self.shapes]],
+                use_bin_type=True,
+            )
         return self._packed
 
-    def same_as(self, other: "PieceHeader") -> bool:
-        return other is self or (self.names == other.names and self.dtypes == other.dtypes
-                                 and self.shapes == other.shapes)
+    def same_as(self, other: PieceHeader) -> bool:
+        return other is self or (
+            self.names == other.names
+            and self.dtypes == other.dtypes
+            and self.shapes == other.shapes
+        )
 
     @classmethod
-    def unpack(cls, data: bytes) -> "PieceHeader":
+    def unpack(cls, data: bytes) -> PieceHeader:
         """Inverse of :attr:`packed`, validating names, dtypes and shapes."""
         try:
             names, dtypes, shapes = msgpack.unpackb(data, raw=False)
         except Exception as exc:  # noqa: BLE001
             raise PlanningError(f"malformed piece header: {exc}") from exc
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-                and len(names) == len(dtypes) == len(shapes)):
+        if not (
+            isinstance(names, list)
+            and isinstance(dtypes, list)
+            and isinstance(shapes, list)
+            and len(names) == len(dtypes) == len(shapes)
+        ):
             raise PlanningError("malformed piece header")
         for n, d, s in zip(names, dtypes, shapes):
-            if type(n) is not str or type(d) is not str or d not in DTYPE_ITEMSIZE or not isinstance(s, list) \
-                    or len(s) > MAX_NDIM or any(type(x) is not int or x < 0 for x in s):
+            if (
+                type(n) is not str
+                or type(d) is not str
+                or d not in DTYPE_ITEMSIZE
+                or not isinstance(s, list)
+                or len(s) > MAX_NDIM
+                or any(type(x) is not int or x < 0 for x in s)
+            ):
                 raise PlanningError(f"malformed piece header entry for {n!r}")
         header = cls(names, dtypes, [tuple(s) for s in shapes])
         header._packed = bytes(data)
@@ -147,7 +179,7 @@ class PieceTable(Sequence):
             raise PlanningError("piece table coordinates do not match the tensors' ndims")
 
     @classmethod
-    def from_pieces(cls, pieces: Sequence[PieceSpec], *, rank: int | None = None) -> "PieceTable":
+    def from_pieces(cls, pieces: Sequence[PieceSpec], *, rank: int | None = None) -> PieceTable:
         """Columns of ``pieces``; all pieces of one name must agree on dtype and global shape."""
         index: dict[str, int] = {}
         names, dtypes, shapes = [], [], []
@@ -163,7 +195,8 @@ class PieceTable(Sequence):
                 where = "" if rank is None else f" on rank {rank}"
                 raise LayoutMismatchError(
                     f"tensor {p.name!r}: pieces{where} disagree: {dtypes[i]} {shapes[i]} vs {p.dtype} "
-                    f"{p.global_shape}")
+                    f"{p.global_shape}"
+                )
             name_index.append(i)
             offsets.extend(p.offsets)
             sizes.extend(p.sizes)
@@ -207,14 +240,24 @@ class PieceTable(Sequence):
         t = int(self.name_index[i])
         s, e = int(self.coord_start[i]), int(self.coord_start[i + 1])
         h = self.header
-        return PieceSpec(h.names[t], h.dtypes[t], h.shapes[t], tuple(self.offsets[s:e].tolist()),
-                         tuple(self.sizes[s:e].tolist()), bool(self.broadcastable[i]))
+        return PieceSpec(
+            h.names[t],
+            h.dtypes[t],
+            h.shapes[t],
+            tuple(self.offsets[s:e].tolist()),
+            tuple(self.sizes[s:e].tolist()),
+            bool(self.broadcastable[i]),
+        )
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, PieceTable):
             return NotImplemented
-        return (self.header.same_as(other.header) and np.array_equal(self.name_index, other.name_index)
-                and np.array_equal(self.offsets, other.offsets) and np.array_equal(self.sizes, other.sizes)
-                and np.array_equal(self.broadcastable, other.broadcastable))
+        return (
+            self.header.same_as(other.header)
+            and np.array_equal(self.name_index, other.name_index)
+            and np.array_equal(self.offsets, other.offsets)
+            and np.array_equal(self.sizes, other.sizes)
+            and np.array_equal(self.broadcastable, other.broadcastable)
+        )
 
     __hash__ = None  # type: ignore[assignment]

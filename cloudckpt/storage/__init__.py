@@ -16,9 +16,9 @@ from cloudckpt.storage.base import (
     StoreStats,
     UploadInfo,
 )
-from cloudckpt.storage.local import LocalStore
+from cloudckpt.storage.local.store import LocalStore
 from cloudckpt.storage.options import RetryOptions, StorageOptions
-from cloudckpt.storage.s3 import S3Store
+from cloudckpt.storage.s3.store import S3Store
 from cloudckpt.storage.stores import local_path, open_store
 from cloudckpt.storage.urls import StoreURL, parse_store_url
 

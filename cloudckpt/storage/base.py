@@ -119,7 +119,7 @@ class ObjectWriter(Protocol):
       ``ObjectExists`` (from ``commit``, or from a ``write`` once the stream is long enough to
       be sent in parts) when the key exists, which is left untouched; exactly one of several
       concurrent creates of a key, streams and puts alike, wins (S3's limits: see
-      ``cloudckpt.storage.s3_stream``). Returns the object's ``ObjectInfo`` (size and etag).
+      ``cloudckpt.storage.s3.stream``). Returns the object's ``ObjectInfo`` (size and etag).
     - ``abort()``: drops what was written (idempotent; nothing to do after ``commit``). Any
       failure of ``write`` or ``commit``, cancellation included, aborts the stream itself;
       later calls raise ``StorageError``. An abort that cannot reach the store leaves an
@@ -157,8 +157,11 @@ class WriterState:
     def check_open(self, op: str) -> None:
         """``StorageError`` unless the stream is still open."""
         if self.state != "open":
-            raise StorageError(f"{op} {self.where}/{self.key}: the stream is {self.state}",
-                               key=self.key, operation=op)
+            raise StorageError(
+                f"{op} {self.where}/{self.key}: the stream is {self.state}",
+                key=self.key,
+                operation=op,
+            )
 
     async def abort(self) -> None:
         raise NotImplementedError
@@ -195,12 +198,13 @@ class ObjectStore(Protocol):
         """Store ``body`` under ``key``. ``create`` raises ``ObjectExists`` if the key exists
         (exactly one of several concurrent creates wins). Large bodies go multipart."""
 
-    def open_writer(self, key: str, *, mode: PutMode = "overwrite",
-                    size_hint: int | None = None) -> ObjectWriter:
+    def open_writer(
+        self, key: str, *, mode: PutMode = "overwrite", size_hint: int | None = None
+    ) -> ObjectWriter:
         """A stream that writes ``key`` (see ``ObjectWriter``); nothing is sent before the first
         ``write`` or ``commit``. Memory: a LocalStore stream writes each ``write`` to a
         temporary file (no buffer of its own); an S3Store stream holds about ``part x
-        (concurrency + 1)`` (``cloudckpt.storage.s3_stream``). ``size_hint``: the expected size
+        (concurrency + 1)`` (``cloudckpt.storage.s3.stream``). ``size_hint``: the expected size
         (S3 picks its part size from it; a LocalStore reserves the space); a hint, not a limit.
         ``mode`` as for ``put``; a bad key or mode raises ``ConfigError`` here."""
 
@@ -225,8 +229,9 @@ class ObjectStore(Protocol):
         multipart or composite value, never one computed by reading the object. A LocalStore
         holds none."""
 
-    def list(self, prefix: str = "", *, delimiter: str | None = None
-             ) -> AsyncIterator[ObjectInfo | CommonPrefix]:
+    def list(
+        self, prefix: str = "", *, delimiter: str | None = None
+    ) -> AsyncIterator[ObjectInfo | CommonPrefix]:
         """Keys (relative to the root) starting with ``prefix``, in lexicographic order; with a
         delimiter, keys containing it after the prefix are rolled up into ``CommonPrefix``."""
 
@@ -298,7 +303,7 @@ def slice_views(views: Sequence[memoryview], start: int, stop: int) -> list[memo
     for mv in views:
         end = pos + len(mv)
         if end > start and pos < stop:
-            out.append(mv[max(start - pos, 0):min(stop, end) - pos])
+            out.append(mv[max(start - pos, 0) : min(stop, end) - pos])
         if end >= stop:
             break
         pos = end
@@ -315,10 +320,17 @@ def check_ranges(ranges: Sequence[ReadRange]) -> list[memoryview | None]:
             if r.out is not None or r.crc32c is None:
                 raise ConfigError("ReadRange.sinks need crc32c and exclude out")
             for pos, view in r.sinks:
-                if not isinstance(view, memoryview) or view.readonly or view.format != "B" \
-                        or view.ndim != 1 or pos < 0 or pos + len(view) > r.length:
-                    raise ConfigError("a ReadRange sink must be a writable flat byte view "
-                                      "inside the range")
+                if (
+                    not isinstance(view, memoryview)
+                    or view.readonly
+                    or view.format != "B"
+                    or view.ndim != 1
+                    or pos < 0
+                    or pos + len(view) > r.length
+                ):
+                    raise ConfigError(
+                        "a ReadRange sink must be a writable flat byte view inside the range"
+                    )
         if r.out is None:
             outs.append(None)
             continue

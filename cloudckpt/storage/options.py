@@ -77,9 +77,13 @@ class RetryOptions:
         if not seconds > 0:
             raise ConfigError(f"a timeout must be > 0 seconds, got {seconds}")
         read = seconds / self.max_stalls
-        return replace(self, read_timeout=read, connect_timeout=min(self.connect_timeout, read),
-                       attempt_timeout=max(self.attempt_timeout, seconds),
-                       deadline=max(self.deadline, seconds))
+        return replace(
+            self,
+            read_timeout=read,
+            connect_timeout=min(self.connect_timeout, read),
+            attempt_timeout=max(self.attempt_timeout, seconds),
+            deadline=max(self.deadline, seconds),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +92,7 @@ class StorageOptions:
     resolved as boto3 resolves it (``AWS_ENDPOINT_URL[_S3]``, ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``,
     ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, ``AWS_CA_BUNDLE``, the config
     and credentials files, instance roles; ``AWS_REGION`` where nothing else names a region): the
-    order is in ``cloudckpt.storage.aws_config``.
+    order is in ``cloudckpt.storage.s3.aws_config``.
 
     - ``addressing_style``: ``"path"``, ``"virtual"`` or ``"auto"`` (virtual hosted where the bucket
       name allows it); None: the profile's ``s3 = addressing_style``, else path style for a
@@ -111,7 +115,7 @@ class StorageOptions:
       reader, which receives bodies in place (about half the client CPU of aiohttp), with
       GetObject URLs presigned by the same client; answers it does not read, proxies and
       client certificates go through aiobotocore as every other request
-      (``cloudckpt.storage.s3_rangeget``). False: aiobotocore for every request.
+      (``cloudckpt.storage.s3.rangeget``). False: aiobotocore for every request.
     - ``conditional_create``: how ``mode="create"`` is enforced: ``"native"`` (one PutObject
       with If-None-Match: *, whatever the body's size, so at most 5 GiB), ``"fallback"``
       (multipart-upload claim protocol, for servers that ignore the header; needs
@@ -161,9 +165,12 @@ class StorageOptions:
             object.__setattr__(self, "verify_tls", os.fspath(self.verify_tls))
         verify = self.verify_tls
         if not isinstance(verify, (bool, str, type(None))) or (
-                isinstance(verify, str) and not verify.strip()):
-            raise ConfigError("StorageOptions.verify_tls must be None, True, False or the path of "
-                              f"a CA bundle (PEM), not {self.verify_tls!r}")
+            isinstance(verify, str) and not verify.strip()
+        ):
+            raise ConfigError(
+                "StorageOptions.verify_tls must be None, True, False or the path of "
+                f"a CA bundle (PEM), not {self.verify_tls!r}"
+            )
         if self.conditional_create not in ("auto", "native", "fallback"):
             raise ConfigError(f"bad conditional_create {self.conditional_create!r}")
         if not 0 <= self.prefix_spreading <= 4096:
@@ -185,17 +192,23 @@ def check_endpoint_url(url: str, source: str) -> None:
     ``url`` is an ``http://`` or ``https://`` URL with a host: ``127.0.0.1:9000`` (no scheme),
     ``s3://bucket`` or ``""`` are refused before any client is made. Pure (no I/O)."""
     if not isinstance(url, str) or not url.strip():
-        raise ConfigError(f"{source} is empty: give the endpoint as http://HOST[:PORT] or "
-                          "https://HOST[:PORT], or leave it unset for AWS S3")
+        raise ConfigError(
+            f"{source} is empty: give the endpoint as http://HOST[:PORT] or "
+            "https://HOST[:PORT], or leave it unset for AWS S3"
+        )
     try:
         parsed = urlsplit(url.strip())
         parsed.port  # noqa: B018 - raises ValueError for a port that is not a number
     except ValueError as exc:
-        raise ConfigError(f"{source} {url!r} is not a valid URL ({exc}): give "
-                          "http://HOST[:PORT] or https://HOST[:PORT]") from exc
+        raise ConfigError(
+            f"{source} {url!r} is not a valid URL ({exc}): give "
+            "http://HOST[:PORT] or https://HOST[:PORT]"
+        ) from exc
     if parsed.scheme.lower() not in ("http", "https") or not parsed.hostname:
-        raise ConfigError(f"{source} {url!r} is not an endpoint URL: it needs http:// or "
-                          f"https:// and a host, e.g. http://{_host_hint(url)}")
+        raise ConfigError(
+            f"{source} {url!r} is not an endpoint URL: it needs http:// or "
+            f"https:// and a host, e.g. http://{_host_hint(url)}"
+        )
 
 
 def _host_hint(url: str) -> str:

@@ -35,8 +35,9 @@ class Piece:
         return self.end - self.start
 
 
-def plan_pieces(offsets: Sequence[int], lengths: Sequence[int], *, gap: int,
-                max_piece: int) -> list[Piece]:
+def plan_pieces(
+    offsets: Sequence[int], lengths: Sequence[int], *, gap: int, max_piece: int
+) -> list[Piece]:
     """Group ranges into pieces: a range joins the current piece when it starts inside it or at
     most ``gap`` bytes after its end and the piece stays within ``max_piece`` bytes; a range
     longer than ``max_piece`` is cut into pieces of that size. Every byte of every range is in a
@@ -47,8 +48,12 @@ def plan_pieces(offsets: Sequence[int], lengths: Sequence[int], *, gap: int,
     cur: Piece | None = None
 
     def joins(a: int, b: int) -> bool:
-        return (cur is not None and cur.start <= a and a - cur.end <= gap
-                and max(b, cur.end) - cur.start <= max_piece)
+        return (
+            cur is not None
+            and cur.start <= a
+            and a - cur.end <= gap
+            and max(b, cur.end) - cur.start <= max_piece
+        )
 
     for i in order:
         start, end = offsets[i], offsets[i] + lengths[i]
@@ -71,8 +76,13 @@ class Scatter:
     that writes bytes in place instead of feeding chunks).
     """
 
-    def __init__(self, piece: Piece, offsets: Sequence[int], lengths: Sequence[int],
-                 outs: Sequence[memoryview]):
+    def __init__(
+        self,
+        piece: Piece,
+        offsets: Sequence[int],
+        lengths: Sequence[int],
+        outs: Sequence[memoryview],
+    ):
         self._members = [(offsets[i], offsets[i] + lengths[i], outs[i]) for i in piece.members]
         self._first = 0
 
@@ -97,7 +107,7 @@ class Scatter:
             if a < b:
                 if src is None:
                     src = chunk if isinstance(chunk, memoryview) else memoryview(chunk)
-                out[a - off:b - off] = src[a - pos:b - pos]
+                out[a - off : b - off] = src[a - pos : b - pos]
             i += 1
 
 
@@ -147,9 +157,12 @@ class HeldRange:
         with self._lock:
             if self._buf is None:
                 self._pool = pool
-                self._buf = pool.take(self.range.length) if pool is not None \
+                self._buf = (
+                    pool.take(self.range.length)
+                    if pool is not None
                     else bytearray(self.range.length)
-            return memoryview(self._buf)[pos:pos + n]
+                )
+            return memoryview(self._buf)[pos : pos + n]
 
     def landed(self, pos: int, n: int) -> None:
         """Bytes ``[pos, pos + n)`` are in the :meth:`landing` buffer (each byte reported once);
@@ -231,8 +244,9 @@ def _copy_parts(parts: list[tuple[int, memoryview]], pos: int, sink: memoryview)
     for at, view in parts:
         lo, hi = max(at, pos), min(at + len(view), end)
         if lo < hi:
-            dst[lo - pos:hi - pos] = np.frombuffer(view, dtype=np.uint8, count=hi - lo,
-                                                   offset=lo - at)
+            dst[lo - pos : hi - pos] = np.frombuffer(
+                view, dtype=np.uint8, count=hi - lo, offset=lo - at
+            )
 
 
 async def crc_of(view: memoryview) -> int:
@@ -242,8 +256,9 @@ async def crc_of(view: memoryview) -> int:
     return crc32c(view)
 
 
-async def bad_crc_ranges(offsets: Sequence[int], crcs: Sequence[int | None],
-                         views: Sequence[memoryview]) -> list[int]:
+async def bad_crc_ranges(
+    offsets: Sequence[int], crcs: Sequence[int | None], views: Sequence[memoryview]
+) -> list[int]:
     """Indexes of the ranges whose expected crc32c (when given) does not match their view."""
     bad = []
     for i, expected in enumerate(crcs):
@@ -252,8 +267,9 @@ async def bad_crc_ranges(offsets: Sequence[int], crcs: Sequence[int | None],
     return bad
 
 
-def checksum_error(url: str, key: str, offset: int, length: int, expected: int | None,
-                   actual: int | None) -> ChecksumError:
+def checksum_error(
+    url: str, key: str, offset: int, length: int, expected: int | None, actual: int | None
+) -> ChecksumError:
     """The ``ChecksumError`` for one failed range (names the object and byte range).
     ``actual`` None: the range never completed (its read delivered fewer bytes than asked)."""
     want = "none" if expected is None else f"{expected & 0xFFFFFFFF:08x}"
@@ -261,4 +277,7 @@ def checksum_error(url: str, key: str, offset: int, length: int, expected: int |
     return ChecksumError(
         f"crc32c mismatch in {str(url).rstrip('/')}/{key} bytes [{offset}, {offset + length}): "
         f"expected {want}, got {got}",
-        key=key, offset=offset, length=length)
+        key=key,
+        offset=offset,
+        length=length,
+    )

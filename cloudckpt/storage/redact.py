@@ -13,13 +13,26 @@ import re
 
 _PATTERN = re.compile(
     r"(?i)(x-amz-security-token['\"]?\s*[:=]\s*b?['\"]?)([^'\"\s,}&]+)"
-    r"|(?i:(X-Amz-Security-Token=))([^&\s'\"]+)")
+    r"|(?i:(X-Amz-Security-Token=))([^&\s'\"]+)"
+)
 
 #: Loggers whose records may hold request headers, canonical requests or signed URLs.
-_LOGGERS = ("botocore.auth", "botocore.endpoint", "botocore.hooks", "botocore.httpsession",
-            "botocore.retryhandler", "botocore.parsers", "botocore.signers", "botocore.client",
-            "aiobotocore.endpoint", "aiobotocore.httpsession", "aiobotocore.client",
-            "aiobotocore.hooks", "aiobotocore.signers", "aiobotocore.parsers")
+_LOGGERS = (
+    "botocore.auth",
+    "botocore.endpoint",
+    "botocore.hooks",
+    "botocore.httpsession",
+    "botocore.retryhandler",
+    "botocore.parsers",
+    "botocore.signers",
+    "botocore.client",
+    "aiobotocore.endpoint",
+    "aiobotocore.httpsession",
+    "aiobotocore.client",
+    "aiobotocore.hooks",
+    "aiobotocore.signers",
+    "aiobotocore.parsers",
+)
 
 
 def redact(text: str) -> str:

@@ -62,6 +62,7 @@ class _WaitExpired(Exception):
 
 
 if sys.version_info >= (3, 11):
+
     async def _with_timeout(coro: Awaitable[T], seconds: float) -> T:
         cap = asyncio.timeout(seconds)
         try:
@@ -79,6 +80,7 @@ if sys.version_info >= (3, 11):
         except TimeoutError as exc:
             raise _WaitExpired() from exc
 else:  # pragma: no cover - Python 3.10
+
     async def _with_timeout(coro: Awaitable[T], seconds: float) -> T:
         try:
             return await asyncio.wait_for(coro, seconds)
@@ -105,9 +107,15 @@ class Retrier:
     names the operation, the object, the attempts made and the seconds spent, the last cause,
     and ``describe()`` (the backend's words for where the requests went: the endpoint)."""
 
-    def __init__(self, *, options: RetryOptions, stats: StoreStats, slots: asyncio.Semaphore,
-                 classify: Callable[[BaseException, str, str | None, str], Verdict],
-                 describe: Callable[[], str] | None = None):
+    def __init__(
+        self,
+        *,
+        options: RetryOptions,
+        stats: StoreStats,
+        slots: asyncio.Semaphore,
+        classify: Callable[[BaseException, str, str | None, str], Verdict],
+        describe: Callable[[], str] | None = None,
+    ):
         self.options = options
         self.stats = stats
         self.slots = slots
@@ -118,8 +126,16 @@ class Retrier:
         """The deadline (event loop time) of an operation starting now."""
         return asyncio.get_running_loop().time() + self.options.deadline
 
-    async def wait(self, waiting: Awaitable[T], *, what: str, op: str, key: str | None,
-                   where: str, deadline: float) -> T:
+    async def wait(
+        self,
+        waiting: Awaitable[T],
+        *,
+        what: str,
+        op: str,
+        key: str | None,
+        where: str,
+        deadline: float,
+    ) -> T:
         """Await ``waiting`` (an acquisition that undoes itself when cancelled, such as
         ``ByteBudget.acquire``) unless ``deadline`` passes first: then ``RetriesExhausted``
         ("deadline passed while waiting for ``what``"), as for an operation out of time."""
@@ -127,12 +143,25 @@ class Retrier:
             return await _wait_until(waiting, deadline)
         except _WaitExpired:
             name = _name(where, key)
-            raise self._exhausted(op, key, name, 0, None,
-                                  f"deadline passed while waiting for {what}",
-                                  deadline - self.options.deadline) from None
+            raise self._exhausted(
+                op,
+                key,
+                name,
+                0,
+                None,
+                f"deadline passed while waiting for {what}",
+                deadline - self.options.deadline,
+            ) from None
 
-    async def call(self, op: str, key: str | None, attempt: Callable[[int], Awaitable[T]],
-                   *, where: str, deadline: float | None = None) -> T:
+    async def call(
+        self,
+        op: str,
+        key: str | None,
+        attempt: Callable[[int], Awaitable[T]],
+        *,
+        where: str,
+        deadline: float | None = None,
+    ) -> T:
         """Run ``attempt(n)`` (n = 1, 2, ...) until it returns, fails for good, or runs out of
         attempts or time. ``key`` is the store-relative key (or None), ``where`` the store URL
         (messages name ``where/key``). ``deadline`` (event loop time) is that of the operation
@@ -179,21 +208,38 @@ class Retrier:
             finally:
                 self.slots.release()
             if stalls >= opts.max_stalls:
-                raise give_up(n, f"no answer: {plural(stalls, 'attempt')} in a row timed out "
-                                 f"(connect timeout {opts.connect_timeout:g} s, read timeout "
-                                 f"{opts.read_timeout:g} s)") from last
+                raise give_up(
+                    n,
+                    f"no answer: {plural(stalls, 'attempt')} in a row timed out "
+                    f"(connect timeout {opts.connect_timeout:g} s, read timeout "
+                    f"{opts.read_timeout:g} s)",
+                ) from last
             if n >= opts.max_attempts:
                 raise give_up(n, "every attempt failed") from last
             delay = random.uniform(0.0, min(opts.max_delay, opts.base_delay * (2 ** (n - 1))))
             if loop.time() + delay >= deadline:
                 raise give_up(n, "its deadline would pass before the next attempt") from last
             if n == 1:
-                logger.warning("%s %s failed (%s); retrying in %.2fs, at most %d attempts "
-                               "within %s (further retries are logged at DEBUG)", op, name,
-                               reason, delay, opts.max_attempts, seconds(opts.deadline))
+                logger.warning(
+                    "%s %s failed (%s); retrying in %.2fs, at most %d attempts "
+                    "within %s (further retries are logged at DEBUG)",
+                    op,
+                    name,
+                    reason,
+                    delay,
+                    opts.max_attempts,
+                    seconds(opts.deadline),
+                )
             else:
-                logger.debug("%s %s attempt %d/%d failed (%s); retrying in %.2fs",
-                             op, name, n, opts.max_attempts, reason, delay)
+                logger.debug(
+                    "%s %s attempt %d/%d failed (%s); retrying in %.2fs",
+                    op,
+                    name,
+                    n,
+                    opts.max_attempts,
+                    reason,
+                    delay,
+                )
             await asyncio.sleep(delay)
 
     def _count(self, op: str, n: int) -> None:
@@ -203,10 +249,20 @@ class Retrier:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s attempt %d", op, n)
 
-    def _exhausted(self, op: str, key: str | None, name: str, attempts: int,
-                   last: BaseException | None, why: str, started: float) -> RetriesExhausted:
+    def _exhausted(
+        self,
+        op: str,
+        key: str | None,
+        name: str,
+        attempts: int,
+        last: BaseException | None,
+        why: str,
+        started: float,
+    ) -> RetriesExhausted:
         spent = max(asyncio.get_running_loop().time() - started, 0.0)
-        text = f"{op} {name}: gave up after {plural(attempts, 'attempt')} in {seconds(spent)}, {why}"
+        text = (
+            f"{op} {name}: gave up after {plural(attempts, 'attempt')} in {seconds(spent)}, {why}"
+        )
         if last is not None:
             text += f"; last error: {type(last).__name__}: {last}"
         if self.describe is not None:

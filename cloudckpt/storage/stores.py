@@ -6,9 +6,9 @@ import os
 
 from cloudckpt.errors import ConfigError
 from cloudckpt.storage.base import ObjectStore
-from cloudckpt.storage.local import LocalStore
+from cloudckpt.storage.local.store import LocalStore
 from cloudckpt.storage.options import StorageOptions
-from cloudckpt.storage.s3 import S3Store
+from cloudckpt.storage.s3.store import S3Store
 from cloudckpt.storage.urls import parse_store_url
 
 

@@ -32,13 +32,13 @@ _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-_]{1,254}$", re.IGNORECASE)
 #: Schemes people reach for, with what to do instead.
 _OTHER_STORES = {
     "gs": "for Google Cloud Storage use its S3-compatible API: AWS_ENDPOINT_URL="
-          "https://storage.googleapis.com with HMAC keys, and s3://BUCKET/PATH",
+    "https://storage.googleapis.com with HMAC keys, and s3://BUCKET/PATH",
     "gcs": "for Google Cloud Storage use its S3-compatible API: AWS_ENDPOINT_URL="
-           "https://storage.googleapis.com with HMAC keys, and s3://BUCKET/PATH",
+    "https://storage.googleapis.com with HMAC keys, and s3://BUCKET/PATH",
     "http": "an endpoint is not a checkpoint URL: set AWS_ENDPOINT_URL (or "
-            "StorageOptions(endpoint_url=...)) to the server and use s3://BUCKET/PATH",
+    "StorageOptions(endpoint_url=...)) to the server and use s3://BUCKET/PATH",
     "https": "an endpoint is not a checkpoint URL: set AWS_ENDPOINT_URL (or "
-             "StorageOptions(endpoint_url=...)) to the server and use s3://BUCKET/PATH",
+    "StorageOptions(endpoint_url=...)) to the server and use s3://BUCKET/PATH",
 }
 _S3_LIKE = ("s3", "s3a", "s3n")
 _USE = "use s3://BUCKET/PATH, file:///ABSOLUTE/PATH or a plain path"
@@ -99,14 +99,16 @@ def parse_s3_url(url: str) -> tuple[str, str]:
         raise ConfigError(f"s3 URLs take no query, fragment or credentials: {url!r}")
     bucket = parsed.netloc
     if not _BUCKET_RE.match(bucket):
-        raise ConfigError(f"bad bucket name {bucket!r} in {url!r} (3-255 letters, digits, "
-                          "'.', '-', '_')")
+        raise ConfigError(
+            f"bad bucket name {bucket!r} in {url!r} (3-255 letters, digits, '.', '-', '_')"
+        )
     prefix = parsed.path.strip("/")
     if prefix:
         for part in prefix.split("/"):
             if part in ("", ".", ".."):
-                raise ConfigError(f"bad path {parsed.path!r} in {url!r} (no empty, '.' or '..' "
-                                  "segments)")
+                raise ConfigError(
+                    f"bad path {parsed.path!r} in {url!r} (no empty, '.' or '..' segments)"
+                )
         prefix += "/"
     return bucket, prefix
 
@@ -114,8 +116,10 @@ def parse_s3_url(url: str) -> tuple[str, str]:
 def _file_path(text: str) -> str:
     parsed = urlparse(text)
     if not text.startswith("file://"):
-        raise ConfigError(f"malformed file URL {text!r}: write file:///ABSOLUTE/PATH "
-                          "(three slashes) or a plain path")
+        raise ConfigError(
+            f"malformed file URL {text!r}: write file:///ABSOLUTE/PATH "
+            "(three slashes) or a plain path"
+        )
     if parsed.netloc not in ("", "localhost") or parsed.query or parsed.fragment:
         raise ConfigError(f"unsupported file URL {text!r}: write file:///ABSOLUTE/PATH")
     path = unquote(parsed.path)
@@ -129,24 +133,31 @@ def _file_path(text: str) -> str:
 def _scheme_hint(text: str, scheme: str) -> str:
     """The refusal of a scheme-like ``text`` that is neither ``s3://`` nor ``file://``."""
     lower = scheme.lower()
-    rest = text[len(scheme) + 1:]
+    rest = text[len(scheme) + 1 :]
     if lower in _S3_LIKE:
         target = "s3://" + rest.lstrip("/\\")
         guess = f"; did you mean {target!r}?" if target != "s3://" else ""
-        return (f"malformed S3 URL {text!r}: an S3 URL is s3://BUCKET/PATH (lowercase s3, two "
-                f"slashes){guess}")
+        return (
+            f"malformed S3 URL {text!r}: an S3 URL is s3://BUCKET/PATH (lowercase s3, two "
+            f"slashes){guess}"
+        )
     if lower == "file":
-        return (f"malformed file URL {text!r}: write file:///ABSOLUTE/PATH (lowercase) or a "
-                "plain path")
+        return (
+            f"malformed file URL {text!r}: write file:///ABSOLUTE/PATH (lowercase) or a plain path"
+        )
     if lower in _OTHER_STORES:
         return f"unsupported store URL {text!r}: {_OTHER_STORES[lower]}"
     if rest.startswith("//"):
-        return (f"unsupported store URL {text!r}: {scheme}:// is not supported (cloudckpt "
-                f"works with S3-compatible stores and local paths); {_USE}")
+        return (
+            f"unsupported store URL {text!r}: {scheme}:// is not supported (cloudckpt "
+            f"works with S3-compatible stores and local paths); {_USE}"
+        )
     if len(scheme) == 1:
         return f"unsupported store URL {text!r}: Windows drive paths are not supported; {_USE}"
-    return (f"unsupported store URL {text!r}: it starts like a URL scheme ({scheme}:); {_USE} "
-            f"(./{text} for a local folder whose name contains ':')")
+    return (
+        f"unsupported store URL {text!r}: it starts like a URL scheme ({scheme}:); {_USE} "
+        f"(./{text} for a local folder whose name contains ':')"
+    )
 
 
 def is_s3_url(url) -> bool:

@@ -20,8 +20,14 @@ from cloudckpt.storage.ranges import HeldRange, bad_crc_ranges, checksum_error, 
 
 
 class Fetch(Protocol):
-    def __call__(self, offsets: Sequence[int], lengths: Sequence[int],
-                 targets: Sequence[memoryview | HeldRange], *, reread: bool) -> Awaitable[None]:
+    def __call__(
+        self,
+        offsets: Sequence[int],
+        lengths: Sequence[int],
+        targets: Sequence[memoryview | HeldRange],
+        *,
+        reread: bool,
+    ) -> Awaitable[None]:
         """Fill ``targets[i]`` with bytes ``[offsets[i], offsets[i] + lengths[i])`` of the object:
         a flat writable view by slice assignment, a ``HeldRange`` by slice assignment or ``add``
         (chunks it may keep until complete). Every target complete on return, or raise (past
@@ -29,9 +35,14 @@ class Fetch(Protocol):
         failed verification (the first call reads them all and may coalesce them)."""
 
 
-async def read_verified(key: str, ranges: Sequence[ReadRange], fetch: Fetch, *, where: str,
-                        hold: Callable[[int], contextlib.AbstractAsyncContextManager] | None = None
-                        ) -> list[memoryview]:
+async def read_verified(
+    key: str,
+    ranges: Sequence[ReadRange],
+    fetch: Fetch,
+    *,
+    where: str,
+    hold: Callable[[int], contextlib.AbstractAsyncContextManager] | None = None,
+) -> list[memoryview]:
     """``ObjectStore.read_ranges`` of object ``key`` of the store at URL ``where``, over
     ``fetch`` (module docstring). ``hold(n)``, when given, is entered around the buffers the read
     allocates itself (``n`` bytes: ranges with neither ``out`` nor ``sinks``), before any
@@ -41,9 +52,11 @@ async def read_verified(key: str, ranges: Sequence[ReadRange], fetch: Fetch, *, 
     lengths = [r.length for r in ranges]
     held = [HeldRange(r) if r.sinks else None for r in ranges]
     buffered = sum(r.length for r, o, h in zip(ranges, outs, held) if o is None and h is None)
-    async with (hold(buffered) if hold is not None else contextlib.nullcontext()):
-        views = [h if h is not None else o if o is not None else memoryview(bytearray(r.length))
-                 for r, o, h in zip(ranges, outs, held)]
+    async with hold(buffered) if hold is not None else contextlib.nullcontext():
+        views = [
+            h if h is not None else o if o is not None else memoryview(bytearray(r.length))
+            for r, o, h in zip(ranges, outs, held)
+        ]
         await fetch(offsets, lengths, views, reread=False)
         crcs = [None if h is not None else r.crc32c for r, h in zip(ranges, held)]
         bad = await bad_crc_ranges(offsets, crcs, views)

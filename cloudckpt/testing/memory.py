@@ -62,7 +62,7 @@ class PeakRSS:
         self._stop = threading.Event()
         self._exact = False
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self.start = current_rss()
         self._exact = reset_high_water_mark() and _status_kib("VmHWM") is not None
         if not self._exact:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cloudckpt
-from cloudckpt.errors import ChecksumError, CheckpointError
+from cloudckpt.errors import CheckpointError, ChecksumError
 
 BLOCK = 1024
 OPTS = cloudckpt.SaveOptions(checksum_block_size=BLOCK, object_size=4 << 10)
@@ -16,17 +16,21 @@ OPTS = cloudckpt.SaveOptions(checksum_block_size=BLOCK, object_size=4 << 10)
 
 def _state() -> dict:
     g = torch.Generator().manual_seed(13)
-    return {"w": torch.randn(48, 40, generator=g),
-            "b": torch.randn(30, 7, generator=g).to(torch.bfloat16),
-            "opt": {"m": torch.randint(0, 99, (500,), generator=g), "step": 12, "name": "run"},
-            "pair": (torch.arange(6.0).reshape(2, 3), 3)}
+    return {
+        "w": torch.randn(48, 40, generator=g),
+        "b": torch.randn(30, 7, generator=g).to(torch.bfloat16),
+        "opt": {"m": torch.randint(0, 99, (500,), generator=g), "step": 12, "name": "run"},
+        "pair": (torch.arange(6.0).reshape(2, 3), 3),
+    }
 
 
 def _blank() -> dict:
-    return {"w": torch.zeros(48, 40, dtype=torch.float64),      # converted from float32
-            "b": torch.zeros(7, 30, dtype=torch.bfloat16).t(),  # not contiguous
-            "opt": {"m": torch.zeros(500, dtype=torch.int64), "step": 0, "name": ""},
-            "pair": (torch.zeros(2, 3), 0)}
+    return {
+        "w": torch.zeros(48, 40, dtype=torch.float64),  # converted from float32
+        "b": torch.zeros(7, 30, dtype=torch.bfloat16).t(),  # not contiguous
+        "opt": {"m": torch.zeros(500, dtype=torch.int64), "step": 0, "name": ""},
+        "pair": (torch.zeros(2, 3), 0),
+    }
 
 
 def test_save_load_load_full_and_verify(tmp_path):
@@ -34,12 +38,16 @@ def test_save_load_load_full_and_verify(tmp_path):
     state = _state()
     saved = cloudckpt.save(state, url, options=OPTS)
     assert saved.objects >= 2 and saved.bytes_written == sum(
-        t.numel() * t.element_size() for t in (state["w"], state["b"], state["opt"]["m"],
-                                               state["pair"][0]))
+        t.numel() * t.element_size()
+        for t in (state["w"], state["b"], state["opt"]["m"], state["pair"][0])
+    )
     dest = _blank()
     loaded = cloudckpt.load(dest, url)
-    assert (loaded.bytes_fetched, loaded.bytes_received, loaded.broadcasts) == \
-        (saved.bytes_written, 0, 0)
+    assert (loaded.bytes_fetched, loaded.bytes_received, loaded.broadcasts) == (
+        saved.bytes_written,
+        0,
+        0,
+    )
     assert torch.equal(dest["w"], state["w"].double())
     assert torch.equal(dest["b"], state["b"]) and not dest["b"].is_contiguous()
     assert torch.equal(dest["opt"]["m"], state["opt"]["m"])
@@ -65,11 +73,12 @@ def test_a_corrupt_block_fails_load_and_verify_and_does_not_land(tmp_path):
     for dest in (_blank(), {**_blank(), "w": torch.zeros(48, 40)}):  # windows, then sinks
         with pytest.raises(CheckpointError) as info:
             cloudckpt.load(dest, url)
-        assert isinstance(info.value, ChecksumError) or isinstance(info.value.__cause__,
-                                                                  ChecksumError)
+        assert isinstance(info.value, ChecksumError) or isinstance(
+            info.value.__cause__, ChecksumError
+        )
         assert key in str(info.value)
         elements = BLOCK // 4  # float32 elements per block
-        assert (dest["w"].reshape(-1)[elements:2 * elements] == 0).all()
+        assert (dest["w"].reshape(-1)[elements : 2 * elements] == 0).all()
         assert dest["opt"]["step"] == 0  # no value restored after a failed data phase
     report = cloudckpt.verify(url)
     assert not report.ok and any(key in p for p in report.problems)

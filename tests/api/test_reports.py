@@ -12,12 +12,19 @@ from hypothesis import strategies as st
 
 from cloudckpt.api import reports
 from cloudckpt.errors import ProtocolError
-from cloudckpt.planning import LocalSavePlan, PieceSpec, plan_local_load
-from cloudckpt.planning.save_plan import plan_global_save
+from cloudckpt.planning.load.plan import plan_local_load
+from cloudckpt.planning.pieces import PieceSpec
+from cloudckpt.planning.save.global_plan import plan_global_save
+from cloudckpt.planning.save.local_plan import LocalSavePlan
 
-RECORDS = sorted((c for c in vars(reports).values() if isinstance(c, type)
-                  and issubclass(c, reports._Record) and c is not reports._Record),
-                 key=lambda c: c.__name__)
+RECORDS = sorted(
+    (
+        c
+        for c in vars(reports).values()
+        if isinstance(c, type) and issubclass(c, reports._Record) and c is not reports._Record
+    ),
+    key=lambda c: c.__name__,
+)
 TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=20)
 
 
@@ -29,8 +36,12 @@ def _strategy(hint):
         return st.none()
     if origin is tuple:
         return st.lists(_strategy(typing.get_args(hint)[0]), max_size=8).map(tuple)
-    return {bool: st.booleans(), int: st.integers(-(2 ** 63), 2 ** 64 - 1), str: TEXT,
-            bytes: st.binary(max_size=64)}[hint]
+    return {
+        bool: st.booleans(),
+        int: st.integers(-(2**63), 2**64 - 1),
+        str: TEXT,
+        bytes: st.binary(max_size=64),
+    }[hint]
 
 
 def records(cls):
@@ -38,8 +49,14 @@ def records(cls):
 
 
 def test_every_record_is_covered_and_named_once():
-    assert {c.__name__ for c in RECORDS} == {"LatestStep", "ManifestRead", "SavePlanning",
-                                             "StepSaved", "StopVote", "UploadReport"}
+    assert {c.__name__ for c in RECORDS} == {
+        "LatestStep",
+        "ManifestRead",
+        "SavePlanning",
+        "StepSaved",
+        "StopVote",
+        "UploadReport",
+    }
     assert len({c.RECORD for c in RECORDS}) == len(RECORDS)
 
 
@@ -97,9 +114,17 @@ def test_field_types_are_exact():
     with pytest.raises(ProtocolError, match="field 'stop' is int"):
         reports.StopVote.decode(msgpack.packb({"record": "stop vote", "stop": 1}))
     with pytest.raises(ProtocolError, match="field 'cached_plans'"):
-        reports.SavePlanning.decode(msgpack.packb(
-            {"record": "save planning", "fingerprint": b"f", "attempt": "a",
-             "cached_plans": ["not bytes"], "incremental": False}))
+        reports.SavePlanning.decode(
+            msgpack.packb(
+                {
+                    "record": "save planning",
+                    "fingerprint": b"f",
+                    "attempt": "a",
+                    "cached_plans": ["not bytes"],
+                    "incremental": False,
+                }
+            )
+        )
     with pytest.raises(TypeError, match="StopVote: field 'stop' is int"):
         reports.StopVote(stop=1)
     with pytest.raises(TypeError, match="SavePlanning: field 'cached_plans' is list"):
@@ -107,29 +132,39 @@ def test_field_types_are_exact():
 
 
 def _plans():
-    pieces = (PieceSpec("w", "float32", (4, 6), (0, 0), (4, 6)),
-              PieceSpec("b", "int64", (3,), (0,), (3,)))
+    pieces = (
+        PieceSpec("w", "float32", (4, 6), (0, 0), (4, 6)),
+        PieceSpec("b", "int64", (3,), (0,), (3,)),
+    )
     local = LocalSavePlan(rank=0, world_size=1, pieces=pieces, value_names=("step",))
     return local, plan_global_save([local], rank=0)
 
 
 def test_plan_reports_round_trip_and_refuse_garbage():
-    from cloudckpt.planning import assemble_manifest
-    from cloudckpt.planning.assemble import WrittenChunks
+    from cloudckpt.planning.save.assemble import WrittenChunks, assemble_manifest
 
     local, global_plan = _plans()
     back = reports.SavePlanReport.decode(reports.SavePlanReport(local).encode())
     assert back.plan == local and back.plan.fingerprint() == local.fingerprint()
 
     n = len(global_plan.writes)
-    written = WrittenChunks(rank=0, object_keys=("data/a/r0-0.bin",),
-                            chunk_ids=[w.chunk_id for w in global_plan.writes],
-                            object_index=[0] * n, byte_offset=[0, 96], byte_length=[96, 24],
-                            crcs=[1, 2], values={"step": b"\x01"})
-    manifest = assemble_manifest(global_plan.skeleton, [written], world_size=1,
-                                 checksum_block_size=1 << 20)
-    requests = [PieceSpec("w", "float32", (4, 6), (2, 0), (2, 6)),
-                PieceSpec("b", "int64", (3,), (0,), (3,))]
+    written = WrittenChunks(
+        rank=0,
+        object_keys=("data/a/r0-0.bin",),
+        chunk_ids=[w.chunk_id for w in global_plan.writes],
+        object_index=[0] * n,
+        byte_offset=[0, 96],
+        byte_length=[96, 24],
+        crcs=[1, 2],
+        values={"step": b"\x01"},
+    )
+    manifest = assemble_manifest(
+        global_plan.skeleton, [written], world_size=1, checksum_block_size=1 << 20
+    )
+    requests = [
+        PieceSpec("w", "float32", (4, 6), (2, 0), (2, 6)),
+        PieceSpec("b", "int64", (3,), (0,), (3,)),
+    ]
     load_plan = plan_local_load(manifest, requests, rank=0, value_names=("step",), strict=False)
     again = reports.LoadPlanReport.decode(reports.LoadPlanReport(load_plan).encode())
     assert reports.LoadPlanReport(again.plan).encode() == reports.LoadPlanReport(load_plan).encode()
@@ -140,7 +175,11 @@ def test_plan_reports_round_trip_and_refuse_garbage():
         reports.LoadPlanReport.decode(b"\x02" + reports.LoadPlanReport(load_plan).encode()[1:])
 
     for cls, name in ((reports.SavePlanReport, "save plan"), (reports.LoadPlanReport, "load plan")):
-        for raw in (b"", b"\xc1", msgpack.packb({"format": "other"}),
-                    reports.StopVote(stop=True).encode()):
+        for raw in (
+            b"",
+            b"\xc1",
+            msgpack.packb({"format": "other"}),
+            reports.StopVote(stop=True).encode(),
+        ):
             with pytest.raises(ProtocolError, match=f"malformed {name} report from a peer rank"):
                 cls.decode(raw)

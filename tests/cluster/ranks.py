@@ -15,10 +15,15 @@ def whereami() -> dict:
 
     total = torch.tensor([dist.get_rank() + 1.0])
     dist.all_reduce(total)
-    return {"rank": dist.get_rank(), "node": int(os.environ["CLOUDCKPT_CLUSTER_NODE"]),
-            "local_rank": int(os.environ["LOCAL_RANK"]),
-            "netns": os.readlink("/proc/self/ns/net"), "sum": float(total),
-            "gloo_if": os.environ["GLOO_SOCKET_IFNAME"], "endpoint": os.environ["AWS_ENDPOINT_URL"]}
+    return {
+        "rank": dist.get_rank(),
+        "node": int(os.environ["CLOUDCKPT_CLUSTER_NODE"]),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "netns": os.readlink("/proc/self/ns/net"),
+        "sum": float(total),
+        "gloo_if": os.environ["GLOO_SOCKET_IFNAME"],
+        "endpoint": os.environ["AWS_ENDPOINT_URL"],
+    }
 
 
 def make_state(seed: int, rows_per_rank: int, blank: bool = False) -> dict:
@@ -33,14 +38,17 @@ def make_state(seed: int, rows_per_rank: int, blank: bool = False) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(seed)
-    full = {"w.f32": torch.rand(rows_per_rank * world, 256, generator=g),
-            "w.bf16": torch.rand(rows_per_rank * world, 128, generator=g).to(torch.bfloat16),
-            "w.i64": torch.randint(-(1 << 40), 1 << 40, (world * 7, 3), generator=g)}
+    full = {
+        "w.f32": torch.rand(rows_per_rank * world, 256, generator=g),
+        "w.bf16": torch.rand(rows_per_rank * world, 128, generator=g).to(torch.bfloat16),
+        "w.i64": torch.randint(-(1 << 40), 1 << 40, (world * 7, 3), generator=g),
+    }
     state: dict = {}
     for name, t in full.items():
         part = t.chunk(world)[rank].clone()
-        state[name] = DTensor.from_local(torch.zeros_like(part) if blank else part, mesh,
-                                         [Shard(0)], run_check=False)
+        state[name] = DTensor.from_local(
+            torch.zeros_like(part) if blank else part, mesh, [Shard(0)], run_check=False
+        )
     replicated = torch.rand(1000, generator=g)
     own = torch.full((5,), float(rank + seed))
     state["replicated"] = torch.zeros_like(replicated) if blank else replicated
@@ -79,12 +87,16 @@ def load_and_compare(url: str, seed: int, rows_per_rank: int) -> dict:
 
     dest = make_state(seed, rows_per_rank, blank=True)
     result = cloudckpt.load(dest, url)
-    return {"equal": _equal(dest, make_state(seed, rows_per_rank)),
-            "fetched": result.bytes_fetched, "received": result.bytes_received}
+    return {
+        "equal": _equal(dest, make_state(seed, rows_per_rank)),
+        "fetched": result.bytes_fetched,
+        "received": result.bytes_received,
+    }
 
 
-def save_expecting_failure(url: str, seed: int, rows_per_rank: int, retry: dict,
-                           timeout: float) -> dict:
+def save_expecting_failure(
+    url: str, seed: int, rows_per_rank: int, retry: dict, timeout: float
+) -> dict:
     """A save with the given retry limits (RetryOptions fields) and collective timeout that is
     expected to fail: the exception's type and text, and the seconds it took."""
     import cloudckpt
@@ -96,9 +108,12 @@ def save_expecting_failure(url: str, seed: int, rows_per_rank: int, retry: dict,
     try:
         cloudckpt.save(state, url, storage=storage, options=cloudckpt.SaveOptions(timeout=timeout))
     except Exception as exc:  # the point: every rank gets one
-        return {"raised": type(exc).__name__, "message": str(exc),
-                "seconds": time.monotonic() - start,
-                "failed_ranks": sorted(getattr(exc, "failures", {}) or {})}
+        return {
+            "raised": type(exc).__name__,
+            "message": str(exc),
+            "seconds": time.monotonic() - start,
+            "failed_ranks": sorted(getattr(exc, "failures", {}) or {}),
+        }
     return {"raised": None, "seconds": time.monotonic() - start}
 
 

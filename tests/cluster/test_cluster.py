@@ -1,4 +1,4 @@
-"""The simulated cluster (cloudckpt.testing.cluster): namespaces with shaped links, one store.
+"""The simulated cluster (cloudckpt.testing.cluster.simulated): namespaces with shaped links, one store.
 
 Skipped where network namespaces cannot be created (not root, no iproute2)."""
 
@@ -16,17 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from cloudckpt.testing.cluster import Cluster, ClusterUnavailable, unavailable_reason
-from cloudckpt.testing.cluster_watchdog import (namespace_pids, run_dir, run_namespaces,
-                                                sweep_stale)
+from cloudckpt.testing.cluster.simulated import Cluster, ClusterUnavailable, unavailable_reason
+from cloudckpt.testing.cluster.watchdog import namespace_pids, run_dir, run_namespaces, sweep_stale
 from tests.cluster import ranks
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = 4
 FRONTEND_MBIT = 50.0
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None,
-                                reason=f"no simulated cluster here: {unavailable_reason()}")
+pytestmark = pytest.mark.skipif(
+    unavailable_reason() is not None, reason=f"no simulated cluster here: {unavailable_reason()}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_four_node_round_trip_is_exact(cluster4):
 
 _DRIVER = """
 import json, sys, time
-from cloudckpt.testing.cluster import Cluster
+from cloudckpt.testing.cluster.simulated import Cluster
 from tests.cluster import ranks
 cluster = Cluster(nodes=2, ranks_per_node=2, frontend_mbit=100).start()
 print(json.dumps({"prefix": cluster.prefix, "pids": cluster.world.pids,
@@ -97,8 +97,9 @@ def _alive(pid: int) -> bool:
 
 def test_two_ranks_per_node_and_everything_removed_after_the_driver_is_killed():
     host_links = _host_links()
-    driver = subprocess.Popen([sys.executable, "-c", _DRIVER], cwd=REPO, stdout=subprocess.PIPE,
-                              stdin=subprocess.DEVNULL)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER], cwd=REPO, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
+    )
     try:
         line = driver.stdout.readline()
         assert line, "the driver did not start its cluster"
@@ -119,8 +120,11 @@ def test_two_ranks_per_node_and_everything_removed_after_the_driver_is_killed():
         driver.stdout.close()
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
-        if not run_namespaces(prefix) and not any(_alive(p) for p in inside) \
-                and not os.path.exists(run_dir(prefix)):
+        if (
+            not run_namespaces(prefix)
+            and not any(_alive(p) for p in inside)
+            and not os.path.exists(run_dir(prefix))
+        ):
             break
         time.sleep(0.2)
     assert run_namespaces(prefix) == []
@@ -146,7 +150,7 @@ def test_stale_runs_of_dead_owners_are_swept_and_live_ones_kept(tmp_path):
 
 
 def test_weed_listens_elsewhere_than_loopback_only_inside_a_named_namespace():
-    from cloudckpt.testing.s3server import S3Server
+    from cloudckpt.testing.servers.seaweed import S3Server
 
     with pytest.raises(ValueError, match="network namespace"):
         S3Server(host="10.213.1.254")  # this process runs in the machine's own namespace
@@ -166,8 +170,15 @@ def test_no_root_no_cluster(monkeypatch):
 # Limits of the save whose node loses its link: a stalled upload is given up after
 # `attempt_timeout`, the whole write after `deadline`; the other ranks wait in the collective
 # (SaveOptions.timeout, longer) for the failing rank's report.
-RETRY = {"max_attempts": 4, "base_delay": 0.05, "max_delay": 0.5, "connect_timeout": 2.0,
-         "read_timeout": 4.0, "attempt_timeout": 8.0, "deadline": 15.0}
+RETRY = {
+    "max_attempts": 4,
+    "base_delay": 0.05,
+    "max_delay": 0.5,
+    "connect_timeout": 2.0,
+    "read_timeout": 4.0,
+    "attempt_timeout": 8.0,
+    "deadline": 15.0,
+}
 COLLECTIVE_TIMEOUT = 90.0
 FAIL_BOUND_S = RETRY["deadline"] + 30.0  # the run's limit: failing later is a hang
 
@@ -182,8 +193,15 @@ def test_a_node_losing_its_link_mid_save_fails_every_rank_together(cluster4, fau
 
     def save() -> None:
         try:
-            outcome["results"] = cluster4.run(ranks.save_expecting_failure, url, 5, 12_000,
-                                              RETRY, COLLECTIVE_TIMEOUT, timeout=FAIL_BOUND_S)
+            outcome["results"] = cluster4.run(
+                ranks.save_expecting_failure,
+                url,
+                5,
+                12_000,
+                RETRY,
+                COLLECTIVE_TIMEOUT,
+                timeout=FAIL_BOUND_S,
+            )
         except BaseException as exc:  # reported below
             outcome["error"] = exc
 
@@ -193,8 +211,9 @@ def test_a_node_losing_its_link_mid_save_fails_every_rank_together(cluster4, fau
     thread.start()
     try:
         # pull the cable once the victim is uploading (its frontend has sent 1 MiB of the save)
-        while thread.is_alive() and \
-                cluster4.link_bytes()[victim]["frontend"]["tx"] - start < (1 << 20):
+        while thread.is_alive() and cluster4.link_bytes()[victim]["frontend"]["tx"] - start < (
+            1 << 20
+        ):
             time.sleep(0.05)
         cluster4.set_link(victim, **fault)
         thread.join()

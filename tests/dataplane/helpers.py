@@ -8,8 +8,9 @@ import torch
 from cloudckpt import layout
 from cloudckpt.dataplane.writer import WriterOptions, write_chunks
 from cloudckpt.manifest.builder import ManifestBuilder
-from cloudckpt.planning import PieceSpec, plan_local_load
-from cloudckpt.runtime import run_coroutine
+from cloudckpt.planning.load.plan import plan_local_load
+from cloudckpt.planning.pieces import PieceSpec
+from cloudckpt.runtime.loop import run_coroutine
 from cloudckpt.storage import open_store
 
 ATTEMPT = "0123456789abcdef"
@@ -23,8 +24,9 @@ def store_at(path):
     return open_store(str(path))
 
 
-def write_tensors(store, tensors: dict[str, torch.Tensor], *, rows: int, block: int,
-                  object_size: int = 1 << 20):
+def write_tensors(
+    store, tensors: dict[str, torch.Tensor], *, rows: int, block: int, object_size: int = 1 << 20
+):
     """Write each tensor as chunks of ``rows`` rows (dim 0) through the writer; return the
     manifest describing them and the writer's locations."""
     items, boxes = [], []
@@ -32,26 +34,33 @@ def write_tensors(store, tensors: dict[str, torch.Tensor], *, rows: int, block: 
         starts = range(0, t.shape[0], rows) if t.dim() and t.shape[0] else [0]
         for r0 in starts:
             n = min(rows, t.shape[0] - r0) if t.dim() else 0
-            piece = t[r0:r0 + n] if t.dim() else t
+            piece = t[r0 : r0 + n] if t.dim() else t
             offsets = (r0,) + (0,) * (t.dim() - 1) if t.dim() else ()
             sizes = tuple(piece.shape)
             boxes.append((name, offsets, sizes))
             items.append((len(items), piece))
     opts = WriterOptions(object_size=object_size, checksum_block_size=block)
-    locations, stats = run_coroutine(write_chunks(store, items, rank=0, attempt=ATTEMPT,
-                                                  options=opts))
+    locations, stats = run_coroutine(
+        write_chunks(store, items, rank=0, attempt=ATTEMPT, options=opts)
+    )
     b = ManifestBuilder(world_size=1, checksum_block_size=block, created_at=0.0)
     for name, t in tensors.items():
         b.add_tensor(name, dtype_name(t.dtype), tuple(t.shape))
     for (name, offsets, sizes), loc in zip(boxes, locations):
-        b.add_chunk(name, offsets, sizes, loc.object_key, loc.byte_offset, loc.byte_length,
-                    loc.crcs)
+        b.add_chunk(
+            name, offsets, sizes, loc.object_key, loc.byte_offset, loc.byte_length, loc.crcs
+        )
     return b.build(), locations, stats, items
 
 
 def piece(name: str, t: torch.Tensor, offsets, sizes, dtype=None) -> PieceSpec:
-    return PieceSpec(name=name, dtype=dtype_name(dtype or t.dtype), global_shape=tuple(t.shape),
-                     offsets=tuple(offsets), sizes=tuple(sizes))
+    return PieceSpec(
+        name=name,
+        dtype=dtype_name(dtype or t.dtype),
+        global_shape=tuple(t.shape),
+        offsets=tuple(offsets),
+        sizes=tuple(sizes),
+    )
 
 
 def plan(manifest, requests):

@@ -18,9 +18,10 @@ import torch
 from cloudckpt.api.load_data import run_broadcasts
 from cloudckpt.dataplane.broadcast import BroadcastSession
 from cloudckpt.errors import ChecksumError
-from cloudckpt.planning import assign_readers, plan_local_load
 from cloudckpt.planning.batching import RunBatch, WindowBatch
-from cloudckpt.planning.groups import select_broadcasts
+from cloudckpt.planning.broadcast.groups import select_broadcasts
+from cloudckpt.planning.broadcast.readers import assign_readers
+from cloudckpt.planning.load.plan import plan_local_load
 from tests.dataplane.helpers import box, data_path, piece, store_at, write_tensors
 
 BLOCK = 512
@@ -55,7 +56,7 @@ class _MemoryBroadcaster:
         self.link.barrier.wait(timeout=60)
         n = mine.numel()
         for j, m in enumerate(members):
-            out[j * n:(j + 1) * n].copy_(self.link.slots[m])
+            out[j * n : (j + 1) * n].copy_(self.link.slots[m])
         self.link.barrier.wait(timeout=60)
 
     def exchange(self, slots, *, members) -> None:
@@ -70,24 +71,40 @@ class _MemoryBroadcaster:
 
 def _state():
     g = torch.Generator().manual_seed(5)
-    return {"run": torch.randn(64, 32, generator=g),                        # 8 KiB, one chunk
-            "half": torch.randn(48, 16, generator=g).to(torch.bfloat16),    # 1.5 KiB
-            "cols": torch.randn(32, 64, generator=g)}                       # sliced by columns
+    return {
+        "run": torch.randn(64, 32, generator=g),  # 8 KiB, one chunk
+        "half": torch.randn(48, 16, generator=g).to(torch.bfloat16),  # 1.5 KiB
+        "cols": torch.randn(32, 64, generator=g),
+    }  # sliced by columns
 
 
 def _wants(rank: int, state):
     """(spec, destination) per request: rank 1 takes 'run' transposed and 'half' as float32."""
     run, half, cols = state["run"], state["half"], state["cols"]
-    out = [(piece("run", run, (0, 0), run.shape),
-            torch.full((32, 64), FILL, dtype=run.dtype).t() if rank else torch.full_like(run, FILL)),
-           (piece("half", half, (0, 0), half.shape),
-            torch.full(half.shape, FILL, dtype=torch.float32 if rank else half.dtype)),
-           (piece("cols", cols, (0, 8), (32, 40)), torch.full((32, 40), FILL, dtype=cols.dtype))]
+    out = [
+        (
+            piece("run", run, (0, 0), run.shape),
+            torch.full((32, 64), FILL, dtype=run.dtype).t() if rank else torch.full_like(run, FILL),
+        ),
+        (
+            piece("half", half, (0, 0), half.shape),
+            torch.full(half.shape, FILL, dtype=torch.float32 if rank else half.dtype),
+        ),
+        (piece("cols", cols, (0, 8), (32, 40)), torch.full((32, 40), FILL, dtype=cols.dtype)),
+    ]
     return out
 
 
-def _load_two_ranks(store, manifest, state, *, batch_bytes, max_read_bytes,
-                    device=torch.device("cpu"), names=("run", "half", "cols")):
+def _load_two_ranks(
+    store,
+    manifest,
+    state,
+    *,
+    batch_bytes,
+    max_read_bytes,
+    device=torch.device("cpu"),
+    names=("run", "half", "cols"),
+):
     wants = [[(s, d) for s, d in _wants(r, state) if s.name in names] for r in range(2)]
     plans = [plan_local_load(manifest, [s for s, _ in w], rank=r) for r, w in enumerate(wants)]
     assignment = assign_readers(plans, min_broadcast_bytes=0)
@@ -99,10 +116,20 @@ def _load_two_ranks(store, manifest, state, *, batch_bytes, max_read_bytes,
         for i, item in enumerate(plans[rank].reads):
             assert int(served[i]) in kept  # every region is broadcast here
             items[int(served[i])].append(item)
-        sessions.append(BroadcastSession(store, manifest, assignment.broadcasts, kept, items,
-                                         [d for _, d in wants[rank]], rank=rank,
-                                         device=device, batch_bytes=batch_bytes,
-                                         max_read_bytes=max_read_bytes))
+        sessions.append(
+            BroadcastSession(
+                store,
+                manifest,
+                assignment.broadcasts,
+                kept,
+                items,
+                [d for _, d in wants[rank]],
+                rank=rank,
+                device=device,
+                batch_bytes=batch_bytes,
+                max_read_bytes=max_read_bytes,
+            )
+        )
     link, errors = _Link(2), [None, None]
 
     def rank_main(rank: int) -> None:
@@ -131,16 +158,19 @@ def written(tmp_path):
     return tmp_path, store, manifest, state
 
 
-@pytest.mark.parametrize("batch_bytes,max_read_bytes", [
-    (2048, 1 << 20),    # fetching ahead
-    (2048, 2048),       # a budget of one batch: no fetching ahead, still every batch fetched
-    (1 << 20, 1 << 20),  # no run batches (regions under 1 MiB), large window batches
-])
-def test_every_destination_gets_the_stored_values_read_once(written, batch_bytes,
-                                                           max_read_bytes):
+@pytest.mark.parametrize(
+    "batch_bytes,max_read_bytes",
+    [
+        (2048, 1 << 20),  # fetching ahead
+        (2048, 2048),  # a budget of one batch: no fetching ahead, still every batch fetched
+        (1 << 20, 1 << 20),  # no run batches (regions under 1 MiB), large window batches
+    ],
+)
+def test_every_destination_gets_the_stored_values_read_once(written, batch_bytes, max_read_bytes):
     _, store, manifest, state = written
-    sessions, wants = _load_two_ranks(store, manifest, state, batch_bytes=batch_bytes,
-                                      max_read_bytes=max_read_bytes)
+    sessions, wants = _load_two_ranks(
+        store, manifest, state, batch_bytes=batch_bytes, max_read_bytes=max_read_bytes
+    )
     for w in wants:
         for spec, dest in w:
             assert torch.equal(dest, box(state[spec.name], spec.offsets, spec.sizes).to(dest.dtype))
@@ -149,10 +179,12 @@ def test_every_destination_gets_the_stored_values_read_once(written, batch_bytes
     # regions of at least min(1 MiB, batch_bytes) stored as one run travel as run batches
     assert kinds == ({RunBatch, WindowBatch} if batch_bytes <= 8192 else {WindowBatch})
     assert sum(s.received for s in sessions) == sum(
-        p.payload_bytes for b in sessions[0].batches for p in b.parts)
+        p.payload_bytes for b in sessions[0].batches for p in b.parts
+    )
     # each batch was fetched by its source alone: whole blocks, at least the region's bytes
     assert sum(s.fetched for s in sessions) == sum(
-        p.fetch_bytes for b in sessions[0].batches for p in b.parts)
+        p.fetch_bytes for b in sessions[0].batches for p in b.parts
+    )
     assert sessions[0].failure is None and sessions[1].failure is None
 
 
@@ -165,8 +197,9 @@ def test_a_corrupt_block_is_reported_by_its_source_and_lands_nowhere(written):
     path.write_bytes(bytes(body))
     # batches of 2 KiB: the first window of "cols" (rows 0-7 of its chunk, 4 blocks) travels
     # alone, and its first block is the corrupt one
-    sessions, wants = _load_two_ranks(store, manifest, state, batch_bytes=2048,
-                                      max_read_bytes=1 << 20)
+    sessions, wants = _load_two_ranks(
+        store, manifest, state, batch_bytes=2048, max_read_bytes=1 << 20
+    )
     failures = [s.failure for s in sessions]
     assert sum(f is not None for f in failures) == 1  # the source of "cols", and only it
     assert isinstance([f for f in failures if f is not None][0], ChecksumError)
@@ -188,8 +221,9 @@ def test_a_corrupt_block_in_a_one_source_round_lands_nowhere(written):
     body = bytearray(path.read_bytes())
     body[chunk.byte_offset + 5] ^= 0xFF
     path.write_bytes(bytes(body))
-    sessions, wants = _load_two_ranks(store, manifest, state, batch_bytes=1 << 20,
-                                      max_read_bytes=1 << 20, names=("cols",))
+    sessions, wants = _load_two_ranks(
+        store, manifest, state, batch_bytes=1 << 20, max_read_bytes=1 << 20, names=("cols",)
+    )
     assert [(r.exchange, r.buffered) for r in sessions[0].rounds] == [(False, True)]
     failures = [s.failure for s in sessions]
     assert sum(f is not None for f in failures) == 1
@@ -204,8 +238,14 @@ def test_device_buffers_as_for_nccl_carry_the_stored_values(written):
     """Sent buffers on the GPU (as with NCCL): nothing lands in place, every batch goes through
     a device buffer and is copied out to the CPU destinations."""
     _, store, manifest, state = written
-    _, wants = _load_two_ranks(store, manifest, state, batch_bytes=2048, max_read_bytes=1 << 20,
-                               device=torch.device("cuda"))
+    _, wants = _load_two_ranks(
+        store,
+        manifest,
+        state,
+        batch_bytes=2048,
+        max_read_bytes=1 << 20,
+        device=torch.device("cuda"),
+    )
     for w in wants:
         for spec, dest in w:
             assert torch.equal(dest, box(state[spec.name], spec.offsets, spec.sizes).to(dest.dtype))

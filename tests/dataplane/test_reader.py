@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from cloudckpt.dataplane.destinations import dest_view, fetch_into, sub_view
 from cloudckpt.dataplane.reader import DirectPiece, WindowPiece, fetch_regions, plan_pieces
 from cloudckpt.errors import ChecksumError
-from cloudckpt.runtime import run_coroutine
+from cloudckpt.runtime.loop import run_coroutine
 from tests.dataplane.helpers import box, data_path, piece, plan, store_at, write_tensors
 
 BLOCK = 256
@@ -22,9 +22,11 @@ ROWS, COLS = 40, 24
 
 def _state():
     g = torch.Generator().manual_seed(11)
-    return {"f": torch.randn(ROWS, COLS, generator=g),
-            "h": torch.randn(ROWS, COLS, generator=g).to(torch.bfloat16),
-            "i": torch.randint(-1000, 1000, (ROWS * 3,), generator=g)}
+    return {
+        "f": torch.randn(ROWS, COLS, generator=g),
+        "h": torch.randn(ROWS, COLS, generator=g).to(torch.bfloat16),
+        "i": torch.randint(-1000, 1000, (ROWS * 3,), generator=g),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +52,16 @@ def _fetch(store, manifest, requests, dests, **kw):
     def targets(region):
         return [dest_view(dests, item) for item in by_region[region.region]]
 
-    return run_coroutine(fetch_regions(store, manifest, [v[0] for v in by_region.values()],
-                                       consume=consume, targets=targets, **kw))
+    return run_coroutine(
+        fetch_regions(
+            store,
+            manifest,
+            [v[0] for v in by_region.values()],
+            consume=consume,
+            targets=targets,
+            **kw,
+        )
+    )
 
 
 def test_whole_tensors_land_through_sinks_others_through_windows(written):
@@ -59,19 +69,32 @@ def test_whole_tensors_land_through_sinks_others_through_windows(written):
     same = [torch.full_like(t, 7) for t in state.values()]
     requests = [piece(n, t, (0,) * t.dim(), t.shape) for n, t in state.items()]
     regions = [item.region for item in plan(manifest, requests).reads]
-    kinds = {type(p) for p in plan_pieces(manifest, regions, lambda r: [
-        dest_view(same, i) for i in plan(manifest, requests).reads if i.region == r], 1024)}
+    kinds = {
+        type(p)
+        for p in plan_pieces(
+            manifest,
+            regions,
+            lambda r: [dest_view(same, i) for i in plan(manifest, requests).reads if i.region == r],
+            1024,
+        )
+    }
     assert kinds == {DirectPiece}  # every chunk is one run, every destination contiguous
-    fetched = run_coroutine(fetch_into(store, manifest, plan(manifest, requests).reads, same,
-                                       1 << 20))
+    fetched = run_coroutine(
+        fetch_into(store, manifest, plan(manifest, requests).reads, same, 1 << 20)
+    )
     assert fetched == sum(t.numel() * t.element_size() for t in state.values())
     for got, want in zip(same, state.values()):
         assert torch.equal(got, want)
     # transposed destinations cannot take bytes in place: windows, then copies
-    strided = [torch.full((t.shape[1], t.shape[0]), 7, dtype=t.dtype).t() if t.dim() == 2
-               else torch.full((t.numel() * 2,), 7, dtype=t.dtype)[::2] for t in state.values()]
-    assert {type(p) for p in plan_pieces(manifest, regions, lambda r: [strided[0]], 1024)} \
-        == {WindowPiece}
+    strided = [
+        torch.full((t.shape[1], t.shape[0]), 7, dtype=t.dtype).t()
+        if t.dim() == 2
+        else torch.full((t.numel() * 2,), 7, dtype=t.dtype)[::2]
+        for t in state.values()
+    ]
+    assert {type(p) for p in plan_pieces(manifest, regions, lambda r: [strided[0]], 1024)} == {
+        WindowPiece
+    }
     run_coroutine(fetch_into(store, manifest, plan(manifest, requests).reads, strided, 1 << 20))
     for got, want in zip(strided, state.values()):
         assert torch.equal(got, want)
@@ -88,9 +111,14 @@ def boxes(draw):
     return name, offsets, sizes, dtype, contiguous
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(boxes(), min_size=1, max_size=4), st.sampled_from([BLOCK, 3 * BLOCK, 4096]),
-       st.sampled_from([BLOCK, 1 << 20]))
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(boxes(), min_size=1, max_size=4),
+    st.sampled_from([BLOCK, 3 * BLOCK, 4096]),
+    st.sampled_from([BLOCK, 1 << 20]),
+)
 def test_any_box_lands_exactly_with_dtype_conversion(written, requests, window_bytes, max_bytes):
     store, manifest, state = written
     specs, dests, wants = [], [], []
@@ -131,11 +159,15 @@ def test_a_corrupt_block_raises_checksum_error_and_nothing_of_it_lands(tmp_path,
         _fetch(store, manifest, requests, [dest], window_bytes=1 << 20)
     assert info.value.key == manifest.objects[manifest.tensors["f"].chunks[0].object_index]
     first_block = BLOCK // 4  # float32 elements in the corrupted block
-    assert (dest.reshape(-1)[:first_block] == 5).all() if contiguous else \
-        (dest.contiguous().reshape(-1)[:first_block] == 5).all()
+    assert (
+        (dest.reshape(-1)[:first_block] == 5).all()
+        if contiguous
+        else (dest.contiguous().reshape(-1)[:first_block] == 5).all()
+    )
     if not contiguous:  # one window batch per object: nothing of the failed batch landed
         c0 = manifest.tensors["f"].chunks[0]
-        rows_in_object = [c for c in manifest.tensors["f"].chunks
-                          if c.object_index == c0.object_index]
+        rows_in_object = [
+            c for c in manifest.tensors["f"].chunks if c.object_index == c0.object_index
+        ]
         untouched = sum(int(c.sizes[0]) for c in rows_in_object)
         assert (dest[:untouched] == 5).all()

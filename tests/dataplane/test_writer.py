@@ -3,33 +3,33 @@ each item's bytes where its location says, one crc32c per checksum block, failur
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from cloudckpt.checksum import block_crcs
-import asyncio
-
 from cloudckpt.dataplane.writer import ItemDigests, WriterOptions, write_chunks
 from cloudckpt.errors import StorageError
 from cloudckpt.layout import data_key
 from cloudckpt.planning.batching import pack_in_order
-from cloudckpt.runtime import run_coroutine
+from cloudckpt.runtime.loop import run_coroutine
 from tests.dataplane.helpers import ATTEMPT, data_path, store_at
 
-BLOCK = 1000   # not a power of two: blocks split elements
+BLOCK = 1000  # not a power of two: blocks split elements
 
 
 def _items():
     g = torch.Generator().manual_seed(3)
-    big = torch.randn(64, 64, generator=g)                          # 16 KiB, contiguous
+    big = torch.randn(64, 64, generator=g)  # 16 KiB, contiguous
     return [
         (7, big),
-        (3, torch.randn(32, 48, generator=g).t()),                   # strided view: copied
+        (3, torch.randn(32, 48, generator=g).t()),  # strided view: copied
         (11, torch.randn(5, 7, generator=g).to(torch.bfloat16)),
-        (2, torch.tensor(True)),                                     # 0-d
-        (5, torch.empty(0, 3)),                                      # empty
-        (9, torch.randint(0, 1 << 40, (3000,), generator=g)),        # 24 KB, bigger than an object
-        (1, torch.randn(8, 2, 2, generator=g)[:, :, 0]),             # strided, not a view prefix
+        (2, torch.tensor(True)),  # 0-d
+        (5, torch.empty(0, 3)),  # empty
+        (9, torch.randint(0, 1 << 40, (3000,), generator=g)),  # 24 KB, bigger than an object
+        (1, torch.randn(8, 2, 2, generator=g)[:, :, 0]),  # strided, not a view prefix
     ]
 
 
@@ -37,8 +37,9 @@ def test_items_are_packed_in_order_with_their_bytes_and_block_crcs(tmp_path):
     store = store_at(tmp_path)
     items = _items()
     opts = WriterOptions(object_size=20_000, checksum_block_size=BLOCK, max_staging_bytes=4096)
-    locations, stats = run_coroutine(write_chunks(store, items, rank=3, attempt=ATTEMPT,
-                                                  options=opts))
+    locations, stats = run_coroutine(
+        write_chunks(store, items, rank=3, attempt=ATTEMPT, options=opts)
+    )
     sizes = [t.numel() * t.element_size() for _, t in items]
     groups = pack_in_order(sizes, opts.object_size)
     assert len(groups) > 2 and stats.objects == len(groups)
@@ -53,7 +54,7 @@ def test_items_are_packed_in_order_with_their_bytes_and_block_crcs(tmp_path):
             loc = locations[i]
             assert (loc.object_key, loc.byte_offset, loc.byte_length) == (key, offset, sizes[i])
             expected = items[i][1].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            got = body[offset:offset + sizes[i]]
+            got = body[offset : offset + sizes[i]]
             assert got == expected
             assert loc.crcs == block_crcs(got, BLOCK)
             assert len(loc.crcs) == max(1, -(-sizes[i] // BLOCK))
@@ -62,9 +63,15 @@ def test_items_are_packed_in_order_with_their_bytes_and_block_crcs(tmp_path):
 
 def test_an_item_larger_than_an_object_gets_an_object_of_its_own(tmp_path):
     items = [(0, torch.zeros(10)), (1, torch.zeros(1000)), (2, torch.zeros(10))]
-    locations, stats = run_coroutine(write_chunks(
-        store_at(tmp_path), items, rank=0, attempt=ATTEMPT,
-        options=WriterOptions(object_size=100, checksum_block_size=BLOCK)))
+    locations, stats = run_coroutine(
+        write_chunks(
+            store_at(tmp_path),
+            items,
+            rank=0,
+            attempt=ATTEMPT,
+            options=WriterOptions(object_size=100, checksum_block_size=BLOCK),
+        )
+    )
     assert [loc.object_key for loc in locations] == [data_key(ATTEMPT, 0, n) for n in (0, 1, 2)]
     assert stats.objects == 3
 
@@ -86,8 +93,15 @@ def test_a_failed_upload_raises_its_error(tmp_path):
     store = _FailingPuts(store_at(tmp_path), data_key(ATTEMPT, 0, 1))
     items = [(i, torch.full((100,), float(i))) for i in range(6)]
     with pytest.raises(StorageError, match="injected failure"):
-        run_coroutine(write_chunks(store, items, rank=0, attempt=ATTEMPT,
-                                   options=WriterOptions(object_size=400, checksum_block_size=BLOCK)))
+        run_coroutine(
+            write_chunks(
+                store,
+                items,
+                rank=0,
+                attempt=ATTEMPT,
+                options=WriterOptions(object_size=400, checksum_block_size=BLOCK),
+            )
+        )
     assert data_key(ATTEMPT, 0, 1) not in store.done
 
 
@@ -98,12 +112,15 @@ def test_hashing_skips_known_items_and_packs_the_others_in_order(tmp_path):
 
     store = store_at(tmp_path)
     items = _items()
-    digests = {cid: content_hash(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-               for cid, t in items}
+    digests = {
+        cid: content_hash(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        for cid, t in items
+    }
     known = {7: digests[7], 9: digests[9], 11: b"\x00" * 16, 42: b"\x01" * 16}  # 11 changed
     opts = WriterOptions(object_size=20_000, checksum_block_size=BLOCK, max_staging_bytes=4096)
-    locations, stats = run_coroutine(write_chunks(store, items, rank=1, attempt=ATTEMPT,
-                                                  options=opts, known=known))
+    locations, stats = run_coroutine(
+        write_chunks(store, items, rank=1, attempt=ATTEMPT, options=opts, known=known)
+    )
     assert stats.reused == ((7, digests[7]), (9, digests[9]))
     uploaded = [(cid, t) for cid, t in items if cid not in (7, 9)]
     sizes = [t.numel() * t.element_size() for _, t in uploaded]
@@ -113,17 +130,26 @@ def test_hashing_skips_known_items_and_packs_the_others_in_order(tmp_path):
     for loc, (cid, t) in zip(locations, uploaded):
         expected = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         body = data_path(tmp_path, loc.object_key).read_bytes()
-        assert body[loc.byte_offset:loc.byte_offset + loc.byte_length] == expected
+        assert body[loc.byte_offset : loc.byte_offset + loc.byte_length] == expected
         assert loc.content_hash == digests[cid] and len(loc.content_hash) == 16
         assert loc.crcs == block_crcs(expected, BLOCK)  # computed in the hashing pass
     for n, extra in enumerate(({}, {"known": None}, {"known": {}})):
-        plain, _ = run_coroutine(write_chunks(store_at(tmp_path / f"plain{n}"), items, rank=1,
-                                              attempt=ATTEMPT, options=opts, **extra))
+        plain, _ = run_coroutine(
+            write_chunks(
+                store_at(tmp_path / f"plain{n}"),
+                items,
+                rank=1,
+                attempt=ATTEMPT,
+                options=opts,
+                **extra,
+            )
+        )
         # no hashing unless asked (an empty ``known``, a save without a base, asks nothing)
         assert {loc.content_hash for loc in plain} == {b""}
         assert [loc.crcs for loc in plain] == [
             block_crcs(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), BLOCK)
-            for _, t in items]
+            for _, t in items
+        ]
 
 
 def test_hashing_everything_known_uploads_nothing(tmp_path):
@@ -131,8 +157,9 @@ def test_hashing_everything_known_uploads_nothing(tmp_path):
 
     items = [(i, torch.full((50,), float(i))) for i in range(5)]
     known = {i: content_hash(t.numpy().tobytes()) for i, t in items}
-    locations, stats = run_coroutine(write_chunks(store_at(tmp_path), items, rank=0,
-                                                  attempt=ATTEMPT, known=known))
+    locations, stats = run_coroutine(
+        write_chunks(store_at(tmp_path), items, rank=0, attempt=ATTEMPT, known=known)
+    )
     assert locations == [] and stats.objects == 0 and stats.bytes_written == 0
     assert [cid for cid, _ in stats.reused] == list(range(5))
     assert not (tmp_path / "data").exists()
@@ -142,8 +169,16 @@ def test_a_failed_upload_stops_hashing_with_its_error(tmp_path):
     store = _FailingPuts(store_at(tmp_path), data_key(ATTEMPT, 0, 0))
     items = [(i, torch.full((100,), float(i))) for i in range(300)]
     with pytest.raises(StorageError, match="injected failure"):
-        run_coroutine(write_chunks(store, items, rank=0, attempt=ATTEMPT, hashing=True,
-                                   options=WriterOptions(object_size=400, checksum_block_size=BLOCK)))
+        run_coroutine(
+            write_chunks(
+                store,
+                items,
+                rank=0,
+                attempt=ATTEMPT,
+                hashing=True,
+                options=WriterOptions(object_size=400, checksum_block_size=BLOCK),
+            )
+        )
 
 
 def test_digests_started_ahead_give_the_same_upload(tmp_path):
@@ -159,11 +194,15 @@ def test_digests_started_ahead_give_the_same_upload(tmp_path):
         digests = ItemDigests(items, opts)
         await digests.start()
         await asyncio.sleep(0)
-        return await write_chunks(store, items, rank=0, attempt=ATTEMPT, options=opts,
-                                  known=known, digests=digests)
+        return await write_chunks(
+            store, items, rank=0, attempt=ATTEMPT, options=opts, known=known, digests=digests
+        )
 
-    inline = run_coroutine(write_chunks(store_at(tmp_path / "a"), items, rank=0,
-                                        attempt=ATTEMPT, options=opts, known=known))
+    inline = run_coroutine(
+        write_chunks(
+            store_at(tmp_path / "a"), items, rank=0, attempt=ATTEMPT, options=opts, known=known
+        )
+    )
     early = run_coroutine(ahead(store_at(tmp_path / "b")))
     assert early == inline and [c for c, _ in early[1].reused] == [7]
     for loc in early[0]:
@@ -184,8 +223,9 @@ def test_an_upload_waiting_for_hashing_that_ended_early_raises(tmp_path, how):
             await digests.start()
         if how == "stopped":
             await digests.stop()
-        return await write_chunks(store_at(tmp_path), items, rank=0, attempt=ATTEMPT,
-                                  digests=digests)
+        return await write_chunks(
+            store_at(tmp_path), items, rank=0, attempt=ATTEMPT, digests=digests
+        )
 
     with pytest.raises(ValueError if how == "failed" else RuntimeError):
         run_coroutine(go(), timeout=60)
@@ -205,7 +245,8 @@ class _SlowPuts:
 
 @pytest.mark.parametrize("limit", [1, 600, 5000])
 def test_hashing_and_uploads_share_a_tiny_staging_budget_without_waiting_on_each_other(
-        tmp_path, limit):
+    tmp_path, limit
+):
     """Strided items (copied for hashing, and again for upload) with a staging budget smaller
     than one item, a few items, or many: the hashing batches and the slow uploads take turns in
     one first-come budget; the save completes with every byte right and the budget empty."""
@@ -216,8 +257,14 @@ def test_hashing_and_uploads_share_a_tiny_staging_budget_without_waiting_on_each
     async def go():
         digests = ItemDigests(items, opts)
         await digests.start()
-        result = await write_chunks(_SlowPuts(store_at(tmp_path)), items, rank=0,
-                                    attempt=ATTEMPT, options=opts, digests=digests)
+        result = await write_chunks(
+            _SlowPuts(store_at(tmp_path)),
+            items,
+            rank=0,
+            attempt=ATTEMPT,
+            options=opts,
+            digests=digests,
+        )
         return result, digests.budget
 
     (locations, stats), budget = run_coroutine(go(), timeout=120)
@@ -225,6 +272,6 @@ def test_hashing_and_uploads_share_a_tiny_staging_budget_without_waiting_on_each
     assert [loc.chunk_id for loc in locations] == [cid for cid, _ in items]
     for loc, (_, t) in zip(locations, items):
         body = data_path(tmp_path, loc.object_key).read_bytes()
-        got = body[loc.byte_offset:loc.byte_offset + loc.byte_length]
+        got = body[loc.byte_offset : loc.byte_offset + loc.byte_length]
         assert got == t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         assert loc.crcs == block_crcs(got, BLOCK)

@@ -32,13 +32,15 @@ def main() -> None:
     if args.gloo:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"file://{args.gloo}/store", rank=0,
-                                world_size=1)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{args.gloo}/store", rank=0, world_size=1
+        )
     if args.entry == "async_save":
         handle = cloudckpt.async_save(state(7), args.url)
     else:
-        handle = cloudckpt.CheckpointManager(args.url, keep_last=2).save(7, state(7),
-                                                                          blocking=False)
+        handle = cloudckpt.CheckpointManager(args.url, keep_last=2).save(
+            7, state(7), blocking=False
+        )
     print(f"running at the end: {not handle.done()}", flush=True)
     if args.end == "raise":
         raise RuntimeError("the training step failed")

@@ -17,12 +17,12 @@ import cloudckpt
 
 # name -> (global shape, dtype)
 SPECS = {
-    "dt_shard0": ((33, 8), torch.float32),      # uneven Shard(0)
-    "dt_shard1": ((6, 10), torch.bfloat16),     # Shard(1)
-    "dt_rep": ((5, 3), torch.float16),          # Replicate()
-    "dt_small_rows": ((3, 4), torch.float32),   # fewer rows than ranks for worlds of 4
-    "explicit": ((10, 4), torch.int64),         # GlobalPiece row blocks
-    "ragged": ((4, 6), torch.float32),          # flat range decomposed into boxes
+    "dt_shard0": ((33, 8), torch.float32),  # uneven Shard(0)
+    "dt_shard1": ((6, 10), torch.bfloat16),  # Shard(1)
+    "dt_rep": ((5, 3), torch.float16),  # Replicate()
+    "dt_small_rows": ((3, 4), torch.float32),  # fewer rows than ranks for worlds of 4
+    "explicit": ((10, 4), torch.int64),  # GlobalPiece row blocks
+    "ragged": ((4, 6), torch.float32),  # flat range decomposed into boxes
     "plain_scalar": ((), torch.float32),
     "plain_empty": ((0, 3), torch.float32),
     "plain_bool": ((7,), torch.bool),
@@ -40,7 +40,7 @@ def global_tensor(name: str) -> torch.Tensor:
     if dtype == torch.bool:
         return (torch.rand(n, generator=g) > 0.5).reshape(shape)
     if dtype == torch.int64:
-        return torch.randint(-10**9, 10**9, (n,), generator=g).reshape(shape)
+        return torch.randint(-(10**9), 10**9, (n,), generator=g).reshape(shape)
     return torch.randn(n, generator=g, dtype=torch.float64).to(dtype).reshape(shape)
 
 
@@ -78,8 +78,11 @@ def build_state(world: int, rank: int, *, blank: bool = False) -> dict:
 
     def value(name):
         t = global_tensor(name)
-        return torch.full_like(t, 7) if blank and t.dtype != torch.bool else (
-            torch.zeros_like(t) if blank else t)
+        return (
+            torch.full_like(t, 7)
+            if blank and t.dtype != torch.bool
+            else (torch.zeros_like(t) if blank else t)
+        )
 
     mesh = init_device_mesh("cpu", (world,))
     sd: dict = {}
@@ -88,32 +91,63 @@ def build_state(world: int, rank: int, *, blank: bool = False) -> dict:
     sd["dt_rep"] = distribute_tensor(value("dt_rep"), mesh, [Replicate()])
     sd["dt_small_rows"] = distribute_tensor(value("dt_small_rows"), mesh, [Shard(0)])
     start, n = _row_split(10, world, rank)
-    sd["explicit"] = cloudckpt.GlobalPiece(value("explicit")[start:start + n].clone(), (10, 4),
-                                           (start, 0))
+    sd["explicit"] = cloudckpt.GlobalPiece(
+        value("explicit")[start : start + n].clone(), (10, 4), (start, 0)
+    )
     full = value("ragged")
-    sd["ragged"] = [cloudckpt.GlobalPiece(full[o[0]:o[0] + s[0], o[1]:o[1] + s[1]].clone(),
-                                          (4, 6), o) for o, s in _ragged_boxes((4, 6), world, rank)]
+    sd["ragged"] = [
+        cloudckpt.GlobalPiece(full[o[0] : o[0] + s[0], o[1] : o[1] + s[1]].clone(), (4, 6), o)
+        for o, s in _ragged_boxes((4, 6), world, rank)
+    ]
     sd["plain_scalar"] = value("plain_scalar")
     sd["plain_empty"] = value("plain_empty")
     sd["plain_bool"] = value("plain_bool")
     sd["plain_noncontig"] = value("plain_noncontig").t().contiguous().t()  # a transposed view
     sd["opt"] = {
-        "state": {0: {"exp_avg": distribute_tensor(value("opt.state.0.exp_avg"), mesh, [Shard(0)]),
-                      "step": value("opt.state.0.step")}},
-        "param_groups": [{"lr": 0.0 if blank else 1e-3, "betas": (0.0, 0.0) if blank else (0.9, 0.999),
-                          "eps": 1e-8, "amsgrad": False, "foreach": None,
-                          "params": ["x"] if blank else ["dt_shard0"]}],
+        "state": {
+            0: {
+                "exp_avg": distribute_tensor(value("opt.state.0.exp_avg"), mesh, [Shard(0)]),
+                "step": value("opt.state.0.step"),
+            }
+        },
+        "param_groups": [
+            {
+                "lr": 0.0 if blank else 1e-3,
+                "betas": (0.0, 0.0) if blank else (0.9, 0.999),
+                "eps": 1e-8,
+                "amsgrad": False,
+                "foreach": None,
+                "params": ["x"] if blank else ["dt_shard0"],
+            }
+        ],
     }
-    sd["meta"] = {"epoch": 0 if blank else 3, "name": "" if blank else "run-α",
-                  "blob": b"" if blank else b"\x00\xff", "ids": [0, 0, 0] if blank else [1, 2, 3],
-                  "nested": {"t": (0, (0, 0)) if blank else (1, (2, 3))}}
+    sd["meta"] = {
+        "epoch": 0 if blank else 3,
+        "name": "" if blank else "run-α",
+        "blob": b"" if blank else b"\x00\xff",
+        "ids": [0, 0, 0] if blank else [1, 2, 3],
+        "nested": {"t": (0, (0, 0)) if blank else (1, (2, 3))},
+    }
     return sd
 
 
-EXPECTED_META = {"epoch": 3, "name": "run-α", "blob": b"\x00\xff", "ids": [1, 2, 3],
-                 "nested": {"t": (1, (2, 3))}}
-EXPECTED_GROUPS = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False,
-                    "foreach": None, "params": ["dt_shard0"]}]
+EXPECTED_META = {
+    "epoch": 3,
+    "name": "run-α",
+    "blob": b"\x00\xff",
+    "ids": [1, 2, 3],
+    "nested": {"t": (1, (2, 3))},
+}
+EXPECTED_GROUPS = [
+    {
+        "lr": 1e-3,
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+        "amsgrad": False,
+        "foreach": None,
+        "params": ["dt_shard0"],
+    }
+]
 
 
 def check_state(sd: dict) -> list[str]:
@@ -133,6 +167,7 @@ def check_state(sd: dict) -> list[str]:
     def check_tensor(name, t):
         if isinstance(t, DTensor):
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
             _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
             check_piece(name, t.to_local(), tuple(offsets))
         elif isinstance(t, cloudckpt.GlobalPiece):
@@ -140,8 +175,17 @@ def check_state(sd: dict) -> list[str]:
         else:
             check_piece(name, t, (0,) * t.dim())
 
-    for name in ("dt_shard0", "dt_shard1", "dt_rep", "dt_small_rows", "explicit", "plain_scalar",
-                 "plain_empty", "plain_bool", "plain_noncontig"):
+    for name in (
+        "dt_shard0",
+        "dt_shard1",
+        "dt_rep",
+        "dt_small_rows",
+        "explicit",
+        "plain_scalar",
+        "plain_empty",
+        "plain_bool",
+        "plain_noncontig",
+    ):
         check_tensor(name, sd[name])
     for piece in sd["ragged"]:
         check_tensor("ragged", piece)
@@ -157,8 +201,14 @@ def check_state(sd: dict) -> list[str]:
 def full_state_expected() -> dict:
     """What ``load_full`` must return for a checkpoint of :func:`build_state`."""
     out = {name: global_tensor(name) for name in SPECS if "." not in name}
-    out["opt"] = {"state": {0: {"exp_avg": global_tensor("opt.state.0.exp_avg"),
-                                "step": global_tensor("opt.state.0.step")}},
-                  "param_groups": EXPECTED_GROUPS}
+    out["opt"] = {
+        "state": {
+            0: {
+                "exp_avg": global_tensor("opt.state.0.exp_avg"),
+                "step": global_tensor("opt.state.0.step"),
+            }
+        },
+        "param_groups": EXPECTED_GROUPS,
+    }
     out["meta"] = EXPECTED_META
     return out

@@ -13,9 +13,12 @@ from cloudckpt.storage import StorageOptions
 
 def _state(rank: int) -> dict:
     g = torch.Generator().manual_seed(100 + rank)
-    return {"w": torch.randn(64, 64, generator=torch.Generator().manual_seed(0)),  # replicated
-            f"r{rank}": torch.randn(300, generator=g),                          # per rank
-            "shared": torch.arange(100.0), "step": 5}
+    return {
+        "w": torch.randn(64, 64, generator=torch.Generator().manual_seed(0)),  # replicated
+        f"r{rank}": torch.randn(300, generator=g),  # per rank
+        "shared": torch.arange(100.0),
+        "step": 5,
+    }
 
 
 def rank_async_then_mutate(url: str) -> dict:
@@ -30,13 +33,20 @@ def rank_async_then_mutate(url: str) -> dict:
     expected = {}
     for r in range(world):
         expected.update(_state(r))
-    blank = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0
-             for k, v in expected.items()}
+    blank = {
+        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in expected.items()
+    }
     cloudckpt.load(blank, url)
-    same = all(torch.equal(blank[k], v) if isinstance(v, torch.Tensor) else blank[k] == v
-               for k, v in expected.items())
-    return {"done": handle.done(), "same": same, "bytes": result.bytes_written,
-            "blocked": handle.blocked_seconds}
+    same = all(
+        torch.equal(blank[k], v) if isinstance(v, torch.Tensor) else blank[k] == v
+        for k, v in expected.items()
+    )
+    return {
+        "done": handle.done(),
+        "same": same,
+        "bytes": result.bytes_written,
+        "blocked": handle.blocked_seconds,
+    }
 
 
 def test_async_save_keeps_values_from_before_the_mutation(world2, s3_url):
@@ -48,13 +58,21 @@ def test_async_save_keeps_values_from_before_the_mutation(world2, s3_url):
 def rank_failing_upload_then_retry(url_bad: str, url_good: str) -> dict:
     rank = dist.get_rank()
     sd = {f"t{rank}": torch.randn(1000), "x": torch.ones(10)}
-    storage = StorageOptions(access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
-                             secret_access_key="definitely-wrong") if rank == 1 else None
+    storage = (
+        StorageOptions(
+            access_key_id=os.environ["AWS_ACCESS_KEY_ID"], secret_access_key="definitely-wrong"
+        )
+        if rank == 1
+        else None
+    )
     handle = cloudckpt.async_save(sd, url_bad, storage=storage)
     err = handle.exception(timeout=120)
     second = cloudckpt.async_save(sd, url_good).result(timeout=120)
-    return {"error": " ".join(c.__name__ for c in type(err).__mro__) if err else None,
-            "message": str(err), "second_bytes": second.bytes_written}
+    return {
+        "error": " ".join(c.__name__ for c in type(err).__mro__) if err else None,
+        "message": str(err),
+        "second_bytes": second.bytes_written,
+    }
 
 
 def test_upload_failure_on_one_rank_fails_every_rank_and_next_save_works(world2, s3_url):

@@ -25,12 +25,12 @@ FILL = 3
 def _state() -> dict:
     g = torch.Generator().manual_seed(11)
     return {
-        "big": torch.randn(300, 257, generator=g),                         # ~301 KiB, runs
-        "odd": torch.randn(123, 77, generator=g).to(torch.bfloat16),       # ~18.5 KiB
-        "ints": torch.randint(0, 1 << 40, (5_001,), generator=g),          # ~39 KiB
+        "big": torch.randn(300, 257, generator=g),  # ~301 KiB, runs
+        "odd": torch.randn(123, 77, generator=g).to(torch.bfloat16),  # ~18.5 KiB
+        "ints": torch.randint(0, 1 << 40, (5_001,), generator=g),  # ~39 KiB
         "cols": torch.arange(64 * 256, dtype=torch.float32).reshape(64, 256),  # sliced
-        "pair": torch.randn(90, 100, generator=g),                         # ranks 0 and 1
-        "trio": torch.randn(70, 33, generator=g).to(torch.float16),        # ranks 1, 2, 3
+        "pair": torch.randn(90, 100, generator=g),  # ranks 0 and 1
+        "trio": torch.randn(70, 33, generator=g).to(torch.float16),  # ranks 1, 2, 3
     }
 
 
@@ -52,7 +52,7 @@ def rank_rounds(url: str, mode: str) -> dict:
     names = _wanted(rank, world)
     dest = {k: torch.full_like(v, FILL) for k, v in state.items() if k in names}
     if rank == 1:
-        dest["big"] = torch.full((300, 257), FILL, dtype=torch.float64)    # dtype converted
+        dest["big"] = torch.full((300, 257), FILL, dtype=torch.float64)  # dtype converted
     if rank == 2:
         dest["odd"] = torch.full((77, 123), FILL, dtype=torch.bfloat16).t()  # not contiguous
     # every rank wants the same column slice of "cols": window batches, not runs
@@ -63,8 +63,11 @@ def rank_rounds(url: str, mode: str) -> dict:
         result = cloudckpt.load(dest, url, options=LOAD)
     except Exception as exc:
         big = dest["big"].reshape(-1)
-        return {"error": " ".join(c.__name__ for c in type(exc).__mro__), "message": str(exc),
-                "big": big.tolist()}
+        return {
+            "error": " ".join(c.__name__ for c in type(exc).__mro__),
+            "message": str(exc),
+            "big": big.tolist(),
+        }
     equal = {k: torch.equal(dest[k], v.to(dest[k].dtype)) for k, v in want.items()}
     equal["cols"] = torch.equal(cols, state["cols"][:, 40:140])
     return {"equal": equal, "fetched": result.bytes_fetched, "received": result.bytes_received}
@@ -72,7 +75,8 @@ def rank_rounds(url: str, mode: str) -> dict:
 
 @pytest.mark.parametrize("world_fixture", ["world3", "world4"])
 def test_every_rank_sources_a_share_and_every_destination_gets_the_stored_values(
-        request, s3_url, world_fixture):
+    request, s3_url, world_fixture
+):
     world = request.getfixturevalue(world_fixture)
     world.run(rank_rounds, s3_url, "save")
     results = world.run(rank_rounds, s3_url, "load")
@@ -90,20 +94,24 @@ def test_every_rank_sources_a_share_and_every_destination_gets_the_stored_values
     nbytes = {k: v.numel() * v.element_size() for k, v in state.items()}
     assert sum(fetched) == sum(nbytes[k] for k in state if wanters[k])
     assert sum(r["received"] for r in results) == sum(
-        nbytes[k] * (wanters[k] - 1) for k in state if wanters[k])
+        nbytes[k] * (wanters[k] - 1) for k in state if wanters[k]
+    )
 
 
 def test_a_source_failing_in_an_exchange_round_fails_every_rank_and_lands_nowhere(
-        world3, s3_server, s3_env, s3_url):
+    world3, s3_server, s3_env, s3_url
+):
     world3.run(rank_rounds, s3_url, "save")
     manifest = cloudckpt.read_manifest(s3_url)
     chunk = max(manifest.tensors["big"].chunks, key=lambda c: c.byte_length)  # rows of "big"
     key = manifest.objects[chunk.object_index]
     client = s3_server.boto3_client()
     prefix = s3_url.split("/", 3)[3] + "/data/"
-    (obj,) = [o["Key"] for o in client.list_objects_v2(Bucket=s3_server.bucket,
-                                                       Prefix=prefix)["Contents"]
-              if o["Key"].endswith(key)]
+    (obj,) = [
+        o["Key"]
+        for o in client.list_objects_v2(Bucket=s3_server.bucket, Prefix=prefix)["Contents"]
+        if o["Key"].endswith(key)
+    ]
     body = bytearray(client.get_object(Bucket=s3_server.bucket, Key=obj)["Body"].read())
     bad_block = chunk.byte_length // BLOCK // 2  # mid-chunk: a later round, not the first
     body[chunk.byte_offset + bad_block * BLOCK + 7] ^= 0xFF
@@ -115,5 +123,5 @@ def test_a_source_failing_in_an_exchange_round_fails_every_rank_and_lands_nowher
     for r in results:
         assert "ChecksumError" in r["error"] and "CheckpointError" in r["error"], r["error"]
         assert key in r["message"]
-        bad = r["big"][first:first + per_block]
+        bad = r["big"][first : first + per_block]
         assert all(v == FILL for v in bad)  # nothing of the corrupt block reached any rank

@@ -20,10 +20,10 @@ LOAD = cloudckpt.LoadOptions(broadcast_batch_bytes=192 << 10)  # 3 blocks per ru
 def _state() -> dict:
     g = torch.Generator().manual_seed(7)
     return {
-        "a": torch.randn(512, 256, generator=g),                       # 512 KiB, float32
-        "b": torch.randn(300, 700, generator=g).to(torch.bfloat16),    # odd sizes, bfloat16
-        "c": torch.randint(0, 1 << 40, (40_000,), generator=g),        # int64, 1-D
-        "tiny": torch.arange(5.0),                                     # rides in a batch
+        "a": torch.randn(512, 256, generator=g),  # 512 KiB, float32
+        "b": torch.randn(300, 700, generator=g).to(torch.bfloat16),  # odd sizes, bfloat16
+        "c": torch.randint(0, 1 << 40, (40_000,), generator=g),  # int64, 1-D
+        "tiny": torch.arange(5.0),  # rides in a batch
     }
 
 
@@ -31,21 +31,30 @@ def rank_runs(url: str, mode: str) -> dict:
     rank = dist.get_rank()
     state = _state()
     if mode == "save":
-        result = cloudckpt.save(state, url, options=cloudckpt.SaveOptions(checksum_block_size=BLOCK))
+        result = cloudckpt.save(
+            state, url, options=cloudckpt.SaveOptions(checksum_block_size=BLOCK)
+        )
         return {"bytes": result.bytes_written}
     dest = {k: torch.full_like(v, 3) for k, v in state.items()}
     if mode == "mixed" and rank == 1:
-        dest["a"] = torch.full((256, 512), 3.0).t()          # not contiguous: through a buffer
-        dest["b"] = torch.full((300, 700), 3.0)              # float32 from bfloat16
+        dest["a"] = torch.full((256, 512), 3.0).t()  # not contiguous: through a buffer
+        dest["b"] = torch.full((300, 700), 3.0)  # float32 from bfloat16
     try:
         result = cloudckpt.load(dest, url, options=LOAD)
     except Exception as exc:  # the corrupt case checks the error and what stayed untouched
         untouched = {k: bool((dest[k] == 3).all()) for k in ("a", "b", "c")}
-        return {"error": " ".join(c.__name__ for c in type(exc).__mro__), "untouched": untouched,
-                "equal": {k: torch.equal(dest[k], state[k].to(dest[k].dtype)) for k in state}}
+        return {
+            "error": " ".join(c.__name__ for c in type(exc).__mro__),
+            "untouched": untouched,
+            "equal": {k: torch.equal(dest[k], state[k].to(dest[k].dtype)) for k in state},
+        }
     equal = {k: torch.equal(dest[k], state[k].to(dest[k].dtype)) for k in state}
-    return {"equal": equal, "fetched": result.bytes_fetched, "received": result.bytes_received,
-            "broadcasts": result.broadcasts}
+    return {
+        "equal": equal,
+        "fetched": result.bytes_fetched,
+        "received": result.bytes_received,
+        "broadcasts": result.broadcasts,
+    }
 
 
 @pytest.fixture
@@ -70,13 +79,15 @@ def test_large_replicated_regions_are_read_once_and_land_everywhere(world2, save
     assert all(r["broadcasts"] >= 8 for r in results)  # several windows per region
 
 
-def test_corrupt_block_in_a_run_fails_every_rank_and_spares_its_elements(world2, s3_server,
-                                                                        s3_env, saved_runs):
+def test_corrupt_block_in_a_run_fails_every_rank_and_spares_its_elements(
+    world2, s3_server, s3_env, saved_runs
+):
     url, _ = saved_runs
     client = s3_server.boto3_client()
     prefix = url.split("/", 3)[3] + "/data/"
-    keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3_server.bucket,
-                                                     Prefix=prefix)["Contents"]]
+    keys = [
+        o["Key"] for o in client.list_objects_v2(Bucket=s3_server.bucket, Prefix=prefix)["Contents"]
+    ]
     manifest = cloudckpt.read_manifest(url)
     chunk = manifest.tensors["a"].chunks[0]
     key = manifest.objects[chunk.object_index]

@@ -13,10 +13,15 @@ import torch
 import torch.distributed as dist
 
 import cloudckpt
+from cloudckpt.cli.main import main as cli_main
 from cloudckpt.errors import PlanningError
-from cloudckpt.cli import main as cli_main
-from tests.planning.containers import (check_loaded_in_place, expected, people_state, problems,
-                                       structure_containers)
+from tests.planning.containers import (
+    check_loaded_in_place,
+    expected,
+    people_state,
+    problems,
+    structure_containers,
+)
 
 
 def _load_and_check(url: str, salt: int = 0, load=None) -> list[str]:
@@ -57,13 +62,19 @@ def test_containers_save_and_load_on_a_local_path_through_every_entry_point(tmp_
 def test_a_value_in_a_read_only_mapping_is_refused_before_any_data_moves(tmp_path):
     url = str(tmp_path / "ckpt")
     cloudckpt.save({"ro": MappingProxyType({"w": torch.ones(2), "n": 5})}, url)
-    assert problems(cloudckpt.load_full(url), expected({"ro": {"w": torch.ones(2), "n": 5}}, keep_types=False)) == []
+    assert (
+        problems(
+            cloudckpt.load_full(url),
+            expected({"ro": {"w": torch.ones(2), "n": 5}}, keep_types=False),
+        )
+        == []
+    )
     blank = {"ro": MappingProxyType({"w": torch.zeros(2), "n": 0})}
     with pytest.raises(PlanningError, match="value 'ro.n' sits in a read-only mappingproxy"):
         cloudckpt.load(blank, url)
     assert torch.equal(blank["ro"]["w"], torch.zeros(2))
     only_tensors = {"ro": MappingProxyType({"w": torch.zeros(2)})}
-    cloudckpt.load(only_tensors, url, strict=False)     # tensors inside are filled in place
+    cloudckpt.load(only_tensors, url, strict=False)  # tensors inside are filled in place
     assert torch.equal(only_tensors["ro"]["w"], torch.ones(2))
 
 
@@ -71,7 +82,7 @@ def test_a_value_in_a_read_only_mapping_is_refused_before_any_data_moves(tmp_pat
 
 
 def rank_containers(url: str, action: str) -> list[str]:
-    if action == "save":         # both ranks hold it: replicated, written once
+    if action == "save":  # both ranks hold it: replicated, written once
         cloudckpt.save(people_state(), url)
         return []
     return _load_and_check(url)
@@ -117,19 +128,46 @@ class Collective:
 def collective_state(log: list, reverse: bool) -> dict:
     """Stateful objects at int and str keys, nested in dicts and lists and inside each other;
     every dict built in reverse key order when ``reverse``."""
+
     def d(*items):
         return dict(reversed(items) if reverse else items)
 
     inner = d(("y", Collective("list.0.y", log)), ("x", Collective("list.0.x", log)))
-    return d(("b", Collective("b", log)), ("a", Collective("a", log)), (10, Collective("10", log)),
-             (2, Collective("2", log)),
-             ("nested", d(("z", Collective("nested.z", log)), ("c", Collective("nested.c", log)))),
-             ("list", [Collective("list.0", log, inner), Collective("list.1", log)]),
-             ("step", 7))
+    return d(
+        ("b", Collective("b", log)),
+        ("a", Collective("a", log)),
+        (10, Collective("10", log)),
+        (2, Collective("2", log)),
+        ("nested", d(("z", Collective("nested.z", log)), ("c", Collective("nested.c", log)))),
+        ("list", [Collective("list.0", log, inner), Collective("list.1", log)]),
+        ("step", 7),
+    )
 
 
-SAVE_ORDER = ["2", "10", "a", "b", "list.0", "list.0.x", "list.0.y", "list.1", "nested.c", "nested.z"]
-LOAD_ORDER = ["2", "10", "a", "b", "list.0.x", "list.0.y", "list.0", "list.1", "nested.c", "nested.z"]
+SAVE_ORDER = [
+    "2",
+    "10",
+    "a",
+    "b",
+    "list.0",
+    "list.0.x",
+    "list.0.y",
+    "list.1",
+    "nested.c",
+    "nested.z",
+]
+LOAD_ORDER = [
+    "2",
+    "10",
+    "a",
+    "b",
+    "list.0.x",
+    "list.0.y",
+    "list.0",
+    "list.1",
+    "nested.c",
+    "nested.z",
+]
 
 
 def rank_collective_stateful(url: str, action: str) -> list:
@@ -168,6 +206,7 @@ def test_stateful_collectives_run_in_one_order_whatever_each_rank_built(world2, 
     for rank, (log, objects) in enumerate(loaded):
         assert all(agreed and len(set(names)) == 1 for _, names, agreed in log), (rank, log)
         # a load first calls state_dict() (to know what to fill), then load_state_dict()
-        assert [(m, names[0]) for m, names, _ in log] == \
-            [("state_dict", n) for n in SAVE_ORDER] + [("load_state_dict", n) for n in LOAD_ORDER]
+        assert [(m, names[0]) for m, names, _ in log] == [("state_dict", n) for n in SAVE_ORDER] + [
+            ("load_state_dict", n) for n in LOAD_ORDER
+        ]
         assert objects == sorted((n, n, [float(len(n))] * 2) for n in SAVE_ORDER)

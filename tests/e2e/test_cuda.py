@@ -30,14 +30,20 @@ def test_staging_pins_and_copies_on_a_side_stream():
 
 def test_async_save_of_cuda_tensors_and_load_into_cuda(tmp_path):
     url = (tmp_path / "ckpt").as_uri()
-    sd = {"w": torch.randn(512, 512, device="cuda"), "b": torch.randn(512, device="cuda"),
-          "step": 3}
+    sd = {
+        "w": torch.randn(512, 512, device="cuda"),
+        "b": torch.randn(512, device="cuda"),
+        "step": 3,
+    }
     expected = {k: v.clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
     handle = cloudckpt.async_save(sd, url)
     sd["w"].mul_(0)
     handle.result(timeout=120)
-    blank = {"w": torch.zeros(512, 512, device="cuda"), "b": torch.zeros(512, device="cuda"),
-             "step": 0}
+    blank = {
+        "w": torch.zeros(512, 512, device="cuda"),
+        "b": torch.zeros(512, device="cuda"),
+        "step": 0,
+    }
     cloudckpt.load(blank, url)
     for k, v in expected.items():
         assert blank[k].device.type == "cuda"

@@ -14,10 +14,10 @@ import torch.distributed as dist
 import cloudckpt
 from cloudckpt import CheckpointManager, SaveOptions
 from cloudckpt.errors import ConfigError
-from cloudckpt.manager import step_dir
+from cloudckpt.runs.manager import step_dir
 from tests.reliability.stores import cli
 
-FROZEN = 64 * 256 * 4      # bytes of the frozen tensor
+FROZEN = 64 * 256 * 4  # bytes of the frozen tensor
 OPTIONS = SaveOptions(object_size=64 << 10, checksum_block_size=16 << 10)
 
 
@@ -27,8 +27,10 @@ def _state(step: int) -> dict:
     frozen = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
     trained = torch.randn(32, 32, generator=torch.Generator().manual_seed(100 + step))
     buffer = torch.full((16,), float(step // 2))
-    return {"model": {"embed": frozen, "layer": trained, "buf": buffer},
-            "opt": {"step": step, "betas": (0.9, 0.99)}}
+    return {
+        "model": {"embed": frozen, "layer": trained, "buf": buffer},
+        "opt": {"step": step, "betas": (0.9, 0.99)},
+    }
 
 
 def _equal(a, b) -> bool:
@@ -40,11 +42,11 @@ def _equal(a, b) -> bool:
 
 
 def _raw_keys(s3_server, url: str) -> set[str]:
-    bucket, _, root = url[len("s3://"):].partition("/")
+    bucket, _, root = url[len("s3://") :].partition("/")
     client = s3_server.boto3_client()
     keys = set()
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=root + "/"):
-        keys |= {o["Key"][len(root) + 1:] for o in page.get("Contents", [])}
+        keys |= {o["Key"][len(root) + 1 :] for o in page.get("Contents", [])}
     return keys
 
 
@@ -73,9 +75,11 @@ def test_incremental_run_through_every_reader(s3_env, s3_url, tmp_path):
 
     # export and the command line read it like a full checkpoint
     out = tmp_path / "three.safetensors"
-    from cloudckpt.export import export
+    from cloudckpt.export.file import export
+
     export(mgr.step_url(3), str(out))
     from safetensors.torch import load_file
+
     assert torch.equal(load_file(str(out))["model.embed"], _state(3)["model"]["embed"])
     # the Hugging Face export and the conversion to DCP read through the same view
     hf = tmp_path / "hf"
@@ -87,8 +91,9 @@ def test_incremental_run_through_every_reader(s3_env, s3_url, tmp_path):
     assert all(torch.equal(exported[k], v) for k, v in _state(3)["model"].items())
     dcp_dir = tmp_path / "dcp"
     cloudckpt.convert(mgr.step_url(3), str(dcp_dir), to="dcp")
-    from torch.distributed.checkpoint import FileSystemReader
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
     target = {"model": {k: torch.zeros_like(v) for k, v in _state(3)["model"].items()}}
     dcp.load(target, storage_reader=FileSystemReader(str(dcp_dir)))
     assert all(torch.equal(target["model"][k], v) for k, v in _state(3)["model"].items())
@@ -102,8 +107,11 @@ def test_incremental_run_through_every_reader(s3_env, s3_url, tmp_path):
     res = cli(s3_env, "ls", s3_url, "--details", "--json")
     rows = {r["step"]: r for r in json.loads(res.stdout)}
     assert (rows[1]["shared_bytes"], rows[1]["base_step"]) == (0, None)
-    assert (rows[3]["own_bytes"], rows[3]["shared_bytes"], rows[3]["base_step"]) == \
-        (32 * 32 * 4, FROZEN + 64, 2)
+    assert (rows[3]["own_bytes"], rows[3]["shared_bytes"], rows[3]["base_step"]) == (
+        32 * 32 * 4,
+        FROZEN + 64,
+        2,
+    )
 
     # deleting step 1 keeps its embedding's object (steps 2 and 3 use it): retained, not listed
     before = _raw_keys(s3_env, s3_url)
@@ -111,8 +119,9 @@ def test_incremental_run_through_every_reader(s3_env, s3_url, tmp_path):
     assert [i.step for i in mgr.list()] == [2, 3]
     kept = _raw_keys(s3_env, s3_url)
     assert f"{one}/manifest.msgpack" not in kept
-    embed_objects = {f"{one}/{k}" for h, k in zip(manifest.object_homes, manifest.objects)
-                     if h == one}
+    embed_objects = {
+        f"{one}/{k}" for h, k in zip(manifest.object_homes, manifest.objects) if h == one
+    }
     assert {k for k in kept if k.startswith(f"{one}/data/")} == embed_objects
     assert {k for k in before if k.startswith(f"{one}/data/")} > embed_objects
     for step in (2, 3):
@@ -149,8 +158,9 @@ def test_a_base_outside_the_run_is_refused_and_a_missing_one_means_a_full_save(s
 
 
 @pytest.mark.parametrize("change", ["replaced", "deleted"])
-def test_a_base_changed_after_its_early_read_means_a_full_save(s3_env, s3_url, s3_server,
-                                                               monkeypatch, change):
+def test_a_base_changed_after_its_early_read_means_a_full_save(
+    s3_env, s3_url, s3_server, monkeypatch, change
+):
     """The coordinator reads the base during planning, pins it later: a base manifest replaced
     or deleted in between is caught by the check after pinning (ETag), and the save writes every
     chunk, its pins removed."""
@@ -202,9 +212,16 @@ def rank_incremental(url: str) -> dict:
         frozen = torch.randn(64, 128, generator=torch.Generator().manual_seed(7))
         trained = torch.randn(64, 16, generator=torch.Generator().manual_seed(step))
         rows = slice(rank * 32, (rank + 1) * 32)
-        return {"frozen": cloudckpt.GlobalPiece(frozen[rows].clone(), (64, 128), (rank * 32, 0)),
+        return (
+            {
+                "frozen": cloudckpt.GlobalPiece(frozen[rows].clone(), (64, 128), (rank * 32, 0)),
                 "trained": cloudckpt.GlobalPiece(trained[rows].clone(), (64, 16), (rank * 32, 0)),
-                "buf": torch.arange(8.0), "step": step}, frozen, trained
+                "buf": torch.arange(8.0),
+                "step": step,
+            },
+            frozen,
+            trained,
+        )
 
     mgr = CheckpointManager(url, incremental=True, save_options=OPTIONS)
     results = []
@@ -216,12 +233,15 @@ def rank_incremental(url: str) -> dict:
     cloudckpt.load(target, mgr.step_url(3))
     _, _, trained3 = state(3)
     rows = slice(rank * 32, (rank + 1) * 32)
-    return {"reused": [r.bytes_reused for r in results],
-            "written": [r.rank_bytes_written for r in results],
-            "full_ok": torch.equal(full["frozen"], frozen) and torch.equal(full["trained"], trained),
-            "load_ok": torch.equal(target["frozen"].local, frozen[rows])
-            and torch.equal(target["trained"].local, trained3[rows]) and target["step"] == 3,
-            "world": world}
+    return {
+        "reused": [r.bytes_reused for r in results],
+        "written": [r.rank_bytes_written for r in results],
+        "full_ok": torch.equal(full["frozen"], frozen) and torch.equal(full["trained"], trained),
+        "load_ok": torch.equal(target["frozen"].local, frozen[rows])
+        and torch.equal(target["trained"].local, trained3[rows])
+        and target["step"] == 3,
+        "world": world,
+    }
 
 
 def test_world2_incremental_saves(world2, s3_url):
@@ -235,8 +255,9 @@ def test_world2_incremental_saves(world2, s3_url):
 
 
 @pytest.mark.parametrize("how", ["flip", "garbage"])
-def test_a_damaged_newest_checkpoint_makes_a_full_save_not_a_stuck_run(s3_env, s3_url, s3_server,
-                                                                       caplog, how):
+def test_a_damaged_newest_checkpoint_makes_a_full_save_not_a_stuck_run(
+    s3_env, s3_url, s3_server, caplog, how
+):
     """The newest checkpoint, the next save's base, has a damaged manifest: the save writes
     every chunk (WARNING logged) instead of failing every save of the run from then on; the
     save after it is incremental again, on the new checkpoint."""

@@ -25,9 +25,21 @@ import torch.distributed as dist
 import cloudckpt
 from cloudckpt.errors import CheckpointError, CheckpointNotFound, ManifestError
 
-_OPS = ("all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast", "barrier",
-        "batch_isend_irecv", "send", "recv", "all_reduce", "gather", "scatter",
-        "reduce_scatter", "all_to_all")
+_OPS = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "broadcast",
+    "barrier",
+    "batch_isend_irecv",
+    "send",
+    "recv",
+    "all_reduce",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "all_to_all",
+)
 
 
 def _state() -> dict:
@@ -41,12 +53,13 @@ def _state() -> dict:
 def _plan_bytes(url: str) -> int:
     from cloudckpt.api.load import _Wanted
     from cloudckpt.api.reports import LoadPlanReport
-    from cloudckpt.planning import plan_local_load
+    from cloudckpt.planning.load.plan import plan_local_load
     from cloudckpt.transport import ControlChannel
 
     wanted = _Wanted.of(_state(), ControlChannel())
-    plan = plan_local_load(cloudckpt.read_manifest(url), wanted.requests, rank=0,
-                           value_names=tuple(wanted.flat.values))
+    plan = plan_local_load(
+        cloudckpt.read_manifest(url), wanted.requests, rank=0, value_names=tuple(wanted.flat.values)
+    )
     return len(LoadPlanReport(plan).encode())
 
 
@@ -84,8 +97,11 @@ def rank_count_collectives(url: str, case: str = "own") -> dict:
     itself (``broadcast=False``: only the protocol's own collectives run); ``stateful``, the
     same with a stateful value; ``shared``, a replicated state read once and exchanged."""
     state = _state() if case != "shared" else _replicated()
-    options = cloudckpt.LoadOptions(broadcast=False) if case != "shared" else \
-        cloudckpt.LoadOptions(broadcast=True, min_broadcast_bytes=0)
+    options = (
+        cloudckpt.LoadOptions(broadcast=False)
+        if case != "shared"
+        else cloudckpt.LoadOptions(broadcast=True, min_broadcast_bytes=0)
+    )
     cloudckpt.save(state if case != "stateful" else {**state, "h": {"t": torch.ones(4)}}, url)
     counts: Counter = Counter()
     originals = {op: getattr(dist, op) for op in _OPS if hasattr(dist, op)}
@@ -94,6 +110,7 @@ def rank_count_collectives(url: str, case: str = "own") -> dict:
         def wrapper(*args, **kwargs):
             counts[op] += 1
             return fn(*args, **kwargs)
+
         return wrapper
 
     dest = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
@@ -106,12 +123,18 @@ def rank_count_collectives(url: str, case: str = "own") -> dict:
     finally:
         for op, fn in originals.items():
             setattr(dist, op, fn)
-    ok = all(torch.equal(dest[k], v) if isinstance(v, torch.Tensor) else dest[k] == v
-             for k, v in state.items())
+    ok = all(
+        torch.equal(dest[k], v) if isinstance(v, torch.Tensor) else dest[k] == v
+        for k, v in state.items()
+    )
     if case == "stateful":
         ok &= torch.equal(dest["h"].t, torch.ones(4))
-    return {"counts": dict(counts), "ok": ok, "received": result.bytes_received,
-            "plan_bytes": _plan_bytes(url) if case == "own" else 0}
+    return {
+        "counts": dict(counts),
+        "ok": ok,
+        "received": result.bytes_received,
+        "plan_bytes": _plan_bytes(url) if case == "own" else 0,
+    }
 
 
 def test_a_load_runs_three_exchanges_and_one_manifest_broadcast(world2, s3_url):
@@ -130,15 +153,21 @@ def test_a_load_runs_three_exchanges_and_one_manifest_broadcast(world2, s3_url):
 
 def rank_failing_restore(url: str, kind: str) -> dict:
     cloudckpt.save({"w": torch.ones(4), "h": {"t": torch.ones(4)}, "opt": {"lr": 0.5}}, url)
-    dest = {"w": torch.zeros(4), "h": _Holder(fail=dist.get_rank() == 1 and kind == "stateful"),
-            "opt": _Picky(lr=0.1) if kind == "mapping" else {"lr": 0.1}}
+    dest = {
+        "w": torch.zeros(4),
+        "h": _Holder(fail=dist.get_rank() == 1 and kind == "stateful"),
+        "opt": _Picky(lr=0.1) if kind == "mapping" else {"lr": 0.1},
+    }
     if kind == "mapping":
         dest["h"] = {"t": torch.zeros(4)}
     try:
         cloudckpt.load(dest, url)
     except CheckpointError as exc:
-        return {"message": str(exc), "failed": sorted(exc.failures),
-                "data": torch.equal(dest["w"], torch.ones(4))}
+        return {
+            "message": str(exc),
+            "failed": sorted(exc.failures),
+            "data": torch.equal(dest["w"], torch.ones(4)),
+        }
     return {"message": None}
 
 
@@ -170,8 +199,11 @@ def rank_missing_object(url: str, mode: str) -> dict:
     try:
         cloudckpt.load(dest, url)
     except CheckpointError as exc:
-        return {"manifest_error": isinstance(exc, ManifestError), "message": str(exc),
-                "untouched": bool((dest["w"] == 3).all())}
+        return {
+            "manifest_error": isinstance(exc, ManifestError),
+            "message": str(exc),
+            "untouched": bool((dest["w"] == 3).all()),
+        }
     return {"manifest_error": False}
 
 
@@ -206,8 +238,11 @@ def rank_broken_state_dict(url: str, exists: bool) -> dict:
     try:
         cloudckpt.load({"obj": _Broken()}, url)
     except CheckpointError as exc:
-        return {"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc),
-                "failed": sorted(exc.failures)}
+        return {
+            "types": [c.__name__ for c in type(exc).__mro__],
+            "message": str(exc),
+            "failed": sorted(exc.failures),
+        }
     return {"types": []}
 
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 import cloudckpt
-from cloudckpt import context
-from cloudckpt.testing.dist import ProcessWorld
+from cloudckpt.runtime import context
+from cloudckpt.testing.dist.world import ProcessWorld
 from cloudckpt.transport import ControlChannel
 
 PAIR = (128, 128)  # 64 KiB of float32: above the 32 KiB read-once-broadcast threshold
@@ -27,8 +27,11 @@ PAIR = (128, 128)  # 64 KiB of float32: above the 32 KiB read-once-broadcast thr
 
 def _state(rank: int, stage: str) -> dict:
     seed = sum(stage.encode())
-    state = {"w": torch.randn(96, 64, generator=torch.Generator().manual_seed(seed)),
-             f"own{rank}": torch.full((50,), float(rank)), "stage": stage}
+    state = {
+        "w": torch.randn(96, 64, generator=torch.Generator().manual_seed(seed)),
+        f"own{rank}": torch.full((50,), float(rank)),
+        "stage": stage,
+    }
     if rank in (0, 1):  # held by two ranks: a subgroup broadcast when the world has three
         state["pair"] = torch.randn(PAIR, generator=torch.Generator().manual_seed(seed + 1))
     return state
@@ -45,12 +48,20 @@ def _save_and_load(url: str, stage: str, how: str) -> dict:
         result = cloudckpt.save(sd, url)
     blank = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else "" for k, v in sd.items()}
     loaded = cloudckpt.load(blank, url)
-    same = all(torch.equal(blank[k], v) if isinstance(v, torch.Tensor) else blank[k] == v
-               for k, v in expected.items())
+    same = all(
+        torch.equal(blank[k], v) if isinstance(v, torch.Tensor) else blank[k] == v
+        for k, v in expected.items()
+    )
     held = context.current().groups.snapshot(dist.group.WORLD) if distributed else {}
-    return {"stage": stage, "rank": rank, "same": same, "bytes": result.bytes_written,
-            "broadcasts": loaded.broadcasts, "live_groups": _groups_are_live(),
-            "group_kinds": sorted({key[0] for key in held})}
+    return {
+        "stage": stage,
+        "rank": rank,
+        "same": same,
+        "bytes": result.bytes_written,
+        "broadcasts": loaded.broadcasts,
+        "live_groups": _groups_are_live(),
+        "group_kinds": sorted({key[0] for key in held}),
+    }
 
 
 def _groups_are_live() -> bool:
@@ -70,8 +81,9 @@ def _groups_are_live() -> bool:
 def _init(store_dir: str, n: int) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.FileStore(os.path.join(store_dir, f"pg-{n}"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
 
 
 def rank_reinit_cycle(url: str, store_dir: str) -> list[dict]:
@@ -93,12 +105,12 @@ def rank_reinit_cycle(url: str, store_dir: str) -> list[dict]:
 
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_saves_and_loads_work_after_the_default_group_is_destroyed_and_created_again(
-        world_size, s3_server, s3_url, tmp_path):
+    world_size, s3_server, s3_url, tmp_path
+):
     with ProcessWorld(world_size, env=s3_server.env(), timeout=240) as world:
         per_rank = world.run(rank_reinit_cycle, s3_url, str(tmp_path))
     stages = [r["stage"] for r in per_rank[0]]
-    assert stages == ["harness", "again", "again-sync", "solo", "solo-async", "third",
-                      "third-sync"]
+    assert stages == ["harness", "again", "again-sync", "solo", "solo-async", "third", "third-sync"]
     for results in per_rank:
         for r in results:
             assert r["same"] and r["live_groups"], r

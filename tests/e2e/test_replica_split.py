@@ -1,4 +1,4 @@
-"""Large replicated tensors are written by several ranks (row ranges, planning/replicas.py)
+"""Large replicated tensors are written by several ranks (row ranges, planning/save/replicas.py)
 and read back exactly through every reader, on real gloo worlds against SeaweedFS.
 
 The fast test lowers the piece size (``replicas.REPLICA_PIECE_BYTES``, read at each planning
@@ -16,8 +16,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 import cloudckpt
-from cloudckpt.export import export
-from cloudckpt.planning import replicas
+from cloudckpt.export.file import export
+from cloudckpt.planning.save import replicas
 
 SMALL_PIECE = 64 << 10
 
@@ -38,8 +38,11 @@ def _tensors(piece: int | None) -> dict[str, torch.Tensor]:
     each."""
     rows = 2 * (piece or replicas.REPLICA_PIECE_BYTES) // 4096  # 4 KiB rows
     g = torch.Generator().manual_seed(19)
-    return {"transposed": torch.randn(2048, rows, generator=g).to(torch.bfloat16).t(),
-            "one_row": torch.randn(1, rows * 1024, generator=g), "step": torch.tensor(7)}
+    return {
+        "transposed": torch.randn(2048, rows, generator=g).to(torch.bfloat16).t(),
+        "one_row": torch.randn(1, rows * 1024, generator=g),
+        "step": torch.tensor(7),
+    }
 
 
 def rank_save(url: str, piece: int | None) -> int:
@@ -49,8 +52,10 @@ def rank_save(url: str, piece: int | None) -> int:
     with _piece_bytes(piece):
         written = cloudckpt.save(state, url, options=options).rank_bytes_written
         # an async save stages the same views (a copy of each piece, not of the whole tensor)
-        assert cloudckpt.async_save(state, f"{url}-async", options=options).result(
-            ).rank_bytes_written == written
+        assert (
+            cloudckpt.async_save(state, f"{url}-async", options=options).result().rank_bytes_written
+            == written
+        )
     return written
 
 
@@ -61,12 +66,16 @@ def rank_load(url: str, piece: int | None) -> list[str]:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     state = _tensors(piece)
     plain = {k: torch.zeros_like(t) for k, t in state.items()}
-    sharded = {k: distribute_tensor(torch.zeros_like(t), mesh, [Shard(t.dim() - 1)])
-               for k, t in state.items() if t.dim()}
+    sharded = {
+        k: distribute_tensor(torch.zeros_like(t), mesh, [Shard(t.dim() - 1)])
+        for k, t in state.items()
+        if t.dim()
+    }
     cloudckpt.load(plain, url)
     cloudckpt.load(sharded, url, strict=False)
     return [f"{k} (plain)" for k, t in state.items() if not torch.equal(plain[k], t)] + [
-        f"{k} (sharded)" for k, t in sharded.items() if not torch.equal(t.full_tensor(), state[k])]
+        f"{k} (sharded)" for k, t in sharded.items() if not torch.equal(t.full_tensor(), state[k])
+    ]
 
 
 def _check(world3, world2, url: str, piece: int | None, tmp=None) -> None:
@@ -74,7 +83,9 @@ def _check(world3, world2, url: str, piece: int | None, tmp=None) -> None:
     state = _tensors(piece)
     total = sum(t.numel() * t.element_size() for t in state.values())
     # every rank writes at least one piece (all of it went to one rank before the cut)
-    assert sum(written) == total and min(written) >= (piece or replicas.REPLICA_PIECE_BYTES), written
+    assert sum(written) == total and min(written) >= (piece or replicas.REPLICA_PIECE_BYTES), (
+        written
+    )
     manifest = cloudckpt.read_manifest(url)
     for name in ("transposed", "one_row"):
         assert len(manifest.tensors[name].chunks) == 2, name
@@ -100,8 +111,9 @@ def _check(world3, world2, url: str, piece: int | None, tmp=None) -> None:
     assert all(torch.equal(out[k], t) for k, t in state.items())
 
 
-def test_replicated_tensors_cut_and_written_by_every_rank_read_back_exactly(world3, world2, s3_url, s3_env,
-                                                                            tmp_path):
+def test_replicated_tensors_cut_and_written_by_every_rank_read_back_exactly(
+    world3, world2, s3_url, s3_env, tmp_path
+):
     _check(world3, world2, s3_url, SMALL_PIECE, tmp_path)
 
 

@@ -92,8 +92,17 @@ def test_world2_checkpoint_loads_on_one_process_without_dist(saved_w2, s3_env):
     full = cloudckpt.load_full(saved_w2)
     assert full["meta"] == expected["meta"]
     assert full["opt"]["param_groups"] == expected["opt"]["param_groups"]
-    for name in ("dt_shard0", "dt_shard1", "dt_rep", "explicit", "ragged", "plain_bool",
-                 "plain_noncontig", "plain_empty", "plain_scalar"):
+    for name in (
+        "dt_shard0",
+        "dt_shard1",
+        "dt_rep",
+        "explicit",
+        "ragged",
+        "plain_bool",
+        "plain_noncontig",
+        "plain_empty",
+        "plain_scalar",
+    ):
         assert full[name].dtype == expected[name].dtype, name
         assert torch.equal(full[name], expected[name]), name
     assert torch.equal(full["opt"]["state"][0]["exp_avg"], expected["opt"]["state"][0]["exp_avg"])
@@ -104,7 +113,8 @@ def test_world2_checkpoint_loads_on_one_process_without_dist(saved_w2, s3_env):
     for name, t in sd.items():
         assert torch.equal(t, expected[name]), name
     assert "meta.epoch" in result.unexpected_keys or any(
-        k.startswith("meta") for k in result.unexpected_keys)
+        k.startswith("meta") for k in result.unexpected_keys
+    )
 
 
 def test_world4_checkpoint_loads_on_world2(world4, world2, s3_server):
@@ -133,7 +143,9 @@ def rank_replicated(url: str, mode: str) -> dict:
         return {"bytes": result.bytes_written}
     blank = {k: torch.zeros_like(v) for k, v in state.items()}
     # "load-slabs": tiny broadcast batches, so every 256 KiB region travels as 64 KiB slabs
-    options = cloudckpt.LoadOptions(broadcast_batch_bytes=64 << 10) if mode == "load-slabs" else None
+    options = (
+        cloudckpt.LoadOptions(broadcast_batch_bytes=64 << 10) if mode == "load-slabs" else None
+    )
     result = cloudckpt.load(blank, url, options=options)
     ok = all(torch.equal(blank[k], state[k]) for k in state)
     return {"ok": ok, "fetched": result.bytes_fetched, "received": result.bytes_received}
@@ -161,9 +173,12 @@ def rank_small_replicated(url: str, mode: str) -> dict:
         return {"bytes": cloudckpt.save(state, url).bytes_written}
     blank = {k: torch.zeros_like(v) for k, v in state.items()}
     result = cloudckpt.load(blank, url)
-    return {"ok": all(torch.equal(blank[k], state[k]) for k in state),
-            "fetched": result.bytes_fetched, "received": result.bytes_received,
-            "broadcasts": result.broadcasts}
+    return {
+        "ok": all(torch.equal(blank[k], state[k]) for k in state),
+        "fetched": result.bytes_fetched,
+        "received": result.bytes_received,
+        "broadcasts": result.broadcasts,
+    }
 
 
 def test_a_group_sharing_fewer_bytes_than_the_threshold_reads_them_on_every_rank(world2, s3_url):
@@ -171,8 +186,9 @@ def test_a_group_sharing_fewer_bytes_than_the_threshold_reads_them_on_every_rank
     round of collectives, so each rank reads them itself."""
     assert world2.run(rank_small_replicated, s3_url, "save")[0]["bytes"] == 48
     loaded = world2.run(rank_small_replicated, s3_url, "load")
-    assert [(r["ok"], r["fetched"], r["received"], r["broadcasts"]) for r in loaded] == \
-        [(True, 48, 0, 0)] * 2
+    assert [(r["ok"], r["fetched"], r["received"], r["broadcasts"]) for r in loaded] == [
+        (True, 48, 0, 0)
+    ] * 2
 
 
 def test_replicated_state_on_a_local_store_is_read_by_every_rank(world2, tmp_path):
@@ -223,7 +239,9 @@ def test_corrupted_data_object_is_detected_on_every_rank(world2, s3_server, s3_u
     world2.run(rank_save, s3_url)
     client = s3_server.boto3_client()
     prefix = s3_url.split("/", 3)[3] + "/data/"
-    keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3_server.bucket, Prefix=prefix)["Contents"]]
+    keys = [
+        o["Key"] for o in client.list_objects_v2(Bucket=s3_server.bucket, Prefix=prefix)["Contents"]
+    ]
     for key in keys:
         body = bytearray(client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read())
         if body:
@@ -254,7 +272,7 @@ def rank_plan_cache_votes(root: str) -> list[bool]:
     """Three saves of one layout: the second reuses the cached plan; before the third, rank 1
     forgets its plans (a restarted rank), so every rank re-plans; the fourth reuses again, and a
     fifth, where rank 0 disables the cache, re-plans everywhere."""
-    from cloudckpt.context import current
+    from cloudckpt.runtime.context import current
 
     rank, world = _rank()
     current().save_plans.clear()

@@ -18,8 +18,12 @@ def rank_exchange() -> dict:
     gathered = ch.all_gather_bytes(payload)
     sent = ch.broadcast_bytes(b"hello from 1" if ch.rank == 1 else None, src=1)
     empty = ch.all_gather_bytes(b"")
-    return {"sizes": [len(g) for g in gathered], "ok": gathered[ch.rank] == payload,
-            "sent": sent, "empty": empty}
+    return {
+        "sizes": [len(g) for g in gathered],
+        "ok": gathered[ch.rank] == payload,
+        "sent": sent,
+        "empty": empty,
+    }
 
 
 def test_byte_collectives(world3):
@@ -32,14 +36,22 @@ def rank_agree_with_failure(kind: str) -> dict:
     ch = ControlChannel(timeout=30)
     error = None
     if ch.rank == 1:
-        error = MissingKeysError("missing: ['x']", keys=("x",)) if kind == "typed" else \
-            RuntimeError("disk on fire")
+        error = (
+            MissingKeysError("missing: ['x']", keys=("x",))
+            if kind == "typed"
+            else RuntimeError("disk on fire")
+        )
     try:
         ch.agree("test phase", b"payload", error)
     except CheckpointError as exc:
-        return {"raised": True, "types": [c.__name__ for c in type(exc).__mro__],
-                "message": str(exc), "failed": sorted(exc.failures),
-                "keys": getattr(exc, "keys", None), "tb": exc.failures[1].traceback}
+        return {
+            "raised": True,
+            "types": [c.__name__ for c in type(exc).__mro__],
+            "message": str(exc),
+            "failed": sorted(exc.failures),
+            "keys": getattr(exc, "keys", None),
+            "tb": exc.failures[1].traceback,
+        }
     return {"raised": False}
 
 
@@ -49,7 +61,10 @@ def test_agree_raises_the_same_error_on_every_rank(world3):
     assert len({r["message"] for r in results}) == 1
     for r in results:
         assert r["types"][0] == "CheckpointError" and r["failed"] == [1]
-        assert r["message"].startswith("test phase failed on rank 1 (") and "disk on fire" in r["message"]
+        assert (
+            r["message"].startswith("test phase failed on rank 1 (")
+            and "disk on fire" in r["message"]
+        )
         assert "RuntimeError" in r["tb"]
     typed = world3.run(rank_agree_with_failure, "typed")
     assert [r["raised"] for r in typed] == [True, True, True]
@@ -71,8 +86,11 @@ def rank_phases() -> dict:
             choice.report = LatestStep(step=41)
     with ch.phase("nothing to report") as silent:
         pass
-    return {"votes": [v.stop for v in votes.reports], "choice": choice.reports,
-            "silent": silent.reports}
+    return {
+        "votes": [v.stop for v in votes.reports],
+        "choice": choice.reports,
+        "silent": silent.reports,
+    }
 
 
 def test_phase_returns_every_ranks_typed_report(world3):
@@ -97,8 +115,12 @@ def rank_phase_fails(where: str) -> dict:
                 raise MissingKeysError("1 names are not in the checkpoint: 'w'", keys=("w",))
             phase.report = LatestStep(step=1) if ch.rank == 0 else StopVote(stop=False)
     except CheckpointError as exc:
-        outcome = {"raised": True, "types": [c.__name__ for c in type(exc).__mro__],
-                   "message": str(exc), "failed": sorted(exc.failures)}
+        outcome = {
+            "raised": True,
+            "types": [c.__name__ for c in type(exc).__mro__],
+            "message": str(exc),
+            "failed": sorted(exc.failures),
+        }
     with ch.phase("after the failure", StopVote) as after:
         after.report = StopVote(stop=True)
     outcome["after"] = [v.stop for v in after.reports]
@@ -129,8 +151,11 @@ def rank_subgroup_broadcasts() -> list[list[int]]:
         if ch.rank not in members:
             out.append([])
             continue
-        buf = torch.full((5,), 10 * src + 1, dtype=torch.uint8) if ch.rank == src else \
-            torch.zeros(5, dtype=torch.uint8)
+        buf = (
+            torch.full((5,), 10 * src + 1, dtype=torch.uint8)
+            if ch.rank == src
+            else torch.zeros(5, dtype=torch.uint8)
+        )
         b.broadcast(buf, src=src, members=members)
         out.append(buf.tolist())
     return out
@@ -160,7 +185,7 @@ def rank_exchanges() -> list:
         backing = torch.zeros(sum(sizes) + 4, dtype=torch.uint8)
         slots, pos = [], 2
         for m, n in zip(members, sizes):
-            slots.append(backing[pos:pos + n])
+            slots.append(backing[pos : pos + n])
             pos += n
             if m == ch.rank:
                 slots[-1].fill_(m + 1)
@@ -168,10 +193,15 @@ def rank_exchanges() -> list:
         statuses = torch.zeros(len(members), dtype=torch.uint8)
         me = members.index(ch.rank)
         statuses[me] = 10 + ch.rank
-        b.all_gather(statuses, statuses[me:me + 1], members=members)
-        out.append({"slots": [s.tolist() for s in slots], "sizes": sizes,
-                    "edges": [backing[:2].tolist(), backing[pos:].tolist()],
-                    "statuses": statuses.tolist()})
+        b.all_gather(statuses, statuses[me : me + 1], members=members)
+        out.append(
+            {
+                "slots": [s.tolist() for s in slots],
+                "sizes": sizes,
+                "edges": [backing[:2].tolist(), backing[pos:].tolist()],
+                "statuses": statuses.tolist(),
+            }
+        )
     return out
 
 
@@ -200,7 +230,7 @@ def rank_peer_dies(timeout: float) -> dict:
 
 
 def test_dead_peer_gives_collective_timeout_not_a_hang(world2):
-    from cloudckpt.testing.dist import RankFailedError
+    from cloudckpt.testing.dist.world import RankFailedError
 
     try:
         world2.run(rank_peer_dies, 5.0, timeout=60)
@@ -220,7 +250,9 @@ def test_one_process_errors_carry_their_own_message(tmp_path):
 
     with pytest.raises(CheckpointNotFound) as missing:
         cloudckpt.load({"a": torch.zeros(2)}, str(tmp_path / "nope"))
-    assert str(missing.value).startswith("loading (reading the manifest): no committed checkpoint at ")
+    assert str(missing.value).startswith(
+        "loading (reading the manifest): no committed checkpoint at "
+    )
     assert "rank" not in str(missing.value) and list(missing.value.failures) == [0]
     cloudckpt.save({"a": torch.ones(2)}, str(tmp_path / "ck"))
     with pytest.raises(MissingKeysError) as keys:

@@ -14,11 +14,15 @@ MiB = 1 << 20
 
 def storage_for(info, **overrides) -> StorageOptions:
     """Explicit options for the session's SeaweedFS, small multipart parts, quick retries."""
-    fields = dict(endpoint_url=info.endpoint_url, region=info.region,
-                  access_key_id=info.access_key, secret_access_key=info.secret_key,
-                  multipart_threshold=5 * MiB, part_size=5 * MiB,
-                  retry=RetryOptions(max_attempts=4, base_delay=0.01, max_delay=0.2,
-                                     deadline=60.0))
+    fields = dict(
+        endpoint_url=info.endpoint_url,
+        region=info.region,
+        access_key_id=info.access_key,
+        secret_access_key=info.secret_key,
+        multipart_threshold=5 * MiB,
+        part_size=5 * MiB,
+        retry=RetryOptions(max_attempts=4, base_delay=0.01, max_delay=0.2, deadline=60.0),
+    )
     fields.update(overrides)
     return StorageOptions(**fields)
 
@@ -30,16 +34,21 @@ def odd_state(seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(64, 40, generator=g)
     return {
-        "big": torch.randn(3 * MiB // 4 + 123, generator=g),           # ~3 MiB, odd length
+        "big": torch.randn(3 * MiB // 4 + 123, generator=g),  # ~3 MiB, odd length
         "bf16": torch.randn(1000, 3, generator=g).to(torch.bfloat16),
         "ints": torch.randint(-(1 << 40), 1 << 40, (257,), generator=g),
         "mask": torch.rand(33, generator=g) > 0.5,
-        "transposed": base.t(),                                         # not contiguous
-        "slice": base[10:20],                                           # view into a larger one
+        "transposed": base.t(),  # not contiguous
+        "slice": base[10:20],  # view into a larger one
         "scalar": torch.tensor(2.5),
         "empty": torch.empty(0, 7),
-        "nested": {"w": torch.randn(5, 5, generator=g), "step": 12, "betas": (0.9, 0.95),
-                   "name": "run-a", "flags": {"amp": True, "note": None}},
+        "nested": {
+            "w": torch.randn(5, 5, generator=g),
+            "step": 12,
+            "betas": (0.9, 0.95),
+            "name": "run-a",
+            "flags": {"amp": True, "note": None},
+        },
     }
 
 
@@ -72,7 +81,7 @@ def assert_same(got, want, path: str = "") -> None:
 
 
 def split_url(url: str) -> tuple[str, str]:
-    bucket, _, prefix = url[len("s3://"):].partition("/")
+    bucket, _, prefix = url[len("s3://") :].partition("/")
     return bucket, prefix.rstrip("/")
 
 
@@ -82,10 +91,11 @@ def download_prefix(s3_server, url: str, folder: Path) -> list[str]:
     client = s3_server.boto3_client()
     bucket, prefix = split_url(url)
     names = []
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
-                                                                 Prefix=prefix + "/"):
+    for page in client.get_paginator("list_objects_v2").paginate(
+        Bucket=bucket, Prefix=prefix + "/"
+    ):
         for obj in page.get("Contents", []):
-            name = obj["Key"][len(prefix) + 1:]
+            name = obj["Key"][len(prefix) + 1 :]
             target = folder / name
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read())

@@ -17,9 +17,9 @@ def main(argv: list[str]) -> None:
     import torch
 
     import cloudckpt
-    from cloudckpt.hf.export import export_safetensors
+    from cloudckpt.export.folder import export_safetensors
     from cloudckpt.options import LoadOptions
-    from cloudckpt.runtime import shared_store
+    from cloudckpt.runtime.loop import shared_store
     from cloudckpt.testing.memory import PeakRSS
 
     src, spec = argv[0], json.loads(argv[1])
@@ -29,18 +29,31 @@ def main(argv: list[str]) -> None:
         for i, e in enumerate(spec):
             e["storage"] = e["storage"] and cloudckpt.StorageOptions(**e["storage"])
             warm = f"{e['dst']}-warmup" if e["dst"].startswith("s3://") else f"{tmp}/w{i}"
-            export_safetensors(small, warm, window_bytes=e["window"], storage=e["storage"],
-                               options=LoadOptions(max_read_bytes=e["read"]))
+            export_safetensors(
+                small,
+                warm,
+                window_bytes=e["window"],
+                storage=e["storage"],
+                options=LoadOptions(max_read_bytes=e["read"]),
+            )
     out = {}
     for e in spec:
         store = shared_store(e["dst"], e["storage"])
         store.stats.reset()
         with PeakRSS() as m:
-            result = export_safetensors(src, e["dst"], max_shard_bytes=e["shard"],
-                                        window_bytes=e["window"], storage=e["storage"],
-                                        options=LoadOptions(max_read_bytes=e["read"]))
-        out[e["name"]] = {"growth": m.growth, "files": list(result.files),
-                          "requests": dict(store.stats.requests)}
+            result = export_safetensors(
+                src,
+                e["dst"],
+                max_shard_bytes=e["shard"],
+                window_bytes=e["window"],
+                storage=e["storage"],
+                options=LoadOptions(max_read_bytes=e["read"]),
+            )
+        out[e["name"]] = {
+            "growth": m.growth,
+            "files": list(result.files),
+            "requests": dict(store.stats.requests),
+        }
     print(json.dumps(out))
 
 

@@ -25,8 +25,11 @@ def valid_file(tensors: dict[str, np.ndarray], metadata: dict | None = None) -> 
     data, pos = b"", 0
     for name, arr in tensors.items():
         body = np.ascontiguousarray(arr, dtype="<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(arr.shape),
-                        "data_offsets": [pos, pos + len(body)]}
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(arr.shape),
+            "data_offsets": [pos, pos + len(body)],
+        }
         data += body
         pos += len(body)
     return pack(header, data)
@@ -34,15 +37,18 @@ def valid_file(tensors: dict[str, np.ndarray], metadata: dict | None = None) -> 
 
 def two_tensors() -> tuple[dict, bytes]:
     """A valid header (dict) of two float32 tensors and its data section."""
-    header = {"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
-              "b": {"dtype": "F32", "shape": [4], "data_offsets": [24, 40]}}
+    header = {
+        "a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+        "b": {"dtype": "F32", "shape": [4], "data_offsets": [24, 40]},
+    }
     return header, bytes(range(40))
 
 
 #: Hostile cases the safetensors library accepts: cloudckpt refuses them by design (see the
 #: module doc of cloudckpt.hf.header). Every other hostile case the library refuses too.
-STRICTER_THAN_LIBRARY = frozenset({"empty name", "too many dimensions", "metadata null",
-                                   "a dtype cloudckpt does not hold"})
+STRICTER_THAN_LIBRARY = frozenset(
+    {"empty name", "too many dimensions", "metadata null", "a dtype cloudckpt does not hold"}
+)
 
 
 def hostile_files() -> dict[str, tuple[bytes, str]]:
@@ -71,53 +77,86 @@ def hostile_files() -> dict[str, tuple[bytes, str]]:
         "not utf-8": (pack(b'{"\xff\xfe": 1}', data), "not UTF-8"),
         "not utf-8 at the start": (pack(b"\xff\xfe{}", data), "not UTF-8"),
         "deep nesting": (pack(b"[" * 100_000 + b"]" * 100_000, data), "nested too deeply"),
-        "nan": (pack(b'{"a": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 24]}}', data),
-                "NaN"),
-        "huge number": (pack(b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], '
-                             b'"data_offsets": [0, 24]}}', data), "not valid JSON"),
-        "duplicate name": (pack(b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},'
-                                b' "a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}',
-                                bytes(8)), "twice"),
-        "lone surrogate in a name": (pack(b'{"\\ud800": {"dtype": "F32", "shape": [2], '
-                                          b'"data_offsets": [0, 8]}}', bytes(8)), "surrogate"),
+        "nan": (
+            pack(b'{"a": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 24]}}', data),
+            "NaN",
+        ),
+        "huge number": (
+            pack(
+                b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5000 + b"], "
+                b'"data_offsets": [0, 24]}}',
+                data,
+            ),
+            "not valid JSON",
+        ),
+        "duplicate name": (
+            pack(
+                b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},'
+                b' "a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}',
+                bytes(8),
+            ),
+            "twice",
+        ),
+        "lone surrogate in a name": (
+            pack(b'{"\\ud800": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}', bytes(8)),
+            "surrogate",
+        ),
         "lone surrogate in metadata": (pack(b'{"__metadata__": {"k": "\\udc00"}}'), "surrogate"),
         # a tensor entry
         "empty name": (pack({"": f32}, bytes(8)), "empty name"),
         "entry not an object": (pack({"a": header["a"], "b": [24, 40]}, data), "an object"),
-        "entry without data_offsets": (pack({"a": {"dtype": "F32", "shape": [2]}}, bytes(8)),
-                                       "no 'data_offsets'"),
+        "entry without data_offsets": (
+            pack({"a": {"dtype": "F32", "shape": [2]}}, bytes(8)),
+            "no 'data_offsets'",
+        ),
         "unknown dtype": (changed("a", "dtype", "F4"), "unknown dtype"),
         "made-up dtype": (changed("a", "dtype", "F33"), "unknown dtype"),
-        "a dtype cloudckpt does not hold": (pack({"a": {"dtype": "F8_E4M3FNUZ", "shape": [2],
-                                                        "data_offsets": [0, 2]}}, bytes(2)),
-                                            "unknown dtype"),
+        "a dtype cloudckpt does not hold": (
+            pack({"a": {"dtype": "F8_E4M3FNUZ", "shape": [2], "data_offsets": [0, 2]}}, bytes(2)),
+            "unknown dtype",
+        ),
         "dtype not a string": (changed("a", "dtype", 4), "unknown dtype"),
         "shape not a list": (changed("a", "shape", "2x3"), "shape"),
         "negative dimension": (changed("a", "shape", [-2, -3]), "non-negative"),
         "bool dimension": (changed("b", "shape", [True, 4]), "non-negative"),
-        "too many dimensions": (pack({"a": {**f32, "shape": [1] * 65, "data_offsets": [0, 4]}},
-                                     bytes(4)), "at most 64"),
-        "oversized empty shape": (pack({"z": {"dtype": "F32", "shape": [0, 1 << 40, 1 << 40],
-                                              "data_offsets": [0, 0]}}), "2\\*\\*60"),
-        "oversized shape": (pack({"a": {"dtype": "F32", "shape": [2**62, 2**62],
-                                        "data_offsets": [0, 8]}}, bytes(8)), "2\\*\\*60"),
+        "too many dimensions": (
+            pack({"a": {**f32, "shape": [1] * 65, "data_offsets": [0, 4]}}, bytes(4)),
+            "at most 64",
+        ),
+        "oversized empty shape": (
+            pack({"z": {"dtype": "F32", "shape": [0, 1 << 40, 1 << 40], "data_offsets": [0, 0]}}),
+            "2\\*\\*60",
+        ),
+        "oversized shape": (
+            pack(
+                {"a": {"dtype": "F32", "shape": [2**62, 2**62], "data_offsets": [0, 8]}}, bytes(8)
+            ),
+            "2\\*\\*60",
+        ),
         "offsets reversed": (changed("b", "data_offsets", [40, 24]), "begin <= end"),
         "negative offset": (changed("a", "data_offsets", [-4, 20]), "begin <= end"),
         "float offset": (changed("a", "data_offsets", [0.0, 24]), "begin <= end"),
         "three offsets": (changed("a", "data_offsets", [0, 12, 24]), "begin <= end"),
         "length does not match shape": (changed("a", "shape", [2, 2]), "span 24 bytes"),
-        "metadata not strings": (pack({**header, "__metadata__": {"format": 1}}, data),
-                                 "__metadata__"),
+        "metadata not strings": (
+            pack({**header, "__metadata__": {"format": 1}}, data),
+            "__metadata__",
+        ),
         "metadata null": (pack({**header, "__metadata__": None}, data), "__metadata__"),
         # the layout of the data
         "overlapping tensors": (changed("b", "data_offsets", [20, 36]), "overlap"),
-        "hole before the first tensor": (pack({"a": {**f32, "data_offsets": [8, 16]}},
-                                              bytes(16)), "hole"),
-        "hole between tensors": (pack({"a": f32, "b": {**f32, "data_offsets": [12, 20]}},
-                                      bytes(20)), "hole"),
-        "offset past the data": (pack({**header, "b": {"dtype": "F32", "shape": [5],
-                                                       "data_offsets": [24, 44]}}, data),
-                                 "data is 44 bytes, the file holds 40"),
+        "hole before the first tensor": (
+            pack({"a": {**f32, "data_offsets": [8, 16]}}, bytes(16)),
+            "hole",
+        ),
+        "hole between tensors": (
+            pack({"a": f32, "b": {**f32, "data_offsets": [12, 20]}}, bytes(20)),
+            "hole",
+        ),
+        "offset past the data": (
+            pack({**header, "b": {"dtype": "F32", "shape": [5], "data_offsets": [24, 44]}}, data),
+            "data is 44 bytes, the file holds 40",
+        ),
         "data past the end of the file": (pack({"a": f32}), "the file holds 0"),
         "bytes after the data": (pack(header, data + b"\0"), "the file holds 41"),
     }
@@ -135,7 +174,6 @@ def edge_files() -> dict[str, bytes]:
         "no tensors": pack({}),
         "metadata only": pack({"__metadata__": {"format": "pt"}}),
         "empty tensors sharing an offset": pack({"e": empty, "f": empty}),
-        "empty tensor at the end": pack({**header, "e": {**empty, "data_offsets": [40, 40]}},
-                                        data),
+        "empty tensor at the end": pack({**header, "e": {**empty, "data_offsets": [40, 40]}}, data),
         "a scalar": pack({"s": {"dtype": "I64", "shape": [], "data_offsets": [0, 8]}}, bytes(8)),
     }

@@ -29,9 +29,12 @@ def _sharded_state(seed: int, dim_of: dict, *, blank: bool = False) -> dict:
             full = torch.zeros_like(full)
         dim = dim_of.get(name)
         out[name] = distribute_tensor(full, mesh, [Shard(dim) if dim is not None else Replicate()])
-    out["optim"] = {"step": torch.tensor(5 if not blank else 0),
-                    "param_groups": [{"lr": 0.0 if blank else 3e-4,
-                                      "betas": (0.0, 0.0) if blank else (0.9, 0.95)}]}
+    out["optim"] = {
+        "step": torch.tensor(5 if not blank else 0),
+        "param_groups": [
+            {"lr": 0.0 if blank else 3e-4, "betas": (0.0, 0.0) if blank else (0.9, 0.95)}
+        ],
+    }
     out["plain"] = torch.zeros(4) if blank else torch.arange(4.0) + seed
     return out
 
@@ -39,7 +42,8 @@ def _sharded_state(seed: int, dim_of: dict, *, blank: bool = False) -> dict:
 def _check(state: dict, seed: int) -> list[str]:
     bad = [name for name in SHAPES if not torch.equal(state[name].full_tensor(), _full(name, seed))]
     if int(state["optim"]["step"]) != 5 or state["optim"]["param_groups"] != [
-            {"lr": 3e-4, "betas": (0.9, 0.95)}]:
+        {"lr": 3e-4, "betas": (0.9, 0.95)}
+    ]:
         bad.append("optim")
     if not torch.equal(state["plain"], torch.arange(4.0) + seed):
         bad.append("plain")
@@ -52,8 +56,12 @@ def rank_save(url: str, seed: int) -> None:
     from cloudckpt.dcp import DCPOptions, StorageWriter
 
     state = _sharded_state(seed, {"emb": 0, "proj": 0})
-    dcp.save(state, storage_writer=StorageWriter(url, options=DCPOptions(
-        object_size=1024, checksum_block_size=512)))
+    dcp.save(
+        state,
+        storage_writer=StorageWriter(
+            url, options=DCPOptions(object_size=1024, checksum_block_size=512)
+        ),
+    )
 
 
 def rank_load_resharded(url: str, seed: int) -> list[str]:
@@ -64,8 +72,12 @@ def rank_load_resharded(url: str, seed: int) -> list[str]:
     # another world size and another sharding: emb by rows over 3 ranks (boxes of the stored
     # row shards), proj by columns (strided boxes: through buffers), norm sharded now
     state = _sharded_state(seed, {"emb": 0, "proj": 1, "norm": 0}, blank=True)
-    dcp.load(state, storage_reader=StorageReader(url, options=DCPOptions(
-        read_batch_bytes=700, max_read_bytes=2048)))
+    dcp.load(
+        state,
+        storage_reader=StorageReader(
+            url, options=DCPOptions(read_batch_bytes=700, max_read_bytes=2048)
+        ),
+    )
     return _check(state, seed)
 
 
@@ -82,7 +94,7 @@ def rank_async_save_then_mutate(url: str, seed: int) -> list[str]:
 
     state = _sharded_state(seed, {"emb": 0, "norm": 0})
     future = dcp.async_save(state, storage_writer=StorageWriter(url))
-    for name in SHAPES:   # training goes on at once
+    for name in SHAPES:  # training goes on at once
         state[name].to_local().mul_(-2)
     state["plain"].add_(100)
     future.result(timeout=120)

@@ -15,9 +15,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
-                                                   Metadata, MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from cloudckpt.dcp import StorageReader, StorageWriter
 from cloudckpt.dcp.metadata import unpickle_metadata
@@ -38,9 +43,15 @@ class _Call:
 
 
 def _metadata(**fields) -> Metadata:
-    md = Metadata(state_dict_metadata={"w": TensorStorageMetadata(
-        TensorProperties(dtype=torch.float32), torch.Size([4]),
-        [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))])})
+    md = Metadata(
+        state_dict_metadata={
+            "w": TensorStorageMetadata(
+                TensorProperties(dtype=torch.float32),
+                torch.Size([4]),
+                [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))],
+            )
+        }
+    )
     md.storage_data = {MetadataIndex("w", [0]): _StorageInfo("__0_0.distcp", 0, 100)}
     for k, v in fields.items():
         setattr(md, k, v)
@@ -65,8 +76,9 @@ def test_metadata_that_would_run_code_is_refused_and_runs_nothing(tmp_path, atta
     payload = {
         "os.system": _Call(os.system, command),
         "eval": _Call(eval, f"__import__('os').system({command!r})"),
-        "exec via getattr": _Call(getattr, __builtins__ if isinstance(__builtins__, dict)
-                                  else __builtins__, "exec"),
+        "exec via getattr": _Call(
+            getattr, __builtins__ if isinstance(__builtins__, dict) else __builtins__, "exec"
+        ),
         "planner_data": _metadata(planner_data=_Call(os.system, command)),
     }[attack]
     _write(tmp_path / "ck", pickle.dumps(payload))
@@ -79,14 +91,27 @@ def test_metadata_that_would_run_code_is_refused_and_runs_nothing(tmp_path, atta
 
 
 # Globals a hostile file could name, as the GLOBAL opcode (protocol 0-3) and STACK_GLOBAL (4+):
-DANGEROUS = [("os", "system"), ("posix", "system"), ("subprocess", "Popen"),
-             ("builtins", "eval"), ("builtins", "exec"), ("builtins", "getattr"),
-             ("builtins", "__import__"), ("importlib", "import_module"), ("pickle", "loads"),
-             ("torch", "load"), ("torch", "save"), ("torch", "from_file"),
-             ("torch.serialization", "load"), ("collections", "Counter"),
-             ("torch.distributed.checkpoint.metadata", "torch"),
-             ("torch.distributed.checkpoint.filesystem", "FileSystemReader"),
-             ("numpy", "load"), ("shutil", "rmtree"), ("cloudckpt.runtime", "reset")]
+DANGEROUS = [
+    ("os", "system"),
+    ("posix", "system"),
+    ("subprocess", "Popen"),
+    ("builtins", "eval"),
+    ("builtins", "exec"),
+    ("builtins", "getattr"),
+    ("builtins", "__import__"),
+    ("importlib", "import_module"),
+    ("pickle", "loads"),
+    ("torch", "load"),
+    ("torch", "save"),
+    ("torch", "from_file"),
+    ("torch.serialization", "load"),
+    ("collections", "Counter"),
+    ("torch.distributed.checkpoint.metadata", "torch"),
+    ("torch.distributed.checkpoint.filesystem", "FileSystemReader"),
+    ("numpy", "load"),
+    ("shutil", "rmtree"),
+    ("cloudckpt.runtime.loop", "reset"),
+]
 
 
 def _global_opcode(module: str, name: str, stack: bool) -> bytes:
@@ -109,9 +134,19 @@ def test_what_metadata_holds_is_admitted():
     assert unpickle_metadata(_global_opcode("torch", "Size", False)) is torch.Size
 
 
-@pytest.mark.parametrize("case", ["not a pickle", "truncated", "a dict", "escaping file name",
-                                  "absolute file name", "negative offset", "chunk outside",
-                                  "bool length"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "not a pickle",
+        "truncated",
+        "a dict",
+        "escaping file name",
+        "absolute file name",
+        "negative offset",
+        "chunk outside",
+        "bool length",
+    ],
+)
 def test_malformed_metadata_is_a_typed_error(tmp_path, case):
     good = pickle.dumps(_metadata())
     md = _metadata()
@@ -124,10 +159,14 @@ def test_malformed_metadata_is_a_typed_error(tmp_path, case):
     elif case == "bool length":
         md.storage_data = {MetadataIndex("w", [0]): _StorageInfo("__0_0.distcp", 0, True)}
     elif case == "chunk outside":
-        md.state_dict_metadata["w"].chunks = [ChunkStorageMetadata(torch.Size([2]),
-                                                                    torch.Size([4]))]
-    data = {"not a pickle": b"hello, world", "truncated": good[:len(good) // 2],
-            "a dict": pickle.dumps({"state_dict_metadata": {}})}.get(case, pickle.dumps(md))
+        md.state_dict_metadata["w"].chunks = [
+            ChunkStorageMetadata(torch.Size([2]), torch.Size([4]))
+        ]
+    data = {
+        "not a pickle": b"hello, world",
+        "truncated": good[: len(good) // 2],
+        "a dict": pickle.dumps({"state_dict_metadata": {}}),
+    }.get(case, pickle.dumps(md))
     _write(tmp_path, data)
     with pytest.raises(ManifestError) as info:
         StorageReader(tmp_path).read_metadata()
@@ -148,9 +187,11 @@ def test_a_value_that_needs_more_than_weights_only_never_reaches_the_planner(tmp
 
 
 def test_allow_pickle_hands_values_to_the_planner(tmp_path):
-    counts = fractions.Fraction(1, 3)   # not in torch's weights_only allow-list
-    dcp.save({"w": torch.ones(3), "counts": counts, "plain": [1, (2, 3)]},
-             storage_writer=StorageWriter(tmp_path / "ck"))
+    counts = fractions.Fraction(1, 3)  # not in torch's weights_only allow-list
+    dcp.save(
+        {"w": torch.ones(3), "counts": counts, "plain": [1, (2, 3)]},
+        storage_writer=StorageWriter(tmp_path / "ck"),
+    )
     out = {"w": torch.zeros(3), "counts": None, "plain": None}
     with pytest.raises(CheckpointException):
         dcp.load(out, storage_reader=StorageReader(tmp_path / "ck"))

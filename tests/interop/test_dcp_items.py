@@ -14,19 +14,28 @@ from hypothesis import strategies as st
 from cloudckpt.checksum import block_crcs
 from cloudckpt.dcp.items import block_crcs_of, bytes_item, region_span, tensor_item
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool,
-          torch.uint8, torch.complex64, torch.float64]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int8,
+    torch.bool,
+    torch.uint8,
+    torch.complex64,
+    torch.float64,
+]
 
 
 def _tensors():
     base = torch.arange(60.0).reshape(3, 4, 5)
-    yield base                                  # owns its storage: sent from its memory
-    yield base.transpose(0, 2)                  # strided view
-    yield base[1]                               # view into a larger storage
-    yield base[:, 1:3]                          # strided slice
-    yield torch.tensor(7, dtype=torch.int64)    # 0-d
-    yield torch.empty(0, 3)                     # no elements
-    yield torch.randn(4, 3, dtype=torch.complex64).conj()   # lazy conjugate
+    yield base  # owns its storage: sent from its memory
+    yield base.transpose(0, 2)  # strided view
+    yield base[1]  # view into a larger storage
+    yield base[:, 1:3]  # strided slice
+    yield torch.tensor(7, dtype=torch.int64)  # 0-d
+    yield torch.empty(0, 3)  # no elements
+    yield torch.randn(4, 3, dtype=torch.complex64).conj()  # lazy conjugate
     for dtype in DTYPES:
         yield (torch.rand(17, 3) * 50).to(dtype)
 
@@ -37,7 +46,7 @@ def test_a_tensor_item_is_what_torch_load_reads_back():
         data = b"".join(bytes(s) for s in item.segments)
         back = torch.load(io.BytesIO(data), weights_only=True)
         assert back.dtype == t.dtype and torch.equal(back, t.resolve_conj()), t.shape
-        raw = data[item.data_offset:item.data_offset + item.data_length]
+        raw = data[item.data_offset : item.data_offset + item.data_length]
         assert raw == t.resolve_conj().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
         assert item.length == len(data)
 
@@ -45,7 +54,7 @@ def test_a_tensor_item_is_what_torch_load_reads_back():
 def test_an_owned_tensor_is_sent_from_its_own_memory():
     t = torch.randn(1000)
     item = tensor_item(t)
-    t.add_(1)   # the data segment is the tensor's memory: it sees the change
+    t.add_(1)  # the data segment is the tensor's memory: it sees the change
     assert bytes(item.segments[1]) == t.numpy().tobytes()
 
 

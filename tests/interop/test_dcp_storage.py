@@ -15,10 +15,22 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from cloudckpt.dcp import DCPOptions, StorageReader, StorageWriter
 from cloudckpt.dcp.metadata import decode_checksums
-from cloudckpt.errors import (ChecksumError, CheckpointExists, ConfigError, IntegrityError,
-                              InvalidRange)
-from tests.interop.helpers import (assert_same, download_prefix, failure_of, odd_state,
-                                   storage_for, upload_folder, zeros_like_state)
+from cloudckpt.errors import (
+    CheckpointExists,
+    ChecksumError,
+    ConfigError,
+    IntegrityError,
+    InvalidRange,
+)
+from tests.interop.helpers import (
+    assert_same,
+    download_prefix,
+    failure_of,
+    odd_state,
+    storage_for,
+    upload_folder,
+    zeros_like_state,
+)
 from tests.reliability.stores import RawCheckpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -37,8 +49,9 @@ def _load(url, storage, state, **kw):
     return out
 
 
-def test_writer_files_are_dcp_layout_filesystem_reader_loads_them(s3_server, s3_url, storage,
-                                                                    tmp_path):
+def test_writer_files_are_dcp_layout_filesystem_reader_loads_them(
+    s3_server, s3_url, storage, tmp_path
+):
     state = odd_state(1)
     dcp.save(state, storage_writer=StorageWriter(s3_url, storage, options=SMALL))
     names = download_prefix(s3_server, s3_url, tmp_path)
@@ -53,8 +66,9 @@ def test_writer_files_are_dcp_layout_filesystem_reader_loads_them(s3_server, s3_
 
 def test_reader_loads_filesystem_writer_checkpoint_uploaded(s3_server, s3_url, storage, tmp_path):
     state = odd_state(2)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path), thread_count=3,
-                                                         sync_files=False))
+    dcp.save(
+        state, storage_writer=dcp.FileSystemWriter(str(tmp_path), thread_count=3, sync_files=False)
+    )
     names = upload_folder(s3_server, tmp_path, s3_url)
     assert ".metadata" in names and sum(n.endswith(".distcp") for n in names) == 3
     assert_same(_load(s3_url, storage, state), state)
@@ -74,8 +88,10 @@ def test_existing_checkpoint_is_refused_before_anything_is_written(s3_server, s3
     dcp.save(state, storage_writer=StorageWriter(s3_url, storage, options=SMALL))
     raw = RawCheckpoint(s3_url, s3_server)
     before = {n: raw.read(n) for n in (".metadata", ".metadata.checksums", "__0_0.distcp")}
-    changed = {k: (v * 3 if isinstance(v, torch.Tensor) and v.dtype.is_floating_point else v)
-               for k, v in state.items()}
+    changed = {
+        k: (v * 3 if isinstance(v, torch.Tensor) and v.dtype.is_floating_point else v)
+        for k, v in state.items()
+    }
     with pytest.raises(CheckpointException) as info:
         dcp.save(changed, storage_writer=StorageWriter(s3_url, storage, options=SMALL))
     err = failure_of(info.value)
@@ -103,8 +119,11 @@ def test_metadata_is_written_last_in_create_mode(monkeypatch, s3_url, storage):
 
     puts: list = []
     real = writer_module.shared_store
-    monkeypatch.setattr(writer_module, "shared_store",
-                        lambda url, options=None: _Recording(real(url, options), puts))
+    monkeypatch.setattr(
+        writer_module,
+        "shared_store",
+        lambda url, options=None: _Recording(real(url, options), puts),
+    )
     dcp.save(odd_state(5), storage_writer=StorageWriter(s3_url, storage, options=SMALL))
     assert puts[-1] == (".metadata", "create")
     assert puts[-2] == (".metadata.checksums", "overwrite")
@@ -115,7 +134,7 @@ class _LateWriter(StorageWriter):
     """Another writer commits at the same prefix between this one's planning and its commit."""
 
     def finish(self, metadata, results):
-        from cloudckpt.runtime import run_coroutine, shared_store
+        from cloudckpt.runtime.loop import run_coroutine, shared_store
 
         run_coroutine(shared_store(self.url, self.storage).put(".metadata", b"the first commit"))
         super().finish(metadata, results)
@@ -148,9 +167,12 @@ def _positions(sums, rng) -> list[tuple[str, int]]:
         ends[name] = max(ends.get(name, 0), offset + item.length)
         if item.length == 0 or item.data_offset == item.length:
             continue
-        out |= {(name, offset), (name, offset + item.length - 1),
-                (name, offset + rng.randrange(max(1, item.data_offset))),
-                (name, offset + rng.randrange(item.length))}
+        out |= {
+            (name, offset),
+            (name, offset + item.length - 1),
+            (name, offset + rng.randrange(max(1, item.data_offset))),
+            (name, offset + rng.randrange(item.length)),
+        }
     out |= {(name, 0) for name in ends} | {(name, end - 1) for name, end in ends.items()}
     return sorted(out)
 
@@ -160,8 +182,9 @@ def test_a_damaged_byte_anywhere_in_a_data_file_is_detected(saved, s3_url, stora
     rng = random.Random(0)
     positions = _positions(sums, rng)
     # bounded but spread: every file's ends and a sample of the items' bytes
-    sample = sorted(set(rng.sample(positions, min(24, len(positions))))
-                    | {p for p in positions if p[1] == 0})
+    sample = sorted(
+        set(rng.sample(positions, min(24, len(positions)))) | {p for p in positions if p[1] == 0}
+    )
     for name, offset in sample:
         original = raw.flip(name, offset)
         try:

@@ -18,16 +18,22 @@ from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
 import cloudckpt
-from cloudckpt import cli as cli_module
 from cloudckpt.api.read_tensors import TensorReader
+from cloudckpt.cli import main as cli_module
 from cloudckpt.errors import ChecksumError, ConfigError, ExportTargetNotEmpty, SafetensorsError
-from cloudckpt.hf import destinations
+from cloudckpt.export import destinations
 from cloudckpt.hf.header import parse_header
-from cloudckpt.runtime import run_coroutine, shared_store
+from cloudckpt.runtime.loop import run_coroutine, shared_store
 from tests.reliability.stores import RawCheckpoint
 
-LLAMA = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=256)
+LLAMA = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +52,11 @@ def trained():
         ids = torch.randint(0, LLAMA["vocab_size"], (2, 16))
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
-        out[tied] = (config, {k: v.detach().clone() for k, v in model.state_dict().items()},
-                     opt.state_dict())
+        out[tied] = (
+            config,
+            {k: v.detach().clone() for k, v in model.state_dict().items()},
+            opt.state_dict(),
+        )
     return out
 
 
@@ -66,8 +75,7 @@ def test_from_pretrained_on_the_export_gives_the_trained_weights(trained, tmp_pa
     cloudckpt.save({"model": sd, "optim": optim, "step": 1}, url)
     folder = tmp_path / "hf"
     config.save_pretrained(folder)  # other files in the folder are fine
-    result = cloudckpt.export_safetensors(url, str(folder), prefix="model.",
-                                          max_shard_bytes=60_000)
+    result = cloudckpt.export_safetensors(url, str(folder), prefix="model.", max_shard_bytes=60_000)
     assert len(result.files) > 2 and result.files[-1] == "model.safetensors.index.json"
     assert result.tensors == len(sd) and result.skipped_values == ()
     index = json.loads((folder / "model.safetensors.index.json").read_text())
@@ -100,8 +108,9 @@ def test_export_to_s3_in_shards_with_a_cast(trained, s3_env, s3_url):
     _, sd, optim = trained[False]
     url, dst = f"{s3_url}/ck", f"{s3_url}/hf"
     cloudckpt.save({"model": sd, "optim": optim}, url)
-    result = cloudckpt.export_safetensors(url, dst, prefix="model.", dtype=torch.bfloat16,
-                                          max_shard_bytes=40_000)
+    result = cloudckpt.export_safetensors(
+        url, dst, prefix="model.", dtype=torch.bfloat16, max_shard_bytes=40_000
+    )
     objects = _s3_objects(dst)
     assert sorted(objects) == sorted(result.files) and len(result.files) > 3
     index = json.loads(objects.pop("model.safetensors.index.json"))
@@ -122,12 +131,22 @@ def test_export_to_s3_in_shards_with_a_cast(trained, s3_env, s3_url):
 
 
 def _odd_checkpoint(url: str) -> dict:
-    state = {"model": {"w": torch.randn(300, 50), "d": torch.randn(7, dtype=torch.float64),
-                       "h": torch.randn(3, 4).to(torch.bfloat16), "i": torch.arange(10),
-                       "mask": torch.tensor([True, False, True]), "s": torch.tensor(2.5),
-                       "e": torch.zeros(0, 4), "big": torch.randn(4, 30, 40),
-                       "c": torch.randn(3, dtype=torch.complex128), "note": "hello"},
-             "model_extra": torch.ones(2), "step": 7}
+    state = {
+        "model": {
+            "w": torch.randn(300, 50),
+            "d": torch.randn(7, dtype=torch.float64),
+            "h": torch.randn(3, 4).to(torch.bfloat16),
+            "i": torch.arange(10),
+            "mask": torch.tensor([True, False, True]),
+            "s": torch.tensor(2.5),
+            "e": torch.zeros(0, 4),
+            "big": torch.randn(4, 30, 40),
+            "c": torch.randn(3, dtype=torch.complex128),
+            "note": "hello",
+        },
+        "model_extra": torch.ones(2),
+        "step": 7,
+    }
     cloudckpt.save(state, url)
     return state
 
@@ -143,8 +162,9 @@ def test_cast_prefix_windows_and_what_is_left_out(tmp_path, monkeypatch):
         return real(self, pieces)
 
     monkeypatch.setattr(TensorReader, "read_into", spy)
-    result = cloudckpt.export_safetensors(url, str(tmp_path / "out"), prefix="model.",
-                                          dtype="float16", window_bytes=4096)
+    result = cloudckpt.export_safetensors(
+        url, str(tmp_path / "out"), prefix="model.", dtype="float16", window_bytes=4096
+    )
     assert result.files == ("model.safetensors",)  # one file: no index
     assert result.skipped_values == ("model.note",) and result.skipped_tensors == ("model.c",)
     assert max(largest) <= 4096 and len(largest) > 10  # "w" (60 KB) read in row slices
@@ -158,22 +178,41 @@ def test_cast_prefix_windows_and_what_is_left_out(tmp_path, monkeypatch):
     assert dict(meta) == {"format": "pt"}
 
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool,
-          torch.float8_e4m3fn]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int8,
+    torch.bool,
+    torch.float8_e4m3fn,
+]
 
 
-@settings(max_examples=12, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 40), max_size=3)),
-                min_size=1, max_size=6),
-       st.integers(1, 20_000), st.integers(4096, 20_000))
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 40), max_size=3)),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(1, 20_000),
+    st.integers(4096, 20_000),
+)
 def test_any_checkpoint_exports_byte_exact(tmp_path_factory, spec, shard, window):
     tmp = tmp_path_factory.mktemp("any")
-    sd = {f"t{i}": (torch.arange(math.prod(shape)) % 5).reshape(shape).to(dtype)
-          for i, (dtype, shape) in enumerate(spec)}
+    sd = {
+        f"t{i}": (torch.arange(math.prod(shape)) % 5).reshape(shape).to(dtype)
+        for i, (dtype, shape) in enumerate(spec)
+    }
     cloudckpt.save(sd, str(tmp / "ck"))
-    result = cloudckpt.export_safetensors(str(tmp / "ck"), str(tmp / "out"),
-                                          max_shard_bytes=shard, window_bytes=window)
+    result = cloudckpt.export_safetensors(
+        str(tmp / "ck"), str(tmp / "out"), max_shard_bytes=shard, window_bytes=window
+    )
     got = {}
     for name in result.files:
         if name.endswith(".safetensors"):
@@ -187,9 +226,16 @@ def test_any_checkpoint_exports_byte_exact(tmp_path_factory, spec, shard, window
 # -- refusals: nothing written over, nothing half written ----------------------------------------
 
 
-@pytest.mark.parametrize("present", ["model.safetensors", "model-00001-of-00002.safetensors",
-                                     "model.safetensors.index.json", "other.safetensors",
-                                     "link.safetensors"])
+@pytest.mark.parametrize(
+    "present",
+    [
+        "model.safetensors",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "other.safetensors",
+        "link.safetensors",
+    ],
+)
 def test_a_folder_holding_safetensors_is_refused(tmp_path, present):
     url = str(tmp_path / "ck")
     _odd_checkpoint(url)
@@ -206,8 +252,9 @@ def test_a_folder_holding_safetensors_is_refused(tmp_path, present):
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_a_name_taken_during_the_export_is_never_written_over(tmp_path, monkeypatch, where,
-                                                              request):
+def test_a_name_taken_during_the_export_is_never_written_over(
+    tmp_path, monkeypatch, where, request
+):
     url = str(tmp_path / "ck")
     _odd_checkpoint(url)
     monkeypatch.setattr(destinations.LocalFolder, "existing", lambda self: [])
@@ -261,8 +308,9 @@ def test_a_failed_export_leaves_no_file(tmp_path, monkeypatch, request, where, f
         monkeypatch.setattr(TensorReader, "read_into", interrupt)
         expected = KeyboardInterrupt
     with pytest.raises(expected):
-        cloudckpt.export_safetensors(url, dst, prefix="model.", max_shard_bytes=10_000,
-                                     window_bytes=4096)
+        cloudckpt.export_safetensors(
+            url, dst, prefix="model.", max_shard_bytes=10_000, window_bytes=4096
+        )
     if where == "local":
         assert os.listdir(dst) == ["config.json"]  # no shard, no index, no temporary file
     else:
@@ -270,7 +318,8 @@ def test_a_failed_export_leaves_no_file(tmp_path, monkeypatch, request, where, f
 
 
 def test_an_s3_file_larger_than_a_part_is_streamed_and_an_interrupt_aborts_it(
-        tmp_path, monkeypatch, s3_env, s3_url):
+    tmp_path, monkeypatch, s3_env, s3_url
+):
     """A 12 MiB file with 5 MiB parts goes up as a multipart stream (create mode) and reads back
     exactly; ``KeyboardInterrupt`` while a write of the next export waits leaves no object and no
     unfinished upload."""
@@ -278,8 +327,9 @@ def test_an_s3_file_larger_than_a_part_is_streamed_and_an_interrupt_aborts_it(
     url = str(tmp_path / "ck")
     state = {"w": torch.randn(3 * MiB), "b": torch.arange(5)}
     cloudckpt.save(state, url)
-    storage = cloudckpt.StorageOptions(part_size=5 * MiB, multipart_threshold=5 * MiB,
-                                       concurrency=2)
+    storage = cloudckpt.StorageOptions(
+        part_size=5 * MiB, multipart_threshold=5 * MiB, concurrency=2
+    )
     dst = f"{s3_url}/hf"
     store = shared_store(dst, storage)
     cloudckpt.export_safetensors(url, dst, window_bytes=MiB, storage=storage)
@@ -312,16 +362,19 @@ def test_an_s3_file_larger_than_a_part_is_streamed_and_an_interrupt_aborts_it(
     assert store.stats.requests["abort_multipart"] >= 1
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"dtype": "int8"}, "not floating"),
-    ({"dtype": "complex128"}, "not one safetensors holds"),
-    ({"dtype": "nonsense"}, "not one safetensors holds"),
-    ({"prefix": "optim."}, "no tensor whose name starts with 'optim.'"),
-    ({"prefix": ""}, "non-empty"),
-    ({"max_shard_bytes": 0}, "positive"),
-    ({"window_bytes": 100}, "at least 4096"),
-    ({"dst": "s3:/bucket/x"}, "s3://"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"dtype": "int8"}, "not floating"),
+        ({"dtype": "complex128"}, "not one safetensors holds"),
+        ({"dtype": "nonsense"}, "not one safetensors holds"),
+        ({"prefix": "optim."}, "no tensor whose name starts with 'optim.'"),
+        ({"prefix": ""}, "non-empty"),
+        ({"max_shard_bytes": 0}, "positive"),
+        ({"window_bytes": 100}, "at least 4096"),
+        ({"dst": "s3:/bucket/x"}, "s3://"),
+    ],
+)
 def test_bad_arguments_are_refused_before_anything_is_written(tmp_path, kwargs, words):
     url = str(tmp_path / "ck")
     _odd_checkpoint(url)
@@ -344,8 +397,23 @@ def test_cli_exports_a_folder_to_s3(s3_env, s3_url, trained, capsys):
     mgr = cloudckpt.CheckpointManager(f"{s3_url}/run")
     mgr.save(5, {"model": sd, "optim": optim})
     dst = f"{s3_url}/hf"
-    status = _main(["export", f"{s3_url}/run", dst, "--step", "5", "--format", "safetensors",
-                    "--prefix", "model.", "--dtype", "bfloat16", "--max-shard-size", "50KB"])
+    status = _main(
+        [
+            "export",
+            f"{s3_url}/run",
+            dst,
+            "--step",
+            "5",
+            "--format",
+            "safetensors",
+            "--prefix",
+            "model.",
+            "--dtype",
+            "bfloat16",
+            "--max-shard-size",
+            "50KB",
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 0 and f"-> {dst}" in out and "model.safetensors.index.json" in out
     objects = _s3_objects(dst)
@@ -354,14 +422,17 @@ def test_cli_exports_a_folder_to_s3(s3_env, s3_url, trained, capsys):
     assert all(len(b) <= 50_000 + 4096 for k, b in objects.items() if k.endswith(".safetensors"))
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--format", "safetensors"], "already holds model.safetensors"),
-    (["--dtype", "bfloat16"], "--dtype needs --format safetensors"),
-    (["--format", "safetensors", "--dtype", "int64"], "not floating"),
-    (["--format", "safetensors", "--prefix", "nothing."], "no tensor whose name starts"),
-    (["--format", "safetensors", "--max-shard-size", "5 apples"], "expected a size"),
-    (["--format", "safetensors", "--max-shard-size", "0"], "more than 0 bytes"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--format", "safetensors"], "already holds model.safetensors"),
+        (["--dtype", "bfloat16"], "--dtype needs --format safetensors"),
+        (["--format", "safetensors", "--dtype", "int64"], "not floating"),
+        (["--format", "safetensors", "--prefix", "nothing."], "no tensor whose name starts"),
+        (["--format", "safetensors", "--max-shard-size", "5 apples"], "expected a size"),
+        (["--format", "safetensors", "--max-shard-size", "0"], "more than 0 bytes"),
+    ],
+)
 def test_cli_mistakes_are_one_line_and_exit_2(tmp_path, capsys, args, words):
     url = str(tmp_path / "ck")
     _odd_checkpoint(url)
@@ -391,6 +462,20 @@ def test_cli_without_format_still_writes_one_file(tmp_path, capsys):
     assert "model.c is complex128, which safetensors cannot hold" in capsys.readouterr().err
     assert not os.path.exists(out)
     assert _main(["export", url, str(tmp_path / "one.pt")]) == 0
-    assert _main(["export", url, str(tmp_path / "hf"), "--format", "safetensors",
-                  "--prefix", "model.", "--max-shard-size", "0.01MB"]) == 0
+    assert (
+        _main(
+            [
+                "export",
+                url,
+                str(tmp_path / "hf"),
+                "--format",
+                "safetensors",
+                "--prefix",
+                "model.",
+                "--max-shard-size",
+                "0.01MB",
+            ]
+        )
+        == 0
+    )
     assert "model.safetensors.index.json" in os.listdir(tmp_path / "hf")

@@ -1,4 +1,4 @@
-"""cloudckpt.hf.header (the one safetensors parser, of export and import) and cloudckpt.hf.shards,
+"""cloudckpt.hf.header (the one safetensors parser, of export and import) and cloudckpt.export.shards,
 pure: headers built and parsed agree with the safetensors library both ways; hand-made hostile
 files, random bytes and generated near-valid headers are refused with the one typed error or
 parse to what the library reads; and the export's planning (files, boxes, windows) covers every
@@ -21,18 +21,37 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from cloudckpt.errors import SafetensorsError
+from cloudckpt.export.shards import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    ExportTensor,
+    contiguous_boxes,
+    plan_shards,
+    plan_windows,
+)
 from cloudckpt.hf.catalog import build_manifest
-from cloudckpt.hf.header import (DTYPES, ITEMSIZE, MAX_HEADER_BYTES, build_header,
-                                 header_length, parse_header, safetensors_dtype,
-                                 torch_dtype_name)
-from cloudckpt.hf.shards import (INDEX_FILE, SINGLE_FILE, ExportTensor, contiguous_boxes,
-                                 plan_shards, plan_windows)
+from cloudckpt.hf.header import (
+    DTYPES,
+    ITEMSIZE,
+    MAX_HEADER_BYTES,
+    build_header,
+    header_length,
+    parse_header,
+    safetensors_dtype,
+    torch_dtype_name,
+)
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
-from tests.interop.safetensors_files import (STRICTER_THAN_LIBRARY, edge_files, hostile_files,
-                                             pack, two_tensors)
+from tests.interop.safetensors_files import (
+    STRICTER_THAN_LIBRARY,
+    edge_files,
+    hostile_files,
+    pack,
+    two_tensors,
+)
 
-NAMES = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1,
-                max_size=12).filter(lambda s: s != "__metadata__")
+NAMES = st.text(
+    st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12
+).filter(lambda s: s != "__metadata__")
 SHAPES = st.lists(st.integers(0, 5), max_size=4).map(tuple)
 
 
@@ -51,8 +70,9 @@ def test_the_dtype_table_matches_torch_and_safetensors():
 
     for st_name, torch_name in DTYPES.items():
         assert _TYPES[st_name] == getattr(torch, torch_name)
-        assert ITEMSIZE[st_name] == getattr(torch, torch_name).itemsize \
-            == DTYPE_ITEMSIZE[torch_name]
+        assert (
+            ITEMSIZE[st_name] == getattr(torch, torch_name).itemsize == DTYPE_ITEMSIZE[torch_name]
+        )
         assert safetensors_dtype(getattr(torch, torch_name)) == st_name
         assert torch_dtype_name(f"torch.{torch_name}") == torch_name == torch_dtype_name(st_name)
     with pytest.raises(SafetensorsError, match="complex128"):
@@ -62,9 +82,10 @@ def test_the_dtype_table_matches_torch_and_safetensors():
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.dictionaries(NAMES, st.tuples(st.sampled_from(sorted(DTYPES.values())), SHAPES),
-                       max_size=6),
-       st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2))
+@given(
+    st.dictionaries(NAMES, st.tuples(st.sampled_from(sorted(DTYPES.values())), SHAPES), max_size=6),
+    st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2),
+)
 def test_built_headers_read_back_here_and_in_safetensors(spec, metadata):
     tensors = {name: _tensor(dtype, shape) for name, (dtype, shape) in spec.items()}
     raw, header = build_header([(n, t.dtype, t.shape) for n, t in tensors.items()], metadata)
@@ -80,8 +101,9 @@ def test_built_headers_read_back_here_and_in_safetensors(spec, metadata):
     if tensors:
         blob = st_save(tensors, metadata=metadata or None)
         parsed = parse_header(blob, file_size=len(blob))
-        assert {e.name: (e.torch_dtype, e.shape) for e in parsed.tensors} == \
-            {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()}
+        assert {e.name: (e.torch_dtype, e.shape) for e in parsed.tensors} == {
+            n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()
+        }
         assert dict(parsed.metadata) == metadata
 
 
@@ -113,10 +135,14 @@ def test_odd_valid_files_read_as_the_library_reads_them(case):
     assert loaded is not None and set(loaded) == {t.name for t in header.tensors}
     for t in header.tensors:
         want = loaded[t.name]
-        assert (t.torch_dtype, t.shape) == (str(want.dtype).removeprefix("torch."),
-                                            tuple(want.shape))
-        assert blob[header.data_start + t.start:header.data_start + t.end] == \
-            _bytes(want).numpy().tobytes()
+        assert (t.torch_dtype, t.shape) == (
+            str(want.dtype).removeprefix("torch."),
+            tuple(want.shape),
+        )
+        assert (
+            blob[header.data_start + t.start : header.data_start + t.end]
+            == _bytes(want).numpy().tobytes()
+        )
 
 
 def test_padding_is_allowed_holes_are_not():
@@ -136,8 +162,13 @@ def test_padding_is_allowed_holes_are_not():
 def test_the_header_length_is_checked_before_anything_is_read():
     assert header_length((100).to_bytes(8, "little"), file_size=108) == 100
     assert header_length((100).to_bytes(8, "little") + b"{") == 100  # more bytes: ignored
-    for n, size in [(101, 108), (MAX_HEADER_BYTES + 1, 1 << 40), (0, 100), (1, 100),
-                    (1 << 63, 1 << 40)]:
+    for n, size in [
+        (101, 108),
+        (MAX_HEADER_BYTES + 1, 1 << 40),
+        (0, 100),
+        (1, 100),
+        (1 << 63, 1 << 40),
+    ]:
         with pytest.raises(SafetensorsError, match="k.safetensors"):
             header_length(n.to_bytes(8, "little"), file_size=size, key="k.safetensors")
     with pytest.raises(SafetensorsError):
@@ -167,10 +198,17 @@ def test_any_header_bytes_give_a_sound_header_or_the_typed_error(raw, extra):
     _check_sound(parsed, blob)
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70)
-                    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=5),
-                    lambda inner: st.lists(inner, max_size=4)
-                    | st.dictionaries(st.text(max_size=5), inner, max_size=4), max_leaves=12)
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 70), 1 << 70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 
 
 @st.composite
@@ -189,19 +227,24 @@ def near_valid_files(draw):
     for _ in range(draw(st.integers(0, 2)) if names else 0):
         entry = header[draw(st.sampled_from(names))]
         field = draw(st.sampled_from(["dtype", "shape", "data_offsets", "shift", "entry"]))
-        if field == "shift" and type(entry.get("data_offsets")) is list \
-                and all(type(o) is int for o in entry["data_offsets"]):
+        if (
+            field == "shift"
+            and type(entry.get("data_offsets")) is list
+            and all(type(o) is int for o in entry["data_offsets"])
+        ):
             delta = draw(st.integers(-9, 9))
             entry["data_offsets"] = [o + delta for o in entry["data_offsets"]]
         elif field == "entry":
             entry.clear()
-            entry.update(draw(st.dictionaries(st.sampled_from(["dtype", "shape", "x"]), JSON,
-                                              max_size=2)))
+            entry.update(
+                draw(st.dictionaries(st.sampled_from(["dtype", "shape", "x"]), JSON, max_size=2))
+            )
         else:
-            entry[field] = draw(JSON | st.sampled_from(["F4", [-1], [0, 10 ** 30], [3, 2]]))
+            entry[field] = draw(JSON | st.sampled_from(["F4", [-1], [0, 10**30], [3, 2]]))
     if draw(st.booleans()):
-        header["__metadata__"] = draw(st.dictionaries(st.text(max_size=3),
-                                                      st.text(max_size=3) | JSON, max_size=2))
+        header["__metadata__"] = draw(
+            st.dictionaries(st.text(max_size=3), st.text(max_size=3) | JSON, max_size=2)
+        )
     trailing = draw(st.sampled_from([0, 0, 5]))
     return pack(header, bytes((7 * i + 1) % 256 for i in range(pos + trailing)))
 
@@ -234,15 +277,18 @@ def _check_sound(parsed, blob: bytes) -> None:
     loaded = _library_reads(blob)
     assert loaded is not None and set(loaded) == {t.name for t in parsed.tensors}
     for t in parsed.tensors:
-        assert (str(loaded[t.name].dtype).removeprefix("torch."), tuple(loaded[t.name].shape)) \
-            == (t.torch_dtype, t.shape)
-        assert blob[parsed.data_start + t.start:parsed.data_start + t.end] == \
-            _bytes(loaded[t.name]).numpy().tobytes()
+        assert (str(loaded[t.name].dtype).removeprefix("torch."), tuple(loaded[t.name].shape)) == (
+            t.torch_dtype,
+            t.shape,
+        )
+        assert (
+            blob[parsed.data_start + t.start : parsed.data_start + t.end]
+            == _bytes(loaded[t.name]).numpy().tobytes()
+        )
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 6), max_size=4), st.sampled_from([1, 2, 4, 8]),
-       st.integers(1, 200))
+@given(st.lists(st.integers(0, 6), max_size=4), st.sampled_from([1, 2, 4, 8]), st.integers(1, 200))
 def test_contiguous_boxes_cover_the_tensor_once_in_order(shape, itemsize, max_bytes):
     max_bytes = max(max_bytes, itemsize)
     flat = torch.arange(math.prod(shape)).reshape(shape)
@@ -259,23 +305,32 @@ def test_contiguous_boxes_cover_the_tensor_once_in_order(shape, itemsize, max_by
     assert seen == list(range(flat.numel()))
 
 
-TENSORS = st.lists(st.tuples(st.sampled_from(["float32", "bfloat16", "int64", "bool"]),
-                             st.lists(st.integers(0, 9), max_size=3)), min_size=1, max_size=8)
+TENSORS = st.lists(
+    st.tuples(
+        st.sampled_from(["float32", "bfloat16", "int64", "bool"]),
+        st.lists(st.integers(0, 9), max_size=3),
+    ),
+    min_size=1,
+    max_size=8,
+)
 
 
 @settings(max_examples=100, deadline=None)
 @given(TENSORS, st.integers(1, 3000), st.integers(16, 300))
 def test_shards_and_windows_lay_out_every_byte_once(spec, max_shard, window):
-    tensors = [ExportTensor(f"t{i}", f"src.t{i}", dtype, tuple(shape))
-               for i, (dtype, shape) in enumerate(spec)]
+    tensors = [
+        ExportTensor(f"t{i}", f"src.t{i}", dtype, tuple(shape))
+        for i, (dtype, shape) in enumerate(spec)
+    ]
     plan = plan_shards(tensors, max_shard, {"format": "pt"})
     files = plan.files
     assert [t for f in files for t in f.tensors] == tensors  # order kept
     if len(files) == 1:
         assert files[0].name == SINGLE_FILE
     else:
-        assert [f.name for f in files] == [f"model-{i:05d}-of-{len(files):05d}.safetensors"
-                                           for i in range(1, len(files) + 1)]
+        assert [f.name for f in files] == [
+            f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)
+        ]
     for f in files:  # within the limit, unless one tensor alone is larger
         assert f.header.data_size <= max_shard or len(f.tensors) == 1
         assert parse_header(f.header_bytes).tensors == f.header.tensors
@@ -287,7 +342,7 @@ def test_shards_and_windows_lay_out_every_byte_once(spec, max_shard, window):
                 end = p.slot + p.nbytes
                 entry = f.header.tensors[p.tensor]
                 itemsize = ITEMSIZE[entry.dtype]
-                stride = [math.prod(entry.shape[d + 1:]) for d in range(len(entry.shape))]
+                stride = [math.prod(entry.shape[d + 1 :]) for d in range(len(entry.shape))]
                 start = entry.start + itemsize * sum(o * s for o, s in zip(p.offsets, stride))
                 assert start == written  # the file's bytes, in order, no gap
                 written += p.nbytes
@@ -302,11 +357,22 @@ def test_header_and_shards_are_pure():
     """No I/O, no torch: only these imports (the export's planning runs on the manifest)."""
     import cloudckpt.hf
 
-    allowed = {"__future__", "json", "math", "re", "collections.abc", "dataclasses", "types",
-               "cloudckpt.errors", "cloudckpt.hf.header", "cloudckpt.hf.json_cost",
-               "cloudckpt.manifest.dtypes"}
-    for name in ("header.py", "json_cost.py", "shards.py"):
-        tree = ast.parse((Path(cloudckpt.hf.__file__).parent / name).read_text())
+    allowed = {
+        "__future__",
+        "json",
+        "math",
+        "re",
+        "collections.abc",
+        "dataclasses",
+        "types",
+        "cloudckpt.errors",
+        "cloudckpt.hf.header",
+        "cloudckpt.hf.json_cost",
+        "cloudckpt.manifest.dtypes",
+    }
+    package = Path(cloudckpt.__file__).parent
+    for name in ("hf/header.py", "hf/json_cost.py", "export/shards.py"):
+        tree = ast.parse((package / name).read_text())
         used = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         used |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert used <= allowed, (name, used - allowed)

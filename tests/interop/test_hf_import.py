@@ -19,14 +19,19 @@ import torch
 import torch.distributed as dist
 
 import cloudckpt
-from cloudckpt.errors import (CheckpointError, CheckpointNotFound, MissingKeysError,
-                              SafetensorsError)
-from cloudckpt.runtime import shared_store
+from cloudckpt.errors import CheckpointError, CheckpointNotFound, MissingKeysError, SafetensorsError
+from cloudckpt.runtime.loop import shared_store
 from cloudckpt.storage import StorageOptions
 from tests.interop.safetensors_files import hostile_files, valid_file
 
-CONFIG = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=256)
+CONFIG = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+)
 #: no coalescing across gaps: a rank's store bytes are exactly the ranges it asked for
 EXACT = StorageOptions(coalesce_gap=0)
 
@@ -55,8 +60,9 @@ def upload(s3_server, folder: Path, prefix: str, *, skip=()) -> str:
     client = s3_server.boto3_client()
     for f in sorted(folder.iterdir()):
         if f.name not in skip:
-            client.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/{f.name}",
-                              Body=f.read_bytes())
+            client.put_object(
+                Bucket=s3_server.bucket, Key=f"{prefix}/{f.name}", Body=f.read_bytes()
+            )
     return s3_server.url(prefix)
 
 
@@ -70,9 +76,13 @@ def llama(s3_server, tmp_path_factory):
     assert len(files) >= 4 and (folder / "model.safetensors.index.json").exists()
     expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
     url = upload(s3_server, folder, f"hf-import-{uuid.uuid4().hex[:8]}")
-    return SimpleNamespace(folder=folder, url=url, expected=expected,
-                           header_bytes=header_bytes(folder),
-                           total=sum(t.numel() * t.element_size() for t in expected.values()))
+    return SimpleNamespace(
+        folder=folder,
+        url=url,
+        expected=expected,
+        header_bytes=header_bytes(folder),
+        total=sum(t.numel() * t.element_size() for t in expected.values()),
+    )
 
 
 # -- run on the worlds --------------------------------------------------------------------------
@@ -99,10 +109,17 @@ def fsdp_load(url: str, expected: dict, nested: bool) -> dict:
     result = cloudckpt.load_safetensors(target, url, key_map=key_map, storage=EXACT)
     store_bytes = stats.bytes_received - before
     own = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
-    wrong = [n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), expected[n])]
-    return {"wrong": wrong, "own": own, "store_bytes": store_bytes,
-            "fetched": result.bytes_fetched, "received": result.bytes_received,
-            "sharded": all(p.to_local().numel() < p.numel() for p in model.parameters())}
+    wrong = [
+        n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), expected[n])
+    ]
+    return {
+        "wrong": wrong,
+        "own": own,
+        "store_bytes": store_bytes,
+        "fetched": result.bytes_fetched,
+        "received": result.bytes_received,
+        "sharded": all(p.to_local().numel() < p.numel() for p in model.parameters()),
+    }
 
 
 def replicated_load(url: str, expected: dict) -> dict:
@@ -113,11 +130,16 @@ def replicated_load(url: str, expected: dict) -> dict:
         dest["lm_head.weight"] = dest["lm_head.weight"].bfloat16()
     stats = shared_store(url, EXACT).stats
     before = stats.bytes_received
-    result = cloudckpt.load_safetensors(dest, url, storage=EXACT,
-                                        options=cloudckpt.LoadOptions(min_broadcast_bytes=0))
-    return {"equal": all(torch.equal(dest[k], v.to(dest[k].dtype)) for k, v in expected.items()),
-            "store_bytes": stats.bytes_received - before, "fetched": result.bytes_fetched,
-            "received": result.bytes_received, "broadcasts": result.broadcasts}
+    result = cloudckpt.load_safetensors(
+        dest, url, storage=EXACT, options=cloudckpt.LoadOptions(min_broadcast_bytes=0)
+    )
+    return {
+        "equal": all(torch.equal(dest[k], v.to(dest[k].dtype)) for k, v in expected.items()),
+        "store_bytes": stats.bytes_received - before,
+        "fetched": result.bytes_fetched,
+        "received": result.bytes_received,
+        "broadcasts": result.broadcasts,
+    }
 
 
 def failing_load(url: str, extra: bool, share_manifest: bool) -> dict:
@@ -126,10 +148,14 @@ def failing_load(url: str, extra: bool, share_manifest: bool) -> dict:
         dest["model.not_there.weight"] = torch.zeros(3)
     try:
         cloudckpt.load_safetensors(
-            dest, url, options=cloudckpt.LoadOptions(share_manifest=share_manifest))
+            dest, url, options=cloudckpt.LoadOptions(share_manifest=share_manifest)
+        )
     except Exception as exc:  # judged by the test: same error on every rank, nothing written
-        return {"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc),
-                "untouched": bool((dest["model.norm.weight"] == 0).all())}
+        return {
+            "types": [c.__name__ for c in type(exc).__mro__],
+            "message": str(exc),
+            "untouched": bool((dest["model.norm.weight"] == 0).all()),
+        }
     return {"types": [], "message": "", "untouched": False}
 
 
@@ -138,7 +164,8 @@ def failing_load(url: str, extra: bool, share_manifest: bool) -> dict:
 
 @pytest.mark.parametrize("world_name, nested", [("world2", False), ("world3", True)])
 def test_fsdp2_sharded_llama_loads_from_s3_reading_only_each_ranks_slices(
-        request, llama, world_name, nested):
+    request, llama, world_name, nested
+):
     world = request.getfixturevalue(world_name)
     results = world.run(fsdp_load, llama.url, llama.expected, nested)
     for rank, r in enumerate(results):
@@ -163,22 +190,37 @@ def hostile_url(s3_server, llama):
     """A copy of the checkpoint without its index, plus one file whose offsets overlap."""
     prefix = f"hf-hostile-{uuid.uuid4().hex[:8]}"
     upload(s3_server, llama.folder, prefix, skip=("model.safetensors.index.json",))
-    s3_server.boto3_client().put_object(Bucket=s3_server.bucket, Key=f"{prefix}/z.safetensors",
-                                        Body=hostile_files()["overlapping tensors"][0])
+    s3_server.boto3_client().put_object(
+        Bucket=s3_server.bucket,
+        Key=f"{prefix}/z.safetensors",
+        Body=hostile_files()["overlapping tensors"][0],
+    )
     return s3_server.url(prefix)
 
 
-@pytest.mark.parametrize("case, share_manifest", [("missing tensor", True),
-                                                  ("hostile header", True),
-                                                  ("hostile header", False),
-                                                  ("no files", True)])
+@pytest.mark.parametrize(
+    "case, share_manifest",
+    [
+        ("missing tensor", True),
+        ("hostile header", True),
+        ("hostile header", False),
+        ("no files", True),
+    ],
+)
 def test_a_bad_checkpoint_or_missing_tensor_fails_every_rank_together(
-        world3, llama, hostile_url, s3_server, case, share_manifest):
-    url = {"missing tensor": llama.url, "hostile header": hostile_url,
-           "no files": s3_server.url(f"hf-nothing-{uuid.uuid4().hex[:8]}")}[case]
+    world3, llama, hostile_url, s3_server, case, share_manifest
+):
+    url = {
+        "missing tensor": llama.url,
+        "hostile header": hostile_url,
+        "no files": s3_server.url(f"hf-nothing-{uuid.uuid4().hex[:8]}"),
+    }[case]
     results = world3.run(failing_load, url, case == "missing tensor", share_manifest)
-    want = {"missing tensor": MissingKeysError, "hostile header": SafetensorsError,
-            "no files": CheckpointNotFound}[case]
+    want = {
+        "missing tensor": MissingKeysError,
+        "hostile header": SafetensorsError,
+        "no files": CheckpointNotFound,
+    }[case]
     for r in results:
         assert want.__name__ in r["types"] and "CheckpointError" in r["types"], r
         assert r["untouched"], r
@@ -199,22 +241,31 @@ def test_plain_state_dict_from_a_local_folder_with_key_map_and_dtype_cast(llama)
     assert result.bytes_fetched == llama.total and result.unexpected_keys == ()
 
     # the inner model only, renamed and in bfloat16: lm_head is not asked for
-    inner = {k.removeprefix("model."): torch.zeros_like(v, dtype=torch.bfloat16)
-             for k, v in llama.expected.items() if k.startswith("model.")}
+    inner = {
+        k.removeprefix("model."): torch.zeros_like(v, dtype=torch.bfloat16)
+        for k, v in llama.expected.items()
+        if k.startswith("model.")
+    }
     result = cloudckpt.load_safetensors(
-        inner, str(llama.folder),
-        key_map=lambda n: n.removeprefix("model.") if n.startswith("model.") else n)
+        inner,
+        str(llama.folder),
+        key_map=lambda n: n.removeprefix("model.") if n.startswith("model.") else n,
+    )
     assert all(torch.equal(inner[k], llama.expected[f"model.{k}"].bfloat16()) for k in inner)
     assert result.unexpected_keys == ("lm_head.weight",)
 
     # a dict key_map renames one name; None in a callable drops a name
     dest = {"embed": torch.zeros(256, 64)}
-    cloudckpt.load_safetensors(dest, str(llama.folder),
-                               key_map={"model.embed_tokens.weight": "embed"}, strict=False)
+    cloudckpt.load_safetensors(
+        dest, str(llama.folder), key_map={"model.embed_tokens.weight": "embed"}, strict=False
+    )
     assert torch.equal(dest["embed"], llama.expected["model.embed_tokens.weight"])
     with pytest.raises(MissingKeysError, match="lm_head.weight"):
-        cloudckpt.load_safetensors({"lm_head.weight": torch.zeros(256, 64)}, str(llama.folder),
-                                   key_map=lambda n: None if n == "lm_head.weight" else n)
+        cloudckpt.load_safetensors(
+            {"lm_head.weight": torch.zeros(256, 64)},
+            str(llama.folder),
+            key_map=lambda n: None if n == "lm_head.weight" else n,
+        )
 
 
 def test_without_an_index_every_file_is_read_and_with_one_only_its_files(llama, tmp_path):
@@ -242,11 +293,14 @@ def test_an_index_naming_a_missing_file_or_tensor_is_refused(llama, tmp_path):
     shutil.copytree(llama.folder, tmp_path / "ckpt")
     index_path = tmp_path / "ckpt" / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    for change, match in [({"x": "gone.safetensors"}, "not in"),
-                          ({"x": "model-00001-of-00005.safetensors"}, "does not have it"),
-                          ({"x": "../outside.safetensors"}, "'..'")]:
-        index_path.write_text(json.dumps({**index, "weight_map": {**index["weight_map"],
-                                                                  **change}}))
+    for change, match in [
+        ({"x": "gone.safetensors"}, "not in"),
+        ({"x": "model-00001-of-00005.safetensors"}, "does not have it"),
+        ({"x": "../outside.safetensors"}, "'..'"),
+    ]:
+        index_path.write_text(
+            json.dumps({**index, "weight_map": {**index["weight_map"], **change}})
+        )
         with pytest.raises(SafetensorsError, match=match):
             cloudckpt.load_safetensors({}, str(tmp_path / "ckpt"))
 

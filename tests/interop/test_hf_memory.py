@@ -36,19 +36,32 @@ def test_export_memory_is_a_window_and_a_few_parts(tmp_path, s3_server, s3_url):
     del state
     common = {"window": WINDOW, "read": READ}
     streamed = {"part_size": PART, "multipart_threshold": PART, "concurrency": INFLIGHT}
-    spec = [{"name": "s3-one-file", "dst": f"{s3_url}/one", "shard": 2 * total,
-             "storage": streamed, **common},
-            {"name": "local", "dst": str(tmp_path / "out"), "shard": SHARD, "storage": None,
-             **common},
-            {"name": "s3", "dst": f"{s3_url}/hf", "shard": SHARD, "storage": None, **common}]
-    res = subprocess.run([sys.executable, "-m", "tests.interop.hf_memory_probe", src,
-                          json.dumps(spec)], cwd=REPO, env=cli_env(s3_server),
-                         capture_output=True, text=True, timeout=240)
+    spec = [
+        {
+            "name": "s3-one-file",
+            "dst": f"{s3_url}/one",
+            "shard": 2 * total,
+            "storage": streamed,
+            **common,
+        },
+        {"name": "local", "dst": str(tmp_path / "out"), "shard": SHARD, "storage": None, **common},
+        {"name": "s3", "dst": f"{s3_url}/hf", "shard": SHARD, "storage": None, **common},
+    ]
+    res = subprocess.run(
+        [sys.executable, "-m", "tests.interop.hf_memory_probe", src, json.dumps(spec)],
+        cwd=REPO,
+        env=cli_env(s3_server),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert res.returncode == 0, res.stderr
     found = json.loads(res.stdout.strip().splitlines()[-1])
     one = found["s3-one-file"]
-    print(f"checkpoint {total / MiB:.0f} MiB, growth: "
-          + ", ".join(f"{k} {v['growth'] / MiB:.1f} MiB" for k, v in found.items()))
+    print(
+        f"checkpoint {total / MiB:.0f} MiB, growth: "
+        + ", ".join(f"{k} {v['growth'] / MiB:.1f} MiB" for k, v in found.items())
+    )
     # one file of the whole checkpoint, streamed: 13 parts, never more than a few held
     assert one["files"] == ["model.safetensors"] and one["requests"]["upload_part"] == 13
     assert one["growth"] <= PART * (INFLIGHT + 1) + WINDOW + READ + SLACK <= total / 2

@@ -7,15 +7,20 @@ import pytest
 import torch
 
 from cloudckpt import CheckpointManager
-from cloudckpt.manager import step_dir
+from cloudckpt.runs.manager import step_dir
 from tests.cli_forkserver import run_cli
 from tests.reliability.stores import REPO, cli, cli_env
 
 
 def state(step: int) -> dict:
-    return {"layer": {"weight": torch.arange(12, dtype=torch.float32).reshape(3, 4) * step,
-                      "bias": torch.full((4,), step, dtype=torch.bfloat16)},
-            "step": step, "name": "run-a"}
+    return {
+        "layer": {
+            "weight": torch.arange(12, dtype=torch.float32).reshape(3, 4) * step,
+            "bias": torch.full((4,), step, dtype=torch.bfloat16),
+        },
+        "step": step,
+        "name": "run-a",
+    }
 
 
 @pytest.fixture
@@ -58,7 +63,7 @@ def test_verify_ok_and_corrupted(s3_env, run3):
     res = cli(s3_env, "verify", url)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("OK")
-    bucket, _, root = run3[len("s3://"):].partition("/")
+    bucket, _, root = run3[len("s3://") :].partition("/")
     client = s3_env.boto3_client()
     listing = client.list_objects_v2(Bucket=bucket, Prefix=f"{root}/{step_dir(10)}data/")
     key = listing["Contents"][0]["Key"]
@@ -118,8 +123,12 @@ def test_error_cases_exit_cleanly(s3_env, s3_url, tmp_path):
     cases = [
         # (args, env overrides, expected status, text expected in stderr)
         (["ls", "ftp://nowhere/run"], {}, 2, "error"),
-        (["ls", s3_url], {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None}, 2,
-         "credentials"),
+        (
+            ["ls", s3_url],
+            {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None},
+            2,
+            "credentials",
+        ),
         (["ls", s3_url], {"AWS_SECRET_ACCESS_KEY": "wrong-secret"}, 2, "error"),
         (["ls", "s3://no-such-bucket-cloudckpt/run"], {}, 2, "error"),
         (["show", f"{s3_url}/nothing-here"], {}, 1, "no complete checkpoint"),

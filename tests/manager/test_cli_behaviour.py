@@ -15,17 +15,22 @@ import torch
 
 import cloudckpt
 from cloudckpt import CheckpointManager
-from cloudckpt.cli import build_parser
-from cloudckpt.cli_json import jsonable
-from cloudckpt.manager import step_dir
+from cloudckpt.cli.documents import jsonable
+from cloudckpt.cli.main import build_parser
+from cloudckpt.runs.manager import step_dir
 from tests.reliability.stores import RawCheckpoint, cli
 
 COMMANDS = ("ls", "show", "verify", "prune", "rm", "export", "convert")
 
 
 def state(step: int) -> dict:
-    return {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3) * step,
-            "step": step, "name": "run-b", "blob": b"\x00\x01", "pair": (1, 2)}
+    return {
+        "w": torch.arange(6, dtype=torch.float32).reshape(2, 3) * step,
+        "step": step,
+        "name": "run-b",
+        "blob": b"\x00\x01",
+        "pair": (1, 2),
+    }
 
 
 @pytest.fixture
@@ -131,8 +136,10 @@ def test_every_option_has_help_and_every_command_takes_the_global_options():
 def test_global_options_before_or_after_the_command(s3_env, run2, tmp_path):
     endpoint = s3_env.env()["AWS_ENDPOINT_URL"]
     # no endpoint in the environment: the option alone reaches the server, on either side
-    for args in (["--endpoint-url", endpoint, "ls", run2],
-                 ["ls", run2, "--endpoint-url", endpoint]):
+    for args in (
+        ["--endpoint-url", endpoint, "ls", run2],
+        ["ls", run2, "--endpoint-url", endpoint],
+    ):
         res = cli(s3_env, *args, AWS_ENDPOINT_URL=None)
         assert res.returncode == 0, (args, res.stderr)
         assert [line.split()[0] for line in res.stdout.splitlines()[1:]] == ["10", "20"]
@@ -144,10 +151,13 @@ def test_global_options_before_or_after_the_command(s3_env, run2, tmp_path):
     assert "Traceback" not in res.stderr and "127.0.0.1:9" in res.stderr  # retries are logged
     # --profile: credentials of a named profile, none in the environment
     creds = tmp_path / "credentials"
-    creds.write_text(f"[ckpt]\naws_access_key_id = {s3_env.access_key}\n"
-                     f"aws_secret_access_key = {s3_env.secret_key}\n")
-    env = dict(AWS_SHARED_CREDENTIALS_FILE=str(creds), AWS_ACCESS_KEY_ID=None,
-               AWS_SECRET_ACCESS_KEY=None)
+    creds.write_text(
+        f"[ckpt]\naws_access_key_id = {s3_env.access_key}\n"
+        f"aws_secret_access_key = {s3_env.secret_key}\n"
+    )
+    env = dict(
+        AWS_SHARED_CREDENTIALS_FILE=str(creds), AWS_ACCESS_KEY_ID=None, AWS_SECRET_ACCESS_KEY=None
+    )
     res = cli(s3_env, "verify", run2, "--profile", "ckpt", "--json", **env)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["ok"] is True
@@ -161,8 +171,16 @@ def test_json_ls_show_verify(s3_env, run2):
     rows = json.loads(res.stdout)
     assert [r["step"] for r in rows] == [10, 20]
     for row in rows:
-        assert set(row) == {"step", "url", "complete", "created_at", "total_bytes", "objects",
-                            "world_size", "damaged"}
+        assert set(row) == {
+            "step",
+            "url",
+            "complete",
+            "created_at",
+            "total_bytes",
+            "objects",
+            "world_size",
+            "damaged",
+        }
         assert row["damaged"] is None
         assert row["complete"] is True and row["world_size"] == 1 and row["total_bytes"] == 24
         assert row["url"].rstrip("/").endswith(step_dir(row["step"]).rstrip("/"))
@@ -171,11 +189,19 @@ def test_json_ls_show_verify(s3_env, run2):
     res = cli(s3_env, "show", run2, "--step", "20", "--json")
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
-    assert set(doc) >= {"url", "created_at", "world_size", "cloudckpt_version", "metadata",
-                        "tensors", "values"}
+    assert set(doc) >= {
+        "url",
+        "created_at",
+        "world_size",
+        "cloudckpt_version",
+        "metadata",
+        "tensors",
+        "values",
+    }
     assert doc["world_size"] == 1 and doc["cloudckpt_version"] == cloudckpt.__version__
-    assert doc["tensors"] == [{"name": "w", "dtype": "float32", "shape": [2, 3], "chunks": 1,
-                               "bytes": 24}]
+    assert doc["tensors"] == [
+        {"name": "w", "dtype": "float32", "shape": [2, 3], "chunks": 1, "bytes": 24}
+    ]
     values = {v["name"]: v for v in doc["values"]}
     assert values["step"]["value"] == 20 and values["name"]["value"] == "run-b"
     assert values["pair"]["value"] == [1, 2]
@@ -215,12 +241,20 @@ def test_json_prune(s3_env, run2):
     assert json.loads(res.stdout) == {"dry_run": False, "removed": []}
 
 
-@pytest.mark.parametrize("value, expected", [
-    (b"\x00", repr(b"\x00")), (2 ** 70, repr(2 ** 70)), (2 ** 4000, "<int of 4001 bits>"),
-    (math.inf, "inf"), (math.nan, "nan"), ((1, "a", None), [1, "a", None]),
-    ({1: "x"}, repr({1: "x"})), ({"a": (True, 1.5)}, {"a": [True, 1.5]}),
-    (torch.tensor([1]), repr(torch.tensor([1]))),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (b"\x00", repr(b"\x00")),
+        (2**70, repr(2**70)),
+        (2**4000, "<int of 4001 bits>"),
+        (math.inf, "inf"),
+        (math.nan, "nan"),
+        ((1, "a", None), [1, "a", None]),
+        ({1: "x"}, repr({1: "x"})),
+        ({"a": (True, 1.5)}, {"a": [True, 1.5]}),
+        (torch.tensor([1]), repr(torch.tensor([1]))),
+    ],
+)
 def test_values_json_cannot_hold_become_repr_strings(value, expected):
     out = jsonable(value)
     assert out == expected
@@ -234,8 +268,9 @@ def test_deep_nesting_stays_json():
     json.dumps(jsonable(deep), allow_nan=False)
 
 
-@pytest.mark.parametrize("endpoint", ["127.0.0.1:1", "localhost:9000", "s3://bucket", "http://",
-                                      "http://host:port", ""])
+@pytest.mark.parametrize(
+    "endpoint", ["127.0.0.1:1", "localhost:9000", "s3://bucket", "http://", "http://host:port", ""]
+)
 def test_python_api_refuses_an_endpoint_without_scheme_too(endpoint):
     from cloudckpt.errors import ConfigError
     from cloudckpt.storage import StorageOptions

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cloudckpt.manager import classify_listing, join_url, parse_step_dir, step_dir
+from cloudckpt.runs.manager import classify_listing, join_url, parse_step_dir, step_dir
 from cloudckpt.storage.base import CommonPrefix, ObjectInfo
 
 
@@ -28,13 +28,15 @@ def test_join_url():
 def test_classify_listing():
     m = "manifest.msgpack"
     items = [
-        CommonPrefix(f"{step_dir(1)}data/"), ObjectInfo(f"{step_dir(1)}{m}", 10, None, 1.0),
-        CommonPrefix(f"{step_dir(2)}data/"),                      # incomplete
-        ObjectInfo(f"{step_dir(3)}{m}", 5, None, 2.0),            # complete, no data objects
-        ObjectInfo("step-4/manifest.msgpack", 1),                 # not canonical: ignored
-        CommonPrefix("other/data/"), ObjectInfo("README", 3),      # foreign: ignored
-        ObjectInfo(f"{step_dir(5)}notes.txt", 3),                 # neither manifest nor data
-        CommonPrefix(f"{step_dir(6)}x/data/"),                    # nested deeper: ignored
+        CommonPrefix(f"{step_dir(1)}data/"),
+        ObjectInfo(f"{step_dir(1)}{m}", 10, None, 1.0),
+        CommonPrefix(f"{step_dir(2)}data/"),  # incomplete
+        ObjectInfo(f"{step_dir(3)}{m}", 5, None, 2.0),  # complete, no data objects
+        ObjectInfo("step-4/manifest.msgpack", 1),  # not canonical: ignored
+        CommonPrefix("other/data/"),
+        ObjectInfo("README", 3),  # foreign: ignored
+        ObjectInfo(f"{step_dir(5)}notes.txt", 3),  # neither manifest nor data
+        CommonPrefix(f"{step_dir(6)}x/data/"),  # nested deeper: ignored
     ]
     steps = classify_listing(items)
     assert sorted(steps) == [1, 2, 3]
@@ -53,8 +55,9 @@ class Unpicklable:
 
 
 def test_decode_manifest_without_pickle_never_unpickles():
-    from cloudckpt.manifest import ManifestBuilder, encode_manifest
-    from cloudckpt.manager import decode_manifest_without_pickle
+    from cloudckpt.manifest.builder import ManifestBuilder
+    from cloudckpt.manifest.codec import encode_manifest
+    from cloudckpt.runs.manager import decode_manifest_without_pickle
 
     b = ManifestBuilder(world_size=2, metadata={"step": 3}, structure=None)
     b.add_tensor("w", "float32", (4,))

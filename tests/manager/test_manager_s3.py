@@ -16,22 +16,28 @@ import torch
 
 from cloudckpt import CheckpointManager, SaveOptions
 from cloudckpt.errors import CheckpointExists, CheckpointNotFound
-from cloudckpt.manager import step_dir
-from cloudckpt.runtime import run_coroutine
+from cloudckpt.runs.manager import step_dir
+from cloudckpt.runtime.loop import run_coroutine
 from tests.cli_forkserver import run_cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def state(step: int, n: int = 1000) -> dict:
-    return {"model": {"w": torch.arange(n, dtype=torch.float32) * step,
-                      "b": torch.full((3, 4), step, dtype=torch.int64)},
-            "meta": {"step": step, "lr": 0.5 / (step + 1)}}
+    return {
+        "model": {
+            "w": torch.arange(n, dtype=torch.float32) * step,
+            "b": torch.full((3, 4), step, dtype=torch.int64),
+        },
+        "meta": {"step": step, "lr": 0.5 / (step + 1)},
+    }
 
 
 def blank(n: int = 1000) -> dict:
-    return {"model": {"w": torch.zeros(n), "b": torch.zeros(3, 4, dtype=torch.int64)},
-            "meta": {"step": -1, "lr": 0.0}}
+    return {
+        "model": {"w": torch.zeros(n), "b": torch.zeros(3, 4, dtype=torch.int64)},
+        "meta": {"step": -1, "lr": 0.0},
+    }
 
 
 def assert_state(sd: dict, step: int, n: int = 1000) -> None:
@@ -43,18 +49,18 @@ def assert_state(sd: dict, step: int, n: int = 1000) -> None:
 
 def run_keys(s3_server, url: str) -> list[str]:
     """Every object key under a run URL, relative to it (boto3, independent of cloudckpt)."""
-    bucket, _, root = url[len("s3://"):].partition("/")
+    bucket, _, root = url[len("s3://") :].partition("/")
     client = s3_server.boto3_client()
     keys = []
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=root + "/"):
-        keys += [o["Key"][len(root) + 1:] for o in page.get("Contents", [])]
+        keys += [o["Key"][len(root) + 1 :] for o in page.get("Contents", [])]
     return keys
 
 
 def run_uploads(s3_server, url: str) -> list[str]:
-    bucket, _, root = url[len("s3://"):].partition("/")
+    bucket, _, root = url[len("s3://") :].partition("/")
     resp = s3_server.boto3_client().list_multipart_uploads(Bucket=bucket, Prefix=root + "/")
-    return [u["Key"][len(root) + 1:] for u in resp.get("Uploads", [])]
+    return [u["Key"][len(root) + 1 :] for u in resp.get("Uploads", [])]
 
 
 def test_ten_saves_keep_last_3_keep_every_4(s3_env, s3_url):
@@ -138,7 +144,7 @@ def test_list_of_1000_checkpoints_is_cheap(s3_env, s3_url):
 
 def test_stale_attempt_of_same_step_is_cleaned_after_save(s3_env, s3_url):
     client = s3_env.boto3_client()
-    bucket, _, root = s3_url[len("s3://"):].partition("/")
+    bucket, _, root = s3_url[len("s3://") :].partition("/")
     stale = f"{root}/{step_dir(5)}data/00000000deadbeef/"
     client.put_object(Bucket=bucket, Key=stale + "r00000-0000.bin", Body=b"old bytes")
     client.create_multipart_upload(Bucket=bucket, Key=stale + "r00001-0000.bin")
@@ -173,9 +179,12 @@ def test_prune_keeps_fresh_incomplete_and_dry_run(s3_env, s3_url):
     mgr.save(1, state(1))
     mgr.save(2, state(2))  # auto-prune removes step 1
     client = s3_env.boto3_client()
-    bucket, _, root = s3_url[len("s3://"):].partition("/")
-    client.put_object(Bucket=bucket, Key=f"{root}/{step_dir(3)}data/00000000cafecafe/r00000-0000.bin",
-                      Body=b"in progress")
+    bucket, _, root = s3_url[len("s3://") :].partition("/")
+    client.put_object(
+        Bucket=bucket,
+        Key=f"{root}/{step_dir(3)}data/00000000cafecafe/r00000-0000.bin",
+        Body=b"in progress",
+    )
     assert [(i.step, i.complete) for i in mgr.list()] == [(2, True), (3, False)]
     assert mgr.prune() == []  # step 3 is younger than the grace period
     eager = CheckpointManager(s3_url, keep_last=1, abandoned_after=0)
@@ -212,8 +221,13 @@ def test_killed_save_then_prune_removes_leftovers(s3_env, s3_url, tmp_path):
     mgr.save(1, state(1))
     script = tmp_path / "killed_save.py"
     script.write_text(KILLED_SAVE)
-    proc = subprocess.Popen([sys.executable, str(script), s3_url], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), s3_url],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not run_uploads(s3_env, s3_url):  # kill while a multipart upload is in flight
@@ -228,8 +242,9 @@ def test_killed_save_then_prune_removes_leftovers(s3_env, s3_url, tmp_path):
     # requests the saver had sent before the kill may still land (a loaded server finishes them
     # later); prune with abandoned_after=0 judges what is there, so wait until the step is still
     # (in production the grace period, an hour by default, covers this)
-    _wait_until_still(lambda: (sorted(run_keys(s3_env, s3_url)),
-                               sorted(run_uploads(s3_env, s3_url))))
+    _wait_until_still(
+        lambda: (sorted(run_keys(s3_env, s3_url)), sorted(run_uploads(s3_env, s3_url)))
+    )
     assert mgr.latest().step == 1
     assert [(i.step, i.complete) for i in mgr.list()][0] == (1, True)
     sd = blank()
@@ -264,8 +279,13 @@ def test_prune_concurrent_with_save(s3_env, s3_url, tmp_path):
     stop = tmp_path / "stop"
     script = tmp_path / "pruner.py"
     script.write_text(CONCURRENT_PRUNER)
-    proc = subprocess.Popen([sys.executable, str(script), s3_url, str(stop)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), s3_url, str(stop)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
         n = 6 << 20
@@ -288,7 +308,7 @@ def test_prune_concurrent_with_save(s3_env, s3_url, tmp_path):
 def _damage_manifest(s3_server, url: str, step: int, how: str) -> None:
     """Rewrite step ``step``'s manifest in place (boto3): one flipped byte, cut short, or bytes
     that are not a manifest at all."""
-    bucket, _, root = url[len("s3://"):].partition("/")
+    bucket, _, root = url[len("s3://") :].partition("/")
     key = f"{root}/{step_dir(step)}manifest.msgpack"
     client = s3_server.boto3_client()
     raw = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
@@ -302,8 +322,9 @@ def _damage_manifest(s3_server, url: str, step: int, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate", "garbage"])
-def test_a_damaged_manifest_is_listed_as_damaged_and_the_others_still_are(s3_env, s3_url,
-                                                                          s3_server, how):
+def test_a_damaged_manifest_is_listed_as_damaged_and_the_others_still_are(
+    s3_env, s3_url, s3_server, how
+):
     mgr = CheckpointManager(s3_url)
     for step in (1, 2, 3):
         mgr.save(step, state(step))
@@ -328,7 +349,8 @@ def test_a_damaged_manifest_is_listed_as_damaged_and_the_others_still_are(s3_env
 
 @pytest.mark.parametrize("entry", ["manager", "cli"])
 def test_prune_never_removes_the_newest_loadable_checkpoint_behind_a_damaged_one(
-        s3_env, s3_url, s3_server, entry):
+    s3_env, s3_url, s3_server, entry
+):
     mgr = CheckpointManager(s3_url)
     for step in (1, 2, 3, 4):
         mgr.save(step, state(step))
@@ -338,8 +360,12 @@ def test_prune_never_removes_the_newest_loadable_checkpoint_behind_a_damaged_one
     if entry == "manager":
         CheckpointManager(s3_url, keep_last=1).prune()
     else:
-        res = run_cli(["prune", "--keep-last", "1", s3_url], cwd=REPO,
-                      env={**os.environ, "PYTHONPATH": REPO}, timeout=120)
+        res = run_cli(
+            ["prune", "--keep-last", "1", s3_url],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": REPO},
+            timeout=120,
+        )
         assert res.returncode == 0, res.stderr
         assert "step 4: its manifest is damaged" in res.stderr
     # the newest (damaged) step is kept as always, and so is step 2, the newest that loads;

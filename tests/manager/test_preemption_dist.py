@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 
 from cloudckpt import CheckpointManager
-from cloudckpt.manager import step_dir
+from cloudckpt.runs.manager import step_dir
 
 
 def train_until_preempted(url: str, progress_dir: str) -> dict | None:
     """Runs on every rank: resume, train (w += 1 per step), stop when any rank gets SIGTERM."""
     import torch.distributed as dist
 
-    from cloudckpt.preemption import Preempted, PreemptionHandler
+    from cloudckpt.runs.preemption import Preempted, PreemptionHandler
 
     rank = dist.get_rank()
     mgr = CheckpointManager(url, keep_last=2)
@@ -33,8 +33,13 @@ def train_until_preempted(url: str, progress_dir: str) -> dict | None:
                 time.sleep(0.01)
                 handler.checkpoint_if_preempted(step, sd)
         except Preempted as exc:
-            return {"step": exc.step, "code": exc.code, "signum": exc.signum,
-                    "w": float(sd["w"][0]), "resumed_from": start}
+            return {
+                "step": exc.step,
+                "code": exc.code,
+                "signum": exc.signum,
+                "w": float(sd["w"][0]),
+                "resumed_from": start,
+            }
     return None
 
 
@@ -50,8 +55,9 @@ def test_sigterm_on_one_rank_saves_same_step_and_resumes(world2, s3_env, s3_url,
 
     def run():
         try:
-            outcome["results"] = world2.run(train_until_preempted, s3_url, str(tmp_path),
-                                            timeout=180)
+            outcome["results"] = world2.run(
+                train_until_preempted, s3_url, str(tmp_path), timeout=180
+            )
         except BaseException as exc:  # surfaced by the asserts below
             outcome["error"] = exc
 
@@ -89,12 +95,13 @@ def fail_while_listing(url: str, which: str) -> dict:
     that lists), then the collective step that lists; returns what each rank raised."""
     import torch.distributed as dist
 
-    from cloudckpt.preemption import PreemptionHandler
+    from cloudckpt.runs.preemption import PreemptionHandler
     from cloudckpt.storage import StorageOptions
 
     rank = dist.get_rank()
-    mgr = CheckpointManager(url, storage=StorageOptions(access_key_id="nobody",
-                                                       secret_access_key="wrong-secret"))
+    mgr = CheckpointManager(
+        url, storage=StorageOptions(access_key_id="nobody", secret_access_key="wrong-secret")
+    )
     handler = PreemptionHandler(mgr, timeout=120.0)  # far longer than the harness's 60 s
     try:
         if which == "save_and_exit":
@@ -105,8 +112,11 @@ def fail_while_listing(url: str, which: str) -> dict:
         else:
             mgr.load({"w": torch.zeros(4)})
     except Exception as exc:
-        return {"raised": True, "types": [c.__name__ for c in type(exc).__mro__],
-                "message": str(exc)}
+        return {
+            "raised": True,
+            "types": [c.__name__ for c in type(exc).__mro__],
+            "message": str(exc),
+        }
     return {"raised": False}
 
 
@@ -119,15 +129,17 @@ def test_listing_failure_on_rank_0_fails_every_rank_at_once(world2, s3_url):
         assert [r["raised"] for r in results] == [True, True], (which, results)
         assert results[0]["types"] == results[1]["types"], (which, results)
         assert results[0]["message"] == results[1]["message"], (which, results)
-        assert "CheckpointError" in results[0]["types"] and \
-            "AccessDenied" in results[0]["types"], (which, results)
+        assert "CheckpointError" in results[0]["types"] and "AccessDenied" in results[0]["types"], (
+            which,
+            results,
+        )
         assert "failed on rank 0 " in results[0]["message"], (which, results)
 
 
 def check_while_saving_in_background(url: str) -> dict:
     """Every rank: an async save in flight while the training loop keeps checking for a stop;
     the first rank whose save is done asks for the stop, so every rank checks equally often."""
-    from cloudckpt.preemption import PreemptionHandler
+    from cloudckpt.runs.preemption import PreemptionHandler
 
     mgr = CheckpointManager(url)
     handler = PreemptionHandler(mgr)
@@ -163,7 +175,7 @@ def resume_with_a_damaged_newest(url: str) -> dict:
     error names."""
     import torch.distributed as dist
 
-    from cloudckpt.runtime import run_coroutine
+    from cloudckpt.runtime.loop import run_coroutine
 
     mgr = CheckpointManager(url)
     for step in (1, 2, 3):
@@ -178,8 +190,7 @@ def resume_with_a_damaged_newest(url: str) -> dict:
         mgr.load(sd)
         outcome["raised"] = False
     except Exception as exc:
-        outcome.update(raised=True, types=[c.__name__ for c in type(exc).__mro__],
-                       message=str(exc))
+        outcome.update(raised=True, types=[c.__name__ for c in type(exc).__mro__], message=str(exc))
     outcome["untouched"] = bool(torch.equal(sd["w"], torch.zeros(8)))
     outcome["explicit"] = mgr.load(sd, step=2)
     outcome["loaded"] = sd["w"].tolist()

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cloudckpt.preemption import Preempted, PreemptionHandler
+from cloudckpt.runs.preemption import Preempted, PreemptionHandler
 
 
 class FakeManager:
@@ -39,9 +39,9 @@ def test_signal_sets_flag_and_stop_is_agreed_on_cadence():
         assert not handler.should_stop(2)
         os.kill(os.getpid(), signal.SIGTERM)  # handled: only sets the flag
         assert handler.requested
-        assert not handler.should_stop(3)     # not a check step
+        assert not handler.should_stop(3)  # not a check step
         assert handler.should_stop(4)
-        assert handler.should_stop(5)         # sticky once agreed
+        assert handler.should_stop(5)  # sticky once agreed
         with pytest.raises(Preempted) as info:
             handler.checkpoint_if_preempted(5, {"w": 1})
     assert signal.getsignal(signal.SIGTERM) is before

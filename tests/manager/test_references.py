@@ -12,9 +12,9 @@ import torch
 import cloudckpt
 from cloudckpt import SaveOptions
 from cloudckpt.layout import Pin, encode_pin, pin_key
-from cloudckpt.run_cleanup import plan_abandoned, sweep_pins
-from cloudckpt.run_refs import folder_references
-from cloudckpt.runtime import run_coroutine
+from cloudckpt.runs.cleanup import plan_abandoned, sweep_pins
+from cloudckpt.runs.refs import folder_references
+from cloudckpt.runtime.loop import run_coroutine
 from cloudckpt.storage import open_store
 
 A = "00000000000000aa"
@@ -120,10 +120,12 @@ def test_an_abandoned_folder_is_collected_whatever_the_age_of_its_pins(tmp_path)
 
 def test_sweep_removes_only_pins_that_protect_nothing(tmp_path):
     store = _run(tmp_path)
-    dead = _pin(store, "a", "gone", lease=60.0)             # a save that never committed
+    dead = _pin(store, "a", "gone", lease=60.0)  # a save that never committed
     other = _pin(store, "a", "b", attempt="00000000000000bb")  # a killed attempt of b
-    assert run_coroutine(sweep_pins(store)) == 0             # leases not over
-    assert run_coroutine(sweep_pins(store, now=time.time() + 61)) == 1  # b is committed: not looked at
+    assert run_coroutine(sweep_pins(store)) == 0  # leases not over
+    assert (
+        run_coroutine(sweep_pins(store, now=time.time() + 61)) == 1
+    )  # b is committed: not looked at
     keys = {i.key for i in _listing(store, "a/pins/")}
     assert dead not in keys and other in keys
     assert run_coroutine(sweep_pins(store, now=time.time() + 61, folder="b")) == 1
@@ -135,6 +137,7 @@ def test_sweep_removes_only_pins_that_protect_nothing(tmp_path):
 def _listing(store, prefix):
     async def go():
         return [i async for i in store.list(prefix)]
+
     return run_coroutine(go())
 
 
@@ -146,26 +149,38 @@ def test_pin_keys_are_owned_and_near_misses_are_not():
     from cloudckpt.manifest.lineage import folder_problem
 
     @settings(max_examples=300, deadline=None, derandomize=True)
-    @given(attempt=st.text("0123456789abcdef", min_size=16, max_size=16),
-           folder=st.text(min_size=1, max_size=30), junk=st.text(max_size=3))
+    @given(
+        attempt=st.text("0123456789abcdef", min_size=16, max_size=16),
+        folder=st.text(min_size=1, max_size=30),
+        junk=st.text(max_size=3),
+    )
     def check(attempt, folder, junk):
         if folder_problem(folder) is None:
             key = pin_key(attempt, folder)
             assert owned_key(key) and parse_pin_key(key) == (attempt, folder)
-        for near in (f"pins/{attempt}{folder}", f"pins/{attempt[:15]}.{folder}",
-                     f"pins/{attempt.upper()}X.{folder}", f"pin/{attempt}.{folder}",
-                     f"pins/{attempt}.{folder}/x", f"pins/{attempt}..", f"pins/{attempt}."):
+        for near in (
+            f"pins/{attempt}{folder}",
+            f"pins/{attempt[:15]}.{folder}",
+            f"pins/{attempt.upper()}X.{folder}",
+            f"pin/{attempt}.{folder}",
+            f"pins/{attempt}.{folder}/x",
+            f"pins/{attempt}..",
+            f"pins/{attempt}.",
+        ):
             if parse_pin_key(near) is not None:  # only when the near miss is a pin after all
                 assert near == pin_key(*parse_pin_key(near))
+
     check()
 
 
 def test_ls_details_and_show_name_what_a_checkpoint_shares(tmp_path, capsys):
     from cloudckpt import CheckpointManager
-    from cloudckpt.cli import main
+    from cloudckpt.cli.main import main
 
     run = tmp_path / "run"
-    mgr = CheckpointManager(str(run), incremental=True, save_options=SaveOptions(object_size=8 << 10))
+    mgr = CheckpointManager(
+        str(run), incremental=True, save_options=SaveOptions(object_size=8 << 10)
+    )
     mgr.save(1, _state(1))
     mgr.save(2, _state(2))
     capsys.readouterr()

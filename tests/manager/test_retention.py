@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from cloudckpt.retention import RetentionPolicy, select_to_delete
+from cloudckpt.runs.retention import RetentionPolicy, select_to_delete
 
 
 def kept(steps, policy):
@@ -41,14 +42,17 @@ def test_inactive_policy_deletes_nothing():
     assert select_to_delete([], RetentionPolicy(keep_last=1)) == set()
 
 
-@pytest.mark.parametrize("kwargs, exc", [
-    ({"keep_last": -1}, ValueError),
-    ({"keep_every": 0}, ValueError),
-    ({"keep_last": 1.5}, TypeError),
-    ({"keep_every": True}, TypeError),
-    ({"keep_steps": {-3}}, ValueError),
-    ({"keep_if": 3}, TypeError),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc",
+    [
+        ({"keep_last": -1}, ValueError),
+        ({"keep_every": 0}, ValueError),
+        ({"keep_last": 1.5}, TypeError),
+        ({"keep_every": True}, TypeError),
+        ({"keep_steps": {-3}}, ValueError),
+        ({"keep_if": 3}, TypeError),
+    ],
+)
 def test_invalid_policies(kwargs, exc):
     with pytest.raises(exc):
         RetentionPolicy(**kwargs)

@@ -18,24 +18,30 @@ from cloudckpt import CheckpointManager
 from cloudckpt.checksum import crc32c
 from cloudckpt.errors import AccessDenied, ChecksumError
 from cloudckpt.layout import data_key
-from cloudckpt.manager import step_dir
-from cloudckpt.runtime import run_coroutine
+from cloudckpt.runs.manager import step_dir
+from cloudckpt.runtime.loop import run_coroutine
+from cloudckpt.testing.faults.faultproxy import FaultProxy
 from tests.reliability.stores import cli
-from cloudckpt.testing.faultproxy import FaultProxy
 from tests.storage.conftest import s3_options
 
 KILLED_ATTEMPT = "0123456789abcdef"
 
 
 def state(step: int) -> dict:
-    return {"model": {"w": torch.arange(50_000, dtype=torch.float32) * step,
-                      "b": torch.full((3, 4), step, dtype=torch.int64)},
-            "meta": {"step": step}}
+    return {
+        "model": {
+            "w": torch.arange(50_000, dtype=torch.float32) * step,
+            "b": torch.full((3, 4), step, dtype=torch.int64),
+        },
+        "meta": {"step": step},
+    }
 
 
 def blank() -> dict:
-    return {"model": {"w": torch.zeros(50_000), "b": torch.zeros(3, 4, dtype=torch.int64)},
-            "meta": {"step": -1}}
+    return {
+        "model": {"w": torch.zeros(50_000), "b": torch.zeros(3, 4, dtype=torch.int64)},
+        "meta": {"step": -1},
+    }
 
 
 def assert_state(sd: dict, step: int) -> None:
@@ -48,14 +54,20 @@ def assert_state(sd: dict, step: int) -> None:
 @pytest.fixture
 def fault_proxy(s3_server):
     """A FaultProxy in front of the session's SeaweedFS (nothing refused until configured)."""
-    with FaultProxy(s3_server.endpoint_url, seed=16, credentials=(
-            s3_server.access_key, s3_server.secret_key, s3_server.region)) as proxy:
+    with FaultProxy(
+        s3_server.endpoint_url,
+        seed=16,
+        credentials=(s3_server.access_key, s3_server.secret_key, s3_server.region),
+    ) as proxy:
         yield proxy
 
 
 def _warnings(caplog, text: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.levelno == logging.WARNING and text in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and text in r.getMessage()
+    ]
 
 
 def test_save_load_prune_and_corruption_on_moto(moto_server, moto_url, s3_server):
@@ -80,17 +92,19 @@ def test_save_load_prune_and_corruption_on_moto(moto_server, moto_url, s3_server
     url = mgr.step_url(4)
     manifest = cloudckpt.read_manifest(url, storage=storage)
     key = manifest.objects[0]
-    bucket, _, root = url[len("s3://"):].partition("/")
+    bucket, _, root = url[len("s3://") :].partition("/")
     client = moto_server.boto3_client()
     original = client.get_object(Bucket=bucket, Key=f"{root}/{key}")["Body"].read()
     damaged = bytearray(original)
     damaged[len(damaged) // 2] ^= 0x01
     claimed = base64.b64encode(crc32c(original).to_bytes(4, "big")).decode()
-    client.put_object(Bucket=bucket, Key=f"{root}/{key}", Body=bytes(damaged),
-                      ChecksumCRC32C=claimed)
+    client.put_object(
+        Bucket=bucket, Key=f"{root}/{key}", Body=bytes(damaged), ChecksumCRC32C=claimed
+    )
     with pytest.raises(ClientError, match="BadDigest"):
-        s3_server.boto3_client().put_object(Bucket=s3_server.bucket, Key="crc-check",
-                                            Body=bytes(damaged), ChecksumCRC32C=claimed)
+        s3_server.boto3_client().put_object(
+            Bucket=s3_server.bucket, Key="crc-check", Body=bytes(damaged), ChecksumCRC32C=claimed
+        )
     with pytest.raises(ChecksumError) as err:
         mgr.load(blank(), step=4)
     assert key in str(err.value)
@@ -105,7 +119,7 @@ def test_clean_up_failure_after_a_save_is_reported(s3_server, s3_url, fault_prox
     mgr = CheckpointManager(s3_url, keep_last=1, storage=storage)
     assert mgr.save(1, state(1)).retention_error is None
     fault_proxy.configure(refuse=[("POST", "delete", 403, "AccessDenied")])
-    with caplog.at_level(logging.WARNING, logger="cloudckpt.manager"):
+    with caplog.at_level(logging.WARNING, logger="cloudckpt.runs.manager"):
         result = mgr.save(2, state(2))
     assert isinstance(result.retention_error, AccessDenied)
     assert len(_warnings(caplog, "step 2 is saved, but the clean-up after it failed")) == 1
@@ -128,8 +142,9 @@ def test_cli_prune_exits_1_when_a_delete_fails(s3_server, s3_url, fault_proxy):
     for step in (1, 2):
         mgr.save(step, state(step))
     fault_proxy.configure(refuse=[("POST", "delete", 400, "InvalidRequest")])
-    res = cli(s3_server, "prune", s3_url, "--keep-last", "1",
-              AWS_ENDPOINT_URL=fault_proxy.endpoint_url)
+    res = cli(
+        s3_server, "prune", s3_url, "--keep-last", "1", AWS_ENDPOINT_URL=fault_proxy.endpoint_url
+    )
     assert res.returncode == 1, (res.stdout, res.stderr)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cloudckpt prune: error:"), res.stderr
@@ -137,8 +152,7 @@ def test_cli_prune_exits_1_when_a_delete_fails(s3_server, s3_url, fault_proxy):
     assert [i.step for i in mgr.list()] == [1, 2]
 
 
-def test_saves_on_a_server_without_list_multipart_uploads(s3_server, s3_url, fault_proxy,
-                                                          caplog):
+def test_saves_on_a_server_without_list_multipart_uploads(s3_server, s3_url, fault_proxy, caplog):
     """ListMultipartUploads answering 501: saves, the clean-up of a killed attempt's leftovers,
     retention and deletes all work (unfinished uploads cannot be seen there: one WARNING)."""
     fault_proxy.configure(refuse=[("GET", "uploads", 501, "NotImplemented")])
@@ -168,4 +182,3 @@ def test_saves_on_a_server_without_list_multipart_uploads(s3_server, s3_url, fau
 
 async def _keys(store):
     return [x async for x in store.list()]
-

@@ -1,5 +1,5 @@
 """SpotNoticePoller against a fake EC2 instance-metadata service on 127.0.0.1
-(cloudckpt.testing.imds; never the real 169.254.169.254): IMDSv2 tokens, 404 until a notice,
+(cloudckpt.testing.servers.imds; never the real 169.254.169.254): IMDSv2 tokens, 404 until a notice,
 exactly one callback, expired tokens, a server that is down or misbehaves, a clean stop; a
 notice that ends in a preemption save of the current step through PreemptionHandler and a real
 CheckpointManager (world of one), and through examples/train.py --spot-notices.
@@ -15,11 +15,16 @@ import pytest
 import torch
 
 from cloudckpt import CheckpointManager
-from cloudckpt.preemption import Preempted, PreemptionHandler
-from cloudckpt.spot import (DEFAULT_ENDPOINT, ENDPOINT_ENV, RECOVERY_POLLS, SpotNoticeOptions,
-                            SpotNoticePoller)
-from cloudckpt.testing.imds import DEFAULT_NOTICE as NOTICE
-from cloudckpt.testing.imds import FakeMetadataServer as FakeIMDS
+from cloudckpt.runs.preemption import Preempted, PreemptionHandler
+from cloudckpt.runs.spot import (
+    DEFAULT_ENDPOINT,
+    ENDPOINT_ENV,
+    RECOVERY_POLLS,
+    SpotNoticeOptions,
+    SpotNoticePoller,
+)
+from cloudckpt.testing.servers.imds import DEFAULT_NOTICE as NOTICE
+from cloudckpt.testing.servers.imds import FakeMetadataServer as FakeIMDS
 
 FAST = dict(interval=0.02, timeout=2.0)
 
@@ -73,7 +78,7 @@ def test_server_down_is_logged_once_and_is_not_fatal(caplog):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
-    caplog.set_level(logging.DEBUG, logger="cloudckpt.spot")
+    caplog.set_level(logging.DEBUG, logger="cloudckpt.runs.spot")
     calls = Calls()
     failures = lambda: [r for r in caplog.records if "poll failed" in r.getMessage()]  # noqa: E731
     with SpotNoticePoller(calls, options=SpotNoticeOptions(endpoint=endpoint, **FAST)) as poller:
@@ -87,12 +92,13 @@ def test_server_down_is_logged_once_and_is_not_fatal(caplog):
 
 def test_dropped_connections_and_errors_then_recovery_then_notice(caplog):
     """Dropped connections and 5xx: one WARNING per kind, one INFO when the episode ends."""
-    caplog.set_level(logging.DEBUG, logger="cloudckpt.spot")
+    caplog.set_level(logging.DEBUG, logger="cloudckpt.runs.spot")
     calls = Calls()
     # the notice comes after the episode has ended: RECOVERY_POLLS good polls, then the notice
     with FakeIMDS(notice_after=RECOVERY_POLLS + 1, script=["drop", 500, "drop", 503]) as imds:
-        with SpotNoticePoller(calls, options=SpotNoticeOptions(endpoint=imds.endpoint,
-                                                               **FAST)) as poller:
+        with SpotNoticePoller(
+            calls, options=SpotNoticeOptions(endpoint=imds.endpoint, **FAST)
+        ) as poller:
             assert poller.wait_for_notice(60)
         assert calls.n == 1
         assert imds.count("GET", -1) == 2 and imds.count("GET", 500) == 1
@@ -106,8 +112,9 @@ def test_dropped_connections_and_errors_then_recovery_then_notice(caplog):
 def test_stop_is_clean_idempotent_and_start_happens_once():
     calls = Calls()
     with FakeIMDS() as imds:  # no notice, ever
-        poller = SpotNoticePoller(calls, options=SpotNoticeOptions(endpoint=imds.endpoint,
-                                                                   interval=0.02))
+        poller = SpotNoticePoller(
+            calls, options=SpotNoticeOptions(endpoint=imds.endpoint, interval=0.02)
+        )
         poller.start()
         with pytest.raises(RuntimeError):
             poller.start()
@@ -122,8 +129,9 @@ def test_stop_is_clean_idempotent_and_start_happens_once():
 def test_a_body_that_is_not_json_is_still_a_notice():
     calls = Calls()
     with FakeIMDS(notice_after=1, notice_body="<html>stop</html>") as imds:
-        with SpotNoticePoller(calls, options=SpotNoticeOptions(endpoint=imds.endpoint,
-                                                               **FAST)) as poller:
+        with SpotNoticePoller(
+            calls, options=SpotNoticeOptions(endpoint=imds.endpoint, **FAST)
+        ) as poller:
             assert poller.wait_for_notice(60)
     assert calls.n == 1 and poller.notice == {"raw": "<html>stop</html>"}
 
@@ -131,8 +139,9 @@ def test_a_body_that_is_not_json_is_still_a_notice():
 def test_a_failing_callback_is_logged_and_not_called_again(caplog):
     calls = Calls(fail=True)
     with FakeIMDS(notice_after=1) as imds:
-        with SpotNoticePoller(calls, options=SpotNoticeOptions(endpoint=imds.endpoint,
-                                                               **FAST)) as poller:
+        with SpotNoticePoller(
+            calls, options=SpotNoticeOptions(endpoint=imds.endpoint, **FAST)
+        ) as poller:
             assert poller.wait_for_notice(60)
             wait_until(lambda: not poller.running, "the poller to end")
         assert calls.n == 1 and imds.count("GET", 200) == 1
@@ -149,18 +158,28 @@ def test_proxy_variables_are_not_used(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     calls = Calls()
     with FakeIMDS(notice_after=1) as imds:
-        with SpotNoticePoller(calls, options=SpotNoticeOptions(endpoint=imds.endpoint,
-                                                               **FAST)) as poller:
+        with SpotNoticePoller(
+            calls, options=SpotNoticeOptions(endpoint=imds.endpoint, **FAST)
+        ) as poller:
             assert poller.wait_for_notice(60)
     assert calls.n == 1
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(interval=0), dict(interval=-1), dict(interval=True), dict(timeout=0),
-    dict(token_ttl=0), dict(token_ttl=21601), dict(token_ttl=1.5),
-    dict(endpoint="169.254.169.254"), dict(endpoint="http://127.0.0.1:1/latest"),
-    dict(endpoint="ftp://127.0.0.1"),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(interval=0),
+        dict(interval=-1),
+        dict(interval=True),
+        dict(timeout=0),
+        dict(token_ttl=0),
+        dict(token_ttl=21601),
+        dict(token_ttl=1.5),
+        dict(endpoint="169.254.169.254"),
+        dict(endpoint="http://127.0.0.1:1/latest"),
+        dict(endpoint="ftp://127.0.0.1"),
+    ],
+)
 def test_bad_options_are_rejected(kwargs):
     with pytest.raises(ValueError):
         SpotNoticeOptions(**kwargs)
@@ -185,15 +204,19 @@ def test_notice_leads_to_a_preemption_save_of_the_current_step(tmp_path):
     url = str(tmp_path / "run")
     mgr = CheckpointManager(url, keep_last=2)
     state = {"w": torch.zeros(8), "progress": {"step": 0}}
-    with FakeIMDS() as imds, PreemptionHandler(mgr) as preempt, \
-            SpotNoticePoller(preempt.request, options=SpotNoticeOptions(endpoint=imds.endpoint,
-                                                                        **FAST)) as poller:
+    with (
+        FakeIMDS() as imds,
+        PreemptionHandler(mgr) as preempt,
+        SpotNoticePoller(
+            preempt.request, options=SpotNoticeOptions(endpoint=imds.endpoint, **FAST)
+        ) as poller,
+    ):
         with pytest.raises(Preempted) as info:
             for step in range(1, 1000):
                 state["w"] += 1
                 state["progress"]["step"] = step
                 if step == 2:
-                    mgr.save(step, state)          # a regular save before the notice
+                    mgr.save(step, state)  # a regular save before the notice
                 if step == 3:
                     imds.post_notice()
                     assert poller.wait_for_notice(60)
@@ -218,13 +241,37 @@ def test_train_example_stops_at_a_spot_notice(s3_env, s3_url, tmp_path):
     root = Path(__file__).resolve().parents[2]
     marker = tmp_path / "preempted"
     with FakeIMDS(notice_after=1) as imds:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root),
-               ENDPOINT_ENV: imds.endpoint}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(root),
+            ENDPOINT_ENV: imds.endpoint,
+        }
         proc = subprocess.run(
-            [sys.executable, str(root / "examples" / "train.py"), "--url", s3_url,
-             "--steps", "100000", "--save-every", "100000", "--dim", "32", "--layers", "1",
-             "--step-delay", "0.05", "--spot-notices", "--preempted-marker", str(marker)],
-            env=env, capture_output=True, text=True, timeout=240)
+            [
+                sys.executable,
+                str(root / "examples" / "train.py"),
+                "--url",
+                s3_url,
+                "--steps",
+                "100000",
+                "--save-every",
+                "100000",
+                "--dim",
+                "32",
+                "--layers",
+                "1",
+                "--step-delay",
+                "0.05",
+                "--spot-notices",
+                "--preempted-marker",
+                str(marker),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert imds.count("GET", 200) == 1
     assert proc.returncode == 143, proc.stdout[-3000:] + proc.stderr[-3000:]
     step = int(marker.read_text())

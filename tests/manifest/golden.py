@@ -27,34 +27,58 @@ from fractions import Fraction
 import numpy as np
 
 from cloudckpt.checksum import block_crcs, content_hash
-from cloudckpt.manifest import Manifest, ManifestBuilder, encode_manifest
+from cloudckpt.manifest.builder import ManifestBuilder
+from cloudckpt.manifest.codec import encode_manifest
+from cloudckpt.manifest.model import Manifest
 
 BLOCK = 16
 OBJECTS = ("data/00000000000000aa/r00000-0000.bin", "data/00000000000000aa/r00001-0000.bin")
 METADATA = {"step": 100, "note": "golden v1", "tags": ("a", "b")}
 VALUES = {
-    "optim.param_groups": [{"lr": 0.001, "betas": (0.9, 0.999), "weight_decay": 0.0, "params": ["model.w", "model.b"],
-                            "foreach": None, "amsgrad": False}],
-    "rng": {0: b"\x00\x01\xff", 1: 2 ** 70, -3: -(2 ** 65)},
+    "optim.param_groups": [
+        {
+            "lr": 0.001,
+            "betas": (0.9, 0.999),
+            "weight_decay": 0.0,
+            "params": ["model.w", "model.b"],
+            "foreach": None,
+            "amsgrad": False,
+        }
+    ],
+    "rng": {0: b"\x00\x01\xff", 1: 2**70, -3: -(2**65)},
     "epoch": 7,
 }
 PICKLED = {"frac": Fraction(1, 3)}
-STRUCTURE = ["d", [
-    ["model", ["o", [["w", ["x", "model.w"]], ["b", ["x", "model.b"]]]]],
-    ["optim", ["d", [["step", ["x", "optim.step"]], ["param_groups", ["v", "optim.param_groups"]]]]],
-    ["empty", ["x", "empty"]],
-    ["grid", ["x", "grid"]],
-    ["extra", ["t", [["v", "rng"], ["v", "epoch"]]]],
-    ["frac", ["v", "frac"]],
-]]
+STRUCTURE = [
+    "d",
+    [
+        ["model", ["o", [["w", ["x", "model.w"]], ["b", ["x", "model.b"]]]]],
+        [
+            "optim",
+            ["d", [["step", ["x", "optim.step"]], ["param_groups", ["v", "optim.param_groups"]]]],
+        ],
+        ["empty", ["x", "empty"]],
+        ["grid", ["x", "grid"]],
+        ["extra", ["t", [["v", "rng"], ["v", "epoch"]]]],
+        ["frac", ["v", "frac"]],
+    ],
+]
 # name -> dtype, shape, chunks [(offsets, sizes, object index, byte offset)]
 TENSORS = {
     "model.w": ("float32", (4, 3), [((0, 0), (2, 3), 0, 0), ((2, 0), (2, 3), 1, 0)]),
     "model.b": ("bfloat16", (3,), [((0,), (3,), 0, 24)]),
     "optim.step": ("int64", (), [((), (), 1, 24)]),
     "empty": ("float32", (0, 2), []),
-    "grid": ("int8", (4, 6), [((0, 0), (2, 3), 0, 32), ((0, 3), (2, 3), 1, 32), ((2, 0), (2, 3), 0, 38),
-                              ((2, 3), (2, 3), 1, 38)]),
+    "grid": (
+        "int8",
+        (4, 6),
+        [
+            ((0, 0), (2, 3), 0, 32),
+            ((0, 3), (2, 3), 1, 32),
+            ((2, 0), (2, 3), 0, 38),
+            ((2, 3), (2, 3), 1, 38),
+        ],
+    ),
 }
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "int64": 8, "int8": 1}
 
@@ -67,8 +91,14 @@ def chunk_bytes(name: str, index: int) -> bytes:
 
 
 def build() -> Manifest:
-    b = ManifestBuilder(world_size=2, metadata=METADATA, checksum_block_size=BLOCK, structure=STRUCTURE,
-                        created_at=1700000000.5, cloudckpt_version="0.1.0")
+    b = ManifestBuilder(
+        world_size=2,
+        metadata=METADATA,
+        checksum_block_size=BLOCK,
+        structure=STRUCTURE,
+        created_at=1700000000.5,
+        cloudckpt_version="0.1.0",
+    )
     for name, (dtype, shape, chunks) in TENSORS.items():
         b.add_tensor(name, dtype, shape)
         for i, (off, size, obj, pos) in enumerate(chunks):
@@ -88,8 +118,11 @@ ATTEMPT = "00000000000000bb"
 
 def chunk_hashes() -> bytes:
     """Every chunk's content hash, in manifest order."""
-    return b"".join(content_hash(chunk_bytes(name, i))
-                    for name, (_, _, chunks) in TENSORS.items() for i in range(len(chunks)))
+    return b"".join(
+        content_hash(chunk_bytes(name, i))
+        for name, (_, _, chunks) in TENSORS.items()
+        for i in range(len(chunks))
+    )
 
 
 def build_v3() -> Manifest:
@@ -97,14 +130,30 @@ def build_v3() -> Manifest:
     m = build()
     c = m.columns
     return Manifest(
-        world_size=m.world_size, created_at=m.created_at, cloudckpt_version=m.cloudckpt_version,
-        metadata=m.metadata, checksum_block_size=m.checksum_block_size, objects=m.objects,
-        tensor_names=c.names, tensor_dtypes=c.dtypes, tensor_shapes=m.shapes,
-        chunk_counts=np.diff(c.chunk_start), chunk_offsets=c.offsets, chunk_sizes=c.sizes,
-        chunk_object_index=c.object_index, chunk_byte_offset=c.byte_offset,
-        chunk_byte_length=c.byte_length, chunk_crcs=c.crcs, value_blobs=dict(c.value_blobs),
-        structure=m.structure, allow_pickle=True, object_homes=HOMES,
-        chunk_hashes=chunk_hashes(), base=BASE, attempt=ATTEMPT)
+        world_size=m.world_size,
+        created_at=m.created_at,
+        cloudckpt_version=m.cloudckpt_version,
+        metadata=m.metadata,
+        checksum_block_size=m.checksum_block_size,
+        objects=m.objects,
+        tensor_names=c.names,
+        tensor_dtypes=c.dtypes,
+        tensor_shapes=m.shapes,
+        chunk_counts=np.diff(c.chunk_start),
+        chunk_offsets=c.offsets,
+        chunk_sizes=c.sizes,
+        chunk_object_index=c.object_index,
+        chunk_byte_offset=c.byte_offset,
+        chunk_byte_length=c.byte_length,
+        chunk_crcs=c.crcs,
+        value_blobs=dict(c.value_blobs),
+        structure=m.structure,
+        allow_pickle=True,
+        object_homes=HOMES,
+        chunk_hashes=chunk_hashes(),
+        base=BASE,
+        attempt=ATTEMPT,
+    )
 
 
 if __name__ == "__main__":

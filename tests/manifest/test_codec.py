@@ -17,17 +17,25 @@ from cloudckpt.errors import (
     UnsupportedManifestVersion,
     UnsupportedValueError,
 )
-from cloudckpt.manifest import ManifestBuilder, decode_manifest, encode_manifest, encode_value
+from cloudckpt.manifest.builder import ManifestBuilder
+from cloudckpt.manifest.codec import decode_manifest, encode_manifest
 from cloudckpt.manifest.columns import encode_int_column, encode_u32
 from cloudckpt.manifest.framing import frame, unframe
+from cloudckpt.manifest.values import encode_value
 
 KEYS = ("data/a/r0.bin", "data/a/r1.bin")
 
 
 def small_manifest(**kw):
     """w: float32 (8,) in 4 chunks of 8 bytes (2 crcs each with 4-byte blocks); s: int64 scalar."""
-    b = ManifestBuilder(world_size=2, metadata={"m": 1}, checksum_block_size=4, created_at=5.0,
-                        structure=["d", [["w", ["x", "w"]], ["lr", ["v", "lr"]]]], **kw)
+    b = ManifestBuilder(
+        world_size=2,
+        metadata={"m": 1},
+        checksum_block_size=4,
+        created_at=5.0,
+        structure=["d", [["w", ["x", "w"]], ["lr", ["v", "lr"]]]],
+        **kw,
+    )
     b.add_tensor("w", "float32", (8,))
     for i in range(4):
         b.add_chunk("w", (2 * i,), (2,), KEYS[i % 2], 8 * (i // 2), 8, (i, i + 100))
@@ -50,8 +58,14 @@ def pack(doc) -> bytes:
 def test_round_trip_keeps_everything():
     m = small_manifest()
     d = decode_manifest(encode_manifest(m))
-    assert (d.world_size, d.created_at, d.metadata, d.checksum_block_size, d.objects, d.structure) == \
-        (2, 5.0, {"m": 1}, 4, KEYS, m.structure)
+    assert (
+        d.world_size,
+        d.created_at,
+        d.metadata,
+        d.checksum_block_size,
+        d.objects,
+        d.structure,
+    ) == (2, 5.0, {"m": 1}, 4, KEYS, m.structure)
     assert d.values == {"lr": (0.5, [1, 2])}
     assert list(d.tensors) == ["w", "s"]
     assert list(d.tensors["w"].chunks) == list(m.tensors["w"].chunks)
@@ -118,8 +132,18 @@ CASES = [
     ("world_size", lambda v: 0, ManifestError, "world_size"),
     ("created_at", lambda v: True, ManifestError, "created_at"),
     ("checksum_block_size", lambda v: 0, ManifestError, "checksum_block_size"),
-    ("metadata", lambda v: encode_value([1], key="m", allow_pickle=False), ManifestError, "metadata"),
-    ("metadata", lambda v: encode_value({1, 2}, key="m", allow_pickle=True), PickleNotAllowed, "metadata"),
+    (
+        "metadata",
+        lambda v: encode_value([1], key="m", allow_pickle=False),
+        ManifestError,
+        "metadata",
+    ),
+    (
+        "metadata",
+        lambda v: encode_value({1, 2}, key="m", allow_pickle=True),
+        PickleNotAllowed,
+        "metadata",
+    ),
     ("objects", lambda v: ["../escape.bin", v[1]], ManifestError, "objects[0]"),
     ("objects", lambda v: [v[0], "/abs/path"], ManifestError, "objects[1]"),
     ("objects", lambda v: ["data\\a", v[1]], ManifestError, "objects[0]"),
@@ -136,39 +160,111 @@ CASES = [
     ("tensors.ndims", lambda v: encode_int_column([65, 0]), ManifestError, "tensors.ndims"),
     ("tensors.ndims", lambda v: encode_int_column([1]), ManifestError, "tensors.ndims"),
     ("tensors.chunk_counts", lambda v: encode_int_column([4, 9]), ManifestError, "chunks"),
-    ("tensors.chunk_counts", lambda v: encode_int_column([-1, 1]), ManifestError, "tensors.chunk_counts"),
-    ("chunks.sizes", lambda v: encode_int_column([2, 2, 2, -2]), ManifestError, 'tensors["w"].chunks[3]'),
-    ("chunks.offsets", lambda v: encode_int_column([0, 2, 4, 7]), ManifestError, 'tensors["w"].chunks[3]'),
+    (
+        "tensors.chunk_counts",
+        lambda v: encode_int_column([-1, 1]),
+        ManifestError,
+        "tensors.chunk_counts",
+    ),
+    (
+        "chunks.sizes",
+        lambda v: encode_int_column([2, 2, 2, -2]),
+        ManifestError,
+        'tensors["w"].chunks[3]',
+    ),
+    (
+        "chunks.offsets",
+        lambda v: encode_int_column([0, 2, 4, 7]),
+        ManifestError,
+        'tensors["w"].chunks[3]',
+    ),
     ("chunks.offsets", lambda v: encode_int_column([0, 2, 4]), ManifestError, "chunks.offsets"),
-    ("chunks.byte_length", lambda v: encode_int_column([8, 8, 8, 8, 9]), ManifestError,
-     'tensors["s"].chunks[0].byte_length'),
-    ("chunks.byte_length", lambda v: encode_int_column([8, 4, 8, 8, 8]), ManifestError,
-     'tensors["w"].chunks[1].byte_length'),
-    ("chunks.object_index", lambda v: encode_int_column([0, 1, 2, 1, 0]), ManifestError,
-     'tensors["w"].chunks[2].object_index'),
-    ("chunks.byte_offset", lambda v: encode_int_column([0, 0, -8, 8, 16]), ManifestError,
-     'tensors["w"].chunks[2].byte_offset'),
+    (
+        "chunks.byte_length",
+        lambda v: encode_int_column([8, 8, 8, 8, 9]),
+        ManifestError,
+        'tensors["s"].chunks[0].byte_length',
+    ),
+    (
+        "chunks.byte_length",
+        lambda v: encode_int_column([8, 4, 8, 8, 8]),
+        ManifestError,
+        'tensors["w"].chunks[1].byte_length',
+    ),
+    (
+        "chunks.object_index",
+        lambda v: encode_int_column([0, 1, 2, 1, 0]),
+        ManifestError,
+        'tensors["w"].chunks[2].object_index',
+    ),
+    (
+        "chunks.byte_offset",
+        lambda v: encode_int_column([0, 0, -8, 8, 16]),
+        ManifestError,
+        'tensors["w"].chunks[2].byte_offset',
+    ),
     ("chunks.crc32c", lambda v: v[:-4], ManifestError, "chunks.crc32c"),
     ("chunks.crc32c", lambda v: v + encode_u32([1]), ManifestError, "chunks.crc32c"),
     ("chunks.crc32c", lambda v: v[:-1], ManifestError, "chunks.crc32c"),
-    ("chunks.offsets", lambda v: ["raw", 8, "zlib", 4, zlib.compress(b"\0" * 4096)], ManifestError, "chunks.offsets"),
-    ("chunks.offsets", lambda v: ["raw", 3, "none", 4, b"\0" * 12], ManifestError, "chunks.offsets"),
+    (
+        "chunks.offsets",
+        lambda v: ["raw", 8, "zlib", 4, zlib.compress(b"\0" * 4096)],
+        ManifestError,
+        "chunks.offsets",
+    ),
+    (
+        "chunks.offsets",
+        lambda v: ["raw", 3, "none", 4, b"\0" * 12],
+        ManifestError,
+        "chunks.offsets",
+    ),
     ("chunks.offsets", lambda v: ["rle", 1, "none", 4, b"\0" * 4], ManifestError, "chunks.offsets"),
-    ("chunks.offsets", lambda v: ["raw", 1, "zlib", 4, b"garbage"], ManifestError, "chunks.offsets"),
+    (
+        "chunks.offsets",
+        lambda v: ["raw", 1, "zlib", 4, b"garbage"],
+        ManifestError,
+        "chunks.offsets",
+    ),
     ("chunks.offsets", lambda v: "nope", ManifestError, "chunks.offsets"),
-    ("values", lambda v: {**v, "w": encode_value(1, key="w", allow_pickle=False)}, ManifestError, 'values["w"]'),
+    (
+        "values",
+        lambda v: {**v, "w": encode_value(1, key="w", allow_pickle=False)},
+        ManifestError,
+        'values["w"]',
+    ),
     ("values", lambda v: {"lr": b"\xc1"}, ManifestError, 'values["lr"]'),
     ("values", lambda v: {"lr": "text"}, ManifestError, "values['lr']"),
-    ("values", lambda v: {**v, "p": encode_value({1}, key="p", allow_pickle=True)}, PickleNotAllowed, 'values["p"]'),
-    ("structure", lambda v: encode_value(["x", "nope"], key="s", allow_pickle=False), ManifestError, "structure"),
-    ("structure", lambda v: encode_value(["d", [[1.5, ["x", "w"]]]], key="s", allow_pickle=False), ManifestError,
-     "structure"),
-    ("structure", lambda v: encode_value(["q", []], key="s", allow_pickle=False), ManifestError, "structure"),
+    (
+        "values",
+        lambda v: {**v, "p": encode_value({1}, key="p", allow_pickle=True)},
+        PickleNotAllowed,
+        'values["p"]',
+    ),
+    (
+        "structure",
+        lambda v: encode_value(["x", "nope"], key="s", allow_pickle=False),
+        ManifestError,
+        "structure",
+    ),
+    (
+        "structure",
+        lambda v: encode_value(["d", [[1.5, ["x", "w"]]]], key="s", allow_pickle=False),
+        ManifestError,
+        "structure",
+    ),
+    (
+        "structure",
+        lambda v: encode_value(["q", []], key="s", allow_pickle=False),
+        ManifestError,
+        "structure",
+    ),
     ("structure", lambda v: b"\xc1", ManifestError, "structure"),
 ]
 
 
-@pytest.mark.parametrize("path,fn,error,where", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(
+    "path,fn,error,where", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)]
+)
 def test_violations_name_their_path(path, fn, error, where):
     with pytest.raises(error) as exc:
         decode_manifest(mutated(path, fn))
@@ -191,20 +287,23 @@ def test_element_count_must_match_the_shape():
     assert exc.value.path == 'tensors["w"]' and "6 elements" in str(exc.value)
 
 
-@pytest.mark.parametrize("data,needle", [
-    (b"", "empty"),
-    (b"\xc1", "header truncated"),
-    (b"\xc1ckpt\r\n\x1a\x02\x00", "header truncated"),
-    (msgpack.packb([1, 2]), "not a cloudckpt manifest"),
-    (msgpack.packb(msgpack.ExtType(1, b"")), "not a cloudckpt manifest"),
-    (frame(msgpack.packb([1, 2])), "not a msgpack map"),
-    (frame(b"\xc1"), "not a msgpack map"),
-    (frame(msgpack.packb({"format": msgpack.ExtType(1, b"")})), "extension"),
-    (frame(msgpack.packb({1: 2})), "top-level key"),
-    (frame(b"\x82\xa6format\xa1a\xa6format\xa1b"), "field appears twice"),
-    (frame(msgpack.packb({"format": "cloudckpt"}) + b"\xc0"), "1 bytes after"),
-    ("text", "must be bytes"),
-])
+@pytest.mark.parametrize(
+    "data,needle",
+    [
+        (b"", "empty"),
+        (b"\xc1", "header truncated"),
+        (b"\xc1ckpt\r\n\x1a\x02\x00", "header truncated"),
+        (msgpack.packb([1, 2]), "not a cloudckpt manifest"),
+        (msgpack.packb(msgpack.ExtType(1, b"")), "not a cloudckpt manifest"),
+        (frame(msgpack.packb([1, 2])), "not a msgpack map"),
+        (frame(b"\xc1"), "not a msgpack map"),
+        (frame(msgpack.packb({"format": msgpack.ExtType(1, b"")})), "extension"),
+        (frame(msgpack.packb({1: 2})), "top-level key"),
+        (frame(b"\x82\xa6format\xa1a\xa6format\xa1b"), "field appears twice"),
+        (frame(msgpack.packb({"format": "cloudckpt"}) + b"\xc0"), "1 bytes after"),
+        ("text", "must be bytes"),
+    ],
+)
 def test_not_a_manifest(data, needle):
     with pytest.raises(ManifestError, match=needle):
         decode_manifest(data)
@@ -247,14 +346,22 @@ def test_decoded_arrays_are_views_not_objects():
 @pytest.mark.parametrize("how", ["built", "decoded"])
 def test_the_column_view_is_read_only(how):
     import dataclasses
+
     m = small_manifest()
     if how == "decoded":
         m = decode_manifest(encode_manifest(m))
     cols = m.columns
-    assert cols.names == ("w", "s") and cols.name_index["s"] == 1 and list(cols.chunk_start) == [0, 4, 5]
+    assert (
+        cols.names == ("w", "s")
+        and cols.name_index["s"] == 1
+        and list(cols.chunk_start) == [0, 4, 5]
+    )
     assert list(cols.offsets) == [0, 2, 4, 6] and m.shapes == ((8,), ())
-    arrays = {f.name: getattr(cols, f.name) for f in dataclasses.fields(cols)
-              if isinstance(getattr(cols, f.name), np.ndarray)}
+    arrays = {
+        f.name: getattr(cols, f.name)
+        for f in dataclasses.fields(cols)
+        if isinstance(getattr(cols, f.name), np.ndarray)
+    }
     assert len(arrays) == 12
     for name, arr in arrays.items():
         assert not arr.flags.writeable, name

@@ -13,13 +13,18 @@ import pytest
 
 from cloudckpt.checksum import block_crcs
 from cloudckpt.errors import ManifestError, PickleNotAllowed
-from cloudckpt.manifest import FORMAT_NAME, FORMAT_VERSION, ChunkRecord, decode_manifest, encode_manifest
+from cloudckpt.manifest.codec import decode_manifest, encode_manifest
 from cloudckpt.manifest.framing import stored_version
+from cloudckpt.manifest.model import FORMAT_NAME, FORMAT_VERSION
+from cloudckpt.manifest.records import ChunkRecord
 from tests.manifest import golden
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-GOLDEN = {1: DATA / "manifest_v1.msgpack", 2: DATA / "manifest_v2.msgpack",
-          3: DATA / "manifest_v3.msgpack"}
+GOLDEN = {
+    1: DATA / "manifest_v1.msgpack",
+    2: DATA / "manifest_v2.msgpack",
+    3: DATA / "manifest_v3.msgpack",
+}
 
 
 @pytest.fixture(scope="module", params=sorted(GOLDEN), ids=lambda v: f"v{v}")
@@ -81,7 +86,10 @@ def test_header_fields(manifest):
     assert manifest.checksum_block_size == 16
     assert manifest.metadata == {"step": 100, "note": "golden v1", "tags": ("a", "b")}
     assert type(manifest.metadata["tags"]) is tuple
-    assert manifest.objects == ("data/00000000000000aa/r00000-0000.bin", "data/00000000000000aa/r00001-0000.bin")
+    assert manifest.objects == (
+        "data/00000000000000aa/r00000-0000.bin",
+        "data/00000000000000aa/r00001-0000.bin",
+    )
     assert manifest.object_sizes() == {manifest.objects[0]: 42, manifest.objects[1]: 44}
     assert manifest.object_extents() == {manifest.objects[0]: 44, manifest.objects[1]: 44}
     assert manifest.total_bytes() == 86
@@ -95,12 +103,20 @@ def test_tensors_and_chunks(manifest):
     assert w.chunks[1].offsets == (2, 0) and w.chunks[1].object_index == 1
     assert manifest.tensors["model.b"].chunks[0] == ChunkRecord((0,), (3,), 0, 24, 6, (494848512,))
     step = manifest.tensors["optim.step"]
-    assert (step.dtype, step.shape, list(step.chunks)) == ("int64", (), [ChunkRecord((), (), 1, 24, 8, (3159274190,))])
+    assert (step.dtype, step.shape, list(step.chunks)) == (
+        "int64",
+        (),
+        [ChunkRecord((), (), 1, 24, 8, (3159274190,))],
+    )
     empty = manifest.tensors["empty"]
     assert (empty.dtype, empty.shape, len(empty.chunks)) == ("float32", (0, 2), 0)
     grid = manifest.tensors["grid"]
     assert [(c.offsets, c.object_index, c.byte_offset) for c in grid.chunks] == [
-        ((0, 0), 0, 32), ((0, 3), 1, 32), ((2, 0), 0, 38), ((2, 3), 1, 38)]
+        ((0, 0), 0, 32),
+        ((0, 3), 1, 32),
+        ((2, 0), 0, 38),
+        ((2, 3), 1, 38),
+    ]
     for name in manifest.tensors:
         for i, chunk in enumerate(manifest.tensors[name].chunks):
             assert chunk.crc32c == block_crcs(golden.chunk_bytes(name, i), 16)
@@ -109,7 +125,7 @@ def test_tensors_and_chunks(manifest):
 def test_values_and_structure(manifest):
     assert manifest.values["optim.param_groups"] == golden.VALUES["optim.param_groups"]
     assert type(manifest.values["optim.param_groups"][0]["betas"]) is tuple
-    assert manifest.values["rng"] == {0: b"\x00\x01\xff", 1: 2 ** 70, -3: -(2 ** 65)}
+    assert manifest.values["rng"] == {0: b"\x00\x01\xff", 1: 2**70, -3: -(2**65)}
     assert manifest.values["epoch"] == 7
     assert manifest.values["frac"] == Fraction(1, 3)
     assert manifest.structure == golden.STRUCTURE

@@ -15,11 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cloudckpt.errors import ManifestError, UnsupportedManifestVersion, UnsupportedValueError
-from cloudckpt.manifest import DTYPE_ITEMSIZE, ManifestBuilder, decode_manifest, encode_manifest
-from cloudckpt.manifest.codec import DIMS_PER_BYTE
-from cloudckpt.manifest.columns import (ColumnError, decode_int_column, encode_int_column,
-                                        iter_int_column)
-from cloudckpt.manifest.dtypes import MAX_ELEMENTS
+from cloudckpt.manifest.builder import ManifestBuilder
+from cloudckpt.manifest.codec import DIMS_PER_BYTE, decode_manifest, encode_manifest
+from cloudckpt.manifest.columns import (
+    ColumnError,
+    decode_int_column,
+    encode_int_column,
+    iter_int_column,
+)
+from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE, MAX_ELEMENTS
 from cloudckpt.manifest.framing import MAGIC, frame, stored_version, unframe
 from cloudckpt.manifest.values import MAX_DEPTH, decode_value, encode_value
 
@@ -73,8 +77,11 @@ def test_a_bare_version_2_document_is_refused():
 
 # -- chunks sharing bytes -----------------------------------------------------------------------
 
-_LAYOUT = st.lists(st.tuples(st.integers(0, 4), st.sampled_from([0, 1]), st.integers(0, 40)),
-                   min_size=1, max_size=8)
+_LAYOUT = st.lists(
+    st.tuples(st.integers(0, 4), st.sampled_from([0, 1]), st.integers(0, 40)),
+    min_size=1,
+    max_size=8,
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -89,8 +96,11 @@ def test_chunks_are_refused_exactly_when_their_bytes_overlap(layout):
         b.add_chunk("t", (pos,), (n,), KEYS[obj], off, n, (0,))
         pos += n
     ranges = [(obj, off, off + n) for n, obj, off in layout if n]
-    overlap = any(a[0] == c[0] and a[1] < c[2] and c[1] < a[2]
-                  for i, a in enumerate(ranges) for c in ranges[i + 1:])
+    overlap = any(
+        a[0] == c[0] and a[1] < c[2] and c[1] < a[2]
+        for i, a in enumerate(ranges)
+        for c in ranges[i + 1 :]
+    )
     try:
         m = b.build()
     except ManifestError as exc:
@@ -104,8 +114,10 @@ def test_chunks_are_refused_exactly_when_their_bytes_overlap(layout):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.sampled_from([0, 1, 2, 3, 2**20, 2**30, 2**40, 2**62]), min_size=1, max_size=6),
-       st.sampled_from(sorted(DTYPE_ITEMSIZE)))
+@given(
+    st.lists(st.sampled_from([0, 1, 2, 3, 2**20, 2**30, 2**40, 2**62]), min_size=1, max_size=6),
+    st.sampled_from(sorted(DTYPE_ITEMSIZE)),
+)
 def test_empty_shapes_are_refused_exactly_when_their_strides_overflow(dims, dtype):
     shape = (0, *dims)  # no element at all
     b = ManifestBuilder(world_size=1, created_at=1.0)
@@ -150,8 +162,12 @@ def unframe_offsets(doc) -> list:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(-2**63, 2**63 - 1), max_size=300), st.booleans(), st.booleans(),
-       st.integers(1, 64))
+@given(
+    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=300),
+    st.booleans(),
+    st.booleans(),
+    st.integers(1, 64),
+)
 def test_piecewise_decoding_matches(values, delta, compress, block):
     arr = np.array(values, dtype=np.int64)
     column = encode_int_column(arr, delta=delta, compress=compress)
@@ -162,13 +178,16 @@ def test_piecewise_decoding_matches(values, delta, compress, block):
     assert [s for s, _ in pieces] == list(range(0, len(values), block))
 
 
-@pytest.mark.parametrize("payload,needle", [
-    (zlib.compress(b"\0" * 80) + b"x", "exactly"),          # trailing data
-    (zlib.compress(b"\0" * 79), "inflates to 79"),          # one byte short
-    (zlib.compress(b"\0" * 81), "exactly"),                 # one byte long
-    (zlib.compress(b"\0" * 80)[:-3], "exactly"),            # checksum cut
-    (b"\x78\x9c" + b"\xff" * 30, "corrupt"),
-])
+@pytest.mark.parametrize(
+    "payload,needle",
+    [
+        (zlib.compress(b"\0" * 80) + b"x", "exactly"),  # trailing data
+        (zlib.compress(b"\0" * 79), "inflates to 79"),  # one byte short
+        (zlib.compress(b"\0" * 81), "exactly"),  # one byte long
+        (zlib.compress(b"\0" * 80)[:-3], "exactly"),  # checksum cut
+        (b"\x78\x9c" + b"\xff" * 30, "corrupt"),
+    ],
+)
 def test_bad_zlib_payloads(payload, needle):
     with pytest.raises(ColumnError, match=needle):
         decode_int_column(["raw", 8, "zlib", 10, payload])
@@ -253,7 +272,8 @@ def test_deeply_nested_tuples_neither_crash_nor_pass():
     import subprocess
     import sys
 
-    res = subprocess.run([sys.executable, "-c", DEEP_TUPLES], capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", DEEP_TUPLES], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, (res.returncode, res.stderr[-500:])
     assert "refused: " in res.stdout and "nested deeper than 200" in res.stdout

@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cloudckpt.errors import ManifestError
-from cloudckpt.manifest import decode_manifest, encode_manifest
-from cloudckpt.manifest.codec import read_document
+from cloudckpt.manifest.codec import decode_manifest, encode_manifest, read_document
 from cloudckpt.manifest.framing import frame
 from cloudckpt.manifest.lineage import folder_problem
 from tests.manifest import golden
@@ -34,8 +33,24 @@ def _with(**changes) -> bytes:
     return _encode(fields)
 
 
-@pytest.mark.parametrize("home", ["..", ".", "a/b", "../step-1", "/abs", "a\\b", "x\x00y",
-                                  "tab\there", "\x7f", "x" * 256, 7, None, b"step"])
+@pytest.mark.parametrize(
+    "home",
+    [
+        "..",
+        ".",
+        "a/b",
+        "../step-1",
+        "/abs",
+        "a\\b",
+        "x\x00y",
+        "tab\there",
+        "\x7f",
+        "x" * 256,
+        7,
+        None,
+        b"step",
+    ],
+)
 def test_a_home_that_is_not_one_safe_segment_is_refused(home):
     data = _with(homes=["", home])
     with pytest.raises(ManifestError) as exc:
@@ -60,19 +75,22 @@ def test_every_accepted_home_stays_one_segment_below_the_run_root(home):
         assert resolved[0] == (h or "self")
 
 
-@pytest.mark.parametrize("changes, path", [
-    (dict(homes=[""]), "homes"),
-    (dict(homes="step-1"), "homes"),
-    (dict(base="../up"), "base"),
-    (dict(base="a/b"), "base"),
-    (dict(base=3), "base"),
-    (dict(attempt="xyz"), "attempt"),
-    (dict(attempt="00000000000000BB"), "attempt"),
-    (dict(hash=b"\x00" * 15), "chunks.hash"),
-    (dict(hash=b""), "hash_algorithm"),
-    (dict(hash_algorithm="md5"), "hash_algorithm"),
-    (dict(hash_algorithm=""), "hash_algorithm"),
-])
+@pytest.mark.parametrize(
+    "changes, path",
+    [
+        (dict(homes=[""]), "homes"),
+        (dict(homes="step-1"), "homes"),
+        (dict(base="../up"), "base"),
+        (dict(base="a/b"), "base"),
+        (dict(base=3), "base"),
+        (dict(attempt="xyz"), "attempt"),
+        (dict(attempt="00000000000000BB"), "attempt"),
+        (dict(hash=b"\x00" * 15), "chunks.hash"),
+        (dict(hash=b""), "hash_algorithm"),
+        (dict(hash_algorithm="md5"), "hash_algorithm"),
+        (dict(hash_algorithm=""), "hash_algorithm"),
+    ],
+)
 def test_malformed_v3_fields_are_refused(changes, path):
     with pytest.raises(ManifestError) as exc:
         decode_manifest(_with(**changes), allow_pickle=True)

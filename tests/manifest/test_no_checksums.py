@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cloudckpt.errors import ManifestError
-from cloudckpt.manifest import Manifest, decode_manifest, encode_manifest
-from cloudckpt.planning import Region
-from cloudckpt.planning.windows import plan_run_windows, plan_windows
+from cloudckpt.manifest.codec import decode_manifest, encode_manifest
+from cloudckpt.manifest.model import Manifest
+from cloudckpt.planning.load.plan import Region
+from cloudckpt.planning.load.windows import plan_run_windows, plan_windows
 from tests.planning.test_load_plan import manifest_with
 from tests.planning.test_windows import _flat_indices, boxes
 from tests.reliability.hostile import doc_of, pack
@@ -25,12 +26,26 @@ ITEMSIZE = {"float32": 4, "int64": 8, "bfloat16": 2, "bool": 1}
 def unchecked(dtype: str, shape, *, start: int = 0, **overrides) -> Manifest:
     """A one-tensor, one-chunk manifest without checksums, its bytes at ``start``."""
     n = math.prod(shape) * ITEMSIZE[dtype]
-    kw = dict(world_size=1, created_at=0.0, cloudckpt_version="t", metadata={},
-              checksum_block_size=0, checksums=False, objects=["m.safetensors"],
-              tensor_names=["t"], tensor_dtypes=[dtype], tensor_shapes=[tuple(shape)],
-              chunk_counts=[1], chunk_offsets=[0] * len(shape), chunk_sizes=list(shape),
-              chunk_object_index=[0], chunk_byte_offset=[start], chunk_byte_length=[n],
-              chunk_crcs=[], value_blobs={})
+    kw = dict(
+        world_size=1,
+        created_at=0.0,
+        cloudckpt_version="t",
+        metadata={},
+        checksum_block_size=0,
+        checksums=False,
+        objects=["m.safetensors"],
+        tensor_names=["t"],
+        tensor_dtypes=[dtype],
+        tensor_shapes=[tuple(shape)],
+        chunk_counts=[1],
+        chunk_offsets=[0] * len(shape),
+        chunk_sizes=list(shape),
+        chunk_object_index=[0],
+        chunk_byte_offset=[start],
+        chunk_byte_length=[n],
+        chunk_crcs=[],
+        value_blobs={},
+    )
     kw.update(overrides)
     return Manifest(**kw)
 
@@ -42,12 +57,15 @@ def test_a_manifest_without_checksums_has_no_crcs_and_cannot_be_stored():
         encode_manifest(m)
 
 
-@pytest.mark.parametrize("overrides", [
-    {"checksum_block_size": 4096},               # no checksums, yet a block size
-    {"chunk_crcs": [1]},                         # no checksums, yet crcs
-    {"checksums": 0},                            # not a bool
-    {"checksums": True},                         # checksums with a block size of 0
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"checksum_block_size": 4096},  # no checksums, yet a block size
+        {"chunk_crcs": [1]},  # no checksums, yet crcs
+        {"checksums": 0},  # not a bool
+        {"checksums": True},  # checksums with a block size of 0
+    ],
+)
 def test_inconsistent_checksum_settings_are_refused(overrides):
     with pytest.raises(ManifestError):
         unchecked("float32", (3, 4), **overrides)
@@ -85,15 +103,20 @@ def test_windows_read_exactly_the_region_span(box, dtype, max_bytes, start):
         assert w.start >= prev_end and (w.start - start * 8) % itemsize == 0
         assert w.length <= max(max_bytes, itemsize)
         prev_end = w.start + w.length
-        window = chunk[(w.start - start * 8) // itemsize:(prev_end - start * 8) // itemsize]
+        window = chunk[(w.start - start * 8) // itemsize : (prev_end - start * 8) // itemsize]
         for sub in w.boxes:
-            view = np.lib.stride_tricks.as_strided(
-                window[sub.first:], shape=sub.lengths,
-                strides=tuple(s * 8 for s in w.strides)) if sub.lengths else window[sub.first]
+            view = (
+                np.lib.stride_tricks.as_strided(
+                    window[sub.first :], shape=sub.lengths, strides=tuple(s * 8 for s in w.strides)
+                )
+                if sub.lengths
+                else window[sub.first]
+            )
             abs_off = tuple(a + b for a, b in zip(offsets, sub.offsets))
-            assert np.array_equal(np.asarray(view),
-                                  _flat_indices(abs_off, sub.lengths, sizes).reshape(sub.lengths))
+            assert np.array_equal(
+                np.asarray(view), _flat_indices(abs_off, sub.lengths, sizes).reshape(sub.lengths)
+            )
             seen[tuple(slice(o, o + n) for o, n in zip(sub.offsets, sub.lengths))] += 1
     assert (seen == 1).all()
     assert windows[0].start == start * 8 + first * itemsize  # nothing before the region
-    assert prev_end <= start * 8 + (last + 1) * itemsize      # nothing after it
+    assert prev_end <= start * 8 + (last + 1) * itemsize  # nothing after it

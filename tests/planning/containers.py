@@ -94,29 +94,33 @@ def people_state(*, blank: bool = False, salt: int = 0) -> Any:
             n *= s
         if blank:
             return torch.zeros(shape, dtype=dtype)
-        return (torch.arange(n, dtype=torch.float64) + 100 * k + 10_000 * salt).to(dtype).reshape(shape)
+        return (
+            (torch.arange(n, dtype=torch.float64) + 100 * k + 10_000 * salt)
+            .to(dtype)
+            .reshape(shape)
+        )
 
     def v(x):
         if not blank:
             return x
         return {int: -1, float: -1.0, str: "", bool: not x}.get(type(x), None)
 
-    dd = defaultdict(list)                # a class as factory
+    dd = defaultdict(list)  # a class as factory
     dd["w"] = t(3, 2)
     dd["n"] = v(3 + salt)
-    dl = defaultdict(lambda: 0.5)         # a lambda as factory: not saved
+    dl = defaultdict(lambda: 0.5)  # a lambda as factory: not saved
     dl["bias"] = t(2)
-    dl[7] = v("seven")                     # int key
+    dl[7] = v("seven")  # int key
     ad = ArgsDict(1, 2)
     ad["z"] = t(2, 2, dtype=torch.bfloat16)
-    ad["a"] = v(1.5)                       # insertion order z, a: kept
+    ad["a"] = v(1.5)  # insertion order z, a: kept
     aod = ArgsOrderedDict("x")
     aod["second"] = t(1)
     aod["first"] = v(2)
-    optim_state = defaultdict(dict)       # like torch.optim.Optimizer.state, int keys
+    optim_state = defaultdict(dict)  # like torch.optim.Optimizer.state, int keys
     optim_state[1] = {"exp_avg": t(4), "step": t()}
     optim_state[0] = {"exp_avg": t(4), "step": t()}
-    top = ArgsDict("top", None)           # the state dict itself is a subclass
+    top = ArgsDict("top", None)  # the state dict itself is a subclass
     top["dd"] = dd
     top["dl"] = dl
     top["ad"] = ad
@@ -125,10 +129,15 @@ def people_state(*, blank: bool = False, salt: int = 0) -> Any:
     top["optim"] = {
         "state": optim_state,
         # a list of dicts without tensors is one value: its dict subclasses come back as dict
-        "param_groups": [defaultdict(float, lr=v(0.1), params=[0, 1]), PlainSubDict(lr=v(0.2), params=[2])],
+        "param_groups": [
+            defaultdict(float, lr=v(0.1), params=[0, 1]),
+            PlainSubDict(lr=v(0.2), params=[2]),
+        ],
     }
-    top["odd_keys"] = defaultdict(int, {(1, 2): v(3), 1.5: v(4)})   # one value (tuple / float keys)
-    top["seqs"] = Seq([ArgsDict(0, 0), Pair(t(2), v(5)), Row((t(1), v("r"))), [PlainSubDict(q=t(1))]])
+    top["odd_keys"] = defaultdict(int, {(1, 2): v(3), 1.5: v(4)})  # one value (tuple / float keys)
+    top["seqs"] = Seq(
+        [ArgsDict(0, 0), Pair(t(2), v(5)), Row((t(1), v("r"))), [PlainSubDict(q=t(1))]]
+    )
     top["seqs"][0]["deep"] = OrderedDict(b=t(1), a=v(6))
     top["values"] = (Pair(1, 2), Seq([1, 2]), OrderedDict(k=v(9)))  # a tuple value, no tensor
     top["empty"] = defaultdict(list)
@@ -165,7 +174,10 @@ def expected(obj, *, keep_types: bool, in_value: bool = False):
     if isinstance(obj, Mapping):
         structural = not in_value and all(type(k) in (str, int) for k in obj)
         if not structural:
-            return Exp(dict, [(k, expected(v, keep_types=keep_types, in_value=True)) for k, v in obj.items()])
+            return Exp(
+                dict,
+                [(k, expected(v, keep_types=keep_types, in_value=True)) for k, v in obj.items()],
+            )
         kind = type(obj) if keep_types else OrderedDict if isinstance(obj, OrderedDict) else dict
         return Exp(kind, [(k, expected(v, keep_types=keep_types)) for k, v in obj.items()])
     if isinstance(obj, (list, tuple)):
@@ -196,12 +208,22 @@ def problems(actual, exp, path: str = "") -> list[str]:
             want = [k for k, _ in exp.children]
             if keys != want:
                 return [f"{where}: keys {keys!r}, expected {want!r}"]
-            return [p for k, child in exp.children for p in problems(actual[k], child, f"{path}.{k}")]
+            return [
+                p for k, child in exp.children for p in problems(actual[k], child, f"{path}.{k}")
+            ]
         if len(actual) != len(exp.children):
             return [f"{where}: {len(actual)} items, expected {len(exp.children)}"]
-        return [p for i, child in enumerate(exp.children) for p in problems(actual[i], child, f"{path}.{i}")]
+        return [
+            p
+            for i, child in enumerate(exp.children)
+            for p in problems(actual[i], child, f"{path}.{i}")
+        ]
     if isinstance(exp, torch.Tensor):
-        if not isinstance(actual, torch.Tensor) or actual.dtype != exp.dtype or not torch.equal(actual, exp):
+        if (
+            not isinstance(actual, torch.Tensor)
+            or actual.dtype != exp.dtype
+            or not torch.equal(actual, exp)
+        ):
             return [f"{where}: tensor differs"]
         return []
     if type(actual) is not type(exp) or actual != exp:
@@ -232,6 +254,8 @@ def check_loaded_in_place(blank, containers_before: list, salt: int = 0) -> list
     ``people_state(salt=salt)``: values and types, and the caller's containers kept."""
     found = problems(blank, expected(people_state(salt=salt), keep_types=True))
     after = structure_containers(blank)
-    if len(after) != len(containers_before) or any(a is not b for a, b in zip(after, containers_before)):
+    if len(after) != len(containers_before) or any(
+        a is not b for a, b in zip(after, containers_before)
+    ):
         found.append("the caller's containers were replaced")
     return found

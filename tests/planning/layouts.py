@@ -12,8 +12,11 @@ import math
 import numpy as np
 from hypothesis import strategies as st
 
-from cloudckpt.manifest import DTYPE_ITEMSIZE, crc_counts
-from cloudckpt.planning import LocalSavePlan, PieceSpec, WrittenChunks, assemble_manifest
+from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
+from cloudckpt.manifest.model import crc_counts
+from cloudckpt.planning.pieces import PieceSpec
+from cloudckpt.planning.save.assemble import WrittenChunks, assemble_manifest
+from cloudckpt.planning.save.local_plan import LocalSavePlan
 
 DTYPES = sorted(DTYPE_ITEMSIZE)
 
@@ -73,7 +76,9 @@ def layout_boxes(kind: str, shape, world: int, rng: np.random.Generator):
     if kind == "mesh2d":
         divisors = [a for a in range(1, world + 1) if world % a == 0]
         a = int(rng.choice(divisors))
-        placements = [("S", int(rng.integers(nd))) if rng.random() < 0.7 else ("R",) for _ in range(2)]
+        placements = [
+            ("S", int(rng.integers(nd))) if rng.random() < 0.7 else ("R",) for _ in range(2)
+        ]
         per = shard_boxes(shape, (a, world // a), placements)
         return [[b] for b in per]
     # ragged: a random partition, each box to one or more random ranks
@@ -111,29 +116,44 @@ def make_layout(specs, world: int, kinds, rng):
 
 
 def global_data(shape, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 1 << 40, size=shape, dtype=np.int64) if shape else \
-        np.array(seed, dtype=np.int64)
+    return (
+        np.random.default_rng(seed).integers(0, 1 << 40, size=shape, dtype=np.int64)
+        if shape
+        else np.array(seed, dtype=np.int64)
+    )
 
 
 def slices(offsets, sizes):
     return tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
 
 
-def simulate_save(per_rank_pieces, data: dict, *, block: int = 64, values=None, replicas_to_lowest_rank=False,
-                  replica_piece_bytes=None):
+def simulate_save(
+    per_rank_pieces,
+    data: dict,
+    *,
+    block: int = 64,
+    values=None,
+    replicas_to_lowest_rank=False,
+    replica_piece_bytes=None,
+):
     """Run the save protocol in one process. Returns (manifest, {chunk_id: ndarray}, global plans).
 
     Each chunk's bytes are taken from its writer's local piece at the write item's ``within``
     (as the real save does), and the write item must lie inside that piece."""
-    from cloudckpt.planning import decode_local_save_plan, encode_local_save_plan, plan_global_save
+    from cloudckpt.planning.save.global_plan import plan_global_save
+    from cloudckpt.planning.save.local_plan import decode_local_save_plan, encode_local_save_plan
 
     world = len(per_rank_pieces)
-    local = [LocalSavePlan(rank=r, world_size=world, pieces=p, value_names=tuple(values or ()))
-             for r, p in enumerate(per_rank_pieces)]
+    local = [
+        LocalSavePlan(rank=r, world_size=world, pieces=p, value_names=tuple(values or ()))
+        for r, p in enumerate(per_rank_pieces)
+    ]
     decoded = [decode_local_save_plan(encode_local_save_plan(p)) for p in local]
     extra = {} if replica_piece_bytes is None else {"replica_piece_bytes": replica_piece_bytes}
-    plans = [plan_global_save(decoded, rank=r, replicas_to_lowest_rank=replicas_to_lowest_rank, **extra)
-             for r in range(world)]
+    plans = [
+        plan_global_save(decoded, rank=r, replicas_to_lowest_rank=replicas_to_lowest_rank, **extra)
+        for r in range(world)
+    ]
     stored: dict[int, np.ndarray] = {}
     written = []
     for r, plan in enumerate(plans):
@@ -141,8 +161,10 @@ def simulate_save(per_rank_pieces, data: dict, *, block: int = 64, values=None, 
         for w in plan.writes:
             piece = per_rank_pieces[r][w.piece_index]
             assert piece.name == w.name
-            assert all(p + i == o and i + s <= ps for p, i, o, s, ps in
-                       zip(piece.offsets, w.within, w.offsets, w.sizes, piece.sizes)), (piece, w)
+            assert all(
+                p + i == o and i + s <= ps
+                for p, i, o, s, ps in zip(piece.offsets, w.within, w.offsets, w.sizes, piece.sizes)
+            ), (piece, w)
             assert w.chunk_id not in stored, "a chunk written twice"
             local = data[w.name][slices(piece.offsets, piece.sizes)]
             stored[w.chunk_id] = local[slices(w.within, w.sizes)].copy()
@@ -152,11 +174,21 @@ def simulate_save(per_rank_pieces, data: dict, *, block: int = 64, values=None, 
             pos += w.nbytes
         ncrc = crc_counts(np.array(lens, dtype=np.int64), block)
         vals = {v: b"\xc0" for v, owner in plan.value_owner.items() if owner == r}
-        written.append(WrittenChunks(rank=r, object_keys=(f"data/a/r{r}.bin",), chunk_ids=ids,
-                                     object_index=[0] * len(ids), byte_offset=offs, byte_length=lens,
-                                     crcs=np.arange(int(ncrc.sum())), values=vals))
-    manifest = assemble_manifest(plans[0].skeleton, written, world_size=world, checksum_block_size=block,
-                                 created_at=1.0)
+        written.append(
+            WrittenChunks(
+                rank=r,
+                object_keys=(f"data/a/r{r}.bin",),
+                chunk_ids=ids,
+                object_index=[0] * len(ids),
+                byte_offset=offs,
+                byte_length=lens,
+                crcs=np.arange(int(ncrc.sum())),
+                values=vals,
+            )
+        )
+    manifest = assemble_manifest(
+        plans[0].skeleton, written, world_size=world, checksum_block_size=block, created_at=1.0
+    )
     return manifest, stored, plans
 
 
@@ -169,5 +201,8 @@ def apply_reads(manifest, plan, requests, stored, chunk_ids):
         dest = slices(item.dest_offsets, item.lengths)
         out[item.request_index][dest] = src[slices(item.src_offsets, item.lengths)]
         count[item.request_index][dest] += 1
-        assert item.nbytes == math.prod(item.lengths) * DTYPE_ITEMSIZE[manifest.tensors[item.name].dtype]
+        assert (
+            item.nbytes
+            == math.prod(item.lengths) * DTYPE_ITEMSIZE[manifest.tensors[item.name].dtype]
+        )
     return out, count

@@ -9,11 +9,18 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cloudckpt.planning.batching import (RunBatch, Span, WindowBatch, balance_sources,
-                                         batch_by_object, batch_parts, pack_in_order,
-                                         plan_rounds)
-from cloudckpt.planning.parts import WINDOW_ALIGN, RunPart, WindowPart, aligned
-from cloudckpt.planning.windows import RunWindow, Window
+from cloudckpt.planning.batching import (
+    RunBatch,
+    Span,
+    WindowBatch,
+    balance_sources,
+    batch_by_object,
+    batch_parts,
+    pack_in_order,
+    plan_rounds,
+)
+from cloudckpt.planning.broadcast.parts import WINDOW_ALIGN, RunPart, WindowPart, aligned
+from cloudckpt.planning.load.windows import RunWindow, Window
 
 SIZES = st.lists(st.integers(0, 200), max_size=40)
 CAPS = st.integers(1, 400)
@@ -39,7 +46,7 @@ def test_pack_in_order_examples():
     assert pack_in_order([], 10) == []
     assert pack_in_order([4, 4, 4], 8) == [[0, 1], [2]]
     assert pack_in_order([20, 1, 1], 8) == [[0], [1, 2]]  # an oversized item alone
-    assert pack_in_order([0, 20], 8) == [[0], [1]]        # a cut only needs a non-empty group
+    assert pack_in_order([0, 20], 8) == [[0], [1]]  # a cut only needs a non-empty group
 
 
 @st.composite
@@ -60,24 +67,41 @@ def test_batch_by_object_covers_each_span_once_per_object_in_byte_order(items, c
         mine = [b for b in batches if b.object_key == key]
         order = [i for b in mine for i in b.members]
         # one object's spans: sorted by start, ties in input order (a stable sort)
-        assert order == sorted((i for i, s in enumerate(items) if s.object_key == key),
-                               key=lambda i: (items[i].start, i))
-        _greedy_groups_ok([[order.index(i) for i in b.members] for b in mine],
-                          [aligned(items[i].length) for i in order], cap)
+        assert order == sorted(
+            (i for i, s in enumerate(items) if s.object_key == key),
+            key=lambda i: (items[i].start, i),
+        )
+        _greedy_groups_ok(
+            [[order.index(i) for i in b.members] for b in mine],
+            [aligned(items[i].length) for i in order],
+            cap,
+        )
     for b in batches:
         assert all(items[i].object_key == b.object_key for i in b.members)
 
 
 def _window(length: int) -> Window:
-    return Window(object_key="o", start=0, length=length, first_block=0, crc32c=(),
-                  block_size=1, itemsize=1, strides=(), boxes=())
+    return Window(
+        object_key="o",
+        start=0,
+        length=length,
+        first_block=0,
+        crc32c=(),
+        block_size=1,
+        itemsize=1,
+        strides=(),
+        boxes=(),
+    )
 
 
 @st.composite
 def broadcast_parts(draw):
     world = draw(st.integers(2, 5))
-    groups = draw(st.lists(st.lists(st.integers(0, world - 1), min_size=2, unique=True),
-                           min_size=1, max_size=4))
+    groups = draw(
+        st.lists(
+            st.lists(st.integers(0, world - 1), min_size=2, unique=True), min_size=1, max_size=4
+        )
+    )
     broadcasts = []
     for g in groups:
         g = tuple(sorted(g))
@@ -86,8 +110,11 @@ def broadcast_parts(draw):
     for _ in range(draw(st.integers(0, 40))):
         b = draw(st.integers(0, len(broadcasts) - 1))
         n = draw(st.integers(1, 500))
-        parts.append(RunPart(b, RunWindow("o", 0, n, ())) if draw(st.booleans())
-                     else WindowPart(b, _window(n)))
+        parts.append(
+            RunPart(b, RunWindow("o", 0, n, ()))
+            if draw(st.booleans())
+            else WindowPart(b, _window(n))
+        )
     return broadcasts, parts
 
 
@@ -134,7 +161,7 @@ def test_broadcast_batches_example():
     assert [(x.src, [p for p in x.parts]) for x in got] == [
         (0, [parts[0], parts[1]]),  # 64 + 64 fits the cap of 128
         (1, [parts[2], parts[5]]),
-        (0, [run]),                 # a run closes the open window batch and goes alone
+        (0, [run]),  # a run closes the open window batch and goes alone
         (1, [parts[6]]),
         (0, [parts[4]]),
     ]
@@ -144,7 +171,7 @@ def test_broadcast_batches_example():
 @given(broadcast_parts(), st.lists(st.integers(0, 300), min_size=5, max_size=5))
 def test_balanced_sources_are_group_members_and_even_out_the_bytes(case, base):
     broadcasts, parts = case
-    loads = base[:1 + max(m for b in broadcasts for m in b.group)]
+    loads = base[: 1 + max(m for b in broadcasts for m in b.group)]
     sources = balance_sources(broadcasts, parts, loads)
     assert len(sources) == len(parts)
     for p, s in zip(parts, sources):
@@ -188,14 +215,21 @@ def test_rounds_hold_every_batch_once_one_per_source_in_order(case, cap, rnd):
         assert all(r.members[r.slot(s)] == s for s in srcs)
     # each (group, source) sends its batches in the order batch_parts gave them
     for key in {(b.members, b.src) for b in batches}:
-        assert [b for r in rounds for b in r.batches if (b.members, b.src) == key] == \
-            [b for b in batches if (b.members, b.src) == key]
+        assert [b for r in rounds for b in r.batches if (b.members, b.src) == key] == [
+            b for b in batches if (b.members, b.src) == key
+        ]
     # round k of a group comes before round k + 1 of it; every rank computes the same rounds
     for members in {r.members for r in rounds}:
         mine = [r for r in rounds if r.members == members]
         for k, r in enumerate(mine):
-            assert all(sum(1 for q in mine[:k] for x in q.batches if x.src == b.src) == k
-                       for b in r.batches)
-    assert plan_rounds(batch_parts(copy.deepcopy(broadcasts), copy.deepcopy(parts), cap,
-                                   list(sources))) == rounds
+            assert all(
+                sum(1 for q in mine[:k] for x in q.batches if x.src == b.src) == k
+                for b in r.batches
+            )
+    assert (
+        plan_rounds(
+            batch_parts(copy.deepcopy(broadcasts), copy.deepcopy(parts), cap, list(sources))
+        )
+        == rounds
+    )
     assert world >= 2

@@ -18,18 +18,39 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cloudckpt.errors import PlanningError
-from cloudckpt.manifest import decode_value, encode_value
-from cloudckpt.stateful import path_sort_key, resolve_stateful, restore_stateful
-from cloudckpt.statedict import (check_replaceable, copy_mapping, flatten_state_dict, plain_value, rebuild_tuple,
-                                 set_by_path, unflatten_state_dict)
-from tests.planning.containers import (ArgsDict, ArgsOrderedDict, Box, Pair, PlainSubDict, Row, Seq,
-                                       exactly, expected, people_state, problems)
+from cloudckpt.manifest.values import decode_value, encode_value
+from cloudckpt.statedict.pieces import (
+    check_replaceable,
+    copy_mapping,
+    flatten_state_dict,
+    plain_value,
+    rebuild_tuple,
+    set_by_path,
+    unflatten_state_dict,
+)
+from cloudckpt.statedict.stateful import path_sort_key, resolve_stateful, restore_stateful
+from tests.planning.containers import (
+    ArgsDict,
+    ArgsOrderedDict,
+    Box,
+    Pair,
+    PlainSubDict,
+    Row,
+    Seq,
+    exactly,
+    expected,
+    people_state,
+    problems,
+)
 
 
 def through_manifest(flat):
     """The structure and leaves as a manifest holds them (through the exact value codec)."""
+
     def codec(value, key):
-        return decode_value(encode_value(value, key=key, allow_pickle=False), key=key, allow_pickle=False)
+        return decode_value(
+            encode_value(value, key=key, allow_pickle=False), key=key, allow_pickle=False
+        )
 
     leaves = {n: leaf.pieces[0][1] for n, leaf in flat.tensors.items()}
     leaves.update({n: codec(leaf.value, n) for n, leaf in flat.values.items()})
@@ -50,7 +71,10 @@ def test_people_state_rebuilds_as_the_closest_types_with_key_order():
     assert type(full["aod"]) is OrderedDict and list(full["aod"]) == ["second", "first"]
     assert list(full["ad"]) == ["z", "a"] and type(full["dl"]) is dict and 7 in full["dl"]
     assert full["odd_keys"] == {(1, 2): 3, 1.5: 4}
-    assert full["optim"]["param_groups"] == [{"lr": 0.1, "params": [0, 1]}, {"lr": 0.2, "params": [2]}]
+    assert full["optim"]["param_groups"] == [
+        {"lr": 0.1, "params": [0, 1]},
+        {"lr": 0.2, "params": [2]},
+    ]
     assert type(full["seqs"]) is list and type(full["seqs"][1]) is tuple
     # the caller's dict is not touched
     assert problems(sd, exactly(before)) == []
@@ -74,12 +98,14 @@ def test_expected_rule_is_not_vacuous():
 
 
 def test_odd_keys_holding_tensors_are_refused_with_the_fix():
-    with pytest.raises(PlanningError, match=r"key \(1, 2\) at \('t',\): .*str or int keys \(got tuple\); convert"):
+    with pytest.raises(
+        PlanningError, match=r"key \(1, 2\) at \('t',\): .*str or int keys \(got tuple\); convert"
+    ):
         flatten_state_dict({"t": defaultdict(list, {(1, 2): torch.ones(1)})})
     with pytest.raises(PlanningError, match="top-level key 1.5: .*got float"):
         flatten_state_dict(PlainSubDict({1.5: 1}))
     with pytest.raises(PlanningError, match="key True"):
-        flatten_state_dict({"t": {True: torch.ones(1)}})   # bool is not int here
+        flatten_state_dict({"t": {True: torch.ones(1)}})  # bool is not int here
     flat = flatten_state_dict({"t": defaultdict(int, {(1, 2): 3})})
     assert list(flat.values) == ["t"] and type(flat.values["t"].value) is dict
 
@@ -107,15 +133,15 @@ def test_copy_mapping_keeps_type_and_attributes_when_it_can():
     out = copy_mapping(ad, [("x", 3)])
     assert type(out) is ArgsDict and (out.a, out.b, out["x"], ad["x"]) == (1, 2, 3, 1)
     od = OrderedDict(a=1)
-    od._metadata = {"": {"version": 1}}              # what torch's Module.state_dict() carries
+    od._metadata = {"": {"version": 1}}  # what torch's Module.state_dict() carries
     out = copy_mapping(od, [("a", 5)])
     assert type(out) is OrderedDict and out._metadata == {"": {"version": 1}} and od["a"] == 1
-    aod = ArgsOrderedDict("t")           # copy.copy calls ArgsOrderedDict(): a bare instance instead
+    aod = ArgsOrderedDict("t")  # copy.copy calls ArgsOrderedDict(): a bare instance instead
     aod["k"] = 1
     out = copy_mapping(aod, [("k", 2)])
     assert type(out) is ArgsOrderedDict and out.tag == "t" and out["k"] == 2 and aod["k"] == 1
 
-    class Doubling(dict):                               # __setitem__ changes the value
+    class Doubling(dict):  # __setitem__ changes the value
         def __setitem__(self, k, v):
             super().__setitem__(k, v * 2)
 
@@ -123,7 +149,7 @@ def test_copy_mapping_keeps_type_and_attributes_when_it_can():
         def __copy__(self):
             raise RuntimeError("no")
 
-    class Stubborn(NoCopy):                             # and no bare instance either
+    class Stubborn(NoCopy):  # and no bare instance either
         def __new__(cls, token):
             return super().__new__(cls)
 
@@ -138,7 +164,10 @@ def test_copy_mapping_keeps_type_and_attributes_when_it_can():
 
 
 def test_rebuild_tuple_and_set_by_path_keep_tuple_types():
-    assert rebuild_tuple(Pair(1, 2), [3, 4]) == Pair(3, 4) and type(rebuild_tuple(Pair(1, 2), [3, 4])) is Pair
+    assert (
+        rebuild_tuple(Pair(1, 2), [3, 4]) == Pair(3, 4)
+        and type(rebuild_tuple(Pair(1, 2), [3, 4])) is Pair
+    )
     assert type(rebuild_tuple(Row((1,)), [2])) is Row
     assert type(rebuild_tuple(torch.Size([1]), [2])) is torch.Size
 
@@ -146,7 +175,7 @@ def test_rebuild_tuple_and_set_by_path_keep_tuple_types():
         def __new__(cls):
             return super().__new__(cls, (0,))
 
-    assert type(rebuild_tuple(Fixed(), [1])) is tuple   # cannot be built from items: plain tuple
+    assert type(rebuild_tuple(Fixed(), [1])) is tuple  # cannot be built from items: plain tuple
     root = {"a": Seq([Pair(1, Row((2, 3)))])}
     set_by_path(root, ("a", 0, 1, 0), 9)
     assert type(root["a"]) is Seq and type(root["a"][0]) is Pair and type(root["a"][0][1]) is Row
@@ -158,7 +187,10 @@ def test_check_replaceable_refuses_read_only_mappings_only():
     for path in [("rw", "t", 0), ("l", 0, 0), ("ro", "t", 1, 0)]:
         check_replaceable(root, path)
     for path in [("ro", "n"), ("ro", "t", 0)]:
-        with pytest.raises(PlanningError, match=r"value 'ro\.[nt].*' sits in a read-only mappingproxy: .*pass a dict"):
+        with pytest.raises(
+            PlanningError,
+            match=r"value 'ro\.[nt].*' sits in a read-only mappingproxy: .*pass a dict",
+        ):
             check_replaceable(root, path)
 
 
@@ -194,15 +226,30 @@ def test_stateful_state_dict_types_reach_load_state_dict():
     resolved, found = resolve_stateful({"obj": obj, "m": module})
     restore_stateful(resolved, found)
     assert type(obj.got) is ArgsDict and obj.got.a == "a" and type(obj.got["dd"]) is defaultdict
-    assert hasattr(resolved["m"], "_metadata")          # torch's module version info is kept
+    assert hasattr(resolved["m"], "_metadata")  # torch's module version info is kept
 
 
 def test_stateful_order_fixed_example():
     log = []
-    sd = {"z": Probe("z", log), 10: Probe("10", log), 2: Probe("2", log),
-          "a": [Probe("a.0", log, {"x": Probe("a.0.x", log), "b": Probe("a.0.b", log)}), Probe("a.1", log)]}
+    sd = {
+        "z": Probe("z", log),
+        10: Probe("10", log),
+        2: Probe("2", log),
+        "a": [
+            Probe("a.0", log, {"x": Probe("a.0.x", log), "b": Probe("a.0.b", log)}),
+            Probe("a.1", log),
+        ],
+    }
     resolved, found = resolve_stateful(sd)
-    assert [p for p, _ in found] == [(2,), (10,), ("a", 0), ("a", 0, "b"), ("a", 0, "x"), ("a", 1), ("z",)]
+    assert [p for p, _ in found] == [
+        (2,),
+        (10,),
+        ("a", 0),
+        ("a", 0, "b"),
+        ("a", 0, "x"),
+        ("a", 1),
+        ("z",),
+    ]
     assert [n for _, n in log] == ["2", "10", "a.0", "a.0.b", "a.0.x", "a.1", "z"]
     log.clear()
     restore_stateful(resolved, found[::-1])
@@ -213,14 +260,24 @@ def test_stateful_order_fixed_example():
 # -- generated trees ----------------------------------------------------------------------------
 
 _MAPPINGS = {
-    "dict": dict, "OrderedDict": OrderedDict, "defaultdict": lambda items: defaultdict(list, items),
-    "lambda_defaultdict": lambda items: defaultdict(lambda: None, items), "PlainSubDict": PlainSubDict,
+    "dict": dict,
+    "OrderedDict": OrderedDict,
+    "defaultdict": lambda items: defaultdict(list, items),
+    "lambda_defaultdict": lambda items: defaultdict(lambda: None, items),
+    "PlainSubDict": PlainSubDict,
     "ArgsDict": lambda items: _filled(ArgsDict(0, 1), items),
-    "ArgsOrderedDict": lambda items: _filled(ArgsOrderedDict("t"), items), "Box": lambda items: Box(**dict(items))
-    if all(type(k) is str for k, _ in items) else dict(items),
+    "ArgsOrderedDict": lambda items: _filled(ArgsOrderedDict("t"), items),
+    "Box": lambda items: (
+        Box(**dict(items)) if all(type(k) is str for k, _ in items) else dict(items)
+    ),
 }
-_SEQUENCES = {"list": list, "tuple": tuple, "Seq": Seq, "Row": Row,
-              "Pair": lambda items: Pair(*items) if len(items) == 2 else tuple(items)}
+_SEQUENCES = {
+    "list": list,
+    "tuple": tuple,
+    "Seq": Seq,
+    "Row": Row,
+    "Pair": lambda items: Pair(*items) if len(items) == 2 else tuple(items),
+}
 
 
 def _filled(mapping, items):
@@ -230,20 +287,38 @@ def _filled(mapping, items):
 
 
 _keys = st.one_of(st.text(alphabet="abc", min_size=1, max_size=2), st.integers(0, 12))
-_leaves = st.one_of(st.integers(-3, 3), st.text(max_size=2), st.none(), st.floats(allow_nan=False),
-                    st.integers(0, 4).map(lambda n: ("tensor", n)))
+_leaves = st.one_of(
+    st.integers(-3, 3),
+    st.text(max_size=2),
+    st.none(),
+    st.floats(allow_nan=False),
+    st.integers(0, 4).map(lambda n: ("tensor", n)),
+)
 
 
 def _specs():
     return st.recursive(
         _leaves,
         lambda children: st.one_of(
-            st.tuples(st.just("map"), st.sampled_from(sorted(_MAPPINGS)),
-                      st.lists(st.tuples(_keys, children), max_size=4, unique_by=lambda kv: kv[0])),
-            st.tuples(st.just("seq"), st.sampled_from(sorted(_SEQUENCES)), st.lists(children, max_size=3)),
-            st.tuples(st.just("probe"), st.lists(st.tuples(st.sampled_from("pq"), children), max_size=2,
-                                                  unique_by=lambda kv: kv[0]))),
-        max_leaves=14)
+            st.tuples(
+                st.just("map"),
+                st.sampled_from(sorted(_MAPPINGS)),
+                st.lists(st.tuples(_keys, children), max_size=4, unique_by=lambda kv: kv[0]),
+            ),
+            st.tuples(
+                st.just("seq"), st.sampled_from(sorted(_SEQUENCES)), st.lists(children, max_size=3)
+            ),
+            st.tuples(
+                st.just("probe"),
+                st.lists(
+                    st.tuples(st.sampled_from("pq"), children),
+                    max_size=2,
+                    unique_by=lambda kv: kv[0],
+                ),
+            ),
+        ),
+        max_leaves=14,
+    )
 
 
 def realize(spec, rng: random.Random, log: list, name: str = "r"):
@@ -254,7 +329,9 @@ def realize(spec, rng: random.Random, log: list, name: str = "r"):
         return spec
     kind = spec[0]
     if kind == "seq":
-        return _SEQUENCES[spec[1]]([realize(c, rng, log, f"{name}.{i}") for i, c in enumerate(spec[2])])
+        return _SEQUENCES[spec[1]](
+            [realize(c, rng, log, f"{name}.{i}") for i, c in enumerate(spec[2])]
+        )
     items = list(spec[2] if kind == "map" else spec[1])
     rng.shuffle(items)
     built = [(k, realize(c, rng, log, f"{name}.{k}")) for k, c in items]
@@ -264,11 +341,14 @@ def realize(spec, rng: random.Random, log: list, name: str = "r"):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(_keys, _specs()), min_size=1, max_size=5, unique_by=lambda kv: kv[0]),
-       st.sampled_from(sorted(_MAPPINGS)), st.integers(0, 2**32))
+@given(
+    st.lists(st.tuples(_keys, _specs()), min_size=1, max_size=5, unique_by=lambda kv: kv[0]),
+    st.sampled_from(sorted(_MAPPINGS)),
+    st.integers(0, 2**32),
+)
 def test_generated_trees_rebuild_by_the_rule_and_call_stateful_in_one_order(top, top_kind, seed):
     logs, results = [], []
-    for order in (seed, seed + 1):                  # the same tree, built in two key orders
+    for order in (seed, seed + 1):  # the same tree, built in two key orders
         log: list = []
         sd = realize(("map", top_kind, top), random.Random(order), log)
         resolved, found = resolve_stateful(sd)
@@ -281,6 +361,9 @@ def test_generated_trees_rebuild_by_the_rule_and_call_stateful_in_one_order(top,
         assert [n for _, n in saved_order] == [obj.name for _, obj in found]
         # and the resolved tree rebuilds by the documented rule
         structure, leaves = through_manifest(flatten_state_dict(resolved))
-        assert problems(unflatten_state_dict(structure, leaves), expected(resolved, keep_types=False)) == []
+        assert (
+            problems(unflatten_state_dict(structure, leaves), expected(resolved, keep_types=False))
+            == []
+        )
         results.append(resolved)
     assert logs[0] == logs[1]

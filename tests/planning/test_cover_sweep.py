@@ -9,8 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cloudckpt.errors import CoverageError
-from cloudckpt.planning import PieceSpec, cover_sweep, find_cover_defect, plan_local_load
-from cloudckpt.planning.chunk_index import LEAF_CHUNKS, ChunkIndex, manifest_index
+from cloudckpt.planning import cover_sweep
+from cloudckpt.planning.coverage import find_cover_defect
+from cloudckpt.planning.load.chunk_index import LEAF_CHUNKS, ChunkIndex, manifest_index
+from cloudckpt.planning.load.plan import plan_local_load
+from cloudckpt.planning.pieces import PieceSpec
 from tests.reliability import hostile_layouts as hl
 
 
@@ -77,7 +80,7 @@ def damaged(draw):
     if how == "drop":
         off, size = np.delete(off, i, 0), np.delete(size, i, 0)
     elif how == "duplicate":
-        off, size = np.concatenate((off, off[i:i + 1])), np.concatenate((size, size[i:i + 1]))
+        off, size = np.concatenate((off, off[i : i + 1])), np.concatenate((size, size[i : i + 1]))
     elif how == "add":
         o = [draw(st.integers(0, s - 1)) for s in shape]
         s = [draw(st.integers(1, n - a)) for a, n in zip(o, shape)]
@@ -137,8 +140,10 @@ FAMILIES = {
     "spiral-4d": lambda: hl.spiral(30, 4),
     "unit-cells-12d": lambda: hl.tiny_cubes(12),
     "brick-wall": lambda: hl.brick_wall(200, 200),
-    "walls-product-8d": lambda: _product(_product(hl.brick_wall(3, 3, 3, seed=1), hl.brick_wall(3, 3, 3, seed=2)),
-                                         _product(hl.brick_wall(3, 3, 3, seed=3), hl.brick_wall(3, 3, 3, seed=4))),
+    "walls-product-8d": lambda: _product(
+        _product(hl.brick_wall(3, 3, 3, seed=1), hl.brick_wall(3, 3, 3, seed=2)),
+        _product(hl.brick_wall(3, 3, 3, seed=3), hl.brick_wall(3, 3, 3, seed=4)),
+    ),
 }
 
 
@@ -194,24 +199,34 @@ def test_lookup_finds_exactly_the_overlapping_chunks(layout, data):
     req, chunk = index.overlapping_many(q_off, q_end)
     got = sorted(zip(req.tolist(), chunk.tolist()))
     ends = off + size
-    want = sorted((r, c) for r in range(len(queries)) for c in range(len(off))
-                  if ((np.minimum(ends[c], q_end[r]) > np.maximum(off[c], q_off[r])).all()))
+    want = sorted(
+        (r, c)
+        for r in range(len(queries))
+        for c in range(len(off))
+        if ((np.minimum(ends[c], q_end[r]) > np.maximum(off[c], q_off[r])).all())
+    )
     assert got == want
 
 
-@pytest.mark.parametrize("family", ["column-split", "row-split", "brick-wall", "spiral-2d", "unit-cells-12d"])
+@pytest.mark.parametrize(
+    "family", ["column-split", "row-split", "brick-wall", "spiral-2d", "unit-cells-12d"]
+)
 def test_one_element_lookups_test_few_chunks(family):
     """Every one-element request of a sample tests at most a few leaves of chunks, not all."""
     shape, off, size = FAMILIES[family]()
     manifest = hl.layout_manifest({"w": (shape, off, size)})
-    plan_local_load(manifest, [PieceSpec("w", "uint8", shape, (0,) * len(shape), (1,) * len(shape))], rank=0)
+    plan_local_load(
+        manifest, [PieceSpec("w", "uint8", shape, (0,) * len(shape), (1,) * len(shape))], rank=0
+    )
     index = manifest_index(manifest).general(0)
     rng = np.random.default_rng(0)
     points = np.stack([rng.integers(0, s, 200) for s in shape], axis=1)
     before = index.tested
     req, chunk = index.overlapping_many(points, points + 1)
     assert sorted(req.tolist()) == list(range(200))  # each point lies in exactly one chunk
-    assert index.tested - before <= 200 * 4 * LEAF_CHUNKS < len(off) * 200 / 4, index.tested - before
+    assert index.tested - before <= 200 * 4 * LEAF_CHUNKS < len(off) * 200 / 4, (
+        index.tested - before
+    )
 
 
 @pytest.mark.parametrize("scan_chunks", [1024, 0], ids=["scan", "tree"])
@@ -220,15 +235,22 @@ def test_one_element_lookups_test_few_chunks(family):
 def test_plans_read_each_requested_element_once(scan_chunks, layout, data):
     """plan_local_load through the scan of small tensors and through the tree (forced): for
     random requests, the read items are exactly the overlaps with the chunks that meet them."""
-    import cloudckpt.planning.load_plan as load_plan
+    import cloudckpt.planning.load.plan as load_plan
 
     shape, off, size = layout
     manifest = hl.layout_manifest({"w": (shape, off, size)})
     requests = []
     for _ in range(data.draw(st.integers(1, 3))):
         o = [data.draw(st.integers(0, s - 1)) for s in shape]
-        requests.append(PieceSpec("w", "uint8", shape, tuple(o),
-                                  tuple(data.draw(st.integers(1, s - a)) for a, s in zip(o, shape))))
+        requests.append(
+            PieceSpec(
+                "w",
+                "uint8",
+                shape,
+                tuple(o),
+                tuple(data.draw(st.integers(1, s - a)) for a, s in zip(o, shape)),
+            )
+        )
     saved = load_plan.SCAN_CHUNKS
     load_plan.SCAN_CHUNKS = scan_chunks
     try:
@@ -237,8 +259,16 @@ def test_plans_read_each_requested_element_once(scan_chunks, layout, data):
         load_plan.SCAN_CHUNKS = saved
     got = sorted((it.request_index, it.chunk_index) for it in plan.reads)
     ends = off + size
-    want = sorted((r, c) for r, req in enumerate(requests) for c in range(len(off))
-                  if (np.minimum(ends[c], np.add(req.offsets, req.sizes)) > np.maximum(off[c], req.offsets)).all())
+    want = sorted(
+        (r, c)
+        for r, req in enumerate(requests)
+        for c in range(len(off))
+        if (
+            np.minimum(ends[c], np.add(req.offsets, req.sizes)) > np.maximum(off[c], req.offsets)
+        ).all()
+    )
     assert got == want
     for r, req in enumerate(requests):
-        assert sum(int(np.prod(it.lengths)) for it in plan.reads if it.request_index == r) == int(np.prod(req.sizes))
+        assert sum(int(np.prod(it.lengths)) for it in plan.reads if it.request_index == r) == int(
+            np.prod(req.sizes)
+        )

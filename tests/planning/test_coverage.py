@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cloudckpt.planning import find_cover_defect
+from cloudckpt.planning.coverage import find_cover_defect
 
 
 def boxes(*pairs):
@@ -14,22 +14,29 @@ def boxes(*pairs):
     return off, size
 
 
-@pytest.mark.parametrize("shape,pairs,expected", [
-    ((6,), [((0,), (3,)), ((3,), (3,))], None),
-    ((6,), [((3,), (3,)), ((0,), (2,))], ("gap", (2,), (1,))),
-    ((6,), [((0,), (4,)), ((3,), (3,))], ("overlap", (3,), (1,))),
-    ((6,), [((1,), (5,))], ("gap", (0,), (1,))),
-    ((6,), [((0,), (5,))], ("gap", (5,), (1,))),
-    ((4, 4), [((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 4))], None),
-    ((4, 4), [((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 2))], ("gap", (2, 2), (2, 2))),
-    # both cells of the reported (1, 2) region are covered twice (boxes 1+2 and 2+3)
-    ((4, 4), [((0, 0), (3, 3)), ((2, 2), (2, 2)), ((0, 3), (4, 1)), ((3, 0), (1, 3))], ("overlap", (2, 2), (1, 2))),
-    ((4, 4), [((0, 0), (4, 4)), ((0, 0), (1, 1))], ("overlap", (0, 0), (1, 1))),
-    ((), [((), ())], None),
-    ((), [], ("gap", (), ())),
-    ((0, 3), [], None),
-    ((3, 2), [((0, 0), (0, 2)), ((0, 0), (3, 2))], None),
-])
+@pytest.mark.parametrize(
+    "shape,pairs,expected",
+    [
+        ((6,), [((0,), (3,)), ((3,), (3,))], None),
+        ((6,), [((3,), (3,)), ((0,), (2,))], ("gap", (2,), (1,))),
+        ((6,), [((0,), (4,)), ((3,), (3,))], ("overlap", (3,), (1,))),
+        ((6,), [((1,), (5,))], ("gap", (0,), (1,))),
+        ((6,), [((0,), (5,))], ("gap", (5,), (1,))),
+        ((4, 4), [((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 4))], None),
+        ((4, 4), [((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 2))], ("gap", (2, 2), (2, 2))),
+        # both cells of the reported (1, 2) region are covered twice (boxes 1+2 and 2+3)
+        (
+            (4, 4),
+            [((0, 0), (3, 3)), ((2, 2), (2, 2)), ((0, 3), (4, 1)), ((3, 0), (1, 3))],
+            ("overlap", (2, 2), (1, 2)),
+        ),
+        ((4, 4), [((0, 0), (4, 4)), ((0, 0), (1, 1))], ("overlap", (0, 0), (1, 1))),
+        ((), [((), ())], None),
+        ((), [], ("gap", (), ())),
+        ((0, 3), [], None),
+        ((3, 2), [((0, 0), (0, 2)), ((0, 0), (3, 2))], None),
+    ],
+)
 def test_defects(shape, pairs, expected):
     off, size = boxes(*pairs) if pairs else (np.zeros((0, len(shape)), np.int64),) * 2
     assert find_cover_defect(shape, off, size) == expected
@@ -40,8 +47,12 @@ def test_high_dimensional_ragged_layouts():
     halves = boxes(((0,) * 7, (1,) + (2,) * 6), ((1,) + (0,) * 6, (1,) + (2,) * 6))
     assert find_cover_defect(shape, *halves) is None
     # ragged split along two dims (not slabs), in 7-d
-    pieces = boxes(((0,) * 7, (1, 1) + (2,) * 5), ((0, 1) + (0,) * 5, (1, 1) + (2,) * 5),
-                   ((1,) + (0,) * 6, (1,) + (2,) * 6), ((1, 1) + (0,) * 5, (1, 1) + (2,) * 5))
+    pieces = boxes(
+        ((0,) * 7, (1, 1) + (2,) * 5),
+        ((0, 1) + (0,) * 5, (1, 1) + (2,) * 5),
+        ((1,) + (0,) * 6, (1,) + (2,) * 6),
+        ((1, 1) + (0,) * 5, (1, 1) + (2,) * 5),
+    )
     kind, off, size = find_cover_defect(shape, *pieces)
     assert kind == "overlap" and off[:2] == (1, 1)
     gap = boxes(((0,) * 7, (1, 1) + (2,) * 5), ((1,) + (0,) * 6, (1,) + (2,) * 6))

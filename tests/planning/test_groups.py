@@ -1,4 +1,4 @@
-"""Broadcast group selection (planning/groups.py): the busiest groups, whole groups kept or
+"""Broadcast group selection (planning/broadcast/groups.py): the busiest groups, whole groups kept or
 dropped, and the same selection on every rank."""
 
 from __future__ import annotations
@@ -9,9 +9,14 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cloudckpt.planning import (PieceSpec, assign_readers, decode_local_load_plan,
-                                encode_local_load_plan, plan_local_load)
-from cloudckpt.planning.groups import select_broadcasts
+from cloudckpt.planning.broadcast.groups import select_broadcasts
+from cloudckpt.planning.broadcast.readers import assign_readers
+from cloudckpt.planning.load.plan import (
+    decode_local_load_plan,
+    encode_local_load_plan,
+    plan_local_load,
+)
+from cloudckpt.planning.pieces import PieceSpec
 from tests.planning.test_load_plan import manifest_with
 
 
@@ -21,8 +26,11 @@ def broadcasts(draw):
     out = []
     for _ in range(draw(st.integers(0, 30))):
         group = tuple(sorted(draw(st.lists(st.integers(0, world - 1), min_size=2, unique=True))))
-        out.append(SimpleNamespace(group=group, src=group[0],
-                                   region=SimpleNamespace(nbytes=draw(st.integers(0, 1000)))))
+        out.append(
+            SimpleNamespace(
+                group=group, src=group[0], region=SimpleNamespace(nbytes=draw(st.integers(0, 1000)))
+            )
+        )
     return out
 
 
@@ -61,9 +69,14 @@ M = manifest_with({f"t{i}": ("float32", (16 * KIB,), [((0,), (16 * KIB,))]) for 
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.sets(st.integers(0, 5)), min_size=2, max_size=4), st.integers(0, 4))
 def test_every_rank_selects_the_same_broadcasts_from_its_own_copy(wants, limit):
-    plans = [plan_local_load(M, [PieceSpec(f"t{i}", "float32", (16 * KIB,), (0,), (16 * KIB,))
-                                 for i in sorted(names)], rank=r)
-             for r, names in enumerate(wants)]
+    plans = [
+        plan_local_load(
+            M,
+            [PieceSpec(f"t{i}", "float32", (16 * KIB,), (0,), (16 * KIB,)) for i in sorted(names)],
+            rank=r,
+        )
+        for r, names in enumerate(wants)
+    ]
     wire = [encode_local_load_plan(p) for p in plans]
     selections = set()
     for _rank in range(len(plans)):  # each rank decodes every plan it received

@@ -8,17 +8,25 @@ import pytest
 
 from cloudckpt.checksum import block_crcs, content_hash
 from cloudckpt.errors import PlanningError
-from cloudckpt.planning import LocalSavePlan, PieceSpec, WrittenChunks, assemble_manifest
-from cloudckpt.planning.incremental import (BaseChunks, decode_known, encode_known, match_base,
-                                            reused_chunks)
-from cloudckpt.planning.save_plan import plan_global_save
+from cloudckpt.planning.pieces import PieceSpec
+from cloudckpt.planning.save.assemble import WrittenChunks, assemble_manifest
+from cloudckpt.planning.save.global_plan import plan_global_save
+from cloudckpt.planning.save.incremental import (
+    BaseChunks,
+    decode_known,
+    encode_known,
+    match_base,
+    reused_chunks,
+)
+from cloudckpt.planning.save.local_plan import LocalSavePlan
 
 BLOCK = 16
 
 
 def _skeleton(pieces):
-    plan = plan_global_save([LocalSavePlan(rank=0, world_size=1, pieces=tuple(pieces),
-                                           value_names=())], rank=0)
+    plan = plan_global_save(
+        [LocalSavePlan(rank=0, world_size=1, pieces=tuple(pieces), value_names=())], rank=0
+    )
     return plan
 
 
@@ -26,8 +34,15 @@ def _bytes(cid: int, n: int, version: int = 0) -> bytes:
     return bytes((cid * 31 + i * 7 + version) % 256 for i in range(n))
 
 
-def _manifest(plan, versions: dict[int, int], *, key="data/00000000000000aa/r00000-0000.bin",
-              homes_of=None, base="", attempt="00000000000000aa"):
+def _manifest(
+    plan,
+    versions: dict[int, int],
+    *,
+    key="data/00000000000000aa/r00000-0000.bin",
+    homes_of=None,
+    base="",
+    attempt="00000000000000aa",
+):
     """The manifest of ``plan`` whose chunk ``c`` holds ``_bytes(c, n, versions[c])``, all in
     one object (``homes_of``: chunk -> (home, key) of a chunk stored elsewhere)."""
     sk = plan.skeleton
@@ -41,16 +56,27 @@ def _manifest(plan, versions: dict[int, int], *, key="data/00000000000000aa/r000
         crcs += block_crcs(data, BLOCK)
         hashes += content_hash(data)
         offset += len(data)
-    w = WrittenChunks(rank=0, object_keys=(key,), chunk_ids=ids, object_index=[0] * len(ids),
-                      byte_offset=offs, byte_length=lens, crcs=crcs, hashes=hashes)
-    return assemble_manifest(sk, [w], world_size=1, checksum_block_size=BLOCK, hashed=True,
-                             base=base, attempt=attempt)
+    w = WrittenChunks(
+        rank=0,
+        object_keys=(key,),
+        chunk_ids=ids,
+        object_index=[0] * len(ids),
+        byte_offset=offs,
+        byte_length=lens,
+        crcs=crcs,
+        hashes=hashes,
+    )
+    return assemble_manifest(
+        sk, [w], world_size=1, checksum_block_size=BLOCK, hashed=True, base=base, attempt=attempt
+    )
 
 
-PIECES = [PieceSpec("a", "float32", (8, 4), (0, 0), (8, 4)),
-          PieceSpec("b", "float32", (8, 4), (0, 0), (4, 4)),
-          PieceSpec("b", "float32", (8, 4), (4, 0), (4, 4)),
-          PieceSpec("c", "int64", (), (), ())]
+PIECES = [
+    PieceSpec("a", "float32", (8, 4), (0, 0), (8, 4)),
+    PieceSpec("b", "float32", (8, 4), (0, 0), (4, 4)),
+    PieceSpec("b", "float32", (8, 4), (4, 0), (4, 4)),
+    PieceSpec("c", "int64", (), (), ()),
+]
 
 
 def test_match_needs_the_same_name_dtype_shape_box_and_block_size():
@@ -58,10 +84,14 @@ def test_match_needs_the_same_name_dtype_shape_box_and_block_size():
     base = _manifest(plan, {})
     assert (match_base(plan.skeleton, base, checksum_block_size=BLOCK) >= 0).all()
     assert (match_base(plan.skeleton, base, checksum_block_size=2 * BLOCK) == -1).all()
-    other = _skeleton([PieceSpec("a", "float64", (8, 4), (0, 0), (8, 4)),    # dtype differs
-                       PieceSpec("b", "float32", (8, 4), (0, 0), (8, 4)),    # boxes differ
-                       PieceSpec("c", "int64", (), (), ()),                  # same
-                       PieceSpec("d", "float32", (2,), (0,), (2,))])         # new
+    other = _skeleton(
+        [
+            PieceSpec("a", "float64", (8, 4), (0, 0), (8, 4)),  # dtype differs
+            PieceSpec("b", "float32", (8, 4), (0, 0), (8, 4)),  # boxes differ
+            PieceSpec("c", "int64", (), (), ()),  # same
+            PieceSpec("d", "float32", (2,), (0,), (2,)),
+        ]
+    )  # new
     match = match_base(other.skeleton, base, checksum_block_size=BLOCK)
     named = dict(zip(other.skeleton.names, np.split(match, other.skeleton.chunk_start[1:-1])))
     assert named["a"].tolist() == [-1] and named["b"].tolist() == [-1]
@@ -82,40 +112,79 @@ def test_reused_chunks_point_at_the_base_and_flatten_its_homes():
     first = _manifest(plan, {})
     # the base (folder "b2") stored chunk 0 itself and refers to "b1" for the others
     base = first.with_object_keys(first.objects)  # same content; homes set below
-    from cloudckpt.manifest import Manifest
+    from cloudckpt.manifest.model import Manifest
+
     c = base.columns
-    base = Manifest(world_size=1, created_at=0.0, cloudckpt_version="t", metadata={},
-                    checksum_block_size=BLOCK, objects=("data/00000000000000bb/r00000-0000.bin",
-                                                        first.objects[0]),
-                    tensor_names=c.names, tensor_dtypes=c.dtypes, tensor_shapes=first.shapes,
-                    chunk_counts=np.diff(c.chunk_start), chunk_offsets=c.offsets,
-                    chunk_sizes=c.sizes, chunk_object_index=[0] + [1] * (first.num_chunks - 1),
-                    chunk_byte_offset=c.byte_offset, chunk_byte_length=c.byte_length,
-                    chunk_crcs=c.crcs, value_blobs={}, object_homes=("", "b1"),
-                    chunk_hashes=first.chunk_hashes, attempt="00000000000000bb")
-    chunks = BaseChunks(folder="b2", manifest=base,
-                        match=match_base(plan.skeleton, base, checksum_block_size=BLOCK))
+    base = Manifest(
+        world_size=1,
+        created_at=0.0,
+        cloudckpt_version="t",
+        metadata={},
+        checksum_block_size=BLOCK,
+        objects=("data/00000000000000bb/r00000-0000.bin", first.objects[0]),
+        tensor_names=c.names,
+        tensor_dtypes=c.dtypes,
+        tensor_shapes=first.shapes,
+        chunk_counts=np.diff(c.chunk_start),
+        chunk_offsets=c.offsets,
+        chunk_sizes=c.sizes,
+        chunk_object_index=[0] + [1] * (first.num_chunks - 1),
+        chunk_byte_offset=c.byte_offset,
+        chunk_byte_length=c.byte_length,
+        chunk_crcs=c.crcs,
+        value_blobs={},
+        object_homes=("", "b1"),
+        chunk_hashes=first.chunk_hashes,
+        attempt="00000000000000bb",
+    )
+    chunks = BaseChunks(
+        folder="b2", manifest=base, match=match_base(plan.skeleton, base, checksum_block_size=BLOCK)
+    )
     assert chunks.homes() == {"b1", "b2"}
     assert set(chunks.known()) == set(range(plan.skeleton.num_chunks))
     reused = reused_chunks(chunks, np.array([0, 2]))
     assert reused.objects == (("b2", base.objects[0]), ("b1", base.objects[1]))
     # chunk 1 changed: written anew; 0 and 2 and 3 reused
     data = _bytes(1, int(plan.skeleton.nbytes[1]), 5)
-    w = WrittenChunks(rank=0, object_keys=("data/00000000000000cc/r00000-0000.bin",),
-                      chunk_ids=[1], object_index=[0], byte_offset=[0], byte_length=[len(data)],
-                      crcs=block_crcs(data, BLOCK), hashes=content_hash(data), reused=[0, 2, 3])
-    m = assemble_manifest(plan.skeleton, [w], world_size=1, checksum_block_size=BLOCK,
-                          hashed=True, base="b2", attempt="00000000000000cc",
-                          reused=reused_chunks(chunks, np.array([0, 2, 3])))
+    w = WrittenChunks(
+        rank=0,
+        object_keys=("data/00000000000000cc/r00000-0000.bin",),
+        chunk_ids=[1],
+        object_index=[0],
+        byte_offset=[0],
+        byte_length=[len(data)],
+        crcs=block_crcs(data, BLOCK),
+        hashes=content_hash(data),
+        reused=[0, 2, 3],
+    )
+    m = assemble_manifest(
+        plan.skeleton,
+        [w],
+        world_size=1,
+        checksum_block_size=BLOCK,
+        hashed=True,
+        base="b2",
+        attempt="00000000000000cc",
+        reused=reused_chunks(chunks, np.array([0, 2, 3])),
+    )
     assert m.base == "b2" and m.attempt == "00000000000000cc" and m.references
     homes = dict(zip(m.objects, m.object_homes))
-    assert homes == {"data/00000000000000cc/r00000-0000.bin": "",
-                     base.objects[0]: "b2", base.objects[1]: "b1"}  # never "b2" for b1's
+    assert homes == {
+        "data/00000000000000cc/r00000-0000.bin": "",
+        base.objects[0]: "b2",
+        base.objects[1]: "b1",
+    }  # never "b2" for b1's
     for cid in (0, 2, 3):
         assert m.chunk_hashes[cid].tobytes() == base.chunk_hashes[cid].tobytes()
     assert m.chunk_hashes[1].tobytes() == content_hash(data)
     with pytest.raises(PlanningError, match="not those the ranks report"):
-        assemble_manifest(plan.skeleton, [w], world_size=1, checksum_block_size=BLOCK,
-                          hashed=True, reused=reused_chunks(chunks, np.array([0, 2])))
+        assemble_manifest(
+            plan.skeleton,
+            [w],
+            world_size=1,
+            checksum_block_size=BLOCK,
+            hashed=True,
+            reused=reused_chunks(chunks, np.array([0, 2])),
+        )
     with pytest.raises(PlanningError, match="does not hold"):
         reused_chunks(BaseChunks("b2", base, np.full(4, -1)), np.array([0]))

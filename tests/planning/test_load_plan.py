@@ -6,20 +6,21 @@ import numpy as np
 import pytest
 
 from cloudckpt.errors import CoverageError, MissingKeysError, PlanningError, ShapeMismatchError
-from cloudckpt.manifest import ManifestBuilder, crc_counts
-from cloudckpt.planning import (
+from cloudckpt.manifest.builder import ManifestBuilder
+from cloudckpt.manifest.model import crc_counts
+from cloudckpt.planning.load.plan import (
     LocalLoadPlan,
-    PieceSpec,
     ReadItem,
     decode_local_load_plan,
     encode_local_load_plan,
     plan_local_load,
 )
+from cloudckpt.planning.pieces import PieceSpec
 
 
 def manifest_with(tensors, values=None, block=1 << 20):
     """tensors: {name: (dtype, shape, [(offsets, sizes), ...])}."""
-    from cloudckpt.manifest import DTYPE_ITEMSIZE
+    from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
 
     b = ManifestBuilder(world_size=2, checksum_block_size=block, created_at=0.0)
     pos = 0  # chunks follow each other in the one object (no two share bytes)
@@ -27,7 +28,15 @@ def manifest_with(tensors, values=None, block=1 << 20):
         b.add_tensor(name, dtype, shape)
         for off, size in boxes:
             n = int(np.prod(size, dtype=np.int64)) * DTYPE_ITEMSIZE[dtype]
-            b.add_chunk(name, off, size, "data/x/r0.bin", pos, n, [0] * int(crc_counts(np.array([n]), block)[0]))
+            b.add_chunk(
+                name,
+                off,
+                size,
+                "data/x/r0.bin",
+                pos,
+                n,
+                [0] * int(crc_counts(np.array([n]), block)[0]),
+            )
             pos += n
     for k, v in (values or {}).items():
         b.set_value(k, v)
@@ -55,17 +64,27 @@ def test_dtype_difference_is_planned_in_stored_bytes():
 
 def test_scalar_and_empty_requests():
     m = manifest_with({"s": ("int64", (), [((), ())]), "e": ("float32", (0, 2), [])})
-    plan = plan_local_load(m, [PieceSpec("s", "int64", (), (), ()), PieceSpec("e", "float32", (0, 2), (0, 0), (0, 2))],
-                           rank=0)
+    plan = plan_local_load(
+        m,
+        [PieceSpec("s", "int64", (), (), ()), PieceSpec("e", "float32", (0, 2), (0, 0), (0, 2))],
+        rank=0,
+    )
     assert list(plan.reads) == [ReadItem(0, "s", 0, (), (), (), 8, True)]
 
 
 def test_missing_names_are_listed_and_unexpected_reported():
     m = manifest_with(ROWS, values={"lr": 0.1, "step": 3})
-    reqs = [PieceSpec("nope", "float32", (1,), (0,), (1,)), PieceSpec("w", "float32", (6, 4), (0, 0), (6, 4))]
+    reqs = [
+        PieceSpec("nope", "float32", (1,), (0,), (1,)),
+        PieceSpec("w", "float32", (6, 4), (0, 0), (6, 4)),
+    ]
     with pytest.raises(MissingKeysError) as exc:
         plan_local_load(m, reqs, rank=0, value_names=["lr", "gone"])
-    assert exc.value.keys == ("nope", "gone") and "'nope'" in str(exc.value) and "'gone'" in str(exc.value)
+    assert (
+        exc.value.keys == ("nope", "gone")
+        and "'nope'" in str(exc.value)
+        and "'gone'" in str(exc.value)
+    )
     assert isinstance(exc.value, KeyError)
     plan = plan_local_load(m, reqs, rank=0, value_names=["lr", "gone"], strict=False)
     assert plan.missing == ("nope", "gone") and plan.unexpected == ("step",)
@@ -99,14 +118,24 @@ def test_grid_chunks_with_2d_requests():
     m = manifest_with({"g": ("float64", (4, 6), boxes)})
     plan = plan_local_load(m, [PieceSpec("g", "float64", (4, 6), (1, 2), (2, 2))], rank=0)
     got = sorted((r.chunk_index, r.src_offsets, r.dest_offsets, r.lengths) for r in plan.reads)
-    assert got == [(0, (1, 2), (0, 0), (1, 1)), (1, (1, 0), (0, 1), (1, 1)),
-                   (2, (0, 2), (1, 0), (1, 1)), (3, (0, 0), (1, 1), (1, 1))]
+    assert got == [
+        (0, (1, 2), (0, 0), (1, 1)),
+        (1, (1, 0), (0, 1), (1, 1)),
+        (2, (0, 2), (1, 0), (1, 1)),
+        (3, (0, 0), (1, 1), (1, 1)),
+    ]
 
 
 def test_load_plan_codec_round_trip():
     m = manifest_with({**ROWS, "s": ("bool", (), [((), ())])}, values={"v": 1})
-    plan = plan_local_load(m, [PieceSpec("w", "float32", (6, 4), (1, 0), (4, 4), broadcastable=False),
-                               PieceSpec("s", "bool", (), (), ())], rank=3)
+    plan = plan_local_load(
+        m,
+        [
+            PieceSpec("w", "float32", (6, 4), (1, 0), (4, 4), broadcastable=False),
+            PieceSpec("s", "bool", (), (), ()),
+        ],
+        rank=3,
+    )
     back = decode_local_load_plan(encode_local_load_plan(plan))
     assert back == plan and back.rank == 3 and back.unexpected == ("v",)
     assert [r.broadcastable for r in back.reads] == [False, False, True]

@@ -9,19 +9,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cloudckpt.planning import LRUCache, SavePlanCache, clear_header_caches, load_plan, local_plan
+from cloudckpt.planning.load import plan as load_plan
+from cloudckpt.planning.lru import LRUCache
+from cloudckpt.planning.memos import clear_header_caches
+from cloudckpt.planning.save import local_plan
+from cloudckpt.planning.save.cache import SavePlanCache
 
 
 def test_holds_at_most_maxsize_and_evicts_the_least_recently_used():
     cache = LRUCache(3)
     for k in "abc":
         cache.put(k, k.upper())
-    assert cache.get("a") == "A"          # a is now the most recent: b is the oldest
+    assert cache.get("a") == "A"  # a is now the most recent: b is the oldest
     cache.put("d", "D")
     assert len(cache) == 3
     assert "b" not in cache
     assert [cache.get(k) for k in "acd"] == ["A", "C", "D"]
-    cache.put("c", "C2")                  # put refreshes too: a is the oldest now
+    cache.put("c", "C2")  # put refreshes too: a is the oldest now
     cache.put("e", "E")
     assert "a" not in cache and cache.get("c") == "C2"
 
@@ -46,8 +50,10 @@ def test_refuses_a_bad_size(maxsize):
 
 
 @settings(max_examples=200, deadline=None)
-@given(maxsize=st.integers(1, 5),
-       ops=st.lists(st.tuples(st.sampled_from(["get", "put"]), st.integers(0, 8)), max_size=60))
+@given(
+    maxsize=st.integers(1, 5),
+    ops=st.lists(st.tuples(st.sampled_from(["get", "put"]), st.integers(0, 8)), max_size=60),
+)
 def test_behaves_like_a_reference_lru(maxsize, ops):
     cache, model = LRUCache(maxsize), []  # model: keys, least recent first
     for i, (op, key) in enumerate(ops):

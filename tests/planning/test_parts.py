@@ -1,4 +1,4 @@
-"""Broadcast parts (planning/parts.py): run parts for large regions stored as one run, tiling
+"""Broadcast parts (planning/broadcast/parts.py): run parts for large regions stored as one run, tiling
 the region's bytes in order; window parts otherwise; buffer layout aligned."""
 
 from __future__ import annotations
@@ -8,11 +8,19 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cloudckpt.planning import Broadcast, Region
-from cloudckpt.planning.parts import (MIN_PART_WINDOW, ROUNDS_PER_SOURCE, WINDOW_ALIGN,
-                                      RunPart, WindowPart, layout_windows, part_window_bytes,
-                                      plan_parts)
-from cloudckpt.planning.windows import plan_windows
+from cloudckpt.planning.broadcast.parts import (
+    MIN_PART_WINDOW,
+    ROUNDS_PER_SOURCE,
+    WINDOW_ALIGN,
+    RunPart,
+    WindowPart,
+    layout_windows,
+    part_window_bytes,
+    plan_parts,
+)
+from cloudckpt.planning.broadcast.readers import Broadcast
+from cloudckpt.planning.load.plan import Region
+from cloudckpt.planning.load.windows import plan_windows
 from tests.planning.test_load_plan import manifest_with
 
 ITEMSIZE = {"float32": 4, "int64": 8, "bfloat16": 2, "bool": 1}
@@ -22,8 +30,9 @@ ITEMSIZE = {"float32": 4, "int64": 8, "bfloat16": 2, "bool": 1}
 def cases(draw):
     dtype = draw(st.sampled_from(sorted(ITEMSIZE)))
     sizes = (draw(st.integers(1, 40)), draw(st.integers(1, 12)))
-    m = manifest_with({"t": (dtype, sizes, [((0, 0), sizes)])},
-                      block=draw(st.sampled_from([8, 16, 24, 64])))
+    m = manifest_with(
+        {"t": (dtype, sizes, [((0, 0), sizes)])}, block=draw(st.sampled_from([8, 16, 24, 64]))
+    )
     broadcasts = []
     for _ in range(draw(st.integers(1, 4))):
         r0 = draw(st.integers(0, sizes[0] - 1))
@@ -47,20 +56,27 @@ def test_parts_follow_the_rule_and_tile_each_region(case, window_bytes, run_min,
     for i in indices:
         region = bs[i].region
         mine = [p for p in parts if p.broadcast == i]
-        one_run = math.prod(region.lengths) == region.lengths[0] * m.tensors["t"].shape[1] \
+        one_run = (
+            math.prod(region.lengths) == region.lengths[0] * m.tensors["t"].shape[1]
             or region.lengths[0] == 1
+        )
         if region.nbytes >= run_min and one_run:
             assert mine and all(isinstance(p, RunPart) for p in mine)
             assert [(p.run.lo, p.run.hi) for p in mine][0][0] == 0
             assert all(a.run.hi == b.run.lo for a, b in zip(mine, mine[1:]))
             assert mine[-1].run.hi == region.nbytes
-            assert sum(p.payload_bytes for p in mine) == region.nbytes == sum(p.nbytes for p in mine)
+            assert (
+                sum(p.payload_bytes for p in mine) == region.nbytes == sum(p.nbytes for p in mine)
+            )
             assert all(p.fetch_bytes >= p.nbytes for p in mine)
         else:
             assert all(isinstance(p, WindowPart) for p in mine)
             assert [p.window for p in mine] == plan_windows(m, region, window_bytes)
-            assert all(p.nbytes % WINDOW_ALIGN == 0 and p.nbytes - WINDOW_ALIGN < p.fetch_bytes
-                       == p.payload_bytes <= p.nbytes for p in mine)
+            assert all(
+                p.nbytes % WINDOW_ALIGN == 0
+                and p.nbytes - WINDOW_ALIGN < p.fetch_bytes == p.payload_bytes <= p.nbytes
+                for p in mine
+            )
 
 
 def test_layout_windows_aligns_every_window():
@@ -73,8 +89,9 @@ def test_layout_windows_aligns_every_window():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(0, 1 << 34), st.integers(1, 4096), st.integers(1, 64 << 20),
-       st.integers(0, 1 << 31))
+@given(
+    st.integers(0, 1 << 34), st.integers(1, 4096), st.integers(1, 64 << 20), st.integers(0, 1 << 31)
+)
 def test_part_windows_are_bounded_by_the_cap_and_the_read_budget(total, ranks, cap, budget):
     w = part_window_bytes(total, ranks, cap, budget)
     assert 1 <= w <= cap
@@ -95,5 +112,5 @@ def test_part_window_examples():
     assert part_window_bytes(62 * mib, 8, 16 * mib, 192 * mib) == -(-62 * mib // 32)
     assert part_window_bytes(1 << 30, 2, 16 * mib, 192 * mib) == 16 * mib
     assert part_window_bytes(1 << 30, 16, 16 * mib, 192 * mib) == 3 * mib  # the budget
-    assert part_window_bytes(10_000, 4, 16 * mib, 192 * mib) == mib        # the floor
-    assert part_window_bytes(10_000, 4, 2048, 192 * mib) == 2048           # the cap
+    assert part_window_bytes(10_000, 4, 16 * mib, 192 * mib) == mib  # the floor
+    assert part_window_bytes(10_000, 4, 2048, 192 * mib) == 2048  # the cap

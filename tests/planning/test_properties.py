@@ -8,28 +8,46 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cloudckpt.manifest import decode_manifest, encode_manifest
-from cloudckpt.planning import (
-    assign_readers,
+from cloudckpt.manifest.codec import decode_manifest, encode_manifest
+from cloudckpt.planning.broadcast.readers import assign_readers
+from cloudckpt.planning.load.plan import (
     decode_local_load_plan,
     encode_local_load_plan,
     plan_local_load,
 )
-from tests.planning.layouts import KINDS, apply_reads, global_data, make_layout, simulate_save, tensor_specs
+from tests.planning.layouts import (
+    KINDS,
+    apply_reads,
+    global_data,
+    make_layout,
+    simulate_save,
+    tensor_specs,
+)
 
 # CLOUDCKPT_EXAMPLES=3000 for a long run
-SETTINGS = settings(max_examples=int(os.environ.get("CLOUDCKPT_EXAMPLES", 150)), deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=int(os.environ.get("CLOUDCKPT_EXAMPLES", 150)),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 def chunk_ids_by_name(plan):
     sk = plan.skeleton
-    return {n: list(range(int(sk.chunk_start[i]), int(sk.chunk_start[i + 1]))) for i, n in enumerate(sk.names)}
+    return {
+        n: list(range(int(sk.chunk_start[i]), int(sk.chunk_start[i + 1])))
+        for i, n in enumerate(sk.names)
+    }
 
 
 @SETTINGS
-@given(specs=tensor_specs(), w1=st.integers(1, 8), w2=st.integers(1, 8), seed=st.integers(0, 2**32 - 1),
-       data=st.data())
+@given(
+    specs=tensor_specs(),
+    w1=st.integers(1, 8),
+    w2=st.integers(1, 8),
+    seed=st.integers(0, 2**32 - 1),
+    data=st.data(),
+)
 def test_save_then_load_rebuilds_every_destination(specs, w1, w2, seed, data):
     rng = np.random.default_rng(seed)
     save_kinds = [data.draw(st.sampled_from(KINDS)) for _ in specs]
@@ -39,8 +57,9 @@ def test_save_then_load_rebuilds_every_destination(specs, w1, w2, seed, data):
     arrays = {name: global_data(shape, seed + i) for i, (name, _, shape) in enumerate(specs)}
 
     saved = make_layout(specs, w1, save_kinds, rng)
-    manifest, stored, plans = simulate_save(saved, arrays, replicas_to_lowest_rank=lowest,
-                                          replica_piece_bytes=piece_bytes)
+    manifest, stored, plans = simulate_save(
+        saved, arrays, replicas_to_lowest_rank=lowest, replica_piece_bytes=piece_bytes
+    )
 
     # every stored element is written exactly once, and holds the right data
     sk = plans[0].skeleton
@@ -48,7 +67,7 @@ def test_save_then_load_rebuilds_every_destination(specs, w1, w2, seed, data):
         i = sk.tensor_index(name)
         count = np.zeros(shape, dtype=np.int64)
         for c in range(int(sk.chunk_start[i]), int(sk.chunk_start[i + 1])):
-            off, size = sk.offsets[c, :len(shape)], sk.sizes[c, :len(shape)]
+            off, size = sk.offsets[c, : len(shape)], sk.sizes[c, : len(shape)]
             box = tuple(slice(o, o + s) for o, s in zip(off, size))
             count[box] += 1
             np.testing.assert_array_equal(stored[c], arrays[name][box])
@@ -75,12 +94,16 @@ def test_save_then_load_rebuilds_every_destination(specs, w1, w2, seed, data):
     threshold = data.draw(st.sampled_from([0, 1, 64, 32 * 1024]))
     # each simulated rank decodes every plan from bytes and assigns readers on its own
     wire = [encode_local_load_plan(p) for p in load_plans]
-    per_rank = [assign_readers([decode_local_load_plan(b) for b in wire], min_broadcast_bytes=threshold)
-                for _ in range(min(w2, 3))]
+    per_rank = [
+        assign_readers([decode_local_load_plan(b) for b in wire], min_broadcast_bytes=threshold)
+        for _ in range(min(w2, 3))
+    ]
     reference = assign_readers(load_plans, min_broadcast_bytes=threshold)
     for a in per_rank:
         assert a.broadcasts == reference.broadcasts
-        assert [a.fetches_for(r) for r in range(w2)] == [reference.fetches_for(r) for r in range(w2)]
+        assert [a.fetches_for(r) for r in range(w2)] == [
+            reference.fetches_for(r) for r in range(w2)
+        ]
     check_assignment(reference, load_plans, threshold)
 
 

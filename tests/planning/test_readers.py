@@ -5,22 +5,28 @@ from __future__ import annotations
 import pytest
 
 from cloudckpt.errors import PlanningError
-from cloudckpt.planning import (
-    PieceSpec,
+from cloudckpt.planning.broadcast.readers import assign_readers
+from cloudckpt.planning.load.plan import (
     Region,
-    assign_readers,
     decode_local_load_plan,
     encode_local_load_plan,
     plan_local_load,
 )
+from cloudckpt.planning.pieces import PieceSpec
 from tests.planning.test_load_plan import manifest_with
 
 KIB = 1024
-M = manifest_with({
-    "big": ("float32", (64 * KIB,), [((0,), (32 * KIB,)), ((32 * KIB,), (32 * KIB,))]),  # 2 x 128 KiB
-    "mid": ("float32", (16 * KIB,), [((0,), (16 * KIB,))]),  # 64 KiB
-    "small": ("float32", (16,), [((0,), (16,))]),  # 64 bytes
-})
+M = manifest_with(
+    {
+        "big": (
+            "float32",
+            (64 * KIB,),
+            [((0,), (32 * KIB,)), ((32 * KIB,), (32 * KIB,))],
+        ),  # 2 x 128 KiB
+        "mid": ("float32", (16 * KIB,), [((0,), (16 * KIB,))]),  # 64 KiB
+        "small": ("float32", (16,), [((0,), (16,))]),  # 64 bytes
+    }
+)
 
 
 def whole(name, n, broadcastable=True):
@@ -36,7 +42,10 @@ def test_shared_regions_are_broadcast_heaviest_first_to_least_loaded():
     plans = plans_for(everything, everything, everything)
     a = assign_readers(plans)
     assert [(b.region.name, b.region.chunk_index, b.src, b.group) for b in a.broadcasts] == [
-        ("big", 0, 0, (0, 1, 2)), ("big", 1, 1, (0, 1, 2)), ("mid", 0, 2, (0, 1, 2))]
+        ("big", 0, 0, (0, 1, 2)),
+        ("big", 1, 1, (0, 1, 2)),
+        ("mid", 0, 2, (0, 1, 2)),
+    ]
     small = Region("small", 0, (0,), (16,), 64)
     for r in range(3):  # below 32 KiB: every rank reads "small" itself
         assert small in a.fetches_for(r)
@@ -84,7 +93,9 @@ def test_assignment_identical_from_decoded_plans_and_order_checked():
     wire = [encode_local_load_plan(p) for p in plans]
     a = assign_readers(plans)
     b = assign_readers([decode_local_load_plan(w) for w in wire])
-    assert a.broadcasts == b.broadcasts and [a.fetches_for(r) for r in range(3)] == [b.fetches_for(r) for r in range(3)]
+    assert a.broadcasts == b.broadcasts and [a.fetches_for(r) for r in range(3)] == [
+        b.fetches_for(r) for r in range(3)
+    ]
     with pytest.raises(PlanningError, match=r"load_plans\[0\] is the plan of rank 2"):
         assign_readers(plans[::-1])
     assert assign_readers([]).broadcasts == ()

@@ -6,33 +6,35 @@ import numpy as np
 import pytest
 
 from cloudckpt.errors import CoverageError, LayoutMismatchError, PlanningError
-from cloudckpt.planning import (
-    DTYPE_ITEMSIZE,
+from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
+from cloudckpt.planning.pieces import PieceHeader, PieceSpec, PieceTable
+from cloudckpt.planning.save.cache import SavePlanCache, key_digest, save_plan_cache_key
+from cloudckpt.planning.save.global_plan import plan_global_save
+from cloudckpt.planning.save.local_plan import (
     LocalSavePlan,
-    PieceHeader,
-    PieceSpec,
-    PieceTable,
-    SavePlanCache,
     decode_local_save_plan,
     encode_local_save_plan,
-    key_digest,
-    plan_global_save,
-    save_plan_cache_key,
 )
 
 
 def plans_of(*per_rank, values=()):
     world = len(per_rank)
-    return [LocalSavePlan(rank=r, world_size=world, pieces=p, value_names=tuple(values))
-            for r, p in enumerate(per_rank)]
+    return [
+        LocalSavePlan(rank=r, world_size=world, pieces=p, value_names=tuple(values))
+        for r, p in enumerate(per_rank)
+    ]
 
 
 def rows(name, shape, start, n, dtype="float32"):
-    return PieceSpec(name, dtype, shape, (start,) + (0,) * (len(shape) - 1), (n,) + tuple(shape[1:]))
+    return PieceSpec(
+        name, dtype, shape, (start,) + (0,) * (len(shape) - 1), (n,) + tuple(shape[1:])
+    )
 
 
 def test_dtype_allow_list():
-    assert {"float32", "bfloat16", "bool", "float8_e4m3fn", "float8_e5m2", "complex128"} <= set(DTYPE_ITEMSIZE)
+    assert {"float32", "bfloat16", "bool", "float8_e4m3fn", "float8_e5m2", "complex128"} <= set(
+        DTYPE_ITEMSIZE
+    )
     assert DTYPE_ITEMSIZE["bfloat16"] == 2 and DTYPE_ITEMSIZE["complex128"] == 16
     with pytest.raises(PlanningError, match="not supported"):
         PieceSpec("w", "float128", (1,), (0,), (1,))
@@ -48,24 +50,40 @@ def test_piece_spec_validation_and_sizes():
 
 
 def test_sharded_tensor_one_chunk_per_rank_in_piece_order():
-    p = plans_of([rows("w", (5, 2), 0, 3), PieceSpec("s", "int64", (), (), ())],
-                 [PieceSpec("s", "int64", (), (), ()), rows("w", (5, 2), 3, 2)])
+    p = plans_of(
+        [rows("w", (5, 2), 0, 3), PieceSpec("s", "int64", (), (), ())],
+        [PieceSpec("s", "int64", (), (), ()), rows("w", (5, 2), 3, 2)],
+    )
     g0, g1 = (plan_global_save(p, rank=r) for r in range(2))
     sk = g0.skeleton
     assert sk.names == ("w", "s") and sk.shapes == ((5, 2), ())
     off, size, writer = sk.chunks_of("w")
-    assert off.tolist() == [[0, 0], [3, 0]] and size.tolist() == [[3, 2], [2, 2]] and writer.tolist() == [0, 1]
+    assert (
+        off.tolist() == [[0, 0], [3, 0]]
+        and size.tolist() == [[3, 2], [2, 2]]
+        and writer.tolist() == [0, 1]
+    )
     assert [(w.chunk_id, w.name, w.piece_index) for w in g0.writes] == [(0, "w", 0)]
     # the replicated scalar goes to the rank with fewer bytes (rank 1: 16 < 24)
-    assert [(w.chunk_id, w.name, w.piece_index, w.nbytes) for w in g1.writes] == [(2, "s", 0, 8), (1, "w", 1, 16)]
+    assert [(w.chunk_id, w.name, w.piece_index, w.nbytes) for w in g1.writes] == [
+        (2, "s", 0, 8),
+        (1, "w", 1, 16),
+    ]
     assert g0.skeleton.digest() == g1.skeleton.digest()
 
 
 def test_replicas_heaviest_first_to_fewest_bytes_ties_lowest_rank():
-    whole = [PieceSpec("big", "float32", (10,), (0,), (10,)), PieceSpec("mid", "float32", (6,), (0,), (6,)),
-             PieceSpec("small", "float32", (4,), (0,), (4,)), PieceSpec("tiny", "float32", (4,), (0,), (4,))]
+    whole = [
+        PieceSpec("big", "float32", (10,), (0,), (10,)),
+        PieceSpec("mid", "float32", (6,), (0,), (6,)),
+        PieceSpec("small", "float32", (4,), (0,), (4,)),
+        PieceSpec("tiny", "float32", (4,), (0,), (4,)),
+    ]
     p = plans_of(whole, whole, whole)
-    writer = {n: int(plan_global_save(p, rank=0).skeleton.chunks_of(n)[2][0]) for n in ("big", "mid", "small", "tiny")}
+    writer = {
+        n: int(plan_global_save(p, rank=0).skeleton.chunks_of(n)[2][0])
+        for n in ("big", "mid", "small", "tiny")
+    }
     # big(40) -> r0 (tie, lowest); mid(24) -> r1; small(16) -> r2; tiny(16) -> r2 (16 < 24 < 40)
     assert writer == {"big": 0, "mid": 1, "small": 2, "tiny": 2}
     lowest = plan_global_save(p, rank=0, replicas_to_lowest_rank=True).skeleton
@@ -73,8 +91,10 @@ def test_replicas_heaviest_first_to_fewest_bytes_ties_lowest_rank():
 
 
 def test_replica_assignment_counts_unique_pieces_first():
-    p = plans_of([rows("w", (8, 1), 0, 6), PieceSpec("b", "float32", (2,), (0,), (2,))],
-                 [rows("w", (8, 1), 6, 2), PieceSpec("b", "float32", (2,), (0,), (2,))])
+    p = plans_of(
+        [rows("w", (8, 1), 0, 6), PieceSpec("b", "float32", (2,), (0,), (2,))],
+        [rows("w", (8, 1), 6, 2), PieceSpec("b", "float32", (2,), (0,), (2,))],
+    )
     g = plan_global_save(p, rank=1)
     assert [w.name for w in g.writes] == ["w", "b"]
 
@@ -88,7 +108,10 @@ def test_hsdp_like_layout_replicated_shards():
 
 
 def test_ragged_boxes_on_one_rank_and_empty_pieces():
-    p = plans_of([rows("w", (6,), 0, 2), rows("w", (6,), 4, 2), rows("w", (6,), 6, 0)], [rows("w", (6,), 2, 2)])
+    p = plans_of(
+        [rows("w", (6,), 0, 2), rows("w", (6,), 4, 2), rows("w", (6,), 6, 0)],
+        [rows("w", (6,), 2, 2)],
+    )
     g = plan_global_save(p, rank=0)
     assert [(w.piece_index, w.offsets) for w in g.writes] == [(0, (0,)), (1, (4,))]
     assert g.skeleton.num_chunks == 3
@@ -106,7 +129,11 @@ def test_dtype_disagreement_names_tensor_and_ranks():
     with pytest.raises(LayoutMismatchError) as exc:
         plan_global_save(p, rank=0)
     msg = str(exc.value)
-    assert "'w'" in msg and "ranks [0] have float32 (4,)" in msg and "ranks [1, 2] have bfloat16 (4,)" in msg
+    assert (
+        "'w'" in msg
+        and "ranks [0] have float32 (4,)" in msg
+        and "ranks [1, 2] have bfloat16 (4,)" in msg
+    )
 
 
 def test_shape_disagreement_names_tensor_and_ranks():
@@ -154,22 +181,32 @@ def test_grid_layout_gap_is_located():
 
 def test_piece_outside_global_shape_in_a_decoded_plan():
     header = PieceHeader(["w"], ["float32"], [(4,)])
-    bad = PieceTable(header, [0], [3], [2], [True])  # bypasses PieceSpec validation, like a foreign plan
+    bad = PieceTable(
+        header, [0], [3], [2], [True]
+    )  # bypasses PieceSpec validation, like a foreign plan
     p = [LocalSavePlan(rank=0, world_size=1, pieces=bad)]
-    with pytest.raises(CoverageError, match=r"'w'.*\[3:5\] of rank 0 is outside the global shape \(4,\)"):
+    with pytest.raises(
+        CoverageError, match=r"'w'.*\[3:5\] of rank 0 is outside the global shape \(4,\)"
+    ):
         plan_global_save(p, rank=0)
 
 
 def test_value_owner_is_lowest_holder_and_names_cannot_be_both():
-    p = [LocalSavePlan(rank=0, world_size=3, pieces=[], value_names=("a",)),
-         LocalSavePlan(rank=1, world_size=3, pieces=[], value_names=("a", "b")),
-         LocalSavePlan(rank=2, world_size=3, pieces=[], value_names=("c", "b"))]
+    p = [
+        LocalSavePlan(rank=0, world_size=3, pieces=[], value_names=("a",)),
+        LocalSavePlan(rank=1, world_size=3, pieces=[], value_names=("a", "b")),
+        LocalSavePlan(rank=2, world_size=3, pieces=[], value_names=("c", "b")),
+    ]
     assert plan_global_save(p, rank=2).value_owner == {"a": 0, "b": 1, "c": 2}
     p[2] = LocalSavePlan(rank=2, world_size=3, pieces=[PieceSpec("a", "int8", (), (), ())])
-    with pytest.raises(LayoutMismatchError, match="'a' is a tensor on ranks \\[2\\] and a value on rank 0"):
+    with pytest.raises(
+        LayoutMismatchError, match="'a' is a tensor on ranks \\[2\\] and a value on rank 0"
+    ):
         plan_global_save(p, rank=0)
     with pytest.raises(LayoutMismatchError, match="both a tensor and a value"):
-        LocalSavePlan(rank=0, world_size=1, pieces=[PieceSpec("a", "int8", (), (), ())], value_names=("a",))
+        LocalSavePlan(
+            rank=0, world_size=1, pieces=[PieceSpec("a", "int8", (), (), ())], value_names=("a",)
+        )
 
 
 def test_plans_must_be_in_rank_order():
@@ -183,22 +220,32 @@ def test_plans_must_be_in_rank_order():
 
 
 def test_local_plan_codec_round_trip_and_fingerprint():
-    pieces = [rows("w", (9, 4), 3, 3), PieceSpec("s", "bool", (), (), (), broadcastable=False),
-              PieceSpec("w", "float32", (9, 4), (6, 0), (3, 4))]
+    pieces = [
+        rows("w", (9, 4), 3, 3),
+        PieceSpec("s", "bool", (), (), (), broadcastable=False),
+        PieceSpec("w", "float32", (9, 4), (6, 0), (3, 4)),
+    ]
     plan = LocalSavePlan(rank=1, world_size=3, pieces=pieces, value_names=("lr",))
     data = encode_local_save_plan(plan)
     back = decode_local_save_plan(data)
     assert back == plan and tuple(back.pieces) == tuple(pieces) and back.value_names == ("lr",)
-    assert back.fingerprint() == plan.fingerprint() == LocalSavePlan(
-        rank=1, world_size=3, pieces=pieces, value_names=("lr",)).fingerprint()
+    assert (
+        back.fingerprint()
+        == plan.fingerprint()
+        == LocalSavePlan(rank=1, world_size=3, pieces=pieces, value_names=("lr",)).fingerprint()
+    )
     assert len(plan.fingerprint()) == 16
     changed = [
         LocalSavePlan(rank=0, world_size=3, pieces=pieces, value_names=("lr",)),
         LocalSavePlan(rank=1, world_size=4, pieces=pieces, value_names=("lr",)),
         LocalSavePlan(rank=1, world_size=3, pieces=pieces[:2], value_names=("lr",)),
         LocalSavePlan(rank=1, world_size=3, pieces=pieces, value_names=()),
-        LocalSavePlan(rank=1, world_size=3, pieces=[rows("w", (9, 4), 3, 3, dtype="bfloat16"), pieces[1]],
-                      value_names=("lr",)),
+        LocalSavePlan(
+            rank=1,
+            world_size=3,
+            pieces=[rows("w", (9, 4), 3, 3, dtype="bfloat16"), pieces[1]],
+            value_names=("lr",),
+        ),
     ]
     assert len({plan.fingerprint()} | {c.fingerprint() for c in changed}) == 1 + len(changed)
     assert b"pickle" not in data and data[:1] != b"\x80"  # msgpack map, not a pickle stream
@@ -218,7 +265,10 @@ def test_plan_cache_is_bounded_lru_and_keyed_by_every_fingerprint():
     assert cache.get(key) is None
     cache.put(key, g)
     assert cache.get(save_plan_cache_key([q.fingerprint() for q in p])) is g
-    assert cache.get(save_plan_cache_key([q.fingerprint() for q in p], replicas_to_lowest_rank=True)) is None
+    assert (
+        cache.get(save_plan_cache_key([q.fingerprint() for q in p], replicas_to_lowest_rank=True))
+        is None
+    )
     assert cache.get(save_plan_cache_key([p[0].fingerprint()])) is None
     cache.put((b"a",), g)
     cache.get(key)  # refresh
@@ -233,7 +283,10 @@ def test_plan_cache_is_bounded_lru_and_keyed_by_every_fingerprint():
 
 
 def test_skeleton_flat_coords_follow_chunk_order():
-    p = plans_of([rows("a", (4, 2), 0, 2), PieceSpec("b", "int8", (3,), (0,), (3,))], [rows("a", (4, 2), 2, 2)])
+    p = plans_of(
+        [rows("a", (4, 2), 0, 2), PieceSpec("b", "int8", (3,), (0,), (3,))],
+        [rows("a", (4, 2), 2, 2)],
+    )
     sk = plan_global_save(p, rank=0).skeleton
     off, size = sk.flat_coords()
     assert off.tolist() == [0, 0, 2, 0, 0] and size.tolist() == [2, 2, 2, 2, 3]

@@ -11,10 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cloudckpt.errors import ManifestError
-from cloudckpt.planning import Region
-from cloudckpt.planning.windows import (boxes_in_flat_range, plan_run_windows,
-                                         plan_run_windows_many, plan_windows, plan_windows_many,
-                                         row_major_strides)
+from cloudckpt.planning.load.plan import Region
+from cloudckpt.planning.load.windows import (
+    boxes_in_flat_range,
+    plan_run_windows,
+    plan_run_windows_many,
+    plan_windows,
+    plan_windows_many,
+    row_major_strides,
+)
 from tests.planning.test_load_plan import manifest_with
 
 
@@ -22,7 +27,9 @@ def _flat_indices(offsets, lengths, sizes):
     """Flat indices (row-major in ``sizes``) of the box's elements, in box order."""
     grids = np.meshgrid(*[np.arange(o, o + n) for o, n in zip(offsets, lengths)], indexing="ij")
     strides = row_major_strides(sizes)
-    return sum((g * s for g, s in zip(grids, strides)), np.zeros(lengths, dtype=np.int64)).reshape(-1)
+    return sum((g * s for g, s in zip(grids, strides)), np.zeros(lengths, dtype=np.int64)).reshape(
+        -1
+    )
 
 
 DTYPES = st.sampled_from(["float32", "int64", "bfloat16", "bool"])
@@ -84,11 +91,15 @@ def test_windows_cover_region_once_and_view_the_right_bytes(box, dtype, block, m
         mine = set(range(w.first_block, w.first_block + nblocks))
         assert not (mine & blocks_used)
         blocks_used |= mine
-        window = chunk[w.start // itemsize:(w.start + w.length) // itemsize]
+        window = chunk[w.start // itemsize : (w.start + w.length) // itemsize]
         for sub in w.boxes:
-            view = np.lib.stride_tricks.as_strided(
-                window[sub.first:], shape=sub.lengths,
-                strides=tuple(s * 8 for s in w.strides)) if sub.lengths else window[sub.first]
+            view = (
+                np.lib.stride_tricks.as_strided(
+                    window[sub.first :], shape=sub.lengths, strides=tuple(s * 8 for s in w.strides)
+                )
+                if sub.lengths
+                else window[sub.first]
+            )
             abs_off = tuple(a + b for a, b in zip(offsets, sub.offsets))
             expect = _flat_indices(abs_off, sub.lengths, sizes).reshape(sub.lengths)
             assert np.array_equal(np.asarray(view), expect)
@@ -141,8 +152,9 @@ def test_run_windows_cover_contiguous_regions_in_order(box, dtype, block, max_by
         assert w.lo == pos and w.lo % itemsize == 0 and w.hi > w.lo
         for b in w.blocks:
             assert b.offset % block == 0 and b.length <= block
-            got[b.region_pos:b.region_pos + b.keep_len] = chunk[b.offset + b.keep_at:
-                                                                b.offset + b.keep_at + b.keep_len]
+            got[b.region_pos : b.region_pos + b.keep_len] = chunk[
+                b.offset + b.keep_at : b.offset + b.keep_at + b.keep_len
+            ]
         assert sum(b.keep_len for b in w.blocks) == w.hi - w.lo
         pos = w.hi
     assert pos == nbytes
@@ -152,20 +164,28 @@ def test_run_windows_cover_contiguous_regions_in_order(box, dtype, block, max_by
 def _chunked_manifest(tensors, block):
     """tensors: {name: (dtype, shape, rows per chunk)}: chunks cut along dim 0 (whole for 0-d
     tensors), back to back in one object, every block's crc distinct."""
-    from cloudckpt.manifest import DTYPE_ITEMSIZE, ManifestBuilder
+    from cloudckpt.manifest.builder import ManifestBuilder
+    from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
     from cloudckpt.manifest.model import crc_counts
 
     b = ManifestBuilder(world_size=1, checksum_block_size=block, created_at=0.0)
     pos, crc = 0, 0
     for name, (dtype, shape, rows) in tensors.items():
         b.add_tensor(name, dtype, shape)
-        cuts = [((), ())] if not shape else \
-            [((r,) + (0,) * (len(shape) - 1), (min(rows, shape[0] - r),) + shape[1:])
-             for r in range(0, max(shape[0], 1), rows)]
+        cuts = (
+            [((), ())]
+            if not shape
+            else [
+                ((r,) + (0,) * (len(shape) - 1), (min(rows, shape[0] - r),) + shape[1:])
+                for r in range(0, max(shape[0], 1), rows)
+            ]
+        )
         for off, size in cuts:
             nbytes = math.prod(size) * DTYPE_ITEMSIZE[dtype]
             count = int(crc_counts(np.array([nbytes]), block)[0])
-            b.add_chunk(name, off, size, "data/x/r0.bin", pos, nbytes, list(range(crc, crc + count)))
+            b.add_chunk(
+                name, off, size, "data/x/r0.bin", pos, nbytes, list(range(crc, crc + count))
+            )
             pos, crc = pos + nbytes, crc + count
     return b.build()
 
@@ -188,7 +208,9 @@ def many_regions(draw):
         ci = draw(st.integers(0, len(record.chunks) - 1)) if len(record.chunks) else 0
         sizes = record.chunks[ci].sizes if len(record.chunks) else ()
         offsets = tuple(draw(st.integers(0, max(s - 1, 0))) for s in sizes)
-        lengths = tuple(draw(st.integers(min(1, s - o), max(s - o, 0))) for s, o in zip(sizes, offsets))
+        lengths = tuple(
+            draw(st.integers(min(1, s - o), max(s - o, 0))) for s, o in zip(sizes, offsets)
+        )
         if kind == "name":
             name = "missing"
         elif kind == "chunk":

@@ -25,25 +25,38 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 
-from cloudckpt.manifest import encode_value
 from cloudckpt.manifest.columns import encode_int_column
 from cloudckpt.manifest.framing import frame
+from cloudckpt.manifest.values import encode_value
 
 OBJECT = "data/0123456789abcdef/r00000-0000.bin"
 
 
 def _doc(**overrides) -> dict:
     doc = {
-        "format": "cloudckpt", "version": 2, "cloudckpt_version": "0", "created_at": 1.0,
-        "world_size": 1, "checksum_block_size": 64,
+        "format": "cloudckpt",
+        "version": 2,
+        "cloudckpt_version": "0",
+        "created_at": 1.0,
+        "world_size": 1,
+        "checksum_block_size": 64,
         "metadata": encode_value({}, key="metadata", allow_pickle=False),
         "structure": encode_value(None, key="structure", allow_pickle=False),
         "objects": [OBJECT],
-        "tensors": {"names": [], "dtypes": [], "ndims": encode_int_column([]),
-                    "shapes": encode_int_column([]), "chunk_counts": encode_int_column([])},
-        "chunks": {**{k: encode_int_column([]) for k in
-                      ("offsets", "sizes", "object_index", "byte_offset", "byte_length")},
-                   "crc32c": b""},
+        "tensors": {
+            "names": [],
+            "dtypes": [],
+            "ndims": encode_int_column([]),
+            "shapes": encode_int_column([]),
+            "chunk_counts": encode_int_column([]),
+        },
+        "chunks": {
+            **{
+                k: encode_int_column([])
+                for k in ("offsets", "sizes", "object_index", "byte_offset", "byte_length")
+            },
+            "crc32c": b"",
+        },
         "values": {},
     }
     doc.update(overrides)
@@ -60,41 +73,67 @@ def empty_chunks(size: int, ndim: int) -> bytes:
     sizes = np.ones((ndim, n), dtype=np.int64)
     sizes[0] = 0
     zeros = np.zeros(n, dtype=np.int64)
-    return _stored(_doc(
-        tensors={"names": ["t"], "dtypes": ["float32"], "ndims": encode_int_column([ndim]),
-                 "shapes": encode_int_column([0] + [1] * (ndim - 1)),
-                 "chunk_counts": encode_int_column([n])},
-        chunks={"offsets": encode_int_column(np.zeros(n * ndim, dtype=np.int64), delta=True),
+    return _stored(
+        _doc(
+            tensors={
+                "names": ["t"],
+                "dtypes": ["float32"],
+                "ndims": encode_int_column([ndim]),
+                "shapes": encode_int_column([0] + [1] * (ndim - 1)),
+                "chunk_counts": encode_int_column([n]),
+            },
+            chunks={
+                "offsets": encode_int_column(np.zeros(n * ndim, dtype=np.int64), delta=True),
                 "sizes": encode_int_column(sizes.reshape(-1), delta=True),
                 "object_index": encode_int_column(zeros, delta=True),
                 "byte_offset": encode_int_column(zeros, delta=True),
                 "byte_length": encode_int_column(zeros, delta=True),
-                "crc32c": b"\0" * (4 * n)}))
+                "crc32c": b"\0" * (4 * n),
+            },
+        )
+    )
 
 
 def empty_tensors(size: int, ndim: int = 10) -> bytes:
     """Chunkless bool tensors of shape (0, 2**20, 2**20, 1, ...) named by 3-4 hex digits."""
     n = max(1, size // 10)
     shape = [0, 1 << 20, 1 << 20] + [1] * (ndim - 3)
-    return _stored(_doc(tensors={
-        "names": [f"{i:x}" for i in range(n)], "dtypes": ["bool"] * n,
-        "ndims": encode_int_column([ndim] * n), "shapes": encode_int_column(shape * n),
-        "chunk_counts": encode_int_column([0] * n)}))
+    return _stored(
+        _doc(
+            tensors={
+                "names": [f"{i:x}" for i in range(n)],
+                "dtypes": ["bool"] * n,
+                "ndims": encode_int_column([ndim] * n),
+                "shapes": encode_int_column(shape * n),
+                "chunk_counts": encode_int_column([0] * n),
+            }
+        )
+    )
 
 
 def one_byte_chunks(size: int) -> bytes:
     """One uint8 tensor held by ``size // 4`` one-byte chunks stored in reverse order (the
     overlap check sorts them all)."""
     n = max(1, size // 4)
-    return _stored(_doc(
-        tensors={"names": ["t"], "dtypes": ["uint8"], "ndims": encode_int_column([1]),
-                 "shapes": encode_int_column([n]), "chunk_counts": encode_int_column([n])},
-        chunks={"offsets": encode_int_column(np.arange(n), delta=True),
+    return _stored(
+        _doc(
+            tensors={
+                "names": ["t"],
+                "dtypes": ["uint8"],
+                "ndims": encode_int_column([1]),
+                "shapes": encode_int_column([n]),
+                "chunk_counts": encode_int_column([n]),
+            },
+            chunks={
+                "offsets": encode_int_column(np.arange(n), delta=True),
                 "sizes": encode_int_column(np.ones(n, dtype=np.int64), delta=True),
                 "object_index": encode_int_column(np.zeros(n, dtype=np.int64), delta=True),
                 "byte_offset": encode_int_column(np.arange(n)[::-1].copy(), delta=True),
                 "byte_length": encode_int_column(np.ones(n, dtype=np.int64), delta=True),
-                "crc32c": b"\0" * (4 * n)}))
+                "crc32c": b"\0" * (4 * n),
+            },
+        )
+    )
 
 
 def empty_dicts(size: int) -> bytes:

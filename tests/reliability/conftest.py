@@ -19,12 +19,13 @@ import pytest
 
 from cloudckpt import SaveOptions
 from cloudckpt.storage import RetryOptions, StorageOptions
-from cloudckpt.testing.faultproxy import FaultProxy
+from cloudckpt.testing.faults.faultproxy import FaultProxy
 
 MiB = 1 << 20
 
-QUICK_RETRY = RetryOptions(max_attempts=10, base_delay=0.01, max_delay=0.2, attempt_timeout=20.0,
-                           deadline=90.0)
+QUICK_RETRY = RetryOptions(
+    max_attempts=10, base_delay=0.01, max_delay=0.2, attempt_timeout=20.0, deadline=90.0
+)
 
 #: Small objects and blocks: a save of a few MiB makes several objects, multipart uploads and
 #: many checksum blocks.
@@ -32,9 +33,15 @@ SAVE_OPTIONS = SaveOptions(object_size=256 << 10, checksum_block_size=64 << 10, 
 
 
 def storage_for(info, **overrides) -> StorageOptions:
-    fields = dict(endpoint_url=info.endpoint_url, region=info.region,
-                  access_key_id=info.access_key, secret_access_key=info.secret_key,
-                  multipart_threshold=5 * MiB, part_size=5 * MiB, retry=QUICK_RETRY)
+    fields = dict(
+        endpoint_url=info.endpoint_url,
+        region=info.region,
+        access_key_id=info.access_key,
+        secret_access_key=info.secret_key,
+        multipart_threshold=5 * MiB,
+        part_size=5 * MiB,
+        retry=QUICK_RETRY,
+    )
     fields.update(overrides)
     return StorageOptions(**fields)
 
@@ -55,7 +62,10 @@ class Figures:
         self.counts[name] += n
 
     def as_dict(self) -> dict:
-        return {"seconds": round(time.time() - self.started, 1), **dict(sorted(self.counts.items()))}
+        return {
+            "seconds": round(time.time() - self.started, 1),
+            **dict(sorted(self.counts.items())),
+        }
 
 
 @pytest.fixture(scope="session")
@@ -72,8 +82,11 @@ def figures():
 
 @pytest.fixture
 def fault_proxy(s3_server):
-    proxy = FaultProxy(s3_server.endpoint_url, seed=4321,
-                       credentials=(s3_server.access_key, s3_server.secret_key, s3_server.region))
+    proxy = FaultProxy(
+        s3_server.endpoint_url,
+        seed=4321,
+        credentials=(s3_server.access_key, s3_server.secret_key, s3_server.region),
+    )
     proxy.start()
     yield proxy
     proxy.stop()

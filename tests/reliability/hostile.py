@@ -26,9 +26,9 @@ import torch
 
 import cloudckpt
 from cloudckpt import errors
-from cloudckpt.manifest import encode_value
 from cloudckpt.manifest.columns import decode_int_column, encode_int_column
 from cloudckpt.manifest.framing import frame, unframe
+from cloudckpt.manifest.values import encode_value
 from tests.reliability.stores import RawCheckpoint
 
 SECRET = b"TOP-SECRET-SENTINEL " * 64
@@ -36,8 +36,11 @@ BLOCK = 64
 
 
 def _family(*bases) -> frozenset[str]:
-    return frozenset(name for name, cls in vars(errors).items()
-                     if isinstance(cls, type) and issubclass(cls, bases))
+    return frozenset(
+        name
+        for name, cls in vars(errors).items()
+        if isinstance(cls, type) and issubclass(cls, bases)
+    )
 
 
 MANIFEST_FAMILY = _family(errors.ManifestError)
@@ -47,9 +50,22 @@ LOAD_FAMILY = _family(errors.IntegrityError, errors.StorageError, errors.Plannin
 
 # -- the audit hook: which files did the library touch? ------------------------------------------
 
-_WRITE_EVENTS = frozenset({"os.remove", "os.rename", "os.link", "os.symlink", "os.mkdir",
-                           "os.rmdir", "os.truncate", "os.chmod", "os.utime", "shutil.rmtree",
-                           "shutil.move", "os.replace"})
+_WRITE_EVENTS = frozenset(
+    {
+        "os.remove",
+        "os.rename",
+        "os.link",
+        "os.symlink",
+        "os.mkdir",
+        "os.rmdir",
+        "os.truncate",
+        "os.chmod",
+        "os.utime",
+        "shutil.rmtree",
+        "shutil.move",
+        "os.replace",
+    }
+)
 _watch_lock = threading.Lock()
 _watching = False
 _events: list[tuple[str, object, object]] = []
@@ -118,8 +134,12 @@ def watched(fn, root: Path | None, area: Path | None):
         where = _abs(path)
         if kind != "open" or _is_write_open(*extra):
             writes.append((kind, where))
-        if where and area_s and where.startswith(area_s + os.sep) and not (
-                root_s and (where == root_s or where.startswith(root_s + os.sep))):
+        if (
+            where
+            and area_s
+            and where.startswith(area_s + os.sep)
+            and not (root_s and (where == root_s or where.startswith(root_s + os.sep)))
+        ):
             outside.append((kind, where))
     return exc, Touched(outside, writes)
 
@@ -139,10 +159,15 @@ def base_state(blank: bool = False) -> dict:
     return {
         "w": w,
         "m": {"b": b, "bf": bf},
-        "r": [cloudckpt.GlobalPiece(r[0:2].clone(), (4, 6), (0, 0)),
-              cloudckpt.GlobalPiece(r[2:4].clone(), (4, 6), (2, 0))],
-        "v": {"lr": 0.0 if blank else 0.1, "name": "" if blank else "run",
-              "t": (0, 0) if blank else (1, 2)},
+        "r": [
+            cloudckpt.GlobalPiece(r[0:2].clone(), (4, 6), (0, 0)),
+            cloudckpt.GlobalPiece(r[2:4].clone(), (4, 6), (2, 0)),
+        ],
+        "v": {
+            "lr": 0.0 if blank else 0.1,
+            "name": "" if blank else "run",
+            "t": (0, 0) if blank else (1, 2),
+        },
     }
 
 
@@ -151,11 +176,11 @@ class Target:
     url: str
     storage: object
     raw: RawCheckpoint
-    valid: bytes             # the manifest as saved
-    data_keys: tuple         # its data objects
-    root: Path | None = None     # LocalStore: the checkpoint root
-    area: Path | None = None     # LocalStore: the directory holding the root and the sentinel
-    secret: Path | None = None   # LocalStore: the sentinel outside the root
+    valid: bytes  # the manifest as saved
+    data_keys: tuple  # its data objects
+    root: Path | None = None  # LocalStore: the checkpoint root
+    area: Path | None = None  # LocalStore: the directory holding the root and the sentinel
+    secret: Path | None = None  # LocalStore: the sentinel outside the root
 
     def write_manifest(self, data: bytes) -> None:
         self.raw.write("manifest.msgpack", data)
@@ -164,8 +189,12 @@ class Target:
 def make_target(url: str, *, storage=None, s3_server=None, area: Path | None = None) -> Target:
     from cloudckpt import SaveOptions
 
-    cloudckpt.save(base_state(), url, storage=storage,
-                   options=SaveOptions(checksum_block_size=BLOCK, object_size=256))
+    cloudckpt.save(
+        base_state(),
+        url,
+        storage=storage,
+        options=SaveOptions(checksum_block_size=BLOCK, object_size=256),
+    )
     raw = RawCheckpoint(url, s3_server)
     valid = raw.read("manifest.msgpack")
     manifest = cloudckpt.read_manifest(url, storage=storage)
@@ -199,8 +228,8 @@ def pack(doc, version: int = 2) -> bytes:
 
 @dataclass
 class Outcome:
-    errors: dict            # entry point -> exception or None
-    touched: dict           # entry point -> Touched
+    errors: dict  # entry point -> exception or None
+    touched: dict  # entry point -> Touched
     destination_changed: bool
 
 
@@ -214,23 +243,31 @@ def underlying(exc: BaseException) -> set[str]:
 def run_entry_points(target: Target, *, allow_pickle: bool = False) -> Outcome:
     errs, touched = {}, {}
     errs["read_manifest"], touched["read_manifest"] = watched(
-        lambda: cloudckpt.read_manifest(target.url, storage=target.storage,
-                                        allow_pickle=allow_pickle), target.root, target.area)
+        lambda: cloudckpt.read_manifest(
+            target.url, storage=target.storage, allow_pickle=allow_pickle
+        ),
+        target.root,
+        target.area,
+    )
     errs["load_full"], touched["load_full"] = watched(
-        lambda: cloudckpt.load_full(target.url, storage=target.storage,
-                                    allow_pickle=allow_pickle), target.root, target.area)
+        lambda: cloudckpt.load_full(target.url, storage=target.storage, allow_pickle=allow_pickle),
+        target.root,
+        target.area,
+    )
     dest = base_state(blank=True)
     before = [t.clone() for t in _tensors(dest)]
     errs["load"], touched["load"] = watched(
-        lambda: cloudckpt.load(dest, target.url, storage=target.storage,
-                               allow_pickle=allow_pickle), target.root, target.area)
+        lambda: cloudckpt.load(dest, target.url, storage=target.storage, allow_pickle=allow_pickle),
+        target.root,
+        target.area,
+    )
     changed = any(not torch.equal(a, b) for a, b in zip(before, _tensors(dest)))
     return Outcome(errs, touched, changed)
 
 
 def _tensors(sd) -> list[torch.Tensor]:
     out = []
-    for v in (sd.values() if isinstance(sd, dict) else sd):
+    for v in sd.values() if isinstance(sd, dict) else sd:
         if isinstance(v, torch.Tensor):
             out.append(v)
         elif isinstance(v, cloudckpt.GlobalPiece):
@@ -243,15 +280,17 @@ def _tensors(sd) -> list[torch.Tensor]:
 def check_refusals(outcome: Outcome, what: str = "") -> str:
     """Apply the rules (module docstring); returns "refused" or "accepted"."""
     for name, touched in outcome.touched.items():
-        assert touched.outside == [], f"{what}: {name} touched files outside the root: " \
-                                      f"{touched.outside}"
+        assert touched.outside == [], (
+            f"{what}: {name} touched files outside the root: {touched.outside}"
+        )
         assert touched.writes == [], f"{what}: {name} wrote: {touched.writes}"
     first = outcome.errors["read_manifest"]
     if first is not None:
         for name, exc in outcome.errors.items():
             assert exc is not None, f"{what}: read_manifest refused it, {name} did not"
-            assert isinstance(exc, errors.ManifestError) and \
-                underlying(exc) <= MANIFEST_FAMILY, f"{what}: {name}: {exc!r}"
+            assert isinstance(exc, errors.ManifestError) and underlying(exc) <= MANIFEST_FAMILY, (
+                f"{what}: {name}: {exc!r}"
+            )
         assert not outcome.destination_changed, f"{what}: load wrote into the destination"
         return "refused"
     for name, exc in outcome.errors.items():
@@ -262,14 +301,53 @@ def check_refusals(outcome: Outcome, what: str = "") -> str:
 
 # -- mutations --------------------------------------------------------------------------------------
 
-COLUMNS = (("tensors", "ndims"), ("tensors", "shapes"), ("tensors", "chunk_counts"),
-           ("chunks", "offsets"), ("chunks", "sizes"), ("chunks", "object_index"),
-           ("chunks", "byte_offset"), ("chunks", "byte_length"))
-HOSTILE_INTS = (0, 1, -1, 2, 3, 63, 64, 65, 255, 2**31 - 1, 2**31, 2**32, 2**40, 2**53, 2**60,
-                2**62, 2**63 - 1, -2**63, 10**15)
-HOSTILE_KEYS = ("../secret", "../../secret", "data/../../secret", "/etc/passwd", "..", ".", "",
-                "data//x", "data/./x", "..\\secret", "data/x\x00", "data/\n", "%2e%2e/secret",
-                "data/" + "a" * 300)
+COLUMNS = (
+    ("tensors", "ndims"),
+    ("tensors", "shapes"),
+    ("tensors", "chunk_counts"),
+    ("chunks", "offsets"),
+    ("chunks", "sizes"),
+    ("chunks", "object_index"),
+    ("chunks", "byte_offset"),
+    ("chunks", "byte_length"),
+)
+HOSTILE_INTS = (
+    0,
+    1,
+    -1,
+    2,
+    3,
+    63,
+    64,
+    65,
+    255,
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**40,
+    2**53,
+    2**60,
+    2**62,
+    2**63 - 1,
+    -(2**63),
+    10**15,
+)
+HOSTILE_KEYS = (
+    "../secret",
+    "../../secret",
+    "data/../../secret",
+    "/etc/passwd",
+    "..",
+    ".",
+    "",
+    "data//x",
+    "data/./x",
+    "..\\secret",
+    "data/x\x00",
+    "data/\n",
+    "%2e%2e/secret",
+    "data/" + "a" * 300,
+)
 
 
 def paths_of(node, prefix=()) -> list[tuple]:

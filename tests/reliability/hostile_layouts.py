@@ -31,8 +31,10 @@ import msgpack
 import numpy as np
 
 from cloudckpt.checksum import block_crcs
-from cloudckpt.manifest import Manifest, encode_manifest, encode_value
+from cloudckpt.manifest.codec import encode_manifest
 from cloudckpt.manifest.columns import encode_int_column
+from cloudckpt.manifest.model import Manifest
+from cloudckpt.manifest.values import encode_value
 
 ATTEMPT = "0123456789abcdef"
 
@@ -138,7 +140,7 @@ def with_defect(layout, kind: str, seed: int = 0):
     i = int(rng.integers(len(off)))
     if kind == "gap":  # unit chunks only: drop one
         return shape, np.delete(off, i, 0), np.delete(size, i, 0)
-    return shape, np.concatenate((off, off[i:i + 1])), np.concatenate((size, size[i:i + 1]))
+    return shape, np.concatenate((off, off[i : i + 1])), np.concatenate((size, size[i : i + 1]))
 
 
 DATA_KEY = f"data/{ATTEMPT}/r00000-0000.bin"
@@ -171,14 +173,25 @@ def layout_manifest(layouts: dict, *, checksums: bool = False, block: int = 1 <<
         crcs = [0] * sum(max(1, -(-n // block)) for n in lengths.tolist())
     n = len(lengths)
     return Manifest(
-        world_size=1, created_at=0.0, cloudckpt_version="test", metadata={},
-        checksum_block_size=block, objects=[DATA_KEY], tensor_names=names,
-        tensor_dtypes=["uint8"] * len(names), tensor_shapes=shapes, chunk_counts=counts,
+        world_size=1,
+        created_at=0.0,
+        cloudckpt_version="test",
+        metadata={},
+        checksum_block_size=block,
+        objects=[DATA_KEY],
+        tensor_names=names,
+        tensor_dtypes=["uint8"] * len(names),
+        tensor_shapes=shapes,
+        chunk_counts=counts,
         chunk_offsets=np.concatenate(offs) if offs else np.zeros(0, np.int64),
         chunk_sizes=np.concatenate(sizes) if sizes else np.zeros(0, np.int64),
-        chunk_object_index=np.zeros(n, np.int64), chunk_byte_offset=byte_offset,
-        chunk_byte_length=lengths, chunk_crcs=np.array(crcs, dtype=np.int64), value_blobs={},
-        structure=["d", [[name, ["x", name]] for name in names]])
+        chunk_object_index=np.zeros(n, np.int64),
+        chunk_byte_offset=byte_offset,
+        chunk_byte_length=lengths,
+        chunk_crcs=np.array(crcs, dtype=np.int64),
+        value_blobs={},
+        structure=["d", [[name, ["x", name]] for name in names]],
+    )
 
 
 def layout_manifest_bytes(layouts: dict, **kw) -> bytes:
@@ -228,23 +241,32 @@ def empty_chunks(size: int, ndim: int = 64, *, pad: int = 0) -> bytes:
     crcs[0] = block_crcs(bytes(4), 1 << 40)[0]
     shape = [4] + [1] * (ndim - 1)
     return with_fields(
-        layout_manifest({}), checksum_block_size=1 << 40,
-        tensors={"names": ["w"], "dtypes": ["uint8"], "ndims": encode_int_column([ndim]),
-                 "shapes": encode_int_column(shape), "chunk_counts": encode_int_column([n])},
-        chunks={"offsets": encode_int_column(offsets.reshape(-1), delta=True),
-                "sizes": encode_int_column(sizes.reshape(-1), delta=True),
-                "object_index": encode_int_column(np.zeros(n, np.int64), delta=True),
-                "byte_offset": encode_int_column(np.zeros(n, np.int64), delta=True),
-                "byte_length": encode_int_column(lengths, delta=True),
-                "crc32c": crcs.tobytes()},
+        layout_manifest({}),
+        checksum_block_size=1 << 40,
+        tensors={
+            "names": ["w"],
+            "dtypes": ["uint8"],
+            "ndims": encode_int_column([ndim]),
+            "shapes": encode_int_column(shape),
+            "chunk_counts": encode_int_column([n]),
+        },
+        chunks={
+            "offsets": encode_int_column(offsets.reshape(-1), delta=True),
+            "sizes": encode_int_column(sizes.reshape(-1), delta=True),
+            "object_index": encode_int_column(np.zeros(n, np.int64), delta=True),
+            "byte_offset": encode_int_column(np.zeros(n, np.int64), delta=True),
+            "byte_length": encode_int_column(lengths, delta=True),
+            "crc32c": crcs.tobytes(),
+        },
         structure=encode_value(["d", [["w", ["x", "w"]]]], key="structure", allow_pickle=False),
-        **({"x_padding": bytes(pad)} if pad else {}))
+        **({"x_padding": bytes(pad)} if pad else {}),
+    )
 
 
 def deep_structure(depth: int) -> bytes:
     """A one-tensor manifest whose structure is ``depth`` nested one-element lists (msgpack
     arrays) around nothing: far past any accepted nesting when ``depth`` is large."""
-    manifest = layout_manifest({"w": ((4,), np.zeros((1, 1), np.int64), np.full((1, 1), 4))},
-                               checksums=True)
+    manifest = layout_manifest(
+        {"w": ((4,), np.zeros((1, 1), np.int64), np.full((1, 1), 4))}, checksums=True
+    )
     return with_fields(manifest, structure=b"\x91" * depth + b"\xc0")
-

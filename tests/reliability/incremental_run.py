@@ -16,8 +16,8 @@ import sys
 import time
 
 N_TENSORS = 8
-FROZEN = 3          # p0..p2 never change
-SHAPE = (64, 128)   # 32 KiB each
+FROZEN = 3  # p0..p2 never change
+SHAPE = (64, 128)  # 32 KiB each
 
 
 def _updated(seed: int, i: int, step: int) -> bool:
@@ -32,13 +32,18 @@ def state(seed: int, step: int) -> dict:
     """Step ``step``'s state: tensor ``p<i>`` is a function of (seed, i, its version)."""
     import torch
 
-    tensors = {f"p{i}": torch.randn(*SHAPE, generator=torch.Generator().manual_seed(
-        seed * 7919 + i * 104729 + v)) for i, v in enumerate(versions(seed, step))}
+    tensors = {
+        f"p{i}": torch.randn(
+            *SHAPE, generator=torch.Generator().manual_seed(seed * 7919 + i * 104729 + v)
+        )
+        for i, v in enumerate(versions(seed, step))
+    }
     return {"model": tensors, "step": step}
 
 
-def save_step(run_url: str, step: int, seed: int, storage, kill: str | None,
-              keep_last: int | None) -> dict:
+def save_step(
+    run_url: str, step: int, seed: int, storage, kill: str | None, keep_last: int | None
+) -> dict:
     """On the saver world's (only) rank: an incremental ``CheckpointManager.save`` of ``step``,
     killed (SIGKILL of this process) where ``kill`` says: ``after_pin`` (the base is pinned and
     checked), ``before_commit`` (the lease is checked, the manifest not sent), ``after_commit``
@@ -59,6 +64,7 @@ def save_step(run_url: str, step: int, seed: int, storage, kill: str | None,
             if pinned is not None:
                 die()
             return pinned
+
         patches.append((save_module, "open_base", original, open_then_die))
     elif kill == "before_commit":
         original = incremental.PinnedBase.check_lease
@@ -66,6 +72,7 @@ def save_step(run_url: str, step: int, seed: int, storage, kill: str | None,
         def check_then_die(self):
             original(self)
             die()
+
         patches.append((incremental.PinnedBase, "check_lease", original, check_then_die))
     elif kill == "after_commit":
         original = CheckpointManager._after_save
@@ -73,13 +80,21 @@ def save_step(run_url: str, step: int, seed: int, storage, kill: str | None,
     for owner, name, _, replacement in patches:
         setattr(owner, name, replacement)
     try:
-        mgr = CheckpointManager(run_url, incremental=True, storage=storage, keep_last=keep_last,
-                                save_options=SaveOptions(object_size=96 << 10,
-                                                         checksum_block_size=32 << 10,
-                                                         pin_lease=60.0, timeout=60.0))
+        mgr = CheckpointManager(
+            run_url,
+            incremental=True,
+            storage=storage,
+            keep_last=keep_last,
+            save_options=SaveOptions(
+                object_size=96 << 10, checksum_block_size=32 << 10, pin_lease=60.0, timeout=60.0
+            ),
+        )
         result = mgr.save(step, state(seed, step))
-        return {"bytes_written": result.bytes_written, "bytes_reused": result.bytes_reused,
-                "base": result.base}
+        return {
+            "bytes_written": result.bytes_written,
+            "bytes_reused": result.bytes_reused,
+            "base": result.base,
+        }
     finally:
         for owner, name, original, _ in patches:
             setattr(owner, name, original)
@@ -90,7 +105,7 @@ async def garbage(store) -> list[str]:
     committed manifest references, pins not backed by a committed manifest that references
     their folder, unfinished uploads. Empty once a full clean-up ran and no save is running."""
     from cloudckpt.layout import MANIFEST_KEY, data_key_attempt, parse_pin_key
-    from cloudckpt.run_refs import read_manifest_or_none
+    from cloudckpt.runs.refs import read_manifest_or_none
 
     keys = [i.key async for i in store.list("")]
     folders = sorted({k.split("/", 1)[0] for k in keys})
@@ -99,8 +114,9 @@ async def garbage(store) -> list[str]:
         m = await read_manifest_or_none(store, f)
         if m is not None:
             manifests[f] = m
-    referenced = {f"{h or f}/{k}" for f, m in manifests.items()
-                  for h, k in zip(m.object_homes, m.objects)}
+    referenced = {
+        f"{h or f}/{k}" for f, m in manifests.items() for h, k in zip(m.object_homes, m.objects)
+    }
     bad = []
     for key in keys:
         folder, _, rel = key.partition("/")
@@ -125,7 +141,7 @@ def pruner_main(run_url: str, seed: int) -> None:
     """Prune the run again and again until killed: retention with a random ``keep_last``, or
     the deletion of a random complete checkpoint (the newest included: an incremental save may
     be using it as its base right then)."""
-    from cloudckpt.manager import CheckpointManager
+    from cloudckpt.runs.manager import CheckpointManager
 
     rng = random.Random(seed)
     while True:
@@ -133,8 +149,9 @@ def pruner_main(run_url: str, seed: int) -> None:
             time.sleep(rng.uniform(0.05, 0.3))
             action = rng.random()
             if action < 0.7:
-                CheckpointManager(run_url, keep_last=rng.choice([1, 2, 3]),
-                                  abandoned_after=30.0).prune()
+                CheckpointManager(
+                    run_url, keep_last=rng.choice([1, 2, 3]), abandoned_after=30.0
+                ).prune()
             elif action < 0.85:
                 mgr = CheckpointManager(run_url, abandoned_after=30.0)
                 complete = [i.step for i in mgr.list() if i.complete]
@@ -146,7 +163,7 @@ def pruner_main(run_url: str, seed: int) -> None:
 
 
 def run_garbage(store) -> list[str]:
-    from cloudckpt.runtime import run_coroutine
+    from cloudckpt.runtime.loop import run_coroutine
 
     return run_coroutine(garbage(store))
 

@@ -116,8 +116,8 @@ def armed(point: KillPoint | None, rank: int, pids=()):
 
         patch(ControlChannel, "agree", agree)
     elif point.kind in ("store", "body"):
-        from cloudckpt.storage.local import LocalStore
-        from cloudckpt.storage.s3_conn import S3Connection
+        from cloudckpt.storage.local.store import LocalStore
+        from cloudckpt.storage.s3.conn import S3Connection
 
         sending = threading.Event()
         op_wanted = point.target if point.kind == "store" else "put"
@@ -135,12 +135,13 @@ def armed(point: KillPoint | None, rank: int, pids=()):
                 finally:  # "after": the request completed, whatever it answered
                     if fire and point.kind == "store":
                         trigger.fire()
+
             return call
 
         patch(S3Connection, "call", wrap_call(S3Connection.__dict__["call"]))
         patch(LocalStore, "_run", wrap_call(LocalStore.__dict__["_run"]))
         if point.kind == "body":
-            from cloudckpt.storage.s3_client import BodyPayload
+            from cloudckpt.storage.s3.client import BodyPayload
 
             orig_write = BodyPayload.write_with_length
 
@@ -156,7 +157,7 @@ def armed(point: KillPoint | None, rank: int, pids=()):
 
             patch(BodyPayload, "write_with_length", write_with_length)
     elif point.kind == "link":
-        import cloudckpt.storage.local as local
+        import cloudckpt.storage.local.store as local
 
         orig_link = local._link_exclusive
 
@@ -197,60 +198,236 @@ def _all_points() -> list[tuple[bool, KillPoint]]:
     K = KillPoint
     return [
         # planning
-        (True, K("plan: rank 0 after the existence check", 0, "store", "head", "manifest",
-                 when="after")),
+        (
+            True,
+            K(
+                "plan: rank 0 after the existence check",
+                0,
+                "store",
+                "head",
+                "manifest",
+                when="after",
+            ),
+        ),
         (True, K("plan: rank 1 before the planning exchange", 1, "agree", "save planning")),
-        (True, K("plan: job, rank 0 after the planning exchange", 0, "agree", "save planning",
-                 when="after", scope="job")),
-        (True, K("plan: rank 1 after the global plan", 1, "agree", "save global planning",
-                 when="after")),
+        (
+            True,
+            K(
+                "plan: job, rank 0 after the planning exchange",
+                0,
+                "agree",
+                "save planning",
+                when="after",
+                scope="job",
+            ),
+        ),
+        (
+            True,
+            K(
+                "plan: rank 1 after the global plan",
+                1,
+                "agree",
+                "save global planning",
+                when="after",
+            ),
+        ),
         # data: single puts
         (True, K("data: rank 0 before its first data put", 0, "store", "put", "data")),
-        (True, K("data: rank 1 after its first data put", 1, "store", "put", "data",
-                 when="after")),
-        (False, K("data: job, rank 0 after its second data put", 0, "store", "put", "data", n=2,
-                  when="after", scope="job")),
+        (True, K("data: rank 1 after its first data put", 1, "store", "put", "data", when="after")),
+        (
+            False,
+            K(
+                "data: job, rank 0 after its second data put",
+                0,
+                "store",
+                "put",
+                "data",
+                n=2,
+                when="after",
+                scope="job",
+            ),
+        ),
         # data: multipart
         (False, K("multipart: rank 0 before create", 0, "store", "create_multipart", "data")),
-        (True, K("multipart: rank 1 after create", 1, "store", "create_multipart", "data",
-                 when="after")),
-        (True, K("multipart: rank 0 after part 1", 0, "store", "upload_part", "data",
-                 when="after")),
-        (False, K("multipart: rank 1 after part 2", 1, "store", "upload_part", "data", n=2,
-                  when="after")),
-        (True, K("multipart: job, rank 1 before part 3", 1, "store", "upload_part", "data", n=3,
-                 scope="job")),
+        (
+            True,
+            K(
+                "multipart: rank 1 after create",
+                1,
+                "store",
+                "create_multipart",
+                "data",
+                when="after",
+            ),
+        ),
+        (
+            True,
+            K("multipart: rank 0 after part 1", 0, "store", "upload_part", "data", when="after"),
+        ),
+        (
+            False,
+            K(
+                "multipart: rank 1 after part 2",
+                1,
+                "store",
+                "upload_part",
+                "data",
+                n=2,
+                when="after",
+            ),
+        ),
+        (
+            True,
+            K(
+                "multipart: job, rank 1 before part 3",
+                1,
+                "store",
+                "upload_part",
+                "data",
+                n=3,
+                scope="job",
+            ),
+        ),
         (True, K("multipart: rank 0 before complete", 0, "store", "complete_multipart", "data")),
-        (False, K("multipart: job, rank 1 after complete", 1, "store", "complete_multipart",
-                  "data", when="after", scope="job")),
+        (
+            False,
+            K(
+                "multipart: job, rank 1 after complete",
+                1,
+                "store",
+                "complete_multipart",
+                "data",
+                when="after",
+                scope="job",
+            ),
+        ),
         # between data and manifest
-        (True, K("gap: rank 1 before the upload exchange (its data all written)", 1, "agree",
-                 "save upload")),
-        (True, K("gap: rank 0 after the upload exchange (all data written)", 0, "agree",
-                 "save upload", when="after")),
-        (True, K("gap: job, rank 0 just before the manifest put", 0, "store", "put", "manifest",
-                 scope="job")),
+        (
+            True,
+            K(
+                "gap: rank 1 before the upload exchange (its data all written)",
+                1,
+                "agree",
+                "save upload",
+            ),
+        ),
+        (
+            True,
+            K(
+                "gap: rank 0 after the upload exchange (all data written)",
+                0,
+                "agree",
+                "save upload",
+                when="after",
+            ),
+        ),
+        (
+            True,
+            K(
+                "gap: job, rank 0 just before the manifest put",
+                0,
+                "store",
+                "put",
+                "manifest",
+                scope="job",
+            ),
+        ),
         # the manifest write
         (True, K("manifest: rank 0 with half of the body sent", 0, "body", when="half")),
-        (True, K("manifest: job with the whole body sent, answer unread", 0, "body", when="sent",
-                 scope="job", may_commit=True)),
-        (True, K("manifest: rank 0 after the put returned", 0, "store", "put", "manifest",
-                 when="after", may_commit=True)),
-        (True, K("commit: rank 1 before the commit exchange", 1, "agree", "save commit",
-                 may_commit=True)),
+        (
+            True,
+            K(
+                "manifest: job with the whole body sent, answer unread",
+                0,
+                "body",
+                when="sent",
+                scope="job",
+                may_commit=True,
+            ),
+        ),
+        (
+            True,
+            K(
+                "manifest: rank 0 after the put returned",
+                0,
+                "store",
+                "put",
+                "manifest",
+                when="after",
+                may_commit=True,
+            ),
+        ),
+        (
+            True,
+            K(
+                "commit: rank 1 before the commit exchange",
+                1,
+                "agree",
+                "save commit",
+                may_commit=True,
+            ),
+        ),
         # async save: staging and background upload
         (False, K("async: rank 1 before staging", 1, "stage", async_save=True)),
-        (True, K("async: job, rank 0 after staging", 0, "stage", when="after", scope="job",
-                 async_save=True)),
-        (True, K("async: rank 1 after part 1 in the background", 1, "store", "upload_part",
-                 "data", when="after", async_save=True)),
+        (
+            True,
+            K(
+                "async: job, rank 0 after staging",
+                0,
+                "stage",
+                when="after",
+                scope="job",
+                async_save=True,
+            ),
+        ),
+        (
+            True,
+            K(
+                "async: rank 1 after part 1 in the background",
+                1,
+                "store",
+                "upload_part",
+                "data",
+                when="after",
+                async_save=True,
+            ),
+        ),
         # file:// (LocalStore)
-        (True, K("file: rank 1 after its first data put", 1, "store", "put", "data",
-                 when="after", backend="file")),
-        (True, K("file: job, manifest temp file written, not linked", 0, "link", scope="job",
-                 backend="file")),
-        (False, K("file: rank 0 after the manifest put", 0, "store", "put", "manifest",
-                  when="after", may_commit=True, backend="file")),
+        (
+            True,
+            K(
+                "file: rank 1 after its first data put",
+                1,
+                "store",
+                "put",
+                "data",
+                when="after",
+                backend="file",
+            ),
+        ),
+        (
+            True,
+            K(
+                "file: job, manifest temp file written, not linked",
+                0,
+                "link",
+                scope="job",
+                backend="file",
+            ),
+        ),
+        (
+            False,
+            K(
+                "file: rank 0 after the manifest put",
+                0,
+                "store",
+                "put",
+                "manifest",
+                when="after",
+                may_commit=True,
+                backend="file",
+            ),
+        ),
     ]
 
 
@@ -267,22 +444,67 @@ def long_kill_points() -> list[KillPoint]:
     for rank in (0, 1):
         for when in ("before", "after"):
             for n in (1, 2):  # each rank writes two small objects (and one multipart one)
-                points.append(K(f"long: rank {rank} {when} data put {n}", rank, "store", "put",
-                                "data", n=n, when=when))
+                points.append(
+                    K(
+                        f"long: rank {rank} {when} data put {n}",
+                        rank,
+                        "store",
+                        "put",
+                        "data",
+                        n=n,
+                        when=when,
+                    )
+                )
             for n in (1, 2, 3):
-                points.append(K(f"long: job, rank {rank} {when} part {n}", rank, "store",
-                                "upload_part", "data", n=n, when=when, scope="job"))
+                points.append(
+                    K(
+                        f"long: job, rank {rank} {when} part {n}",
+                        rank,
+                        "store",
+                        "upload_part",
+                        "data",
+                        n=n,
+                        when=when,
+                        scope="job",
+                    )
+                )
             for phase in ("save planning", "save global planning", "save upload"):
                 # once the upload exchange is over, rank 0 commits whatever rank 1 does
                 commits = phase == "save upload" and when == "after" and rank == 1
-                points.append(K(f"long: rank {rank} {when} {phase}", rank, "agree", phase,
-                                when=when, may_commit=commits))
-            points.append(K(f"long: file rank {rank} {when} data put 2", rank, "store", "put",
-                            "data", n=2, when=when, backend="file"))
+                points.append(
+                    K(
+                        f"long: rank {rank} {when} {phase}",
+                        rank,
+                        "agree",
+                        phase,
+                        when=when,
+                        may_commit=commits,
+                    )
+                )
+            points.append(
+                K(
+                    f"long: file rank {rank} {when} data put 2",
+                    rank,
+                    "store",
+                    "put",
+                    "data",
+                    n=2,
+                    when=when,
+                    backend="file",
+                )
+            )
     points.append(K("long: job, rank 0 half manifest", 0, "body", when="half", scope="job"))
     points.append(K("long: rank 0 whole manifest sent", 0, "body", when="sent", may_commit=True))
-    points.append(K("long: job, rank 1 in the commit exchange", 1, "agree", "save commit",
-                    scope="job", may_commit=True))
+    points.append(
+        K(
+            "long: job, rank 1 in the commit exchange",
+            1,
+            "agree",
+            "save commit",
+            scope="job",
+            may_commit=True,
+        )
+    )
     return points
 
 
@@ -294,8 +516,8 @@ def rendezvous_before_manifest(directory: str | None, parties: int, timeout: flo
     if directory is None:
         yield
         return
-    from cloudckpt.storage.local import LocalStore
-    from cloudckpt.storage.s3_conn import S3Connection
+    from cloudckpt.storage.local.store import LocalStore
+    from cloudckpt.storage.s3.conn import S3Connection
 
     def wait() -> None:
         open(os.path.join(directory, f"at-manifest-{os.getpid()}"), "w").close()
@@ -312,10 +534,13 @@ def rendezvous_before_manifest(directory: str | None, parties: int, timeout: flo
 
                 await asyncio.to_thread(wait)
             return await orig(self, op, key, *args, **kwargs)
+
         return call
 
-    undo = [(S3Connection, "call", S3Connection.__dict__["call"]),
-            (LocalStore, "_run", LocalStore.__dict__["_run"])]
+    undo = [
+        (S3Connection, "call", S3Connection.__dict__["call"]),
+        (LocalStore, "_run", LocalStore.__dict__["_run"]),
+    ]
     S3Connection.call = wrap(undo[0][2])
     LocalStore._run = wrap(undo[1][2])
     try:

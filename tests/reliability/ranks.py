@@ -24,10 +24,20 @@ def error_names(exc: BaseException) -> list[str]:
     return [c.__name__ for c in type(exc).__mro__]
 
 
-def save_step(url: str, step: int, gen: int, *, storage=None, options=None,
-              point: KillPoint | None = None, pids=(), state_kw=None,
-              outcome_dir: str | None = None, run_url: str | None = None,
-              barrier_dir: str | None = None) -> dict:
+def save_step(
+    url: str,
+    step: int,
+    gen: int,
+    *,
+    storage=None,
+    options=None,
+    point: KillPoint | None = None,
+    pids=(),
+    state_kw=None,
+    outcome_dir: str | None = None,
+    run_url: str | None = None,
+    barrier_dir: str | None = None,
+) -> dict:
     """Save this rank's state of ``(step, gen)``; with ``point``, die where it says.
 
     Returns ``{"ok": True, ...}`` or ``{"ok": False, "error": [class names], "message": ...}`` for
@@ -38,8 +48,17 @@ def save_step(url: str, step: int, gen: int, *, storage=None, options=None,
     ``barrier_dir``, the coordinator's manifest put waits for another job's (see
     ``killpoints.rendezvous_before_manifest``)."""
     with rendezvous_before_manifest(barrier_dir, 2):
-        outcome = _save_step(url, step, gen, storage=storage, options=options, point=point,
-                             pids=pids, state_kw=state_kw, run_url=run_url)
+        outcome = _save_step(
+            url,
+            step,
+            gen,
+            storage=storage,
+            options=options,
+            point=point,
+            pids=pids,
+            state_kw=state_kw,
+            run_url=run_url,
+        )
     if outcome_dir is not None:
         rank = dist.get_rank()
         tmp = os.path.join(outcome_dir, f".rank{rank}.json")
@@ -68,14 +87,22 @@ def _save_step(url, step, gen, *, storage, options, point, pids, state_kw, run_u
             else:
                 result = cloudckpt.save(sd, url, storage=storage, options=options)
     except cloudckpt.CloudCkptError as exc:
-        return {"ok": False, "error": error_names(exc), "message": str(exc),
-                "seconds": time.perf_counter() - started}
-    return {"ok": True, "bytes": result.bytes_written, "objects": result.objects,
-            "attempt": result.attempt, "seconds": time.perf_counter() - started}
+        return {
+            "ok": False,
+            "error": error_names(exc),
+            "message": str(exc),
+            "seconds": time.perf_counter() - started,
+        }
+    return {
+        "ok": True,
+        "bytes": result.bytes_written,
+        "objects": result.objects,
+        "attempt": result.attempt,
+        "seconds": time.perf_counter() - started,
+    }
 
 
-def load_step(url: str, step: int, gen: int, *, storage=None, options=None,
-              state_kw=None) -> dict:
+def load_step(url: str, step: int, gen: int, *, storage=None, options=None, state_kw=None) -> dict:
     """Load into a blank state and compare with ``(step, gen)``; names that differ, or the
     error."""
     rank, world = rank_and_world()
@@ -84,17 +111,22 @@ def load_step(url: str, step: int, gen: int, *, storage=None, options=None,
     try:
         cloudckpt.load(sd, url, storage=storage, options=options)
     except cloudckpt.CloudCkptError as exc:
-        return {"ok": False, "error": error_names(exc), "message": str(exc),
-                "seconds": time.perf_counter() - started, "untouched": _untouched(sd)}
-    want = {k: v for k, v in full_expected(world, step, gen, **(state_kw or {})).items()
-            if k in sd}
+        return {
+            "ok": False,
+            "error": error_names(exc),
+            "message": str(exc),
+            "seconds": time.perf_counter() - started,
+            "untouched": _untouched(sd),
+        }
+    want = {k: v for k, v in full_expected(world, step, gen, **(state_kw or {})).items() if k in sd}
     return {"ok": True, "bad": differences(sd, want), "seconds": time.perf_counter() - started}
 
 
 def _untouched(sd: dict) -> list[str]:
     """Tensors that still hold only the blank sentinel."""
-    return [k for k, v in sd.items() if isinstance(v, torch.Tensor) and
-            bool((v == 0x5A5A5A5A).all())]
+    return [
+        k for k, v in sd.items() if isinstance(v, torch.Tensor) and bool((v == 0x5A5A5A5A).all())
+    ]
 
 
 def capture_logs_during(fn_name: str, *args, **kwargs) -> dict:
@@ -121,17 +153,20 @@ def capture_logs_during(fn_name: str, *args, **kwargs) -> dict:
     finally:
         root.removeHandler(handler)
         root.setLevel(old_level)
-    return {"result": result, "log": "\n".join(records), "records": len(records),
-            "pid": os.getpid()}
+    return {
+        "result": result,
+        "log": "\n".join(records),
+        "records": len(records),
+        "pid": os.getpid(),
+    }
 
 
 def warm_up(url: str, storage=None) -> int:
     """Import the save/load code and open this process's connection (one HEAD), so that a
     timed save that follows measures the save, not the process's first use."""
-    from cloudckpt.runtime import run_coroutine, shared_store
-
     import cloudckpt.api.load  # noqa: F401
     import cloudckpt.api.save  # noqa: F401
+    from cloudckpt.runtime.loop import run_coroutine, shared_store
 
     try:
         run_coroutine(shared_store(url, storage).head("manifest.msgpack"))

@@ -35,8 +35,15 @@ def tensor_value(name: str, step: int, gen: int, nbytes: int) -> torch.Tensor:
     return torch.randint(-(1 << 31), (1 << 31) - 1, (nbytes // 4,), generator=g, dtype=torch.int32)
 
 
-def rank_state(rank: int, world: int, step: int, gen: int, *, big_bytes: int = 11 * MiB,
-               small_bytes: int = 96 << 10) -> dict:
+def rank_state(
+    rank: int,
+    world: int,
+    step: int,
+    gen: int,
+    *,
+    big_bytes: int = 11 * MiB,
+    small_bytes: int = 96 << 10,
+) -> dict:
     """The state dict rank ``rank`` of a ``world``-rank job saves at ``(step, gen)``."""
     sd = {f"big.r{rank}": tensor_value(f"big.r{rank}", step, gen, big_bytes)}
     for i in range(SMALL_COUNT):
@@ -45,8 +52,9 @@ def rank_state(rank: int, world: int, step: int, gen: int, *, big_bytes: int = 1
     return sd
 
 
-def blank_rank_state(rank: int, world: int, *, big_bytes: int = 11 * MiB,
-                     small_bytes: int = 96 << 10) -> dict:
+def blank_rank_state(
+    rank: int, world: int, *, big_bytes: int = 11 * MiB, small_bytes: int = 96 << 10
+) -> dict:
     """The same layout as :func:`rank_state`, filled with a sentinel, to load into."""
     sd = {f"big.r{rank}": torch.full((big_bytes // 4,), 0x5A5A5A5A, dtype=torch.int32)}
     for i in range(SMALL_COUNT):
@@ -55,8 +63,9 @@ def blank_rank_state(rank: int, world: int, *, big_bytes: int = 11 * MiB,
     return sd
 
 
-def full_expected(world: int, step: int, gen: int, *, big_bytes: int = 11 * MiB,
-                  small_bytes: int = 96 << 10) -> dict:
+def full_expected(
+    world: int, step: int, gen: int, *, big_bytes: int = 11 * MiB, small_bytes: int = 96 << 10
+) -> dict:
     """What ``cloudckpt.load_full`` of a ``world``-rank save at ``(step, gen)`` returns."""
     out: dict = {}
     for rank in range(world):
@@ -75,8 +84,12 @@ def differences(loaded: dict, expected: dict) -> list[str]:
             continue
         got = loaded[name]
         if isinstance(want, torch.Tensor):
-            if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or \
-                    got.shape != want.shape or not torch.equal(got, want):
+            if (
+                not isinstance(got, torch.Tensor)
+                or got.dtype != want.dtype
+                or got.shape != want.shape
+                or not torch.equal(got, want)
+            ):
                 bad.append(name)
         elif got != want or type(got) is not type(want):
             bad.append(name)

@@ -19,15 +19,16 @@ class RawCheckpoint:
         self.url = url
         self.s3_server = s3_server
         if url.startswith("s3://"):
-            self.bucket, _, self.prefix = url[len("s3://"):].partition("/")
+            self.bucket, _, self.prefix = url[len("s3://") :].partition("/")
             self.client = s3_server.boto3_client()
         else:
-            self.root = Path(url[len("file://"):] if url.startswith("file://") else url)
+            self.root = Path(url[len("file://") :] if url.startswith("file://") else url)
 
     def read(self, key: str) -> bytes:
         if self.url.startswith("s3://"):
-            return self.client.get_object(Bucket=self.bucket,
-                                          Key=f"{self.prefix}/{key}")["Body"].read()
+            return self.client.get_object(Bucket=self.bucket, Key=f"{self.prefix}/{key}")[
+                "Body"
+            ].read()
         return (self.root / key).read_bytes()
 
     def write(self, key: str, data: bytes) -> None:
@@ -56,8 +57,12 @@ def cli_env(s3_server=None, **overrides) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     if s3_server is not None:
         env.update(s3_server.env())
-    env.update(AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull,
-               CLOUDCKPT_DEBUG="", PYTHONPATH=REPO)
+    env.update(
+        AWS_CONFIG_FILE=os.devnull,
+        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+        CLOUDCKPT_DEBUG="",
+        PYTHONPATH=REPO,
+    )
     for key, value in overrides.items():
         if value is None:
             env.pop(key, None)

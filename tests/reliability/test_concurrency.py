@@ -23,7 +23,7 @@ import pytest
 
 import cloudckpt
 from cloudckpt import CheckpointManager
-from cloudckpt.testing.dist import ProcessWorld
+from cloudckpt.testing.dist.world import ProcessWorld
 from tests.reliability.conftest import SAVE_OPTIONS
 from tests.reliability.ranks import load_step, save_step
 from tests.reliability.states import differences, full_expected
@@ -49,14 +49,24 @@ def _race(job_a, job_b, run_url, step, storage, barrier_dir) -> dict:
 
     def go(world, gen):
         try:
-            outcomes[gen] = world.run(save_step, url, step, gen, storage=storage,
-                                      options=SAVE_OPTIONS, run_url=run_url, state_kw=STATE,
-                                      barrier_dir=barrier_dir)
+            outcomes[gen] = world.run(
+                save_step,
+                url,
+                step,
+                gen,
+                storage=storage,
+                options=SAVE_OPTIONS,
+                run_url=run_url,
+                state_kw=STATE,
+                barrier_dir=barrier_dir,
+            )
         except BaseException as exc:  # reported below, with the other job's outcome
             errors[gen] = exc
 
-    threads = [threading.Thread(target=go, args=(job_a, 1)),
-               threading.Thread(target=go, args=(job_b, 2))]
+    threads = [
+        threading.Thread(target=go, args=(job_a, 1)),
+        threading.Thread(target=go, args=(job_b, 2)),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -87,10 +97,14 @@ def _check_one_winner(outcomes, run_url, step, storage, world) -> int:
 
 
 @pytest.mark.parametrize("backend", ["s3", "file"])
-def test_two_jobs_saving_the_same_step_exactly_one_commits(world2, other_job, s3_server, storage,
-                                                           tmp_path, backend, figures):
+def test_two_jobs_saving_the_same_step_exactly_one_commits(
+    world2, other_job, s3_server, storage, tmp_path, backend, figures
+):
     if backend == "s3":
-        run_url, options = s3_server.url(f"race-{os.getpid()}-{random.getrandbits(32):08x}"), storage
+        run_url, options = (
+            s3_server.url(f"race-{os.getpid()}-{random.getrandbits(32):08x}"),
+            storage,
+        )
     else:
         run_url, options = str(tmp_path / "run"), None
     rounds = 2 if backend == "s3" else 1
@@ -108,8 +122,9 @@ def test_two_jobs_saving_the_same_step_exactly_one_commits(world2, other_job, s3
 
 @pytest.mark.slow
 @pytest.mark.parametrize("round_", range(10))
-def test_two_jobs_racing_unsynchronised_long(world2, other_job, s3_server, storage, round_,
-                                              figures):
+def test_two_jobs_racing_unsynchronised_long(
+    world2, other_job, s3_server, storage, round_, figures
+):
     run_url = s3_server.url(f"race-long-{os.getpid()}-{round_}")
     for step in range(2):
         outcomes = _race(world2, other_job, run_url, step, storage, None)
@@ -145,8 +160,9 @@ def _latest_loader(mgr: CheckpointManager, storage, stop: threading.Event, stats
         stats["error"] = exc
 
 
-@pytest.mark.parametrize("steps", [pytest.param(5, id="ci"),
-                                   pytest.param(25, id="long", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "steps", [pytest.param(5, id="ci"), pytest.param(25, id="long", marks=pytest.mark.slow)]
+)
 def test_prune_concurrent_with_saves_and_loads(world2, s3_server, storage, steps, figures):
     run_url = s3_server.url(f"prune-race-{os.getpid()}-{random.getrandbits(32):08x}")
     pruner = CheckpointManager(run_url, storage=storage, keep_last=2)
@@ -154,21 +170,37 @@ def test_prune_concurrent_with_saves_and_loads(world2, s3_server, storage, steps
     stop = threading.Event()
     prune_stats = {"rounds": 0, "removed": 0}
     load_stats = {"exact": 0, "failed": 0}
-    threads = [threading.Thread(target=_prune_loop, args=(pruner, stop, prune_stats)),
-               threading.Thread(target=_latest_loader, args=(reader, storage, stop, load_stats))]
+    threads = [
+        threading.Thread(target=_prune_loop, args=(pruner, stop, prune_stats)),
+        threading.Thread(target=_latest_loader, args=(reader, storage, stop, load_stats)),
+    ]
     for t in threads:
         t.start()
     try:
         for step in range(steps):
             url = reader.step_url(step)
-            saved = world2.run(save_step, url, step, 1, storage=storage, options=SAVE_OPTIONS,
-                               run_url=run_url, state_kw=STATE)
+            saved = world2.run(
+                save_step,
+                url,
+                step,
+                1,
+                storage=storage,
+                options=SAVE_OPTIONS,
+                run_url=run_url,
+                state_kw=STATE,
+            )
             assert all(o["ok"] for o in saved), saved
             loaded = world2.run(load_step, url, step, 1, storage=storage, state_kw=STATE)
             assert [o.get("bad") for o in loaded] == [[], []], loaded
             if step:  # the step before is still kept (keep_last=2)
-                loaded = world2.run(load_step, reader.step_url(step - 1), step - 1, 1,
-                                    storage=storage, state_kw=STATE)
+                loaded = world2.run(
+                    load_step,
+                    reader.step_url(step - 1),
+                    step - 1,
+                    1,
+                    storage=storage,
+                    state_kw=STATE,
+                )
                 assert [o.get("bad") for o in loaded] == [[], []], loaded
     finally:
         stop.set()
@@ -179,8 +211,10 @@ def test_prune_concurrent_with_saves_and_loads(world2, s3_server, storage, steps
     assert prune_stats["rounds"] >= 2 and load_stats["exact"] >= 1, (prune_stats, load_stats)
     final = pruner.prune()
     infos = reader.list()
-    assert [(i.step, i.complete) for i in infos] == [(steps - 2, True), (steps - 1, True)], \
-        (infos, final)
+    assert [(i.step, i.complete) for i in infos] == [(steps - 2, True), (steps - 1, True)], (
+        infos,
+        final,
+    )
     for info in infos:
         report = cloudckpt.verify(info.url, storage=storage)
         assert report.ok, report.problems

@@ -26,10 +26,21 @@ from cloudckpt.errors import DuplicateKeyError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
-          torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
 SHAPES = [(), (0,), (3,), (2, 3), (1, 0, 2)]
-EXAMPLES = 80   # per direction: 5-10 s each on the 2-core machine, up to 30 s when shared
+EXAMPLES = 80  # per direction: 5-10 s each on the 2-core machine, up to 30 s when shared
 
 
 def _tensor(dtype, shape, seed):
@@ -44,20 +55,36 @@ def _tensor(dtype, shape, seed):
     return t.to(dtype)
 
 
-tensors = st.builds(_tensor, st.sampled_from(DTYPES), st.sampled_from(SHAPES),
-                    st.integers(0, 1 << 16))
-values = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70),
-                   st.floats(allow_nan=False), st.text(max_size=4), st.binary(min_size=1, max_size=4))   # b"": see the limit test
+tensors = st.builds(
+    _tensor, st.sampled_from(DTYPES), st.sampled_from(SHAPES), st.integers(0, 1 << 16)
+)
+values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(1 << 70), 1 << 70),
+    st.floats(allow_nan=False),
+    st.text(max_size=4),
+    st.binary(min_size=1, max_size=4),
+)  # b"": see the limit test
 keys = st.text(alphabet="ab.x _-/é0", min_size=1, max_size=4)
 nestings = st.recursive(
     st.one_of(tensors, values),
-    lambda inner: st.one_of(st.lists(inner, max_size=3), st.lists(inner, max_size=3).map(tuple),
-                            st.dictionaries(keys, inner, max_size=3)),
-    max_leaves=10)
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.lists(inner, max_size=3).map(tuple),
+        st.dictionaries(keys, inner, max_size=3),
+    ),
+    max_leaves=10,
+)
 state_dicts = st.dictionaries(keys, nestings, min_size=1, max_size=4)
 
-SETTINGS = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 
 
 def assert_same(got, want, path="") -> None:
@@ -81,14 +108,16 @@ def assert_same(got, want, path="") -> None:
 
 def _count_kinds(state) -> None:
     """Hypothesis events (``--hypothesis-show-statistics``): what the generated states held."""
+
     def walk(v, inside_tuple=False):
         if isinstance(v, torch.Tensor):
             yield "a tensor inside a tuple" if inside_tuple else "a tensor"
         elif isinstance(v, (dict, list, tuple)):
             if not v:
                 yield f"an empty {type(v).__name__}"
-            for x in (v.values() if isinstance(v, dict) else v):
+            for x in v.values() if isinstance(v, dict) else v:
                 yield from walk(x, inside_tuple or isinstance(v, tuple))
+
     for kind in set(walk(state)):
         event(kind)
 
@@ -136,17 +165,16 @@ def test_dcp_to_cloudckpt_loads_whole_as_dcp_rebuilds_it(state):
         tmp = Path(tmp)
         try:
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp / "dcp", sync_files=False))
-        except ValueError as exc:   # two keys with one dotted name: DCP refuses it too
+        except ValueError as exc:  # two keys with one dotted name: DCP refuses it too
             assert "duplicated flatten key" in str(exc)
             reject()
         try:
             want = _reference(tmp / "dcp", tmp / "ref.pt")
-        except RuntimeError as exc:   # a list where DCP dropped an empty dict: it fails
+        except RuntimeError as exc:  # a list where DCP dropped an empty dict: it fails
             event("dcp_to_torch_save fails")
             want = exc
         try:
-            result = cloudckpt.convert(tmp / "dcp", tmp / "ck", to="cloudckpt",
-                                       allow_pickle=True)
+            result = cloudckpt.convert(tmp / "dcp", tmp / "ck", to="cloudckpt", allow_pickle=True)
         except DuplicateKeyError:
             # a tuple's element and another key with the same dotted name ("a" holding (t,)
             # and "a.0"): cloudckpt cannot hold both, and says so before writing anything
@@ -178,11 +206,12 @@ def test_cloudckpt_to_dcp_rebuilds_as_load_full_returns_it(state):
         # the very items dcp.save writes for the same state, under the same paths
         try:
             dcp.save(want, storage_writer=dcp.FileSystemWriter(tmp / "own", sync_files=False))
-        except ValueError:   # two keys with one dotted name once tuples are DCP items
+        except ValueError:  # two keys with one dotted name once tuples are DCP items
             reject()
         ours, own = (dcp.FileSystemReader(tmp / d).read_metadata() for d in ("dcp", "own"))
-        assert [(k, type(v)) for k, v in ours.state_dict_metadata.items()] == \
-            [(k, type(v)) for k, v in own.state_dict_metadata.items()]
+        assert [(k, type(v)) for k, v in ours.state_dict_metadata.items()] == [
+            (k, type(v)) for k, v in own.state_dict_metadata.items()
+        ]
         assert ours.planner_data == own.planner_data
         # so DCP rebuilds what load_full returns, but for what DCP's own save changes (named)
         got = _outcome(_reference, tmp / "dcp", tmp / "ref.pt")
@@ -194,8 +223,9 @@ def test_cloudckpt_to_dcp_rebuilds_as_load_full_returns_it(state):
         # as on DCP's own checkpoint: a list holding an empty dict, say)
         dest, own_dest = _zeros_like(want), _zeros_like(want)
         failed = _outcome(_dcp, dcp.load, dest, storage_reader=dcp.FileSystemReader(tmp / "dcp"))
-        assert failed == _outcome(_dcp, dcp.load, own_dest,
-                                  storage_reader=dcp.FileSystemReader(tmp / "own"))
+        assert failed == _outcome(
+            _dcp, dcp.load, own_dest, storage_reader=dcp.FileSystemReader(tmp / "own")
+        )
         if failed is None:
             assert_same(dest, want)
 
@@ -204,9 +234,14 @@ def test_cloudckpt_to_dcp_rebuilds_as_load_full_returns_it(state):
 
 
 T = torch.arange(6.0).reshape(2, 3)
-CONTAINERS = {"pair": (T, T + 1), "mixed": [(T[0], 2), 3],
-              "deep": {"x": ([T[1]], {"k": torch.tensor(7, dtype=torch.int8)}), "n": ()},
-              "betas": (0.9, 0.95), "bytes": b"\x00", "step": torch.tensor(5)}
+CONTAINERS = {
+    "pair": (T, T + 1),
+    "mixed": [(T[0], 2), 3],
+    "deep": {"x": ([T[1]], {"k": torch.tensor(7, dtype=torch.int8)}), "n": ()},
+    "betas": (0.9, 0.95),
+    "bytes": b"\x00",
+    "step": torch.tensor(5),
+}
 
 
 def _dcp_checkpoint(state, folder: Path) -> Path:
@@ -224,8 +259,9 @@ def test_a_tuple_of_tensors_in_a_dcp_checkpoint_comes_back_a_tuple(tmp_path):
     assert_same(got, CONTAINERS)
     assert (result.skipped, result.changed) == ((), ())
     # the tensors inside are stored tensors of their own (verify checks them)
-    assert {"pair.0", "pair.1", "mixed.0.0", "deep.x.0.0", "deep.x.1.k"} <= \
-        set(cloudckpt.read_manifest(tmp_path / "ck").tensors)
+    assert {"pair.0", "pair.1", "mixed.0.0", "deep.x.0.0", "deep.x.1.k"} <= set(
+        cloudckpt.read_manifest(tmp_path / "ck").tensors
+    )
     assert cloudckpt.verify(tmp_path / "ck").ok
 
 
@@ -249,8 +285,10 @@ def test_what_dcp_keeps_differently_is_named(tmp_path):
     assert [c.split(":")[0] for c in result.changed] == ["'opt.state'", "'opt.none'", "'od'"]
     assert "come back str" in result.changed[0] and "empty mapping" in result.changed[1]
     assert "OrderedDict comes back a dict" in result.changed[2]
-    assert_same(_reference(tmp_path / "dcp", tmp_path / "ref.pt"),
-                {"opt": {"state": {"0": {"m": T}}}, "od": {"a": T}})
+    assert_same(
+        _reference(tmp_path / "dcp", tmp_path / "ref.pt"),
+        {"opt": {"state": {"0": {"m": T}}}, "od": {"a": T}},
+    )
 
 
 def test_a_list_that_lost_an_empty_dict_is_rebuilt_and_named(tmp_path):
@@ -284,11 +322,13 @@ def test_planner_data_dcp_never_writes_keeps_names_flat_and_says_so():
 
     entries = [("a.b", 1), ("a.c", 2)]
     assert rebuild(entries, {"a.b": ("a", "b"), "a.c": ("a", "c")}) == ({"a": {"b": 1, "c": 2}}, [])
-    for bad in ({"a.b": ("a", "b"), "a.c": ("a", 0)},        # a str and an int key into one node
-                {"a.b": ("a",), "a.c": ("a", "c")},           # a leaf and a container
-                {"a.b": ("a", "b"), "a.c": ("a", "b")},       # one path twice
-                {"a.b": ("a", 10**12), "a.c": ("a", "c")},    # a list index past any item
-                {"a.b": ("a", True), "a.c": ("a", "c")},      # not a str key or an index
-                {"a.b": "a", "a.c": ("a", "c")}):
+    for bad in (
+        {"a.b": ("a", "b"), "a.c": ("a", 0)},  # a str and an int key into one node
+        {"a.b": ("a",), "a.c": ("a", "c")},  # a leaf and a container
+        {"a.b": ("a", "b"), "a.c": ("a", "b")},  # one path twice
+        {"a.b": ("a", 10**12), "a.c": ("a", "c")},  # a list index past any item
+        {"a.b": ("a", True), "a.c": ("a", "c")},  # not a str key or an index
+        {"a.b": "a", "a.c": ("a", "c")},
+    ):
         nested, notes = rebuild(entries, bad)
         assert nested == {"a.b": 1, "a.c": 2} and len(notes) == 1 and "kept flat" in notes[0]

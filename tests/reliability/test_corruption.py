@@ -38,8 +38,9 @@ def _make_checkpoint(kind, world2, s3_server, storage, tmp_path_factory):
     else:
         url = str(tmp_path_factory.mktemp("corruption") / "ckpt")
         options = None
-    saved = world2.run(save_step, url, STEP, GEN, storage=options, options=SAVE_OPTIONS,
-                       state_kw=STATE)
+    saved = world2.run(
+        save_step, url, STEP, GEN, storage=options, options=SAVE_OPTIONS, state_kw=STATE
+    )
     assert all(o["ok"] for o in saved), saved
     manifest = cloudckpt.read_manifest(url, storage=options)
     assert len(manifest.objects) >= 6
@@ -74,8 +75,11 @@ def _chunks_of(manifest, key: str):
 
 
 def _blank_full() -> dict:
-    sd = {name: torch.full_like(t, SENTINEL) for name, t in full_expected(2, 0, 0, **STATE).items()
-          if isinstance(t, torch.Tensor)}
+    sd = {
+        name: torch.full_like(t, SENTINEL)
+        for name, t in full_expected(2, 0, 0, **STATE).items()
+        if isinstance(t, torch.Tensor)
+    }
     sd["meta"] = {"step": -1, "gen": -1}
     return sd
 
@@ -94,8 +98,9 @@ def _check_destinations(sd: dict, manifest, key: str, bad_bytes: range) -> None:
             if block_end + byte0 <= bad_bytes.start or block_start + byte0 >= bad_bytes.stop:
                 continue
             lo, hi = elem0 + block_start // 4, elem0 + block_end // 4
-            assert bool((sd[name][lo:hi] == SENTINEL).all()), \
+            assert bool((sd[name][lo:hi] == SENTINEL).all()), (
                 f"{name}[{lo}:{hi}] was written from a corrupted block of {key}"
+            )
 
 
 def _detects(url, options, manifest, key: str, bad_bytes: range, figures) -> None:
@@ -147,7 +152,7 @@ def test_cli_verify_names_every_damaged_object(s3_checkpoint, s3_server):
                 if key in flipped:
                     data[-1] ^= 0xFF
                 else:
-                    del data[len(data) // 3:]
+                    del data[len(data) // 3 :]
                 raw.write(key, bytes(data))
             res = cli(s3_server, "verify", url)
             assert res.returncode == 1, res.stdout + res.stderr
@@ -161,14 +166,20 @@ def test_cli_verify_names_every_damaged_object(s3_checkpoint, s3_server):
     assert cloudckpt.verify(url, storage=options).ok
 
 
-def test_two_rank_load_without_broadcasts_fails_on_every_rank_naming_the_object(
-        checkpoint, world2):
+def test_two_rank_load_without_broadcasts_fails_on_every_rank_naming_the_object(checkpoint, world2):
     url, options, raw, manifest = checkpoint
     key = manifest.objects[-1]
     original = raw.flip(key, len(raw.read(key)) // 2)
     try:
-        results = world2.run(load_step, url, STEP, GEN, storage=options,
-                             options=LoadOptions(broadcast=False), state_kw=STATE)
+        results = world2.run(
+            load_step,
+            url,
+            STEP,
+            GEN,
+            storage=options,
+            options=LoadOptions(broadcast=False),
+            state_kw=STATE,
+        )
     finally:
         raw.write(key, original)
     for outcome in results:
@@ -181,12 +192,16 @@ def test_two_rank_load_with_read_once_broadcasts_fails_on_every_rank(s3_checkpoi
     of them. Every rank must raise (naming the object) well before the collective timeout
     (a healthy load of this checkpoint takes well under a second)."""
     url, options, raw, manifest = s3_checkpoint
-    key = next(k for k in manifest.objects
-               if any(name.startswith("small.") for name, *_ in _chunks_of(manifest, k)))
+    key = next(
+        k
+        for k in manifest.objects
+        if any(name.startswith("small.") for name, *_ in _chunks_of(manifest, k))
+    )
     original = raw.flip(key, 0)
     try:
-        results = world2.run(load_step, url, STEP, GEN, storage=options, state_kw=STATE,
-                             timeout=10.0)
+        results = world2.run(
+            load_step, url, STEP, GEN, storage=options, state_kw=STATE, timeout=10.0
+        )
     finally:
         raw.write(key, original)
     for outcome in results:

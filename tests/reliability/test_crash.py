@@ -36,8 +36,8 @@ import pytest
 import cloudckpt
 from cloudckpt import CheckpointManager
 from cloudckpt.errors import CheckpointNotFound
-from cloudckpt.manager import step_dir
-from cloudckpt.testing.dist import ProcessWorld, RankFailedError
+from cloudckpt.runs.manager import step_dir
+from cloudckpt.testing.dist.world import ProcessWorld, RankFailedError
 from tests.reliability.conftest import SAVE_OPTIONS
 from tests.reliability.killpoints import KillPoint, ci_kill_points, long_kill_points
 from tests.reliability.ranks import load_step, save_step, warm_up
@@ -64,13 +64,22 @@ class Run:
         self.s3_server = s3_server
         self.root = root
         self.mgr = CheckpointManager(url, storage=self.storage)
-        self.committed: dict[int, int] = {}   # step -> gen of its committed save
+        self.committed: dict[int, int] = {}  # step -> gen of its committed save
         self.next_step = 0
 
-    def save(self, world: ProcessWorld, step: int, gen: int, *, options=SAVE_OPTIONS,
-             **kw) -> list[dict]:
-        return world.run(save_step, self.mgr.step_url(step), step, gen, storage=self.storage,
-                         options=options, run_url=self.url, **kw)
+    def save(
+        self, world: ProcessWorld, step: int, gen: int, *, options=SAVE_OPTIONS, **kw
+    ) -> list[dict]:
+        return world.run(
+            save_step,
+            self.mgr.step_url(step),
+            step,
+            gen,
+            storage=self.storage,
+            options=options,
+            run_url=self.url,
+            **kw,
+        )
 
     def check_loads(self, step: int) -> None:
         """``load_full`` of a committed step is bit-exact (it reads every byte of the checkpoint
@@ -91,22 +100,21 @@ class Run:
                     rel = os.path.relpath(os.path.join(dirpath, name), base).replace(os.sep, "/")
                     (temps if ".cloudckpt-tmp-" in name else keys).append(rel)
             return sorted(keys), sorted(temps)
-        bucket, _, root = self.url[len("s3://"):].partition("/")
+        bucket, _, root = self.url[len("s3://") :].partition("/")
         client = self.s3_server.boto3_client()
         full = f"{root}/{prefix}"
         keys = []
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=full):
-            keys += [o["Key"][len(full):] for o in page.get("Contents", [])]
+            keys += [o["Key"][len(full) :] for o in page.get("Contents", [])]
         uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=full).get("Uploads", [])
-        return sorted(keys), sorted(u["Key"][len(full):] for u in uploads)
+        return sorted(keys), sorted(u["Key"][len(full) :] for u in uploads)
 
 
 def _outcomes(directory: Path) -> dict[int, dict]:
     return {int(p.stem[4:]): json.loads(p.read_text()) for p in directory.glob("rank*.json")}
 
 
-def kill_cycle(world: ProcessWorld, run: Run, point: KillPoint, scratch: Path,
-               figures) -> dict:
+def kill_cycle(world: ProcessWorld, run: Run, point: KillPoint, scratch: Path, figures) -> dict:
     """One kill point, checked end to end (see the module docstring). Returns what happened."""
     step = run.next_step
     run.next_step += 1
@@ -120,8 +128,9 @@ def kill_cycle(world: ProcessWorld, run: Run, point: KillPoint, scratch: Path,
     if point.target == "save global planning":
         options = dataclasses.replace(options, use_plan_cache=False)
     with pytest.raises(RankFailedError) as failed:
-        run.save(world, step, 0, point=point, pids=world.pids, outcome_dir=str(scratch),
-                 options=options)
+        run.save(
+            world, step, 0, point=point, pids=world.pids, outcome_dir=str(scratch), options=options
+        )
     victims = [0, 1] if point.scope == "job" else [point.rank]
     for rank in victims:
         assert "killed by signal 9" in failed.value.failures.get(rank, ""), failed.value
@@ -166,8 +175,9 @@ def kill_cycle(world: ProcessWorld, run: Run, point: KillPoint, scratch: Path,
         manifest = cloudckpt.read_manifest(url, storage=run.storage)
         assert all(key.startswith(f"data/{attempt}/") for key in manifest.objects)
         keys, unfinished = run.step_contents(step)
-        assert keys == sorted(["manifest.msgpack", *manifest.objects]), \
+        assert keys == sorted(["manifest.msgpack", *manifest.objects]), (
             f"{point}: leftovers of the killed attempt after the new save"
+        )
         assert unfinished == [], f"{point}: unfinished uploads left: {unfinished}"
     run.check_loads(step)
     return {"step": step, "complete_after_kill": complete}
@@ -175,8 +185,12 @@ def kill_cycle(world: ProcessWorld, run: Run, point: KillPoint, scratch: Path,
 
 def _make_run(backend: str, s3_server, storage, tmp_path_factory) -> Run:
     if backend == "s3":
-        run = Run("s3", s3_server.url(f"crash-{os.getpid()}-{random.getrandbits(32):08x}"),
-                  storage, s3_server)
+        run = Run(
+            "s3",
+            s3_server.url(f"crash-{os.getpid()}-{random.getrandbits(32):08x}"),
+            storage,
+            s3_server,
+        )
     else:
         root = tmp_path_factory.mktemp("crash-run")
         run = Run("file", root.as_uri(), storage, s3_server, root)
@@ -209,8 +223,9 @@ def test_after_the_kills_a_two_rank_job_loads_the_latest(crash_world, runs):
             assert report.ok, (step, report.problems)
         latest = run.mgr.latest()
         assert latest.step == max(run.committed)
-        results = crash_world.run(load_step, latest.url, latest.step,
-                                  run.committed[latest.step], storage=run.storage)
+        results = crash_world.run(
+            load_step, latest.url, latest.step, run.committed[latest.step], storage=run.storage
+        )
         assert results == [{"ok": True, "bad": [], "seconds": r["seconds"]} for r in results]
 
 
@@ -227,25 +242,28 @@ def test_stale_manifest_upload_is_cleaned_after_a_new_save(tmp_path):
     stale.write_bytes(b"half a manifest")
     (tmp_path / "run" / step_dir(3) / "data" / "0123456789abcdef").mkdir(parents=True)
     (tmp_path / "run" / step_dir(3) / "data" / "0123456789abcdef" / "r00000-0000.bin").write_bytes(
-        b"stale data")
+        b"stale data"
+    )
     mgr.save(3, {"w": torch.arange(10)})
     assert not (tmp_path / "run" / step_dir(3) / "data" / "0123456789abcdef").exists()
     assert not stale.exists()
 
 
-def test_killed_attempt_with_only_unfinished_uploads_is_cleaned_after_a_new_save(s3_server,
-                                                                                   storage):
+def test_killed_attempt_with_only_unfinished_uploads_is_cleaned_after_a_new_save(
+    s3_server, storage
+):
     """What a job killed during its first multipart parts leaves: unfinished uploads under the
     step, no finished object. The next successful save of that step must abort them."""
     import torch
 
     run_url = s3_server.url(f"crash-uploads-{os.getpid()}-{random.getrandbits(32):08x}")
-    bucket, _, root = run_url[len("s3://"):].partition("/")
+    bucket, _, root = run_url[len("s3://") :].partition("/")
     client = s3_server.boto3_client()
     stale = f"{root}/{step_dir(5)}data/0123456789abcdef/r00000-0000.bin"
     upload = client.create_multipart_upload(Bucket=bucket, Key=stale)
-    client.upload_part(Bucket=bucket, Key=stale, UploadId=upload["UploadId"], PartNumber=1,
-                       Body=b"x" * 1024)
+    client.upload_part(
+        Bucket=bucket, Key=stale, UploadId=upload["UploadId"], PartNumber=1, Body=b"x" * 1024
+    )
     CheckpointManager(run_url, storage=storage).save(5, {"w": torch.arange(10)})
     left = client.list_multipart_uploads(Bucket=bucket, Prefix=f"{root}/").get("Uploads", [])
     assert [u["Key"] for u in left] == []

@@ -24,12 +24,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta,
-                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from cloudckpt.cli import main as cli_main
+from cloudckpt.cli.main import main as cli_main
 from cloudckpt.dcp import StorageReader, StorageWriter
 from cloudckpt.dcp.metadata import MEMORY_PER_BYTE, check_metadata, unpickle_metadata
 from cloudckpt.errors import IntegrityError, InvalidRange, ManifestError
@@ -81,7 +86,7 @@ def nested_tuples(depth: int) -> bytes:
 
 
 def as_key(key: bytes) -> bytes:
-    return b"}" + key + b"Ns"   # {key: None}
+    return b"}" + key + b"Ns"  # {key: None}
 
 
 def huge_size(n: int) -> bytes:
@@ -90,9 +95,15 @@ def huge_size(n: int) -> bytes:
 
 
 def _good_metadata() -> Metadata:
-    md = Metadata(state_dict_metadata={"w": TensorStorageMetadata(
-        TensorProperties(dtype=torch.float32), torch.Size([4]),
-        [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))])})
+    md = Metadata(
+        state_dict_metadata={
+            "w": TensorStorageMetadata(
+                TensorProperties(dtype=torch.float32),
+                torch.Size([4]),
+                [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))],
+            )
+        }
+    )
     md.storage_data = {MetadataIndex("w", [0]): _StorageInfo("__0_0.distcp", 0, 100)}
     return md
 
@@ -113,19 +124,23 @@ def _metadata_with(**fields) -> bytes:
     return pickle.dumps(md)
 
 
-CLASSES = {"Metadata": g(_MD, "Metadata"), "MetadataIndex": g(_MD, "MetadataIndex"),
-           "PosixPath": g("pathlib", "PosixPath"), "layout cache": g("torch.serialization",
-                                                                     "_get_layout"),
-           "torch.Size": g("torch", "Size"), "OrderedDict": g("collections", "OrderedDict")}
+CLASSES = {
+    "Metadata": g(_MD, "Metadata"),
+    "MetadataIndex": g(_MD, "MetadataIndex"),
+    "PosixPath": g("pathlib", "PosixPath"),
+    "layout cache": g("torch.serialization", "_get_layout"),
+    "torch.Size": g("torch", "Size"),
+    "OrderedDict": g("collections", "OrderedDict"),
+}
 HOSTILE = {
     **{f"BUILD on {name}": splice(build_on(cls)) for name, cls in CLASSES.items()},
-    **{f"slot BUILD on {name}": splice(build_on(cls, slots=True)) for name, cls in
-       CLASSES.items()},
+    **{f"slot BUILD on {name}": splice(build_on(cls, slots=True)) for name, cls in CLASSES.items()},
     "BUILD on a dtype": splice(build_on(g("torch", "float32"))),
     "BUILD twice": splice(g(_MD, "StorageMeta") + b")\x81}b}b"),
     # a MetadataIndex put in a tuple (DUP), then BUILD: its state would change after its use
-    "BUILD after use": splice(g(_MD, "MetadataIndex") + b")\x81" + b"2}\x86" + b"0"
-                              + b"}" + s("fqn") + s("x") + b"sb"),
+    "BUILD after use": splice(
+        g(_MD, "MetadataIndex") + b")\x81" + b"2}\x86" + b"0" + b"}" + s("fqn") + s("x") + b"sb"
+    ),
     "shared-tuple key": splice(as_key(shared_tuples(40))),
     "nested-tuple key": splice(as_key(nested_tuples(300_000))),
     "nested lists": splice(b"]" * 100 + b"a" * 99),
@@ -135,28 +150,42 @@ HOSTILE = {
     "huge number": splice(b"\x8b" + (1 << 20).to_bytes(4, "little") + b"\x01" * (1 << 20)),
     "bare Metadata": pickle.dumps(bare(Metadata)),
     "bare tensor entry": _metadata_with(state_dict_metadata={"w": bare(TensorStorageMetadata)}),
-    "partial tensor entry": _metadata_with(state_dict_metadata={"w": partial(
-        TensorStorageMetadata, size=torch.Size([4]))}),
+    "partial tensor entry": _metadata_with(
+        state_dict_metadata={"w": partial(TensorStorageMetadata, size=torch.Size([4]))}
+    ),
     "bare index": splice(as_key(g(_MD, "MetadataIndex") + b")\x81"), "storage_data"),
-    "bare storage info": _metadata_with(storage_data={MetadataIndex("w", [0]):
-                                                      bare(_StorageInfo)}),
+    "bare storage info": _metadata_with(storage_data={MetadataIndex("w", [0]): bare(_StorageInfo)}),
     "unknown field": _metadata_with(extra=1),
     "field of another type": _metadata_with(storage_meta=5),
-    "chunks not a list": _metadata_with(state_dict_metadata={"w": partial(
-        TensorStorageMetadata, properties=TensorProperties(), size=torch.Size([4]),
-        chunks="xx")}),
-    "index without fqn": splice(as_key(g(_MD, "MetadataIndex") + b")\x81}" + s("offset")
-                                       + b"Nsb"), "storage_data"),
+    "chunks not a list": _metadata_with(
+        state_dict_metadata={
+            "w": partial(
+                TensorStorageMetadata,
+                properties=TensorProperties(),
+                size=torch.Size([4]),
+                chunks="xx",
+            )
+        }
+    ),
+    "index without fqn": splice(
+        as_key(g(_MD, "MetadataIndex") + b")\x81}" + s("offset") + b"Nsb"), "storage_data"
+    ),
     "a set": splice(b"\x8f"),
 }
 # what a BUILD on a class would have set, and where
-_TARGETS = [Metadata, MetadataIndex, pathlib.PosixPath, torch.Size,
-            collections.OrderedDict, torch.float32]
+_TARGETS = [
+    Metadata,
+    MetadataIndex,
+    pathlib.PosixPath,
+    torch.Size,
+    collections.OrderedDict,
+    torch.float32,
+]
 
 
 def _write_ck(root: pathlib.Path) -> pathlib.Path:
     dcp.save({"w": torch.arange(4, dtype=torch.float32)}, storage_writer=StorageWriter(root))
-    (root / ".metadata.checksums").unlink()   # a checkpoint as FileSystemWriter writes it
+    (root / ".metadata.checksums").unlink()  # a checkpoint as FileSystemWriter writes it
     return root
 
 
@@ -186,8 +215,9 @@ def _convert_fails(src: pathlib.Path, dst: pathlib.Path, capsys) -> str:
 # -- each hostile pickle: refused by the reader and by convert, nothing changed ---------------
 
 
-@pytest.mark.parametrize("case", [c for c in HOSTILE if c not in ("shared-tuple key",
-                                                                   "nested-tuple key")])
+@pytest.mark.parametrize(
+    "case", [c for c in HOSTILE if c not in ("shared-tuple key", "nested-tuple key")]
+)
 def test_a_hostile_metadata_is_refused_and_changes_nothing(case, base_ck, tmp_path, capsys):
     before = [dict(vars(t)) if hasattr(t, "__dict__") else None for t in _TARGETS]
     ck = _with_metadata(base_ck, tmp_path / "ck", HOSTILE[case])
@@ -196,10 +226,10 @@ def test_a_hostile_metadata_is_refused_and_changes_nothing(case, base_ck, tmp_pa
         StorageReader(ck).read_metadata()
     refusal = str(info.value)
     assert refusal.startswith(".metadata")
-    assert time.monotonic() - started < 60   # bounded: far below, generously guarded
+    assert time.monotonic() - started < 60  # bounded: far below, generously guarded
     with pytest.raises(CheckpointException) as info:
         dcp.load({"w": torch.zeros(4)}, storage_reader=StorageReader(ck))
-    assert refusal in str(failure_of(info.value))   # DCP wraps it with its rank-local retry
+    assert refusal in str(failure_of(info.value))  # DCP wraps it with its rank-local retry
     _convert_fails(ck, tmp_path / "out", capsys)
     after = [dict(vars(t)) if hasattr(t, "__dict__") else None for t in _TARGETS]
     assert after == before
@@ -212,11 +242,12 @@ def test_the_generator_splices_into_a_metadata_that_loads(base_ck, tmp_path):
     assert md.planner_data == "fine" and md == unpickle_metadata(splice(s("fine")))
     assert unpickle_metadata(splice(as_key(shared_tuples(8)))).planner_data  # a small DAG is fine
     assert unpickle_metadata(splice(g("torch", "float32"))).planner_data is torch.float32
-    md = _good_metadata()   # every allowed class, at each protocol DCP's writers use
+    md = _good_metadata()  # every allowed class, at each protocol DCP's writers use
     md.storage_meta = StorageMeta(checkpoint_id=pathlib.PosixPath("/a/b"), save_id="s")
     md.planner_data = collections.OrderedDict(a=("x", 1), b=[1.5, None, True, b"by", "\xe9"])
     md.state_dict_metadata["w"].properties = TensorProperties(
-        dtype=torch.int8, memory_format=torch.channels_last, requires_grad=True)
+        dtype=torch.int8, memory_format=torch.channels_last, requires_grad=True
+    )
     for protocol in (3, 4, 5):
         assert unpickle_metadata(pickle.dumps(md, protocol=protocol)) == md
 
@@ -226,8 +257,7 @@ def test_bare_objects_handed_to_the_reader_are_a_typed_error():
     without AttributeError, however bare."""
     md = _good_metadata()
     md.state_dict_metadata["w"] = bare(TensorStorageMetadata)
-    for hostile in (bare(Metadata), md, partial(Metadata, state_dict_metadata={},
-                                                storage_meta=3)):
+    for hostile in (bare(Metadata), md, partial(Metadata, state_dict_metadata={}, storage_meta=3)):
         with pytest.raises(ManifestError):
             check_metadata(hostile)
     md = _good_metadata()
@@ -255,7 +285,7 @@ def test_metadata_memory_is_a_small_factor_of_its_size(case):
 
 _SCRIPT = textwrap.dedent("""
     import sys, time
-    from cloudckpt.cli import main
+    from cloudckpt.cli.main import main
     from cloudckpt.dcp import StorageReader
     from cloudckpt.errors import ManifestError
     started = time.monotonic()
@@ -273,10 +303,14 @@ _SCRIPT = textwrap.dedent("""
 def test_a_key_that_crashes_or_hangs_pickle_is_refused_in_bounded_time(case, base_ck, tmp_path):
     ck = _with_metadata(base_ck, tmp_path / "ck", HOSTILE[case])
     try:
-        res = subprocess.run([sys.executable, "-c", _SCRIPT, str(ck), str(tmp_path / "out")],
-                             cwd=REPO, env={**os.environ, "PYTHONPATH": REPO,
-                                            "CLOUDCKPT_DEBUG": ""},
-                             capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            [sys.executable, "-c", _SCRIPT, str(ck), str(tmp_path / "out")],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": REPO, "CLOUDCKPT_DEBUG": ""},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"{case}: reading the .metadata did not end within 120 s")
     assert res.returncode == 0, f"{case}: the process died ({res.returncode}): {res.stderr}"
@@ -289,15 +323,15 @@ def test_a_key_that_crashes_or_hangs_pickle_is_refused_in_bounded_time(case, bas
 
 
 def _lying(md: Metadata, **info) -> bytes:
-    (index, good), = md.storage_data.items()
+    ((index, good),) = md.storage_data.items()
     md.storage_data = {index: _StorageInfo(**{**vars(good), **info})}
     return pickle.dumps(md)
 
 
-@pytest.mark.parametrize("case", ["2^40-byte item", "1.25 GiB item", "offset past the end",
-                                  "2^40-element chunk"])
-def test_lengths_are_checked_against_the_files_before_any_buffer(case, base_ck, tmp_path,
-                                                                  capsys):
+@pytest.mark.parametrize(
+    "case", ["2^40-byte item", "1.25 GiB item", "offset past the end", "2^40-element chunk"]
+)
+def test_lengths_are_checked_against_the_files_before_any_buffer(case, base_ck, tmp_path, capsys):
     md = StorageReader(base_ck).read_metadata()
     if case == "2^40-byte item":
         data = _lying(md, length=1 << 40)
@@ -307,21 +341,28 @@ def test_lengths_are_checked_against_the_files_before_any_buffer(case, base_ck, 
         data = _lying(md, offset=1 << 20)
     else:
         md.state_dict_metadata["w"] = TensorStorageMetadata(
-            TensorProperties(dtype=torch.float32), torch.Size([1 << 40]),
-            [ChunkStorageMetadata(torch.Size([0]), torch.Size([1 << 40]))])
-        (index, info), = md.storage_data.items()
+            TensorProperties(dtype=torch.float32),
+            torch.Size([1 << 40]),
+            [ChunkStorageMetadata(torch.Size([0]), torch.Size([1 << 40]))],
+        )
+        ((index, info),) = md.storage_data.items()
         md.storage_data = {MetadataIndex("w", [0]): info}
         data = pickle.dumps(md)
     ck = _with_metadata(base_ck, tmp_path / "ck", data)
     tracemalloc.start()
     try:
-        if case == "2^40-element chunk":   # no destination can exist: the reader's own steps
+        if case == "2^40-element chunk":  # no destination can exist: the reader's own steps
             reader = StorageReader(ck)
             reader.set_up_storage_reader(reader.read_metadata(), True)
             index = MetadataIndex("w", [0])
-            item = ReadItem(type=LoadItemType.TENSOR, dest_index=index, storage_index=index,
-                            dest_offsets=torch.Size([0]), storage_offsets=torch.Size([0]),
-                            lengths=torch.Size([1 << 40]))
+            item = ReadItem(
+                type=LoadItemType.TENSOR,
+                dest_index=index,
+                storage_index=index,
+                dest_offsets=torch.Size([0]),
+                storage_offsets=torch.Size([0]),
+                lengths=torch.Size([1 << 40]),
+            )
             with pytest.raises(IntegrityError, match="does not fit"):
                 reader.read_data(LoadPlan([item]), planner=None)
         else:
@@ -342,8 +383,9 @@ def test_a_planner_data_of_another_type_converts_with_flat_names(base_ck, tmp_pa
         md = StorageReader(base_ck).read_metadata()
         md.planner_data = planner_data
         ck = _with_metadata(base_ck, tmp_path / f"ck{i}", pickle.dumps(md))
-        status = cli_main(["convert", str(ck), str(tmp_path / f"out{i}"), "--to", "cloudckpt",
-                           "--trust"])
+        status = cli_main(
+            ["convert", str(ck), str(tmp_path / f"out{i}"), "--to", "cloudckpt", "--trust"]
+        )
         assert status == 0, capsys.readouterr().err
 
 
@@ -369,6 +411,12 @@ def test_a_global_of_torch_imports_nothing():
             assert f"torch.{name}" not in sys.modules, f"torch.{name} was imported"
         print("ok")
     """)
-    res = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    res = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr

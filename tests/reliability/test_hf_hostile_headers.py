@@ -42,8 +42,7 @@ def amplifying(kind: str, size: int) -> bytes:
         "long shape": b'{"a":{"dtype":"U8","shape":[' + b"1," * n + b'1],"data_offsets":[0,1]}}',
         "tensor entries": b"{" + (ENTRY + b"},") * (size // 60) + ENTRY + b"}}",
         "deep nesting": b'{"a":' + b"[" * (size // 2) + b"]" * (size // 2) + b"}",
-        "wide characters": b'{"__metadata__":{"k":"' + b"a" * size + "\U0001F600".encode()
-                           + b'"}}',
+        "wide characters": b'{"__metadata__":{"k":"' + b"a" * size + "\U0001f600".encode() + b'"}}',
     }[kind]
 
 
@@ -51,8 +50,17 @@ def framed(doc: bytes) -> bytes:
     return len(doc).to_bytes(8, "little") + doc
 
 
-KINDS = ["empty objects", "empty lists", "repeated keys", "tiny metadata", "numbers",
-         "long shape", "tensor entries", "deep nesting", "wide characters"]
+KINDS = [
+    "empty objects",
+    "empty lists",
+    "repeated keys",
+    "tiny metadata",
+    "numbers",
+    "long shape",
+    "tensor entries",
+    "deep nesting",
+    "wide characters",
+]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -63,8 +71,10 @@ def test_an_amplifying_header_is_refused_in_bounded_time_and_memory(kind):
         with pytest.raises(SafetensorsError, match="refused before parsing") as caught:
             parse_header(raw, file_size=len(raw), key="model.safetensors")
     took = time.monotonic() - start
-    print(f"{kind}: {len(raw) / MiB:.0f} MiB header refused in {took:.2f} s, growth "
-          f"{m.growth / MiB:.0f} MiB")
+    print(
+        f"{kind}: {len(raw) / MiB:.0f} MiB header refused in {took:.2f} s, growth "
+        f"{m.growth / MiB:.0f} MiB"
+    )
     assert caught.value.path == "model.safetensors" and "\n" not in str(caught.value)
     assert took < 20  # generous: the counts take well under a second here
     assert m.growth <= len(raw) + 16 * MiB  # one copy of the JSON, nothing built from it
@@ -87,8 +97,10 @@ def test_the_estimate_is_an_upper_bound_of_what_parsing_allocates(kind):
 
 
 def test_real_headers_of_a_hundred_thousand_tensors_still_parse():
-    tensors = [(f"model.layers.{i}.self_attn.q_proj.weight", "bfloat16", (4096, 4096))
-               for i in range(100_000)]
+    tensors = [
+        (f"model.layers.{i}.self_attn.q_proj.weight", "bfloat16", (4096, 4096))
+        for i in range(100_000)
+    ]
     raw, want = build_header(tensors, {"format": "pt"})
     assert estimate_parse_bytes(raw[8:]) <= MAX_PARSE_BYTES
     got = parse_header(raw)
@@ -110,17 +122,20 @@ def test_a_long_number_is_refused_even_without_pythons_digit_limit():
     assert parse_header(framed(ok), file_size=len(ok) + 8).tensors[0].name == "a"
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("shape", "[1e400]", "non-negative"),
-    ("shape", '["4"]', "non-negative"),
-    ("shape", "[4294967296,4294967296,4294967296,4294967296]", "2\\*\\*60"),
-    ("data_offsets", "[0,1e400]", "begin <= end"),
-    ("data_offsets", '["0","4"]', "begin <= end"),
-    ("data_offsets", "[0,18446744073709551616]", "span"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("shape", "[1e400]", "non-negative"),
+        ("shape", '["4"]', "non-negative"),
+        ("shape", "[4294967296,4294967296,4294967296,4294967296]", "2\\*\\*60"),
+        ("data_offsets", "[0,1e400]", "begin <= end"),
+        ("data_offsets", '["0","4"]', "begin <= end"),
+        ("data_offsets", "[0,18446744073709551616]", "span"),
+    ],
+)
 def test_odd_numbers_in_a_header_get_the_typed_error(field, value, match):
     fields = {"dtype": '"U8"', "shape": "[4]", "data_offsets": "[0,4]", field: value}
-    doc = ("{\"a\":{" + ",".join(f'"{k}":{v}' for k, v in fields.items()) + "}}").encode()
+    doc = ('{"a":{' + ",".join(f'"{k}":{v}' for k, v in fields.items()) + "}}").encode()
     with pytest.raises(SafetensorsError, match=match):
         parse_header(framed(doc) + bytes(4), file_size=len(doc) + 12)
 

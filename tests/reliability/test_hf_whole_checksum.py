@@ -17,7 +17,7 @@ import cloudckpt
 from cloudckpt.checksum import crc32c
 from cloudckpt.errors import ChecksumError
 from cloudckpt.hf.header import build_header
-from cloudckpt.runtime import run_coroutine, shared_store
+from cloudckpt.runtime.loop import run_coroutine, shared_store
 from cloudckpt.storage import LocalStore
 from tests.reliability.conftest import storage_for
 
@@ -35,10 +35,12 @@ def safetensors_file() -> tuple[bytes, int, dict[str, torch.Tensor]]:
 
 def upload(s3_server, url: str, blob: bytes, *, crc: bool) -> None:
     bucket_key = url.removeprefix(f"s3://{s3_server.bucket}/") + "/model.safetensors"
-    extra = {"ChecksumCRC32C": base64.b64encode(crc32c(blob).to_bytes(4, "big")).decode()} \
-        if crc else {}
-    s3_server.boto3_client().put_object(Bucket=s3_server.bucket, Key=bucket_key, Body=blob,
-                                        **extra)
+    extra = (
+        {"ChecksumCRC32C": base64.b64encode(crc32c(blob).to_bytes(4, "big")).decode()}
+        if crc
+        else {}
+    )
+    s3_server.boto3_client().put_object(Bucket=s3_server.bucket, Key=bucket_key, Body=blob, **extra)
 
 
 def flip_first_data_get(proxy, load, data_start: int) -> None:
@@ -47,15 +49,19 @@ def flip_first_data_get(proxy, load, data_start: int) -> None:
     proxy.configure(record=True)
     load()
     requests = proxy.requests
-    first = next(i for i, (method, _, headers) in enumerate(requests) if method == "GET"
-                 and headers.get("Range", headers.get("range", "")).startswith(
-                     f"bytes={data_start}-"))
+    first = next(
+        i
+        for i, (method, _, headers) in enumerate(requests)
+        if method == "GET"
+        and headers.get("Range", headers.get("range", "")).startswith(f"bytes={data_start}-")
+    )
     proxy.configure(record=False, schedule=[None] * first + ["flip"])
 
 
 @pytest.mark.parametrize("stored", ["crc32c", "md5"])
 def test_a_file_damaged_behind_the_stores_checksum_is_never_loaded(
-        s3_server, s3_url, fault_proxy, stored):
+    s3_server, s3_url, fault_proxy, stored
+):
     blob, data_start, tensors = safetensors_file()
     upload(s3_server, s3_url, blob, crc=stored == "crc32c")
     options = storage_for(s3_server, endpoint_url=fault_proxy.endpoint_url)
@@ -101,14 +107,17 @@ def test_stores_without_a_whole_object_checksum(s3_server, s3_url, tmp_path):
     client = s3_server.boto3_client()
     key = s3_url.removeprefix(f"s3://{s3_server.bucket}/") + "/model.safetensors"
     up = client.create_multipart_upload(Bucket=s3_server.bucket, Key=key)
-    part = client.upload_part(Bucket=s3_server.bucket, Key=key, PartNumber=1,
-                              UploadId=up["UploadId"], Body=blob)
-    client.complete_multipart_upload(Bucket=s3_server.bucket, Key=key, UploadId=up["UploadId"],
-                                     MultipartUpload={"Parts": [{"PartNumber": 1,
-                                                                 "ETag": part["ETag"]}]})
+    part = client.upload_part(
+        Bucket=s3_server.bucket, Key=key, PartNumber=1, UploadId=up["UploadId"], Body=blob
+    )
+    client.complete_multipart_upload(
+        Bucket=s3_server.bucket,
+        Key=key,
+        UploadId=up["UploadId"],
+        MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]},
+    )
     options = storage_for(s3_server)
-    assert run_coroutine(shared_store(s3_url, options).whole_checksum("model.safetensors")) \
-        is None
+    assert run_coroutine(shared_store(s3_url, options).whole_checksum("model.safetensors")) is None
     (tmp_path / "model.safetensors").write_bytes(blob)
     assert run_coroutine(LocalStore(tmp_path).whole_checksum("model.safetensors")) is None
     for src, storage in ((s3_url, options), (str(tmp_path), None)):
@@ -136,12 +145,16 @@ def test_ranges_in_any_order_are_folded_into_the_whole_files_checksum(tmp_path, 
     bad = good ^ 1 if kind == "crc32c" else bytes(16)
     cut = data_start + 1000
     tail = [ReadRange(cut, len(blob) - cut)]
-    reverse = [tail, tail, [ReadRange(data_start, 10), ReadRange(data_start + 10, cut - 10
-                                                                  - data_start)]]
+    reverse = [
+        tail,
+        tail,
+        [ReadRange(data_start, 10), ReadRange(data_start + 10, cut - 10 - data_start)],
+    ]
 
     async def read(want, batches):
-        store = VerifyingStore(LocalStore(tmp_path),
-                               {"f": ExpectedFile.of(kind, want, len(blob), blob[:data_start])})
+        store = VerifyingStore(
+            LocalStore(tmp_path), {"f": ExpectedFile.of(kind, want, len(blob), blob[:data_start])}
+        )
         for ranges in batches:
             await store.read_ranges("f", ranges)
 
@@ -159,16 +172,20 @@ def test_only_checksums_of_the_whole_object_are_taken():
     """What a HeadObject answer yields: a full-object CRC32C first, then an MD5 ETag of an
     unencrypted single-part upload; never a composite CRC, a multipart ETag, an SSE-KMS or
     SSE-C ETag (not MD5s) or a malformed value."""
-    from cloudckpt.storage.s3 import whole_checksum_of
+    from cloudckpt.storage.s3.store import whole_checksum_of
 
     md5 = '"0123456789abcdef0123456789abcdef"'
     crc = base64.b64encode((0xDEADBEEF).to_bytes(4, "big")).decode()
     got = whole_checksum_of({"ContentLength": 9, "ChecksumCRC32C": crc, "ETag": md5})
     assert (got.kind, got.value, got.size) == ("crc32c", 0xDEADBEEF, 9)
     assert whole_checksum_of({"ETag": md5}).value == bytes.fromhex(md5.strip('"'))
-    for resp in ({"ChecksumCRC32C": crc + "-3", "ChecksumType": "COMPOSITE"},
-                 {"ChecksumCRC32C": crc, "ChecksumType": "COMPOSITE"},
-                 {"ChecksumCRC32C": "not base64!"}, {"ETag": '"abc-2"'},
-                 {"ETag": md5, "ServerSideEncryption": "aws:kms"},
-                 {"ETag": md5, "SSECustomerAlgorithm": "AES256"}, {}):
+    for resp in (
+        {"ChecksumCRC32C": crc + "-3", "ChecksumType": "COMPOSITE"},
+        {"ChecksumCRC32C": crc, "ChecksumType": "COMPOSITE"},
+        {"ChecksumCRC32C": "not base64!"},
+        {"ETag": '"abc-2"'},
+        {"ETag": md5, "ServerSideEncryption": "aws:kms"},
+        {"ETag": md5, "SSECustomerAlgorithm": "AES256"},
+        {},
+    ):
         assert whole_checksum_of(resp) is None, resp

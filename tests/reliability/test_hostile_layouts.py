@@ -17,10 +17,11 @@ import pytest
 import torch
 
 import cloudckpt
-from cloudckpt.manifest import decode_manifest
-from cloudckpt.manifest.codec import DIMS_PER_BYTE
-from cloudckpt.planning import PieceSpec, cover_sweep, plan_local_load
-from cloudckpt.planning.chunk_index import LEAF_CHUNKS, manifest_index
+from cloudckpt.manifest.codec import DIMS_PER_BYTE, decode_manifest
+from cloudckpt.planning import cover_sweep
+from cloudckpt.planning.load.chunk_index import LEAF_CHUNKS, manifest_index
+from cloudckpt.planning.load.plan import plan_local_load
+from cloudckpt.planning.pieces import PieceSpec
 from tests.reliability import hostile_layouts as hl
 
 pytestmark = pytest.mark.timeout(300)
@@ -85,7 +86,9 @@ def test_one_element_load_from_a_column_split_checkpoint(tmp_path):
     url = str(tmp_path / "ckpt")
     shape, off, size = hl.column_split(2000)
     manifest = hl.write_layout(RawCheckpoint(url), {"w": (shape, off, size)})
-    dest = {"w": cloudckpt.GlobalPiece(torch.full((1, 1), 7, dtype=torch.uint8), shape, (1234, 567))}
+    dest = {
+        "w": cloudckpt.GlobalPiece(torch.full((1, 1), 7, dtype=torch.uint8), shape, (1234, 567))
+    }
     result = cloudckpt.load(dest, url)
     assert int(dest["w"].local[0, 0]) == 0
     holder = np.flatnonzero(((off <= (1234, 567)) & ((1234, 567) < off + size)).all(axis=1))

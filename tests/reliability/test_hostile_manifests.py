@@ -22,10 +22,19 @@ import torch
 import cloudckpt
 from cloudckpt import errors
 from cloudckpt.checksum import block_crcs
-from cloudckpt.manifest import ManifestBuilder, encode_manifest
+from cloudckpt.manifest.builder import ManifestBuilder
+from cloudckpt.manifest.codec import encode_manifest
 from cloudckpt.manifest.columns import encode_int_column
-from tests.reliability.hostile import (HOSTILE_KEYS, SECRET, check_refusals, doc_of, make_target,
-                                       pack, run_entry_points, valid_doc)
+from tests.reliability.hostile import (
+    HOSTILE_KEYS,
+    SECRET,
+    check_refusals,
+    doc_of,
+    make_target,
+    pack,
+    run_entry_points,
+    valid_doc,
+)
 from tests.reliability.stores import REPO, cli
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,8 +50,9 @@ def local_target(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def s3_target(s3_server, storage):
-    return make_target(s3_server.url(f"hostile-{os.getpid()}/ckpt"), storage=storage,
-                       s3_server=s3_server)
+    return make_target(
+        s3_server.url(f"hostile-{os.getpid()}/ckpt"), storage=storage, s3_server=s3_server
+    )
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -67,11 +77,21 @@ def test_the_untouched_target_loads(target):
     assert check_refusals(outcome) == "accepted"
 
 
-@pytest.mark.parametrize("field,value", [
-    ("version", 3), ("version", 1), ("version", 0), ("version", "2"), ("version", 2.0),
-    ("version", None), ("version", True), ("format", "other"), ("format", None),
-    ("format", b"cloudckpt"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("version", 3),
+        ("version", 1),
+        ("version", 0),
+        ("version", "2"),
+        ("version", 2.0),
+        ("version", None),
+        ("version", True),
+        ("format", "other"),
+        ("format", None),
+        ("format", b"cloudckpt"),
+    ],
+)
 def test_unknown_formats_and_versions(target, field, value, figures):
     doc = valid_doc(target)
     doc[field] = value
@@ -80,18 +100,40 @@ def test_unknown_formats_and_versions(target, field, value, figures):
 
 
 WRONG_TYPES = [
-    (("world_size",), "2"), (("world_size",), 0), (("world_size",), -1), (("world_size",), 2.5),
-    (("world_size",), True), (("created_at",), "now"), (("created_at",), float("nan")),
-    (("cloudckpt_version",), 1), (("checksum_block_size",), 0), (("checksum_block_size",), -64),
-    (("checksum_block_size",), 2**62), (("metadata",), "meta"), (("metadata",), {"a": 1}),
-    (("structure",), None), (("objects",), "data/x"), (("objects",), {"a": 1}),
-    (("objects", 0), 5), (("objects", 0), None), (("tensors",), []), (("tensors", "names"), "w"),
-    (("tensors", "names", 0), 7), (("tensors", "dtypes", 0), "object"),
-    (("tensors", "dtypes", 0), "float128"), (("tensors", "dtypes", 0), "torch.float32"),
-    (("tensors", "dtypes", 0), None), (("tensors", "ndims"), [1, 2, 3]),
-    (("tensors", "ndims"), b"\x00"), (("chunks",), None), (("chunks", "crc32c"), "abc"),
-    (("chunks", "crc32c"), b"\x00\x01\x02"), (("chunks", "crc32c"), b""),
-    (("chunks", "offsets"), None), (("values",), []), (("values", "v.lr"), "0.1"),
+    (("world_size",), "2"),
+    (("world_size",), 0),
+    (("world_size",), -1),
+    (("world_size",), 2.5),
+    (("world_size",), True),
+    (("created_at",), "now"),
+    (("created_at",), float("nan")),
+    (("cloudckpt_version",), 1),
+    (("checksum_block_size",), 0),
+    (("checksum_block_size",), -64),
+    (("checksum_block_size",), 2**62),
+    (("metadata",), "meta"),
+    (("metadata",), {"a": 1}),
+    (("structure",), None),
+    (("objects",), "data/x"),
+    (("objects",), {"a": 1}),
+    (("objects", 0), 5),
+    (("objects", 0), None),
+    (("tensors",), []),
+    (("tensors", "names"), "w"),
+    (("tensors", "names", 0), 7),
+    (("tensors", "dtypes", 0), "object"),
+    (("tensors", "dtypes", 0), "float128"),
+    (("tensors", "dtypes", 0), "torch.float32"),
+    (("tensors", "dtypes", 0), None),
+    (("tensors", "ndims"), [1, 2, 3]),
+    (("tensors", "ndims"), b"\x00"),
+    (("chunks",), None),
+    (("chunks", "crc32c"), "abc"),
+    (("chunks", "crc32c"), b"\x00\x01\x02"),
+    (("chunks", "crc32c"), b""),
+    (("chunks", "offsets"), None),
+    (("values",), []),
+    (("values", "v.lr"), "0.1"),
     (("values", "v.lr"), None),
 ]
 
@@ -107,9 +149,21 @@ def test_wrong_types(target, path, value, figures):
     figures.add("hostile manifests (hand-made)")
 
 
-@pytest.mark.parametrize("field", ["format", "version", "world_size", "objects", "tensors",
-                                   "chunks", "values", "metadata", "structure",
-                                   "checksum_block_size"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "format",
+        "version",
+        "world_size",
+        "objects",
+        "tensors",
+        "chunks",
+        "values",
+        "metadata",
+        "structure",
+        "checksum_block_size",
+    ],
+)
 def test_missing_fields(target, field, figures):
     doc = valid_doc(target)
     del doc[field]
@@ -126,8 +180,11 @@ def test_truncated_manifests(target, figures):
         figures.add("hostile manifests (truncated)")
 
 
-@pytest.mark.parametrize("junk", [b"\x00", b"\xc1", msgpack.packb({"x": 1}), os.urandom(1 << 20)],
-                         ids=["nil", "reserved", "second-map", "1MiB"])
+@pytest.mark.parametrize(
+    "junk",
+    [b"\x00", b"\xc1", msgpack.packb({"x": 1}), os.urandom(1 << 20)],
+    ids=["nil", "reserved", "second-map", "1MiB"],
+)
 def test_trailing_bytes_after_the_manifest(target, junk, figures):
     _expect_refused(target, target.valid + junk, "trailing bytes")
     figures.add("hostile manifests (hand-made)")
@@ -148,7 +205,9 @@ def test_large_unknown_field_is_ignored_without_blowing_up(target):
 def _manifest_over(key: str, data: bytes, *, block: int = 64) -> bytes:
     """A valid-looking manifest with one uint8 tensor ``s`` stored whole in object ``key``, with
     the right crcs for ``data``: if the library read ``key``, the load would succeed."""
-    b = ManifestBuilder(world_size=1, checksum_block_size=block, structure=["d", [["s", ["x", "s"]]]])
+    b = ManifestBuilder(
+        world_size=1, checksum_block_size=block, structure=["d", [["s", ["x", "s"]]]]
+    )
     b.add_tensor("s", "uint8", (len(data),))
     b.add_chunk("s", (0,), (len(data),), key, 0, len(data), block_crcs(memoryview(data), block))
     return encode_manifest(_unchecked_build(b))
@@ -215,7 +274,7 @@ def test_product_of_dims_beyond_int64_is_refused(target):
     ndims = encode_int_column([3 if k == i else n for k, n in enumerate(_col(doc, "ndims"))])
     shapes = _col(doc, "shapes")
     pos = sum(_col(doc, "ndims")[:i])
-    shapes[pos:pos + 1] = [2**31, 2**31, 2**31]
+    shapes[pos : pos + 1] = [2**31, 2**31, 2**31]
     doc["tensors"]["ndims"] = ndims
     doc["tensors"]["shapes"] = encode_int_column(shapes)
     _expect_refused(target, pack(doc), "2**93 elements")
@@ -303,8 +362,9 @@ print(json.dumps(results))
 """
 
 
-def _declare(root, elements: int, *, dtype: str = "float32", block: int = 1 << 40,
-             object_bytes: int = 4096) -> None:
+def _declare(
+    root, elements: int, *, dtype: str = "float32", block: int = 1 << 40, object_bytes: int = 4096
+) -> None:
     """A self-consistent manifest at ``root`` declaring one ``elements``-long tensor ``w`` stored
     in a data object of only ``object_bytes`` bytes (checksum blocks of ``block`` bytes keep the
     crc list short)."""
@@ -312,11 +372,19 @@ def _declare(root, elements: int, *, dtype: str = "float32", block: int = 1 << 4
     obj.parent.mkdir(parents=True)
     obj.write_bytes(b"\0" * object_bytes)
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    b = ManifestBuilder(world_size=1, checksum_block_size=block,
-                        structure=["d", [["w", ["x", "w"]]]])
+    b = ManifestBuilder(
+        world_size=1, checksum_block_size=block, structure=["d", [["w", ["x", "w"]]]]
+    )
     b.add_tensor("w", dtype, (elements,))
-    b.add_chunk("w", (0,), (elements,), f"data/{ATTEMPT}/r00000-0000.bin", 0,
-                itemsize * elements, [0] * max(1, math.ceil(itemsize * elements / block)))
+    b.add_chunk(
+        "w",
+        (0,),
+        (elements,),
+        f"data/{ATTEMPT}/r00000-0000.bin",
+        0,
+        itemsize * elements,
+        [0] * max(1, math.ceil(itemsize * elements / block)),
+    )
     (root / "manifest.msgpack").write_bytes(encode_manifest(b.build()))
 
 
@@ -332,16 +400,22 @@ def test_huge_declared_shapes_allocate_nothing(tmp_path, figures):
     script = tmp_path / "huge.py"
     script.write_text(HUGE_LOAD.format(repo=REPO))
     env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
-    res = subprocess.run([sys.executable, str(script), *map(str, roots)], capture_output=True,
-                         text=True, timeout=120, env=env)
+    res = subprocess.run(
+        [sys.executable, str(script), *map(str, roots)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr
     for root, out in json.loads(res.stdout.strip().splitlines()[-1]).items():
         assert out["read_manifest"]["error"] is None, out  # the manifest itself is well-formed
-        assert out["verify"]["ok"] is False, out             # verify compares object sizes
+        assert out["verify"]["ok"] is False, out  # verify compares object sizes
         assert out["load_full"]["error"] and "ManifestError" in out["load_full"]["error"], out
         for name, o in out.items():
-            assert o["vm_growth"] < 2 << 30, \
+            assert o["vm_growth"] < 2 << 30, (
                 f"{root} {name}: VmPeak grew by {o['vm_growth'] / 2**30:.1f} GiB"
+            )
         figures.add("hostile manifests (hand-made)")
 
 
@@ -380,10 +454,11 @@ def _pickled_blob(obj) -> bytes:
 def test_pickled_values_need_the_loaders_opt_in(tmp_path, figures):
     url = str(tmp_path / "ckpt")
     cloudckpt.save({"w": torch.arange(4), "s": {1, 2, 3}}, url, allow_pickle=True)
-    for name, fn in (("read_manifest", lambda: cloudckpt.read_manifest(url)),
-                     ("load_full", lambda: cloudckpt.load_full(url)),
-                     ("load", lambda: cloudckpt.load({"w": torch.zeros(4, dtype=torch.int64),
-                                                      "s": None}, url))):
+    for name, fn in (
+        ("read_manifest", lambda: cloudckpt.read_manifest(url)),
+        ("load_full", lambda: cloudckpt.load_full(url)),
+        ("load", lambda: cloudckpt.load({"w": torch.zeros(4, dtype=torch.int64), "s": None}, url)),
+    ):
         with pytest.raises(errors.PickleNotAllowed) as refused:
             fn()
         assert "allow_pickle=True" in str(refused.value), (name, refused.value)
@@ -406,15 +481,20 @@ def booby_trapped(tmp_path):
 
 def test_code_in_a_pickled_value_never_runs_without_opt_in(booby_trapped, figures):
     url, marker = booby_trapped
-    for fn in (lambda: cloudckpt.read_manifest(str(url)), lambda: cloudckpt.load_full(str(url)),
-               lambda: cloudckpt.load({"w": torch.zeros(4, dtype=torch.int64), "trap": 0},
-                                      str(url))):
+    for fn in (
+        lambda: cloudckpt.read_manifest(str(url)),
+        lambda: cloudckpt.load_full(str(url)),
+        lambda: cloudckpt.load({"w": torch.zeros(4, dtype=torch.int64), "trap": 0}, str(url)),
+    ):
         with pytest.raises(errors.PickleNotAllowed):
             fn()
     assert not marker.exists()
     run = str(url.parent)
-    for cmd in (["show", run, "--step", "1"], ["ls", run],
-                ["export", str(url), str(url.parent / "o.pt")]):
+    for cmd in (
+        ["show", run, "--step", "1"],
+        ["ls", run],
+        ["export", str(url), str(url.parent / "o.pt")],
+    ):
         res = cli(None, *cmd)
         assert "Traceback" not in res.stderr, res.stderr
         assert not marker.exists(), f"cloudckpt {cmd[0]} ran the pickle"
@@ -434,8 +514,10 @@ def test_pickle_in_metadata_or_structure_is_refused_even_with_opt_in(tmp_path, w
     doc = doc_of((url / "manifest.msgpack").read_bytes())
     doc[where] = _pickled_blob(_Boom(str(marker)))
     (url / "manifest.msgpack").write_bytes(pack(doc))
-    for fn in (lambda: cloudckpt.read_manifest(str(url), allow_pickle=True),
-               lambda: cloudckpt.load_full(str(url), allow_pickle=True)):
+    for fn in (
+        lambda: cloudckpt.read_manifest(str(url), allow_pickle=True),
+        lambda: cloudckpt.load_full(str(url), allow_pickle=True),
+    ):
         with pytest.raises(errors.ManifestError):
             fn()
     assert not marker.exists()

@@ -33,11 +33,11 @@ import pytest
 import cloudckpt
 from cloudckpt import CheckpointManager, RetentionPolicy
 from cloudckpt.errors import CheckpointExists
-from cloudckpt.manager import step_dir
-from cloudckpt.pruning import prune_run
-from cloudckpt.run_cleanup import remove_stale_attempts, sweep_pins
-from cloudckpt.runtime import run_coroutine, shared_store
-from cloudckpt.testing.dist import ProcessWorld, RankFailedError
+from cloudckpt.runs.cleanup import remove_stale_attempts, sweep_pins
+from cloudckpt.runs.manager import step_dir
+from cloudckpt.runs.pruning import prune_run
+from cloudckpt.runtime.loop import run_coroutine, shared_store
+from cloudckpt.testing.dist.world import ProcessWorld, RankFailedError
 from tests.reliability.incremental_run import run_garbage, save_step, state
 from tests.reliability.stores import REPO
 
@@ -64,7 +64,12 @@ class Pruner:
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.reliability.incremental_run", url, str(seed)],
-                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def pause(self) -> None:
         assert self.proc.poll() is None, open(self.log_path).read()[-2000:]
@@ -82,8 +87,9 @@ class Pruner:
         return lines.count("pruned"), [line for line in lines if line != "pruned"]
 
 
-def _save(world: ProcessWorld, url: str, step: int, seed: int, storage, kill, delay: float,
-          keep_last) -> str:
+def _save(
+    world: ProcessWorld, url: str, step: int, seed: int, storage, kill, delay: float, keep_last
+) -> str:
     """One save of ``step``; returns "ok", "exists" or "killed"."""
     if kill != "timed":
         try:
@@ -116,8 +122,9 @@ def _save(world: ProcessWorld, url: str, step: int, seed: int, storage, kill, de
     if "ok" in outcome:
         world.close()  # the kill came after the call returned: the harness did not see it
         return "ok"
-    assert "signal 9" in str(outcome["error"]) or "CheckpointExists" in str(outcome["error"]), \
+    assert "signal 9" in str(outcome["error"]) or "CheckpointExists" in str(outcome["error"]), (
         outcome["error"]
+    )
     return "exists" if "CheckpointExists" in str(outcome["error"]) else "killed"
 
 
@@ -126,7 +133,9 @@ def _check(url: str, storage, seed: int, figures) -> list[int]:
     mgr = CheckpointManager(url, storage=storage)
     committed = [i.step for i in mgr.list() if i.complete]
     for step in committed:
-        assert _same(cloudckpt.load_full(mgr.step_url(step), storage=storage), state(seed, step)), step
+        assert _same(cloudckpt.load_full(mgr.step_url(step), storage=storage), state(seed, step)), (
+            step
+        )
     store = shared_store(url, storage)
     later = time.time() + LATER
     run_coroutine(prune_run(store, RetentionPolicy(), 0.0, now=later))
@@ -136,7 +145,9 @@ def _check(url: str, storage, seed: int, figures) -> list[int]:
     assert run_garbage(store) == []
     assert [i.step for i in mgr.list() if i.complete] == committed
     for step in committed:
-        assert _same(cloudckpt.load_full(mgr.step_url(step), storage=storage), state(seed, step)), step
+        assert _same(cloudckpt.load_full(mgr.step_url(step), storage=storage), state(seed, step)), (
+            step
+        )
     figures.add("incremental: committed checkpoints loaded", 2 * len(committed))
     return committed
 
@@ -144,12 +155,16 @@ def _check(url: str, storage, seed: int, figures) -> list[int]:
 def _same(loaded: dict, expected: dict) -> bool:
     import torch
 
-    return loaded["step"] == expected["step"] and loaded["model"].keys() == expected["model"].keys() \
+    return (
+        loaded["step"] == expected["step"]
+        and loaded["model"].keys() == expected["model"].keys()
         and all(torch.equal(loaded["model"][k], v) for k, v in expected["model"].items())
+    )
 
 
-def run_incremental(world, s3_server, storage, url: str, *, steps: int, seed: int, figures,
-                    log_path, kills=None) -> dict:
+def run_incremental(
+    world, s3_server, storage, url: str, *, steps: int, seed: int, figures, log_path, kills=None
+) -> dict:
     rng = random.Random(seed)
     pruner = Pruner(url, seed, s3_server, log_path)
     outcomes: list[str] = []
@@ -184,41 +199,58 @@ def run_incremental(world, s3_server, storage, url: str, *, steps: int, seed: in
     return {"outcomes": outcomes, "prunes": prunes, "pruner_errors": errors}
 
 
-def test_short_incremental_run_with_kills_and_a_concurrent_pruner(saver_world, s3_server,
-                                                                   storage, s3_url, figures,
-                                                                   tmp_path):
+def test_short_incremental_run_with_kills_and_a_concurrent_pruner(
+    saver_world, s3_server, storage, s3_url, figures, tmp_path
+):
     """Three steps, one kill of each deterministic kind (the first save writes everything)."""
-    result = run_incremental(saver_world, s3_server, storage, s3_url, steps=3, seed=11,
-                             figures=figures, log_path=tmp_path / "pruner.log",
-                             kills=["after_commit", "after_pin", "before_commit"])
+    result = run_incremental(
+        saver_world,
+        s3_server,
+        storage,
+        s3_url,
+        steps=3,
+        seed=11,
+        figures=figures,
+        log_path=tmp_path / "pruner.log",
+        kills=["after_commit", "after_pin", "before_commit"],
+    )
     assert len(result["outcomes"]) == 3, result
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_incremental_runs_with_random_kills_and_a_concurrent_pruner(saver_world, s3_server,
-                                                                   storage, s3_url, seed,
-                                                                   figures, tmp_path):
+def test_incremental_runs_with_random_kills_and_a_concurrent_pruner(
+    saver_world, s3_server, storage, s3_url, seed, figures, tmp_path
+):
     """Ten steps, kills at random (timed ones included)."""
-    result = run_incremental(saver_world, s3_server, storage, f"{s3_url}/{seed}", steps=10,
-                             seed=seed, figures=figures, log_path=tmp_path / "pruner.log")
+    result = run_incremental(
+        saver_world,
+        s3_server,
+        storage,
+        f"{s3_url}/{seed}",
+        steps=10,
+        seed=seed,
+        figures=figures,
+        log_path=tmp_path / "pruner.log",
+    )
     assert len(result["outcomes"]) == 10, result
 
 
-def test_a_pin_of_a_running_save_keeps_the_base_until_its_lease_is_over(s3_server, storage,
-                                                                      s3_url):
+def test_a_pin_of_a_running_save_keeps_the_base_until_its_lease_is_over(s3_server, storage, s3_url):
     """Deleting the base of a save in flight (its pin written, not committed) keeps every
     object of the base; a prune after the lease removes the pin and the objects."""
     from cloudckpt import SaveOptions
     from cloudckpt.layout import Pin, encode_pin, pin_key
 
-    mgr = CheckpointManager(s3_url, storage=storage, incremental=True,
-                            save_options=SaveOptions(object_size=96 << 10))
+    mgr = CheckpointManager(
+        s3_url, storage=storage, incremental=True, save_options=SaveOptions(object_size=96 << 10)
+    )
     mgr.save(1, state(5, 1))
     store = shared_store(s3_url, storage)
     pin = f"{step_dir(1)}{pin_key('00000000000000aa', step_dir(2).rstrip('/'))}"
-    run_coroutine(store.put(pin, encode_pin(Pin(step_dir(2).rstrip("/"), "00000000000000aa",
-                                                60.0))))
+    run_coroutine(
+        store.put(pin, encode_pin(Pin(step_dir(2).rstrip("/"), "00000000000000aa", 60.0)))
+    )
     data = [i.key for i in _list(store, step_dir(1) + "data/")]
     assert data
     mgr.delete(1)
@@ -233,25 +265,38 @@ def test_a_pin_of_a_running_save_keeps_the_base_until_its_lease_is_over(s3_serve
 def _list(store, prefix: str) -> list:
     async def collect():
         return [i async for i in store.list(prefix)]
+
     return run_coroutine(collect())
 
 
 def test_a_committed_reference_keeps_exactly_the_objects_it_uses(s3_server, storage, s3_url):
     """Of a deleted base, exactly the objects a later checkpoint uses stay; deleting that one
     collects them (they are older than ``abandoned_after``)."""
-    mgr = CheckpointManager(s3_url, storage=storage, incremental=True, abandoned_after=0,
-                            save_options=cloudckpt.SaveOptions(object_size=32 << 10))
+    mgr = CheckpointManager(
+        s3_url,
+        storage=storage,
+        incremental=True,
+        abandoned_after=0,
+        save_options=cloudckpt.SaveOptions(object_size=32 << 10),
+    )
     mgr.save(1, state(9, 1))
     mgr.save(2, state(9, 2))
-    used = {k for h, k in zip(*(lambda m: (m.object_homes, m.objects))(
-        cloudckpt.read_manifest(mgr.step_url(2), storage=storage))) if h}
+    used = {
+        k
+        for h, k in zip(
+            *(lambda m: (m.object_homes, m.objects))(
+                cloudckpt.read_manifest(mgr.step_url(2), storage=storage)
+            )
+        )
+        if h
+    }
     store = shared_store(s3_url, storage)
-    all_data = {i.key[len(step_dir(1)):] for i in _list(store, step_dir(1) + "data/")}
+    all_data = {i.key[len(step_dir(1)) :] for i in _list(store, step_dir(1) + "data/")}
     assert used and used < all_data  # some tensors changed: some objects of step 1 unused
     plan = mgr.plan_delete(1)
     assert plan.kept == len(used) + 1  # the used objects and step 2's pin
     mgr.delete(1)
-    assert {i.key[len(step_dir(1)):] for i in _list(store, step_dir(1) + "data/")} == used
+    assert {i.key[len(step_dir(1)) :] for i in _list(store, step_dir(1) + "data/")} == used
     assert _same(cloudckpt.load_full(mgr.step_url(2), storage=storage), state(9, 2))
     try:
         mgr.save(2, state(9, 2))

@@ -19,9 +19,9 @@ import torch
 
 from cloudckpt import CheckpointManager, RetentionPolicy, SaveOptions
 from cloudckpt.layout import MAX_PIN_LEASE, MIN_PIN_LEASE, Pin, decode_pin, encode_pin, pin_key
-from cloudckpt.manager import step_dir
-from cloudckpt.pruning import prune_run
-from cloudckpt.runtime import run_coroutine, shared_store
+from cloudckpt.runs.manager import step_dir
+from cloudckpt.runs.pruning import prune_run
+from cloudckpt.runtime.loop import run_coroutine, shared_store
 from tests.reliability.stores import cli
 
 OPTIONS = SaveOptions(object_size=16 << 10, content_hashes=True)
@@ -43,6 +43,7 @@ def _state(seed: int) -> dict:
 def _keys(store, prefix: str = "") -> set[str]:
     async def go():
         return {i.key async for i in store.list(prefix)}
+
     return run_coroutine(go())
 
 
@@ -59,8 +60,9 @@ def test_leases_are_bounded_when_written_and_when_read():
     assert SaveOptions(pin_lease=MAX_PIN_LEASE).pin_lease == MAX_PIN_LEASE
     key = pin_key(ATTEMPT, "step-000000000002")
     for declared, read in ((1e18, MAX_PIN_LEASE), (1.0, MIN_PIN_LEASE), (600.0, 600.0)):
-        assert decode_pin(encode_pin(Pin("step-000000000002", ATTEMPT, declared)), key).lease \
-            == read
+        assert (
+            decode_pin(encode_pin(Pin("step-000000000002", ATTEMPT, declared)), key).lease == read
+        )
 
 
 def test_a_pin_with_a_huge_lease_holds_a_deleted_checkpoint_a_day_at_most(run, s3_server):
@@ -77,8 +79,9 @@ def test_a_pin_with_a_huge_lease_holds_a_deleted_checkpoint_a_day_at_most(run, s
     listed = {i.step: i for i in mgr.list(details=True)}
     assert sorted(listed) == [1, 2] and listed[1].retained and not listed[1].complete
     (held,) = listed[1].held_by
-    assert held.startswith("step-000000000009: save 00000000000000aa not committed, pinned "
-                           "until "), held
+    assert held.startswith(
+        "step-000000000009: save 00000000000000aa not committed, pinned until "
+    ), held
     assert not listed[2].retained and listed[2].held_by == ()
     res = cli(s3_server, "ls", url, "--details")
     assert res.returncode == 0 and "RETAINED" in res.stdout, res
@@ -104,13 +107,14 @@ def test_an_impossible_pin_holds_nothing(run):
     for step in (1, 2, 3):
         mgr.save(step, _state(step))
     store = shared_store(url, storage)
-    _pin(store, 1, step_dir(2)[:-1], 1e18)      # step 2 was committed by another attempt
+    _pin(store, 1, step_dir(2)[:-1], 1e18)  # step 2 was committed by another attempt
     mgr.delete(1)
     assert not _keys(store, step_dir(1))
     # retained by an impossible pin alone (its manifest removed behind cloudckpt's back)
     _pin(store, 3, step_dir(2)[:-1], 1e18)
     run_coroutine(store.delete([step_dir(3) + "manifest.msgpack"]))
     assert mgr.list(details=True)[-1].held_by == (
-        "step-000000000002: stale pin (protects nothing; prune removes it)",)
+        "step-000000000002: stale pin (protects nothing; prune removes it)",
+    )
     removed = [i.step for i in mgr.prune()]
     assert removed == [3] and not _keys(store, step_dir(3))

@@ -53,10 +53,14 @@ def tree(tmp_path):
 
 def _refused(store, key):
     async def main():
-        for call in (lambda: store.get(key), lambda: store.head(key),
-                     lambda: store.read_ranges(key, [ReadRange(0, 3)])):
+        for call in (
+            lambda: store.get(key),
+            lambda: store.head(key),
+            lambda: store.read_ranges(key, [ReadRange(0, 3)]),
+        ):
             with pytest.raises(AccessDenied, match="symlink"):
                 await call()
+
     _run(main())
 
 
@@ -72,18 +76,33 @@ def test_links_inside_the_root_are_followed(tree):
     store = LocalStore(root)
 
     async def main():
-        for key in ("data/rel.bin", "data/abs.bin", "up/back.bin", "chain.bin",
-                    "alias/real.bin", "absdir/rel.bin"):
+        for key in (
+            "data/rel.bin",
+            "data/abs.bin",
+            "up/back.bin",
+            "chain.bin",
+            "alias/real.bin",
+            "absdir/rel.bin",
+        ):
             assert await store.get(key) == INSIDE, key
             assert (await store.head(key)).size == len(INSIDE), key
             assert bytes((await store.read_ranges(key, [ReadRange(1, 3)]))[0]) == INSIDE[1:4]
         keys = [x.key async for x in store.list()]
-        assert keys == ["chain.bin", "data/abs.bin", "data/real.bin", "data/rel.bin",
-                        "up/back.bin"]  # linked directories are not descended
-        assert [x.key async for x in store.list("alias/")] == ["alias/abs.bin", "alias/real.bin",
-                                                               "alias/rel.bin"]
+        assert keys == [
+            "chain.bin",
+            "data/abs.bin",
+            "data/real.bin",
+            "data/rel.bin",
+            "up/back.bin",
+        ]  # linked directories are not descended
+        assert [x.key async for x in store.list("alias/")] == [
+            "alias/abs.bin",
+            "alias/real.bin",
+            "alias/rel.bin",
+        ]
         await store.put("alias/new.bin", b"n")  # through a directory link inside the root
         await store.close()
+
     _run(main())
     assert (root / "data" / "new.bin").read_bytes() == b"n"
 
@@ -104,13 +123,19 @@ def test_links_leading_outside_are_refused(tree):
     (d / "dotdot.bin").symlink_to("../../outside/secret.bin")
     (d / "abs.bin").symlink_to(outside / "secret.bin")
     (d / "slash.bin").symlink_to("/")
-    (d / "hop.bin").symlink_to("dotdot.bin")                      # a chain ending outside
+    (d / "hop.bin").symlink_to("dotdot.bin")  # a chain ending outside
     (d / "sneaky.bin").symlink_to(f"../data/../../{outside.name}/secret.bin")
     (root / "escape").symlink_to(outside, target_is_directory=True)
     (root / "escape_rel").symlink_to("../outside", target_is_directory=True)
     store = LocalStore(root)
-    for key in ("data/dotdot.bin", "data/abs.bin", "data/hop.bin", "data/sneaky.bin",
-                "escape/secret.bin", "escape_rel/secret.bin"):
+    for key in (
+        "data/dotdot.bin",
+        "data/abs.bin",
+        "data/hop.bin",
+        "data/sneaky.bin",
+        "escape/secret.bin",
+        "escape_rel/secret.bin",
+    ):
         _refused(store, key)
     with pytest.raises(AccessDenied):
         _run(store.get("data/slash.bin"))
@@ -131,6 +156,7 @@ def test_links_leading_outside_are_refused(tree):
         with pytest.raises(AccessDenied):
             await child.put("new.bin", b"x")
         await store.close()
+
     _run(main())
     assert sorted(os.listdir(outside)) == ["empty", "real.bin", "secret.bin"]
     assert (outside / "secret.bin").read_bytes() == SECRET
@@ -154,13 +180,17 @@ def test_link_loops_and_special_files_fail_cleanly(tree):
             with pytest.raises(StorageError) as info:
                 await store.get(key)
             assert not isinstance(info.value, AccessDenied)
-        for call in (lambda: store.get("data/fifo"), lambda: store.head("data/fifo"),
-                     lambda: store.read_ranges("data/fifo", [ReadRange(0, 1)]),
-                     lambda: store.get("data")):
+        for call in (
+            lambda: store.get("data/fifo"),
+            lambda: store.head("data/fifo"),
+            lambda: store.read_ranges("data/fifo", [ReadRange(0, 1)]),
+            lambda: store.get("data"),
+        ):
             with pytest.raises(ObjectNotFound):
                 await call()
         assert [x.key async for x in store.list("data/")] == ["data/real.bin"]
         await store.close()
+
     try:
         _run(main())
     finally:
@@ -181,11 +211,12 @@ def test_writes_and_deletes_of_a_link_name_touch_the_link_not_its_target(tree):
     store = LocalStore(root)
 
     async def main():
-        await store.put("data/alias.bin", b"new")           # replaces the link itself
-        await store.delete(["data/out.bin"])                 # removes the link, not the secret
+        await store.put("data/alias.bin", b"new")  # replaces the link itself
+        await store.delete(["data/out.bin"])  # removes the link, not the secret
         with pytest.raises(Exception):
             await store.put("data/real.bin", b"again", mode="create")
         await store.close()
+
     _run(main())
     assert not (root / "data" / "alias.bin").is_symlink()
     assert (root / "data" / "alias.bin").read_bytes() == b"new"
@@ -240,21 +271,30 @@ def test_a_directory_swapped_for_an_outside_link_never_leads_outside(tmp_path, f
     link.symlink_to(outside, target_is_directory=True)
     before = {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()}
     stop = tmp_path / "stop"
-    swapper = subprocess.Popen([sys.executable, "-c", _SWAPPER, str(d), str(link), "200000",
-                                str(stop)], stdout=subprocess.PIPE, text=True)
+    swapper = subprocess.Popen(
+        [sys.executable, "-c", _SWAPPER, str(d), str(link), "200000", str(stop)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert swapper.stdout.readline().strip() == "ready"
     seen = {"inside": 0, "refused": 0, "missing": 0, "written": 0}
 
     async def main():
         store = LocalStore(root)
         for i in range(150):
-            calls = [store.get("run/d/obj"), store.get("run/d/sub/obj"),
-                     store.read_ranges("run/d/obj", [ReadRange(0, len(INSIDE))]),
-                     store.head("run/d/sub/obj"), store.get("run/d/only-outside"),
-                     store.put(f"run/d/new-{i}", b"w"), store.put("run/d/victim", b"v"),
-                     store.delete(["run/d/victim", "run/d/empty/x", "run/d/sub/gone"]),
-                     _collect(store.list("run/d/")), _collect(store.list("run/", delimiter="/")),
-                     store.list_uploads("run/d/")]
+            calls = [
+                store.get("run/d/obj"),
+                store.get("run/d/sub/obj"),
+                store.read_ranges("run/d/obj", [ReadRange(0, len(INSIDE))]),
+                store.head("run/d/sub/obj"),
+                store.get("run/d/only-outside"),
+                store.put(f"run/d/new-{i}", b"w"),
+                store.put("run/d/victim", b"v"),
+                store.delete(["run/d/victim", "run/d/empty/x", "run/d/sub/gone"]),
+                _collect(store.list("run/d/")),
+                _collect(store.list("run/", delimiter="/")),
+                store.list_uploads("run/d/"),
+            ]
             for result in await asyncio.gather(*calls, return_exceptions=True):
                 if isinstance(result, AccessDenied):
                     seen["refused"] += 1
@@ -286,8 +326,8 @@ def test_a_directory_swapped_for_an_outside_link_never_leads_outside(tmp_path, f
         swapper.wait(timeout=60)
     assert swapper.returncode == 0
     after = {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()}
-    assert after == before                                   # nothing written or deleted
-    assert (outside / "empty").is_dir() and (outside / "sub").is_dir()   # nothing pruned
+    assert after == before  # nothing written or deleted
+    assert (outside / "empty").is_dir() and (outside / "sub").is_dir()  # nothing pruned
     assert seen["inside"] > 0 and seen["written"] > 0
     figures.add("local swap race rounds", 150)
     figures.add("local swap race refusals", seen["refused"])
@@ -304,8 +344,11 @@ async def _collect(aiter):
 @pytest.fixture
 def checkpoint(tmp_path):
     url = str(tmp_path / "ck")
-    cloudckpt.save({"w": torch.arange(4096, dtype=torch.float32), "step": 5}, url,
-                   options=cloudckpt.SaveOptions(checksum_block_size=1024))
+    cloudckpt.save(
+        {"w": torch.arange(4096, dtype=torch.float32), "step": 5},
+        url,
+        options=cloudckpt.SaveOptions(checksum_block_size=1024),
+    )
     return url
 
 
@@ -354,11 +397,12 @@ def test_failed_export_leaves_nothing_and_keeps_an_existing_out(checkpoint, tmp_
 
 @pytest.mark.parametrize("failure", ["interrupt", "disk full"])
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
-def test_export_failing_while_writing_removes_its_temporary_file(checkpoint, tmp_path,
-                                                                 monkeypatch, suffix, failure):
+def test_export_failing_while_writing_removes_its_temporary_file(
+    checkpoint, tmp_path, monkeypatch, suffix, failure
+):
     import safetensors.torch
 
-    from cloudckpt import cli as cli_module
+    from cloudckpt.cli import main as cli_module
 
     folder = _folder(tmp_path)
     out = folder / f"model{suffix}"
@@ -376,18 +420,22 @@ def test_export_failing_while_writing_removes_its_temporary_file(checkpoint, tmp
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", interrupted)
-    monkeypatch.setattr(safetensors.torch, "serialize_file",
-                        lambda tensors, filename, metadata=None: interrupted(None, filename))
+    monkeypatch.setattr(
+        safetensors.torch,
+        "serialize_file",
+        lambda tensors, filename, metadata=None: interrupted(None, filename),
+    )
     status = cli_module.main(["export", checkpoint, str(out)])
     assert status == (cli_module.EXIT_INTERRUPTED if failure == "interrupt" else 1)
     assert os.listdir(folder) == [out.name]
     assert out.read_bytes() == b"previous export"
 
 
-def test_export_temporary_name_taken_by_a_planted_link_is_not_followed(checkpoint, tmp_path,
-                                                                      monkeypatch):
-    from cloudckpt import cli as cli_module
-    from cloudckpt import export as export_module
+def test_export_temporary_name_taken_by_a_planted_link_is_not_followed(
+    checkpoint, tmp_path, monkeypatch
+):
+    from cloudckpt.cli import main as cli_module
+    from cloudckpt.export import file as export_module
 
     folder = _folder(tmp_path)
     names = iter(["planted", "planted", "fresh"])

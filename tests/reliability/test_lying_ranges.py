@@ -3,7 +3,7 @@ section 32): every ranged read, through the direct reader and through aiobotocor
 the answer covers exactly the range asked, parses header numbers as HTTP defines them (ASCII
 digits), drops a kept-alive connection with bytes waiting, and raises a retriable error
 otherwise; such an answer never turns the direct reader off; every error message names the
-object and the range. The lies come from ``cloudckpt.testing.lyingproxy`` in front of the
+object and the range. The lies come from ``cloudckpt.testing.faults.lyingproxy`` in front of the
 session's SeaweedFS."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from botocore.exceptions import HTTPClientError
 import cloudckpt
 from cloudckpt.checksum import crc32c
 from cloudckpt.errors import ChecksumError, InvalidRange, RetriesExhausted
+from cloudckpt.http_numbers import http_int
 from cloudckpt.storage import ReadRange, RetryOptions, open_store
 from cloudckpt.storage.ranges import checksum_error
-from cloudckpt.http_numbers import http_int
-from cloudckpt.storage.s3_answers import BadAnswer, check_answer, parse_content_range
-from cloudckpt.storage.s3_errors import TruncatedBody, classify
-from cloudckpt.testing.lyingproxy import LIES, LyingProxy
+from cloudckpt.storage.s3.answers import BadAnswer, check_answer, parse_content_range
+from cloudckpt.storage.s3.errors import TruncatedBody, classify
+from cloudckpt.testing.faults.lyingproxy import LIES, LyingProxy
 from tests.reliability.conftest import storage_for
 from tests.storage.conftest import run_on_store
 
@@ -33,10 +33,12 @@ OFFSET, LENGTH = 1000, 200_000  # not at 0: the whole object is never the range 
 READERS = {"direct": {}, "fallback": {"direct_range_reads": False}}
 #: Lies told on every request: the answer is refused each time (and never read as data).
 FIRM_LIES = [lie for lie in LIES if lie != "late"]
-TWO_TRIES = RetryOptions(max_attempts=2, base_delay=0.01, max_delay=0.02, attempt_timeout=20.0,
-                         deadline=60.0)
-QUICK = RetryOptions(max_attempts=6, base_delay=0.01, max_delay=0.05, attempt_timeout=20.0,
-                     deadline=60.0)
+TWO_TRIES = RetryOptions(
+    max_attempts=2, base_delay=0.01, max_delay=0.02, attempt_timeout=20.0, deadline=60.0
+)
+QUICK = RetryOptions(
+    max_attempts=6, base_delay=0.01, max_delay=0.05, attempt_timeout=20.0, deadline=60.0
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +52,17 @@ def stored(s3_server) -> str:
             await store.put("obj", DATA)
         finally:
             await store.close()
+
     asyncio.run(put())
     return url
 
 
 @pytest.fixture(scope="module")
 def liar(s3_server):
-    with LyingProxy(s3_server.endpoint_url, credentials=(
-            s3_server.access_key, s3_server.secret_key, s3_server.region)) as proxy:
+    with LyingProxy(
+        s3_server.endpoint_url,
+        credentials=(s3_server.access_key, s3_server.secret_key, s3_server.region),
+    ) as proxy:
         yield proxy
 
 
@@ -74,16 +79,21 @@ def _through(s3_server, liar, reader, **kw):
 
 # -- every reader x every lie: a retriable typed error, never wrong bytes --------------------------
 
+
 @pytest.mark.parametrize("reader", READERS)
 @pytest.mark.parametrize("lie", FIRM_LIES)
 @pytest.mark.parametrize("checked", [False, True], ids=["no-crc", "crc"])
 def test_a_lying_answer_is_a_retriable_error_naming_object_and_range(
-        s3_server, stored, lies, reader, lie, checked):
+    s3_server, stored, lies, reader, lie, checked
+):
     lies.configure(lie=lie)
     dest = bytearray(LENGTH)
-    want = DATA[OFFSET:OFFSET + LENGTH]
-    rng = ReadRange(OFFSET, LENGTH, crc32c=crc32c(want), sinks=((0, memoryview(dest)),)) \
-        if checked else ReadRange(OFFSET, LENGTH, out=memoryview(dest))
+    want = DATA[OFFSET : OFFSET + LENGTH]
+    rng = (
+        ReadRange(OFFSET, LENGTH, crc32c=crc32c(want), sinks=((0, memoryview(dest)),))
+        if checked
+        else ReadRange(OFFSET, LENGTH, out=memoryview(dest))
+    )
 
     async def body(store):
         with pytest.raises(RetriesExhausted) as info:
@@ -108,7 +118,8 @@ def test_a_lying_answer_is_a_retriable_error_naming_object_and_range(
 @pytest.mark.parametrize("reader", READERS)
 @pytest.mark.parametrize("lie", FIRM_LIES)
 def test_a_lie_once_then_the_truth_reads_true_bytes_and_keeps_the_reader_on(
-        s3_server, stored, lies, reader, lie):
+    s3_server, stored, lies, reader, lie
+):
     dest = bytearray(LENGTH)
 
     async def body(store):
@@ -117,8 +128,10 @@ def test_a_lie_once_then_the_truth_reads_true_bytes_and_keeps_the_reader_on(
         return whole, store.stats.retries, store.connection.range_getter.disabled
 
     lies.configure(schedule=[lie, None, lie])
-    whole, retries, disabled = run_on_store(stored, _through(s3_server, lies, reader, retry=QUICK), body)
-    assert bytes(dest) == DATA[OFFSET:OFFSET + LENGTH]
+    whole, retries, disabled = run_on_store(
+        stored, _through(s3_server, lies, reader, retry=QUICK), body
+    )
+    assert bytes(dest) == DATA[OFFSET : OFFSET + LENGTH]
     assert whole == DATA
     assert retries == (1 if lie == "whole" else 2)  # get() asks for the whole object anyway
     assert not disabled
@@ -140,11 +153,12 @@ def test_bytes_sent_after_an_answer_never_become_the_next_answer(s3_server, stor
         return got
 
     got = run_on_store(stored, _through(s3_server, lies, reader, retry=QUICK), body)
-    assert got == [DATA[OFFSET:OFFSET + LENGTH]] * 3
+    assert got == [DATA[OFFSET : OFFSET + LENGTH]] * 3
 
 
 def test_a_checkpoint_load_through_a_liar_is_right_after_retries_or_fails_typed(
-        s3_server, s3_url, lies):
+    s3_server, s3_url, lies
+):
     import torch
 
     state = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(7)}
@@ -168,8 +182,11 @@ def test_a_checkpoint_load_through_a_liar_is_right_after_retries_or_fails_typed(
 
 # -- header numbers as HTTP defines them -----------------------------------------------------------
 
-@pytest.mark.parametrize("text", ["²", "1²", "٣", "１", "12a", "-1", "+1", "", " ", "1 2", "1_000",
-                                  "9" * 20, None, 1.5, True])
+
+@pytest.mark.parametrize(
+    "text",
+    ["²", "1²", "٣", "１", "12a", "-1", "+1", "", " ", "1 2", "1_000", "9" * 20, None, 1.5, True],
+)
 def test_header_numbers_are_ascii_digits_only(text):
     assert http_int(text) is None
     assert parse_content_range(f"bytes {text}-9/10") is None
@@ -188,22 +205,26 @@ def test_header_numbers_that_are_numbers():
 WHERE = "s3://bkt/run/obj"
 
 
-@pytest.mark.parametrize("status, crange, length", [
-    (206, "bytes 11-20/100", 10),  # shifted
-    (206, "bytes 10-18/100", 9),  # short
-    (206, "bytes 10-20/100", 11),  # long
-    (206, "bytes 10-19/15", 10),  # a total that ends inside the range
-    (206, "bytes 10-19/100", 9),  # Content-Length disagrees with Content-Range
-    (206, "bytes 10-19/100", None),  # no Content-Length, and the range is not the one asked
-    (206, None, 10),  # no Content-Range
-    (206, "bytes 19-10/100", 10),  # backwards
-    (206, "bytes 1²-19/100", 10),
-    (200, None, 100),  # the whole object, not the range asked
-    (200, None, None),
-    (204, None, 0),
-])
+@pytest.mark.parametrize(
+    "status, crange, length",
+    [
+        (206, "bytes 11-20/100", 10),  # shifted
+        (206, "bytes 10-18/100", 9),  # short
+        (206, "bytes 10-20/100", 11),  # long
+        (206, "bytes 10-19/15", 10),  # a total that ends inside the range
+        (206, "bytes 10-19/100", 9),  # Content-Length disagrees with Content-Range
+        (206, "bytes 10-19/100", None),  # no Content-Length, and the range is not the one asked
+        (206, None, 10),  # no Content-Range
+        (206, "bytes 19-10/100", 10),  # backwards
+        (206, "bytes 1²-19/100", 10),
+        (200, None, 100),  # the whole object, not the range asked
+        (200, None, None),
+        (204, None, 0),
+    ],
+)
 def test_every_answer_other_than_the_range_asked_is_refused_with_object_and_range(
-        status, crange, length):
+    status, crange, length
+):
     if crange == "bytes 10-19/100" and length is None:
         crange = "bytes 10-18/100"
     with pytest.raises(BadAnswer) as info:
@@ -243,10 +264,11 @@ def test_a_short_file_in_a_local_store_is_a_typed_error_naming_object_and_range(
 
 
 def test_a_local_file_that_shrinks_during_a_read_is_a_typed_error_naming_object_and_range(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     import types
 
-    from cloudckpt.storage import local
+    from cloudckpt.storage.local import store as local
 
     class Stat:  # the size the file had when the read was planned
         st_size = 10_000
@@ -272,12 +294,14 @@ ONE_TRY = RetryOptions(max_attempts=1, attempt_timeout=20.0, deadline=60.0)
 @pytest.mark.parametrize("reader", READERS)
 @pytest.mark.parametrize("read", ["ranges", "get"])
 def test_every_truncated_body_message_names_object_and_range(
-        s3_server, stored, fault_proxy, reader, read):
+    s3_server, stored, fault_proxy, reader, read
+):
     """A body cut halfway (the fault proxy's "truncate"), on each reader and each kind of GET:
     the ``TruncatedBody`` under ``RetriesExhausted`` names the object and the byte range."""
     fault_proxy.configure(schedule=["truncate"])
-    options = storage_for(s3_server, endpoint_url=fault_proxy.endpoint_url, retry=ONE_TRY,
-                          **READERS[reader])
+    options = storage_for(
+        s3_server, endpoint_url=fault_proxy.endpoint_url, retry=ONE_TRY, **READERS[reader]
+    )
 
     async def body(store):
         with pytest.raises(RetriesExhausted) as info:
@@ -295,14 +319,22 @@ def test_every_truncated_body_message_names_object_and_range(
 
 def test_a_connection_closed_before_an_answer_names_object_and_range():
     from cloudckpt.storage.ranges import LandingPool
-    from cloudckpt.storage.s3_exchange import Cursor, Exchange
+    from cloudckpt.storage.s3.exchange import Cursor, Exchange
 
     async def main():
         texts = []
         for answered in (False, True):
-            ex = Exchange(asyncio.get_running_loop().create_future(), Cursor(10), 20, [],
-                          LandingPool(1), memoryview(bytearray(16)), None, None,
-                          where=f"{WHERE}")
+            ex = Exchange(
+                asyncio.get_running_loop().create_future(),
+                Cursor(10),
+                20,
+                [],
+                LandingPool(1),
+                memoryview(bytearray(16)),
+                None,
+                None,
+                where=f"{WHERE}",
+            )
             ex.answered = answered
             ex.fail(None)
             with pytest.raises(TruncatedBody) as info:

@@ -22,10 +22,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.reliability.hostile import (COLUMNS, HOSTILE_INTS, HOSTILE_KEYS, check_refusals,
-                                       column_values, delete_at, hostile_value_blob,
-                                       make_target, pack, paths_of, reencode_column,
-                                       run_entry_points, set_at, valid_doc)
+from tests.reliability.hostile import (
+    COLUMNS,
+    HOSTILE_INTS,
+    HOSTILE_KEYS,
+    check_refusals,
+    column_values,
+    delete_at,
+    hostile_value_blob,
+    make_target,
+    pack,
+    paths_of,
+    reencode_column,
+    run_entry_points,
+    set_at,
+    valid_doc,
+)
 
 pytestmark = pytest.mark.timeout(3600)
 
@@ -33,26 +45,44 @@ CI_LOCAL_CASES = int(os.environ.get("CLOUDCKPT_FUZZ_CASES", "2500"))
 CI_S3_CASES = int(os.environ.get("CLOUDCKPT_S3_FUZZ_CASES", "300"))
 LONG_CASES = int(os.environ.get("CLOUDCKPT_LONG_FUZZ_CASES", "30000"))
 
-_ints = st.one_of(st.sampled_from(HOSTILE_INTS), st.integers(-2**63, 2**64 - 1),
-                  st.integers(-3, 100))
-_scalars = st.one_of(st.none(), st.booleans(), _ints,
-                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
-                     st.sampled_from(HOSTILE_KEYS + ("float32", "cloudckpt", "raw", "delta",
-                                                     "zlib", "none", "x", "v", "d", "l", "t")),
-                     st.binary(max_size=40))
+_ints = st.one_of(
+    st.sampled_from(HOSTILE_INTS), st.integers(-(2**63), 2**64 - 1), st.integers(-3, 100)
+)
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    _ints,
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(
+        HOSTILE_KEYS
+        + ("float32", "cloudckpt", "raw", "delta", "zlib", "none", "x", "v", "d", "l", "t")
+    ),
+    st.binary(max_size=40),
+)
 HOSTILE_VALUES = st.recursive(
-    _scalars, lambda inner: st.one_of(st.lists(inner, max_size=5),
-                                      st.dictionaries(st.text(max_size=6), inner, max_size=4)),
-    max_leaves=10)
+    _scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=10,
+)
 STRUCTURES = st.recursive(
-    st.one_of(st.tuples(st.sampled_from(["x", "v", "q"]),
-                        st.sampled_from(["w", "m.b", "v.lr", "nope", ""])).map(list),
-              HOSTILE_VALUES),
-    lambda inner: st.tuples(st.sampled_from(["d", "o", "l", "t"]),
-                            st.lists(st.one_of(inner, st.tuples(
-                                st.one_of(st.text(max_size=4), _ints), inner).map(list)),
-                                max_size=4)).map(list),
-    max_leaves=8)
+    st.one_of(
+        st.tuples(
+            st.sampled_from(["x", "v", "q"]), st.sampled_from(["w", "m.b", "v.lr", "nope", ""])
+        ).map(list),
+        HOSTILE_VALUES,
+    ),
+    lambda inner: st.tuples(
+        st.sampled_from(["d", "o", "l", "t"]),
+        st.lists(
+            st.one_of(inner, st.tuples(st.one_of(st.text(max_size=4), _ints), inner).map(list)),
+            max_size=4,
+        ),
+    ).map(list),
+    max_leaves=8,
+)
 
 MUTATIONS = ("replace", "delete", "column", "crc", "objects", "value", "blob", "structure")
 
@@ -72,17 +102,23 @@ def _mutate(doc: dict, data) -> None:
         values = column_values(column)
         action = data.draw(st.sampled_from(["set", "nudge", "append", "drop"]), label="col-op")
         if action == "append" or not values:
-            values.append(data.draw(st.integers(-2**62, 2**62)))
+            values.append(data.draw(st.integers(-(2**62), 2**62)))
         elif action == "drop":
             values.pop(data.draw(st.integers(0, len(values) - 1)))
         else:
             i = data.draw(st.integers(0, len(values) - 1))
             delta = data.draw(st.sampled_from([-1, 1, -8, 8, 64]))
-            value = values[i] + delta if action == "nudge" else data.draw(
-                st.one_of(st.sampled_from(HOSTILE_INTS), st.integers(-2**62, 2**62)))
-            values[i] = max(-2**63, min(2**63 - 1, value))
-        doc[section][name] = reencode_column(column, values,
-                                             delta=data.draw(st.booleans(), label="delta"))
+            value = (
+                values[i] + delta
+                if action == "nudge"
+                else data.draw(
+                    st.one_of(st.sampled_from(HOSTILE_INTS), st.integers(-(2**62), 2**62))
+                )
+            )
+            values[i] = max(-(2**63), min(2**63 - 1, value))
+        doc[section][name] = reencode_column(
+            column, values, delta=data.draw(st.booleans(), label="delta")
+        )
     elif kind == "crc":
         crc = bytearray(doc["chunks"]["crc32c"])
         action = data.draw(st.sampled_from(["flip", "cut4", "add4", "empty"]))
@@ -111,8 +147,9 @@ def _mutate(doc: dict, data) -> None:
     elif kind == "value":
         names = list(doc["values"]) + ["new"]
         name = data.draw(st.sampled_from(names))
-        doc["values"][name] = hostile_value_blob(data.draw(st.integers(0, 5)),
-                                                 data.draw(HOSTILE_VALUES))
+        doc["values"][name] = hostile_value_blob(
+            data.draw(st.integers(0, 5)), data.draw(HOSTILE_VALUES)
+        )
     elif kind == "blob":
         field = data.draw(st.sampled_from(["metadata", "structure", "values"]))
         if field == "values":
@@ -124,7 +161,7 @@ def _mutate(doc: dict, data) -> None:
         if blob and data.draw(st.booleans()):
             blob[data.draw(st.integers(0, len(blob) - 1))] = data.draw(st.integers(0, 255))
         else:
-            del blob[data.draw(st.integers(0, len(blob))):]
+            del blob[data.draw(st.integers(0, len(blob))) :]
         holder[key] = bytes(blob)
     else:  # structure
         try:
@@ -150,7 +187,7 @@ def _manifest_case(target, data) -> bytes:
     if data.draw(st.integers(0, 9), label="byte-level") == 0:  # 1 in 10: damage the bytes too
         for _ in range(data.draw(st.integers(1, 4))):
             raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
-        del raw[data.draw(st.integers(len(raw) // 2, len(raw))):]
+        del raw[data.draw(st.integers(len(raw) // 2, len(raw))) :]
     return bytes(raw)
 
 
@@ -165,8 +202,14 @@ def _peak_rss() -> int:
 def _fuzz(target, cases: int, figures, *, derandomize: bool, label: str) -> dict:
     verdicts = {"refused": 0, "accepted": 0}
 
-    @settings(max_examples=cases, deadline=None, database=None, derandomize=derandomize,
-              suppress_health_check=list(HealthCheck), print_blob=True)
+    @settings(
+        max_examples=cases,
+        deadline=None,
+        database=None,
+        derandomize=derandomize,
+        suppress_health_check=list(HealthCheck),
+        print_blob=True,
+    )
     @given(st.data())
     def case(data):
         raw = _manifest_case(target, data)
@@ -196,8 +239,9 @@ def fuzz_local(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fuzz_s3(s3_server, storage):
-    return make_target(s3_server.url(f"fuzz-{os.getpid()}/ckpt"), storage=storage,
-                       s3_server=s3_server)
+    return make_target(
+        s3_server.url(f"fuzz-{os.getpid()}/ckpt"), storage=storage, s3_server=s3_server
+    )
 
 
 def test_fuzzed_manifests_local_store(fuzz_local, figures):

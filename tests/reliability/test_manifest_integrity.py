@@ -23,18 +23,25 @@ import pytest
 import torch
 
 import cloudckpt
-from cloudckpt.api.manifest_io import fetch_manifest_bytes
 from cloudckpt.api.verify import UNCHECKSUMMED
 from cloudckpt.checksum import block_crcs
 from cloudckpt.errors import CheckpointNotFound, ManifestError
-from cloudckpt.manifest import ManifestBuilder, decode_manifest, encode_manifest, encode_value
-from cloudckpt.manifest.codec import MAX_MANIFEST_BYTES
+from cloudckpt.manifest.builder import ManifestBuilder
+from cloudckpt.manifest.codec import MAX_MANIFEST_BYTES, decode_manifest, encode_manifest
 from cloudckpt.manifest.columns import encode_int_column
 from cloudckpt.manifest.framing import stored_version
-from cloudckpt.runtime import run_coroutine, shared_store
+from cloudckpt.manifest.values import encode_value
+from cloudckpt.runtime.loop import run_coroutine, shared_store
+from cloudckpt.stored import fetch_manifest_bytes
 from tests.reliability.bloat import FAMILIES
-from tests.reliability.hostile import (check_refusals, doc_of, make_target, pack,
-                                       run_entry_points, valid_doc)
+from tests.reliability.hostile import (
+    check_refusals,
+    doc_of,
+    make_target,
+    pack,
+    run_entry_points,
+    valid_doc,
+)
 from tests.reliability.stores import RawCheckpoint, cli
 
 pytestmark = pytest.mark.timeout(600)
@@ -99,8 +106,8 @@ def test_verify_notes_a_manifest_without_checksum(tmp_path):
     path = tmp_path / "ckpt" / "manifest.msgpack"
     path.write_bytes(encode_manifest(cloudckpt.read_manifest(url), format_version=1))
     report = cloudckpt.verify(url)
-    assert report.ok and report.notes == [UNCHECKSUMMED]   # a warning, not a failure
-    assert cloudckpt.load_full(url)["name"] == "cosine"    # version 1 still loads
+    assert report.ok and report.notes == [UNCHECKSUMMED]  # a warning, not a failure
+    assert cloudckpt.load_full(url)["name"] == "cosine"  # version 1 still loads
     res = cli(None, "verify", url)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("OK") and "note: the manifest has no checksum" in res.stdout
@@ -114,8 +121,9 @@ def _aliasing_manifest(chunks: int, data: bytes) -> bytes:
     ``len(data)`` bytes of one object, with their true crcs: a load would "work"."""
     n = len(data)
     crcs = block_crcs(data, n)
-    b = ManifestBuilder(world_size=1, checksum_block_size=n,
-                        structure=["d", [["big", ["x", "big"]]]])
+    b = ManifestBuilder(
+        world_size=1, checksum_block_size=n, structure=["d", [["big", ["x", "big"]]]]
+    )
     b.add_tensor("big", "uint8", (n,))
     b.add_chunk("big", (0,), (n,), f"data/{ATTEMPT}/r00000-0000.bin", 0, n, crcs)
     doc = doc_of(encode_manifest(b.build()))
@@ -127,7 +135,8 @@ def _aliasing_manifest(chunks: int, data: bytes) -> bytes:
         object_index=encode_int_column([0] * chunks, delta=True),
         byte_offset=encode_int_column([0] * chunks, delta=True),
         byte_length=encode_int_column([n] * chunks, delta=True),
-        crc32c=b"".join(int(c).to_bytes(4, "little") for c in crcs) * chunks)
+        crc32c=b"".join(int(c).to_bytes(4, "little") for c in crcs) * chunks,
+    )
     return pack(doc)
 
 
@@ -146,9 +155,11 @@ def test_chunks_sharing_bytes_are_refused_everywhere(tmp_path, backend, request,
         raw = RawCheckpoint(url, server)
     raw.write(f"data/{ATTEMPT}/r00000-0000.bin", data)
     raw.write("manifest.msgpack", manifest)
-    for name, fn in (("read_manifest", lambda: cloudckpt.read_manifest(url, storage=storage)),
-                     ("load_full", lambda: cloudckpt.load_full(url, storage=storage)),
-                     ("verify", lambda: cloudckpt.verify(url, storage=storage))):
+    for name, fn in (
+        ("read_manifest", lambda: cloudckpt.read_manifest(url, storage=storage)),
+        ("load_full", lambda: cloudckpt.load_full(url, storage=storage)),
+        ("verify", lambda: cloudckpt.verify(url, storage=storage)),
+    ):
         with pytest.raises(ManifestError, match=r"chunks\[1\].*also those of") as exc:
             fn()
         assert "data/" in str(exc.value), name
@@ -157,8 +168,9 @@ def test_chunks_sharing_bytes_are_refused_everywhere(tmp_path, backend, request,
         out = tmp_path / "big.safetensors"
         for args in (("export", url, str(out)), ("verify", url), ("show", url)):
             res = cli(None, *args)
-            assert res.returncode == 1 and "error: " in res.stderr and "also those of" in res.stderr, \
-                (args, res.stderr)
+            assert (
+                res.returncode == 1 and "error: " in res.stderr and "also those of" in res.stderr
+            ), (args, res.stderr)
             assert "internal error" not in res.stderr
         assert not out.exists() and not (tmp_path / "big.safetensors.partial").exists()
 
@@ -185,7 +197,10 @@ def _traced_read(url: str):
 
 
 CASES = [(name, 400_000) for name in FAMILIES] + [
-    ("empty_chunks_64d", 4_000_000), ("empty_chunks_8d", 4_000_000), ("empty_tensors", 4_000_000)]
+    ("empty_chunks_64d", 4_000_000),
+    ("empty_chunks_8d", 4_000_000),
+    ("empty_tensors", 4_000_000),
+]
 
 
 @pytest.mark.parametrize("family,size", CASES, ids=[f"{n}-{s // 1000}KB" for n, s in CASES])
@@ -199,10 +214,13 @@ def test_decode_memory_is_bounded_by_the_manifest_size(tmp_path, family, size, f
     (tmp_path / "ckpt" / "manifest.msgpack").write_bytes(data)
     outcome, peak = _traced_read(str(tmp_path / "ckpt"))
     assert (outcome == "decoded") == decodes, outcome
-    print(f"\n{family}: {len(data)} bytes, peak {peak / 2**20:.1f} MiB "
-          f"({peak / len(data):.1f} per byte), {outcome[:60]}")
-    assert peak <= BYTES_PER_BYTE * len(data) + SLACK, \
+    print(
+        f"\n{family}: {len(data)} bytes, peak {peak / 2**20:.1f} MiB "
+        f"({peak / len(data):.1f} per byte), {outcome[:60]}"
+    )
+    assert peak <= BYTES_PER_BYTE * len(data) + SLACK, (
         f"{family}: peak {peak / 2**20:.0f} MiB for {len(data)} bytes"
+    )
     figures.add("hostile manifests (bounded decoding)")
 
 
@@ -250,6 +268,7 @@ def _deep(depth: int):
 
 def _odd_manifests():
     """name -> (edit of the document, what ``show`` must do: 'error' or a text it displays)."""
+
     def value(name, v):
         return lambda doc: doc["values"].__setitem__(name, msgpack.packb(v, use_bin_type=True))
 
@@ -259,20 +278,38 @@ def _odd_manifests():
 
     return {
         "deep value": (value("name", _deep(500)), "error"),
-        "deep metadata": (lambda doc: doc.__setitem__("metadata", msgpack.packb(
-            {"a": _deep(500)}, use_bin_type=True)), "error"),
+        "deep metadata": (
+            lambda doc: doc.__setitem__(
+                "metadata", msgpack.packb({"a": _deep(500)}, use_bin_type=True)
+            ),
+            "error",
+        ),
         "pickled metadata, no values": (drop_values_pickle_metadata, "error"),
-        "bytes value name": (lambda doc: doc["values"].__setitem__(b"raw", doc["values"]["lr"]),
-                             "error"),
+        "bytes value name": (
+            lambda doc: doc["values"].__setitem__(b"raw", doc["values"]["lr"]),
+            "error",
+        ),
         "int tensor name": (lambda doc: doc["tensors"]["names"].__setitem__(0, 7), "error"),
         "created_at 1e300": (lambda doc: doc.__setitem__("created_at", 1e300), "1e+300"),
         "created_at -1e18": (lambda doc: doc.__setitem__("created_at", -1e18), "-1e+18"),
-        "value 2**20000": (lambda doc: doc["values"].__setitem__(
-            "step", encode_value(2**20000, key="step", allow_pickle=False)), "<int of 20001 bits>"),
-        "list holding 2**20000": (lambda doc: doc["values"].__setitem__(
-            "step", encode_value([2**20000], key="step", allow_pickle=False)), "[<int of 20001 bits>]"),
-        "metadata 2**20000, tuple key": (lambda doc: doc.__setitem__("metadata", encode_value(
-            {"n": 2**20000, (1, 2): "t"}, key="m", allow_pickle=False)), "int of 20001 bits"),
+        "value 2**20000": (
+            lambda doc: doc["values"].__setitem__(
+                "step", encode_value(2**20000, key="step", allow_pickle=False)
+            ),
+            "<int of 20001 bits>",
+        ),
+        "list holding 2**20000": (
+            lambda doc: doc["values"].__setitem__(
+                "step", encode_value([2**20000], key="step", allow_pickle=False)
+            ),
+            "[<int of 20001 bits>]",
+        ),
+        "metadata 2**20000, tuple key": (
+            lambda doc: doc.__setitem__(
+                "metadata", encode_value({"n": 2**20000, (1, 2): "t"}, key="m", allow_pickle=False)
+            ),
+            "int of 20001 bits",
+        ),
     }
 
 
@@ -333,8 +370,11 @@ def test_a_huge_sparse_manifest_is_refused_before_reading(tmp_path):
     cloudckpt.save(_small_state(), url)
     with open(tmp_path / "ckpt" / "manifest.msgpack", "r+b") as f:
         f.truncate(3 << 30)  # sparse: 3 GiB of zeros on no disk
-    for fn in (lambda: cloudckpt.read_manifest(url), lambda: cloudckpt.load_full(url),
-               lambda: cloudckpt.verify(url)):
+    for fn in (
+        lambda: cloudckpt.read_manifest(url),
+        lambda: cloudckpt.load_full(url),
+        lambda: cloudckpt.verify(url),
+    ):
         tracemalloc.start()
         try:
             with pytest.raises(ManifestError, match="more than the 2147483648"):

@@ -27,8 +27,17 @@ import cloudckpt
 from cloudckpt import GlobalPiece, LoadOptions, SaveOptions
 from tests.reliability.stores import RawCheckpoint
 
-DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int16,
-          torch.uint8, torch.bool, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int16,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
 
 #: small blocks and objects: a few elements make several checksum blocks, windows and objects.
 SMALL = dict(checksum_block_size=16, object_size=96)
@@ -83,20 +92,26 @@ def apply_view(base: torch.Tensor, spec, shape) -> torch.Tensor:
 
 @st.composite
 def view_specs(draw, shape):
-    entries = [("k", dim, draw(st.integers(0, 2)), draw(st.integers(1, 3)), draw(st.integers(0, 2)))
-               for dim in range(len(shape))]
+    entries = [
+        ("k", dim, draw(st.integers(0, 2)), draw(st.integers(1, 3)), draw(st.integers(0, 2)))
+        for dim in range(len(shape))
+    ]
     for _ in range(draw(st.integers(0, 2))):
         size = draw(st.integers(1, 3))
-        entries.insert(draw(st.integers(0, len(entries))), ("d", size, draw(st.integers(0, size - 1))))
+        entries.insert(
+            draw(st.integers(0, len(entries))), ("d", size, draw(st.integers(0, size - 1)))
+        )
     entries = draw(st.permutations(entries))
     ones = [d for d, n in enumerate(shape) if n == 1]
-    restride = tuple((d, draw(st.sampled_from([0, 1, 3, 17, 1000]))) for d in ones
-                     if draw(st.booleans()))
+    restride = tuple(
+        (d, draw(st.sampled_from([0, 1, 3, 17, 1000]))) for d in ones if draw(st.booleans())
+    )
     return tuple(entries), restride, draw(st.booleans())
 
 
-shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple) | \
-    st.lists(st.just(1), min_size=1, max_size=3).map(tuple)
+shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple) | st.lists(
+    st.just(1), min_size=1, max_size=3
+).map(tuple)
 
 
 def values(shape, dtype, seed: int) -> torch.Tensor:
@@ -183,8 +198,10 @@ def build_holding(layout, shape, dtype, full: torch.Tensor | None = None):
 
 
 def expected_bases(layout, dtype, full):
-    return [expected_base(spec, sizes, dtype, box(full, offsets, sizes))
-            for offsets, sizes, spec in layout]
+    return [
+        expected_base(spec, sizes, dtype, box(full, offsets, sizes))
+        for offsets, sizes, spec in layout
+    ]
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -234,8 +251,11 @@ def test_conjugate_and_negative_views_round_trip(tmp_path):
     for k, v in state.items():
         assert same(full[k], v.resolve_conj().resolve_neg()), k
     zb = torch.zeros(3, 4, dtype=torch.complex64)
-    dst = {"conj": torch.zeros(3, 4, dtype=torch.complex64).conj(), "neg": zb.conj().imag,
-           "conj_t": torch.zeros(4, 3, dtype=torch.complex64).conj()[1:2, 0:1]}
+    dst = {
+        "conj": torch.zeros(3, 4, dtype=torch.complex64).conj(),
+        "neg": zb.conj().imag,
+        "conj_t": torch.zeros(4, 3, dtype=torch.complex64).conj()[1:2, 0:1],
+    }
     cloudckpt.load(dst, str(tmp_path / "ck"))
     for k, v in state.items():
         assert same(dst[k].resolve_conj().resolve_neg(), v.resolve_conj().resolve_neg()), k
@@ -246,10 +266,16 @@ def test_one_element_pieces_of_a_transposed_destination(tmp_path):
     """Chunks cut a transposed destination into one-element pieces: a 1x1 box of a tensor with
     strides (1, 5) is 'contiguous' for torch, with stride 5 on its last dimension."""
     full = values((4, 4), torch.float32, 2)
-    pieces = [GlobalPiece(full[i:i + 1, j:j + 1].clone(), (4, 4), (i, j))
-              for i in range(2) for j in range(4)]
-    pieces += [GlobalPiece(full[i:i + 1, j:j + 2].t().contiguous().t(), (4, 4), (i, j))
-               for i in range(2, 4) for j in (0, 2)]
+    pieces = [
+        GlobalPiece(full[i : i + 1, j : j + 1].clone(), (4, 4), (i, j))
+        for i in range(2)
+        for j in range(4)
+    ]
+    pieces += [
+        GlobalPiece(full[i : i + 1, j : j + 2].t().contiguous().t(), (4, 4), (i, j))
+        for i in range(2, 4)
+        for j in (0, 2)
+    ]
     cloudckpt.save({"w": pieces}, str(tmp_path / "ck"), options=SaveOptions(**SMALL))
     base = torch.full((6, 5), -5.0)
     dst = base[1:5, 0:4].t()
@@ -260,7 +286,9 @@ def test_one_element_pieces_of_a_transposed_destination(tmp_path):
     # destination pieces of one element each, every one with its last stride 5
     base = torch.full((6, 5), -5.0)
     view = base[1:5, 0:4].t()
-    held = [GlobalPiece(view[i:i + 1, j:j + 1], (4, 4), (i, j)) for i in range(4) for j in range(4)]
+    held = [
+        GlobalPiece(view[i : i + 1, j : j + 1], (4, 4), (i, j)) for i in range(4) for j in range(4)
+    ]
     assert all(p.local.is_contiguous() and p.local.stride(-1) == 5 for p in held)
     cloudckpt.load({"w": held}, str(tmp_path / "ck"))
     assert same(view, full) and same(base, want)
@@ -299,8 +327,9 @@ def test_generated_strided_views_round_trip_on_local_store(case, figures):
 # -- generated: two ranks over S3 ----------------------------------------------------------------
 
 
-def rank_round_trip(url: str, shape, dtype, saved, loaded, seed: int,
-                    options: dict) -> tuple[bool, int]:
+def rank_round_trip(
+    url: str, shape, dtype, saved, loaded, seed: int, options: dict
+) -> tuple[bool, int]:
     """Rank r saves the boxes of ``saved`` at positions r, r+2, ...; every rank loads all of
     ``loaded`` (so each region goes to both ranks: read once and broadcast)."""
     rank = dist.get_rank()
@@ -312,8 +341,11 @@ def rank_round_trip(url: str, shape, dtype, saved, loaded, seed: int,
         pieces.append(GlobalPiece(view, tuple(shape), offsets))
     cloudckpt.save({"t": pieces} if pieces else {}, url, options=SaveOptions(**options))
     leaf, bases = build_holding(loaded, shape, dtype)
-    result = cloudckpt.load({"t": leaf}, url, options=LoadOptions(
-        broadcast=True, min_broadcast_bytes=0, broadcast_batch_bytes=64))
+    result = cloudckpt.load(
+        {"t": leaf},
+        url,
+        options=LoadOptions(broadcast=True, min_broadcast_bytes=0, broadcast_batch_bytes=64),
+    )
     ok = all(same(b, w) for b, w in zip(bases, expected_bases(loaded, dtype, full)))
     return ok, result.broadcasts
 
@@ -333,14 +365,26 @@ def two_rank_cases(draw):
 _counter = iter(range(1 << 30))
 
 
-@settings(max_examples=12, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(case=two_rank_cases())
 def test_generated_strided_views_round_trip_on_two_ranks(case, world2, s3_server, figures):
     shape, dtype, saved, loaded, seed = case
     url = s3_server.url(f"odd-{os.getpid()}-{next(_counter)}-{random.getrandbits(32):08x}")
-    results = world2.run(rank_round_trip, url, shape, dtype, saved, loaded, seed,
-                         dict(checksum_block_size=16, object_size=64))
+    results = world2.run(
+        rank_round_trip,
+        url,
+        shape,
+        dtype,
+        saved,
+        loaded,
+        seed,
+        dict(checksum_block_size=16, object_size=64),
+    )
     assert [ok for ok, _ in results] == [True, True]
     figures.add("odd tensor round trips (world 2, S3)")
     figures.add("odd tensor broadcasts (world 2, S3)", results[0][1])
@@ -421,15 +465,24 @@ class _Holder:
 
 
 def _failed_load_state() -> dict:
-    return {"a": torch.arange(1000, dtype=torch.float32), "b": torch.arange(500.0) * 3,
-            "obj": {"c": torch.arange(300.0) + 0.5, "tag": "new"}, "step": 42,
-            "cfg": {"name": "new"}}
+    return {
+        "a": torch.arange(1000, dtype=torch.float32),
+        "b": torch.arange(500.0) * 3,
+        "obj": {"c": torch.arange(300.0) + 0.5, "tag": "new"},
+        "step": 42,
+        "cfg": {"name": "new"},
+    }
 
 
 def _failed_load_target() -> tuple[dict, _Holder]:
     holder = _Holder()
-    return {"a": torch.full((1000,), OLD), "b": torch.full((500,), OLD), "obj": holder,
-            "step": 0, "cfg": {"name": "old"}}, holder
+    return {
+        "a": torch.full((1000,), OLD),
+        "b": torch.full((500,), OLD),
+        "obj": holder,
+        "step": 0,
+        "cfg": {"name": "old"},
+    }, holder
 
 
 def _untouched_values(target: dict, holder: _Holder) -> None:
@@ -440,10 +493,10 @@ def _untouched_values(target: dict, holder: _Holder) -> None:
 def test_failed_load_before_data_moves_changes_nothing(tmp_path):
     url = str(tmp_path / "ck")
     cloudckpt.save(_failed_load_state(), url)
-    for change, error in ((lambda t: t.__setitem__("extra", torch.zeros(2)),
-                           cloudckpt.MissingKeysError),
-                          (lambda t: t.__setitem__("b", torch.full((499,), OLD)),
-                           cloudckpt.ShapeMismatchError)):
+    for change, error in (
+        (lambda t: t.__setitem__("extra", torch.zeros(2)), cloudckpt.MissingKeysError),
+        (lambda t: t.__setitem__("b", torch.full((499,), OLD)), cloudckpt.ShapeMismatchError),
+    ):
         target, holder = _failed_load_target()
         change(target)
         with pytest.raises(error):
@@ -475,23 +528,32 @@ def test_failed_load_on_a_corrupt_block_writes_only_verified_elements(tmp_path, 
     for name, dest in got.items():  # every element: its previous value or the checkpoint's
         assert bool(((dest == OLD) | (dest == want[name])).all()), name
     per = BLOCK // 4
-    assert bool((got[corrupt][bad_block * per:(bad_block + 1) * per] == OLD).all())
+    assert bool((got[corrupt][bad_block * per : (bad_block + 1) * per] == OLD).all())
 
 
 def rank_failed_load(url: str) -> dict:
     """Rank 0 loads tensor "a" (one of its blocks is corrupt), rank 1 loads "b" (intact)."""
     rank = dist.get_rank()
     holder = _Holder()
-    target = {("a" if rank == 0 else "b"): torch.full((1000 if rank == 0 else 500,), OLD),
-              "obj": holder, "step": 0, "cfg": {"name": "old"}}
+    target = {
+        ("a" if rank == 0 else "b"): torch.full((1000 if rank == 0 else 500,), OLD),
+        "obj": holder,
+        "step": 0,
+        "cfg": {"name": "old"},
+    }
     try:
         cloudckpt.load(target, url, strict=False)
         error = None
     except cloudckpt.CloudCkptError as exc:
         error = type(exc).__name__
     dest = target["a" if rank == 0 else "b"]
-    return {"error": error, "step": target["step"], "name": target["cfg"]["name"],
-            "loaded": holder.loaded, "dest": dest.tolist()}
+    return {
+        "error": error,
+        "step": target["step"],
+        "name": target["cfg"]["name"],
+        "loaded": holder.loaded,
+        "dest": dest.tolist(),
+    }
 
 
 def test_failed_load_on_two_ranks_restores_nothing_on_any_rank(world2, tmp_path):

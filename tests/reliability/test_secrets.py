@@ -75,10 +75,14 @@ def _assert_clean(text: str, s3_server, what: str, *, tokens: bool = True) -> No
 
 
 @pytest.mark.parametrize("who", ["wrong secret", "unknown key"])
-def test_wrong_credentials_are_access_denied_after_one_request(s3_server, s3_url, fault_proxy,
-                                                               who, figures):
-    fields = ({"secret_access_key": WRONG_SECRET} if who == "wrong secret" else
-              {"access_key_id": "AKIDUNKNOWN000000000"})
+def test_wrong_credentials_are_access_denied_after_one_request(
+    s3_server, s3_url, fault_proxy, who, figures
+):
+    fields = (
+        {"secret_access_key": WRONG_SECRET}
+        if who == "wrong secret"
+        else {"access_key_id": "AKIDUNKNOWN000000000"}
+    )
     options = storage_for(s3_server, endpoint_url=fault_proxy.endpoint_url, **fields)
     with pytest.raises(errors.AccessDenied) as denied:
         cloudckpt.save(_state(), s3_url, storage=options)
@@ -98,9 +102,12 @@ def test_wrong_credentials_are_access_denied_after_one_request(s3_server, s3_url
 
 
 def test_read_only_identity_cannot_save_and_does_not_retry(s3_server, s3_url, fault_proxy):
-    options = storage_for(s3_server, endpoint_url=fault_proxy.endpoint_url,
-                          access_key_id=s3_server.readonly_access_key,
-                          secret_access_key=s3_server.readonly_secret_key)
+    options = storage_for(
+        s3_server,
+        endpoint_url=fault_proxy.endpoint_url,
+        access_key_id=s3_server.readonly_access_key,
+        secret_access_key=s3_server.readonly_secret_key,
+    )
     with pytest.raises(errors.AccessDenied) as denied:
         cloudckpt.save(_state(), s3_url, storage=options, options=SAVE_OPTIONS)
     _assert_clean(_all_text(denied.value), s3_server, "the error")
@@ -112,12 +119,15 @@ def test_read_only_identity_cannot_save_and_does_not_retry(s3_server, s3_url, fa
         cloudckpt.read_manifest(s3_url, storage=storage_for(s3_server))
 
 
-def test_two_ranks_with_a_wrong_secret_both_raise_access_denied(world2, s3_server, s3_url,
-                                                                fault_proxy):
-    options = storage_for(s3_server, endpoint_url=fault_proxy.endpoint_url,
-                          secret_access_key=WRONG_SECRET)
-    results = world2.run(capture_logs_during, "save_step", s3_url, 1, 1, storage=options,
-                         options=SAVE_OPTIONS)
+def test_two_ranks_with_a_wrong_secret_both_raise_access_denied(
+    world2, s3_server, s3_url, fault_proxy
+):
+    options = storage_for(
+        s3_server, endpoint_url=fault_proxy.endpoint_url, secret_access_key=WRONG_SECRET
+    )
+    results = world2.run(
+        capture_logs_during, "save_step", s3_url, 1, 1, storage=options, options=SAVE_OPTIONS
+    )
     for r in results:
         outcome = r["result"]
         assert not outcome["ok"] and "AccessDenied" in outcome["error"], outcome
@@ -150,27 +160,36 @@ def _save_load_retries_and_failures(s3_server, s3_url, fault_proxy) -> None:
     good = storage_for(s3_server)
     cloudckpt.save(_state(), s3_url + "/a", storage=good, options=SAVE_OPTIONS)
     cloudckpt.load_full(s3_url + "/a", storage=good)
-    fault_proxy.configure(rate=0.2, kinds=("503", "500", "reset", "truncate"),
-                          schedule=["503", "reset", "truncate"])
+    fault_proxy.configure(
+        rate=0.2, kinds=("503", "500", "reset", "truncate"), schedule=["503", "reset", "truncate"]
+    )
     faulty = storage_for(s3_server, endpoint_url=fault_proxy.endpoint_url)
     cloudckpt.save(_state(), s3_url + "/b", storage=faulty, options=SAVE_OPTIONS)
     cloudckpt.load_full(s3_url + "/b", storage=faulty)
     fault_proxy.configure(rate=0.0, schedule=[])
-    failing = [storage_for(s3_server, secret_access_key=WRONG_SECRET),
-               storage_for(s3_server, session_token=SESSION_TOKEN),
-               storage_for(s3_server, endpoint_url=fault_proxy.endpoint_url,
-                           retry=RetryOptions(max_attempts=3, base_delay=0.01))]
+    failing = [
+        storage_for(s3_server, secret_access_key=WRONG_SECRET),
+        storage_for(s3_server, session_token=SESSION_TOKEN),
+        storage_for(
+            s3_server,
+            endpoint_url=fault_proxy.endpoint_url,
+            retry=RetryOptions(max_attempts=3, base_delay=0.01),
+        ),
+    ]
     fault_proxy.configure(fail_all=True)
     for options in failing:
-        for fn in (lambda: cloudckpt.save(_state(), s3_url + "/c", storage=options),
-                   lambda: cloudckpt.load_full(s3_url + "/a", storage=options)):
+        for fn in (
+            lambda: cloudckpt.save(_state(), s3_url + "/c", storage=options),
+            lambda: cloudckpt.load_full(s3_url + "/a", storage=options),
+        ):
             with pytest.raises(errors.CloudCkptError) as failed:
                 fn()
             _assert_clean(_all_text(failed.value), s3_server, "an error")
 
 
 def test_no_secret_key_in_debug_logs_of_save_load_retries_and_failures(
-        s3_server, s3_url, fault_proxy, debug_log, figures):
+    s3_server, s3_url, fault_proxy, debug_log, figures
+):
     _save_load_retries_and_failures(s3_server, s3_url, fault_proxy)
     text = debug_log()
     assert "botocore" in text and "cloudckpt" in text, "the DEBUG logs were not captured"
@@ -185,10 +204,18 @@ def test_no_session_token_in_debug_logs(s3_server, s3_url, fault_proxy, debug_lo
 
 
 def test_no_secret_in_the_debug_logs_of_a_two_rank_job(world2, s3_server, s3_url):
-    results = world2.run(capture_logs_during, "save_step", s3_url, 1, 1,
-                         storage=storage_for(s3_server), options=SAVE_OPTIONS)
-    loads = world2.run(capture_logs_during, "load_step", s3_url, 1, 1,
-                       storage=storage_for(s3_server))
+    results = world2.run(
+        capture_logs_during,
+        "save_step",
+        s3_url,
+        1,
+        1,
+        storage=storage_for(s3_server),
+        options=SAVE_OPTIONS,
+    )
+    loads = world2.run(
+        capture_logs_during, "load_step", s3_url, 1, 1, storage=storage_for(s3_server)
+    )
     for r in results + loads:
         assert r["result"]["ok"], r["result"]
         assert r["records"] > 10
@@ -202,8 +229,17 @@ def test_no_secret_in_reprs(s3_server, s3_url):
     options = storage_for(s3_server, session_token=SESSION_TOKEN)
     store = open_store(s3_url, options)
     mgr = cloudckpt.CheckpointManager(s3_url, storage=options)
-    texts = [repr(options), str(options), f"{options!r:>10}", repr(dataclasses.replace(options)),
-             repr(store), repr(mgr), repr(s3_server), str(s3_server), repr(options.retry)]
+    texts = [
+        repr(options),
+        str(options),
+        f"{options!r:>10}",
+        repr(dataclasses.replace(options)),
+        repr(store),
+        repr(mgr),
+        repr(s3_server),
+        str(s3_server),
+        repr(options.retry),
+    ]
     result = cloudckpt.save({"w": torch.arange(3)}, s3_url, storage=storage_for(s3_server))
     texts.append(repr(result))
     for text in texts:
@@ -222,10 +258,18 @@ def test_no_secret_in_cli_output(s3_server, s3_url):
     mgr.save(1, {"w": torch.arange(10), "v": "x"})
     ok = [cli(s3_server, "show", s3_url, "--step", "1")]
     assert all(r.returncode == 0 for r in ok), [r.stderr for r in ok]
-    failed = [cli(s3_server, "ls", s3_url, AWS_SECRET_ACCESS_KEY=WRONG_SECRET,
-                  CLOUDCKPT_DEBUG="1"),
-              cli(s3_server, "verify", s3_url, "--step", "1", AWS_SECRET_ACCESS_KEY=WRONG_SECRET,
-                  AWS_SESSION_TOKEN=SESSION_TOKEN)]
+    failed = [
+        cli(s3_server, "ls", s3_url, AWS_SECRET_ACCESS_KEY=WRONG_SECRET, CLOUDCKPT_DEBUG="1"),
+        cli(
+            s3_server,
+            "verify",
+            s3_url,
+            "--step",
+            "1",
+            AWS_SECRET_ACCESS_KEY=WRONG_SECRET,
+            AWS_SESSION_TOKEN=SESSION_TOKEN,
+        ),
+    ]
     assert all(r.returncode != 0 for r in failed), [r.stdout for r in failed]
     assert "Traceback" in failed[0].stderr, "CLOUDCKPT_DEBUG=1 shows a traceback"
     for r in ok + failed:
@@ -238,8 +282,10 @@ def test_no_secret_in_cli_output(s3_server, s3_url):
 class _NotFound(http.server.BaseHTTPRequestHandler):
     """Answers every request like S3 for a missing key."""
 
-    body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchKey</Code>'
-            b"<Message>no</Message></Error>")
+    body = (
+        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchKey</Code>'
+        b"<Message>no</Message></Error>"
+    )
 
     def _answer(self, with_body: bool) -> None:
         self.server.requests += 1
@@ -264,10 +310,29 @@ class _NotFound(http.server.BaseHTTPRequestHandler):
 def tls_server(tmp_path_factory):
     """An https server on 127.0.0.1 with a self-signed certificate (nobody's trusted CA)."""
     d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem")],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(d / "key.pem"),
+            "-out",
+            str(d / "cert.pem"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotFound)
     server.requests = 0
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -282,8 +347,13 @@ def tls_server(tmp_path_factory):
 def test_tls_verification_is_on_by_default(tls_server, s3_server):
     server, endpoint = tls_server
     assert StorageOptions().verify_tls is None  # verify, with the AWS chain of CA bundles
-    base = dict(endpoint_url=endpoint, access_key_id="AKIDTLS", secret_access_key=WRONG_SECRET,
-                region="us-east-1", retry=RetryOptions(max_attempts=5, base_delay=0.01))
+    base = dict(
+        endpoint_url=endpoint,
+        access_key_id="AKIDTLS",
+        secret_access_key=WRONG_SECRET,
+        region="us-east-1",
+        retry=RetryOptions(max_attempts=5, base_delay=0.01),
+    )
     server.requests = 0
     with pytest.raises(errors.ConfigError) as refused:  # untrusted: say how to trust a CA
         cloudckpt.read_manifest("s3://bucket/ckpt", storage=StorageOptions(**base))
@@ -293,6 +363,7 @@ def test_tls_verification_is_on_by_default(tls_server, s3_server):
     assert server.requests == 0  # the handshake failed: no request was ever served
     _assert_clean(text, s3_server, "the TLS error")
     with pytest.raises(errors.CheckpointNotFound):  # verification off: the server is reached
-        cloudckpt.read_manifest("s3://bucket/ckpt",
-                                storage=StorageOptions(**base, verify_tls=False))
+        cloudckpt.read_manifest(
+            "s3://bucket/ckpt", storage=StorageOptions(**base, verify_tls=False)
+        )
     assert server.requests >= 1

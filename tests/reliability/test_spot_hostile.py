@@ -1,5 +1,5 @@
 """The spot notice poller against a metadata endpoint that misbehaves on purpose
-(cloudckpt.testing.imds: a real HTTP server on 127.0.0.1; the real 169.254.169.254 is never
+(cloudckpt.testing.servers.imds: a real HTTP server on 127.0.0.1; the real 169.254.169.254 is never
 contacted): answers dripped or stalled, bodies that never end, garbage, resets, redirects,
 failures that come and go. Whatever it answers, every request ends at its deadline, ``stop()``
 returns within a second, memory stays bounded, the thread never dies and a notice is still
@@ -15,9 +15,9 @@ import tracemalloc
 
 import pytest
 
-from cloudckpt.spot import RECOVERY_POLLS, SpotNoticeOptions, SpotNoticePoller
-from cloudckpt.testing.imds import DEFAULT_NOTICE as NOTICE
-from cloudckpt.testing.imds import FakeMetadataServer as FakeIMDS
+from cloudckpt.runs.spot import RECOVERY_POLLS, SpotNoticeOptions, SpotNoticePoller
+from cloudckpt.testing.servers.imds import DEFAULT_NOTICE as NOTICE
+from cloudckpt.testing.servers.imds import FakeMetadataServer as FakeIMDS
 
 FAST = dict(interval=0.02)
 
@@ -38,8 +38,11 @@ def wait_until(predicate, what: str, limit: float = 20.0) -> None:
 
 
 def warnings_of(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.levelno == logging.WARNING and "poll failed" in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "poll failed" in r.getMessage()
+    ]
 
 
 def timed_stop(poller: SpotNoticePoller) -> float:
@@ -56,8 +59,9 @@ def test_stop_returns_within_a_second_while_a_request_hangs(answer):
     """A request in progress that would last 30 s (its deadline) or forever (dripped bytes,
     endless ``100 Continue``): ``stop()`` returns within a second, the thread has ended."""
     with FakeIMDS(script=[answer]) as imds:
-        poller = SpotNoticePoller(Calls(), options=SpotNoticeOptions(
-            endpoint=imds.endpoint, timeout=30.0, **FAST)).start()
+        poller = SpotNoticePoller(
+            Calls(), options=SpotNoticeOptions(endpoint=imds.endpoint, timeout=30.0, **FAST)
+        ).start()
         assert poller._thread.daemon, "the thread must never keep the process alive"
         wait_until(lambda: imds.count("GET", answer) == 1, "the GET to hang")
         time.sleep(0.2)  # well inside the request
@@ -90,8 +94,9 @@ def test_endless_bodies_cost_bounded_memory_and_a_200_is_still_a_notice():
     with FakeIMDS(put_script=["huge"], script=["huge"]) as imds:
         tracemalloc.start()
         try:
-            with SpotNoticePoller(calls, options=SpotNoticeOptions(
-                    endpoint=imds.endpoint, timeout=5.0, **FAST)) as poller:
+            with SpotNoticePoller(
+                calls, options=SpotNoticeOptions(endpoint=imds.endpoint, timeout=5.0, **FAST)
+            ) as poller:
                 assert poller.wait_for_notice(15)
             _, peak = tracemalloc.get_traced_memory()
         finally:
@@ -109,8 +114,9 @@ def test_garbage_answers_never_end_the_thread_and_a_nested_body_is_still_a_notic
     each failure is logged, the notice is acted on as ``{"raw": ...}``."""
     calls = Calls()
     with FakeIMDS(put_script=["garbage", "badtoken"], script=["garbage", "nested"]) as imds:
-        with SpotNoticePoller(calls, options=SpotNoticeOptions(
-                endpoint=imds.endpoint, timeout=5.0, **FAST)) as poller:
+        with SpotNoticePoller(
+            calls, options=SpotNoticeOptions(endpoint=imds.endpoint, timeout=5.0, **FAST)
+        ) as poller:
             assert poller.wait_for_notice(15), "the poller thread died"
             wait_until(lambda: not poller.running, "the poller to end after the notice")
         assert imds.count("GET", "garbage") == 1 and imds.count("GET", "nested") == 1
@@ -125,8 +131,9 @@ def test_a_reset_inside_a_200_is_still_a_notice():
     """The notice's answer cut by a TCP reset mid-body: the 200 was seen, the notice acted on."""
     calls = Calls()
     with FakeIMDS(script=["reset"]) as imds:
-        with SpotNoticePoller(calls, options=SpotNoticeOptions(
-                endpoint=imds.endpoint, timeout=5.0, **FAST)) as poller:
+        with SpotNoticePoller(
+            calls, options=SpotNoticeOptions(endpoint=imds.endpoint, timeout=5.0, **FAST)
+        ) as poller:
             assert poller.wait_for_notice(15)
         assert imds.count("GET", "reset") == 1 and imds.count("GET") == 1
     assert calls.n == 1 and poller.notice == {"raw": '{"action": "term'}
@@ -134,10 +141,13 @@ def test_a_reset_inside_a_200_is_still_a_notice():
 
 def test_redirects_are_not_followed(caplog):
     """A 302 to another server: a failure, never a request (with the token) to that server."""
-    with FakeIMDS(notice_after=1) as elsewhere, \
-            FakeIMDS(script=["redirect"] * 3, redirect_to=elsewhere.endpoint) as imds:
-        with SpotNoticePoller(Calls(), options=SpotNoticeOptions(
-                endpoint=imds.endpoint, timeout=5.0, **FAST)):
+    with (
+        FakeIMDS(notice_after=1) as elsewhere,
+        FakeIMDS(script=["redirect"] * 3, redirect_to=elsewhere.endpoint) as imds,
+    ):
+        with SpotNoticePoller(
+            Calls(), options=SpotNoticeOptions(endpoint=imds.endpoint, timeout=5.0, **FAST)
+        ):
             wait_until(lambda: imds.count("GET", "redirect") == 3, "three redirects")
             wait_until(lambda: imds.count("GET", 404) >= 1, "a normal poll after them")
         assert elsewhere.count("GET") == 0 and elsewhere.count("PUT") == 0
@@ -150,8 +160,9 @@ def test_a_get_refused_with_a_4xx_drops_the_token():
     for a new token instead of sending the same one for its six hours."""
     calls = Calls()
     with FakeIMDS(script=[400, 431], notice_after=1) as imds:
-        with SpotNoticePoller(calls, options=SpotNoticeOptions(
-                endpoint=imds.endpoint, timeout=5.0, **FAST)) as poller:
+        with SpotNoticePoller(
+            calls, options=SpotNoticeOptions(endpoint=imds.endpoint, timeout=5.0, **FAST)
+        ) as poller:
             assert poller.wait_for_notice(15)
         assert imds.count("PUT", 200) == 3 and imds.count("GET") == 3
     assert calls.n == 1
@@ -161,25 +172,30 @@ def test_a_failure_that_flaps_warns_once_per_kind_per_episode(caplog):
     """Errors and dropped connections between good polls: one WARNING per kind, however often
     they come back, until RECOVERY_POLLS good polls in a row end the episode (one INFO); the
     next failure starts a new episode with a new WARNING."""
-    caplog.set_level(logging.DEBUG, logger="cloudckpt.spot")
+    caplog.set_level(logging.DEBUG, logger="cloudckpt.runs.spot")
     flaps = [500, "ok", 503, "ok", "drop", "ok", 500, "ok", "drop", 502, "ok"] * 3
     script = flaps + ["ok"] * RECOVERY_POLLS + [500, "drop"]
     good = script.count("ok")
     calls = Calls()
     with FakeIMDS(script=script, notice_after=good + 2) as imds:
-        with SpotNoticePoller(calls, options=SpotNoticeOptions(
-                endpoint=imds.endpoint, timeout=5.0, **FAST)) as poller:
+        with SpotNoticePoller(
+            calls, options=SpotNoticeOptions(endpoint=imds.endpoint, timeout=5.0, **FAST)
+        ) as poller:
             assert poller.wait_for_notice(30)
         assert imds.count("GET", 500) == 7 and imds.count("GET", -1) == 7
     assert calls.n == 1
     warned = warnings_of(caplog)
     kinds = [m.split("(")[1].split(";")[0] for m in warned]
     assert kinds == ["HTTP error", "connection dropped", "HTTP error", "connection dropped"], warned
-    infos = [r.getMessage() for r in caplog.records
-             if r.levelno == logging.INFO and "work again" in r.getMessage()]
+    infos = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.INFO and "work again" in r.getMessage()
+    ]
     assert len(infos) == 1
-    debug = [r for r in caplog.records if r.levelno == logging.DEBUG and "failed again" in
-             r.getMessage()]
+    debug = [
+        r for r in caplog.records if r.levelno == logging.DEBUG and "failed again" in r.getMessage()
+    ]
     assert len(debug) == 3 * 6 - 2
 
 
@@ -197,7 +213,7 @@ def test_a_host_name_endpoint_is_resolved_within_the_deadline():
 def test_https_endpoint_verified_and_polled(tmp_path, monkeypatch, caplog):
     """An ``https://`` endpoint: the certificate is checked (an unknown CA is a ``TLS``
     failure, logged, not raised), then with the CA trusted the notice comes."""
-    from cloudckpt.testing.tlsca import make_tls_files
+    from cloudckpt.testing.servers.tlsca import make_tls_files
 
     tls = make_tls_files(tmp_path)
     calls = Calls()
@@ -219,7 +235,7 @@ def test_a_content_length_that_is_not_ascii_digits_is_a_typed_failure(length):
     is "not HTTP", never a bare ``ValueError`` from ``int()``."""
     import socket
 
-    from cloudckpt.spot_http import Deadline, RequestFailed, exchange
+    from cloudckpt.runs.spot_http import Deadline, RequestFailed, exchange
 
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
@@ -234,8 +250,14 @@ def test_a_content_length_that_is_not_ascii_digits_is_a_typed_failure(length):
     thread.start()
     try:
         with pytest.raises(RequestFailed, match="Content-Length"):
-            exchange(f"http://127.0.0.1:{port}", "GET", "/latest/meta-data/spot/instance-action",
-                     {}, deadline=Deadline(5.0, threading.Event()), max_body=1 << 16)
+            exchange(
+                f"http://127.0.0.1:{port}",
+                "GET",
+                "/latest/meta-data/spot/instance-action",
+                {},
+                deadline=Deadline(5.0, threading.Event()),
+                max_body=1 << 16,
+            )
     finally:
         thread.join(5)
         server.close()

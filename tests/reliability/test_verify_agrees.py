@@ -20,7 +20,8 @@ import torch
 import cloudckpt
 from cloudckpt import errors
 from cloudckpt.checksum import block_crcs
-from cloudckpt.manifest import ManifestBuilder, encode_manifest
+from cloudckpt.manifest.builder import ManifestBuilder
+from cloudckpt.manifest.codec import encode_manifest
 from cloudckpt.planning import cover_sweep
 from tests.reliability import hostile_layouts as hl
 from tests.reliability.stores import RawCheckpoint
@@ -53,8 +54,12 @@ def _duplicate_one_drop_another(layout):
 def _build(layouts: dict, *, extra=None) -> bytes:
     """Manifest bytes (real crcs of the zero data in :data:`hl.DATA_KEY`); ``extra(builder)`` may add
     more chunks and objects."""
-    b = ManifestBuilder(world_size=1, checksum_block_size=BLOCK, created_at=0.0,
-                        structure=["d", [[name, ["x", name]] for name in layouts]])
+    b = ManifestBuilder(
+        world_size=1,
+        checksum_block_size=BLOCK,
+        created_at=0.0,
+        structure=["d", [[name, ["x", name]] for name in layouts]],
+    )
     at = 0
     for name, (shape, off, size) in layouts.items():
         b.add_tensor(name, "uint8", shape)
@@ -76,6 +81,7 @@ def _empty_chunk(key: str, byte_offset: int):
         b.add_tensor("e", "uint8", (0, 3))
         b.add_chunk("e", (0, 0), (0, 3), key, byte_offset, 0, [0])
         b.structure = ["d", [[name, ["x", name]] for name in ("w", "g", "e")]]
+
     return add
 
 
@@ -89,11 +95,25 @@ LAYOUTS = {"w": _columns(), "g": hl.brick_wall(4, 3, 3)}
 CASES = {
     "valid": (LAYOUTS, None, None, False),
     "unused-object-missing": (LAYOUTS, _unused_object, None, False),
-    "empty-chunk-in-missing-object": (LAYOUTS, _empty_chunk(f"data/{hl.ATTEMPT}/none.bin", 0), None, False),
+    "empty-chunk-in-missing-object": (
+        LAYOUTS,
+        _empty_chunk(f"data/{hl.ATTEMPT}/none.bin", 0),
+        None,
+        False,
+    ),
     "overlap-and-gap-columns": ({**LAYOUTS, "w": _shift_one_chunk(_columns())}, None, None, True),
-    "overlap-and-gap-wall": ({**LAYOUTS, "g": _shift_one_chunk(hl.row_split(12))}, None, None, True),
-    "duplicate-and-missing-cell": ({**LAYOUTS, "g": _duplicate_one_drop_another(hl.tiny_cubes(5))},
-                                   None, None, True),
+    "overlap-and-gap-wall": (
+        {**LAYOUTS, "g": _shift_one_chunk(hl.row_split(12))},
+        None,
+        None,
+        True,
+    ),
+    "duplicate-and-missing-cell": (
+        {**LAYOUTS, "g": _duplicate_one_drop_another(hl.tiny_cubes(5))},
+        None,
+        None,
+        True,
+    ),
     "manifest-cut-short": (LAYOUTS, None, "cut-manifest", True),
     "empty-chunk-past-the-end": (LAYOUTS, _empty_chunk(hl.DATA_KEY, 1 << 20), None, True),
     "missing-object": (LAYOUTS, None, "delete", True),
@@ -178,7 +198,9 @@ def test_layouts_too_irregular_to_check_are_refused_by_both(tmp_path, monkeypatc
     raw.write(hl.DATA_KEY, bytes(_data_size(LAYOUTS)))
     raw.write("manifest.msgpack", _build(LAYOUTS))
     out = _outcomes(url, None, LAYOUTS)
-    assert isinstance(out["load_full"], errors.CoverageError) and "too irregular" in str(out["load_full"])
+    assert isinstance(out["load_full"], errors.CoverageError) and "too irregular" in str(
+        out["load_full"]
+    )
     assert out["load"] is not None
     assert any("too irregular" in p for p in out["verify"].problems), out["verify"]
 
@@ -186,8 +208,15 @@ def test_layouts_too_irregular_to_check_are_refused_by_both(tmp_path, monkeypatc
 def test_hostile_entry_point_checkpoints_agree(tmp_path):
     """The hostile-manifest target (tests/reliability/hostile.py) with its ``r`` pieces moved so
     they overlap and leave a gap (element count kept): every entry point refuses, verify too."""
-    from tests.reliability.hostile import check_refusals, make_target, run_entry_points
-    from tests.reliability.hostile import valid_doc, pack, reencode_column, column_values
+    from tests.reliability.hostile import (
+        check_refusals,
+        column_values,
+        make_target,
+        pack,
+        reencode_column,
+        run_entry_points,
+        valid_doc,
+    )
 
     target = make_target(str(tmp_path / "ckpt"), area=tmp_path)
     doc = valid_doc(target)
@@ -198,7 +227,7 @@ def test_hostile_entry_point_checkpoints_agree(tmp_path):
     offsets = column_values(doc["chunks"]["offsets"])
     # offsets are dimension-major per tensor: tensor r's dim-0 offsets come first
     start = sum(c * n for c, n in zip(counts[:t], ndims[:t]))
-    r_dim0 = offsets[start:start + counts[t]]
+    r_dim0 = offsets[start : start + counts[t]]
     assert r_dim0 == [0, 2]
     offsets[start + 1] = 1  # second half moved up a row: row 1 twice, row 3 never
     doc["chunks"]["offsets"] = reencode_column(doc["chunks"]["offsets"], offsets)
@@ -222,14 +251,24 @@ def saved(request, tmp_path):
     state = {f"t{i}": torch.arange(300 * (i + 1), dtype=torch.float32) for i in range(6)}
     cloudckpt.save(state, url, storage=storage, options=cloudckpt.SaveOptions(object_size=2048))
     manifest = cloudckpt.read_manifest(url, storage=storage)
-    used = {manifest.objects[c.object_index] for name in manifest.tensors
-            for c in manifest.tensors[name].chunks if c.byte_length}
+    used = {
+        manifest.objects[c.object_index]
+        for name in manifest.tensors
+        for c in manifest.tensors[name].chunks
+        if c.byte_length
+    }
     attempt_dir = sorted(used)[0].rsplit("/", 1)[0]
     listed_unused = f"{attempt_dir}/r99999-0000.bin"
-    for key in (f"{attempt_dir}/zz-extra.bin", listed_unused, "other/junk.bin",
-                "data/ffffffffffffffff/r00000-0000.bin"):
+    for key in (
+        f"{attempt_dir}/zz-extra.bin",
+        listed_unused,
+        "other/junk.bin",
+        "data/ffffffffffffffff/r00000-0000.bin",
+    ):
         raw.write(key, b"x" * 100)
-    raw.write("manifest.msgpack", hl.with_fields(manifest, objects=[*manifest.objects, listed_unused]))
+    raw.write(
+        "manifest.msgpack", hl.with_fields(manifest, objects=[*manifest.objects, listed_unused])
+    )
     return url, storage, used
 
 
@@ -246,7 +285,8 @@ def test_verify_heads_only_the_objects_the_chunks_use(saved, monkeypatch):
         return store
 
     monkeypatch.setattr(verify_mod, "shared_store", spy)
-    from cloudckpt.runtime import shared_store
+    from cloudckpt.runtime.loop import shared_store
+
     before = dict(shared_store(url, storage).stats.requests)  # S3: stats shared by the bucket
     report = cloudckpt.verify(url, storage=storage)
     assert report.ok, report.problems

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 
 from cloudckpt.storage import RetryOptions, StorageOptions, open_store
-from cloudckpt.testing.faultproxy import FaultProxy
-from cloudckpt.testing.s3server import S3ServerInfo
+from cloudckpt.testing.faults.faultproxy import FaultProxy
+from cloudckpt.testing.servers.seaweed import S3ServerInfo
 
 #: Conformance tests whose moto variant moves the most data (1,054 puts; 200 MiB): long mode only.
-SLOW_ON_MOTO = frozenset({"test_list_paginates_past_1000_and_batched_delete",
-                          "test_multipart_200_mib"})
+SLOW_ON_MOTO = frozenset(
+    {"test_list_paginates_past_1000_and_batched_delete", "test_multipart_200_mib"}
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
@@ -28,26 +29,33 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-FAST_RETRY = RetryOptions(max_attempts=10, base_delay=0.01, max_delay=0.2, attempt_timeout=30.0,
-                          deadline=120.0)
+FAST_RETRY = RetryOptions(
+    max_attempts=10, base_delay=0.01, max_delay=0.2, attempt_timeout=30.0, deadline=120.0
+)
 
 
 def run_on_store(url, options, fn):
     """Open a store for ``url``, run ``await fn(store)`` in a fresh event loop, close the store."""
+
     async def main():
         store = open_store(url, options)
         try:
             return await fn(store)
         finally:
             await store.close()
+
     return asyncio.run(main())
 
 
 def s3_options(info: S3ServerInfo, **overrides) -> StorageOptions:
     """Options pointing at ``info`` (admin identity), with quick retries."""
-    fields = dict(endpoint_url=info.endpoint_url, region=info.region,
-                  access_key_id=info.access_key, secret_access_key=info.secret_key,
-                  retry=FAST_RETRY)
+    fields = dict(
+        endpoint_url=info.endpoint_url,
+        region=info.region,
+        access_key_id=info.access_key,
+        secret_access_key=info.secret_key,
+        retry=FAST_RETRY,
+    )
     fields.update(overrides)
     return StorageOptions(**fields)
 
@@ -66,16 +74,18 @@ class Backend:
 
     def run(self, fn: Callable[..., Awaitable], **overrides):
         """Run ``fn(store)`` on a fresh event loop with a fresh store, closing it afterwards."""
+
         async def main():
             store = self.open(**overrides)
             try:
                 return await fn(store)
             finally:
                 await store.close()
+
         return asyncio.run(main())
 
     def _s3_key(self, key: str) -> tuple[str, str]:
-        bucket, _, prefix = self.url[len("s3://"):].partition("/")
+        bucket, _, prefix = self.url[len("s3://") :].partition("/")
         return bucket, f"{prefix}/{key}" if prefix else key
 
     def flip_byte(self, key: str, offset: int) -> None:
@@ -103,16 +113,20 @@ class Backend:
         client = self.server.boto3_client()
         bucket, phys = self._s3_key(key)
         upload = client.create_multipart_upload(Bucket=bucket, Key=phys)
-        client.upload_part(Bucket=bucket, Key=phys, UploadId=upload["UploadId"], PartNumber=1,
-                           Body=os.urandom(1024))
+        client.upload_part(
+            Bucket=bucket,
+            Key=phys,
+            UploadId=upload["UploadId"],
+            PartNumber=1,
+            Body=os.urandom(1024),
+        )
 
 
 @pytest.fixture(params=["local", "s3", "moto"])
 def backend(request, tmp_path) -> Backend:
     if request.param == "local":
         return Backend("local", str(tmp_path / "store"), StorageOptions(retry=FAST_RETRY))
-    server, url = (("s3_server", "s3_url") if request.param == "s3"
-                   else ("moto_server", "moto_url"))
+    server, url = ("s3_server", "s3_url") if request.param == "s3" else ("moto_server", "moto_url")
     info = request.getfixturevalue(server)
     return Backend(request.param, request.getfixturevalue(url), s3_options(info), info)
 
@@ -120,8 +134,7 @@ def backend(request, tmp_path) -> Backend:
 @pytest.fixture(params=["s3", "moto"])
 def s3_like(request) -> Backend:
     """Each real S3 implementation of the suite: SeaweedFS (``s3``) and moto (``moto``)."""
-    server, url = (("s3_server", "s3_url") if request.param == "s3"
-                   else ("moto_server", "moto_url"))
+    server, url = ("s3_server", "s3_url") if request.param == "s3" else ("moto_server", "moto_url")
     info = request.getfixturevalue(server)
     return Backend(request.param, request.getfixturevalue(url), s3_options(info), info)
 
@@ -134,8 +147,11 @@ def s3_backend(s3_server, s3_url) -> Backend:
 @pytest.fixture
 def fault_proxy(s3_server):
     """A FaultProxy in front of the session's SeaweedFS (no faults until configured)."""
-    proxy = FaultProxy(s3_server.endpoint_url, seed=1234,
-                       credentials=(s3_server.access_key, s3_server.secret_key, s3_server.region))
+    proxy = FaultProxy(
+        s3_server.endpoint_url,
+        seed=1234,
+        credentials=(s3_server.access_key, s3_server.secret_key, s3_server.region),
+    )
     proxy.start()
     yield proxy
     proxy.stop()

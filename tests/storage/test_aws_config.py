@@ -44,10 +44,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from cloudckpt.errors import ConfigError
-from cloudckpt.storage import StorageOptions, aws_config
-from cloudckpt.storage.s3_client import open_client
-from cloudckpt.storage.s3_conn import S3Connection
-from cloudckpt.storage.s3_errors import classify
+from cloudckpt.storage import StorageOptions
+from cloudckpt.storage.s3 import aws_config
+from cloudckpt.storage.s3.client import open_client
+from cloudckpt.storage.s3.conn import S3Connection
+from cloudckpt.storage.s3.errors import classify
 
 PROFILE_ENDPOINT = "http://profile-endpoint.test:9000"
 SERVICES_ENDPOINT = "http://services-endpoint.test:9001"
@@ -68,7 +69,8 @@ def _shared_loader():
     once instead of per client); resolution is untouched."""
     original = botocore.session.create_loader
     botocore.session.create_loader = functools.lru_cache(maxsize=None)(
-        botocore.loaders.create_loader)
+        botocore.loaders.create_loader
+    )
     yield
     botocore.session.create_loader = original
 
@@ -134,8 +136,9 @@ def environment(case: Case):
             os.environ.update(HOME=tmp, AWS_EC2_METADATA_DISABLED="true")
             if case.files_via_env:
                 config, creds = d / "cfg" / "config", d / "cfg" / "credentials"
-                os.environ.update(AWS_CONFIG_FILE=str(config),
-                                  AWS_SHARED_CREDENTIALS_FILE=str(creds))
+                os.environ.update(
+                    AWS_CONFIG_FILE=str(config), AWS_SHARED_CREDENTIALS_FILE=str(creds)
+                )
             else:
                 config, creds = d / ".aws" / "config", d / ".aws" / "credentials"
             config.parent.mkdir(exist_ok=True)
@@ -171,6 +174,7 @@ def _capture(client, seen: dict):
         seen["url"] = request.url
         seen["auth"] = request.headers["Authorization"]
         raise _Sent
+
     client.meta.events.register("before-send", hook)
 
 
@@ -178,12 +182,17 @@ def _outcome(client, seen: dict) -> Outcome:
     auth = seen["auth"].decode() if isinstance(seen["auth"], bytes) else seen["auth"]
     m = re.search(r"Credential=([^/]+)/\d{8}/([^/]+)/s3/aws4_request", auth)
     assert m, auth
-    return Outcome(url=seen["url"], access_key=m.group(1), region=m.group(2),
-                   resolved=aws_config.describe(client))
+    return Outcome(
+        url=seen["url"],
+        access_key=m.group(1),
+        region=m.group(2),
+        resolved=aws_config.describe(client),
+    )
 
 
 def run_cloudckpt(options: StorageOptions, bucket: str) -> Outcome:
     """Open cloudckpt's client and build one HEAD request; errors as the store reports them."""
+
     async def main():
         async with contextlib.AsyncExitStack() as stack:
             try:
@@ -195,6 +204,7 @@ def run_cloudckpt(options: StorageOptions, bucket: str) -> Outcome:
             with pytest.raises(_Sent):
                 await client.head_object(Bucket=bucket, Key="k")
             return replace(_outcome(client, seen), endpoint_source=source)
+
     return asyncio.run(main())
 
 
@@ -210,10 +220,14 @@ def run_boto3(options: StorageOptions, bucket: str, *, region_addition: bool = T
         verify = None if options.verify_tls in (None, True) else options.verify_tls
         style = options.addressing_style
         client = session.client(
-            "s3", endpoint_url=options.endpoint_url, region_name=region, verify=verify,
+            "s3",
+            endpoint_url=options.endpoint_url,
+            region_name=region,
+            verify=verify,
             aws_access_key_id=options.access_key_id,
             aws_secret_access_key=options.secret_access_key,
-            config=Config(s3={"addressing_style": style}) if style else None)
+            config=Config(s3={"addressing_style": style}) if style else None,
+        )
         seen: dict = {}
         _capture(client, seen)
         with pytest.raises(_Sent):
@@ -236,7 +250,9 @@ def check(case: Case) -> tuple[Outcome, Outcome]:
         if isinstance(verify, str) and not os.path.isfile(verify):
             # boto3 would fail at its first request; cloudckpt refuses before any.
             assert isinstance(ours.error, ConfigError) and repr(verify) in str(ours.error), (
-                case, ours.error)
+                case,
+                ours.error,
+            )
             return ours, oracle
         assert ours.error is None, (case, ours.error)
         assert ours == oracle, case
@@ -264,7 +280,7 @@ def assert_source_names_endpoint(source: str, endpoint_url: str, case: Case) -> 
         m = re.fullmatch(pattern, source)
         if m:
             assert endpoint_url == url, (case, source, endpoint_url)
-            profile = (case.options.get("profile") or case.env.get("AWS_PROFILE") or "default")
+            profile = case.options.get("profile") or case.env.get("AWS_PROFILE") or "default"
             assert all(name == profile for name in m.groups()), (case, source)
             return
     raise AssertionError(f"unknown endpoint source {source!r}")
@@ -280,43 +296,73 @@ def _maybe(values):
 def _settings(**choices):
     """A dict strategy: each key present with one of its values, or absent."""
     return st.fixed_dictionaries({k: _maybe(v) for k, v in choices.items()}).map(
-        lambda d: {k: v for k, v in d.items() if v is not None})
+        lambda d: {k: v for k, v in d.items() if v is not None}
+    )
 
 
 _KEYS = st.sampled_from([{}, {"aws_access_key_id": "AKFILE", "aws_secret_access_key": "s"}])
 
-PROFILE = st.fixed_dictionaries({
-    "plain": _settings(region=["eu-west-1", "ap-south-1"], endpoint_url=[PROFILE_ENDPOINT],
-                       ca_bundle=[CA, MISSING_CA], ignore_configured_endpoint_urls=["true"]),
-    "s3": _settings(addressing_style=["path", "virtual", "auto"], endpoint_url=[NESTED_ENDPOINT]),
-    "services": _settings(endpoint_url=[SERVICES_ENDPOINT]),
-    "keys": st.sampled_from([{}, {"aws_access_key_id": "AKCONFIG",
-                                  "aws_secret_access_key": "s"}]),
-}).map(lambda p: {**p["plain"], **({"s3": p["s3"]} if p["s3"] else {}),
-                  **({"services": p["services"]} if p["services"] else {}), **p["keys"]})
+PROFILE = st.fixed_dictionaries(
+    {
+        "plain": _settings(
+            region=["eu-west-1", "ap-south-1"],
+            endpoint_url=[PROFILE_ENDPOINT],
+            ca_bundle=[CA, MISSING_CA],
+            ignore_configured_endpoint_urls=["true"],
+        ),
+        "s3": _settings(
+            addressing_style=["path", "virtual", "auto"], endpoint_url=[NESTED_ENDPOINT]
+        ),
+        "services": _settings(endpoint_url=[SERVICES_ENDPOINT]),
+        "keys": st.sampled_from(
+            [{}, {"aws_access_key_id": "AKCONFIG", "aws_secret_access_key": "s"}]
+        ),
+    }
+).map(
+    lambda p: {
+        **p["plain"],
+        **({"s3": p["s3"]} if p["s3"] else {}),
+        **({"services": p["services"]} if p["services"] else {}),
+        **p["keys"],
+    }
+)
 
 ENV = _settings(
-    AWS_ENDPOINT_URL=[ENV_ENDPOINT], AWS_ENDPOINT_URL_S3=[ENV_S3_ENDPOINT],
+    AWS_ENDPOINT_URL=[ENV_ENDPOINT],
+    AWS_ENDPOINT_URL_S3=[ENV_S3_ENDPOINT],
     AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=["true", "false"],
-    AWS_REGION=["eu-central-1"], AWS_DEFAULT_REGION=["us-west-1"], AWS_PROFILE=["other"],
-    AWS_CA_BUNDLE=[CA, MISSING_CA], REQUESTS_CA_BUNDLE=[CA],
-).flatmap(lambda env: st.sampled_from([{}, {"AWS_ACCESS_KEY_ID": "AKENV",
-                                            "AWS_SECRET_ACCESS_KEY": "s"}]).map(
-    lambda keys: {**env, **keys}))
+    AWS_REGION=["eu-central-1"],
+    AWS_DEFAULT_REGION=["us-west-1"],
+    AWS_PROFILE=["other"],
+    AWS_CA_BUNDLE=[CA, MISSING_CA],
+    REQUESTS_CA_BUNDLE=[CA],
+).flatmap(
+    lambda env: st.sampled_from(
+        [{}, {"AWS_ACCESS_KEY_ID": "AKENV", "AWS_SECRET_ACCESS_KEY": "s"}]
+    ).map(lambda keys: {**env, **keys})
+)
 
 OPTIONS = _settings(
-    endpoint_url=[OPTIONS_ENDPOINT], region=["us-west-2"], profile=["other"],
-    addressing_style=["path", "virtual", "auto"], verify_tls=[True, False, CA, MISSING_CA],
-).flatmap(lambda o: st.sampled_from([{}, {"access_key_id": "AKOPT",
-                                          "secret_access_key": "s"}]).map(
-    lambda keys: {**o, **keys}))
+    endpoint_url=[OPTIONS_ENDPOINT],
+    region=["us-west-2"],
+    profile=["other"],
+    addressing_style=["path", "virtual", "auto"],
+    verify_tls=[True, False, CA, MISSING_CA],
+).flatmap(
+    lambda o: st.sampled_from([{}, {"access_key_id": "AKOPT", "secret_access_key": "s"}]).map(
+        lambda keys: {**o, **keys}
+    )
+)
 
 CASES = st.builds(
-    Case, env=ENV,
+    Case,
+    env=ENV,
     config=st.fixed_dictionaries({"default": PROFILE, "other": PROFILE}),
     credentials=st.dictionaries(st.sampled_from(["default", "other"]), _KEYS, max_size=2),
-    files_via_env=st.booleans(), options=OPTIONS,
-    bucket=st.sampled_from(["mybucket", "my.dotted.bucket"]))
+    files_via_env=st.booleans(),
+    options=OPTIONS,
+    bucket=st.sampled_from(["mybucket", "my.dotted.bucket"]),
+)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -337,27 +383,48 @@ KEYS = {"AWS_ACCESS_KEY_ID": "AKENV", "AWS_SECRET_ACCESS_KEY": "s"}
 
 
 def test_profile_virtual_addressing_with_a_custom_endpoint_is_honoured():
-    ours, _ = check(Case(env=KEYS, config={"default": {
-        "endpoint_url": PROFILE_ENDPOINT, "s3": {"addressing_style": "virtual"}}}))
+    ours, _ = check(
+        Case(
+            env=KEYS,
+            config={
+                "default": {"endpoint_url": PROFILE_ENDPOINT, "s3": {"addressing_style": "virtual"}}
+            },
+        )
+    )
     assert ours.url == "http://mybucket.profile-endpoint.test:9000/k"
     assert ours.resolved.addressing_style == "virtual"
-    ours, _ = check(Case(env=KEYS, options={"endpoint_url": OPTIONS_ENDPOINT},
-                         config={"default": {"s3": {"addressing_style": "virtual"}}}))
+    ours, _ = check(
+        Case(
+            env=KEYS,
+            options={"endpoint_url": OPTIONS_ENDPOINT},
+            config={"default": {"s3": {"addressing_style": "virtual"}}},
+        )
+    )
     assert ours.url == "http://mybucket.options-endpoint.test:9002/k"
     # StorageOptions wins over the profile.
-    ours, _ = check(Case(env=KEYS, options={"addressing_style": "path"}, config={"default": {
-        "endpoint_url": PROFILE_ENDPOINT, "s3": {"addressing_style": "virtual"}}}))
+    ours, _ = check(
+        Case(
+            env=KEYS,
+            options={"addressing_style": "path"},
+            config={
+                "default": {"endpoint_url": PROFILE_ENDPOINT, "s3": {"addressing_style": "virtual"}}
+            },
+        )
+    )
     assert ours.url == "http://profile-endpoint.test:9000/mybucket/k"
 
 
 @pytest.mark.parametrize("source", ["env", "env-s3", "profile", "services", "options"])
 def test_a_configured_endpoint_defaults_to_path_style(source):
-    case = {"env": Case(env={**KEYS, "AWS_ENDPOINT_URL": ENV_ENDPOINT}),
-            "env-s3": Case(env={**KEYS, "AWS_ENDPOINT_URL_S3": ENV_S3_ENDPOINT}),
-            "profile": Case(env=KEYS, config={"default": {"endpoint_url": PROFILE_ENDPOINT}}),
-            "services": Case(env=KEYS, config={"default": {
-                "services": {"endpoint_url": SERVICES_ENDPOINT}}}),
-            "options": Case(env=KEYS, options={"endpoint_url": OPTIONS_ENDPOINT})}[source]
+    case = {
+        "env": Case(env={**KEYS, "AWS_ENDPOINT_URL": ENV_ENDPOINT}),
+        "env-s3": Case(env={**KEYS, "AWS_ENDPOINT_URL_S3": ENV_S3_ENDPOINT}),
+        "profile": Case(env=KEYS, config={"default": {"endpoint_url": PROFILE_ENDPOINT}}),
+        "services": Case(
+            env=KEYS, config={"default": {"services": {"endpoint_url": SERVICES_ENDPOINT}}}
+        ),
+        "options": Case(env=KEYS, options={"endpoint_url": OPTIONS_ENDPOINT}),
+    }[source]
     ours, _ = check(case)
     assert ours.resolved.addressing_style == "path"
     assert urlsplit(ours.url).path == "/mybucket/k", ours.url
@@ -378,17 +445,20 @@ def test_messages_name_the_setting_that_named_the_endpoint(unset):
     """Every setting that can name an endpoint, stacked; the first ``unset`` of them (in
     botocore's order) removed: ``Endpoint.source`` names the first left, in the profile in use,
     and says AWS S3 once none is left."""
-    order = [("options", "StorageOptions.endpoint_url", OPTIONS_ENDPOINT),
-             ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_S3", ENV_S3_ENDPOINT),
-             ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL", ENV_ENDPOINT),
-             ("services", "services section 'other-services' of AWS profile 'other'",
-              SERVICES_ENDPOINT),
-             ("endpoint_url", "endpoint_url of AWS profile 'other'", PROFILE_ENDPOINT)]
+    order = [
+        ("options", "StorageOptions.endpoint_url", OPTIONS_ENDPOINT),
+        ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_S3", ENV_S3_ENDPOINT),
+        ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL", ENV_ENDPOINT),
+        ("services", "services section 'other-services' of AWS profile 'other'", SERVICES_ENDPOINT),
+        ("endpoint_url", "endpoint_url of AWS profile 'other'", PROFILE_ENDPOINT),
+    ]
     kept = {name for name, _, _ in order[unset:]}
     env = {**KEYS, "AWS_PROFILE": "other"}
     env.update({k: url for k, _, url in order[1:3] if k in kept})
-    profile = {"region": "eu-west-1", **({"endpoint_url": PROFILE_ENDPOINT}
-                                          if "endpoint_url" in kept else {})}
+    profile = {
+        "region": "eu-west-1",
+        **({"endpoint_url": PROFILE_ENDPOINT} if "endpoint_url" in kept else {}),
+    }
     if "services" in kept:
         profile["services"] = {"endpoint_url": SERVICES_ENDPOINT}
     config = {"other": profile, "default": {"endpoint_url": "http://not-this-profile.test:1"}}
@@ -413,12 +483,18 @@ def test_ignore_configured_endpoint_urls(where):
     profile = {"endpoint_url": PROFILE_ENDPOINT, "region": "eu-west-1"}
     if where == "profile":
         profile["ignore_configured_endpoint_urls"] = "true"
-    ours, _ = check(Case(env={**KEYS, **flag, "AWS_ENDPOINT_URL": ENV_ENDPOINT},
-                         config={"default": profile}))
+    ours, _ = check(
+        Case(env={**KEYS, **flag, "AWS_ENDPOINT_URL": ENV_ENDPOINT}, config={"default": profile})
+    )
     assert ours.url == "https://mybucket.s3.eu-west-1.amazonaws.com/k"
     # An endpoint given in StorageOptions is explicit, never ignored (as boto3's endpoint_url=).
-    ours, _ = check(Case(env={**KEYS, **flag}, config={"default": profile},
-                         options={"endpoint_url": OPTIONS_ENDPOINT}))
+    ours, _ = check(
+        Case(
+            env={**KEYS, **flag},
+            config={"default": profile},
+            options={"endpoint_url": OPTIONS_ENDPOINT},
+        )
+    )
     assert ours.url == "http://options-endpoint.test:9002/mybucket/k"
 
 
@@ -431,13 +507,15 @@ def test_aws_region_is_read_where_boto3_finds_no_region():
         assert run_boto3(StorageOptions(), "mybucket", region_addition=False).region == "us-east-1"
     # boto3's chain, where it names a region, wins over AWS_REGION.
     for extra, config, expected in [
-            ({"AWS_DEFAULT_REGION": "us-west-1"}, {}, "us-west-1"),
-            ({}, {"default": {"region": "ap-south-1"}}, "ap-south-1")]:
+        ({"AWS_DEFAULT_REGION": "us-west-1"}, {}, "us-west-1"),
+        ({}, {"default": {"region": "ap-south-1"}}, "ap-south-1"),
+    ]:
         ours, _ = check(Case(env={**KEYS, "AWS_REGION": "eu-central-1", **extra}, config=config))
         assert ours.region == expected
     # With a custom endpoint too.
-    ours, _ = check(Case(env={**KEYS, "AWS_REGION": "eu-central-1",
-                              "AWS_ENDPOINT_URL": ENV_ENDPOINT}))
+    ours, _ = check(
+        Case(env={**KEYS, "AWS_REGION": "eu-central-1", "AWS_ENDPOINT_URL": ENV_ENDPOINT})
+    )
     assert ours.region == "eu-central-1"
 
 
@@ -472,36 +550,55 @@ def test_no_ca_bundle_configured_uses_the_default_bundle_and_false_turns_it_off(
 
 @pytest.mark.parametrize("source", ["AWS_CA_BUNDLE", "profile", "options"])
 def test_a_missing_ca_bundle_is_a_config_error_naming_its_source(source):
-    case = {"AWS_CA_BUNDLE": Case(env={**KEYS, "AWS_CA_BUNDLE": MISSING_CA}),
-            "profile": Case(env=KEYS, config={"default": {"ca_bundle": MISSING_CA}}),
-            "options": Case(env=KEYS, options={"verify_tls": MISSING_CA})}[source]
+    case = {
+        "AWS_CA_BUNDLE": Case(env={**KEYS, "AWS_CA_BUNDLE": MISSING_CA}),
+        "profile": Case(env=KEYS, config={"default": {"ca_bundle": MISSING_CA}}),
+        "options": Case(env=KEYS, options={"verify_tls": MISSING_CA}),
+    }[source]
     ours, _ = check(case)
     message = str(ours.error)
     assert "\n" not in message
-    assert {"AWS_CA_BUNDLE": "from AWS_CA_BUNDLE", "profile": "ca_bundle of AWS profile 'default'",
-            "options": "StorageOptions.verify_tls"}[source] in message, message
+    assert {
+        "AWS_CA_BUNDLE": "from AWS_CA_BUNDLE",
+        "profile": "ca_bundle of AWS profile 'default'",
+        "options": "StorageOptions.verify_tls",
+    }[source] in message, message
 
 
 def test_failures_of_the_chain_are_config_errors():
-    for case in [Case(env={**KEYS, "AWS_PROFILE": "nowhere"}),
-                 Case(env={"AWS_ENDPOINT_URL": ENV_ENDPOINT}),  # no credentials at all
-                 Case(env={**KEYS, "AWS_CA_BUNDLE": ""}),
-                 Case(env=KEYS, options={"profile": "nowhere"})]:
+    for case in [
+        Case(env={**KEYS, "AWS_PROFILE": "nowhere"}),
+        Case(env={"AWS_ENDPOINT_URL": ENV_ENDPOINT}),  # no credentials at all
+        Case(env={**KEYS, "AWS_CA_BUNDLE": ""}),
+        Case(env=KEYS, options={"profile": "nowhere"}),
+    ]:
         ours, oracle = check(case)
         assert oracle.error is not None and isinstance(ours.error, ConfigError), case
 
 
 def test_credentials_follow_the_chain():
-    creds = {"default": {"aws_access_key_id": "AKFILE", "aws_secret_access_key": "s"},
-             "other": {"aws_access_key_id": "AKOTHER", "aws_secret_access_key": "s"}}
+    creds = {
+        "default": {"aws_access_key_id": "AKFILE", "aws_secret_access_key": "s"},
+        "other": {"aws_access_key_id": "AKOTHER", "aws_secret_access_key": "s"},
+    }
     assert check(Case(env=KEYS, credentials=creds))[0].access_key == "AKENV"
     assert check(Case(credentials=creds))[0].access_key == "AKFILE"
     assert check(Case(env={"AWS_PROFILE": "other"}, credentials=creds))[0].access_key == "AKOTHER"
     # An explicit profile in StorageOptions ignores the key variables, as boto3 does.
-    assert check(Case(env=KEYS, credentials=creds,
-                      options={"profile": "other"}))[0].access_key == "AKOTHER"
-    assert check(Case(env=KEYS, options={"access_key_id": "AKOPT", "secret_access_key": "s"},
-                      credentials=creds))[0].access_key == "AKOPT"
+    assert (
+        check(Case(env=KEYS, credentials=creds, options={"profile": "other"}))[0].access_key
+        == "AKOTHER"
+    )
+    assert (
+        check(
+            Case(
+                env=KEYS,
+                options={"access_key_id": "AKOPT", "secret_access_key": "s"},
+                credentials=creds,
+            )
+        )[0].access_key
+        == "AKOPT"
+    )
 
 
 def test_verify_tls_values():

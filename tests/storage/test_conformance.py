@@ -22,8 +22,7 @@ from cloudckpt.errors import (
     ObjectNotFound,
     StorageError,
 )
-from cloudckpt.storage import (CommonPrefix, ObjectInfo, ObjectStore, ReadRange, S3Store,
-                               open_store)
+from cloudckpt.storage import CommonPrefix, ObjectInfo, ObjectStore, ReadRange, S3Store, open_store
 
 MiB = 1024 * 1024
 
@@ -53,8 +52,11 @@ def test_put_get_head_roundtrip(backend):
 
 def test_missing_and_bad_keys(backend):
     async def body(store):
-        for call in (store.get("nope"), store.head("nope"),
-                     store.read_ranges("nope", [ReadRange(0, 1)])):
+        for call in (
+            store.get("nope"),
+            store.head("nope"),
+            store.read_ranges("nope", [ReadRange(0, 1)]),
+        ):
             with pytest.raises(ObjectNotFound) as info:
                 await call
             assert isinstance(info.value, FileNotFoundError)
@@ -72,15 +74,15 @@ def test_read_ranges_coalesced_and_concurrent(backend):
         before = store.stats.requests.get("get", 0)
         out = bytearray(4096)
         ranges = [
-            ReadRange(0, 1000),                                    # \
-            ReadRange(5000, 4096, out=memoryview(out)),            #  } one GET (gaps < 1 MiB)
+            ReadRange(0, 1000),  # \
+            ReadRange(5000, 4096, out=memoryview(out)),  #  } one GET (gaps < 1 MiB)
             ReadRange(20_000, 10, crc32c=crc32c(data[20_000:20_010])),  # /
-            ReadRange(2 * MiB + 100, 500),                         # far: a second GET
-            ReadRange(42, 0),                                      # empty: no request
-            ReadRange(10, 20),                                     # overlaps the first
+            ReadRange(2 * MiB + 100, 500),  # far: a second GET
+            ReadRange(42, 0),  # empty: no request
+            ReadRange(10, 20),  # overlaps the first
         ]
         views = await store.read_ranges("obj", ranges)
-        assert [bytes(v) for v in views] == [data[r.offset:r.offset + r.length] for r in ranges]
+        assert [bytes(v) for v in views] == [data[r.offset : r.offset + r.length] for r in ranges]
         assert views[1].obj is out or bytes(out) == data[5000:9096]
         assert bytes(out) == data[5000:9096]
         assert store.stats.requests["get"] - before == 2
@@ -127,21 +129,32 @@ def test_sinks_receive_verified_bytes(backend):
         await store.put("obj", data)
         dest_a = bytearray(len(data))
         dest_b = bytearray(b"\xee" * 1000)
-        ranges = [ReadRange(o, n, crc32c=crc32c(data[o:o + n]),
-                            sinks=((0, memoryview(dest_a)[o:o + n]),))
-                  for o, n in blocks]
+        ranges = [
+            ReadRange(
+                o, n, crc32c=crc32c(data[o : o + n]), sinks=((0, memoryview(dest_a)[o : o + n]),)
+            )
+            for o, n in blocks
+        ]
         # a second sink taking only part of the second block (bytes 10..1010 of it)
-        ranges[1] = ReadRange(ranges[1].offset, ranges[1].length, crc32c=ranges[1].crc32c,
-                              sinks=ranges[1].sinks + ((10, memoryview(dest_b)),))
+        ranges[1] = ReadRange(
+            ranges[1].offset,
+            ranges[1].length,
+            crc32c=ranges[1].crc32c,
+            sinks=ranges[1].sinks + ((10, memoryview(dest_b)),),
+        )
         views = await store.read_ranges("obj", ranges)
         assert [len(v) for v in views] == [0] * len(ranges)
         assert bytes(dest_a) == data
-        assert bytes(dest_b) == data[MiB + 10:MiB + 1010]
+        assert bytes(dest_b) == data[MiB + 10 : MiB + 1010]
         with pytest.raises(ConfigError):  # sinks need a crc to verify against
-            await store.read_ranges("obj", [ReadRange(0, 10, sinks=((0, memoryview(dest_b)[:10]),))])
+            await store.read_ranges(
+                "obj", [ReadRange(0, 10, sinks=((0, memoryview(dest_b)[:10]),))]
+            )
         with pytest.raises(ConfigError):  # a sink must lie inside its range
-            await store.read_ranges("obj", [ReadRange(0, 10, crc32c=crc32c(data[:10]),
-                                                      sinks=((5, memoryview(dest_b)[:10]),))])
+            await store.read_ranges(
+                "obj",
+                [ReadRange(0, 10, crc32c=crc32c(data[:10]), sinks=((5, memoryview(dest_b)[:10]),))],
+            )
 
     backend.run(body)
 
@@ -154,8 +167,12 @@ def test_sinks_of_a_corrupt_block_keep_their_contents(backend):
 
     async def body(store):
         dest = bytearray(b"\x5a" * len(data))
-        ranges = [ReadRange(o, n, crc32c=crc32c(data[o:o + n]),
-                            sinks=((0, memoryview(dest)[o:o + n]),)) for o, n in blocks]
+        ranges = [
+            ReadRange(
+                o, n, crc32c=crc32c(data[o : o + n]), sinks=((0, memoryview(dest)[o : o + n]),)
+            )
+            for o, n in blocks
+        ]
         with pytest.raises(ChecksumError) as err:
             await store.read_ranges("ckpt/sinks.bin", ranges)
         assert (err.value.offset, err.value.length) == (MiB, MiB)
@@ -167,7 +184,7 @@ def test_sinks_of_a_corrupt_block_keep_their_contents(backend):
 def test_flipped_byte_is_a_checksum_error(backend):
     data = os.urandom(2 * MiB)
     blocks = [(o, min(MiB, len(data) - o)) for o in range(0, len(data), MiB)]
-    crcs = [crc32c(data[o:o + n]) for o, n in blocks]
+    crcs = [crc32c(data[o : o + n]) for o, n in blocks]
     backend.run(lambda store: store.put("ckpt/data.bin", data))
     backend.flip_byte("ckpt/data.bin", MiB + 12345)
 
@@ -189,9 +206,12 @@ def _two_blocks(data: bytes, into: str):
     dest = [bytearray(b"\x5a" * MiB) for _ in range(2)]
     ranges = []
     for i, d in enumerate(dest):
-        crc = crc32c(data[i * MiB:(i + 1) * MiB])
-        ranges.append(ReadRange(i * MiB, MiB, crc32c=crc, out=memoryview(d)) if into == "out"
-                      else ReadRange(i * MiB, MiB, crc32c=crc, sinks=((0, memoryview(d)),)))
+        crc = crc32c(data[i * MiB : (i + 1) * MiB])
+        ranges.append(
+            ReadRange(i * MiB, MiB, crc32c=crc, out=memoryview(d))
+            if into == "out"
+            else ReadRange(i * MiB, MiB, crc32c=crc, sinks=((0, memoryview(d)),))
+        )
     return ranges, dest
 
 
@@ -270,8 +290,10 @@ def test_a_block_damaged_in_transit_is_read_again(s3_server, s3_url, fault_proxy
 
 
 def test_list_paginates_past_1000_and_batched_delete(backend):
-    keys = sorted([f"many/k{i:05d}" for i in range(1050)] + ["many/sub/x", "many/sub/y/z",
-                                                              "many/run/data/a", "other"])
+    keys = sorted(
+        [f"many/k{i:05d}" for i in range(1050)]
+        + ["many/sub/x", "many/sub/y/z", "many/run/data/a", "other"]
+    )
 
     async def body(store):
         sem = asyncio.Semaphore(32)
@@ -288,8 +310,10 @@ def test_list_paginates_past_1000_and_batched_delete(backend):
         everything = [x.key async for x in store.list()]
         assert everything == keys
         rolled = [x async for x in store.list("many/", delimiter="/")]
-        assert [x.prefix for x in rolled if isinstance(x, CommonPrefix)] == ["many/run/",
-                                                                             "many/sub/"]
+        assert [x.prefix for x in rolled if isinstance(x, CommonPrefix)] == [
+            "many/run/",
+            "many/sub/",
+        ]
         assert len([x for x in rolled if isinstance(x, ObjectInfo)]) == 1050
         top = [x async for x in store.list("", delimiter="/")]
         assert top == [CommonPrefix("many/"), top[1]] and top[1].key == "other"
@@ -309,8 +333,9 @@ def test_list_paginates_past_1000_and_batched_delete(backend):
 def test_create_mode_race_has_one_winner(backend):
     async def body(store):
         bodies = [bytes([i]) * 1000 for i in range(8)]
-        results = await asyncio.gather(*(store.put("manifest", b, mode="create") for b in bodies),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(store.put("manifest", b, mode="create") for b in bodies), return_exceptions=True
+        )
         winners = [i for i, r in enumerate(results) if isinstance(r, ObjectInfo)]
         assert len(winners) == 1, results
         assert all(isinstance(r, ObjectExists) for r in results if not isinstance(r, ObjectInfo))
@@ -326,8 +351,11 @@ def test_create_mode_race_has_one_winner(backend):
 def test_two_creates_race_exactly_one_wins(backend):
     async def body(store):
         a, b = os.urandom(5000), os.urandom(5000)
-        results = await asyncio.gather(store.put("m", a, mode="create"),
-                                       store.put("m", b, mode="create"), return_exceptions=True)
+        results = await asyncio.gather(
+            store.put("m", a, mode="create"),
+            store.put("m", b, mode="create"),
+            return_exceptions=True,
+        )
         assert sorted(type(r).__name__ for r in results) == ["ObjectExists", "ObjectInfo"]
 
     backend.run(body)
@@ -344,8 +372,9 @@ def test_multipart_200_mib(backend):
             assert store.stats.requests["complete_multipart"] == 1
         assert (await store.head("big/object.bin")).size == data.nbytes
         back = np.empty_like(data)
-        views = await store.read_ranges("big/object.bin", [ReadRange(
-            0, data.nbytes, out=memoryview(back), crc32c=crc32c(data))])
+        views = await store.read_ranges(
+            "big/object.bin", [ReadRange(0, data.nbytes, out=memoryview(back), crc32c=crc32c(data))]
+        )
         assert views[0].nbytes == data.nbytes
         assert np.array_equal(back, data)
         assert await store.list_uploads() == []
@@ -431,7 +460,7 @@ async def _stream(store, key, data, sizes, *, mode="overwrite", size_hint=None):
     pos, i = 0, 0
     while pos < len(data):
         n = sizes[i % len(sizes)]
-        await w.write(data[pos:pos + n])
+        await w.write(data[pos : pos + n])
         pos, i = pos + n, i + 1
     assert w.size == len(data)
     return await w.commit()
@@ -446,10 +475,15 @@ def test_a_stream_stores_what_was_written(backend):
     numpy array, bytes, lists of buffers), with and without a size hint."""
     part = STREAM["part_size"]
     data = memoryview(STREAM_DATA)
-    cases = [("empty", 0, [1], None), ("one", 1, [1], 1), ("small", 100_000, [7, 65_536], None),
-             ("part", part, [MiB], part), ("part+1, low hint", part + 1, [part, 1], 1000),
-             ("parts", 2 * part + 12_345, [3 * MiB + 1, 17, 2 * MiB], None),
-             ("high hint", 3 * MiB, [MiB], 12 * MiB)]
+    cases = [
+        ("empty", 0, [1], None),
+        ("one", 1, [1], 1),
+        ("small", 100_000, [7, 65_536], None),
+        ("part", part, [MiB], part),
+        ("part+1, low hint", part + 1, [part, 1], 1000),
+        ("parts", 2 * part + 12_345, [3 * MiB + 1, 17, 2 * MiB], None),
+        ("high hint", 3 * MiB, [MiB], 12 * MiB),
+    ]
 
     async def body(store):
         for name, size, sizes, hint in cases:
@@ -464,8 +498,9 @@ def test_a_stream_stores_what_was_written(backend):
         await w.write([b"ab", bytearray(b"cd"), np.arange(3, dtype=np.uint16)])
         await w.write(memoryview(b"xyz")[1:])
         await w.commit()
-        assert await store.get("s/list") == b"abcd" + np.arange(3, dtype=np.uint16).tobytes() \
-            + b"yz"
+        assert (
+            await store.get("s/list") == b"abcd" + np.arange(3, dtype=np.uint16).tobytes() + b"yz"
+        )
         await store.put("s/old", b"old")  # overwrite mode replaces
         await _stream(store, "s/old", data[:1000], [300])
         assert await store.get("s/old") == data[:1000]
@@ -475,11 +510,15 @@ def test_a_stream_stores_what_was_written(backend):
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"], indirect=True)
-@settings(max_examples=4, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(sizes=st.lists(st.integers(1, 3 * MiB), min_size=1, max_size=8),
-       total=st.integers(0, 12 * MiB), hint=st.sampled_from([None, "exact", "low"]),
-       mode=st.sampled_from(["overwrite", "create"]))
+@settings(
+    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    sizes=st.lists(st.integers(1, 3 * MiB), min_size=1, max_size=8),
+    total=st.integers(0, 12 * MiB),
+    hint=st.sampled_from([None, "exact", "low"]),
+    mode=st.sampled_from(["overwrite", "create"]),
+)
 def test_any_sequence_of_writes_is_stored_exactly(backend, sizes, total, hint, mode):
     data = memoryview(STREAM_DATA)[:total]
     size_hint = {None: None, "exact": total, "low": total // 3}[hint]
@@ -500,7 +539,7 @@ def test_any_sequence_of_writes_is_stored_exactly(backend, sizes, total, hint, m
 def test_a_create_stream_never_writes_over_an_object(backend):
     """An existing key: ``ObjectExists`` (at the commit of a short stream, at the first part of
     a long one), the object untouched, nothing left behind."""
-    data = memoryview(STREAM_DATA)[:12 * MiB]
+    data = memoryview(STREAM_DATA)[: 12 * MiB]
 
     async def body(store):
         for size in (10, 12 * MiB):
@@ -526,21 +565,27 @@ def test_a_create_stream_never_writes_over_an_object(backend):
 def test_two_create_streams_race_and_exactly_one_wins(backend):
     """Two stores (two connections) stream the same key in create mode at once, two parts each;
     and a short stream against a put."""
-    bodies = [STREAM_DATA[:7 * MiB], STREAM_DATA[6 * MiB:13 * MiB]]
+    bodies = [STREAM_DATA[: 7 * MiB], STREAM_DATA[6 * MiB : 13 * MiB]]
 
     async def race(store):
         other = backend.open(**STREAM)
         try:
             results = await asyncio.gather(
-                *(_stream(s, "r/big", b, [MiB + 7], mode="create")
-                  for s, b in zip((store, other), bodies)), return_exceptions=True)
+                *(
+                    _stream(s, "r/big", b, [MiB + 7], mode="create")
+                    for s, b in zip((store, other), bodies)
+                ),
+                return_exceptions=True,
+            )
             winners = [i for i, r in enumerate(results) if isinstance(r, ObjectInfo)]
             assert len(winners) == 1, results
             assert all(isinstance(r, ObjectExists) for r in results if r is not results[winners[0]])
             assert await store.get("r/big") == bodies[winners[0]].tobytes()
-            small = await asyncio.gather(_stream(store, "r/small", b"a" * 100, [7], mode="create"),
-                                         other.put("r/small", b"b" * 100, mode="create"),
-                                         return_exceptions=True)
+            small = await asyncio.gather(
+                _stream(store, "r/small", b"a" * 100, [7], mode="create"),
+                other.put("r/small", b"b" * 100, mode="create"),
+                return_exceptions=True,
+            )
             assert sorted(type(r).__name__ for r in small) == ["ObjectExists", "ObjectInfo"]
             assert await store.list_uploads() == []
         finally:
@@ -550,7 +595,7 @@ def test_two_create_streams_race_and_exactly_one_wins(backend):
 
 
 def test_an_aborted_stream_leaves_nothing(backend):
-    data = memoryview(STREAM_DATA)[:12 * MiB]
+    data = memoryview(STREAM_DATA)[: 12 * MiB]
 
     async def body(store):
         for mode in ("overwrite", "create"):

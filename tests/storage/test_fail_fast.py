@@ -17,21 +17,34 @@ import cloudckpt
 from cloudckpt import CheckpointManager
 from cloudckpt.errors import CheckpointError, RetriesExhausted
 from cloudckpt.storage import RetryOptions, StorageOptions, open_store
-from cloudckpt.storage.s3_client import _config
-from cloudckpt.storage.s3_errors import Endpoint
-from cloudckpt.testing.deadend import SilentServer, TrickleServer, closed_port
+from cloudckpt.storage.s3.client import _config
+from cloudckpt.storage.s3.errors import Endpoint
+from cloudckpt.testing.faults.deadend import SilentServer, TrickleServer, closed_port
 from tests.cli_forkserver import run_cli
 from tests.reliability.stores import cli_env
 
-QUICK = RetryOptions(base_delay=0.01, max_delay=0.05, connect_timeout=1.0, read_timeout=0.5,
-                     max_stalls=2, deadline=120.0)
+QUICK = RetryOptions(
+    base_delay=0.01,
+    max_delay=0.05,
+    connect_timeout=1.0,
+    read_timeout=0.5,
+    max_stalls=2,
+    deadline=120.0,
+)
 OPS = ("head", "get", "list", "put", "put_multipart", "delete")
 
 
 def _options(endpoint_url: str | None, retry: RetryOptions = QUICK, **kw) -> StorageOptions:
-    return StorageOptions(endpoint_url=endpoint_url, region="us-east-1", access_key_id="AKIDFAST",
-                          secret_access_key="fast-secret-not-shown", retry=retry,
-                          multipart_threshold=5 * 1024 * 1024, part_size=5 * 1024 * 1024, **kw)
+    return StorageOptions(
+        endpoint_url=endpoint_url,
+        region="us-east-1",
+        access_key_id="AKIDFAST",
+        secret_access_key="fast-secret-not-shown",
+        retry=retry,
+        multipart_threshold=5 * 1024 * 1024,
+        part_size=5 * 1024 * 1024,
+        **kw,
+    )
 
 
 async def _one(store, op: str):
@@ -57,12 +70,16 @@ def _fail(url: str, options: StorageOptions, op: str) -> RetriesExhausted:
             return err.value
         finally:
             await store.close()
+
     return asyncio.run(main())
 
 
 def _warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name.startswith("cloudckpt") and r.levelno >= logging.WARNING]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("cloudckpt") and r.levelno >= logging.WARNING
+    ]
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -78,7 +95,9 @@ def test_closed_port_one_warning_and_an_error_that_says_where(op, caplog):
     assert "fast-secret-not-shown" not in text
     warnings = _warnings(caplog)
     assert len(warnings) == 1 and "; retrying in" in warnings[0], warnings
-    debug = [r for r in caplog.records if r.levelno == logging.DEBUG and "retrying" in r.getMessage()]
+    debug = [
+        r for r in caplog.records if r.levelno == logging.DEBUG and "retrying" in r.getMessage()
+    ]
     assert len(debug) == QUICK.max_attempts - 2  # every later retry, at DEBUG
 
 
@@ -90,8 +109,9 @@ def test_silent_endpoint_gives_up_after_max_stalls(op, caplog):
         assert server.accepted >= QUICK.max_stalls
     text = str(err)
     assert err.attempts == QUICK.max_stalls  # not max_attempts, not the deadline
-    assert "no answer: 2 attempts in a row timed out (connect timeout 1 s, read timeout 0.5 s)" \
-        in text, text
+    assert (
+        "no answer: 2 attempts in a row timed out (connect timeout 1 s, read timeout 0.5 s)" in text
+    ), text
     assert f"endpoint {server.endpoint_url} (from StorageOptions.endpoint_url)" in text
     assert len(_warnings(caplog)) == 1
 
@@ -100,8 +120,11 @@ def test_env_endpoint_is_named_with_its_variable(monkeypatch):
     port = closed_port()
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
-    err = _fail("s3://bucket/run", _options(None, retry=RetryOptions(
-        max_attempts=2, base_delay=0.01, max_delay=0.01)), "head")
+    err = _fail(
+        "s3://bucket/run",
+        _options(None, retry=RetryOptions(max_attempts=2, base_delay=0.01, max_delay=0.01)),
+        "head",
+    )
     assert f"endpoint http://127.0.0.1:{port} (from AWS_ENDPOINT_URL)" in str(err)
 
 
@@ -113,8 +136,11 @@ def test_no_endpoint_configured_says_aws_s3_and_how_to_point_elsewhere(monkeypat
     monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
     monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{closed_port()}")
-    err = _fail("s3://bucket/run", _options(None, retry=RetryOptions(
-        max_attempts=2, base_delay=0.01, max_delay=0.01)), "head")
+    err = _fail(
+        "s3://bucket/run",
+        _options(None, retry=RetryOptions(max_attempts=2, base_delay=0.01, max_delay=0.01)),
+        "head",
+    )
     text = str(err)
     assert "endpoint https://s3.amazonaws.com: AWS S3, as no endpoint is configured" in text
     assert "AWS_ENDPOINT_URL or StorageOptions(endpoint_url=...)" in text
@@ -124,12 +150,12 @@ def test_no_endpoint_configured_says_aws_s3_and_how_to_point_elsewhere(monkeypat
 def test_api_and_manager_fail_on_a_silent_endpoint():
     with SilentServer() as server:
         options = _options(server.endpoint_url)
-        for call in (lambda: cloudckpt.load({"w": torch.zeros(2)}, "s3://bucket/run/ck",
-                                            storage=options),
-                     lambda: cloudckpt.save({"w": torch.zeros(2)}, "s3://bucket/run/ck2",
-                                            storage=options),
-                     lambda: cloudckpt.load_full("s3://bucket/run/ck", storage=options),
-                     lambda: CheckpointManager("s3://bucket/run", storage=options).list()):
+        for call in (
+            lambda: cloudckpt.load({"w": torch.zeros(2)}, "s3://bucket/run/ck", storage=options),
+            lambda: cloudckpt.save({"w": torch.zeros(2)}, "s3://bucket/run/ck2", storage=options),
+            lambda: cloudckpt.load_full("s3://bucket/run/ck", storage=options),
+            lambda: CheckpointManager("s3://bucket/run", storage=options).list(),
+        ):
             with pytest.raises((RetriesExhausted, CheckpointError)) as err:
                 call()
             text = str(err.value)
@@ -138,8 +164,13 @@ def test_api_and_manager_fail_on_a_silent_endpoint():
 
 
 def _cli_run(args: list[str], endpoint: str, cwd) -> subprocess.CompletedProcess:
-    env = cli_env(None, AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="AKIDFAST",
-                  AWS_SECRET_ACCESS_KEY="fast-secret-not-shown", AWS_DEFAULT_REGION="us-east-1")
+    env = cli_env(
+        None,
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="AKIDFAST",
+        AWS_SECRET_ACCESS_KEY="fast-secret-not-shown",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
     return run_cli(args, cwd=str(cwd), env=env, timeout=240)
 
 
@@ -150,14 +181,21 @@ def test_cli_ls_on_a_closed_port_prints_one_warning_then_the_error(tmp_path):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 2, lines  # before: a line per retry
     assert "; retrying in" in lines[0]
-    assert lines[1].startswith("cloudckpt ls: error: list s3://bucket/run: gave up after 8 attempts")
+    assert lines[1].startswith(
+        "cloudckpt ls: error: list s3://bucket/run: gave up after 8 attempts"
+    )
     assert f"endpoint http://127.0.0.1:{port} (from AWS_ENDPOINT_URL)" in lines[1]
     assert "Traceback" not in res.stderr and "fast-secret" not in res.stderr
 
 
-@pytest.mark.parametrize("command", [["ls", "s3://bucket/run"],
-                                     ["show", "s3://bucket/run/ck"],
-                                     ["verify", "s3://bucket/run", "--step", "1"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["ls", "s3://bucket/run"],
+        ["show", "s3://bucket/run/ck"],
+        ["verify", "s3://bucket/run", "--step", "1"],
+    ],
+)
 def test_cli_timeout_gives_up_on_a_silent_endpoint(command, tmp_path):
     with SilentServer() as server:
         res = _cli_run(["--timeout", "2", *command], server.endpoint_url, tmp_path)
@@ -204,8 +242,13 @@ def test_slow_transfers_are_not_cut_by_the_read_timeout(s3_server, s3_url, fault
 
     fault_proxy.configure(rate=1.0, kinds=("delay",), delay_s=1.2)
     slow = RetryOptions(read_timeout=2.0, connect_timeout=2.0, max_attempts=1)
-    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url, retry=slow,
-                         multipart_threshold=5 * 1024 * 1024, part_size=5 * 1024 * 1024)
+    options = s3_options(
+        s3_server,
+        endpoint_url=fault_proxy.endpoint_url,
+        retry=slow,
+        multipart_threshold=5 * 1024 * 1024,
+        part_size=5 * 1024 * 1024,
+    )
     body = os.urandom(11 * 1024 * 1024)
 
     async def main(opts):
@@ -217,8 +260,11 @@ def test_slow_transfers_are_not_cut_by_the_read_timeout(s3_server, s3_url, fault
             await store.close()
 
     assert asyncio.run(main(options)) == body
-    too_short = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url,
-                           retry=RetryOptions(read_timeout=0.6, max_attempts=1))
+    too_short = s3_options(
+        s3_server,
+        endpoint_url=fault_proxy.endpoint_url,
+        retry=RetryOptions(read_timeout=0.6, max_attempts=1),
+    )
     with pytest.raises(RetriesExhausted, match="ReadTimeoutError|SendStall"):
         asyncio.run(main(too_short))
 
@@ -230,6 +276,7 @@ def test_a_body_that_keeps_moving_is_never_cut_by_the_read_timeout():
     body = os.urandom(20 * 4096)
     trickle = RetryOptions(read_timeout=0.5, connect_timeout=1.0, max_attempts=1)
     with TrickleServer(body, chunk=4096, pause=0.15) as server:
+
         async def main(retry):
             store = open_store("s3://bucket/run", _options(server.endpoint_url, retry=retry))
             try:
@@ -240,5 +287,6 @@ def test_a_body_that_keeps_moving_is_never_cut_by_the_read_timeout():
         assert asyncio.run(main(trickle)) == body
         server.pause = 0.8
         with pytest.raises(RetriesExhausted, match="timed out|Timeout"):
-            asyncio.run(main(RetryOptions(read_timeout=0.5, max_attempts=3, max_stalls=1,
-                                          base_delay=0.01)))
+            asyncio.run(
+                main(RetryOptions(read_timeout=0.5, max_attempts=3, max_stalls=1, base_delay=0.01))
+            )

@@ -36,6 +36,7 @@ async def _call(store, op: str):
 
 def _refusals(url: str, options) -> dict[str, tuple[AccessDenied, int]]:
     """Each operation's error, and the requests it cost."""
+
     async def main():
         out = {}
         for op in OPS:
@@ -47,6 +48,7 @@ def _refusals(url: str, options) -> dict[str, tuple[AccessDenied, int]]:
             finally:
                 await store.close()
         return out
+
     return asyncio.run(main())
 
 
@@ -71,8 +73,11 @@ def test_refused_credentials_on_every_call(s3_server, s3_url, who):
 
 
 def test_read_only_identity_is_access_denied_with_what_to_check(s3_server, s3_url):
-    options = s3_options(s3_server, access_key_id=s3_server.readonly_access_key,
-                         secret_access_key=s3_server.readonly_secret_key)
+    options = s3_options(
+        s3_server,
+        access_key_id=s3_server.readonly_access_key,
+        secret_access_key=s3_server.readonly_secret_key,
+    )
 
     async def main():
         store = open_store(s3_url, options)
@@ -97,12 +102,22 @@ def test_a_403_without_a_reason_says_both_causes_are_possible():
     """A bare 403 that the asking GET could not explain either (unit level: ``classify``)."""
     from botocore.exceptions import ClientError
 
-    from cloudckpt.storage.s3_errors import Endpoint, classify
+    from cloudckpt.storage.s3.errors import Endpoint, classify
 
-    bare = ClientError({"Error": {"Code": "403", "Message": "Forbidden"},
-                        "ResponseMetadata": {"HTTPStatusCode": 403}}, "HeadObject")
-    verdict = classify(bare, "head", "k", "s3://b/run/k",
-                       Endpoint(url="http://h:1", source="AWS_ENDPOINT_URL", access_key_id="AKX"))
+    bare = ClientError(
+        {
+            "Error": {"Code": "403", "Message": "Forbidden"},
+            "ResponseMetadata": {"HTTPStatusCode": 403},
+        },
+        "HeadObject",
+    )
+    verdict = classify(
+        bare,
+        "head",
+        "k",
+        "s3://b/run/k",
+        Endpoint(url="http://h:1", source="AWS_ENDPOINT_URL", access_key_id="AKX"),
+    )
     text = str(verdict.error)
     assert not verdict.retry and isinstance(verdict.error, AccessDenied)
     assert "access denied or credentials refused (403 without a reason)" in text
@@ -112,16 +127,22 @@ def test_a_403_without_a_reason_says_both_causes_are_possible():
 def test_save_load_and_cli_say_the_credentials_were_refused(s3_server, s3_url):
     cloudckpt.save({"w": torch.ones(3)}, s3_url, storage=s3_options(s3_server))
     wrong = s3_options(s3_server, secret_access_key=WRONG_SECRET)
-    for call in (lambda: cloudckpt.save({"w": torch.ones(3)}, f"{s3_url}-2", storage=wrong),
-                 lambda: cloudckpt.load({"w": torch.zeros(3)}, s3_url, storage=wrong),
-                 lambda: cloudckpt.load_full(s3_url, storage=wrong)):
+    for call in (
+        lambda: cloudckpt.save({"w": torch.ones(3)}, f"{s3_url}-2", storage=wrong),
+        lambda: cloudckpt.load({"w": torch.zeros(3)}, s3_url, storage=wrong),
+        lambda: cloudckpt.load_full(s3_url, storage=wrong),
+    ):
         with pytest.raises(AccessDenied) as err:
             call()
         assert "the credentials were refused (403 SignatureDoesNotMatch)" in str(err.value)
         assert "planning" not in str(err.value)
     for command in (["ls", s3_url], ["show", s3_url], ["verify", s3_url]):
-        res = run_cli(command, cwd=REPO,
-                      env=cli_env(s3_server, AWS_SECRET_ACCESS_KEY=WRONG_SECRET), timeout=120)
+        res = run_cli(
+            command,
+            cwd=REPO,
+            env=cli_env(s3_server, AWS_SECRET_ACCESS_KEY=WRONG_SECRET),
+            timeout=120,
+        )
         assert res.returncode == 2, res
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and "the credentials were refused" in lines[0], lines

@@ -18,8 +18,8 @@ import pytest
 
 from cloudckpt.errors import ConfigError, ObjectExists, ObjectNotFound, StorageError
 from cloudckpt.storage import ObjectInfo, open_store
-from cloudckpt.storage import s3_write
-from cloudckpt.storage.s3_client import add_content_md5
+from cloudckpt.storage.s3 import write as s3_write
+from cloudckpt.storage.s3.client import add_content_md5
 
 from .conftest import run_on_store, s3_options
 
@@ -34,8 +34,11 @@ async def _put_all(store, keys):
 
 
 def _warnings(caplog, text: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.levelno == logging.WARNING and text in r.getMessage()]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and text in r.getMessage()
+    ]
 
 
 # --- DeleteObjects ------------------------------------------------------------------------------
@@ -77,8 +80,9 @@ def test_delete_objects_carries_content_md5(s3_server, s3_url, fault_proxy):
 
 
 @pytest.mark.parametrize("status,code", [(501, "NotImplemented"), (400, "MissingContentMD5")])
-def test_refused_batch_delete_falls_back_to_single_deletes(s3_server, s3_url, fault_proxy,
-                                                            caplog, status, code):
+def test_refused_batch_delete_falls_back_to_single_deletes(
+    s3_server, s3_url, fault_proxy, caplog, status, code
+):
     fault_proxy.configure(refuse=[("POST", "delete", status, code)])
     keys = [f"d/k{i:02d}" for i in range(25)]
 
@@ -92,8 +96,11 @@ def test_refused_batch_delete_falls_back_to_single_deletes(s3_server, s3_url, fa
         return dict(store.stats.requests)
 
     with caplog.at_level(logging.WARNING, logger="cloudckpt.storage"):
-        requests = _run(s3_url, s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url,
-                                           concurrency=4), body)
+        requests = _run(
+            s3_url,
+            s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url, concurrency=4),
+            body,
+        )
     assert fault_proxy.counters["refused"] == 1 and requests["delete"] == 1
     assert requests["delete_object"] == 26
     assert len(_warnings(caplog, "refuses DeleteObjects")) == 1
@@ -101,7 +108,7 @@ def test_refused_batch_delete_falls_back_to_single_deletes(s3_server, s3_url, fa
 
 def test_small_delete_batches_on_every_server(s3_like, monkeypatch):
     """Several DeleteObjects batches (batch size lowered to 10) on SeaweedFS and moto."""
-    from cloudckpt.storage import s3 as s3_module
+    from cloudckpt.storage.s3 import store as s3_module
 
     monkeypatch.setattr(s3_module, "DELETE_BATCH", 10)
     keys = [f"b/k{i:02d}" for i in range(25)] + ["keep"]
@@ -146,19 +153,29 @@ def test_store_without_list_multipart_uploads(s3_server, s3_url, fault_proxy, ca
         assert fault_proxy.counters["refused"] == 1
 
     with caplog.at_level(logging.WARNING, logger="cloudckpt.storage"):
-        _run(s3_url, s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url,
-                                multipart_threshold=5 * MiB, part_size=5 * MiB), body)
+        _run(
+            s3_url,
+            s3_options(
+                s3_server,
+                endpoint_url=fault_proxy.endpoint_url,
+                multipart_threshold=5 * MiB,
+                part_size=5 * MiB,
+            ),
+            body,
+        )
     assert fault_proxy.counters["refused"] == 1
     assert len(_warnings(caplog, "does not implement ListMultipartUploads")) == 1
 
 
-def test_no_exclusive_create_without_if_none_match_and_upload_listing(s3_server, s3_url,
-                                                                      fault_proxy, s3_backend):
+def test_no_exclusive_create_without_if_none_match_and_upload_listing(
+    s3_server, s3_url, fault_proxy, s3_backend
+):
     """A server that ignores If-None-Match and lacks ListMultipartUploads (as s3rver): the
     fallback protocol cannot work there, so a create fails with a clear error, never silently
     without exclusivity; nothing is left behind."""
-    fault_proxy.configure(ignore_conditional_writes=True,
-                          refuse=[("GET", "uploads", 501, "NotImplemented")])
+    fault_proxy.configure(
+        ignore_conditional_writes=True, refuse=[("GET", "uploads", 501, "NotImplemented")]
+    )
 
     async def body(store):
         for _ in range(2):
@@ -204,6 +221,7 @@ def _race_two_committers(url: str, options, rounds: list[tuple[str, list[bytes]]
                 requests[i] = dict(store.stats.requests)
             finally:
                 await store.close()
+
         asyncio.run(main())
 
     threads = [threading.Thread(target=committer, args=(i,)) for i in range(2)]
@@ -215,8 +233,11 @@ def _race_two_committers(url: str, options, rounds: list[tuple[str, list[bytes]]
     return results, requests
 
 
-@pytest.mark.parametrize("s3_like,strategy", [("s3", "auto"), ("s3", "fallback"),
-                                               ("moto", "fallback")], indirect=["s3_like"])
+@pytest.mark.parametrize(
+    "s3_like,strategy",
+    [("s3", "auto"), ("s3", "fallback"), ("moto", "fallback")],
+    indirect=["s3_like"],
+)
 def test_two_committers_race_one_wins_on_every_server(s3_like, strategy):
     """Bodies above the multipart threshold, created at the same moment by two stores: exactly
     one wins each round, the other gets ObjectExists, the stored body is the winner's. With the
@@ -226,11 +247,13 @@ def test_two_committers_race_one_wins_on_every_server(s3_like, strategy):
     store, without a lock (two 5 MiB creates racing both won in 2 of 40 tries; none in 40 at
     256 KiB), which no probe can see; docs/compatibility.md tells moto users to pick
     ``conditional_create="fallback"`` when creates may race."""
-    options = dataclasses.replace(s3_like.options, multipart_threshold=5 * MiB,
-                                  part_size=5 * MiB, conditional_create=strategy)
+    options = dataclasses.replace(
+        s3_like.options, multipart_threshold=5 * MiB, part_size=5 * MiB, conditional_create=strategy
+    )
     size = 5 * MiB + 4096
-    rounds = [(f"race/{n}/manifest", [os.urandom(size), os.urandom(size)])
-              for n in range(RACE_ROUNDS)]
+    rounds = [
+        (f"race/{n}/manifest", [os.urandom(size), os.urandom(size)]) for n in range(RACE_ROUNDS)
+    ]
     results, requests = _race_two_committers(s3_like.url, options, rounds)
 
     async def stored(store):
@@ -264,17 +287,30 @@ def test_header_ignored_on_complete_multipart_cannot_overwrite(s3_server, s3_url
         assert await store.get("m") == first
         assert "create_multipart" not in store.stats.requests
 
-    _run(s3_url, s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url,
-                            multipart_threshold=5 * MiB, part_size=5 * MiB), body)
+    _run(
+        s3_url,
+        s3_options(
+            s3_server,
+            endpoint_url=fault_proxy.endpoint_url,
+            multipart_threshold=5 * MiB,
+            part_size=5 * MiB,
+        ),
+        body,
+    )
     # the proxy does drop the header on a completion: an overwrite-mode multipart goes through
     client = dataclasses.replace(s3_server, endpoint_url=fault_proxy.endpoint_url).boto3_client()
-    bucket, _, prefix = s3_url[len("s3://"):].partition("/")
+    bucket, _, prefix = s3_url[len("s3://") :].partition("/")
     upload = client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/m")
-    etag = client.upload_part(Bucket=bucket, Key=f"{prefix}/m", UploadId=upload["UploadId"],
-                              PartNumber=1, Body=b"p")["ETag"]
+    etag = client.upload_part(
+        Bucket=bucket, Key=f"{prefix}/m", UploadId=upload["UploadId"], PartNumber=1, Body=b"p"
+    )["ETag"]
     client.complete_multipart_upload(
-        Bucket=bucket, Key=f"{prefix}/m", UploadId=upload["UploadId"], IfNoneMatch="*",
-        MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etag}]})
+        Bucket=bucket,
+        Key=f"{prefix}/m",
+        UploadId=upload["UploadId"],
+        IfNoneMatch="*",
+        MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etag}]},
+    )
     assert fault_proxy.counters["resigned"] >= 1
 
 
@@ -292,4 +328,3 @@ def test_create_larger_than_one_put_is_refused(s3_server, s3_url, monkeypatch):
         await store.put("o", os.urandom(MiB + 1))  # overwrite mode has no such cap
 
     _run(s3_url, s3_options(s3_server), body)
-

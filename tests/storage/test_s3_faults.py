@@ -28,15 +28,20 @@ _run = run_on_store
 
 def test_200_mib_put_and_get_at_20_percent_faults(s3_server, s3_url, fault_proxy):
     data = np.random.default_rng(1).integers(0, 256, 200 * MiB, dtype=np.uint8)
-    fault_proxy.configure(schedule=["503", "500", "reset", "truncate", "delay"], rate=0.2,
-                          kinds=("503", "500", "reset", "delay", "truncate"), delay_s=0.05)
+    fault_proxy.configure(
+        schedule=["503", "500", "reset", "truncate", "delay"],
+        rate=0.2,
+        kinds=("503", "500", "reset", "delay", "truncate"),
+        delay_s=0.05,
+    )
     options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url)
 
     async def body(store):
         await store.put("big.bin", data)
         back = np.empty_like(data)
-        await store.read_ranges("big.bin", [ReadRange(0, data.nbytes, out=memoryview(back),
-                                                      crc32c=crc32c(data))])
+        await store.read_ranges(
+            "big.bin", [ReadRange(0, data.nbytes, out=memoryview(back), crc32c=crc32c(data))]
+        )
         assert np.array_equal(back, data)
         whole = await store.get("big.bin")
         assert whole == data.tobytes()
@@ -83,7 +88,9 @@ def test_waiting_for_a_request_slot_or_memory_counts_against_the_deadline(s3_ser
         "head": lambda store: store.head("k"),
         "put": lambda store: store.put("other", data),
         "list": listing,
-        "get": lambda store: store.read_ranges("k", [ReadRange(0, 10, out=memoryview(bytearray(10)))]),
+        "get": lambda store: store.read_ranges(
+            "k", [ReadRange(0, 10, out=memoryview(bytearray(10)))]
+        ),
     }
 
     async def waits(store):
@@ -113,8 +120,11 @@ def test_waiting_for_a_request_slot_or_memory_counts_against_the_deadline(s3_ser
 
 def test_attempts_are_capped(s3_server, s3_url, fault_proxy):
     fault_proxy.configure(fail_all=True, kinds=("503",))
-    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url,
-                         retry=RetryOptions(max_attempts=3, base_delay=0.0, max_delay=0.0))
+    options = s3_options(
+        s3_server,
+        endpoint_url=fault_proxy.endpoint_url,
+        retry=RetryOptions(max_attempts=3, base_delay=0.0, max_delay=0.0),
+    )
 
     async def body(store):
         with pytest.raises(RetriesExhausted) as err:
@@ -127,8 +137,9 @@ def test_attempts_are_capped(s3_server, s3_url, fault_proxy):
 
 
 def test_wrong_secret_is_access_denied_after_one_request(s3_server, s3_url, fault_proxy):
-    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url,
-                         secret_access_key="not-the-secret")
+    options = s3_options(
+        s3_server, endpoint_url=fault_proxy.endpoint_url, secret_access_key="not-the-secret"
+    )
 
     async def body(store):
         with pytest.raises(AccessDenied) as err:
@@ -142,8 +153,11 @@ def test_wrong_secret_is_access_denied_after_one_request(s3_server, s3_url, faul
 
 
 def test_read_only_identity_cannot_write(s3_server, s3_url):
-    options = s3_options(s3_server, access_key_id=s3_server.readonly_access_key,
-                         secret_access_key=s3_server.readonly_secret_key)
+    options = s3_options(
+        s3_server,
+        access_key_id=s3_server.readonly_access_key,
+        secret_access_key=s3_server.readonly_secret_key,
+    )
 
     async def body(store):
         with pytest.raises(AccessDenied):
@@ -190,10 +204,18 @@ def test_truncated_body_resumes_where_it_broke(s3_server, s3_url, fault_proxy, i
             got = bytes(views[0])
         else:
             dest = bytearray(len(data))
-            await store.read_ranges("obj", [
-                ReadRange(o, MiB, crc32c=crc32c(data[o:o + MiB]),
-                          sinks=((0, memoryview(dest)[o:o + MiB]),))
-                for o in range(0, len(data), MiB)])
+            await store.read_ranges(
+                "obj",
+                [
+                    ReadRange(
+                        o,
+                        MiB,
+                        crc32c=crc32c(data[o : o + MiB]),
+                        sinks=((0, memoryview(dest)[o : o + MiB]),),
+                    )
+                    for o in range(0, len(data), MiB)
+                ],
+            )
             got = bytes(dest)
         assert got == data
         assert store.stats.retries == 1
@@ -204,8 +226,9 @@ def test_truncated_body_resumes_where_it_broke(s3_server, s3_url, fault_proxy, i
 
 
 def test_lost_create_response_is_recognised(s3_server, s3_url, fault_proxy):
-    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url,
-                         conditional_create="native")
+    options = s3_options(
+        s3_server, endpoint_url=fault_proxy.endpoint_url, conditional_create="native"
+    )
 
     async def body(store):
         fault_proxy.configure(schedule=["truncate"])  # the server stores it, the answer is lost
@@ -222,9 +245,13 @@ def test_lost_create_response_is_recognised(s3_server, s3_url, fault_proxy):
 
 
 def test_failed_multipart_is_aborted(s3_server, s3_url, fault_proxy):
-    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url,
-                         multipart_threshold=8 * MiB, part_size=5 * MiB,
-                         retry=RetryOptions(max_attempts=2, base_delay=0.0, max_delay=0.0))
+    options = s3_options(
+        s3_server,
+        endpoint_url=fault_proxy.endpoint_url,
+        multipart_threshold=8 * MiB,
+        part_size=5 * MiB,
+        retry=RetryOptions(max_attempts=2, base_delay=0.0, max_delay=0.0),
+    )
     fault_proxy.configure(fail_all=True, methods={"PUT"}, kinds=("503",))  # parts fail
 
     async def failing(store):
@@ -271,13 +298,17 @@ def test_server_ignoring_if_none_match_needs_the_fallback(s3_server, s3_url, fau
         await store.put("n/manifest", b"second", mode="create")  # not refused: no protection
         assert await store.get("n/manifest") == b"second"
 
-    _run(s3_url, s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url,
-                            conditional_create="native"), native_is_fooled)
+    _run(
+        s3_url,
+        s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url, conditional_create="native"),
+        native_is_fooled,
+    )
 
     async def auto_detects(store):
         bodies = [bytes([i]) * 3000 for i in range(6)]
-        results = await asyncio.gather(*(store.put("a/manifest", b, mode="create")
-                                         for b in bodies), return_exceptions=True)
+        results = await asyncio.gather(
+            *(store.put("a/manifest", b, mode="create") for b in bodies), return_exceptions=True
+        )
         assert store.connection.create_strategy == "fallback"
         winners = [i for i, r in enumerate(results) if isinstance(r, ObjectInfo)]
         assert len(winners) == 1, results
@@ -293,8 +324,10 @@ def test_server_ignoring_if_none_match_needs_the_fallback(s3_server, s3_url, fau
 
 def test_fallback_protocol_on_a_real_server(s3_server, s3_url):
     async def body(store):
-        results = await asyncio.gather(*(store.put("manifest", bytes([i]) * 10, mode="create")
-                                         for i in range(4)), return_exceptions=True)
+        results = await asyncio.gather(
+            *(store.put("manifest", bytes([i]) * 10, mode="create") for i in range(4)),
+            return_exceptions=True,
+        )
         assert sum(isinstance(r, ObjectInfo) for r in results) == 1, results
         assert sum(isinstance(r, ObjectExists) for r in results) == 3
         big = os.urandom(12 * MiB)  # several parts
@@ -318,17 +351,24 @@ def test_fallback_protocol_on_a_real_server(s3_server, s3_url):
 
 
 def test_concurrency_and_buffer_bounds(s3_server, s3_url, fault_proxy):
-    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url, concurrency=3,
-                         max_buffer_bytes=4 * MiB, multipart_threshold=8 * MiB,
-                         part_size=5 * MiB)
+    options = s3_options(
+        s3_server,
+        endpoint_url=fault_proxy.endpoint_url,
+        concurrency=3,
+        max_buffer_bytes=4 * MiB,
+        multipart_threshold=8 * MiB,
+        part_size=5 * MiB,
+    )
 
     async def body(store):
         data = os.urandom(2 * MiB)
-        await asyncio.gather(*(store.put(f"o{i}", data) for i in range(8)),
-                             store.put("mp", os.urandom(30 * MiB)))
-        results = await asyncio.gather(*(store.read_ranges(f"o{i}", [ReadRange(0, len(data))])
-                                         for i in range(8)),
-                                       *(store.get(f"o{i}") for i in range(8)))
+        await asyncio.gather(
+            *(store.put(f"o{i}", data) for i in range(8)), store.put("mp", os.urandom(30 * MiB))
+        )
+        results = await asyncio.gather(
+            *(store.read_ranges(f"o{i}", [ReadRange(0, len(data))]) for i in range(8)),
+            *(store.get(f"o{i}") for i in range(8)),
+        )
         assert all(bytes(r[0]) == data for r in results[:8])
         assert all(r == data for r in results[8:])
         assert store.connection.budget.peak <= 4 * MiB
@@ -354,9 +394,9 @@ def test_prefix_spreading(s3_server, s3_url, s3_backend):
     async def body(store):
         await asyncio.gather(*(store.put(k, k.encode()) for k in keys))
         assert [x.key async for x in store.list()] == keys
-        assert [x.prefix async for x in store.list("run/", delimiter="/")
-                if hasattr(x, "prefix")] == sorted({k.rsplit("/", 2)[0] + "/" for k in keys
-                                                    if k != "run/top"})
+        assert [
+            x.prefix async for x in store.list("run/", delimiter="/") if hasattr(x, "prefix")
+        ] == sorted({k.rsplit("/", 2)[0] + "/" for k in keys if k != "run/top"})
         step = store.child("run/step-3")
         assert await step.get("data/r3.bin") == b"run/step-3/data/r3.bin"
         assert [x.key async for x in step.list()] == ["data/r3.bin"]
@@ -366,7 +406,7 @@ def test_prefix_spreading(s3_server, s3_url, s3_backend):
     _run(s3_url, s3_options(s3_server, prefix_spreading=4), body)
     bucket, root = s3_backend._s3_key("")
     listed = s3_server.boto3_client().list_objects_v2(Bucket=bucket, Prefix=root)["Contents"]
-    hashed_dirs = {o["Key"][len(root):].split("/")[0] for o in listed}
+    hashed_dirs = {o["Key"][len(root) :].split("/")[0] for o in listed}
     assert len(hashed_dirs) >= 2 and hashed_dirs <= {"0", "1", "2", "3"}
 
 
@@ -402,17 +442,21 @@ async def _nothing_left(store, *keys):
 def test_a_stream_failing_mid_way_is_aborted(s3_server, s3_url, fault_proxy, mode):
     """Parts refused (503 on every PUT) after the upload started, then a refused completion
     (every POST): each stream fails typed, its upload is aborted, no object appears."""
-    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url, **STREAM,
-                         conditional_create="native",  # no probe (a PUT)
-                         retry=RetryOptions(max_attempts=2, base_delay=0.0, max_delay=0.0))
+    options = s3_options(
+        s3_server,
+        endpoint_url=fault_proxy.endpoint_url,
+        **STREAM,
+        conditional_create="native",  # no probe (a PUT)
+        retry=RetryOptions(max_attempts=2, base_delay=0.0, max_delay=0.0),
+    )
     data = np.random.default_rng(3).integers(0, 256, 12 * MiB, dtype=np.uint8)
 
     async def failing(store):
         fault_proxy.configure(fail_all=True, methods={"PUT"}, kinds=("503",))
         w = store.open_writer("parts.bin", mode=mode)
         with pytest.raises(RetriesExhausted):
-            await w.write(data[:6 * MiB])   # the first part goes out
-            await w.write(data[6 * MiB:])   # the second waits for room or fails here
+            await w.write(data[: 6 * MiB])  # the first part goes out
+            await w.write(data[6 * MiB :])  # the second waits for room or fails here
             await w.commit()
         assert store.stats.requests["create_multipart"] == 1
         assert store.stats.requests["upload_part"] >= 2
@@ -426,8 +470,11 @@ def test_a_stream_failing_mid_way_is_aborted(s3_server, s3_url, fault_proxy, mod
         await _nothing_left(store, "parts.bin", "complete.bin")
 
     _run(s3_url, options, failing)
-    _run(s3_url, s3_options(s3_server), lambda store: _nothing_left(store, "parts.bin",
-                                                                    "complete.bin"))
+    _run(
+        s3_url,
+        s3_options(s3_server),
+        lambda store: _nothing_left(store, "parts.bin", "complete.bin"),
+    )
 
 
 def test_a_cancelled_stream_is_aborted(s3_server, s3_url):
@@ -437,7 +484,7 @@ def test_a_cancelled_stream_is_aborted(s3_server, s3_url):
         async def stream():
             w = store.open_writer("cancelled.bin", mode="create")
             for i in range(0, len(data), MiB):
-                await w.write(data[i:i + MiB])
+                await w.write(data[i : i + MiB])
             await w.commit()
 
         task = asyncio.ensure_future(stream())
@@ -454,14 +501,19 @@ def test_a_cancelled_stream_is_aborted(s3_server, s3_url):
 def test_a_stream_holds_its_parts_within_the_budget(s3_server, s3_url, fault_proxy):
     """At most ``concurrency`` parts in flight and never more budget than ``max_buffer_bytes``
     (here room for one 5 MiB part at a time), whatever the object's size."""
-    options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url, concurrency=2,
-                         max_buffer_bytes=8 * MiB, **STREAM)
+    options = s3_options(
+        s3_server,
+        endpoint_url=fault_proxy.endpoint_url,
+        concurrency=2,
+        max_buffer_bytes=8 * MiB,
+        **STREAM,
+    )
     data = np.random.default_rng(5).integers(0, 256, 26 * MiB, dtype=np.uint8)
 
     async def body(store):
         info = await store.open_writer("bounded.bin").__aenter__()
         for i in range(0, len(data), 3 * MiB):
-            await info.write(data[i:i + 3 * MiB])
+            await info.write(data[i : i + 3 * MiB])
         await info.commit()
         assert store.stats.requests["upload_part"] == 6
         assert 5 * MiB <= store.connection.budget.peak <= 8 * MiB
@@ -472,19 +524,20 @@ def test_a_stream_holds_its_parts_within_the_budget(s3_server, s3_url, fault_pro
 
 
 def test_create_streams_stay_exclusive_where_the_completion_ignores_if_none_match(
-        s3_server, s3_url, fault_proxy):
+    s3_server, s3_url, fault_proxy
+):
     """A server that honours If-None-Match on PutObject but not on CompleteMultipartUpload (as
     Ceph RGW 16): the claim alone keeps a create stream from writing over an object, or over
     another create stream racing it."""
     fault_proxy.configure(ignore_conditional_writes="complete")
     options = s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url, **STREAM)
     data = np.random.default_rng(6).integers(0, 256, 13 * MiB, dtype=np.uint8)
-    bodies = [data[:11 * MiB], data[2 * MiB:]]
+    bodies = [data[: 11 * MiB], data[2 * MiB :]]
 
     async def stream(store, key, body):
         w = store.open_writer(key, mode="create")
         for i in range(0, len(body), 2 * MiB):
-            await w.write(body[i:i + 2 * MiB])
+            await w.write(body[i : i + 2 * MiB])
         return await w.commit()
 
     async def body(store):
@@ -494,9 +547,11 @@ def test_create_streams_stay_exclusive_where_the_completion_ignores_if_none_matc
         assert await store.get("taken.bin") == b"theirs"
         other = open_store(s3_url, options)
         try:
-            results = await asyncio.gather(stream(store, "raced.bin", bodies[0]),
-                                           stream(other, "raced.bin", bodies[1]),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                stream(store, "raced.bin", bodies[0]),
+                stream(other, "raced.bin", bodies[1]),
+                return_exceptions=True,
+            )
         finally:
             await other.close()
         winners = [i for i, r in enumerate(results) if isinstance(r, ObjectInfo)]

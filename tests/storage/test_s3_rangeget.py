@@ -1,4 +1,4 @@
-"""The direct ranged-GET reader (``storage/s3_rangeget.py``): the same bytes as the aiobotocore
+"""The direct ranged-GET reader (``storage/s3/rangeget.py``): the same bytes as the aiobotocore
 path for every shape of range list, on SeaweedFS and moto; answers it does not read go to
 aiobotocore (which then turns it off when it succeeds); kept-alive connections the server closed
 are replaced silently; silence is a stall; a cancelled read lands nothing afterwards; 429/5xx
@@ -28,6 +28,7 @@ DATA = os.urandom(12 * MiB)
 
 # -- the same bytes as aiobotocore, whatever the ranges --------------------------------------------
 
+
 @st.composite
 def range_lists(draw):
     """1-12 ranges of DATA (overlaps and gaps allowed): each read into ``out``, into verified
@@ -38,8 +39,11 @@ def range_lists(draw):
         length = draw(st.one_of(st.integers(0, 4096), st.integers(1, 6 * MiB)))
         length = min(length, len(DATA) - offset)
         kind = draw(st.sampled_from(["out", "sinks", "buffer"]))
-        cuts = sorted(draw(st.sets(st.integers(1, max(1, length - 1)), max_size=2))) \
-            if kind == "sinks" and length > 1 else []
+        cuts = (
+            sorted(draw(st.sets(st.integers(1, max(1, length - 1)), max_size=2)))
+            if kind == "sinks" and length > 1
+            else []
+        )
         specs.append((offset, length, kind, cuts))
     return specs
 
@@ -49,7 +53,7 @@ def _ranges(specs):
     (buffer None: the view ``read_ranges`` returns)."""
     ranges, checks = [], []
     for offset, length, kind, cuts in specs:
-        want = DATA[offset:offset + length]
+        want = DATA[offset : offset + length]
         if kind == "out":
             buf = bytearray(length)
             ranges.append(ReadRange(offset, length, out=memoryview(buf)))
@@ -78,13 +82,16 @@ def objects(s3_server, moto_server):
 
         async def put(store):
             await store.put("obj", DATA)
+
         run_on_store(url, s3_options(info), put)
         out[name] = (info, url)
     return out
 
 
 @pytest.mark.parametrize("server", ["s3", "moto"])
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(specs=range_lists(), gap=st.sampled_from([0, 1000, MiB]))
 def test_direct_reads_match_the_aiobotocore_path(objects, server, specs, gap):
     info, url = objects[server]
@@ -97,8 +104,10 @@ def test_direct_reads_match_the_aiobotocore_path(objects, server, specs, gap):
             return [bytes(v) for v in views], getter.fetches, getter.disabled
 
         views, fetches, disabled = run_on_store(
-            url, s3_options(info, direct_range_reads=direct, coalesce_gap=gap, part_size=5 * MiB),
-            body)
+            url,
+            s3_options(info, direct_range_reads=direct, coalesce_gap=gap, part_size=5 * MiB),
+            body,
+        )
         for check, view in zip(checks, views):
             for buf, want in check:
                 assert (view if buf is None else bytes(buf)) == want
@@ -108,8 +117,10 @@ def test_direct_reads_match_the_aiobotocore_path(objects, server, specs, gap):
 
 # -- answers left to aiobotocore -------------------------------------------------------------------
 
+
 def test_a_refused_presigned_get_goes_through_aiobotocore_and_turns_the_reader_off(
-        s3_server, s3_url, fault_proxy, caplog):
+    s3_server, s3_url, fault_proxy, caplog
+):
     fault_proxy.configure(refuse=[("GET", "X-Amz-Signature", 403, "AccessDenied")])
     data = os.urandom(3 * MiB)
 
@@ -121,7 +132,8 @@ def test_a_refused_presigned_get_goes_through_aiobotocore_and_turns_the_reader_o
         return bytes(first[0]), bytes(second[0]), store.connection.range_getter.disabled
 
     first, second, disabled = run_on_store(
-        s3_url, s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url), body)
+        s3_url, s3_options(s3_server, endpoint_url=fault_proxy.endpoint_url), body
+    )
     assert first == data and second == data[5:105]
     assert disabled
     assert fault_proxy.counters["refused"] == 1  # the second read went straight to aiobotocore
@@ -141,6 +153,7 @@ def test_a_missing_object_is_not_found_and_the_reader_stays_on(s3_server, s3_url
 
 
 # -- servers that misbehave ------------------------------------------------------------------------
+
 
 class FakeS3:
     """A tiny HTTP/1.1 server holding one object at ``/bucket/key`` (no authentication): ranged
@@ -171,9 +184,14 @@ class FakeS3:
             await asyncio.wait_for(self._server.wait_closed(), 2)
 
     def options(self, **kw) -> StorageOptions:
-        return StorageOptions(endpoint_url=f"http://127.0.0.1:{self.port}", region="us-east-1",
-                              access_key_id="AK", secret_access_key="SK",
-                              addressing_style="path", **kw)
+        return StorageOptions(
+            endpoint_url=f"http://127.0.0.1:{self.port}",
+            region="us-east-1",
+            access_key_id="AK",
+            secret_access_key="SK",
+            addressing_style="path",
+            **kw,
+        )
 
     async def _serve(self, reader, writer):
         self.connections += 1
@@ -182,25 +200,32 @@ class FakeS3:
                 head = await reader.readuntil(b"\r\n\r\n")
                 self.requests += 1
                 match = re.search(rb"(?i)\r\nrange: bytes=(\d+)-(\d+)", head)
-                a, b = (int(match.group(1)), int(match.group(2)) + 1) if match else (0, len(self.data))
+                a, b = (
+                    (int(match.group(1)), int(match.group(2)) + 1) if match else (0, len(self.data))
+                )
                 body = self.data[a:b]
                 if self.mode == "503once" and self.requests == 1:
                     xml = b"<Error><Code>SlowDown</Code><Message>slow</Message></Error>"
-                    writer.write(b"HTTP/1.1 503 Slow Down\r\nContent-Length: %d\r\n\r\n%s"
-                                 % (len(xml), xml))
+                    writer.write(
+                        b"HTTP/1.1 503 Slow Down\r\nContent-Length: %d\r\n\r\n%s" % (len(xml), xml)
+                    )
                     continue
                 if self.mode == "chunked":
-                    writer.write(b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes %d-%d/%d\r\n"
-                                 b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
-                                 % (a, b - 1, len(self.data), len(body), body))
+                    writer.write(
+                        b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes %d-%d/%d\r\n"
+                        b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+                        % (a, b - 1, len(self.data), len(body), body)
+                    )
                     continue
-                writer.write(b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes %d-%d/%d\r\n"
-                             b"Content-Length: %d\r\n\r\n" % (a, b - 1, len(self.data), len(body)))
+                writer.write(
+                    b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes %d-%d/%d\r\n"
+                    b"Content-Length: %d\r\n\r\n" % (a, b - 1, len(self.data), len(body))
+                )
                 if self.mode in ("stall", "hold"):
-                    writer.write(body[:len(body) // 2])
+                    writer.write(body[: len(body) // 2])
                     await writer.drain()
                     await self.release.wait()
-                    writer.write(body[len(body) // 2:])
+                    writer.write(body[len(body) // 2 :])
                     continue
                 writer.write(body)
                 await writer.drain()
@@ -222,6 +247,7 @@ def _fake_run(mode, fn, **options):
                 return await fn(store, server)
             finally:
                 await store.close()
+
     return asyncio.run(main())
 
 
@@ -229,7 +255,7 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced_silently():
     async def fn(store, server):
         for i in range(3):
             views = await store.read_ranges("key", [ReadRange(i, 1000)])
-            assert bytes(views[0]) == DATA[i:i + 1000]
+            assert bytes(views[0]) == DATA[i : i + 1000]
         return store.stats.retries, store.stats.requests["get"], server.connections
 
     retries, gets, connections = _fake_run("close", fn)
@@ -256,8 +282,11 @@ def test_a_cancelled_read_lands_nothing_afterwards(into):
 
     async def fn(store, server):
         dest = bytearray(n)
-        rng = ReadRange(0, n, out=memoryview(dest)) if into == "out" else \
-            ReadRange(0, n, crc32c=crc32c(DATA[:n]), sinks=((0, memoryview(dest)),))
+        rng = (
+            ReadRange(0, n, out=memoryview(dest))
+            if into == "out"
+            else ReadRange(0, n, crc32c=crc32c(DATA[:n]), sinks=((0, memoryview(dest)),))
+        )
         task = asyncio.ensure_future(store.read_ranges("key", [rng]))
         while server.requests == 0 or not any(dest) and into == "out":
             await asyncio.sleep(0.01)
@@ -294,20 +323,28 @@ def test_a_503_answer_is_retried():
         views = await store.read_ranges("key", [ReadRange(0, 5000)])
         return bytes(views[0]), store.stats.retries, store.connection.range_getter.disabled
 
-    got, retries, disabled = _fake_run("503once", fn,
-                                       retry=RetryOptions(base_delay=0.01, max_delay=0.05))
+    got, retries, disabled = _fake_run(
+        "503once", fn, retry=RetryOptions(base_delay=0.01, max_delay=0.05)
+    )
     assert got == DATA[:5000] and retries == 1 and not disabled
 
 
 # -- HeldRange's landing buffer --------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("good", [True, False])
 def test_landed_bytes_reach_the_sinks_only_verified_and_the_buffer_is_reused(good):
     data = os.urandom(10_000)
     sink = bytearray(b"\xee" * 6000)
     pool = LandingPool(2)
-    held = HeldRange(ReadRange(0, len(data), crc32c=crc32c(data) ^ (0 if good else 1),
-                               sinks=((3000, memoryview(sink)),)))
+    held = HeldRange(
+        ReadRange(
+            0,
+            len(data),
+            crc32c=crc32c(data) ^ (0 if good else 1),
+            sinks=((3000, memoryview(sink)),),
+        )
+    )
     for a, b in ((4000, 7000), (0, 2500), (7000, 10_000)):  # out of order, mixed with add
         held.landing(a, b - a, pool)[:] = data[a:b]
         held.landed(a, b - a)

@@ -23,15 +23,16 @@ import torch
 
 import cloudckpt
 from cloudckpt.errors import ConfigError
-from cloudckpt.runtime import drop_store
+from cloudckpt.runtime.loop import drop_store
 from cloudckpt.storage import ReadRange, RetryOptions, StorageOptions, open_store
-from cloudckpt.testing.s3server import S3Server
+from cloudckpt.testing.servers.seaweed import S3Server
 from tests.reliability.stores import cli
 
 pytestmark = pytest.mark.timeout(300)
 
-RETRY = RetryOptions(max_attempts=4, base_delay=0.01, max_delay=0.1, attempt_timeout=30.0,
-                     deadline=60.0)
+RETRY = RetryOptions(
+    max_attempts=4, base_delay=0.01, max_delay=0.1, attempt_timeout=30.0, deadline=60.0
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +55,12 @@ def clean_aws_env(monkeypatch, tmp_path):
 
 
 def _options(info, **overrides) -> StorageOptions:
-    fields = dict(endpoint_url=info.https_endpoint_url, access_key_id=info.access_key,
-                  secret_access_key=info.secret_key, retry=RETRY)
+    fields = dict(
+        endpoint_url=info.https_endpoint_url,
+        access_key_id=info.access_key,
+        secret_access_key=info.secret_key,
+        retry=RETRY,
+    )
     fields.update(overrides)
     return StorageOptions(**fields)
 
@@ -63,6 +68,7 @@ def _options(info, **overrides) -> StorageOptions:
 def _round_trip(info, options: StorageOptions) -> tuple[bytes, int]:
     """Put, head, get and read a range of one object over https (the range through the direct
     reader, ``s3_rangeget``); (the bytes read, requests sent)."""
+
     async def main():
         store = open_store(info.url(f"tls-{uuid.uuid4().hex[:8]}"), options)
         try:
@@ -75,12 +81,21 @@ def _round_trip(info, options: StorageOptions) -> tuple[bytes, int]:
             return await store.get("obj"), store.stats.total_requests
         finally:
             await store.close()
+
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("trust", ["AWS_CA_BUNDLE", "profile ca_bundle", "REQUESTS_CA_BUNDLE",
-                                   "verify_tls=path", "verify_tls=True + AWS_CA_BUNDLE",
-                                   "verify_tls=False"])
+@pytest.mark.parametrize(
+    "trust",
+    [
+        "AWS_CA_BUNDLE",
+        "profile ca_bundle",
+        "REQUESTS_CA_BUNDLE",
+        "verify_tls=path",
+        "verify_tls=True + AWS_CA_BUNDLE",
+        "verify_tls=False",
+    ],
+)
 def test_a_private_ca_is_trusted_when_configured(tls_s3, clean_aws_env, monkeypatch, trust):
     overrides = {}
     if trust == "AWS_CA_BUNDLE":
@@ -156,8 +171,13 @@ def test_every_entry_point_follows_aws_ca_bundle(tls_s3, clean_aws_env, monkeypa
             assert manager.latest().step == 1
     finally:
         drop_store(run)
-    listed = cli(tls_s3, "ls", run + "/managed", AWS_ENDPOINT_URL=tls_s3.https_endpoint_url,
-                 AWS_CA_BUNDLE=tls_s3.ca_file)
+    listed = cli(
+        tls_s3,
+        "ls",
+        run + "/managed",
+        AWS_ENDPOINT_URL=tls_s3.https_endpoint_url,
+        AWS_CA_BUNDLE=tls_s3.ca_file,
+    )
     assert listed.returncode == 0, listed
     rows = [line.split() for line in listed.stdout.splitlines()]
     assert rows[0][0] == "step" and rows[1][0] == "1" and rows[1][-1] == "yes", listed.stdout

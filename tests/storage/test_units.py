@@ -35,15 +35,17 @@ from cloudckpt.storage.base import ByteBudget, as_views, check_key, slice_views
 from cloudckpt.storage.options import MiB, choose_part_size
 from cloudckpt.storage.ranges import Scatter, plan_pieces
 from cloudckpt.storage.retry import Retrier, Verdict
-from cloudckpt.storage.s3_client import crc32c_b64, parse_s3_url
-from cloudckpt.storage.s3_errors import TruncatedBody, classify
+from cloudckpt.storage.s3.client import crc32c_b64, parse_s3_url
+from cloudckpt.storage.s3.errors import TruncatedBody, classify
 
 
 def test_storage_never_imports_torch():
     import subprocess
 
-    code = ("import sys, cloudckpt.storage, cloudckpt.testing.faultproxy; "
-            "sys.exit('torch' in sys.modules)")
+    code = (
+        "import sys, cloudckpt.storage, cloudckpt.testing.faults.faultproxy; "
+        "sys.exit('torch' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
@@ -57,18 +59,24 @@ def test_storage_modules_import_one_way_and_use_only_public_names():
 
     folder = Path(package.__file__).parent
     graph, reaching = {}, []
-    for path in folder.glob("*.py"):
+    for path in folder.rglob("*.py"):
         if path.name == "__init__.py":
             continue
         tree = ast.parse(path.read_text())
-        graph[path.stem] = {
-            n.module.rpartition(".")[2] for n in ast.walk(tree)
-            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("cloudckpt.storage.")}
-        reaching += [f"{path.name}:{n.lineno} {ast.unparse(n)}" for n in ast.walk(tree)
-                     if isinstance(n, ast.Attribute) and n.attr.startswith("_")
-                     and not n.attr.startswith("__")
-                     and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
-    assert {"s3_conn", "s3_read", "s3_write", "verified"} <= set(graph)
+        graph[".".join(path.relative_to(folder).with_suffix("").parts)] = {
+            n.module.removeprefix("cloudckpt.storage.")
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("cloudckpt.storage.")
+        }
+        reaching += [
+            f"{path.name}:{n.lineno} {ast.unparse(n)}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute)
+            and n.attr.startswith("_")
+            and not n.attr.startswith("__")
+            and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))
+        ]
+    assert {"s3.conn", "s3.read", "s3.write", "verified"} <= set(graph)
     assert reaching == []
     done: set[str] = set()
 
@@ -86,9 +94,14 @@ def test_storage_modules_import_one_way_and_use_only_public_names():
 def test_options_hide_secrets_and_validate():
     opts = StorageOptions(access_key_id="AKID", secret_access_key="SECRET", session_token="TOK")
     assert "SECRET" not in repr(opts) and "TOK" not in repr(opts) and "AKID" in repr(opts)
-    for bad in (dict(concurrency=0), dict(part_size=1 * MiB), dict(multipart_threshold=MiB),
-                dict(access_key_id="only-half"), dict(prefix_spreading=-1),
-                dict(conditional_create="maybe")):
+    for bad in (
+        dict(concurrency=0),
+        dict(part_size=1 * MiB),
+        dict(multipart_threshold=MiB),
+        dict(access_key_id="only-half"),
+        dict(prefix_spreading=-1),
+        dict(conditional_create="maybe"),
+    ):
         with pytest.raises(ConfigError):
             StorageOptions(**bad)
     with pytest.raises(ConfigError):
@@ -138,17 +151,23 @@ def test_keys_and_bodies():
 def test_plan_pieces_coalesces_splits_and_skips_empty():
     offs, lens = [0, 100, 5000, 10_000_000, 50], [10, 10, 10, 3 * MiB, 0]
     pieces = plan_pieces(offs, lens, gap=1000, max_piece=MiB)
-    assert [(p.start, p.end, p.members) for p in pieces[:2]] == [(0, 110, [0, 1]),
-                                                                 (5000, 5010, [2])]
+    assert [(p.start, p.end, p.members) for p in pieces[:2]] == [
+        (0, 110, [0, 1]),
+        (5000, 5010, [2]),
+    ]
     big = pieces[2:]
-    assert [(p.start, p.end) for p in big] == [(10_000_000 + i * MiB, 10_000_000 + (i + 1) * MiB)
-                                               for i in range(3)]
+    assert [(p.start, p.end) for p in big] == [
+        (10_000_000 + i * MiB, 10_000_000 + (i + 1) * MiB) for i in range(3)
+    ]
     assert plan_pieces(offs, lens, gap=10_000, max_piece=MiB)[0].members == [0, 1, 2]
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 3000)), max_size=12),
-       st.integers(0, 600), st.integers(1, 1500))
+@given(
+    st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 3000)), max_size=12),
+    st.integers(0, 600),
+    st.integers(1, 1500),
+)
 def test_plan_pieces_covers_every_byte_of_every_range(spans, gap, max_piece):
     """Whatever the overlaps: each range's bytes are exactly covered by the pieces listing it,
     no piece is longer than ``max_piece`` (an earlier version attached a range that starts inside
@@ -172,27 +191,40 @@ def test_scatter_feeds_overlapping_ranges_from_any_chunking():
     scatter = Scatter(piece, offs, lens, outs)
     pos = piece.start
     for size in (1, 7, 64, 3, 1000):
-        chunk = data[pos:min(pos + size, piece.end)]
+        chunk = data[pos : min(pos + size, piece.end)]
         scatter.feed(chunk, pos)
         pos += len(chunk)
-    assert [bytes(o) for o in outs] == [data[o:o + n] for o, n in zip(offs, lens)]
+    assert [bytes(o) for o in outs] == [data[o : o + n] for o, n in zip(offs, lens)]
 
 
 def _client_error(code: str, status: int) -> ClientError:
-    return ClientError({"Error": {"Code": code, "Message": "m"},
-                        "ResponseMetadata": {"HTTPStatusCode": status}}, "Op")
+    return ClientError(
+        {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+        "Op",
+    )
 
 
-@pytest.mark.parametrize("code,status,op,expected", [
-    ("SlowDown", 503, "put", None), ("InternalError", 500, "get", None), ("", 502, "get", None),
-    ("RequestTimeout", 400, "put", None), ("BadDigest", 400, "put", None),
-    ("AccessDenied", 403, "get", AccessDenied), ("SignatureDoesNotMatch", 403, "put", AccessDenied),
-    ("InvalidAccessKeyId", 403, "put", AccessDenied), ("403", 403, "head", AccessDenied),
-    ("NoSuchKey", 404, "get", ObjectNotFound), ("404", 404, "head", ObjectNotFound),
-    ("NoSuchBucket", 404, "list", BucketNotFound), ("PreconditionFailed", 412, "put", ObjectExists),
-    ("PreconditionFailed", 412, "get", StorageError), ("InvalidRange", 416, "get", InvalidRange),
-    ("MalformedXML", 400, "delete", StorageError),
-])
+@pytest.mark.parametrize(
+    "code,status,op,expected",
+    [
+        ("SlowDown", 503, "put", None),
+        ("InternalError", 500, "get", None),
+        ("", 502, "get", None),
+        ("RequestTimeout", 400, "put", None),
+        ("BadDigest", 400, "put", None),
+        ("AccessDenied", 403, "get", AccessDenied),
+        ("SignatureDoesNotMatch", 403, "put", AccessDenied),
+        ("InvalidAccessKeyId", 403, "put", AccessDenied),
+        ("403", 403, "head", AccessDenied),
+        ("NoSuchKey", 404, "get", ObjectNotFound),
+        ("404", 404, "head", ObjectNotFound),
+        ("NoSuchBucket", 404, "list", BucketNotFound),
+        ("PreconditionFailed", 412, "put", ObjectExists),
+        ("PreconditionFailed", 412, "get", StorageError),
+        ("InvalidRange", 416, "get", InvalidRange),
+        ("MalformedXML", 400, "delete", StorageError),
+    ],
+)
 def test_error_table(code, status, op, expected):
     verdict = classify(_client_error(code, status), op, "k", "s3://b/k")
     if expected is None:
@@ -203,22 +235,31 @@ def test_error_table(code, status, op, expected):
 
 
 def test_transport_errors_are_retried():
-    for exc in (EndpointConnectionError(endpoint_url="http://x"), ConnectionResetError(),
-                TruncatedBody("short"), asyncio.TimeoutError()):
+    for exc in (
+        EndpointConnectionError(endpoint_url="http://x"),
+        ConnectionResetError(),
+        TruncatedBody("short"),
+        asyncio.TimeoutError(),
+    ):
         assert classify(exc, "get", "k", "s3://b/k").retry
     assert classify(ValueError("bug"), "get", "k", "s3://b/k") == Verdict(False)
 
 
 def _retrier(retry: RetryOptions, verdicts) -> tuple[Retrier, StoreStats]:
     stats = StoreStats()
-    return Retrier(options=retry, stats=stats, slots=asyncio.Semaphore(2),
-                   classify=lambda exc, op, key, name: verdicts(exc)), stats
+    return Retrier(
+        options=retry,
+        stats=stats,
+        slots=asyncio.Semaphore(2),
+        classify=lambda exc, op, key, name: verdicts(exc),
+    ), stats
 
 
 def test_retrier_retries_then_succeeds_and_counts():
     async def main():
-        retrier, stats = _retrier(RetryOptions(base_delay=0.001, max_delay=0.002),
-                                  lambda exc: Verdict(True))
+        retrier, stats = _retrier(
+            RetryOptions(base_delay=0.001, max_delay=0.002), lambda exc: Verdict(True)
+        )
         calls = []
 
         async def attempt(n):
@@ -235,8 +276,10 @@ def test_retrier_retries_then_succeeds_and_counts():
 
 def test_retrier_never_retries_final_errors():
     async def main():
-        retrier, stats = _retrier(RetryOptions(), lambda exc: Verdict(
-            False, AccessDenied("denied", key="k", operation="get")))
+        retrier, stats = _retrier(
+            RetryOptions(),
+            lambda exc: Verdict(False, AccessDenied("denied", key="k", operation="get")),
+        )
 
         async def attempt(n):
             raise RuntimeError("403")
@@ -250,9 +293,10 @@ def test_retrier_never_retries_final_errors():
 
 def test_retrier_caps_attempts_and_each_attempt():
     async def main():
-        retrier, _ = _retrier(RetryOptions(max_attempts=4, base_delay=0.0, max_delay=0.0,
-                                               attempt_timeout=0.01),
-                                  lambda exc: Verdict(True))
+        retrier, _ = _retrier(
+            RetryOptions(max_attempts=4, base_delay=0.0, max_delay=0.0, attempt_timeout=0.01),
+            lambda exc: Verdict(True),
+        )
 
         async def hang(n):
             await asyncio.sleep(3600)
@@ -275,8 +319,9 @@ def test_retrier_counts_waits_against_the_operations_deadline():
 
         # an operation whose earlier waits used up its deadline sends nothing more
         with pytest.raises(RetriesExhausted, match="deadline passed") as err:
-            await retrier.call("get", "k", attempt, where="s3://b",
-                               deadline=asyncio.get_running_loop().time() - 1)
+            await retrier.call(
+                "get", "k", attempt, where="s3://b", deadline=asyncio.get_running_loop().time() - 1
+            )
         assert err.value.attempts == 0
         # both slots taken for longer than the deadline: the wait ends with it
         await retrier.slots.acquire()
@@ -287,8 +332,14 @@ def test_retrier_counts_waits_against_the_operations_deadline():
         budget = ByteBudget(10)
         await budget.acquire(10)
         with pytest.raises(RetriesExhausted, match="waiting for buffer memory"):
-            await retrier.wait(budget.acquire(5), what="buffer memory", op="get", key="k",
-                               where="s3://b", deadline=retrier.deadline())
+            await retrier.wait(
+                budget.acquire(5),
+                what="buffer memory",
+                op="get",
+                key="k",
+                where="s3://b",
+                deadline=retrier.deadline(),
+            )
         assert budget.used == 10 and not budget._waiters  # the abandoned wait left no trace
         assert await retrier.call("get", "k", attempt, where="s3://b") is None
         assert calls == [1] and stats.requests == {"get": 1}
@@ -298,12 +349,14 @@ def test_retrier_counts_waits_against_the_operations_deadline():
 
 def test_retrier_full_jitter_bounds(monkeypatch):
     seen = []
-    monkeypatch.setattr("cloudckpt.storage.retry.random.uniform",
-                        lambda a, b: seen.append((a, b)) or 0.0)
+    monkeypatch.setattr(
+        "cloudckpt.storage.retry.random.uniform", lambda a, b: seen.append((a, b)) or 0.0
+    )
 
     async def main():
-        retrier, _ = _retrier(RetryOptions(max_attempts=6, base_delay=0.1, max_delay=0.5),
-                              lambda exc: Verdict(True))
+        retrier, _ = _retrier(
+            RetryOptions(max_attempts=6, base_delay=0.1, max_delay=0.5), lambda exc: Verdict(True)
+        )
 
         async def fail(n):
             raise ConnectionResetError()
@@ -373,8 +426,10 @@ def test_local_store_atomic_create_and_hidden_temp_files(tmp_path):
     store = LocalStore(tmp_path / "root", StorageOptions(fsync=True, concurrency=8))
 
     async def main():
-        results = await asyncio.gather(*(store.put("m", bytes([i]) * 100_000, mode="create")
-                                         for i in range(16)), return_exceptions=True)
+        results = await asyncio.gather(
+            *(store.put("m", bytes([i]) * 100_000, mode="create") for i in range(16)),
+            return_exceptions=True,
+        )
         assert sum(isinstance(r, ObjectInfo) for r in results) == 1
         assert sum(isinstance(r, ObjectExists) for r in results) == 15
         assert os.listdir(tmp_path / "root") == ["m"]  # no temp file left behind
@@ -383,6 +438,7 @@ def test_local_store_atomic_create_and_hidden_temp_files(tmp_path):
         assert [u.key for u in await store.list_uploads()] == ["x"]
         with pytest.raises(ConfigError):
             from cloudckpt.storage import UploadInfo
+
             await store.abort_upload(UploadInfo("x", "../../etc/passwd"))
         await store.put("d/e/f", b"1")
         await store.delete(["d/e/f"])
@@ -408,9 +464,12 @@ def test_local_store_refuses_symlinks_leading_outside(tmp_path):
 
     async def main():
         store = LocalStore(root)
-        for call in (lambda: store.get("data/evil.bin"), lambda: store.head("data/evil.bin"),
-                     lambda: store.read_ranges("data/evil.bin", [ReadRange(0, 4)]),
-                     lambda: store.put("escape/x", b"x")):
+        for call in (
+            lambda: store.get("data/evil.bin"),
+            lambda: store.head("data/evil.bin"),
+            lambda: store.read_ranges("data/evil.bin", [ReadRange(0, 4)]),
+            lambda: store.put("escape/x", b"x"),
+        ):
             with pytest.raises(AccessDenied, match="symlink"):
                 await call()
         assert await store.get("data/alias.bin") == b"fine"
@@ -433,17 +492,22 @@ def test_held_range_verifies_out_of_order_parts_before_writing_sinks():
 
     data = os.urandom(1000)
     good, bad = bytearray(300), bytearray(b"\x01" * 300)
-    held = HeldRange(ReadRange(0, 1000, crc32c=crc32c(data),
-                               sinks=((100, memoryview(good)), (700, memoryview(bad)[:300]))))
-    held.add(600, data[600:])     # arrives first: a later piece
+    held = HeldRange(
+        ReadRange(
+            0,
+            1000,
+            crc32c=crc32c(data),
+            sinks=((100, memoryview(good)), (700, memoryview(bad)[:300])),
+        )
+    )
+    held.add(600, data[600:])  # arrives first: a later piece
     assert held.ok is None and bytes(good) == bytes(300)  # nothing written before complete
     held[0:600] = memoryview(data)[:600]
     assert held.ok is True and held.actual == crc32c(data)
     assert bytes(good) == data[100:400] and bytes(bad) == data[700:1000]
 
     dest = bytearray(b"\x07" * 1000)
-    wrong = HeldRange(ReadRange(0, 1000, crc32c=crc32c(data) ^ 1,
-                                sinks=((0, memoryview(dest)),)))
+    wrong = HeldRange(ReadRange(0, 1000, crc32c=crc32c(data) ^ 1, sinks=((0, memoryview(dest)),)))
     wrong.add(0, data)
     assert wrong.ok is False and bytes(dest) == b"\x07" * 1000  # a failed range writes nothing
 

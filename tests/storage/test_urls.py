@@ -16,18 +16,38 @@ from hypothesis import strategies as st
 import cloudckpt
 from cloudckpt import CheckpointManager
 from cloudckpt.errors import ConfigError
-from cloudckpt.runtime import shared_store
+from cloudckpt.runtime.loop import shared_store
 from cloudckpt.storage import LocalStore, S3Store, open_store, parse_store_url
 from cloudckpt.storage.urls import parse_s3_url
 from tests.cli_forkserver import run_cli
 from tests.reliability.stores import REPO, cli_env
 
-SCHEME_LIKE = ["s3:/bucket/x", "s3:bucket/x", "s3:", "s3:/", "S3://bucket/x", "S3:/bucket",
-               "s3a://bucket/x", "s3n://bucket/x", "gs://bucket/x", "gcs://bucket/x",
-               "http://127.0.0.1:9000/bucket/x", "https://s3.amazonaws.com/bucket/x",
-               "az://container/x", "abfs://c@acct/x", "hdfs://nn/x", "ftp://host/x",
-               "FILE:///tmp/x", "File:///tmp/x", "file:relative", "file:/", "C:\\runs\\x", "c:/x",
-               "ckpt:v1", "run:1/step"]
+SCHEME_LIKE = [
+    "s3:/bucket/x",
+    "s3:bucket/x",
+    "s3:",
+    "s3:/",
+    "S3://bucket/x",
+    "S3:/bucket",
+    "s3a://bucket/x",
+    "s3n://bucket/x",
+    "gs://bucket/x",
+    "gcs://bucket/x",
+    "http://127.0.0.1:9000/bucket/x",
+    "https://s3.amazonaws.com/bucket/x",
+    "az://container/x",
+    "abfs://c@acct/x",
+    "hdfs://nn/x",
+    "ftp://host/x",
+    "FILE:///tmp/x",
+    "File:///tmp/x",
+    "file:relative",
+    "file:/",
+    "C:\\runs\\x",
+    "c:/x",
+    "ckpt:v1",
+    "run:1/step",
+]
 
 
 def _entries(path) -> list[str]:
@@ -50,9 +70,21 @@ def test_accepted_forms():
         assert parsed.kind == "local" and parsed.path == path
 
 
-@pytest.mark.parametrize("url", SCHEME_LIKE + ["s3://", "s3:///x", "", "   ", "s3://b/x",
-                                               "s3://bucket/a/../b", "s3://bucket/a?x=1",
-                                               "s3://bucket/a//b", "file://otherhost/x"])
+@pytest.mark.parametrize(
+    "url",
+    SCHEME_LIKE
+    + [
+        "s3://",
+        "s3:///x",
+        "",
+        "   ",
+        "s3://b/x",
+        "s3://bucket/a/../b",
+        "s3://bucket/a?x=1",
+        "s3://bucket/a//b",
+        "file://otherhost/x",
+    ],
+)
 def test_refused_with_a_hint(url):
     with pytest.raises(ConfigError) as err:
         parse_store_url(url)
@@ -91,8 +123,9 @@ def _meant_valid(url: str) -> bool:
     return url.startswith("s3://") or url.startswith("file://")
 
 
-@settings(max_examples=300, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(url=scheme_like())
 def test_scheme_like_strings_never_become_local_folders(url, tmp_path, monkeypatch):
     """Generated: every scheme-like string is either a well-formed s3:// / file:// URL or a
@@ -115,10 +148,16 @@ def test_scheme_like_strings_never_become_local_folders(url, tmp_path, monkeypat
 
 
 @settings(max_examples=200, deadline=None)
-@given(bucket=st.from_regex(r"\A[a-z0-9][a-z0-9.\-]{2,20}\Z"),
-       parts=st.lists(st.text(string.ascii_letters + string.digits + "._-=", min_size=1,
-                              max_size=8).filter(lambda p: p not in (".", "..")), max_size=4),
-       slash=st.booleans())
+@given(
+    bucket=st.from_regex(r"\A[a-z0-9][a-z0-9.\-]{2,20}\Z"),
+    parts=st.lists(
+        st.text(string.ascii_letters + string.digits + "._-=", min_size=1, max_size=8).filter(
+            lambda p: p not in (".", "..")
+        ),
+        max_size=4,
+    ),
+    slash=st.booleans(),
+)
 def test_well_formed_s3_urls_parse(bucket, parts, slash):
     url = f"s3://{bucket}" + "".join("/" + p for p in parts) + ("/" if slash else "")
     parsed = parse_store_url(url)
@@ -142,27 +181,46 @@ def test_open_store_routes(tmp_path):
 def test_python_entry_points_refuse_before_touching_anything(url, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     state = {"w": torch.zeros(3), "step": 1}
-    for call in (lambda: cloudckpt.save(state, url),
-                 lambda: cloudckpt.load(state, url),
-                 lambda: cloudckpt.load_full(url),
-                 lambda: cloudckpt.verify(url),
-                 lambda: cloudckpt.async_save(state, url).result(),
-                 lambda: CheckpointManager(url)):
+    for call in (
+        lambda: cloudckpt.save(state, url),
+        lambda: cloudckpt.load(state, url),
+        lambda: cloudckpt.load_full(url),
+        lambda: cloudckpt.verify(url),
+        lambda: cloudckpt.async_save(state, url).result(),
+        lambda: CheckpointManager(url),
+    ):
         with pytest.raises(ConfigError) as err:
             call()
         assert isinstance(err.value, ValueError)
     assert _entries(tmp_path) == []
 
 
-@pytest.mark.parametrize("args", [["ls", "s3://"], ["ls", "s3:/bucket/run"], ["ls", "S3://b/run"],
-                                  ["ls", "gs://bucket/run"], ["show", "s3:bucket/x"],
-                                  ["verify", "http://127.0.0.1:9/b/x"], ["rm", "s3:/b/run/x"],
-                                  ["prune", "s3:/b/run", "--keep-last", "1"],
-                                  ["export", "s3:/b/x", "out.pt"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ls", "s3://"],
+        ["ls", "s3:/bucket/run"],
+        ["ls", "S3://b/run"],
+        ["ls", "gs://bucket/run"],
+        ["show", "s3:bucket/x"],
+        ["verify", "http://127.0.0.1:9/b/x"],
+        ["rm", "s3:/b/run/x"],
+        ["prune", "s3:/b/run", "--keep-last", "1"],
+        ["export", "s3:/b/x", "out.pt"],
+    ],
+)
 def test_cli_refuses_malformed_urls_as_usage_errors(args, tmp_path):
-    res = run_cli(args, cwd=str(tmp_path),
-                  env=cli_env(None, AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s",
-                              AWS_ENDPOINT_URL="http://127.0.0.1:9"), timeout=120)
+    res = run_cli(
+        args,
+        cwd=str(tmp_path),
+        env=cli_env(
+            None,
+            AWS_ACCESS_KEY_ID="k",
+            AWS_SECRET_ACCESS_KEY="s",
+            AWS_ENDPOINT_URL="http://127.0.0.1:9",
+        ),
+        timeout=120,
+    )
     assert res.returncode == 2, (args, res.stdout, res.stderr)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"cloudckpt {args[0]}: error: "), lines

@@ -1,0 +1,571 @@
+"""A run's checkpoints: save by step, list, find the latest complete one, load, delete, prune.
+
+``CheckpointManager("s3://bucket/run")`` keeps step ``s`` at ``<run>/step-<s:012d>/`` (steps are
+ints >= 0). A checkpoint is *complete* when its ``manifest.msgpack`` exists: the save writes it
+last, in create mode, so a save still running or killed part-way is *incomplete*. Only complete
+checkpoints are returned by :meth:`~CheckpointManager.latest` or loaded; :meth:`list` shows the
+others with ``complete=False`` (from the first finished data object on; unfinished multipart
+uploads are seen by :meth:`~CheckpointManager.prune` only).
+
+Cost contract:
+
+- :meth:`list` / :meth:`latest` make one ListObjectsV2 walk of the run root with the delimiter
+  ``"/data/"``, which yields each ``step-*/manifest.msgpack`` as a key and each ``step-*/data/``
+  as a common prefix: about (2 x checkpoints) / 1,000 list requests, whatever the number of data
+  objects, and no GET. Each checkpoint that looks incomplete costs one HEAD of its manifest (this
+  also repairs SeaweedFS 4.48, whose paging after a ``.../data/`` common prefix skips the rest of
+  that step's keys). ``total_bytes`` / ``objects`` / ``world_size`` come from the manifest and are
+  read only when asked for (``list(details=True)``, :meth:`info`).
+- Deleting is safe: the manifest goes first (the checkpoint stops being complete before any of its
+  data goes), then the checkpoint's data objects in batches, then its unfinished multipart
+  uploads. Only keys the checkpoint layout owns go (``manifest.msgpack``, ``data/<attempt>/r<rank>
+  -<n>.bin`` and uploads of them, see :mod:`cloudckpt.layout`); anything else under a step's
+  prefix is left in place and logged. Manifest keys are relative to their own checkpoint root and
+  validated (no ``..``), so no other checkpoint's manifest can refer to an object under that
+  prefix. On a local path, a step folder that is a symlink leading outside the run is refused
+  (``AccessDenied``), nothing removed.
+- :meth:`prune` deletes the complete checkpoints the retention policy does not keep (never the
+  newest complete one) and *abandoned* saves: incomplete checkpoints whose newest object or
+  upload is older than ``abandoned_after`` seconds (default 3600). Of an abandoned save it removes
+  only owned objects and uploads older than that, so a save that starts again at the same step
+  while a prune runs keeps its fresh objects. A save in progress is therefore never broken by a prune, as
+  long as it keeps producing objects within the grace period. Ages compare the store's
+  timestamps with this machine's clock.
+
+Incremental runs (``incremental=True``): every save records a content hash of each chunk, and
+every save after the first uses the newest complete checkpoint as its base: chunks whose bytes
+did not change are not uploaded again, the new manifest points at the objects that hold them
+(see ``cloudckpt.save(..., base=)``). Deleting a checkpoint (``delete``, ``prune``, the
+clean-up of abandoned saves) then keeps the objects other checkpoints still reference: its
+folder is *retained* (no manifest: not listed, not loadable) until the last checkpoint using
+them is gone, and is collected then. ``list(details=True)`` tells each checkpoint's own bytes
+from the bytes it shares with older ones.
+
+In a ``torch.distributed`` job, :meth:`save` and :meth:`load` are collective (every rank of the
+process group calls them with the same step); the pruning after a save and the choice of the
+step to load are made by rank 0 of the group. :meth:`list`, :meth:`latest`, :meth:`delete` and
+:meth:`prune` are plain calls of one process.
+
+The manager composes: step paths and the reading of a listing (:mod:`cloudckpt.layout`,
+pure), listing and pruning a run (:mod:`cloudckpt.runs.pruning`), planning and carrying out
+deletions (:mod:`cloudckpt.runs.cleanup`), keep rules (:mod:`cloudckpt.runs.retention`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from typing import Any
+
+from cloudckpt.errors import CheckpointNotFound, ManifestError, ObjectNotFound
+from cloudckpt.layout import (  # noqa: F401
+    LIST_DELIMITER,
+    MANIFEST_KEY,
+    StepState,
+    classify_listing,
+    join_url,
+    parse_step_dir,
+    step_dir,
+)
+from cloudckpt.options import SaveOptions
+from cloudckpt.runs.cleanup import (
+    DELETE_BATCH,
+    DeletionPlan,
+    decode_manifest_without_pickle,
+    delete_checkpoint,
+    plan_checkpoint,
+    remove_stale_attempts,
+    sweep_pins,
+)
+from cloudckpt.runs.pruning import (
+    HEAD_CONCURRENCY,
+    newest_readable_step,
+    prune_run,
+    scan_run,
+    step_has_objects,
+    step_holders,
+)
+from cloudckpt.runs.retention import RetentionPolicy
+from cloudckpt.runtime.context import current
+from cloudckpt.runtime.loop import finish_before_exit, run_coroutine, shared_store
+from cloudckpt.storage.urls import parse_store_url
+from cloudckpt.stored import fetch_manifest_bytes
+
+# Also importable from here, where they used to live: step_dir, parse_step_dir, join_url,
+# classify_listing, LIST_DELIMITER (cloudckpt.layout); DeletionPlan, DELETE_BATCH,
+# decode_manifest_without_pickle (cloudckpt.runs.cleanup).
+__all__ = [
+    "CheckpointInfo",
+    "CheckpointManager",
+    "DeletionPlan",
+    "ManagedSaveHandle",
+    "step_dir",
+    "join_url",
+    "DELETE_BATCH",
+]
+
+log = logging.getLogger(__name__)
+
+
+def _utc(epoch: float | None) -> datetime | None:
+    return None if epoch is None else datetime.fromtimestamp(epoch, tz=timezone.utc)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    """One checkpoint of a run.
+
+    ``created_at`` is when the manifest was committed (the store's last-modified time) and is
+    ``None`` for an incomplete checkpoint. ``total_bytes``, ``objects`` and ``world_size`` come
+    from the manifest: ``None`` unless details were asked for (and always for incomplete ones).
+    So do ``own_bytes`` (chunk bytes stored in the checkpoint's own folder), ``shared_bytes``
+    (chunk bytes it references in older checkpoints' folders: an incremental checkpoint) and
+    ``base_step`` (the step of the checkpoint it was saved against, ``None`` for a full one).
+    ``damaged``: with details, the reason a complete checkpoint's manifest could not be decoded
+    (its checksum or structure is wrong: it cannot be loaded); ``None`` otherwise.
+    ``retained`` (listed with details only): a deleted checkpoint whose folder stays for the
+    pins in it. ``held_by`` (details only): one line for each pin in the folder, saying which
+    checkpoint or running save holds which objects, until when, or that prune removes it
+    (:func:`cloudckpt.runs.refs.describe_holders`).
+    """
+
+    step: int
+    url: str
+    complete: bool
+    created_at: datetime | None = None
+    manifest_bytes: int | None = None
+    total_bytes: int | None = None
+    objects: int | None = None
+    world_size: int | None = None
+    own_bytes: int | None = None
+    shared_bytes: int | None = None
+    base_step: int | None = None
+    damaged: str | None = None
+    retained: bool = False
+    held_by: tuple[str, ...] = ()
+
+
+class ManagedSaveHandle(Future):
+    """The ``concurrent.futures.Future`` returned by ``CheckpointManager.save(..., blocking=False)``.
+
+    Done once the save has committed (or failed) *and* the manager's follow-up work (cleanup of
+    stale attempts of the same step, automatic pruning) has run. ``result()`` returns the
+    ``SaveResult`` or raises the save's error; a failure of the follow-up work does not fail the
+    committed save: it is logged (WARNING) and returned as ``SaveResult.retention_error``.
+    ``inner`` is the ``cloudckpt.async_save`` handle. Done-callbacks run on cloudckpt's save
+    thread, as those of ``inner`` do: they must not wait for another async save.
+    """
+
+    def __init__(self, step: int, url: str, inner: Any):
+        super().__init__()
+        self.step = step
+        self.url = url
+        self.inner = inner
+
+
+class CheckpointManager:
+    """The checkpoints of one run (see the module docstring for the contracts).
+
+    Retention is given either as ``retention=RetentionPolicy(...)`` or through the shortcuts
+    ``keep_last``, ``keep_every``, ``keep_steps`` and ``keep_if`` (not both). When the policy has a
+    rule, every successful :meth:`save` is followed by :meth:`prune` (on rank 0). ``storage``,
+    ``allow_pickle``, ``save_options`` and ``load_options`` are passed to ``cloudckpt.save`` /
+    ``cloudckpt.load``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_steps: Iterable[int] = (),
+        keep_if: Callable[[int], bool] | None = None,
+        retention: RetentionPolicy | None = None,
+        abandoned_after: float = 3600.0,
+        storage=None,
+        process_group=None,
+        allow_pickle: bool = False,
+        save_options=None,
+        load_options=None,
+        incremental: bool = False,
+    ):
+        shortcuts = RetentionPolicy(
+            keep_last=keep_last,
+            keep_every=keep_every,
+            keep_steps=frozenset(keep_steps),
+            keep_if=keep_if,
+        )
+        if retention is not None and shortcuts.active:
+            raise ValueError("pass either retention= or the keep_* shortcuts, not both")
+        if abandoned_after < 0:
+            raise ValueError(f"abandoned_after must be >= 0 seconds, got {abandoned_after}")
+        url = parse_store_url(url).url  # a malformed URL fails here, before any I/O
+        self.url = url.rstrip("/") if url.rstrip("/") else url
+        self.retention = retention if retention is not None else shortcuts
+        self.abandoned_after = float(abandoned_after)
+        self.storage = storage
+        self.process_group = process_group
+        self.allow_pickle = allow_pickle
+        self.save_options = save_options
+        self.load_options = load_options
+        self.incremental = bool(incremental)
+        self._store: tuple[int, object] | None = None  # (runtime generation, store)
+        self._pending: ManagedSaveHandle | None = None
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.url!r}, retention={self.retention!r})"
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    @property
+    def store(self):
+        """The run root's ``ObjectStore``: cloudckpt's shared store for this URL and storage
+        options (used on cloudckpt's loop only, closed at interpreter exit; opened again after
+        ``runtime.reset()`` closed it, so a manager outlives a reset)."""
+        generation = current().generation
+        if self._store is None or self._store[0] != generation:
+            self._store = (generation, shared_store(self.url, self.storage))  # contacts nothing yet
+        return self._store[1]
+
+    def close(self) -> None:
+        """Wait for a pending asynchronous save (the shared store stays open). Idempotent."""
+        self.wait()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def step_url(self, step: int) -> str:
+        """URL of step ``step``'s checkpoint."""
+        return join_url(self.url, step_dir(step))
+
+    # -- listing --------------------------------------------------------------------------------
+
+    def _info(self, step: int, state: StepState) -> CheckpointInfo:
+        m = state.manifest
+        return CheckpointInfo(
+            step=step,
+            url=self.step_url(step),
+            complete=m is not None,
+            created_at=_utc(m.last_modified) if m is not None else None,
+            manifest_bytes=m.size if m is not None else None,
+        )
+
+    def list(
+        self, *, details: bool = False, progress: Callable[[int], None] | None = None
+    ) -> list[CheckpointInfo]:
+        """Every checkpoint of the run, oldest step first, complete or not.
+
+        ``details=True`` also reads each complete checkpoint's manifest (one GET each) to fill
+        ``total_bytes``, ``objects``, ``world_size``, ``own_bytes``, ``shared_bytes`` and
+        ``base_step``; ``progress(n)`` is called as manifests are read. A manifest that does
+        not decode is reported in that checkpoint's ``damaged``, and the others are listed.
+        Retained folders (deleted checkpoints whose objects pins still hold) are not
+        checkpoints: listed with details only (``retained=True``, ``complete=False``). With
+        details, every folder holding pins says what holds it (``held_by``: one listing of its
+        pins and one GET of each referrer's manifest).
+        """
+        steps = run_coroutine(scan_run(self.store))
+        infos = [self._info(s, steps[s]) for s in sorted(steps) if details or not steps[s].retained]
+        if details:
+            infos = run_coroutine(self._with_details(infos, progress))
+            held = run_coroutine(step_holders(self.store, [s for s in steps if steps[s].pins]))
+            infos = [
+                replace(i, retained=steps[i.step].retained, held_by=held.get(i.step, ()))
+                for i in infos
+            ]
+        return infos
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest complete checkpoint, or ``None`` when the run has none."""
+        complete = [i for i in self.list() if i.complete]
+        return complete[-1] if complete else None
+
+    def info(self, step: int) -> CheckpointInfo:
+        """Step ``step``'s checkpoint with details; ``CheckpointNotFound`` if it is not complete."""
+
+        async def _one():
+            try:
+                head = await self.store.head(step_dir(step) + MANIFEST_KEY)
+            except ObjectNotFound as exc:
+                raise CheckpointNotFound(
+                    f"no complete checkpoint at {self.step_url(step)}"
+                ) from exc
+            base = self._info(step, StepState(manifest=head))
+            return (await self._with_details([base], None))[0]
+
+        return run_coroutine(_one())
+
+    async def _with_details(
+        self, infos: list[CheckpointInfo], progress: Callable[[int], None] | None
+    ) -> list[CheckpointInfo]:
+        sem = asyncio.Semaphore(HEAD_CONCURRENCY)
+
+        async def _one(info: CheckpointInfo) -> CheckpointInfo:
+            if not info.complete:
+                return info
+            async with sem:
+                try:
+                    raw = await fetch_manifest_bytes(self.store, step_dir(info.step) + MANIFEST_KEY)
+                except ObjectNotFound:  # deleted since the listing
+                    return replace(info, complete=False, created_at=None)
+            if progress is not None:
+                progress(1)
+            try:
+                manifest, _ = decode_manifest_without_pickle(raw)
+            except ManifestError as exc:  # listed as damaged; the other checkpoints still are
+                return replace(info, damaged=str(exc))
+            own = manifest.object_sizes()
+            own_bytes = sum(
+                n for (key, n), home in zip(own.items(), manifest.object_homes) if not home
+            )
+            return replace(
+                info,
+                total_bytes=int(manifest.total_bytes()),
+                objects=len(manifest.objects),
+                world_size=int(manifest.world_size),
+                own_bytes=int(own_bytes),
+                shared_bytes=int(manifest.total_bytes()) - int(own_bytes),
+                base_step=parse_step_dir(manifest.base + "/") if manifest.base else None,
+            )
+
+        return list(await asyncio.gather(*(_one(i) for i in infos)))
+
+    # -- save / load ----------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Wait for the pending asynchronous save (and its follow-up work), if any.
+
+        A failure of that save is logged here, not raised: it belongs to its handle."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            exc = pending.exception()
+            if exc is not None:
+                log.warning("asynchronous save of step %d failed: %s", pending.step, exc)
+
+    def save(self, step: int, state_dict, *, blocking: bool = True, metadata: dict | None = None):
+        """Save ``state_dict`` as step ``step`` (collective in a distributed job).
+
+        Waits first for a pending asynchronous save of this manager. ``blocking=True`` returns the
+        ``SaveResult``; ``blocking=False`` returns a :class:`ManagedSaveHandle` at once. The step
+        is recorded in the manifest's metadata (``"step"``) unless ``metadata`` already has one.
+        Raises ``CheckpointExists`` when the step is already complete. After a successful save,
+        rank 0 removes leftovers of earlier killed attempts at the same step and, when the
+        retention policy has a rule, prunes. A failure there does not fail the committed save:
+        it is logged (WARNING) and returned as the result's ``retention_error`` (``None`` when
+        that work succeeded); :meth:`prune` retries it and raises on failure.
+        """
+        import cloudckpt
+        from cloudckpt.transport import group_rank
+
+        url = self.step_url(step)
+        self.wait()
+        meta = dict(metadata or {})
+        meta.setdefault("step", step)
+        coordinator = group_rank(self.process_group) == 0
+        leftovers = coordinator and self._has_objects(step)
+        kwargs = dict(
+            process_group=self.process_group,
+            storage=self.storage,
+            allow_pickle=self.allow_pickle,
+            metadata=meta,
+            options=self.save_options,
+        )
+        if self.incremental:  # the base is the coordinator's to choose (the others' is unused)
+            kwargs.update(
+                options=replace(self.save_options or SaveOptions(), content_hashes=True),
+                base=self._base_for(step) if coordinator else None,
+            )
+        if blocking:
+            result = cloudckpt.save(state_dict, url, **kwargs)
+            if coordinator:
+                result = self._after_save(step, leftovers, result)
+            return result
+        inner = cloudckpt.async_save(state_dict, url, **kwargs)
+        handle = ManagedSaveHandle(step, url, inner)
+
+        def _follow_up() -> None:
+            try:
+                result = inner.result()
+            except BaseException as exc:  # the handle carries the save's own error
+                handle.set_exception(exc)
+                return
+            if coordinator:
+                result = self._after_save(step, leftovers, result)
+            handle.set_result(result)
+
+        # on the context's save thread, queued behind this save's upload and commit (so
+        # ``inner.result()`` is already there): no thread of its own per save
+        current().save_executor().submit(_follow_up)
+        finish_before_exit(handle, url)  # the follow-up work too, not only the save
+        self._pending = handle
+        return handle
+
+    def _base_for(self, step: int) -> str | None:
+        """The base of an incremental save of ``step``: the newest complete checkpoint (another
+        step); ``None`` when the run has none (the first save is a full one)."""
+        latest = [i for i in self.list() if i.complete and i.step != step]
+        return latest[-1].url if latest else None
+
+    def _has_objects(self, step: int) -> bool:
+        """Whether anything is stored under step ``step`` yet, finished objects or unfinished
+        uploads of a killed attempt (True when that cannot be told: the cleanup it enables is
+        harmless, and rank 0 must not fail before the collective)."""
+        try:
+            return run_coroutine(step_has_objects(self.store, step))
+        except Exception:  # the save itself will report a broken store
+            return True
+
+    def _after_save(self, step: int, leftovers: bool, result):
+        """The clean-up after a committed save: ``result``, with its error (logged) if any."""
+        try:
+            if leftovers:
+                run_coroutine(remove_stale_attempts(self.store, step_dir(step)))
+            if self.incremental:  # pins of this step's killed attempts, once their lease is over
+                run_coroutine(sweep_pins(self.store, folder=step_dir(step).rstrip("/")))
+            if self.retention.active:
+                self.prune()
+        except Exception as exc:  # the checkpoint is committed: do not fail the save
+            log.warning(
+                "step %d is saved, but the clean-up after it failed (checkpoints the "
+                "retention policy drops may remain; prune() retries): %s",
+                step,
+                exc,
+            )
+            return replace(result, retention_error=exc)
+        return result
+
+    def load(self, state_dict, *, step: int | None = None, strict: bool = True) -> int | None:
+        """Load step ``step`` (default: the newest complete checkpoint) into ``state_dict``.
+
+        Returns the step loaded, or ``None`` when ``step`` is ``None`` and the run has no complete
+        checkpoint (``state_dict`` is then untouched). Collective in a distributed job: rank 0
+        picks the step and every rank loads that one. An explicit step that is not complete
+        raises ``CheckpointNotFound``. When the newest complete checkpoint's manifest is damaged,
+        every rank raises ``ManifestError`` naming it and the newest step that does decode
+        (nothing is loaded; pass that ``step`` to resume from it).
+        """
+        import cloudckpt
+
+        self.wait()
+        if step is None:
+            step = self._agree_on_latest()
+            if step is None:
+                return None
+        cloudckpt.load(
+            state_dict,
+            self.step_url(step),
+            process_group=self.process_group,
+            storage=self.storage,
+            allow_pickle=self.allow_pickle,
+            strict=strict,
+            options=self.load_options,
+        )
+        return step
+
+    def _agree_on_latest(self) -> int | None:
+        from cloudckpt.api.reports import LatestStep
+        from cloudckpt.transport import ControlChannel
+
+        timeout = getattr(self.load_options, "timeout", 600.0)
+        channel = ControlChannel(self.process_group, timeout=timeout)
+        if channel.size == 1:  # one process: the listing's own error, unwrapped
+            return self._latest_step()
+        with channel.phase("finding the latest checkpoint", LatestStep) as finding:
+            if channel.is_coordinator:  # every rank learns of its failure, none hangs
+                finding.report = LatestStep(step=self._latest_step())
+        return finding.reports[0].step
+
+    def _latest_step(self) -> int | None:
+        """The newest complete step, its manifest checked to decode (one GET); ``None`` when
+        the run has none. ``ManifestError`` when that manifest is damaged, naming the step and
+        the newest older one that decodes: a resume never falls back to an older step on its
+        own (that would silently lose training), and never fails without saying which step
+        would load."""
+        complete = [i.step for i in self.list() if i.complete]
+        return run_coroutine(self._check_newest_decodes(complete)) if complete else None
+
+    async def _check_newest_decodes(self, complete: list[int]) -> int | None:
+        while complete:
+            newest = complete[-1]
+            try:
+                decode_manifest_without_pickle(
+                    await fetch_manifest_bytes(self.store, step_dir(newest) + MANIFEST_KEY)
+                )
+            except ObjectNotFound:  # deleted since the listing: the next newest is the latest
+                complete = complete[:-1]
+                continue
+            except ManifestError as exc:
+                older = await newest_readable_step(self.store, complete[:-1])
+                if older is None:
+                    hint = "no older checkpoint of the run decodes either"
+                else:
+                    hint = (
+                        f"the newest one that decodes is step {older}: "
+                        f"load(state_dict, step={older}) resumes from it"
+                    )
+                raise ManifestError(
+                    f"step {newest} ({self.step_url(newest)}), the newest complete checkpoint, "
+                    f"cannot be loaded: {exc}. Not falling back on an older step by itself: "
+                    f"{hint} (`cloudckpt ls --details {self.url}` marks the damaged ones)"
+                ) from exc
+            return newest
+        return None
+
+    # -- deleting -------------------------------------------------------------------------------
+
+    def plan_delete(self, step: int) -> DeletionPlan:
+        """What :meth:`delete` would remove now (keys relative to the run), removing nothing."""
+        return run_coroutine(plan_checkpoint(self.store, step_dir(step)))
+
+    def delete(self, step: int, *, progress: Callable[[int], None] | None = None) -> int:
+        """Delete step ``step``'s checkpoint, complete or not; returns the objects removed.
+
+        Manifest first, then the step's data objects in batches of :data:`DELETE_BATCH`, then
+        their unfinished uploads: only keys the checkpoint layout owns (see the module
+        docstring); other keys under the step are left and logged. Deleting a step that does
+        not exist removes nothing and returns 0. A step folder that is a symlink leading out of
+        a local run raises ``AccessDenied``. Do not delete a step that is being saved.
+        """
+        return run_coroutine(
+            delete_checkpoint(
+                self.store,
+                step_dir(step),
+                progress=progress,
+                cutoff=time.time() - self.abandoned_after,
+            )
+        )
+
+    def prune(
+        self, *, dry_run: bool = False, progress: Callable[[int], None] | None = None
+    ) -> list[CheckpointInfo]:
+        """Apply the retention policy and remove abandoned saves; return what was removed.
+
+        The result lists, oldest step first, the complete checkpoints the policy does not keep
+        (never the newest complete one; none at all for a policy without rules) and the
+        incomplete ones abandoned for longer than ``abandoned_after`` (unfinished multipart
+        uploads included, even of a step that has no finished object). ``dry_run=True`` removes
+        nothing and returns what would have been removed. Only owned keys go (see
+        :meth:`delete`).
+        """
+        return [info for info, _ in self.prune_plans(dry_run=dry_run, progress=progress)]
+
+    def prune_plans(
+        self, *, dry_run: bool = False, progress: Callable[[int], None] | None = None
+    ) -> list[tuple[CheckpointInfo, DeletionPlan]]:
+        """:meth:`prune`, returning each removed checkpoint with the exact keys and uploads that
+        went (or, with ``dry_run=True``, would go)."""
+        removed = run_coroutine(
+            prune_run(
+                self.store, self.retention, self.abandoned_after, dry_run=dry_run, progress=progress
+            )
+        )
+        return [(self._info(step, state), plan) for step, state, plan in removed]
