@@ -1,42 +1,85 @@
-"""Where a safetensors export writes: a local folder or an S3 prefix.
+"""Where a safetensors export writes: a local folder or a store prefix (``s3://``).
 
-Both take files one at a time (:meth:`open` -> ``write`` ... -> ``commit``) and never replace
-an existing file:
+Contract of an :class:`ExportFolder` (both kinds): files are taken one at a time
+(:meth:`~ExportFolder.open` -> ``write`` ... -> ``commit``, or ``discard``) and an existing
+file is never replaced: a name taken between :meth:`~ExportFolder.existing` and the commit
+raises :class:`~cloudckpt.errors.ExportTargetNotEmpty` and leaves that file as it was.
+``existing`` lists the names an export would clash with (``*.safetensors`` and
+``*.safetensors.index.json`` directly in the folder, hidden names excepted); ``sync`` makes the
+committed names durable; ``remove`` deletes files this export committed (after a failure). A
+failed or interrupted (``KeyboardInterrupt``) write or commit leaves no temporary entry.
 
 - :class:`LocalFolder`: the folder is created if missing. Each file is written to a fresh
-  temporary entry ``.<name>.<random>.partial`` (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600,
-  through the folder's descriptor), streamed, given the usual mode (0666 less the umask),
-  fsynced, then hard-linked onto its name (which fails if the name exists, a symlink
-  included) and the temporary entry removed. :meth:`sync` fsyncs the folder.
-- :class:`S3Folder`: each file is streamed (``ObjectStore.open_writer`` in ``create`` mode, its
-  size, known from its header, as the hint): the store holds a few parts of it, about
-  ``part_size x (concurrency + 1)`` (:mod:`cloudckpt.storage.s3.stream`), whatever the file's
-  size. A file that fits one part is one PutObject with ``If-None-Match: *``; a larger one
-  claims its key, streams its parts and completes with ``If-None-Match: *``: at any size a file
-  is never written over (``ObjectExists`` from the store). A failed or interrupted
-  (``KeyboardInterrupt``) write or commit aborts the upload (a completion the server had
-  already taken may still stand: that file then remains, never an index naming it).
+  temporary entry (:func:`~cloudckpt.storage.local.files.create_temp`: ``.<name>.cloudckpt-tmp-<16
+  hex>``, ``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600, through the folder's descriptor),
+  streamed, given the usual mode (0666 less the umask), fsynced, then published under its name
+  (:func:`~cloudckpt.storage.local.files.link_exclusive`: fails if the name exists, a symlink
+  included) and the temporary entry removed. ``sync`` fsyncs the folder.
+- :class:`StoreFolder`: a prefix of any ``ObjectStore``; each file is streamed
+  (``ObjectStore.open_writer`` in ``create`` mode, its size, known from its header, as the
+  hint). On S3 the store holds a few parts of it, about ``part_size x (concurrency + 1)``
+  (:mod:`cloudckpt.storage.s3.stream`), whatever the file's size. A file that fits one part is
+  one PutObject with ``If-None-Match: *``; a larger one claims its key, streams its parts and
+  completes with ``If-None-Match: *``: at any size a file is never written over
+  (``ObjectExists`` from the store). A failed or interrupted write or commit aborts the upload
+  (a completion the server had already taken may still stand: that file then remains, never an
+  index naming it).
 
-:meth:`existing` lists the names an export would clash with (``*.safetensors`` and
-``*.safetensors.index.json`` directly in the folder, hidden names excepted); :meth:`remove`
-deletes files this export committed (after a failure). A name taken between the check and the
-commit raises :class:`~cloudckpt.errors.ExportTargetNotEmpty`.
+Local folders do not go through a LocalStore (a StoreFolder over it): its listing leaves out
+links that lead outside the folder (a dangling ``x.safetensors`` link would not be refused), its
+files get mode 0644 less the umask rather than the usual 0666 less the umask, and it fsyncs only
+with ``StorageOptions.fsync``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
+from typing import Protocol
 
 from cloudckpt.errors import ConfigError, ExportTargetNotEmpty, ObjectExists
-from cloudckpt.export.file import finish_file, temp_name
 from cloudckpt.runtime.loop import run_coroutine, shared_store, start_task
-from cloudckpt.storage.base import CommonPrefix
+from cloudckpt.storage.base import CommonPrefix, ObjectWriter
+from cloudckpt.storage.local.files import (
+    At,
+    create_temp,
+    finish_file,
+    link_exclusive,
+    unlink_quietly,
+)
+from cloudckpt.storage.options import StorageOptions
+from cloudckpt.storage.urls import StoreURL
 
-_FLAGS = getattr(os, "O_CLOEXEC", 0)
-_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _FLAGS
-_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _FLAGS
-_ATTEMPTS = 16
+_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+class ExportFile(Protocol):
+    """One file being written (module doc): ``write`` the bytes in order, then ``commit``
+    (exactly the size given to ``open``); ``discard`` after any failure (idempotent)."""
+
+    def write(self, view: bytes | memoryview) -> None: ...
+    def commit(self) -> None: ...
+    def discard(self) -> None: ...
+
+
+class ExportFolder(Protocol):
+    """Where an export writes (module doc). ``where`` names it in messages."""
+
+    where: str
+
+    def existing(self) -> list[str]: ...
+    def open(self, name: str, size: int) -> ExportFile: ...
+    def sync(self) -> None: ...
+    def remove(self, names: Sequence[str]) -> None: ...
+    def close(self) -> None: ...
+
+
+def open_folder(dst: StoreURL, storage: StorageOptions | None = None) -> ExportFolder:
+    """The folder of a parsed destination: a :class:`StoreFolder` for ``s3://``, else a
+    :class:`LocalFolder`."""
+    if dst.kind == "s3":
+        return StoreFolder(dst.url, storage)
+    return LocalFolder(dst.path)
 
 
 def clashes(name: str) -> bool:
@@ -53,7 +96,7 @@ def _taken(where: str, name: str) -> ExportTargetNotEmpty:
 
 
 class LocalFolder:
-    """A local folder (see module doc). ``path`` is created if missing."""
+    """A local folder (module doc). ``path`` is created if missing."""
 
     def __init__(self, path: str):
         self.where = path
@@ -69,17 +112,8 @@ class LocalFolder:
         return sorted(n for n in os.listdir(self.fd) if clashes(n))
 
     def open(self, name: str, size: int) -> _LocalFile:
-        for _ in range(_ATTEMPTS):
-            tmp = temp_name(name)
-            try:
-                fd = os.open(tmp, _NEW, 0o600, dir_fd=self.fd)
-                return _LocalFile(self, name, tmp, fd)
-            except FileExistsError:
-                continue
-        raise FileExistsError(
-            f"could not create a fresh temporary file for {name} in "
-            f"{self.where} ({_ATTEMPTS} names taken)"
-        )
+        tmp, fd = create_temp(At(self.fd, name))
+        return _LocalFile(self, name, tmp, fd)
 
     def sync(self) -> None:
         os.fsync(self.fd)
@@ -96,40 +130,34 @@ class LocalFolder:
 
 
 class _LocalFile:
-    def __init__(self, folder: LocalFolder, name: str, tmp: str, fd: int):
+    def __init__(self, folder: LocalFolder, name: str, tmp: At, fd: int):
         self.folder, self.name, self.tmp = folder, name, tmp
         self.file = os.fdopen(fd, "wb")
 
-    def write(self, view) -> None:
+    def write(self, view: bytes | memoryview) -> None:
         self.file.write(view)
 
     def commit(self) -> None:
-        dir_fd = self.folder.fd
         self.file.flush()
         finish_file(self.file.fileno())
         self.file.close()
         try:
-            os.link(
-                self.tmp, self.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False
-            )
+            link_exclusive(self.tmp, At(self.folder.fd, self.name))
         except FileExistsError as exc:
             raise _taken(self.folder.where, self.name) from exc
         finally:
-            os.unlink(self.tmp, dir_fd=dir_fd)
+            unlink_quietly(self.tmp)
 
     def discard(self) -> None:
         if not self.file.closed:
             self.file.close()
-        try:
-            os.unlink(self.tmp, dir_fd=self.folder.fd)
-        except FileNotFoundError:
-            pass
+        unlink_quietly(self.tmp)
 
 
-class S3Folder:
-    """An S3 prefix (see module doc)."""
+class StoreFolder:
+    """A prefix of any ``ObjectStore`` (module doc), opened from its URL."""
 
-    def __init__(self, url: str, storage=None):
+    def __init__(self, url: str, storage: StorageOptions | None = None):
         self.where = url.rstrip("/")
         self.store = shared_store(url, storage)
 
@@ -143,8 +171,8 @@ class S3Folder:
 
         return sorted(run_coroutine(scan()))
 
-    def open(self, name: str, size: int) -> _S3File:
-        return _S3File(self, name, size)
+    def open(self, name: str, size: int) -> _StoreFile:
+        return _StoreFile(self, name, size)
 
     def sync(self) -> None:
         pass
@@ -157,12 +185,12 @@ class S3Folder:
         pass
 
 
-class _S3File:
-    def __init__(self, folder: S3Folder, name: str, size: int):
+class _StoreFile:
+    def __init__(self, folder: StoreFolder, name: str, size: int):
         self.folder, self.name, self.size = folder, name, size
-        self.stream = folder.store.open_writer(name, mode="create", size_hint=size)
+        self.stream: ObjectWriter = folder.store.open_writer(name, mode="create", size_hint=size)
 
-    def write(self, view) -> None:
+    def write(self, view: bytes | memoryview) -> None:
         self._wait(self.stream.write(view))
 
     def commit(self) -> None:
@@ -175,7 +203,7 @@ class _S3File:
     def discard(self) -> None:
         run_coroutine(self.stream.abort())
 
-    def _wait(self, coro) -> None:
+    def _wait(self, coro: Awaitable[object]) -> None:
         """Run a step of the stream on the runtime's loop. Interrupted (``KeyboardInterrupt``):
         the step is cancelled, which aborts the stream, before the interruption goes on."""
         task = start_task(coro)

@@ -1,10 +1,11 @@
 """Writing a checkpoint as one file, ``.safetensors`` or ``.pt`` (``cloudckpt export``).
 
 Contract:
-- :func:`export` consolidates the checkpoint with :func:`cloudckpt.load_full` (every block
+- :func:`export` consolidates the checkpoint with :func:`cloudckpt.api.load.load_full` (every block
   verified) and only then creates anything on disk.
-- OUT is written through a fresh temporary entry in OUT's folder, ``.<OUT name>.<random>.partial``,
-  created exclusively (a name that exists, a planted symlink included, is never opened; another
+- OUT is written through a fresh temporary entry in OUT's folder, ``.<OUT name>.cloudckpt-tmp-<16
+  hex>`` (:func:`cloudckpt.storage.local.files.create_temp`, as every local write), created
+  exclusively (a name that exists, a planted symlink included, is never opened; another
   random name is tried):
   - ``.pt``: a file (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600) written by ``torch.save``
     through the descriptor that created it, never reopened by name;
@@ -22,32 +23,36 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-_ATTEMPTS = 16
+import torch
+
+from cloudckpt.api.load import load_full
+from cloudckpt.errors import ConfigError, SafetensorsError
+from cloudckpt.hf.header import safetensors_dtype
+from cloudckpt.storage.local.files import At, create_temp, finish_file, new_file
+from cloudckpt.storage.options import StorageOptions
+
 _PROC_FD = "/proc/self/fd"
 _FLAGS = getattr(os, "O_CLOEXEC", 0)
 _DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _FLAGS
 
 
-def export(url: str, out: str, *, allow_pickle: bool = False, storage=None) -> list[str]:
+def export(
+    url: str, out: str, *, allow_pickle: bool = False, storage: StorageOptions | None = None
+) -> list[str]:
     """Write the checkpoint at ``url`` to ``out`` (``.safetensors``, or ``.pt`` / ``.pth`` for
     ``torch.save``). Returns the names of non-tensor values a ``.safetensors`` file could not hold
     (not representable in JSON metadata), which are left out.
 
     Raises ``ValueError`` for another suffix; the load's errors as they are.
     """
-    import cloudckpt
-
     kind = export_kind(out)
     if kind is None:
         raise ValueError(f"OUT must end with .safetensors or .pt, got {out!r}")
-    state = cloudckpt.load_full(url, storage=storage, allow_pickle=allow_pickle)
+    state = load_full(url, storage=storage, allow_pickle=allow_pickle)
     if kind == ".pt":
-        import torch
-
         write_new_file(out, lambda f: torch.save(state, f))
         return []
     from safetensors import torch as st
@@ -69,51 +74,37 @@ def export_kind(out: str) -> str | None:
     return None
 
 
-def _temp_token() -> str:
-    return secrets.token_hex(8)
-
-
-def temp_name(name: str) -> str:
-    """A fresh temporary name for ``name`` in its folder: ``.<name>.<random>.partial``."""
-    return f".{name}.{_temp_token()}.partial"
-
-
-def write_new_file(out: str, write: Callable[[BinaryIO], None]) -> None:
+def write_new_file(out: str, write: Callable[[BinaryIO], object]) -> None:
     """Create or replace ``out`` with what ``write(file)`` writes to a fresh temporary file
     (see module doc)."""
 
-    def create(dir_fd: int, tmp: str) -> int:
-        return os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _FLAGS, 0o600, dir_fd=dir_fd
-        )
-
-    def fill(dir_fd: int, tmp: str, fd: int, name: str) -> None:
+    def fill(tmp: At, fd: int, name: str) -> None:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             finish_file(fd)
-        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        os.replace(tmp.name, name, src_dir_fd=tmp.dir_fd, dst_dir_fd=tmp.dir_fd)
 
-    def remove(dir_fd: int, tmp: str) -> None:
-        os.unlink(tmp, dir_fd=dir_fd)
+    def remove(tmp: At) -> None:
+        os.unlink(tmp.name, dir_fd=tmp.dir_fd)
 
-    _with_temp(out, create, fill, remove)
+    _with_temp(out, new_file, fill, remove)
 
 
 def write_new_file_by_path(out: str, write: Callable[[str], None]) -> None:
     """Create or replace ``out`` with the file ``write(path)`` makes at ``path``, a name in a
     fresh private directory reached through ``/proc/self/fd`` (see module doc)."""
 
-    def create(dir_fd: int, tmp: str) -> int:
-        os.mkdir(tmp, 0o700, dir_fd=dir_fd)
-        fd = os.open(tmp, _DIR | os.O_NOFOLLOW, dir_fd=dir_fd)
+    def make(tmp: At) -> int:
+        os.mkdir(tmp.name, 0o700, dir_fd=tmp.dir_fd)
+        fd = os.open(tmp.name, _DIR | os.O_NOFOLLOW, dir_fd=tmp.dir_fd)
         st = os.fstat(fd)
         if st.st_uid != os.geteuid() or st.st_mode & 0o077:
             os.close(fd)
-            raise PermissionError(f"{tmp}: the private directory was replaced")
+            raise PermissionError(f"{tmp.name}: the private directory was replaced")
         return fd
 
-    def fill(dir_fd: int, tmp: str, fd: int, name: str) -> None:
+    def fill(tmp: At, fd: int, name: str) -> None:
         try:
             write(f"{_PROC_FD}/{fd}/{name}")
             made = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | _FLAGS, dir_fd=fd)
@@ -121,67 +112,41 @@ def write_new_file_by_path(out: str, write: Callable[[str], None]) -> None:
                 finish_file(made)
             finally:
                 os.close(made)
-            os.replace(name, name, src_dir_fd=fd, dst_dir_fd=dir_fd)
+            os.replace(name, name, src_dir_fd=fd, dst_dir_fd=tmp.dir_fd)
         finally:
             for entry in os.listdir(fd):  # what the writer left (its own temporary file)
                 os.unlink(entry, dir_fd=fd)
             os.close(fd)
-        os.rmdir(tmp, dir_fd=dir_fd)
+        os.rmdir(tmp.name, dir_fd=tmp.dir_fd)
 
-    def remove(dir_fd: int, tmp: str) -> None:
-        os.rmdir(tmp, dir_fd=dir_fd)
+    def remove(tmp: At) -> None:
+        os.rmdir(tmp.name, dir_fd=tmp.dir_fd)
 
-    _with_temp(out, create, fill, remove)
+    _with_temp(out, make, fill, remove)
 
 
-def _with_temp(out: str, create, fill, remove) -> None:
-    """``create(dir_fd, tmp)`` a fresh entry (trying other names while they exist), then
-    ``fill(dir_fd, tmp, fd, name)`` it and move the result onto OUT; ``remove(dir_fd, tmp)``
-    on any failure."""
+def _with_temp(
+    out: str,
+    make: Callable[[At], int],
+    fill: Callable[[At, int, str], None],
+    remove: Callable[[At], None],
+) -> None:
+    """``make(tmp)`` a fresh entry next to OUT (``create_temp``), then ``fill(tmp, fd, name)``
+    it and move the result onto OUT; ``remove(tmp)`` on any failure."""
     folder, name = os.path.split(os.path.abspath(out))
     dir_fd = os.open(folder, _DIR)
     try:
-        for _ in range(_ATTEMPTS):
-            tmp = temp_name(name)
-            try:
-                fd = create(dir_fd, tmp)
-                break
-            except FileExistsError:
-                continue
-        else:
-            raise FileExistsError(
-                f"could not create a fresh temporary file for {name} ({_ATTEMPTS} names taken)"
-            )
+        tmp, fd = create_temp(At(dir_fd, name), make)
         try:
-            fill(dir_fd, tmp, fd, name)
+            fill(tmp, fd, name)
         except BaseException:
             try:
-                remove(dir_fd, tmp)
+                remove(tmp)
             except OSError:
                 pass
             raise
     finally:
         os.close(dir_fd)
-
-
-def finish_file(fd: int) -> None:
-    """The usual mode (0666 less the umask), then to disk."""
-    os.fchmod(fd, 0o666 & ~_umask())
-    os.fsync(fd)
-
-
-def _umask() -> int:
-    """The process umask, read without changing it where the system says it (Linux)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _flatten(tree: Any, prefix: str, out: dict[str, Any]) -> None:
@@ -195,14 +160,11 @@ def _flatten(tree: Any, prefix: str, out: dict[str, Any]) -> None:
         out[prefix[:-1]] = tree
 
 
-def _safetensors_parts(state, url: str):
+def _safetensors_parts(
+    state: Any, url: str
+) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
     """(tensors, metadata, names of values left out) of a consolidated state; ``ConfigError``
     for a tensor of a dtype safetensors cannot hold (complex128)."""
-    import torch
-
-    from cloudckpt.errors import ConfigError, SafetensorsError
-    from cloudckpt.hf.header import safetensors_dtype
-
     flat: dict[str, Any] = {}
     _flatten(state, "", flat)
     tensors = {k: v.contiguous() for k, v in flat.items() if isinstance(v, torch.Tensor)}

@@ -39,8 +39,15 @@ import torch
 from cloudckpt.api.load import read_manifest_bytes
 from cloudckpt.api.read_tensors import TensorReader
 from cloudckpt.errors import ConfigError, ExportTargetNotEmpty, SafetensorsError
-from cloudckpt.export.destinations import LocalFolder, S3Folder
-from cloudckpt.export.shards import INDEX_FILE, ExportTensor, ShardFile, plan_shards, plan_windows
+from cloudckpt.export.destinations import ExportFolder, open_folder
+from cloudckpt.export.shards import (
+    INDEX_FILE,
+    ExportTensor,
+    ShardFile,
+    ShardPlan,
+    plan_shards,
+    plan_windows,
+)
 from cloudckpt.hf.header import DTYPES, FLOATING, torch_dtype_name
 from cloudckpt.options import LoadOptions
 from cloudckpt.runs.cleanup import decode_manifest_without_pickle
@@ -110,7 +117,7 @@ def export_safetensors(
         storage=storage,
         options=options or LoadOptions(max_read_bytes=DEFAULT_READ_BYTES),
     )
-    folder = S3Folder(dst, storage) if dst_url.kind == "s3" else LocalFolder(dst_url.path)
+    folder = open_folder(dst_url, storage)
     try:
         found = folder.existing()
         if found:
@@ -175,7 +182,13 @@ def _select(manifest, prefix: str | None, cast: str | None, url: str):
     return tensors, tuple(skipped)
 
 
-def _write_all(folder, plan, reader: TensorReader, window_bytes: int, progress) -> list[str]:
+def _write_all(
+    folder: ExportFolder,
+    plan: ShardPlan,
+    reader: TensorReader,
+    window_bytes: int,
+    progress: Callable[[int], None] | None,
+) -> list[str]:
     """Write every file, then the index; on any failure remove what was written."""
     written: list[str] = []
     window = torch.empty(window_bytes, dtype=torch.uint8)
@@ -202,12 +215,16 @@ def _write_all(folder, plan, reader: TensorReader, window_bytes: int, progress) 
 
 
 def _write_file(
-    folder, shard: ShardFile, reader: TensorReader, window: torch.Tensor, progress
+    folder: ExportFolder,
+    shard: ShardFile,
+    reader: TensorReader,
+    window: torch.Tensor,
+    progress: Callable[[int], None] | None,
 ) -> None:
     f = folder.open(shard.name, shard.size)
     try:
         f.write(shard.header_bytes)
-        raw = window.numpy()
+        raw = window.numpy().data
         for pieces in plan_windows(shard, window.numel()):
             views = []
             for p in pieces:

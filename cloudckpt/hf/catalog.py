@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from typing import Union
 
 import msgpack
 
@@ -37,10 +36,11 @@ from cloudckpt import __version__
 from cloudckpt.errors import ConfigError, DuplicateKeyError, SafetensorsError
 from cloudckpt.hf.header import Header, TensorEntry, load_json, parse_header
 from cloudckpt.hf.whole import ExpectedFile
-from cloudckpt.manifest.model import Manifest, validate_object_key
+from cloudckpt.manifest.model import Manifest
+from cloudckpt.manifest.validation import validate_object_key
 
 #: a dict (listed names renamed, others kept) or a callable (name -> new name, None drops it).
-KeyMap = Union[Mapping[str, str], Callable[[str], str | None], None]
+KeyMap = Mapping[str, str] | Callable[[str], str | None] | None
 
 BUNDLE_FORMAT = "cloudckpt.safetensors_headers"
 #: the largest index file accepted.
@@ -203,7 +203,13 @@ def build_manifest(
     found = locate_tensors(files, weight_map)
     headers = list(files.values())
     new_names = map_names(list(found), key_map)
-    names, dtypes, shapes, sizes, objs, offsets, lengths = [], [], [], [], [], [], []
+    names: list[str] = []
+    dtypes: list[str] = []
+    shapes: list[tuple[int, ...]] = []
+    sizes: list[int] = []
+    objs: list[int] = []
+    offsets: list[int] = []
+    lengths: list[int] = []
     for new, (i, t) in zip(new_names, found.values()):
         if new is None:
             continue

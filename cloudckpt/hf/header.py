@@ -257,11 +257,11 @@ def parse_header(data: bytes, *, file_size: int | None = None, key: str | None =
         (_entry(name, value, _where(key, name)) for name, value in doc.items()),
         key=lambda e: (e.start, e.end),
     )
-    pos, last = 0, None
+    pos, last = 0, ""
     for e in entries:
         if e.start != pos:
             what = (
-                f"overlap those of {json.dumps(last.name[:80])}"
+                f"overlap those of {json.dumps(last[:80])}"
                 if e.start < pos
                 else "leave a hole before them"
             )
@@ -270,7 +270,7 @@ def parse_header(data: bytes, *, file_size: int | None = None, key: str | None =
                 f"data must be back to back: expected to start at {pos})",
                 path=_where(key, e.name),
             )
-        pos, last = e.end, e
+        pos, last = e.end, e.name
     data_start = PREFIX_BYTES + n
     if file_size is not None and file_size - data_start != pos:
         raise SafetensorsError(
@@ -281,8 +281,8 @@ def parse_header(data: bytes, *, file_size: int | None = None, key: str | None =
     return Header(tuple(entries), MappingProxyType(meta), data_start, pos)
 
 
-def _checked_object(pairs):
-    out: dict = {}
+def _checked_object(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
     for k, v in pairs:
         if k in out:
             raise _BadJson(f"key {json.dumps(k[:80])} appears twice")
@@ -322,11 +322,14 @@ def load_json(raw: bytes, *, path: str | None = None, budget: int = MAX_PARSE_BY
     object is built (:func:`cloudckpt.hf.json_cost.check_json_cost`)."""
     check_json_cost(raw, budget=budget, path=path)
     # only where a long run of digits is (its conversion is quadratic without Python's limit)
-    ints = {"parse_int": _short_int} if has_long_number(raw) else {}
+    parse_int = _short_int if has_long_number(raw) else None  # None: json's own
     try:
         text = bytes(raw).decode("utf-8")
         return json.loads(
-            text, object_pairs_hook=_checked_object, parse_constant=_constant_refused, **ints
+            text,
+            object_pairs_hook=_checked_object,
+            parse_constant=_constant_refused,
+            parse_int=parse_int,
         )
     except _BadJson as exc:
         raise SafetensorsError(str(exc), path=path) from exc

@@ -30,12 +30,21 @@ import asyncio
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from cloudckpt.checksum import crc32c, crc32c_combine
 from cloudckpt.errors import ChecksumError
 
 #: Folding more bytes than this at once runs in a worker thread (keeps the event loop free).
 _THREAD_BYTES = 4 << 20
+
+
+class RunningMd5(Protocol):
+    """A ``hashlib`` MD5 object, as :class:`ExpectedFile` uses it."""
+
+    def copy(self) -> RunningMd5: ...
+    def update(self, data: bytes | memoryview, /) -> None: ...
+    def digest(self) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -50,7 +59,7 @@ class ExpectedFile:
     value: int | bytes
     size: int
     head_size: int
-    head_state: object
+    head_state: int | RunningMd5
 
     @classmethod
     def of(cls, kind: str, value: int | bytes, size: int, head: bytes) -> ExpectedFile:
@@ -65,8 +74,9 @@ class _Running:
     def __init__(self, want: ExpectedFile):
         self.want = want
         self.pos = want.head_size
-        self.md5 = want.head_state.copy() if want.kind == "md5" else None
-        self.crc = want.head_state if want.kind == "crc32c" else 0
+        state = want.head_state  # an int exactly for crc32c (:meth:`ExpectedFile.of`)
+        self.md5 = None if isinstance(state, int) else state.copy()
+        self.crc = state if isinstance(state, int) else 0
         self.ahead: dict[int, tuple[int, int]] = {}
         self.lock = asyncio.Lock()  # one fold at a time (a fold may run in a worker thread)
 

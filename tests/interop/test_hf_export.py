@@ -258,7 +258,7 @@ def test_a_name_taken_during_the_export_is_never_written_over(
     url = str(tmp_path / "ck")
     _odd_checkpoint(url)
     monkeypatch.setattr(destinations.LocalFolder, "existing", lambda self: [])
-    monkeypatch.setattr(destinations.S3Folder, "existing", lambda self: [])
+    monkeypatch.setattr(destinations.StoreFolder, "existing", lambda self: [])
     taken = "model-00002-of-00003.safetensors"  # of 3 files
     if where == "local":
         dst = tmp_path / "out"

@@ -435,13 +435,14 @@ def test_export_temporary_name_taken_by_a_planted_link_is_not_followed(
     checkpoint, tmp_path, monkeypatch
 ):
     from cloudckpt.cli import main as cli_module
-    from cloudckpt.export import file as export_module
+    from cloudckpt.storage.local import files as local_files
 
     folder = _folder(tmp_path)
-    names = iter(["planted", "planted", "fresh"])
-    monkeypatch.setattr(export_module, "_temp_token", lambda: next(names))
-    (folder / ".model.pt.planted.partial").symlink_to(tmp_path / "victim")
+    planted, fresh = "0123456789abcdef", "fedcba9876543210"
+    names = iter([planted, planted, fresh])
+    monkeypatch.setattr(local_files, "_temp_token", lambda: next(names))
+    (folder / f".model.pt.cloudckpt-tmp-{planted}").symlink_to(tmp_path / "victim")
     assert cli_module.main(["export", checkpoint, str(folder / "model.pt")]) == 0
     assert not (tmp_path / "victim").exists()
-    assert sorted(os.listdir(folder)) == [".model.pt.planted.partial", "model.pt"]
+    assert sorted(os.listdir(folder)) == [f".model.pt.cloudckpt-tmp-{planted}", "model.pt"]
     assert torch.load(folder / "model.pt")["step"] == 5

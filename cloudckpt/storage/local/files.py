@@ -2,7 +2,8 @@
 
 - Temporary files are ``.<name>.cloudckpt-tmp-<16 hex>`` next to their target (``TMP_RE``
   recognises them: ``list_uploads`` reports them as unfinished uploads), opened ``O_EXCL |
-  O_NOFOLLOW`` relative to the directory's fd.
+  O_NOFOLLOW`` relative to the directory's fd (``create_temp``, which ``cloudckpt.export`` uses
+  too: one temporary naming for every local write).
 - ``link_exclusive`` publishes a temporary file under a name that must not exist (``create``:
   a hard link, or an ``O_EXCL`` claim then a rename where the filesystem has no hard links);
   ``overwrite`` is a rename.
@@ -53,9 +54,8 @@ def object_info(key: str, st: os.stat_result) -> ObjectInfo:
 def open_temp(path: At) -> tuple[At, int] | None:
     """A new, empty temporary file next to ``path`` and its write fd; None when the directory
     was removed meanwhile (the caller walks to it again)."""
-    tmp = At(path.dir_fd, f".{path.name}{TMP_MARK}{secrets.token_hex(8)}")
     try:
-        return tmp, os.open(tmp.name, _NEW_FILE, 0o644, dir_fd=tmp.dir_fd)
+        return create_temp(path, lambda tmp: new_file(tmp, 0o644))
     except FileNotFoundError:
         return None
 
@@ -267,3 +267,61 @@ class LocalObjectWriter(WriterState):
         finally:
             if d is not None:
                 os.close(d)
+
+
+# --- one fresh temporary entry (LocalStore, cloudckpt.export) --------------------------------
+
+#: Fresh names :func:`create_temp` tries before it gives up (a planted link takes one).
+TEMP_ATTEMPTS = 16
+
+
+def temp_name(name: str) -> str:
+    """The temporary name of ``name`` in its directory: ``.<name>.cloudckpt-tmp-<16 hex>``, the
+    one every local write uses (``TMP_RE`` recognises it; hidden, so listings skip it)."""
+    return f".{name}{TMP_MARK}{_temp_token()}"
+
+
+def _temp_token() -> str:
+    return secrets.token_hex(8)
+
+
+def new_file(tmp: At, mode: int = 0o600) -> int:
+    """Create ``tmp`` as a new, empty file (``O_EXCL | O_NOFOLLOW``: an existing name, a link
+    included, raises ``FileExistsError``) and return its write fd."""
+    return os.open(tmp.name, _NEW_FILE, mode, dir_fd=tmp.dir_fd)
+
+
+def create_temp(path: At, make: Callable[[At], int] = new_file) -> tuple[At, int]:
+    """A fresh temporary entry next to ``path`` (:func:`temp_name`) and the fd ``make(tmp)``
+    returned for it; ``make`` must create exclusively. A name taken (``FileExistsError``) is
+    never opened: another is tried, up to ``TEMP_ATTEMPTS``. Other errors go to the caller."""
+    for _ in range(TEMP_ATTEMPTS):
+        tmp = At(path.dir_fd, temp_name(path.name))
+        try:
+            return tmp, make(tmp)
+        except FileExistsError:
+            continue
+    raise FileExistsError(
+        errno.EEXIST,
+        f"could not create a fresh temporary file for {path.name} ({TEMP_ATTEMPTS} names taken)",
+    )
+
+
+def finish_file(fd: int) -> None:
+    """Give the file the usual mode of a new file (0666 less the umask), then fsync it."""
+    os.fchmod(fd, 0o666 & ~umask())
+    os.fsync(fd)
+
+
+def umask() -> int:
+    """The process umask, read without changing it where the system says it (Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
