@@ -57,7 +57,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     flat = t.detach().as_strided((t.numel(),), (1,))
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return flat.numpy().data.cast("B")
 
 
 def owns_its_storage(t: torch.Tensor) -> bool:
@@ -131,7 +131,8 @@ def tensor_item(t: torch.Tensor) -> Item:
     skip = getattr(torch.serialization, "skip_data", None)
     if skip is not None:
         with skip():
-            torch.save(t, split)
+            # torch.save takes any writable, seekable binary file; its stub says IO[bytes]
+            torch.save(t, split)  # type: ignore[arg-type]
     if (
         skip is None
         or len(split.holes) > 1
@@ -156,7 +157,7 @@ def tensor_item(t: torch.Tensor) -> Item:
     )
 
 
-def bytes_item(buf: io.BytesIO | bytes) -> Item:
+def bytes_item(buf: io.BytesIO | bytes | bytearray | memoryview) -> Item:
     """The item of a non-tensor value: the bytes the planner serialized, as they are."""
     view = buf.getbuffer() if isinstance(buf, io.BytesIO) else memoryview(buf)
     return Item(segments=(view.cast("B"),), data_offset=0, data_length=0, keep=buf)

@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import msgpack
 
@@ -137,7 +139,7 @@ def check_metadata(md) -> None:
             raise bad(f"has no field {name!r} (an object made without its fields)", where)
         return value
 
-    def box(v) -> bool:
+    def box(v: object) -> TypeGuard[Sequence[int]]:
         return (
             isinstance(v, (torch.Size, tuple, list))
             and len(v) <= MAX_NDIM

@@ -91,7 +91,10 @@ def materialize(value, full: Callable[[torch.Tensor], torch.Tensor]):
         items = [(k, materialize(v, full)) for k, v in value.items()]
         if all(a is b for (_, a), b in zip(items, value.values())):
             return value
-        return type(value)(items) if type(value) is not dict else dict(items)
+        if type(value) is dict:
+            return dict(items)
+        # Mapping declares no constructor; a state dict's mappings (OrderedDict, ...) take pairs
+        return type(value)(items)  # type: ignore[call-arg]
     if isinstance(value, (list, tuple)):
         items = [materialize(v, full) for v in value]
         if all(a is b for a, b in zip(items, value)):

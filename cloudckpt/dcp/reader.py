@@ -187,9 +187,10 @@ class StorageReader(_TorchStorageReader):
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         metadata, checksums = load_checkpoint_metadata(self._store(), self.url, kwargs.get("rank"))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        meta = getattr(metadata, "storage_meta", None)
+        if meta is None:
+            meta = metadata.storage_meta = StorageMeta()
+        meta.load_id = self.load_id
         self._read = (metadata, checksums)
         return metadata
 
@@ -217,6 +218,9 @@ class StorageReader(_TorchStorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._chunks is None:  # (its storage_data is empty too: no part could be found)
+            raise RuntimeError("read_data before set_up_storage_reader")
+        chunks = self._chunks
         parts = [
             Part(
                 ref=item,
@@ -233,7 +237,7 @@ class StorageReader(_TorchStorageReader):
             parts,
             storage_data=self.storage_data,
             checksums=sums.items if sums is not None else None,
-            chunks=self._chunks,
+            chunks=chunks,
             consumer=_PlannerConsumer(planner, self.allow_pickle),
             batch_bytes=self.options.read_batch_bytes,
             max_bytes=self.options.max_read_bytes,

@@ -30,11 +30,12 @@ Contract:
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -44,6 +45,9 @@ from cloudckpt.errors import IntegrityError, InvalidRange, ManifestError
 from cloudckpt.planning.batching import pack_in_order
 from cloudckpt.runtime.loop import run_coroutine, start_task
 from cloudckpt.storage.base import ReadRange, run_all
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,7 @@ class _Unit:
 class ChunkIndex:
     """dtype and sizes of every stored tensor chunk, by ``(fqn, offsets)`` (from the metadata)."""
 
-    def __init__(self, metadata):
+    def __init__(self, metadata: Metadata) -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.chunks: dict = {}
@@ -252,7 +256,7 @@ class _Batch:
 
     # -- planning -----------------------------------------------------------------------------
 
-    def _sink(self, unit: _Unit, start: int, dest: memoryview) -> None:
+    def _sink(self, unit: _Unit, checks: ItemChecksums, start: int, dest: memoryview) -> None:
         """Verified bytes ``[start, start + len(dest))`` of ``unit``'s item go into ``dest``."""
         block = self.block
         end = start + len(dest)
@@ -260,62 +264,65 @@ class _Batch:
             b0, b1 = k * block, min((k + 1) * block, unit.info.length)
             lo, hi = max(start, b0), min(end, b1)
             if hi > lo:
-                self._block(unit, k)[2].append((lo - b0, dest[lo - start : hi - start]))
+                self._block(unit, checks, k)[2].append((lo - b0, dest[lo - start : hi - start]))
 
-    def _block(self, unit: _Unit, k: int) -> tuple[int, int, list]:
+    def _block(self, unit: _Unit, checks: ItemChecksums, k: int) -> tuple[int, int, list]:
         b0 = k * self.block
         b1 = min(b0 + self.block, unit.info.length)
-        return self.blocks.setdefault(unit.info.offset + b0, (b1 - b0, unit.checks.crcs[k], []))
+        return self.blocks.setdefault(unit.info.offset + b0, (b1 - b0, checks.crcs[k], []))
 
-    def _verify_whole(self, unit: _Unit) -> None:
+    def _verify_whole(self, unit: _Unit, checks: ItemChecksums) -> None:
         """Read and verify every block of the item, also those holding no wanted value (the
         archive around the tensor's bytes): a load that takes a whole item checks all of it."""
         if unit.info.length:
-            for k in range(len(unit.checks.crcs)):
-                self._block(unit, k)
+            for k in range(len(checks.crcs)):
+                self._block(unit, checks, k)
 
     def _whole(self, unit: _Unit) -> memoryview:
         """A buffer receiving the whole item (verified when it has checksums)."""
         buf = memoryview(bytearray(unit.info.length))
         self.nbytes += len(buf)
         if unit.checks is not None:
-            self._sink(unit, 0, buf)
+            self._sink(unit, unit.checks, 0, buf)
         elif len(buf):
             self.plain.append(ReadRange(unit.info.offset, len(buf), out=buf))
         return buf
 
     def _plan(self, unit: _Unit) -> None:
         if any(p.is_bytes for p in unit.parts):
-            buf = self._whole(unit)
+            whole = self._whole(unit)
             for part in unit.parts:
-                self.after.append(lambda part=part: self.consumer.take_bytes(part, bytes(buf)))
-            return
-        if unit.checks is None or unit.info.transform_descriptors:
-            self._plan_loaded(unit)
+                self.after.append(functools.partial(self._take_bytes, part, whole))
             return
         checks, dtype, sizes = unit.checks, unit.dtype, unit.sizes
+        if checks is None or dtype is None or unit.info.transform_descriptors:
+            self._plan_loaded(unit)  # (dtype is None only for bytes items, handled above)
+            return
         itemsize = dtype.itemsize  # the tensor fits in its item: _check_fits
         for part in unit.parts:
             target = self.consumer.target(part)
             a, b, contiguous = region_span(sizes, part.offsets, part.lengths, itemsize)
             if b == a:
-                self.after.append(lambda part=part, t=target: self.consumer.commit(part, t))
+                self.after.append(functools.partial(self.consumer.commit, part, target))
                 continue
             if contiguous and _lands_directly(target, dtype):
-                self._sink(unit, checks.data_offset + a, byte_view(target))
+                self._sink(unit, checks, checks.data_offset + a, byte_view(target))
                 self.nbytes += b - a
-                self.after.append(lambda part=part, t=target: self.consumer.commit(part, t))
+                self.after.append(functools.partial(self.consumer.commit, part, target))
                 continue
-            buf = torch.empty(b - a, dtype=torch.uint8)
+            staging = torch.empty(b - a, dtype=torch.uint8)
             self.nbytes += b - a
-            self._sink(unit, checks.data_offset + a, byte_view(buf))
+            self._sink(unit, checks, checks.data_offset + a, byte_view(staging))
             self.after.append(
-                lambda part=part, t=target, buf=buf: self._copy_out(part, t, buf, dtype, sizes)
+                functools.partial(self._copy_out, part, target, staging, dtype, sizes)
             )
         if any(
             all(o == 0 for o in p.offsets) and tuple(p.lengths) == tuple(sizes) for p in unit.parts
         ):
-            self._verify_whole(unit)
+            self._verify_whole(unit, checks)
+
+    def _take_bytes(self, part: Part, whole: memoryview) -> None:
+        self.consumer.take_bytes(part, bytes(whole))
 
     def _plan_loaded(self, unit: _Unit) -> None:
         buf = self._whole(unit)

@@ -153,7 +153,7 @@ class StorageWriter(_TorchStorageWriter):
                 ),
             )
         )
-        results = [
+        results: list[WriteResult] = [
             ChecksummedWriteResult(
                 index=item.index,
                 size_in_bytes=w.info.length,

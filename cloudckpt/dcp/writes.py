@@ -27,6 +27,7 @@ import io
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -44,8 +45,11 @@ from cloudckpt.planning.batching import pack_in_order
 from cloudckpt.storage.base import ByteBudget, run_all
 
 DATA_SUFFIX = ".distcp"
+DCP_VERSION: str
 try:  # DCP's format version of the metadata, as FileSystemWriter records it
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as DCP_VERSION
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+
+    DCP_VERSION = CURRENT_DCP_VERSION
 except ImportError:  # pragma: no cover - older torch
     DCP_VERSION = "1.0.0"
 
@@ -57,11 +61,22 @@ class FileOptions:
     max_staging_bytes: int = 256 << 20
 
 
+class StoredAt(Protocol):
+    """Where an item's bytes are: torch's ``filesystem._StorageInfo``, as read here."""
+
+    @property
+    def relative_path(self) -> str: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class Written:
     """Where one item landed and its checksums."""
 
-    info: object  # torch's _StorageInfo
+    info: StoredAt  # torch's _StorageInfo
     checks: ItemChecksums
 
 

@@ -183,7 +183,7 @@ def test_conversion_streams_in_bounded_batches(monkeypatch, tmp_path):
     """Each upload of either direction carries at most one batch (or one larger item), and a
     checkpoint of many batches is never read whole."""
     import cloudckpt.api.streaming as streaming
-    import cloudckpt.dcp.convert as conv
+    import cloudckpt.dcp.to_dcp as conv
 
     batches: list[int] = []
 
