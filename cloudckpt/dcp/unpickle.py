@@ -31,18 +31,15 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+from cloudckpt.dcp.pickle_ops import COST_NODE, COST_REF, COST_SCALAR, OPS, STOP
 from cloudckpt.errors import ManifestError
 
-_I4, _U4, _U8 = struct.Struct("<i"), struct.Struct("<I"), struct.Struct("<Q")
-_F8 = struct.Struct(">d")
 _MAX_DIGITS = 64
 #: What every refusal tells the user to do.
 FIX = (
     "a damaged or hostile file: copy the checkpoint again from where it was written, or "
     "save it again"
 )
-# estimated bytes held per thing built (a CPython object and the pointers to it)
-_COST_SCALAR, _COST_NODE, _COST_REF = 48, 144, 8
 
 
 class Node:
@@ -65,7 +62,7 @@ class Node:
         self.weight, self.depth, self.sealed = 1, 1, False
 
 
-class _Parser:
+class Parser:
     def __init__(
         self,
         data,
@@ -118,8 +115,8 @@ class _Parser:
 
     # -- the stack -----------------------------------------------------------------------------
 
-    def push(self, value, cost: int = _COST_SCALAR) -> None:
-        self.cost += cost + _COST_REF
+    def push(self, value, cost: int = COST_SCALAR) -> None:
+        self.cost += cost + COST_REF
         if self.cost > self.max_cost:
             self.spend(0)
         self.stack.append(value)
@@ -171,21 +168,21 @@ class _Parser:
 
     def container(self, kind: str, items: list) -> Node:
         node = Node(kind)
-        self.spend(_COST_NODE + _COST_REF * len(items))
+        self.spend(COST_NODE + COST_REF * len(items))
         self.adopt(node, items)
         node.items = items
         return node
 
     def extend(self, node: Node, items: list) -> None:
-        self.spend(_COST_REF * len(items))
+        self.spend(COST_REF * len(items))
         self.adopt(node, items)
         node.items.extend(items)
 
     # -- opcodes -------------------------------------------------------------------------------
 
     def run(self):
-        # the commonest opcodes of a DCP .metadata inline, the others through _OPS
-        data, ops, stack, memo = self.data, _OPS, self.stack, self.memo
+        # the commonest opcodes of a DCP .metadata inline, the others through OPS
+        data, ops, stack, memo = self.data, OPS, self.stack, self.memo
         n = len(data)
         while self.pos < n:
             op = data[self.pos]
@@ -194,7 +191,7 @@ class _Parser:
                 if not stack:
                     raise self.fail("memoizes an empty stack")
                 memo.append(stack[-1])
-                self.spend(_COST_REF)
+                self.spend(COST_REF)
             elif op == 0x8C:  # SHORT_BINUNICODE
                 self.push_text(self.take(self.take(1)[0]), "utf-8", "surrogatepass")
             elif op == 0x68:  # BINGET
@@ -207,7 +204,7 @@ class _Parser:
                     raise self.fail(
                         f"uses pickle opcode {bytes([op])!r}, which DCP metadata never holds"
                     )
-                if handler(self) is _STOP:
+                if handler(self) is STOP:
                     if len(stack) != 1 or self.marks:
                         raise self.fail("ends with a stack of other than one value")
                     return stack[0]
@@ -250,11 +247,11 @@ class _Parser:
             value = raw.decode(encoding, errors)
         except UnicodeDecodeError as exc:
             raise self.fail("a string that is not valid text") from exc
-        self.push(value, _COST_SCALAR + len(value))
+        self.push(value, COST_SCALAR + len(value))
 
     def op_global(self, module: str, name: str):
         node = Node("g", ref=self.resolve(module, name))
-        self.push(node, _COST_NODE)
+        self.push(node, COST_NODE)
 
     def op_stack_global(self):
         name, module = self.pop(), self.pop()
@@ -269,7 +266,7 @@ class _Parser:
         if type(args) is not Node or args.kind != "t":
             raise self.fail("calls a global with arguments that are not a tuple")
         node = Node(kind, ref=fn.ref)
-        self.spend(_COST_NODE)
+        self.spend(COST_NODE)
         self.adopt(node, [fn, args])
         node.args = args
         self.push(node, 0)
@@ -296,7 +293,7 @@ class _Parser:
         if not self.stack:
             raise self.fail("memoizes an empty stack")
         if index == len(self.memo):
-            self.spend(_COST_REF)
+            self.spend(COST_REF)
             self.memo.append(self.stack[-1])
         elif 0 <= index < len(self.memo):
             self.memo[index] = self.stack[-1]
@@ -309,155 +306,8 @@ class _Parser:
         self.push(self.memo[index], 0)
 
     def op_mark(self):
-        self.spend(_COST_REF)
+        self.spend(COST_REF)
         self.marks.append(len(self.stack))
-
-
-_STOP = object()
-
-
-def _u(fmt: struct.Struct):
-    return lambda p: fmt.unpack(p.take(fmt.size))[0]
-
-
-_u1 = lambda p: p.take(1)[0]  # noqa: E731
-_u2 = lambda p: int.from_bytes(p.take(2), "little")  # noqa: E731
-_i4, _u4, _u8 = _u(_I4), _u(_U4), _u(_U8)
-
-
-def _refuse(why: str):
-    def handler(p: _Parser):
-        raise p.fail(why)
-
-    return handler
-
-
-def _persistent(p: _Parser):
-    raise ManifestError(
-        "holds a persistent id, which DCP metadata never does: not unpickled", path=p.where
-    )
-
-
-def _frame(p: _Parser):
-    p.take(8)  # frames only group opcodes: the length needs no checking beyond truncation
-
-
-def _text_global(p: _Parser):
-    try:
-        module, name = p.line().decode("ascii"), p.line().decode("ascii")
-    except UnicodeDecodeError as exc:
-        raise p.fail("a global with a name that is not ASCII") from exc
-    p.op_global(module, name)
-
-
-def _tuple_of(n: int):
-    def handler(p: _Parser):
-        items = [p.pop() for _ in range(n)][::-1]
-        p.push(p.container("t", items), 0)
-
-    return handler
-
-
-def _bytes_of(read):
-    def handler(p: _Parser):
-        raw = read(p)
-        p.push(raw, _COST_SCALAR + len(raw))
-
-    return handler
-
-
-def _setitem(p: _Parser):
-    value, key = p.pop(), p.pop()
-    p.op_setitems([key, value])
-
-
-def _append(p: _Parser):
-    p.op_appends([p.pop()])
-
-
-def _pop_mark_to(kind: str):
-    return lambda p: p.push(p.container(kind, p.pop_mark()), 0)
-
-
-_OPS: dict[int, Callable[[_Parser], Any]] = {
-    0x80: lambda p: p.take(1),  # PROTO
-    0x95: _frame,  # FRAME
-    ord("."): lambda p: _STOP,  # STOP
-    ord("("): _Parser.op_mark,  # MARK
-    ord("0"): lambda p: p.pop(),  # POP
-    ord("1"): lambda p: p.pop_mark(),  # POP_MARK
-    ord("2"): lambda p: p.push(p.stack[-1] if p.stack else p.pop(), 0),  # DUP
-    ord("I"): _Parser.op_int_text,  # INT
-    ord("L"): _Parser.op_int_text,  # LONG
-    ord("J"): lambda p: p.push(_i4(p)),  # BININT
-    ord("K"): lambda p: p.push(_u1(p), 0),  # BININT1 (cached ints)
-    ord("M"): lambda p: p.push(_u2(p)),  # BININT2
-    0x8A: lambda p: p.op_long_bin(_u1(p)),  # LONG1
-    0x8B: lambda p: p.op_long_bin(_i4(p)),  # LONG4
-    ord("F"): _Parser.op_float_text,  # FLOAT
-    ord("G"): lambda p: p.push(_F8.unpack(p.take(8))[0]),  # BINFLOAT
-    ord("N"): lambda p: p.push(None, 0),  # NONE
-    0x88: lambda p: p.push(True, 0),  # NEWTRUE
-    0x89: lambda p: p.push(False, 0),  # NEWFALSE
-    ord("S"): _Parser.op_string_text,  # STRING
-    ord("T"): lambda p: p.push_text(p.sized(_I4), "ascii"),  # BINSTRING
-    ord("U"): lambda p: p.push_text(p.take(_u1(p)), "ascii"),  # SHORT_BINSTRING
-    ord("V"): lambda p: p.push_text(p.line(), "raw-unicode-escape"),  # UNICODE
-    ord("X"): lambda p: p.push_text(p.sized(_U4), "utf-8", "surrogatepass"),  # BINUNICODE
-    0x8C: lambda p: p.push_text(p.take(_u1(p)), "utf-8", "surrogatepass"),  # SHORT_BINUNICODE
-    0x8D: lambda p: p.push_text(p.sized(_U8), "utf-8", "surrogatepass"),  # BINUNICODE8
-    ord("B"): _bytes_of(lambda p: p.sized(_U4)),  # BINBYTES
-    ord("C"): _bytes_of(lambda p: p.take(_u1(p))),  # SHORT_BINBYTES
-    0x8E: _bytes_of(lambda p: p.sized(_U8)),  # BINBYTES8
-    ord(")"): lambda p: p.push(p.container("t", []), 0),  # EMPTY_TUPLE
-    ord("t"): _pop_mark_to("t"),  # TUPLE
-    0x85: _tuple_of(1),
-    0x86: _tuple_of(2),
-    0x87: _tuple_of(3),  # TUPLE1-3
-    ord("]"): lambda p: p.push(p.container("l", []), 0),  # EMPTY_LIST
-    ord("l"): _pop_mark_to("l"),  # LIST
-    ord("a"): _append,  # APPEND
-    ord("e"): lambda p: p.op_appends(p.pop_mark()),  # APPENDS
-    ord("}"): lambda p: p.push(p.container("d", []), 0),  # EMPTY_DICT
-    ord("d"): lambda p: _dict_of(p, p.pop_mark()),  # DICT
-    ord("s"): _setitem,  # SETITEM
-    ord("u"): lambda p: p.op_setitems(p.pop_mark()),  # SETITEMS
-    ord("c"): _text_global,  # GLOBAL
-    0x93: _Parser.op_stack_global,  # STACK_GLOBAL
-    ord("R"): lambda p: p.op_call("r"),  # REDUCE
-    0x81: lambda p: p.op_call("n"),  # NEWOBJ
-    ord("b"): _Parser.op_build,  # BUILD
-    ord("p"): lambda p: p.op_put(p.number(p.line())),  # PUT
-    ord("q"): lambda p: p.op_put(_u1(p)),  # BINPUT
-    ord("r"): lambda p: p.op_put(_u4(p)),  # LONG_BINPUT
-    0x94: lambda p: p.op_put(len(p.memo)),  # MEMOIZE
-    ord("g"): lambda p: p.op_get(p.number(p.line())),  # GET
-    ord("h"): lambda p: p.op_get(_u1(p)),  # BINGET
-    ord("j"): lambda p: p.op_get(_u4(p)),  # LONG_BINGET
-    ord("P"): _persistent,
-    ord("Q"): _persistent,  # PERSID, BINPERSID
-}
-for _op, _why in (
-    (0x8F, "a set"),
-    (0x90, "a set"),
-    (0x91, "a frozenset"),
-    (0x82, "an extension code"),
-    (0x83, "an extension code"),
-    (0x84, "an extension code"),
-    (0x96, "a bytearray"),
-    (0x97, "an out-of-band buffer"),
-    (0x98, "an out-of-band buffer"),
-    (ord("i"), "an INST call"),
-    (ord("o"), "an OBJ call"),
-    (0x92, "a NEWOBJ_EX call"),
-):
-    _OPS[_op] = _refuse(f"holds {_why}, which DCP metadata never does")
-
-
-def _dict_of(p: _Parser, items: list) -> None:
-    if len(items) % 2:
-        raise p.fail("DICT with an odd number of values")
-    p.push(p.container("d", items), 0)
 
 
 def parse(
@@ -470,4 +320,4 @@ def parse(
     max_cost: int,
 ):
     """The value a pickle holds, as scalars and :class:`Node` objects (module doc)."""
-    return _Parser(data, resolve, where, max_depth, max_nodes, max_cost).run()
+    return Parser(data, resolve, where, max_depth, max_nodes, max_cost).run()
