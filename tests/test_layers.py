@@ -282,3 +282,140 @@ def test_no_module_reads_the_manifests_private_attributes():
         for use in _reads_of(names, name, path.read_text())
     ]
     assert found == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The bands of docs/architecture.md: each box (a top-level module or package of cloudckpt) sits in
+# one band; a module imports (at module level or inside a function) only its own band and those
+# below. Inside a band, boxes may import each other in one direction only (no cycle, below).
+
+BANDS: list[tuple[str, tuple[str, ...]]] = [
+    ("face", ("cli", "__main__")),
+    ("interop", ("export", "hf", "dcp")),
+    ("control", ("runs",)),
+    ("protocol", ("api",)),
+    ("mechanism", ("dataplane", "transport", "stored", "runtime", "statedict")),
+    ("pure", ("layout", "manifest", "planning")),
+    ("storage", ("storage",)),
+    ("ground", ("errors", "options", "checksum", "wording", "http_numbers")),
+]
+#: The package's own ``__init__`` (the lazy public façade: it names the api by strings) and the
+#: test infrastructure stand outside the bands; no library module imports ``cloudckpt.testing``.
+OUTSIDE_BANDS = ("__init__", "testing")
+MAX_FLOORS = 11
+MAX_MODULE_LINES = 450
+
+
+def box_of(module: str) -> str:
+    """``cloudckpt.storage.s3.store`` -> ``storage``; ``cloudckpt`` -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def band_of(box: str) -> int:
+    """The band's rank, 0 for the top (face)."""
+    for rank, (_, boxes) in enumerate(BANDS):
+        if box in boxes:
+            return rank
+    raise AssertionError(f"cloudckpt.{box} is in no band of tests/test_layers.py")
+
+
+def box_graph(*, at_import_time: bool = False) -> dict[str, set[str]]:
+    """Box -> the other boxes its modules import (inside functions too, unless
+    ``at_import_time``); the boxes outside the bands are left out."""
+    graph: dict[str, set[str]] = {}
+    for module, deps in _graph(at_import_time=at_import_time).items():
+        box = box_of(module)
+        if box in OUTSIDE_BANDS:
+            continue
+        graph.setdefault(box, set()).update(
+            box_of(d) for d in deps if box_of(d) not in (box, "__init__")
+        )
+    return graph
+
+
+def longest_chain(graph: dict[str, set[str]]) -> list[str]:
+    """The longest path of an acyclic graph, as the list of its nodes (raises on a cycle)."""
+    best: dict[str, list[str]] = {}
+
+    def visit(node: str, path: tuple[str, ...]) -> list[str]:
+        assert node not in path, f"cycle: {' -> '.join(path + (node,))}"
+        if node not in best:
+            below = [visit(d, path + (node,)) for d in sorted(graph.get(node, ()))]
+            best[node] = [node] + max(below, key=len, default=[])
+        return best[node]
+
+    return max((visit(n, ()) for n in sorted(graph)), key=len, default=[])
+
+
+def test_every_box_is_in_one_band():
+    boxes = {box_of(m) for m in MODULES} - set(OUTSIDE_BANDS)
+    named = [b for _, bs in BANDS for b in bs]
+    assert len(named) == len(set(named))
+    assert boxes == set(named), (sorted(boxes - set(named)), sorted(set(named) - boxes))
+
+
+def test_every_import_points_to_its_own_band_or_below():
+    upward = sorted(
+        f"{module} ({BANDS[band_of(box_of(module))][0]}) imports {dep} "
+        f"({BANDS[band_of(box_of(dep))][0]})"
+        for module, deps in _graph(at_import_time=False).items()
+        if box_of(module) not in OUTSIDE_BANDS
+        for dep in deps
+        if box_of(dep) != "__init__"
+        and (box_of(dep) == "testing" or band_of(box_of(dep)) < band_of(box_of(module)))
+    )
+    assert upward == []
+
+
+def test_the_band_check_sees_an_upward_import():
+    assert band_of("storage") > band_of("api") > band_of("cli")
+    assert box_of("cloudckpt.storage.s3.store") == "storage" and box_of("cloudckpt") == "__init__"
+
+
+def test_boxes_import_each_other_without_a_cycle_in_at_most_eleven_floors():
+    """The import depth: the longest chain of imports between boxes (inside functions too)."""
+    chain = longest_chain(box_graph())
+    assert len(chain) <= MAX_FLOORS, " -> ".join(chain)
+
+
+def test_the_depth_check_counts_floors_and_finds_cycles():
+    assert longest_chain({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == ["a", "b", "c"]
+    try:
+        longest_chain({"a": {"b"}, "b": {"a"}})
+    except AssertionError as exc:
+        assert "cycle: a -> b -> a" in str(exc)
+    else:
+        raise AssertionError("a cycle was not found")
+
+
+def test_no_module_is_over_450_lines():
+    long = sorted(
+        f"{p.relative_to(PACKAGE.parent)}: {n} lines"
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    )
+    assert long == []
+
+
+def figures() -> dict[str, object]:
+    """What the closing note of a layout change reports (``python tests/test_layers.py``)."""
+    graph = box_graph()
+    modules = _graph(at_import_time=False)
+    library = {m: d for m, d in modules.items() if box_of(m) not in OUTSIDE_BANDS}
+    return {
+        "boxes": len(graph),
+        "box arrows": sum(len(v) for v in graph.values()),
+        "floors": len(longest_chain(graph)),
+        "chain": " -> ".join(longest_chain(graph)),
+        "modules": len(library),
+        "module arrows": sum(len(d) for d in library.values()),
+    }
+
+
+if __name__ == "__main__":
+    try:
+        for key, value in figures().items():
+            print(f"{key}: {value}")
+    except AssertionError as exc:
+        print(exc)
