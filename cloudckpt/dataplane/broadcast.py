@@ -1,14 +1,11 @@
 """Read once, share: this rank's bytes in a load's broadcast rounds (no collective here).
 
-A :class:`BroadcastSession` holds this rank's share of the rounds (planned identically on every
-rank: :func:`~cloudckpt.planning.broadcast.parts.plan_parts`, each part's source balanced over its group
-by :func:`~cloudckpt.planning.batching.balance_sources`, then
-:func:`~cloudckpt.planning.batching.batch_parts` and
-:func:`~cloudckpt.planning.batching.plan_rounds`) and everything about their bytes: fetching
-the batches this rank is the source of (ahead, in the order the rounds use them, a few at a
-time, within a byte budget), where each batch lands, and copying what arrived into the
-destinations. It runs no collective: :func:`cloudckpt.api.load_data.run_broadcasts` drives it,
-round by round, in the one global order::
+A :class:`BroadcastSession` moves the bytes of this rank's share of the rounds, a finished
+:class:`~cloudckpt.planning.broadcast.plan.BroadcastPlan` (planned identically on every rank by
+:func:`~cloudckpt.planning.broadcast.plan.plan_broadcasts`): fetching the batches this rank is
+the source of (ahead, in the order the rounds use them, a few at a time, within the plan's
+byte budget), where each batch lands, and copying what arrived into the destinations. It runs
+no collective: :func:`cloudckpt.api.load_data.run_broadcasts` drives it, round by round, in the one global order::
 
     for pos, round_ in enumerate(session.rounds):
         session.prefetch(pos)          # this rank's batches of this round and the next ones
@@ -59,24 +56,14 @@ import torch
 from cloudckpt.dataplane.buffers import BufferPool, byte_view, flat_bytes, is_byte_viewable
 from cloudckpt.dataplane.destinations import dest_view, sub_view
 from cloudckpt.dataplane.reader import read_windows, run_ranges, stored_dtype, window_boxes
-from cloudckpt.planning.batching import (
-    BroadcastBatch,
-    Round,
-    RunBatch,
-    balance_sources,
-    batch_parts,
-    pack_in_order,
-    plan_rounds,
-)
-from cloudckpt.planning.broadcast.parts import WINDOW_ALIGN, RunPart, part_window_bytes, plan_parts
+from cloudckpt.planning.batching import pack_in_order
+from cloudckpt.planning.broadcast.parts import RunPart
+from cloudckpt.planning.broadcast.plan import BroadcastPlan
+from cloudckpt.planning.broadcast.rounds import BroadcastBatch, Round, RunBatch
 from cloudckpt.planning.load.windows import boxes_in_flat_range
 from cloudckpt.runtime.loop import BackgroundTask, start_task
 from cloudckpt.storage.base import run_all
 
-#: the largest window a part carries (the unit a source fetches and verifies before sending).
-WINDOW_BYTES = 16 << 20
-#: regions at least this large that are one contiguous stored run travel as run windows.
-RUN_MIN_BYTES = 1 << 20
 #: a source starts fetching at most this many rounds after the one being sent.
 _LOOKAHEAD = 12
 #: a source's batch fetches running at once (started in round order), until one fails: one,
@@ -174,62 +161,39 @@ class _InOrder:
 
 
 class BroadcastSession:
-    """This rank's share of the broadcast rounds (see module doc).
-
-    ``broadcasts``: the assignment's broadcasts (the one global order); ``kept``: indices of
-    those that run (:func:`~cloudckpt.planning.broadcast.groups.select_broadcasts`); ``items_by_broadcast``:
-    this rank's read items each kept broadcast serves; ``dests``: this rank's destinations;
-    ``device``: where sent buffers live (CPU for gloo, CUDA for NCCL); ``loads``: per channel
-    rank, the bytes it fetches for itself (balancing counts them; default none).
-    """
+    """The bytes of ``plan`` on this rank (see module doc): its destinations ``dests`` (the
+    plan's read items index them), ``device``: where sent buffers live (CPU for gloo, CUDA for
+    NCCL)."""
 
     def __init__(
         self,
         store,
         manifest,
-        broadcasts: Sequence,
-        kept: Sequence[int],
-        items_by_broadcast: dict,
+        plan: BroadcastPlan,
         dests: Sequence[torch.Tensor],
         *,
-        rank: int,
         device: torch.device,
-        batch_bytes: int,
-        max_read_bytes: int,
-        loads: Sequence[int] | None = None,
     ):
-        self.store, self.manifest, self.rank, self.device = store, manifest, rank, device
-        self.broadcasts, self.items_by_broadcast, self.dests = broadcasts, items_by_broadcast, dests
-        if loads is None:
-            loads = [0] * (1 + max([rank] + [m for i in kept for m in broadcasts[i].group]))
-        # small batch sizes (tests) shrink the windows too, so every path runs at small scale
-        total = sum(broadcasts[i].region.nbytes for i in kept)
-        window = part_window_bytes(
-            total, len(loads), min(WINDOW_BYTES, batch_bytes), max_read_bytes
-        )
-        parts = plan_parts(manifest, broadcasts, kept, window, min(RUN_MIN_BYTES, batch_bytes))
-        sources = balance_sources(broadcasts, parts, loads)
-        every = plan_rounds(batch_parts(broadcasts, parts, window, sources))
-        #: the groups every rank must prepare, members or not (sorted)
-        self.member_sets: list[tuple[int, ...]] = sorted({r.members for r in every})
-        #: the rounds this rank takes part in, in the global order
-        self.rounds: list[Round] = [r for r in every if rank in r.members]
-        #: the batches of those rounds (this rank sends or receives each)
-        self.batches: list[BroadcastBatch] = [b for r in self.rounds for b in r.batches]
-        #: round position -> the batch this rank sends in it
-        self._mine = {
-            pos: b for pos, r in enumerate(self.rounds) for b in r.batches if b.src == rank
-        }
-        biggest = max([b.nbytes for r in every for b in r.batches] or [0])
-        self.pool = BufferPool(biggest + WINDOW_ALIGN)
-        self.budget = max(max_read_bytes // 4, biggest)
-        self.dtypes = {
-            name: stored_dtype(manifest, name) for name in {broadcasts[i].region.name for i in kept}
-        }
+        self.store, self.manifest, self.plan, self.dests = store, manifest, plan, dests
+        self.rank, self.device = plan.rank, device
+        self.broadcasts, self.items_by_broadcast = plan.broadcasts, plan.items_by_broadcast
+        self.pool = BufferPool(plan.buffer_bytes)
+        self.dtypes = {name: stored_dtype(manifest, name) for name in plan.region_names}
+        self._mine = plan.sends
         self._pending: dict[int, _PendingFetch] = {}
         self._gate = _InOrder(_FETCHES_IN_FLIGHT)
         self.fetched = self.received = 0
         self.failure: BaseException | None = None
+
+    @property
+    def rounds(self) -> tuple[Round, ...]:
+        """The rounds this rank takes part in, in the global order."""
+        return self.plan.rounds
+
+    @property
+    def batches(self) -> tuple[BroadcastBatch, ...]:
+        """The batches of those rounds (this rank sends or receives each)."""
+        return self.plan.batches
 
     @property
     def count(self) -> int:
@@ -279,7 +243,7 @@ class BroadcastSession:
             if k not in self._mine or k in self._pending:
                 continue
             size = self._buffered(self._mine[k])
-            if self._pending and size and ahead + size > self.budget:
+            if self._pending and size and ahead + size > self.plan.fetch_budget:
                 break
             self._start(k, size)
             ahead += size

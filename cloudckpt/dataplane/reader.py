@@ -29,12 +29,12 @@ from typing import Union
 import torch
 
 from cloudckpt.dataplane.buffers import BufferPool, byte_view, is_byte_viewable
-from cloudckpt.planning.batching import Span, batch_by_object
-from cloudckpt.planning.broadcast.parts import aligned, layout_windows
+from cloudckpt.planning.batching import Span, aligned, batch_by_object
 from cloudckpt.planning.load.plan import Region
 from cloudckpt.planning.load.windows import (
     RunWindow,
     Window,
+    layout_windows,
     plan_run_windows,
     plan_run_windows_many,
     plan_windows_many,

@@ -8,7 +8,7 @@ A region several ranks need (a :class:`~cloudckpt.planning.broadcast.readers.Bro
   takes straight into its own (one broadcast each);
 - a :class:`WindowPart` otherwise: a checksum-aligned
   :class:`~cloudckpt.planning.load.windows.Window`, batched with others through a shared buffer in
-  which every window starts at a multiple of :data:`WINDOW_ALIGN` (see :func:`layout_windows`).
+  which every window starts at a multiple of :data:`~cloudckpt.planning.batching.WINDOW_ALIGN` (see :func:`~cloudckpt.planning.load.windows.layout_windows`).
 
 The window size follows the load (:func:`part_window_bytes`): small enough that every source
 sends its share in several rounds (fetching the next window while the previous one is exchanged)
@@ -24,10 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
+from cloudckpt.planning.batching import aligned
 from cloudckpt.planning.load.windows import RunWindow, Window, plan_run_windows, plan_windows_many
 
-#: every window starts at a multiple of this in a shared buffer (dtype views need alignment).
-WINDOW_ALIGN = 64
 #: windows are not made smaller than this to get more rounds (each round costs collectives).
 MIN_PART_WINDOW = 1 << 20
 #: a source's share is cut in about this many windows, so fetching overlaps exchanging.
@@ -44,20 +43,6 @@ def part_window_bytes(total_bytes: int, ranks: int, cap: int, max_read_bytes: in
     share = -(-total_bytes // (ranks * ROUNDS_PER_SOURCE))
     memory = max_read_bytes // (4 * ranks)
     return max(min(cap, share, memory), min(cap, MIN_PART_WINDOW, memory), 1)
-
-
-def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to a multiple of :data:`WINDOW_ALIGN`."""
-    return -(-nbytes // WINDOW_ALIGN) * WINDOW_ALIGN
-
-
-def layout_windows(windows: Sequence[Window]) -> tuple[list[int], int]:
-    """Byte offset of each window in a shared buffer (each one aligned), and the bytes used."""
-    offsets, pos = [], 0
-    for w in windows:
-        offsets.append(pos)
-        pos += aligned(w.length)
-    return offsets, pos
 
 
 @dataclass(frozen=True, slots=True)

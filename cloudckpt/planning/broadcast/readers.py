@@ -8,7 +8,7 @@ the others, unless it is smaller than ``min_broadcast_bytes`` or a rank's piece 
 chosen heaviest region first, each to the group member with the fewest bytes assigned so far
 (its own reads included), ties to the lowest rank. Broadcasts are listed in that order, the one
 global order every rank plans from. A load then cuts each region in windows and spreads their
-sources over the group (:func:`~cloudckpt.planning.batching.balance_sources`); ``src`` is the
+sources over the group (:func:`~cloudckpt.planning.broadcast.rounds.balance_sources`); ``src`` is the
 whole-region choice, used where nothing spreads them.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cloudckpt.errors import PlanningError
-from cloudckpt.planning.coverage import stable_order
+from cloudckpt.planning.cover_sweep import stable_order
 from cloudckpt.planning.load.plan import LocalLoadPlan, Region, shared_tuples
 
 DEFAULT_MIN_BROADCAST_BYTES = 32 * 1024

@@ -31,6 +31,7 @@ import numpy as np
 
 from cloudckpt.errors import ManifestError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
+from cloudckpt.planning.batching import aligned
 from cloudckpt.planning.load.chunk_index import padded_rows
 
 
@@ -67,6 +68,15 @@ def row_major_strides(sizes: Sequence[int]) -> tuple[int, ...]:
     for i in range(len(sizes) - 2, -1, -1):
         strides[i] = strides[i + 1] * max(int(sizes[i + 1]), 1)
     return tuple(strides)
+
+
+def layout_windows(windows: Sequence[Window]) -> tuple[list[int], int]:
+    """Byte offset of each window in a shared buffer (each one aligned), and the bytes used."""
+    offsets, pos = [], 0
+    for w in windows:
+        offsets.append(pos)
+        pos += aligned(w.length)
+    return offsets, pos
 
 
 def boxes_in_flat_range(
