@@ -5,7 +5,8 @@ A :class:`BroadcastSession` moves the bytes of this rank's share of the rounds, 
 :func:`~cloudckpt.planning.broadcast.plan.plan_broadcasts`): fetching the batches this rank is
 the source of (ahead, in the order the rounds use them, a few at a time, within the plan's
 byte budget), where each batch lands, and copying what arrived into the destinations. It runs
-no collective: :func:`cloudckpt.api.load_data.run_broadcasts` drives it, round by round, in the one global order::
+no collective: :func:`cloudckpt.api.load_data.run_broadcasts` drives it, round by round, in the
+one global order::
 
     for pos, round_ in enumerate(session.rounds):
         session.prefetch(pos)          # this rank's batches of this round and the next ones
@@ -60,7 +61,7 @@ from cloudckpt.planning.batching import pack_in_order
 from cloudckpt.planning.broadcast.parts import RunPart
 from cloudckpt.planning.broadcast.plan import BroadcastPlan
 from cloudckpt.planning.broadcast.rounds import BroadcastBatch, Round, RunBatch
-from cloudckpt.planning.load.windows import boxes_in_flat_range
+from cloudckpt.planning.load.windows import boxes_in_flat_range, dense_run
 from cloudckpt.runtime.loop import BackgroundTask, start_task
 from cloudckpt.storage.base import run_all
 
@@ -161,25 +162,16 @@ class _InOrder:
 
 
 class BroadcastSession:
-    """The bytes of ``plan`` on this rank (see module doc): its destinations ``dests`` (the
-    plan's read items index them), ``device``: where sent buffers live (CPU for gloo, CUDA for
-    NCCL)."""
+    """The bytes of ``plan`` on this rank (see module doc): ``dests``, its destination tensors
+    (the plan's read items index them); ``device``: where sent buffers live (CPU for gloo, CUDA
+    for NCCL)."""
 
-    def __init__(
-        self,
-        store,
-        manifest,
-        plan: BroadcastPlan,
-        dests: Sequence[torch.Tensor],
-        *,
-        device: torch.device,
-    ):
-        self.store, self.manifest, self.plan, self.dests = store, manifest, plan, dests
-        self.rank, self.device = plan.rank, device
-        self.broadcasts, self.items_by_broadcast = plan.broadcasts, plan.items_by_broadcast
+    def __init__(self, store, manifest, plan: BroadcastPlan, dests, *, device: torch.device):
+        self.store, self.plan, self.dests, self.device = store, plan, dests, device
+        self.rank, self.broadcasts, self._mine = plan.rank, plan.broadcasts, plan.sends
+        self.items_by_broadcast = plan.items_by_broadcast
         self.pool = BufferPool(plan.buffer_bytes)
         self.dtypes = {name: stored_dtype(manifest, name) for name in plan.region_names}
-        self._mine = plan.sends
         self._pending: dict[int, _PendingFetch] = {}
         self._gate = _InOrder(_FETCHES_IN_FLIGHT)
         self.fetched = self.received = 0
@@ -424,7 +416,7 @@ class BroadcastSession:
             if len(window.boxes) == 1 and wire.device.type == "cpu":
                 # the usual small region: whole in one window, its elements one run there;
                 # destinations of the stored dtype take its bytes with one copy each
-                run = _dense_run(window)
+                run = dense_run(window)
                 if run is not None and run[1] == region.nbytes:
                     if wire_at is None:
                         wire_at = wire.data_ptr()
@@ -451,17 +443,3 @@ def sent_ok(wire: torch.Tensor) -> bool:
     :meth:`BroadcastSession.wire` / :meth:`BroadcastSession.exchange_slots`): whether its
     source fetched and verified them."""
     return int(wire[-1].item()) == 1
-
-
-def _dense_run(window) -> tuple[int, int] | None:
-    """``(byte offset in the window, bytes)`` of a window's one sub-box when its elements are
-    one dense run there (its box is whole in every dimension after the first it spans more
-    than one element of); None otherwise."""
-    (sub,) = window.boxes
-    lengths, strides = sub.lengths, window.strides
-    expect = 1
-    for n, s in zip(reversed(lengths), reversed(strides)):
-        if n > 1 and s != expect:
-            return None
-        expect *= n
-    return sub.first * window.itemsize, expect * window.itemsize

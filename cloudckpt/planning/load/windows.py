@@ -115,6 +115,20 @@ def boxes_in_flat_range(
     return out
 
 
+def dense_run(window: Window) -> tuple[int, int] | None:
+    """``(byte offset in the window, bytes)`` of a window's one sub-box when its elements are
+    one dense run there (its box is whole in every dimension after the first it spans more
+    than one element of); None otherwise."""
+    (sub,) = window.boxes
+    lengths, strides = sub.lengths, window.strides
+    expect = 1
+    for n, s in zip(reversed(lengths), reversed(strides)):
+        if n > 1 and s != expect:
+            return None
+        expect *= n
+    return sub.first * window.itemsize, expect * window.itemsize
+
+
 class _Chunks:
     """A manifest's chunk columns as :func:`_locate` reads them (made once per manifest, kept
     with it: ``Manifest.derived``), so locating a region builds no record objects."""
