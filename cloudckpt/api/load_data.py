@@ -100,6 +100,7 @@ def run_broadcasts(session: BroadcastSession, broadcaster: Broadcaster) -> None:
             if round_.exchange:
                 _exchange(session, broadcaster, pos, landing)
                 continue
+            assert landing is not None  # a one-source round always lands (see land)
             batch = round_.batches[0]
             if round_.buffered:
                 # through buffers: the source's status (did it fetch and verify the batch?)

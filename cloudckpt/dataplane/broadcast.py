@@ -61,6 +61,7 @@ from cloudckpt.planning.batching import pack_in_order
 from cloudckpt.planning.broadcast.parts import RunPart
 from cloudckpt.planning.broadcast.plan import BroadcastPlan
 from cloudckpt.planning.broadcast.rounds import BroadcastBatch, Round, RunBatch
+from cloudckpt.planning.load.plan import ReadItem
 from cloudckpt.planning.load.windows import boxes_in_flat_range, dense_run
 from cloudckpt.runtime.loop import BackgroundTask, start_task
 from cloudckpt.storage.base import run_all
@@ -328,10 +329,11 @@ class BroadcastSession:
         status = oks is None
         for batch in round_.batches:
             j = round_.slot(batch.src)
-            if not status and not oks[j]:
+            if oks is not None and not oks[j]:
                 continue
             n = batch.nbytes + status
             if batch.src == self.rank:
+                assert landing is not None  # this rank's own batch has landed (see land)
                 if status:
                     landing.buf[batch.nbytes] = 1 if landing.ok else 0
                 buf, flat = landing.buf[:n].to(self.device), landing.in_place
@@ -421,7 +423,7 @@ class BroadcastSession:
                     if wire_at is None:
                         wire_at = wire.data_ptr()
                     start, n = wire_at + offset + run[0], run[1]
-                    rest = []
+                    rest: list[ReadItem] = []
                     for item in items:
                         view = dest_view(self.dests, item)
                         if (
@@ -432,7 +434,7 @@ class BroadcastSession:
                             ctypes.memmove(view.data_ptr(), start, n)  # a dense run each
                         else:
                             rest.append(item)
-                    items = rest
+                    items = tuple(rest)
             for sub, piece in window_boxes(window, wire, offset, dtype) if items else ():
                 for item in items:
                     sub_view(dest_view(self.dests, item), sub.offsets, sub.lengths).copy_(piece)

@@ -25,6 +25,7 @@ from cloudckpt.planning.load.plan import plan_local_load
 from tests.dataplane.helpers import box, data_path, piece, store_at, write_tensors
 
 BLOCK = 512
+CPU = torch.device("cpu")
 FILL = 9
 
 
@@ -38,7 +39,7 @@ class _Link:
 
 
 class _MemoryBroadcaster:
-    def __init__(self, rank: int, link: _Link, device: torch.device = torch.device("cpu")):
+    def __init__(self, rank: int, link: _Link, device: torch.device = CPU):
         self.rank, self.link, self.device = rank, link, device
 
     def broadcast(self, buf: torch.Tensor, *, src: int, members) -> None:
@@ -102,7 +103,7 @@ def _load_two_ranks(
     *,
     batch_bytes,
     max_read_bytes,
-    device=torch.device("cpu"),
+    device=CPU,
     names=("run", "half", "cols"),
 ):
     wants = [[(s, d) for s, d in _wants(r, state) if s.name in names] for r in range(2)]

@@ -1,5 +1,6 @@
-"""Batching (planning/batching.py, planning/broadcast/rounds.py): every item in exactly one batch, caps respected unless one
-item alone exceeds them, order kept, broadcast batches identical for every rank's input."""
+"""Batching (planning/batching.py, planning/broadcast/rounds.py): every item in exactly one
+batch, caps respected unless one item alone exceeds them, order kept, broadcast batches
+identical for every rank's input."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Broadcast parts: how each broadcast region of a load is cut for the wire.
 
-A region several ranks need (a :class:`~cloudckpt.planning.broadcast.readers.Broadcast`) travels as parts:
+A region several ranks need (a :class:`~cloudckpt.planning.broadcast.readers.Broadcast`) travels
+as parts:
 
 - a :class:`RunPart` when the region is at least ``run_min_bytes`` and its elements are one
   contiguous run of its chunk: a :class:`~cloudckpt.planning.load.windows.RunWindow` of about
@@ -8,7 +9,8 @@ A region several ranks need (a :class:`~cloudckpt.planning.broadcast.readers.Bro
   takes straight into its own (one broadcast each);
 - a :class:`WindowPart` otherwise: a checksum-aligned
   :class:`~cloudckpt.planning.load.windows.Window`, batched with others through a shared buffer in
-  which every window starts at a multiple of :data:`~cloudckpt.planning.batching.WINDOW_ALIGN` (see :func:`~cloudckpt.planning.load.windows.layout_windows`).
+  which every window starts at a multiple of :data:`~cloudckpt.planning.batching.WINDOW_ALIGN`
+  (see :func:`~cloudckpt.planning.load.windows.layout_windows`).
 
 The window size follows the load (:func:`part_window_bytes`): small enough that every source
 sends its share in several rounds (fetching the next window while the previous one is exchanged)
@@ -22,9 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Union
 
+from cloudckpt.manifest.model import Manifest
 from cloudckpt.planning.batching import aligned
+from cloudckpt.planning.broadcast.readers import Broadcast
 from cloudckpt.planning.load.windows import RunWindow, Window, plan_run_windows, plan_windows_many
 
 #: windows are not made smaller than this to get more rounds (each round costs collectives).
@@ -92,11 +95,15 @@ class RunPart:
         return self.run.hi - self.run.lo
 
 
-Part = Union[WindowPart, RunPart]
+Part = WindowPart | RunPart
 
 
 def plan_parts(
-    manifest, broadcasts, indices: Sequence[int], window_bytes: int, run_min_bytes: int
+    manifest: Manifest,
+    broadcasts: Sequence[Broadcast],
+    indices: Sequence[int],
+    window_bytes: int,
+    run_min_bytes: int,
 ) -> list[Part]:
     """The parts of broadcasts ``indices`` (in that order): run parts for a region of at least
     ``run_min_bytes`` stored as one run, window parts otherwise; each region's parts in byte
@@ -113,8 +120,9 @@ def plan_parts(
     )
     parts: list[Part] = []
     for i in indices:
-        if runs.get(i) is not None:
-            parts.extend(RunPart(i, r) for r in runs[i])
+        run_windows = runs.get(i)
+        if run_windows is not None:
+            parts.extend(RunPart(i, r) for r in run_windows)
         else:
             parts.extend(WindowPart(i, w) for w in windows[i])
     return parts

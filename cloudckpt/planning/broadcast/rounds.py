@@ -16,10 +16,10 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Union
 
 from cloudckpt.planning.batching import aligned, pack_in_order
 from cloudckpt.planning.broadcast.parts import Part, RunPart, WindowPart
+from cloudckpt.planning.broadcast.readers import Broadcast
 from cloudckpt.planning.load.windows import layout_windows
 
 
@@ -60,10 +60,12 @@ class WindowBatch:
         return layout_windows([p.window for p in self.parts])
 
 
-BroadcastBatch = Union[RunBatch, WindowBatch]
+BroadcastBatch = RunBatch | WindowBatch
 
 
-def balance_sources(broadcasts, parts: Sequence[Part], loads: Sequence[int]) -> list[int]:
+def balance_sources(
+    broadcasts: Sequence[Broadcast], parts: Sequence[Part], loads: Sequence[int]
+) -> list[int]:
     """The source (channel rank) of each part: every part goes to the member of its broadcast's
     group that fetches the fewest bytes so far, ``loads[r]`` (the bytes rank ``r`` reads for
     itself) counted in, the largest parts first (ties: the part first in order, the lowest
@@ -71,7 +73,7 @@ def balance_sources(broadcasts, parts: Sequence[Part], loads: Sequence[int]) -> 
     share of them, not whole regions (a state whose bytes are in a few large tensors included).
     """
     load = list(loads)
-    heaps: dict[tuple, list] = {}
+    heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     sources = [0] * len(parts)
     for i in sorted(range(len(parts)), key=lambda i: -parts[i].fetch_bytes):
         group = tuple(broadcasts[parts[i].broadcast].group)
@@ -91,7 +93,10 @@ def balance_sources(broadcasts, parts: Sequence[Part], loads: Sequence[int]) -> 
 
 
 def batch_parts(
-    broadcasts, parts: Sequence[Part], batch_bytes: int, sources: Sequence[int] | None = None
+    broadcasts: Sequence[Broadcast],
+    parts: Sequence[Part],
+    batch_bytes: int,
+    sources: Sequence[int] | None = None,
 ) -> list[BroadcastBatch]:
     """Cut ``parts`` (in global order) into broadcast batches.
 
@@ -103,10 +108,10 @@ def batch_parts(
     batch sequences are then interleaved round-robin (first batch of every key, then the
     second, ...), so every source's reads run while others broadcast.
     """
-    per_key: dict[tuple, list[BroadcastBatch]] = {}
-    windows: dict[tuple, list[WindowPart]] = {}
+    per_key: dict[tuple[tuple[int, ...], int], list[BroadcastBatch]] = {}
+    windows: dict[tuple[tuple[int, ...], int], list[WindowPart]] = {}
 
-    def close(key) -> None:
+    def close(key: tuple[tuple[int, ...], int]) -> None:
         pending = windows.pop(key, [])
         for group in pack_in_order([p.nbytes for p in pending], batch_bytes):
             per_key[key].append(WindowBatch(key[0], key[1], tuple(pending[j] for j in group)))
@@ -170,7 +175,7 @@ def plan_rounds(batches: Sequence[BroadcastBatch]) -> list[Round]:
     sources that has one; the groups' rounds are then interleaved round-robin (first round of
     every group, then the second, ...). Every batch is in exactly one round, and each source's
     batches keep their order."""
-    per_group: dict[tuple, dict[int, list[BroadcastBatch]]] = {}
+    per_group: dict[tuple[int, ...], dict[int, list[BroadcastBatch]]] = {}
     for b in batches:
         per_group.setdefault(b.members, {}).setdefault(b.src, []).append(b)
     queues = []

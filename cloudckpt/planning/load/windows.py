@@ -31,8 +31,10 @@ import numpy as np
 
 from cloudckpt.errors import ManifestError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
+from cloudckpt.manifest.model import Manifest
 from cloudckpt.planning.batching import aligned
 from cloudckpt.planning.load.chunk_index import padded_rows
+from cloudckpt.planning.load.plan import Region
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +57,7 @@ class Window:
     start: int
     length: int
     first_block: int
-    crc32c: tuple[int, ...]
+    crc32c: tuple[int | None, ...]
     block_size: int
     itemsize: int
     strides: tuple[int, ...]
@@ -133,7 +135,7 @@ class _Chunks:
     """A manifest's chunk columns as :func:`_locate` reads them (made once per manifest, kept
     with it: ``Manifest.derived``), so locating a region builds no record objects."""
 
-    def __init__(self, manifest):
+    def __init__(self, manifest: Manifest):
         cols = manifest.columns
         self.name_index = cols.name_index
         self.ndims, self.chunk_start, self.coord_start = (
@@ -147,8 +149,9 @@ class _Chunks:
         self.itemsizes = [DTYPE_ITEMSIZE[d] for d in cols.dtypes]
 
 
-def _chunks(manifest) -> _Chunks:
-    return manifest.derived("planning.windows.chunks", _Chunks)
+def _chunks(manifest: Manifest) -> _Chunks:
+    chunks: _Chunks = manifest.derived("planning.windows.chunks", _Chunks)
+    return chunks
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,14 +172,14 @@ class _Place:
     byte_length: int
     object_index: int
     crc_lo: int
-    crcs: object  # the manifest's flat crc column
+    crcs: np.ndarray  # the manifest's flat crc column
 
     def block_crcs(self, b: int, e: int) -> tuple[int, ...]:
         """crc32c of the chunk's blocks ``b .. e - 1``."""
         return tuple(self.crcs[self.crc_lo + b : self.crc_lo + e].tolist())
 
 
-def _locate(manifest, region) -> _Place | None:
+def _locate(manifest: Manifest, region: Region) -> _Place | None:
     """The region's place in its chunk; None for an empty region. Raises
     :class:`ManifestError` when the region reaches past the chunk's bytes (``KeyError`` /
     ``IndexError`` for a tensor or chunk the manifest does not have)."""
@@ -223,7 +226,7 @@ def _locate(manifest, region) -> _Place | None:
     )
 
 
-def plan_windows(manifest, region, max_bytes: int) -> list[Window]:
+def plan_windows(manifest: Manifest, region: Region, max_bytes: int) -> list[Window]:
     """The windows (see module doc) through which ``region`` of ``manifest`` is read.
 
     An empty region has no windows. Raises :class:`ManifestError` when the region reaches past
@@ -291,7 +294,7 @@ def plan_windows(manifest, region, max_bytes: int) -> list[Window]:
     return windows
 
 
-def _unverified_windows(manifest, place: _Place, max_bytes: int) -> list[Window]:
+def _unverified_windows(manifest: Manifest, place: _Place, max_bytes: int) -> list[Window]:
     """Windows of a region of a manifest without checksums: runs of at most ``max_bytes`` (at
     least one element) from the region's first element to its last, no block alignment."""
     itemsize, strides = place.itemsize, place.strides
@@ -353,7 +356,7 @@ class RunWindow:
     blocks: tuple[BlockRead, ...]
 
 
-def plan_run_windows(manifest, region, max_bytes: int) -> list[RunWindow] | None:
+def plan_run_windows(manifest: Manifest, region: Region, max_bytes: int) -> list[RunWindow] | None:
     """The windows of a region whose elements are one contiguous run of its chunk (so its bytes
     can go straight to a contiguous destination); None for any other region, or an empty one.
 
@@ -420,7 +423,7 @@ def plan_run_windows(manifest, region, max_bytes: int) -> list[RunWindow] | None
 class _Located:
     """The places of many regions, as columns (see :func:`_locate_many`)."""
 
-    def __init__(self, manifest, regions: Sequence):
+    def __init__(self, manifest: Manifest, regions: Sequence[Region]):
         g = _chunks(manifest)
         n = len(regions)
         t = np.fromiter((g.name_index.get(r.name, -1) for r in regions), np.int64, n)
@@ -457,7 +460,7 @@ class _Located:
         self.byte_offset, self.byte_length = g.byte_offset[c], byte_length
         self.object_index, self.crc_lo, self.crcs = g.object_index[c], g.crc_start[c], g.crcs
 
-    def blocks(self, block: int, max_bytes: int):
+    def blocks(self, block: int, max_bytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per region: its first block, one past its last, and whether they make one window of
         at most ``max_bytes`` (a region a fast path can take)."""
         b = self.first * self.itemsize // block
@@ -469,10 +472,12 @@ class _Located:
         )
         return b, b_end, one
 
-    def block_crcs(self, lo: np.ndarray, hi: np.ndarray, rows: np.ndarray) -> list:
+    def block_crcs(
+        self, lo: np.ndarray, hi: np.ndarray, rows: np.ndarray
+    ) -> list[tuple[int, ...] | None]:
         """Per region, the crcs of its chunk's blocks ``lo .. hi - 1`` where ``rows`` (valid
         regions only) says so, None elsewhere."""
-        out: list = [None] * len(rows)
+        out: list[tuple[int, ...] | None] = [None] * len(rows)
         pick = np.flatnonzero(rows)
         start, end = (self.crc_lo + lo)[pick], (self.crc_lo + hi)[pick]
         single = self.crcs[start].tolist()
@@ -481,7 +486,9 @@ class _Located:
         return out
 
 
-def plan_windows_many(manifest, regions: Sequence, max_bytes: int) -> list[list[Window]]:
+def plan_windows_many(
+    manifest: Manifest, regions: Sequence[Region], max_bytes: int
+) -> list[list[Window]]:
     """:func:`plan_windows` of each of ``regions`` (same windows, same errors), located
     together."""
     if not manifest.checksums or not regions:
@@ -494,7 +501,9 @@ def plan_windows_many(manifest, regions: Sequence, max_bytes: int) -> list[list[
     crcs = at.block_crcs(b, b_end, one)
     keys = manifest.objects
     out: list[list[Window]] = []
-    same: dict = {}  # equal boxes share their tuples (fewer live objects: see shared_tuples)
+    # equal boxes share their tuples (fewer live objects: see shared_tuples)
+    same: dict[tuple[int, ...], tuple[int, ...]] = {}
+    same_boxes: dict[tuple[tuple[int, ...], int], tuple[SubBox, ...]] = {}
     rows = zip(
         regions,
         one.tolist(),
@@ -530,9 +539,9 @@ def plan_windows_many(manifest, regions: Sequence, max_bytes: int) -> list[list[
         lengths = same.setdefault(lengths, lengths)
         strides = tuple(strides[:nd])
         strides = same.setdefault(strides, strides)
-        boxes = same.get((lengths, sub_first))
+        boxes = same_boxes.get((lengths, sub_first))
         if boxes is None:
-            boxes = same[(lengths, sub_first)] = (SubBox((0,) * nd, lengths, sub_first),)
+            boxes = same_boxes[(lengths, sub_first)] = (SubBox((0,) * nd, lengths, sub_first),)
         out.append(
             [Window(keys[obj], start, length, first_block, crc, block, itemsize, strides, boxes)]
         )
@@ -540,7 +549,7 @@ def plan_windows_many(manifest, regions: Sequence, max_bytes: int) -> list[list[
 
 
 def plan_run_windows_many(
-    manifest, regions: Sequence, max_bytes: int
+    manifest: Manifest, regions: Sequence[Region], max_bytes: int
 ) -> list[list[RunWindow] | None]:
     """:func:`plan_run_windows` of each of ``regions`` (same windows, same errors), located
     together."""

@@ -1,7 +1,7 @@
 """Who writes each replicated box, and which large ones are cut into row ranges.
 
-Part of :func:`cloudckpt.planning.save.global_plan.plan_global_save`; pure and deterministic (integer
-arithmetic, every tie broken by rank), so every rank derives the same result.
+Part of :func:`cloudckpt.planning.save.global_plan.plan_global_save`; pure and deterministic
+(integer arithmetic, every tie broken by rank), so every rank derives the same result.
 
 Contract of :func:`assign_replicas`:
 
@@ -13,8 +13,9 @@ Contract of :func:`assign_replicas`:
 - Replicated boxes, heaviest first (stable), each whole to the holder with the fewest bytes so
   far (ties: lowest rank) when it fits in that holder's room left below its target. Otherwise a
   box of at least ``2 * piece_bytes`` whose first dimension of size above 1 (its *rows*) allows
-  two pieces of at least ``piece_bytes`` is cut into row ranges: holders take, in order of smallest positive room left below their target
-  (ties: lowest rank), as many whole rows as fit in that room; a holder whose room is less than
+  two pieces of at least ``piece_bytes`` is cut into row ranges: holders take, in order of
+  smallest positive room left below their target (ties: lowest rank), as many whole rows as fit in
+  that room; a holder whose room is less than
   ``piece_bytes`` takes none; a piece that would leave a tail shorter than ``piece_bytes``
   takes the tail too or leaves exactly ``piece_bytes``, whichever is nearer its room; rows left
   when every holder is full go, at least ``piece_bytes`` at a time, to the holders not yet used
@@ -31,6 +32,8 @@ tensor it is a view, no copy.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -69,7 +72,12 @@ def _water_fill(levels: list[int], amount: int) -> list[int]:
     return add
 
 
-def _targets(load: list[int], multi: list[int], holders_of, nbytes: list[int]) -> list[int]:
+def _targets(
+    load: list[int],
+    multi: list[int],
+    holders_of: Callable[[int], tuple[int, ...]],
+    nbytes: list[int],
+) -> list[int]:
     groups: dict[tuple[int, ...], int] = {}
     for u, nb in zip(multi, nbytes):
         key = holders_of(u)
