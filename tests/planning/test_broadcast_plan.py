@@ -10,11 +10,8 @@ from cloudckpt.planning.broadcast.groups import select_broadcasts
 from cloudckpt.planning.broadcast.plan import BroadcastPlan, plan_broadcasts, split_reads
 from cloudckpt.planning.broadcast.readers import assign_readers
 from cloudckpt.planning.broadcast.rounds import RunBatch, WindowBatch
-from cloudckpt.planning.load.plan import (
-    decode_local_load_plan,
-    encode_local_load_plan,
-    plan_local_load,
-)
+from cloudckpt.planning.load.plan import plan_local_load
+from cloudckpt.planning.load.plan_codec import decode_local_load_plan, encode_local_load_plan
 from cloudckpt.planning.pieces import PieceSpec
 from tests.planning.test_load_plan import manifest_with
 

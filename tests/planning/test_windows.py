@@ -1,5 +1,6 @@
-"""Read windows: every element of a region in exactly one sub-box of one window, block-aligned
-windows that never share a block, bounded window size, views that land on the right elements."""
+"""Read windows (planning/load/windows.py, windows_many.py): every element of a region in exactly
+one sub-box of one window, block-aligned windows that never share a block, bounded window size,
+views that land on the right elements."""
 
 from __future__ import annotations
 
@@ -15,11 +16,10 @@ from cloudckpt.planning.load.plan import Region
 from cloudckpt.planning.load.windows import (
     boxes_in_flat_range,
     plan_run_windows,
-    plan_run_windows_many,
     plan_windows,
-    plan_windows_many,
     row_major_strides,
 )
+from cloudckpt.planning.load.windows_many import plan_run_windows_many, plan_windows_many
 from tests.planning.test_load_plan import manifest_with
 
 

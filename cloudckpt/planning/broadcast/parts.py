@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from cloudckpt.manifest.model import Manifest
 from cloudckpt.planning.batching import aligned
 from cloudckpt.planning.broadcast.readers import Broadcast
-from cloudckpt.planning.load.windows import RunWindow, Window, plan_run_windows, plan_windows_many
+from cloudckpt.planning.load.windows import RunWindow, Window, plan_run_windows
+from cloudckpt.planning.load.windows_many import plan_windows_many
 
 #: windows are not made smaller than this to get more rounds (each round costs collectives).
 MIN_PART_WINDOW = 1 << 20
