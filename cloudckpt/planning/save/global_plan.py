@@ -8,7 +8,7 @@ vectorised (numpy over all pieces at once): no per-piece Python objects.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -20,7 +20,7 @@ from cloudckpt.planning.coverage import find_cover_defect, slab_segments_ok, sor
 from cloudckpt.planning.pieces import PieceHeader, region_str
 from cloudckpt.planning.save import replicas
 from cloudckpt.planning.save.local_plan import LocalSavePlan
-from cloudckpt.planning.save.replicas import assign_replicas, cut_dim
+from cloudckpt.planning.save.replicas import ReplicaBoxes, assign_replicas, cut_dim
 
 
 @dataclass(frozen=True)
@@ -276,22 +276,23 @@ def plan_global_save(
     writer_piece = s_piece[run_start].copy()
     within = np.zeros_like(u_off)
     if not replicas_to_lowest_rank:
-        cut = assign_replicas(
-            run_start,
-            run_len,
-            u_nbytes,
-            u_size,
-            ndims[u_g],
-            s_rank,
-            s_piece,
-            writer,
-            writer_piece,
-            world,
-            replicas.REPLICA_PIECE_BYTES if replica_piece_bytes is None else replica_piece_bytes,
+        boxes = ReplicaBoxes(
+            run_start=run_start,
+            run_len=run_len,
+            nbytes=u_nbytes,
+            size=u_size,
+            ndim=ndims[u_g],
+            hold_rank=s_rank,
+            hold_piece=s_piece,
         )
-        if cut:
+        piece_bytes = (
+            replicas.REPLICA_PIECE_BYTES if replica_piece_bytes is None else replica_piece_bytes
+        )
+        assigned = assign_replicas(boxes, world_size=world, piece_bytes=piece_bytes)
+        writer, writer_piece = assigned.writer, assigned.writer_piece
+        if assigned.cuts:
             u_g, u_off, u_size, u_nbytes, writer, writer_piece, within = _apply_cuts(
-                cut,
+                assigned.cuts,
                 u_g,
                 u_off,
                 u_size,
@@ -332,7 +333,7 @@ def plan_global_save(
 
 
 def _apply_cuts(
-    cut: dict[int, list[tuple[int, int, int]]],
+    cut: Mapping[int, tuple[tuple[int, int, int], ...]],
     u_g: np.ndarray,
     u_off: np.ndarray,
     u_size: np.ndarray,
