@@ -137,6 +137,8 @@ TRACED = (
     "cloudckpt.api.reports:LoadPlanReport.decode",
     "cloudckpt.api.load_data:assign_readers",
     "cloudckpt.api.load_data:select_broadcasts",
+    "cloudckpt.api.load_data:split_reads",
+    "cloudckpt.api.load_data:plan_broadcasts",
     "cloudckpt.dataplane.broadcast:BroadcastSession.__init__",
     "cloudckpt.api.load_data:run_broadcasts",
     "cloudckpt.dataplane.reader:plan_pieces",

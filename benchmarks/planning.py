@@ -38,11 +38,8 @@ sys.path.insert(
 
 from cloudckpt.manifest.codec import decode_manifest, encode_manifest
 from cloudckpt.planning.broadcast.readers import assign_readers
-from cloudckpt.planning.load.plan import (
-    decode_local_load_plan,
-    encode_local_load_plan,
-    plan_local_load,
-)
+from cloudckpt.planning.load.plan import plan_local_load
+from cloudckpt.planning.load.plan_codec import decode_local_load_plan, encode_local_load_plan
 from cloudckpt.planning.pieces import PieceHeader, PieceSpec, PieceTable
 from cloudckpt.planning.save.assemble import WrittenChunks, assemble_manifest
 from cloudckpt.planning.save.cache import SavePlanCache, save_plan_cache_key

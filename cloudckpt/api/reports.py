@@ -27,11 +27,8 @@ import msgpack
 
 from cloudckpt.errors import PlanningError, ProtocolError
 from cloudckpt.manifest.values import decode_value
-from cloudckpt.planning.load.plan import (
-    LocalLoadPlan,
-    decode_local_load_plan,
-    encode_local_load_plan,
-)
+from cloudckpt.planning.load.plan import LocalLoadPlan
+from cloudckpt.planning.load.plan_codec import decode_local_load_plan, encode_local_load_plan
 from cloudckpt.planning.save.assemble import WrittenChunks, decode_written_chunks
 from cloudckpt.planning.save.local_plan import (
     LocalSavePlan,

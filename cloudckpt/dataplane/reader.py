@@ -29,16 +29,15 @@ from typing import Union
 import torch
 
 from cloudckpt.dataplane.buffers import BufferPool, byte_view, is_byte_viewable
-from cloudckpt.planning.batching import Span, batch_by_object
-from cloudckpt.planning.broadcast.parts import aligned, layout_windows
+from cloudckpt.planning.batching import Span, aligned, batch_by_object
 from cloudckpt.planning.load.plan import Region
 from cloudckpt.planning.load.windows import (
     RunWindow,
     Window,
+    layout_windows,
     plan_run_windows,
-    plan_run_windows_many,
-    plan_windows_many,
 )
+from cloudckpt.planning.load.windows_many import plan_run_windows_many, plan_windows_many
 from cloudckpt.statedict.pieces import torch_dtype
 from cloudckpt.storage.base import ReadRange
 
@@ -179,7 +178,7 @@ Piece = Union[DirectPiece, WindowPiece]
 def plan_pieces(manifest, regions: Sequence, targets, window_bytes: int) -> list[Piece]:
     """How every region is read: direct pieces when ``targets(region)`` can take it in place
     (see :func:`direct_ranges`), windows of at most ``window_bytes`` otherwise. The regions are
-    located together (:func:`~cloudckpt.planning.load.windows.plan_run_windows_many`)."""
+    located together (:func:`~cloudckpt.planning.load.windows_many.plan_run_windows_many`)."""
     dests = [targets(r) for r in regions] if targets is not None else [None] * len(regions)
     landing = [i for i, (r, d) in enumerate(zip(regions, dests)) if _can_land(manifest, r, d)]
     runs = dict(
