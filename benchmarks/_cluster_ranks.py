@@ -118,7 +118,7 @@ def rank_build(
 
 
 def _info():
-    from cloudckpt.testing.servers.seaweed import S3ServerInfo
+    from cloudckpt.testing.servers.endpoint import S3ServerInfo
 
     env = os.environ
     return S3ServerInfo(

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ClientError
 
-from cloudckpt.testing.servers.seaweed import S3Server, S3ServerInfo, start_s3_server
+from cloudckpt.testing.servers.endpoint import S3ServerInfo
+from cloudckpt.testing.servers.seaweed import S3Server, start_s3_server
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,8 +12,8 @@ import importlib
 
 _EXPORTS = {
     "S3Server": "servers.seaweed",
-    "S3ServerError": "servers.seaweed",
-    "S3ServerInfo": "servers.seaweed",
+    "S3ServerError": "servers.weed_host",
+    "S3ServerInfo": "servers.endpoint",
     "start_s3_server": "servers.seaweed",
     "ProcessWorld": "dist.world",
     "RankFailedError": "dist.world",

@@ -59,7 +59,8 @@ from typing import Any
 from cloudckpt.testing.cluster import net
 from cloudckpt.testing.cluster.watchdog import destroy, run_dir, run_namespaces, sweep_stale
 from cloudckpt.testing.dist.world import ProcessWorld
-from cloudckpt.testing.servers.seaweed import DEFAULT_BUCKET, S3ServerInfo, check_bucket_name
+from cloudckpt.testing.servers.endpoint import DEFAULT_BUCKET, S3ServerInfo
+from cloudckpt.testing.servers.weed_host import check_bucket_name
 
 __all__ = ["Cluster", "ClusterUnavailable", "unavailable_reason"]
 

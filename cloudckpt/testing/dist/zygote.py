@@ -24,6 +24,8 @@ import time
 import traceback
 from pathlib import Path
 
+from cloudckpt.testing.dist.worker import worker_main
+
 _ZYGOTE_START_TIMEOUT_S = 120.0
 
 
@@ -140,8 +142,6 @@ def _zygote_main(fd: int) -> None:
     import torch  # noqa: F401  (the point of the zygote: workers inherit the import)
     import torch.distributed  # noqa: F401
 
-    from cloudckpt.testing.dist.world import _worker_main
-
     sock = socket.socket(fileno=fd)
     live: set[int] = set()
     exited: dict[int, int] = {}
@@ -177,7 +177,7 @@ def _zygote_main(fd: int) -> None:
                 try:
                     sock.close()
                     signal.signal(signal.SIGINT, signal.SIG_IGN)
-                    _worker_main(multiprocessing.connection.Connection(fds[0]))
+                    worker_main(multiprocessing.connection.Connection(fds[0]))
                     code = 0
                 except BaseException:
                     traceback.print_exc()

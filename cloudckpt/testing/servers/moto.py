@@ -27,14 +27,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from cloudckpt.testing.servers.seaweed import (
-    _WATCHDOG_SCRIPT,
-    DEFAULT_BUCKET,
-    DEFAULT_REGION,
-    S3ServerError,
-    S3ServerInfo,
-    stop_server_process,
-)
+from cloudckpt.testing.servers.endpoint import DEFAULT_BUCKET, DEFAULT_REGION, S3ServerInfo
+from cloudckpt.testing.servers.weed_host import WATCHDOG_SCRIPT, S3ServerError, stop_server_process
 
 __all__ = ["MotoServer", "moto_available"]
 
@@ -116,7 +110,7 @@ class MotoServer:
         # will stop it. It finds moto as the process running this interpreter with the work dir
         # among its arguments.
         self._watchdog = subprocess.Popen(
-            [sys.executable, _WATCHDOG_SCRIPT, str(os.getpid()), sys.executable, self._workdir],
+            [sys.executable, WATCHDOG_SCRIPT, str(os.getpid()), sys.executable, self._workdir],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

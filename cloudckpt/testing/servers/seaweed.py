@@ -22,8 +22,11 @@ Contract:
   work directory): nothing trusts it unless told to.
 - `host` (default 127.0.0.1) is the one address weed listens on and advertises. Any other address
   is accepted only inside a named network namespace (``ip netns``), never in the machine's own:
-  the simulated cluster of :mod:`cloudckpt.testing.cluster.simulated` runs weed on its server namespace's
-  private address, which nothing outside that run's namespaces can reach.
+  the simulated cluster of :mod:`cloudckpt.testing.cluster.simulated` runs weed on its server
+  namespace's private address, which nothing outside that run's namespaces can reach.
+
+Around it: `endpoint` (S3ServerInfo), `weed_config` (identities file, command lines, environment),
+`weed_host` (binary, ports, names, stopping), `weed_watchdog` (the script that outlives a crash).
 
 Command line: `python -m cloudckpt.testing.servers.seaweed [--bucket B]...` runs a server in the
 foreground, creates the buckets named (default `cloudckpt-test`), prints the endpoint and
@@ -35,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import json
 import os
 import random
 import secrets
@@ -49,9 +51,17 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from cloudckpt.testing.servers.endpoint import DEFAULT_BUCKET, DEFAULT_REGION, S3ServerInfo
+from cloudckpt.testing.servers.tlsca import make_tls_files
+from cloudckpt.testing.servers.weed_config import (
+    new_keys,
+    watchdog_argv,
+    weed_argv,
+    weed_environment,
+    write_identities,
+)
 from cloudckpt.testing.servers.weed_host import (
     _GRPC_OFFSET,
     _GRPC_SOCKET,
@@ -66,99 +76,10 @@ from cloudckpt.testing.servers.weed_host import (
 )
 from cloudckpt.testing.servers.weed_watchdog import remove_sockets
 
-__all__ = ["S3ServerInfo", "S3Server", "S3ServerError", "start_s3_server", "find_weed"]
+__all__ = ["S3Server", "start_s3_server"]
 
-DEFAULT_BUCKET = "cloudckpt-test"
-DEFAULT_REGION = "us-east-1"
 READY_TIMEOUT_S = 30.0
 START_ATTEMPTS = 5
-# Runs as a script in its own process (see its docstring); it imports nothing of cloudckpt.
-_WATCHDOG_SCRIPT = str(Path(__file__).with_name("weed_watchdog.py"))
-
-
-@dataclass(frozen=True, kw_only=True)
-class S3ServerInfo:
-    """Where a running local S3 endpoint is and how to sign requests to it."""
-
-    endpoint_url: str
-    access_key: str
-    secret_key: str = field(repr=False)
-    region: str = DEFAULT_REGION
-    bucket: str = DEFAULT_BUCKET
-    readonly_access_key: str
-    readonly_secret_key: str = field(repr=False)
-    https_endpoint_url: str | None = None
-    ca_file: str | None = None
-
-    def env(self) -> dict[str, str]:
-        """The standard AWS variables that point an S3 client at this endpoint (admin identity)."""
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint_url,
-            "AWS_ACCESS_KEY_ID": self.access_key,
-            "AWS_SECRET_ACCESS_KEY": self.secret_key,
-            "AWS_DEFAULT_REGION": self.region,
-        }
-
-    def readonly_env(self) -> dict[str, str]:
-        """Like `env()`, with the read-only identity (Read, List: every write gets 403)."""
-        return {
-            **self.env(),
-            "AWS_ACCESS_KEY_ID": self.readonly_access_key,
-            "AWS_SECRET_ACCESS_KEY": self.readonly_secret_key,
-        }
-
-    def url(self, path: str = "") -> str:
-        """`s3://<bucket>/<path>` (a leading slash in `path` is dropped)."""
-        return f"s3://{self.bucket}/{path.lstrip('/')}"
-
-    def boto3_client(
-        self,
-        *,
-        readonly: bool = False,
-        access_key: str | None = None,
-        secret_key: str | None = None,
-    ):
-        """A path-style S3 client for this endpoint (admin identity unless told otherwise).
-
-        It is the client ``boto3.client("s3", ...)`` returns, built with botocore directly (which
-        aiobotocore brings): boto3 is not a dependency of cloudckpt, nor of its test extras."""
-        from botocore.config import Config
-
-        if readonly:
-            access_key = access_key or self.readonly_access_key
-            secret_key = secret_key or self.readonly_secret_key
-        return _create_botocore_client(
-            "s3",
-            endpoint_url=self.endpoint_url,
-            aws_access_key_id=access_key or self.access_key,
-            aws_secret_access_key=secret_key or self.secret_key,
-            region_name=self.region,
-            config=Config(
-                s3={"addressing_style": "path", "payload_signing_enabled": False},
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-                retries={"max_attempts": 2},
-                connect_timeout=5,
-                read_timeout=60,
-                proxies={},
-            ),
-        )
-
-
-_BOTOCORE_SESSION = None
-_BOTOCORE_LOCK = threading.Lock()
-
-
-def _create_botocore_client(service: str, **kwargs):
-    """``boto3.client(service, **kwargs)`` without boto3: one shared botocore session (its loaded
-    service models are reused, as boto3's default session does), clients created under a lock."""
-    global _BOTOCORE_SESSION
-    import botocore.session
-
-    with _BOTOCORE_LOCK:
-        if _BOTOCORE_SESSION is None:
-            _BOTOCORE_SESSION = botocore.session.get_session()
-        return _BOTOCORE_SESSION.create_client(service, **kwargs)
 
 
 _LIVE_SERVERS: weakref.WeakSet[S3Server] = weakref.WeakSet()
@@ -249,12 +170,7 @@ class S3Server:
                 return self._info
             t0 = time.monotonic()
             rng = random.Random(secrets.randbits(64))
-            keys = {
-                "access_key": "CK" + secrets.token_hex(9).upper(),
-                "secret_key": secrets.token_urlsafe(30),
-                "readonly_access_key": "CR" + secrets.token_hex(9).upper(),
-                "readonly_secret_key": secrets.token_urlsafe(30),
-            }
+            keys = new_keys()
             failures: list[str] = []
             for _ in range(START_ATTEMPTS):
                 try:
@@ -279,86 +195,28 @@ class S3Server:
         work = Path(self._workdir)
         (work / "data").mkdir()
         (work / "log").mkdir()
-        identities = {
-            "identities": [
-                {
-                    "name": "admin",
-                    "credentials": [
-                        {"accessKey": keys["access_key"], "secretKey": keys["secret_key"]}
-                    ],
-                    "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-                },
-                {
-                    "name": "readonly",
-                    "credentials": [
-                        {
-                            "accessKey": keys["readonly_access_key"],
-                            "secretKey": keys["readonly_secret_key"],
-                        }
-                    ],
-                    "actions": ["Read", "List"],
-                },
-            ]
-        }
-        config = work / "s3-identities.json"
-        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(identities, f)
-
+        identities = work / "s3-identities.json"
+        write_identities(identities, keys)
         # (checked free on 127.0.0.1 of this namespace: in a cluster's server namespace, where
         # weed listens on another address, nothing else listens anyway; a clash is retried)
         ports = self._ports = _pick_ports(rng)
         if self.tls:
             ports["s3https"] = _pick_extra_port(rng, ports)
         weed = find_weed()
-        argv = [
-            weed,
-            f"-logdir={work / 'log'}",
-            "mini",
-            f"-dir={work / 'data'}",
-            f"-ip={self.host}",
-            f"-ip.bind={self.host}",
-            "-master.telemetry=false",
-            "-admin.ui=false",
-            "-webdav=false",
-            "-s3.port.iceberg=0",
-            "-s3.port.lance=0",
-            "-volume.preStopSeconds=0",  # nobody to drain: stop in ~1 s instead of ~2 s
-            f"-filer.localSocket={work / 'log' / 'filer.sock'}",
-            f"-s3.localSocket={work / 'log' / 's3.sock'}",
-            f"-s3.config={config}",
-            f"-s3.autoCreateBucket={'true' if self.s3_auto_create_bucket else 'false'}",
-            f"-webdav.port={ports['webdav']}",
-        ]
-        for service in ("master", "volume", "filer", "s3", "admin"):
-            argv += [
-                f"-{service}.port={ports[service]}",
-                f"-{service}.port.grpc={ports[service] + _GRPC_OFFSET}",
-            ]
-        tls = None
-        if self.tls:
-            from cloudckpt.testing.servers.tlsca import make_tls_files
-
-            tls = make_tls_files(work / "tls")
-            argv += [
-                f"-s3.cert.file={tls.cert_file}",
-                f"-s3.key.file={tls.key_file}",
-                f"-s3.port.https={ports['s3https']}",
-            ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        env.pop("S3_BUCKET", None)
-        env.pop("S3_TABLE_BUCKET", None)
+        tls = make_tls_files(work / "tls") if self.tls else None
+        argv = weed_argv(
+            weed=weed,
+            work=work,
+            host=self.host,
+            ports=ports,
+            identities=identities,
+            s3_auto_create_bucket=self.s3_auto_create_bucket,
+            tls=tls,
+        )
+        env = weed_environment()
         # The watchdog first: from the moment weed exists, someone will stop it.
         self._watchdog = subprocess.Popen(
-            [
-                sys.executable,
-                "-I",
-                _WATCHDOG_SCRIPT,
-                str(os.getpid()),
-                weed,
-                self._workdir,
-                *self._grpc_sockets(),
-            ],
+            watchdog_argv(weed, self._workdir, self._grpc_sockets()),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -1,6 +1,7 @@
 """What starting weed needs from this host: the binary, free ports, bucket names, the address
-weed may listen on, and stopping a launched server (used by :mod:`cloudckpt.testing.servers.seaweed` and
-:mod:`cloudckpt.testing.servers.moto`; never imported by library code).
+weed may listen on, and stopping a launched server (used by
+:mod:`cloudckpt.testing.servers.seaweed` and :mod:`cloudckpt.testing.servers.moto`; never imported
+by library code).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import sys
 from pathlib import Path
 
 STOP_GRACE_S = 10.0
+# The watchdog of a launched server: a script run in its own process (see its docstring); it
+# imports nothing of cloudckpt. ``python -I WATCHDOG_SCRIPT OWNER_PID BINARY WORKDIR [SOCKET]...``
+WATCHDOG_SCRIPT = str(Path(__file__).with_name("weed_watchdog.py"))
 # HTTP ports are drawn here; each gRPC port is its HTTP port + 10000, which keeps every port below
 # the kernel's ephemeral range (32768+) and satisfies weed's "admin gRPC = admin + 10000" dial.
 _PORT_LOW, _PORT_HIGH, _GRPC_OFFSET = 10000, 22700, 10000
