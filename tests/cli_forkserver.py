@@ -10,7 +10,7 @@ handlers run, streams flushed) giving the exit status. Tests that need a real in
 starting their own subprocess.
 
 Test infrastructure: requests are pickled over a private socket between a test process and its
-own server (as in :mod:`cloudckpt.testing.dist.zygote`).
+own server (as in :mod:`cloudckpt.testing.ranks.zygote`).
 """
 
 from __future__ import annotations

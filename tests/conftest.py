@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from cloudckpt.testing.dist.world import ProcessWorld
+from cloudckpt.testing.ranks.world import ProcessWorld
 from cloudckpt.testing.servers.endpoint import S3ServerInfo
 from cloudckpt.testing.servers.moto import MotoServer
 from cloudckpt.testing.servers.seaweed import S3Server

@@ -16,7 +16,7 @@ shape at a small scale, so benchmarks measure links instead of the machine's CPU
 - The store is one SeaweedFS with credentials, in its own namespace, listening on that
   namespace's private address (:mod:`cloudckpt.testing.cluster.s3`); `info` is its
   `S3ServerInfo` (reachable from the ranks only, not from the process that built the cluster).
-- `ranks_per_node` gloo ranks per node, a persistent :class:`cloudckpt.testing.dist.world.ProcessWorld`
+- `ranks_per_node` gloo ranks per node, a persistent :class:`cloudckpt.testing.ranks.world.ProcessWorld`
   whose workers enter their node's namespace before initialising torch.distributed: the
   rendezvous is node 0's backend address, gloo is bound to the backend link
   (``GLOO_SOCKET_IFNAME=be0``), and the standard AWS variables point at the store, so
@@ -58,7 +58,7 @@ from typing import Any
 
 from cloudckpt.testing.cluster import net
 from cloudckpt.testing.cluster.watchdog import destroy, run_dir, run_namespaces, sweep_stale
-from cloudckpt.testing.dist.world import ProcessWorld
+from cloudckpt.testing.ranks.world import ProcessWorld
 from cloudckpt.testing.servers.endpoint import DEFAULT_BUCKET, S3ServerInfo
 from cloudckpt.testing.servers.weed_host import check_bucket_name
 

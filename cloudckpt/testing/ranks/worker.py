@@ -1,5 +1,5 @@
-"""The worker side of the multi-rank harness (:mod:`cloudckpt.testing.dist.world`): what a rank
-process forked by the zygote (:mod:`cloudckpt.testing.dist.zygote`) runs.
+"""The worker side of the multi-rank harness (:mod:`cloudckpt.testing.ranks.world`): what a rank
+process forked by the zygote (:mod:`cloudckpt.testing.ranks.zygote`) runs.
 
 `worker_main(conn)` reads its start message from `conn` (rank, world size, environment,
 placement...), enters its network namespace if told, joins the gloo world, then answers
@@ -59,8 +59,12 @@ def worker_main(conn: multiprocessing.connection.Connection) -> None:
         except OSError:
             conn.send(("error", None, f"rank {rank}: " + traceback.format_exc()))
             return
-    threading.Thread(target=_watch_owner, args=(init["owner_pid"], os.getppid()), daemon=True,
-                     name="cloudckpt-owner-watch").start()
+    threading.Thread(
+        target=_watch_owner,
+        args=(init["owner_pid"], os.getppid()),
+        daemon=True,
+        name="cloudckpt-owner-watch",
+    ).start()
     import faulthandler
     import random
 
@@ -80,9 +84,15 @@ def worker_main(conn: multiprocessing.connection.Connection) -> None:
         os.environ.clear()
         os.environ.update(init["env"])
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
-                           "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-                           "MASTER_ADDR": init["master_addr"]})
+        os.environ.update(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": init["master_addr"],
+            }
+        )
         os.environ.update(init["rank_env"])
         from datetime import timedelta
 
@@ -94,16 +104,25 @@ def worker_main(conn: multiprocessing.connection.Connection) -> None:
             sys.modules["numpy"].random.seed()
         timeout = timedelta(seconds=max(init["pg_timeout"], 30.0))
         if rank == 0:
-            store = dist.TCPStore(init["master_addr"], 0, world_size, is_master=True, timeout=timeout,
-                                  wait_for_workers=False)
+            store = dist.TCPStore(
+                init["master_addr"],
+                0,
+                world_size,
+                is_master=True,
+                timeout=timeout,
+                wait_for_workers=False,
+            )
             port = store.port
             conn.send(("port", None, port))
         else:
             port = conn.recv()[1]
-            store = dist.TCPStore(init["master_addr"], port, world_size, is_master=False, timeout=timeout)
+            store = dist.TCPStore(
+                init["master_addr"], port, world_size, is_master=False, timeout=timeout
+            )
         os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
         conn.send(("ready", None))
     except BaseException:
         conn.send(("error", None, f"rank {rank}: " + traceback.format_exc()))

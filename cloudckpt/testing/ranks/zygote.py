@@ -1,5 +1,5 @@
-"""The zygote of the multi-rank harness (:mod:`cloudckpt.testing.dist.world`): one process per owner
-that imported torch once and forks workers on request, so a world (re)start costs well under a
+"""The zygote of the multi-rank harness (:mod:`cloudckpt.testing.ranks.world`): one process per
+owner that imported torch once and forks workers on request, so a world (re)start costs well under a
 second after the first. It runs in its own session and exits (killing its workers) on EOF of its
 control socket, i.e. when the owner closes it or dies, even by SIGKILL.
 
@@ -24,7 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
-from cloudckpt.testing.dist.worker import worker_main
+from cloudckpt.testing.ranks.worker import worker_main
 
 _ZYGOTE_START_TIMEOUT_S = 120.0
 
@@ -49,13 +49,19 @@ class _Zygote:
             return
         self._close()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        boot = ("import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
-                "from cloudckpt.testing.dist.zygote import _zygote_main; _zygote_main(int(sys.argv[2]))")
+        boot = (
+            "import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
+            "from cloudckpt.testing.ranks.zygote import _zygote_main; "
+            "_zygote_main(int(sys.argv[2]))"
+        )
         path = [_repo_root()] + [p for p in sys.path if p]
         with theirs:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", boot, json.dumps(path), str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True)
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self._sock = ours
         ours.settimeout(_ZYGOTE_START_TIMEOUT_S)
         try:
