@@ -69,9 +69,11 @@ def worker_main(conn: multiprocessing.connection.Connection) -> None:
     import random
 
     for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)  # (io.TextIOWrapper's; not TextIO's)
         try:
-            stream.reconfigure(line_buffering=True)
-        except (AttributeError, ValueError):
+            if reconfigure is not None:
+                reconfigure(line_buffering=True)
+        except ValueError:
             pass
 
     random.seed()  # forked from one zygote: do not share its random state

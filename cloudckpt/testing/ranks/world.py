@@ -264,7 +264,8 @@ class ProcessWorld:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            for conn in multiprocessing.connection.wait(list(pending), timeout=remaining):
+            ready = multiprocessing.connection.wait(list(pending), timeout=remaining)
+            for conn in [c for c in list(pending) if c in ready]:
                 rank = pending[conn]
                 try:
                     msg = conn.recv()

@@ -76,22 +76,28 @@ class _Zygote:
         self.scratch_dir = msg[2]
 
     def _request(self, msg: tuple, fds: list[int] | None = None) -> tuple:
+        sock = self._sock
+        if sock is None:  # (set with _proc, under the lock: callers checked _proc)
+            raise OSError("the harness zygote process is not running")
         data = pickle.dumps(msg)
         if fds:
-            socket.send_fds(self._sock, [data], fds)
+            socket.send_fds(sock, [data], fds)
         else:
-            self._sock.send(data)
-        return pickle.loads(self._sock.recv(1 << 16))
+            sock.send(data)
+        return pickle.loads(sock.recv(1 << 16))
 
     def spawn(self) -> tuple[int, multiprocessing.connection.Connection, str]:
         """Fork one worker; return its pid, the owner's end of its connection and the
         zygote's scratch directory."""
         with self._lock:
             self._ensure()
+            scratch = self.scratch_dir
+            if scratch is None:
+                raise RuntimeError("the harness zygote process did not start")
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             with theirs:
                 reply = self._request(("spawn",), [theirs.fileno()])
-            return reply[1], multiprocessing.connection.Connection(ours.detach()), self.scratch_dir
+            return reply[1], multiprocessing.connection.Connection(ours.detach()), scratch
 
     def kill(self, pids: list[int]) -> dict[int, int | None]:
         """SIGKILL and reap the given workers (only ones the zygote has not reaped yet)."""

@@ -119,7 +119,7 @@ class MotoServer:
             env=env,
         )
         with open(work / "moto.out", "wb") as out:
-            self._proc = subprocess.Popen(
+            proc = self._proc = subprocess.Popen(
                 [
                     sys.executable,
                     "-c",
@@ -139,7 +139,7 @@ class MotoServer:
                 close_fds=True,
             )
         endpoint = f"http://127.0.0.1:{port}"
-        self._wait_ready(endpoint)
+        self._wait_ready(proc, endpoint)
         info = S3ServerInfo(
             endpoint_url=endpoint,
             region=DEFAULT_REGION,
@@ -153,16 +153,18 @@ class MotoServer:
         return info
 
     def _log_tail(self, limit: int = 3000) -> str:
+        if self._workdir is None:
+            return ""
         try:
             return (Path(self._workdir) / "moto.out").read_text(errors="replace")[-limit:]
-        except (OSError, TypeError):
+        except OSError:
             return ""
 
-    def _wait_ready(self, endpoint: str) -> None:
+    def _wait_ready(self, proc: subprocess.Popen, endpoint: str) -> None:
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         deadline = time.monotonic() + self.ready_timeout
         while True:
-            code = self._proc.poll()
+            code = proc.poll()
             if code is not None:
                 raise S3ServerError(f"moto exited with {code} during start:\n{self._log_tail()}")
             try:

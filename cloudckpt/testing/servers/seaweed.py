@@ -225,7 +225,7 @@ class S3Server:
             env=env,
         )
         with open(work / "weed.out", "wb") as out:
-            self._proc = subprocess.Popen(
+            proc = self._proc = subprocess.Popen(
                 argv,
                 cwd=work,
                 env=env,
@@ -237,11 +237,11 @@ class S3Server:
             )
 
         endpoint = f"http://{self.host}:{ports['s3']}"
-        self._wait_ready(endpoint)
+        self._wait_ready(proc, endpoint)
         https = None
         if tls is not None:
             https = f"https://127.0.0.1:{ports['s3https']}"
-            self._wait_ready(https, ssl.create_default_context(cafile=tls.ca_file))
+            self._wait_ready(proc, https, ssl.create_default_context(cafile=tls.ca_file))
         info = S3ServerInfo(
             endpoint_url=endpoint,
             region=DEFAULT_REGION,
@@ -251,7 +251,7 @@ class S3Server:
             **keys,
         )
         # A signed request with our own keys proves the answering server is ours, not a neighbour's.
-        self._check_signed(info)
+        self._check_signed(proc, info)
         return info
 
     def _grpc_sockets(self) -> list[str]:
@@ -262,18 +262,22 @@ class S3Server:
         ]
 
     def _log_tail(self, limit: int = 3000) -> str:
+        if self._workdir is None:
+            return ""
         try:
             return (Path(self._workdir) / "weed.out").read_text(errors="replace")[-limit:]
-        except (OSError, TypeError):
+        except OSError:
             return ""
 
-    def _wait_ready(self, endpoint: str, context: ssl.SSLContext | None = None) -> None:
+    def _wait_ready(
+        self, proc: subprocess.Popen, endpoint: str, context: ssl.SSLContext | None = None
+    ) -> None:
         opener = urllib.request.build_opener(
             urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context)
         )
         deadline = time.monotonic() + self.ready_timeout
         while True:
-            code = self._proc.poll()
+            code = proc.poll()
             if code is not None:
                 raise _PortClash(f"weed exited with {code} during start:\n{self._log_tail()}")
             try:
@@ -292,7 +296,7 @@ class S3Server:
                 )
             time.sleep(0.05)
 
-    def _check_signed(self, info: S3ServerInfo) -> None:
+    def _check_signed(self, proc: subprocess.Popen, info: S3ServerInfo) -> None:
         from botocore.exceptions import ClientError
 
         client = info.boto3_client()
@@ -315,7 +319,7 @@ class S3Server:
                 if time.monotonic() > deadline:
                     raise S3ServerError(f"S3 not usable: {exc}\n{self._log_tail()}") from exc
             except Exception as exc:  # connection errors while weed settles
-                if self._proc.poll() is not None:
+                if proc.poll() is not None:
                     raise _PortClash(f"weed exited during start:\n{self._log_tail()}") from exc
                 if time.monotonic() > deadline:
                     raise S3ServerError(f"S3 not usable: {exc}\n{self._log_tail()}") from exc
