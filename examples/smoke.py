@@ -67,8 +67,8 @@ def main() -> None:
             run(url)
         print(
             f"smoke: the private server and its data ({url}) are gone now; to keep a "
-            "checkpoint, start `python -m cloudckpt.testing.servers.seaweed`, eval its export lines, "
-            "and run this again"
+            "checkpoint, start `python -m cloudckpt.testing.servers.seaweed`, eval its export "
+            "lines, and run this again"
         )
     except CloudCkptError as exc:
         raise SystemExit(f"smoke: FAILED: {exc}") from exc
