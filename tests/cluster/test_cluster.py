@@ -1,4 +1,5 @@
-"""The simulated cluster (cloudckpt.testing.cluster.simulated): namespaces with shaped links, one store.
+"""The simulated cluster (cloudckpt.testing.cluster.simulated): namespaces with shaped links, one
+store.
 
 Skipped where network namespaces cannot be created (not root, no iproute2)."""
 

@@ -37,8 +37,11 @@ class _Link:
         self.slots: dict[int, torch.Tensor] = {}
 
 
+_CPU = torch.device("cpu")
+
+
 class _MemoryBroadcaster:
-    def __init__(self, rank: int, link: _Link, device: torch.device = torch.device("cpu")):
+    def __init__(self, rank: int, link: _Link, device: torch.device = _CPU):
         self.rank, self.link, self.device = rank, link, device
 
     def broadcast(self, buf: torch.Tensor, *, src: int, members) -> None:
@@ -102,7 +105,7 @@ def _load_two_ranks(
     *,
     batch_bytes,
     max_read_bytes,
-    device=torch.device("cpu"),
+    device=_CPU,
     names=("run", "half", "cols"),
 ):
     wants = [[(s, d) for s, d in _wants(r, state) if s.name in names] for r in range(2)]

@@ -1,5 +1,5 @@
-"""Broadcast group selection (planning/broadcast/groups.py): the busiest groups, whole groups kept or
-dropped, and the same selection on every rank."""
+"""Broadcast group selection (planning/broadcast/groups.py): the busiest groups, whole groups kept
+or dropped, and the same selection on every rank."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Broadcast parts (planning/broadcast/parts.py): run parts for large regions stored as one run, tiling
-the region's bytes in order; window parts otherwise; buffer layout aligned."""
+"""Broadcast parts (planning/broadcast/parts.py): run parts for large regions stored as one run,
+tiling the region's bytes in order; window parts otherwise; buffer layout aligned."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""statedict: flattening, structure, GlobalPiece, DTensor boxes (with torch's fake process group)."""
+"""statedict: flattening, structure, GlobalPiece, DTensor boxes (with torch's fake process
+group)."""
 
 from __future__ import annotations
 

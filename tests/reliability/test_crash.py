@@ -304,7 +304,7 @@ def test_whole_job_killed_at_random_instants(crash_world, runs, tmp_path, figure
         delay = rng.uniform(0.0, 1.1 * duration)
         result: dict = {}
 
-        def save() -> None:
+        def save(result: dict = result, step: int = step) -> None:
             try:
                 result["ok"] = run.save(crash_world, step, 0)
             except RankFailedError as exc:

@@ -168,7 +168,7 @@ def test_a_path_that_is_not_there_is_an_error_not_an_empty_listing(s3_env, s3_ur
         + [{"argv": ["convert", ckpt, "./newdir/dcp", "--to", "dcp"]}],
         tmp_path,
     )
-    for result, (argv, status, text) in zip(results, cases):
+    for result, (_argv, status, text) in zip(results, cases):
         _one_line(result, status, text)
     assert results[-1]["status"] == 0, results[-1]
     assert sorted(os.listdir(tmp_path)) == ["newdir"]  # from the ./newdir/dcp conversion only
