@@ -24,7 +24,7 @@ import torch
 import cloudckpt
 from cloudckpt.errors import CloudCkptError
 from cloudckpt.testing.servers.endpoint import DEFAULT_BUCKET
-from cloudckpt.testing.servers.seaweed import S3Server
+from cloudckpt.testing.servers.seaweed.server import S3Server
 
 
 def main() -> None:

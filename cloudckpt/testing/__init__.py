@@ -1,8 +1,8 @@
 """Test infrastructure: a local SeaweedFS S3 endpoint and a multi-rank process harness.
 
 Used by tests, examples and benchmarks; library code never imports this package.
-- `servers/`: local S3 endpoints: `seaweed` (S3Server, start_s3_server: SeaweedFS `weed mini`),
-  `endpoint` (S3ServerInfo), `weed_host` (S3ServerError), `moto`, `imds`, `tlsca`.
+- `servers/`: local S3 endpoints: `seaweed/` (`server`: S3Server, start_s3_server; SeaweedFS
+  `weed mini`), `endpoint` (S3ServerInfo, S3ServerError), `moto`, `imds`, `tlsca`.
 - `ranks/`: `world` (ProcessWorld: persistent gloo worlds, RankFailedError, WorldTimeoutError),
   with its `zygote` and `worker` processes.
 - `faults/`: proxies that inject faults in front of an endpoint; `cluster/`: a simulated cluster
@@ -15,10 +15,10 @@ importing this package costs nothing.
 import importlib
 
 _EXPORTS = {
-    "S3Server": "servers.seaweed",
-    "S3ServerError": "servers.weed_host",
+    "S3Server": "servers.seaweed.server",
+    "S3ServerError": "servers.endpoint",
     "S3ServerInfo": "servers.endpoint",
-    "start_s3_server": "servers.seaweed",
+    "start_s3_server": "servers.seaweed.server",
     "ProcessWorld": "ranks.world",
     "RankFailedError": "ranks.world",
     "WorldTimeoutError": "ranks.world",

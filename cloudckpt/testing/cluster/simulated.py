@@ -61,7 +61,7 @@ from cloudckpt.testing.cluster import net
 from cloudckpt.testing.cluster.watchdog import destroy, run_dir, run_namespaces, sweep_stale
 from cloudckpt.testing.ranks.world import ProcessWorld
 from cloudckpt.testing.servers.endpoint import DEFAULT_BUCKET, S3ServerInfo
-from cloudckpt.testing.servers.weed_host import check_bucket_name
+from cloudckpt.testing.servers.seaweed.host import check_bucket_name
 
 __all__ = ["Cluster", "ClusterUnavailable", "unavailable_reason"]
 

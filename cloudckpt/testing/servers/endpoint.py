@@ -1,4 +1,5 @@
-"""Where a running local S3 endpoint is and how to sign requests to it: `S3ServerInfo`.
+"""Where a running local S3 endpoint is and how to sign requests to it (`S3ServerInfo`), and the
+error of a test server that could not start (`S3ServerError`).
 
 Returned by every test server (:mod:`cloudckpt.testing.servers.seaweed`,
 :mod:`cloudckpt.testing.servers.moto`, the simulated cluster's); never imported by library code.
@@ -10,10 +11,14 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-__all__ = ["DEFAULT_BUCKET", "DEFAULT_REGION", "S3ServerInfo"]
+__all__ = ["DEFAULT_BUCKET", "DEFAULT_REGION", "S3ServerError", "S3ServerInfo"]
 
 DEFAULT_BUCKET = "cloudckpt-test"
 DEFAULT_REGION = "us-east-1"
+
+
+class S3ServerError(RuntimeError):
+    """A local test S3 server could not be found, started or reached."""
 
 
 @dataclass(frozen=True, kw_only=True)

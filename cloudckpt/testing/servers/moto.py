@@ -7,10 +7,11 @@ session's SeaweedFS in ways the tests rely on: it accepts any credentials (no au
 does not check ``x-amz-checksum-crc32c`` or ``Content-MD5`` (a damaged body is stored as sent),
 and honours ``If-None-Match: *`` on PutObject.
 
-Contract, as for :mod:`cloudckpt.testing.servers.seaweed`: ``MotoServer().start()`` returns an
-``S3ServerInfo`` once the port answers and the bucket exists (its read-only identity is not
-enforced by moto); the port is chosen free and the start retried on a clash; the process runs in
-its own session, is stopped by PID, and a watchdog stops it if the owning process dies.
+Contract, as for :mod:`cloudckpt.testing.servers.seaweed.server`: ``MotoServer().start()``
+returns an ``S3ServerInfo`` once the port answers and the bucket exists (its read-only identity is
+not enforced by moto); the port is chosen free and the start retried on a clash; the process runs
+in its own session, is stopped by PID, and the SeaweedFS watchdog script stops it if the owning
+process dies.
 """
 
 from __future__ import annotations
@@ -27,8 +28,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from cloudckpt.testing.servers.endpoint import DEFAULT_BUCKET, DEFAULT_REGION, S3ServerInfo
-from cloudckpt.testing.servers.weed_host import WATCHDOG_SCRIPT, S3ServerError, stop_server_process
+from cloudckpt.testing.servers.endpoint import (
+    DEFAULT_BUCKET,
+    DEFAULT_REGION,
+    S3ServerError,
+    S3ServerInfo,
+)
+from cloudckpt.testing.servers.seaweed.host import WATCHDOG_SCRIPT, stop_server_process
 
 __all__ = ["MotoServer", "moto_available"]
 

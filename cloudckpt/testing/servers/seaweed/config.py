@@ -1,6 +1,6 @@
 """What one start of weed is told: its credentials (the identities file), its command line, its
-environment, and its watchdog's command line (used by :mod:`cloudckpt.testing.servers.seaweed`;
-never imported by library code).
+environment, and its watchdog's command line (used by
+:mod:`cloudckpt.testing.servers.seaweed.server`; never imported by library code).
 
 Secrets are written only to the 0600 identities file, never to a command line; ``AWS_*`` (and
 weed's own ``S3_BUCKET`` / ``S3_TABLE_BUCKET``) never reach weed's environment.
@@ -15,12 +15,12 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from cloudckpt.testing.servers.tlsca import TLSFiles
-from cloudckpt.testing.servers.weed_host import (
-    _GRPC_OFFSET,
-    _GRPC_SOCKET_SERVICES,
+from cloudckpt.testing.servers.seaweed.host import (
+    GRPC_OFFSET,
+    GRPC_SOCKET_SERVICES,
     WATCHDOG_SCRIPT,
 )
+from cloudckpt.testing.servers.tlsca import TLSFiles
 
 
 def new_keys() -> dict[str, str]:
@@ -92,10 +92,10 @@ def weed_argv(
         f"-s3.autoCreateBucket={'true' if s3_auto_create_bucket else 'false'}",
         f"-webdav.port={ports['webdav']}",
     ]
-    for service in _GRPC_SOCKET_SERVICES:  # (webdav has no gRPC port)
+    for service in GRPC_SOCKET_SERVICES:  # (webdav has no gRPC port)
         argv += [
             f"-{service}.port={ports[service]}",
-            f"-{service}.port.grpc={ports[service] + _GRPC_OFFSET}",
+            f"-{service}.port.grpc={ports[service] + GRPC_OFFSET}",
         ]
     if tls is not None:
         argv += [
@@ -115,5 +115,5 @@ def weed_environment() -> dict[str, str]:
 
 
 def watchdog_argv(weed: str, workdir: str, sockets: Sequence[str]) -> list[str]:
-    """The command line of the watchdog of one start (see ``weed_watchdog``'s docstring)."""
+    """The command line of the watchdog of one start (see ``watchdog``'s docstring)."""
     return [sys.executable, "-I", WATCHDOG_SCRIPT, str(os.getpid()), weed, workdir, *sockets]

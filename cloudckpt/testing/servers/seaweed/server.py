@@ -25,26 +25,18 @@ Contract:
   the simulated cluster of :mod:`cloudckpt.testing.cluster.simulated` runs weed on its server
   namespace's private address, which nothing outside that run's namespaces can reach.
 
-Around it: `endpoint` (S3ServerInfo), `weed_config` (identities file, command lines, environment),
-`weed_host` (binary, ports, names, stopping), `weed_watchdog` (the script that outlives a crash).
-
-Command line: `python -m cloudckpt.testing.servers.seaweed [--bucket B]...` runs a server in the
-foreground, creates the buckets named (default `cloudckpt-test`), prints the endpoint and
-`export AWS_...` lines, and stops cleanly on Ctrl-C or SIGTERM. It exits 1 with a one-line reason
-when weed cannot be found or started, 2 on a bad bucket name.
+Around it: `config` (identities file, command lines, environment), `host` (binary, ports, names,
+stopping), `watchdog` (the script that outlives a crash); `cli` is the command line.
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import os
 import random
 import secrets
-import signal
 import ssl
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -53,28 +45,32 @@ import urllib.request
 import weakref
 from pathlib import Path
 
-from cloudckpt.testing.servers.endpoint import DEFAULT_BUCKET, DEFAULT_REGION, S3ServerInfo
-from cloudckpt.testing.servers.tlsca import make_tls_files
-from cloudckpt.testing.servers.weed_config import (
+from cloudckpt.testing.servers.endpoint import (
+    DEFAULT_BUCKET,
+    DEFAULT_REGION,
+    S3ServerError,
+    S3ServerInfo,
+)
+from cloudckpt.testing.servers.seaweed.config import (
     new_keys,
     watchdog_argv,
     weed_argv,
     weed_environment,
     write_identities,
 )
-from cloudckpt.testing.servers.weed_host import (
-    _GRPC_OFFSET,
-    _GRPC_SOCKET,
-    _GRPC_SOCKET_SERVICES,
-    S3ServerError,
-    _pick_extra_port,
-    _pick_ports,
+from cloudckpt.testing.servers.seaweed.host import (
+    GRPC_OFFSET,
+    GRPC_SOCKET,
+    GRPC_SOCKET_SERVICES,
     check_bucket_name,
     check_host,
     find_weed,
+    pick_extra_port,
+    pick_ports,
     stop_server_process,
 )
-from cloudckpt.testing.servers.weed_watchdog import remove_sockets
+from cloudckpt.testing.servers.seaweed.watchdog import remove_sockets
+from cloudckpt.testing.servers.tlsca import make_tls_files
 
 __all__ = ["S3Server", "start_s3_server"]
 
@@ -199,9 +195,9 @@ class S3Server:
         write_identities(identities, keys)
         # (checked free on 127.0.0.1 of this namespace: in a cluster's server namespace, where
         # weed listens on another address, nothing else listens anyway; a clash is retried)
-        ports = self._ports = _pick_ports(rng)
+        ports = self._ports = pick_ports(rng)
         if self.tls:
-            ports["s3https"] = _pick_extra_port(rng, ports)
+            ports["s3https"] = pick_extra_port(rng, ports)
         weed = find_weed()
         tls = make_tls_files(work / "tls") if self.tls else None
         argv = weed_argv(
@@ -256,8 +252,8 @@ class S3Server:
 
     def _grpc_sockets(self) -> list[str]:
         return [
-            _GRPC_SOCKET.format(service=service, port=self._ports[service] + _GRPC_OFFSET)
-            for service in _GRPC_SOCKET_SERVICES
+            GRPC_SOCKET.format(service=service, port=self._ports[service] + GRPC_OFFSET)
+            for service in GRPC_SOCKET_SERVICES
             if service in self._ports
         ]
 
@@ -365,75 +361,3 @@ def start_s3_server(**kw) -> S3Server:
     server = S3Server(**kw)
     server.start()
     return server
-
-
-def _bucket_arg(text: str) -> str:
-    try:
-        return check_bucket_name(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cloudckpt.testing.servers.seaweed",
-        description="Run a local SeaweedFS S3 endpoint in the foreground (Ctrl-C stops it). "
-        "Only the buckets named exist: a PUT into any other gets NoSuchBucket, as on S3.",
-    )
-    parser.add_argument(
-        "--bucket",
-        action="append",
-        type=_bucket_arg,
-        metavar="NAME",
-        help=f"bucket created at start; repeat for more (default: {DEFAULT_BUCKET})",
-    )
-    parser.add_argument("--workdir", default=None, help="parent of the private work directory")
-    parser.add_argument(
-        "--tls", action="store_true", help="also serve https, with a certificate from a private CA"
-    )
-    args = parser.parse_args(argv)
-    buckets = list(dict.fromkeys(args.bucket or [DEFAULT_BUCKET]))
-
-    stop_requested = threading.Event()
-
-    def _on_signal(signum, frame):
-        stop_requested.set()
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
-    server = S3Server(
-        bucket=buckets[0], buckets=tuple(buckets[1:]), workdir=args.workdir, tls=args.tls
-    )
-    try:
-        info = server.start()
-    except S3ServerError as exc:
-        summary, _, details = str(exc).partition("\n")
-        print(f"s3server: {summary}", file=sys.stderr, flush=True)
-        if details.strip():
-            print(
-                "  weed's output:\n" + "\n".join("    " + line for line in details.splitlines()),
-                file=sys.stderr,
-                flush=True,
-            )
-        return 1
-    try:
-        print(f"S3 endpoint: {info.endpoint_url}  buckets: {', '.join(buckets)}", flush=True)
-        if info.https_endpoint_url:
-            print(
-                f"https endpoint: {info.https_endpoint_url}  (trust it with "
-                f"AWS_CA_BUNDLE={info.ca_file})",
-                flush=True,
-            )
-        for key, value in info.env().items():
-            print(f"export {key}={value}", flush=True)
-        print("Press Ctrl-C to stop.", file=sys.stderr, flush=True)
-        while not stop_requested.wait(0.5):
-            pass
-    finally:
-        server.stop()
-    print("stopped", file=sys.stderr, flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
