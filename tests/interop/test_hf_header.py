@@ -1,8 +1,8 @@
-"""cloudckpt.hf.header (the one safetensors parser, of export and import) and cloudckpt.export.shards,
-pure: headers built and parsed agree with the safetensors library both ways; hand-made hostile
-files, random bytes and generated near-valid headers are refused with the one typed error or
-parse to what the library reads; and the export's planning (files, boxes, windows) covers every
-byte once, in order, within its bounds."""
+"""cloudckpt.hf.header (the one safetensors parser, of export and import) and
+cloudckpt.export.shards, pure: headers built and parsed agree with the safetensors library both
+ways; hand-made hostile files, random bytes and generated near-valid headers are refused with the
+one typed error or parse to what the library reads; and the export's planning (files, boxes,
+windows) covers every byte once, in order, within its bounds."""
 
 from __future__ import annotations
 

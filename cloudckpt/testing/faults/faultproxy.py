@@ -40,6 +40,7 @@ import asyncio
 import random
 import threading
 from collections.abc import Iterable, Sequence
+from typing import Literal
 
 import aiohttp
 from aiohttp import web
@@ -194,7 +195,7 @@ class FaultProxy(LoopThreadServer):
         fail_all: bool | None = None,
         delay_s: float | None = None,
         schedule: Sequence[str | None] | None = None,
-        methods: Iterable[str] | None | bool = False,
+        methods: Iterable[str] | None | Literal[False] = False,
         ignore_conditional_writes: bool | str | None = None,
         refuse: Iterable[tuple[str, str, int, str]] | None = None,
         require_content_md5: bool | None = None,
@@ -407,8 +408,9 @@ class FaultProxy(LoopThreadServer):
             sent = 0
             async for chunk in upstream.content.iter_chunked(1 << 16):
                 if sent <= flip_at < sent + len(chunk):
-                    chunk = bytearray(chunk)
-                    chunk[flip_at - sent] ^= 0x01
+                    flipped = bytearray(chunk)
+                    flipped[flip_at - sent] ^= 0x01
+                    chunk = bytes(flipped)
                 if limit is not None and sent + len(chunk) >= limit:
                     await response.write(chunk[: limit - sent])
                     _reset(request)
