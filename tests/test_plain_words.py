@@ -114,7 +114,7 @@ def _model_and_optimizer(step: bool):
 
 def test_optimizer_names():
     model, optim = _model_and_optimizer(step=True)
-    from cloudckpt.statedict.pieces import flatten_state_dict
+    from cloudckpt.statedict.flatten import flatten_state_dict
 
     flat = flatten_state_dict({"model": model.state_dict(), "optim": optim.state_dict()})
     names = list(flat.tensors) + list(flat.values)
