@@ -30,8 +30,8 @@ piece               what it holds                              lifetime
 ==================  =========================================  ===================================
 
 Outside the context, only pure memos stay in modules: the decoded plan headers of the plan codecs
-(``planning.lru.LRUCache``, 16 each; ``reset`` clears them) and transport's table of combined
-error classes. They are functions of their keys and never stale.
+(``planning.lru.LRUCache``, 16 each; ``reset`` clears them) and the table of combined error
+classes (``errors.checkpoint_error_class``). They are functions of their keys and never stale.
 
 Process groups are kept by ``reset`` on purpose: they are torch's, valid exactly as long as the
 default group they were created in, and every rank must create a group together; forgetting them

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,7 +135,7 @@ def rebuild_tuple(like: tuple, items: list) -> tuple:
     return tuple(items)
 
 
-def _holds_tensor(obj, depth: int = 0) -> bool:
+def _holds_tensor(obj: object, depth: int = 0) -> bool:
     if isinstance(obj, (torch.Tensor, GlobalPiece)):
         return True
     if depth > 100:
@@ -147,7 +147,7 @@ def _holds_tensor(obj, depth: int = 0) -> bool:
     return False
 
 
-def plain_value(value, depth: int = 0):
+def plain_value(value: Any, depth: int = 0) -> Any:
     """``value`` with its containers as the exact types the value codec stores: mappings as
     ``dict``, list and tuple subclasses as ``list`` / ``tuple`` (see module doc); ``value``
     itself when it holds no other container type. Scalars are not touched (the codec refuses
@@ -197,7 +197,7 @@ def flatten_state_dict(
         paths[name] = path
         return name
 
-    def walk(obj, path: tuple, depth: int):
+    def walk(obj: Any, path: tuple, depth: int) -> Any:
         if depth > 100:
             raise PlanningError(
                 f"state dict nested deeper than 100 levels under {path[:6]!r}: a container that "
@@ -239,12 +239,12 @@ def flatten_state_dict(
     return FlatStateDict(tensors, values, walk(sd, (), 0))
 
 
-def unflatten_state_dict(structure, leaves: Mapping[str, object]) -> dict:
+def unflatten_state_dict(structure: Any, leaves: Mapping[str, object]) -> dict:
     """Rebuild the nesting recorded by :func:`flatten_state_dict`, taking each leaf's object
     from ``leaves`` by name. Missing leaves raise :class:`~cloudckpt.errors.MissingKeysError`."""
     missing: list[str] = []
 
-    def build(node):
+    def build(node: Any) -> Any:
         if not isinstance(node, (list, tuple)) or len(node) != 2:
             raise PlanningError(f"malformed structure node {node!r}")
         tag, body = node
@@ -272,7 +272,7 @@ def unflatten_state_dict(structure, leaves: Mapping[str, object]) -> dict:
     return root
 
 
-def merge_structures(structures) -> object:
+def merge_structures(structures: Iterable[Any]) -> Any:
     """Union of several ranks' structures (ranks may hold different keys, e.g. pipeline stages).
 
     Dict nodes merge key by key (order of first appearance, ranks in the given order); list and
@@ -280,7 +280,7 @@ def merge_structures(structures) -> object:
     node's kind, the first one wins. Pure: the inputs are not modified.
     """
 
-    def merge(a, b):
+    def merge(a: Any, b: Any) -> Any:
         if a is None:
             return b
         if b is None or a[0] != b[0] or a[0] in ("x", "v"):
@@ -304,7 +304,7 @@ def merge_structures(structures) -> object:
     return out
 
 
-def set_by_path(root, path, value) -> None:
+def set_by_path(root: Any, path: Iterable[Any], value: object) -> None:
     """Set ``value`` at ``path`` inside ``root`` (mappings and lists in place; tuples on the way
     are rebuilt and stored back into their parent)."""
     path = tuple(path)
@@ -327,7 +327,7 @@ def set_by_path(root, path, value) -> None:
         return
 
 
-def check_replaceable(root, path) -> None:
+def check_replaceable(root: Any, path: Iterable[Any]) -> None:
     """Raise :class:`~cloudckpt.errors.PlanningError` unless :func:`set_by_path` can replace the
     value at ``path`` inside ``root``: the innermost container on the way that is not a tuple
     (tuples are rebuilt) must take item assignment (a ``mappingproxy`` or a read-only
