@@ -25,8 +25,7 @@ from cloudckpt.planning.load.hints import (
     missing_names_message,
     unexpected_names_message,
 )
-from cloudckpt.wording import PHASE_WORDS, phase_words
-from cloudckpt.wording import plural, ranks_phrase
+from cloudckpt.wording import PHASE_WORDS, phase_words, plural, ranks_phrase
 from tests.cli_forkserver import run_cli
 from tests.reliability.stores import REPO, cli_env
 
