@@ -54,11 +54,11 @@ from cloudckpt.planning.load.hints import unexpected_names_message
 from cloudckpt.planning.load.plan import plan_local_load
 from cloudckpt.planning.pieces import PieceSpec
 from cloudckpt.runtime.loop import run_coroutine, shared_store, submit, wait_for_pending_save
-from cloudckpt.statedict.pieces import (
+from cloudckpt.statedict.dtypes import torch_dtype
+from cloudckpt.statedict.flatten import (
     check_replaceable,
     flatten_state_dict,
     set_by_path,
-    torch_dtype,
     unflatten_state_dict,
 )
 from cloudckpt.statedict.stateful import resolve_stateful, restore_stateful

@@ -27,7 +27,7 @@ from cloudckpt.options import LoadOptions
 from cloudckpt.planning.load.plan import plan_local_load
 from cloudckpt.planning.pieces import PieceSpec
 from cloudckpt.runtime.loop import run_coroutine
-from cloudckpt.statedict.pieces import torch_dtype
+from cloudckpt.statedict.dtypes import torch_dtype
 from cloudckpt.stored import reading_view
 
 

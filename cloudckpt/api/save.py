@@ -57,7 +57,7 @@ from cloudckpt.runtime.loop import (
     submit,
     wait_for_pending_save,
 )
-from cloudckpt.statedict.pieces import flatten_state_dict, merge_structures
+from cloudckpt.statedict.flatten import flatten_state_dict, merge_structures
 from cloudckpt.statedict.stateful import resolve_stateful
 from cloudckpt.transport import ControlChannel
 

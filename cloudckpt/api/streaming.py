@@ -43,7 +43,7 @@ from cloudckpt.manifest.codec import encode_manifest
 from cloudckpt.options import SaveOptions, SaveResult
 from cloudckpt.planning.load.chunk_index import coverage_errors
 from cloudckpt.runtime.loop import run_coroutine, shared_store
-from cloudckpt.statedict.pieces import dtype_name
+from cloudckpt.statedict.dtypes import dtype_name
 
 
 class StreamingSave:
@@ -121,8 +121,8 @@ class StreamingSave:
 
     def commit(self, structure: Any = None) -> SaveResult:
         """Upload what waits, then write the manifest (module doc). ``structure`` (a
-        :mod:`cloudckpt.statedict.pieces` structure) defaults to a flat dict of the names in the order
-        they were added."""
+        :mod:`cloudckpt.statedict.flatten` structure) defaults to a flat dict of the names in the
+        order they were added."""
         self._upload()
         if structure is None:
             structure = ["d", [[name, [tag, name]] for name, tag in self._order]]

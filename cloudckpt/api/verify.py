@@ -35,7 +35,7 @@ from cloudckpt.planning.load.chunk_index import coverage_errors
 from cloudckpt.planning.load.plan import Region
 from cloudckpt.planning.load.windows import plan_windows
 from cloudckpt.runtime.loop import run_coroutine, shared_store
-from cloudckpt.statedict.pieces import torch_dtype
+from cloudckpt.statedict.dtypes import torch_dtype
 from cloudckpt.stored import reading_view
 
 #: bytes read and checked at once per request; at most ``_IN_FLIGHT`` chunks in progress.

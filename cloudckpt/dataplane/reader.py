@@ -38,7 +38,7 @@ from cloudckpt.planning.load.windows import (
     plan_run_windows,
 )
 from cloudckpt.planning.load.windows_many import plan_run_windows_many, plan_windows_many
-from cloudckpt.statedict.pieces import torch_dtype
+from cloudckpt.statedict.dtypes import torch_dtype
 from cloudckpt.storage.base import ReadRange
 
 #: ``consume`` calls for buffers holding at least this many bytes run in a worker thread.

@@ -142,7 +142,8 @@ def _to_dcp(src: str, dst: str, allow_pickle: bool, storage, options: DCPOptions
 
     from cloudckpt.api.read_tensors import TensorReader
     from cloudckpt.options import LoadOptions
-    from cloudckpt.statedict.pieces import torch_dtype, unflatten_state_dict
+    from cloudckpt.statedict.dtypes import torch_dtype
+    from cloudckpt.statedict.flatten import unflatten_state_dict
 
     reader = TensorReader(
         src,
@@ -349,7 +350,7 @@ def _unkept(fqn: str, value) -> str | None:
     """Why cloudckpt cannot keep the DCP value ``fqn`` (tensors inside become tensors of
     their own, the rest values msgpack holds), or None."""
     from cloudckpt.manifest.values import encode_value
-    from cloudckpt.statedict.pieces import flatten_state_dict
+    from cloudckpt.statedict.flatten import flatten_state_dict
 
     try:
         flat = flatten_state_dict({fqn: value})
@@ -371,7 +372,8 @@ def _to_cloudckpt(src: str, dst: str, storage, options: DCPOptions) -> dict:
 
     from cloudckpt import SaveOptions
     from cloudckpt.api.streaming import StreamingSave
-    from cloudckpt.statedict.pieces import dtype_name, flatten_state_dict
+    from cloudckpt.statedict.dtypes import dtype_name
+    from cloudckpt.statedict.flatten import flatten_state_dict
 
     store = shared_store(src, storage)
     metadata, checksums = load_checkpoint_metadata(store, src)

@@ -48,7 +48,7 @@ _STRUCTURE_TAGS = {"d": "dict", "o": "OrderedDict", "l": "list", "t": "tuple"}
 
 
 def validate_structure(structure, tensor_names: Mapping | set, value_names: Mapping | set) -> None:
-    """Check a structure mapping (see ``cloudckpt.statedict.pieces``): nodes ``[tag, body]`` with tags
+    """Check a structure mapping (see ``cloudckpt.statedict.flatten``): nodes ``[tag, body]`` with tags
     d/o (body: ``[[key, node], ...]``, keys str or int), l/t (body: ``[node, ...]``), x (a tensor
     name of this manifest) or v (a value name). Raises ManifestError(path="structure")."""
     stack = [(structure, 0)]
