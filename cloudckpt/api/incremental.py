@@ -35,9 +35,8 @@ from dataclasses import dataclass, field
 
 from cloudckpt.errors import CheckpointError, ConfigError, ManifestError, ObjectNotFound
 from cloudckpt.layout import MANIFEST_KEY, Pin, clamp_lease, encode_pin, pin_key, split_folder
-from cloudckpt.manifest.codec import decode_manifest
 from cloudckpt.planning.save.incremental import BaseChunks, match_base
-from cloudckpt.stored import fetch_manifest_bytes
+from cloudckpt.stored import decode_manifest_without_pickle, fetch_manifest_bytes
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +75,8 @@ async def read_base(run_store, base: str) -> BaseRead:
     manifest_key = f"{base}/{MANIFEST_KEY}"
     try:
         before = await run_store.head(manifest_key)
-        manifest = decode_manifest(
-            await fetch_manifest_bytes(run_store, manifest_key), allow_pickle="inspect"
+        manifest, _ = decode_manifest_without_pickle(
+            await fetch_manifest_bytes(run_store, manifest_key)
         )
     except ObjectNotFound:
         return BaseRead(None, None, "it has no manifest")
