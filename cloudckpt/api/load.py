@@ -109,8 +109,11 @@ class ManifestSource(Protocol):
     every rank's data phase reads through (the safetensors import wraps it to check whole
     files against the store's checksums)."""
 
-    url: str
-    storage: Any
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def storage(self) -> Any: ...
 
     def read(self, store) -> bytes: ...
 
@@ -164,7 +167,6 @@ def load_from(
     started = time.perf_counter()
 
     raw, manifest, store = b"", None, None
-    wanted, wanted_error = None, None
     with channel.phase("load manifest", ManifestRead) as reading:
         # the read runs in the background while this rank flattens its state dict (which
         # needs no manifest; an error doing so is raised in "load planning", where it belongs)
@@ -173,9 +175,9 @@ def load_from(
         reads = channel.is_coordinator or not options.share_manifest
         read = submit(asyncio.to_thread(source.read, own_store)) if reads else None
         try:
-            wanted = _Wanted.of(state_dict, channel)
+            flattened: _Wanted | Exception = _Wanted.of(state_dict, channel)
         except Exception as exc:  # noqa: BLE001 - kept for the planning phase
-            wanted_error = exc
+            flattened = exc
         finally:
             if read is not None:
                 raw = read.result()  # the read's own error, if any, wins
@@ -203,8 +205,9 @@ def load_from(
             else None
         )
         try:
-            if wanted_error is not None:
-                raise wanted_error
+            if isinstance(flattened, Exception):
+                raise flattened
+            wanted = flattened
             wanted.check_replaceable(state_dict, manifest)
             plan = plan_local_load(
                 manifest,

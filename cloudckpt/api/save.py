@@ -32,14 +32,16 @@ it reads the staged copies). The checkpoint's store is opened once, in phase 1, 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from cloudckpt import layout
 from cloudckpt.api.incremental import PinnedBase, base_folder, open_base, read_base
+from cloudckpt.api.prepared import BaseSite, PreparedSave, SaveProgress
 from cloudckpt.api.reports import SavePlanning, SavePlanReport, UploadReport
 from cloudckpt.dataplane.writer import ItemDigests, WriterOptions, write_chunks
 from cloudckpt.errors import CheckpointExists, ObjectExists, ObjectNotFound
@@ -63,48 +65,6 @@ from cloudckpt.statedict.pieces import flatten_state_dict, merge_structures
 from cloudckpt.statedict.stateful import resolve_stateful
 from cloudckpt.storage.base import ObjectStore
 from cloudckpt.transport import ControlChannel
-
-
-@dataclass(frozen=True, kw_only=True)
-class PreparedSave:
-    """A save after planning (phases 1-2), a value: what this rank writes and where, ready for
-    :func:`finish_save`. What the later phases learn is kept apart, in a :class:`SaveProgress`."""
-
-    url: str
-    store: ObjectStore  # the checkpoint's store, opened once for the whole save
-    channel: ControlChannel
-    options: SaveOptions
-    attempt: str
-    plan: GlobalSavePlan
-    items: list  # [(chunk_id, tensor)] this rank writes
-    values: dict[str, bytes]  # encoded values this rank owns
-    structure: Any
-    metadata: dict
-    allow_pickle: bool
-    plan_cached: bool
-    started: float
-    incremental: bool = False  # every rank hashes its items (the coordinator's word)
-    base: BaseSite | None = None  # the coordinator's base, if any
-    base_read: Any = None  # the coordinator's read of the base (a future), if any
-
-
-@dataclass(frozen=True, kw_only=True)
-class BaseSite:
-    """Where an incremental save's base is: the run root's store (opened once), the new
-    checkpoint's folder and the base's folder in it."""
-
-    run_store: ObjectStore
-    folder: str
-    base: str
-
-
-@dataclass
-class SaveProgress:
-    """What :func:`finish_save` learns as it goes (the plan itself never changes)."""
-
-    manifest_sent: bool = False  # the coordinator issued the manifest's PUT
-    used_homes: frozenset = frozenset()  # the folders the committed manifest references
-    base_used: str = ""  # the base's folder, on every rank ("": a full save)
 
 
 def save(
@@ -411,7 +371,7 @@ def _commit(
     written = [r.written_chunks() for r in reports]
     reused = None
     if pinned is not None:
-        ids = sorted(int(c) for w in written for c in w.reused)
+        ids = np.array(sorted(int(c) for w in written for c in w.reused), dtype=np.int64)
         reused = reused_chunks(pinned.chunks, ids)
     manifest = assemble_manifest(
         p.plan.skeleton,
@@ -451,12 +411,17 @@ def _written_chunks(rank: int, locations, values: dict[str, bytes], reused) -> W
     return WrittenChunks(
         rank=rank,
         object_keys=tuple(keys),
-        chunk_ids=[loc.chunk_id for loc in locations],
-        object_index=[keys[loc.object_key] for loc in locations],
-        byte_offset=[loc.byte_offset for loc in locations],
-        byte_length=[loc.byte_length for loc in locations],
-        crcs=[c for loc in locations for c in loc.crcs],
+        chunk_ids=_ints(loc.chunk_id for loc in locations),
+        object_index=_ints(keys[loc.object_key] for loc in locations),
+        byte_offset=_ints(loc.byte_offset for loc in locations),
+        byte_length=_ints(loc.byte_length for loc in locations),
+        crcs=_ints(c for loc in locations for c in loc.crcs),
         values=values,
         hashes=b"".join(loc.content_hash for loc in locations),
         reused=reused,
     )
+
+
+def _ints(values: Iterable[int]) -> np.ndarray:
+    """A column of a :class:`WrittenChunks` (int64, as it keeps them)."""
+    return np.fromiter(values, dtype=np.int64)

@@ -9,9 +9,9 @@ unpickled, so one that would not unpickle is not seen.
 Contract: one process, no collective. Each data object the chunks use (and only those: nothing
 is listed) is checked for existence and size (one ``head``), then every non-empty chunk is read
 in full with each checksum block verified, a fixed number of chunks at a time, through windows of
-whole blocks in reused buffers (memory stays under about 128 MiB
-whatever the chunk sizes). Problems are collected (not raised) so one run names every damaged object; the report
-is ``ok`` only when there are none. A missing or invalid manifest raises (there is nothing to
+whole blocks in reused buffers (memory stays under about 128 MiB whatever the chunk sizes).
+Problems are collected (not raised) so one run names every damaged object; the report is ``ok``
+only when there are none. A missing or invalid manifest raises (there is nothing to
 verify against); a manifest's own checksum (format version 2) is checked before it is decoded,
 and a manifest without one (version 1, written by an older cloudckpt) is reported in ``notes``
 (a warning, not a problem: the data is verified all the same).
