@@ -3,9 +3,10 @@
 Each report is a small frozen dataclass with an explicit msgpack codec, no pickle:
 
 - plain records (:class:`SavePlanning`, :class:`UploadReport`, :class:`ManifestRead`,
-  :class:`LatestStep`, :class:`StopVote`, :class:`StepSaved`) encode as one map ``{"record": <name>, <field>: <value>,
-  ...}`` of msgpack-native fields (``bool``, ``int``, ``str``, ``bytes``, ``X | None``,
-  ``tuple[X, ...]``), checked against the annotations both when built and when decoded;
+  :class:`LatestStep`, :class:`StopVote`, :class:`StepSaved`) encode as one map
+  ``{"record": <name>, <field>: <value>, ...}`` of msgpack-native fields (``bool``, ``int``,
+  ``str``, ``bytes``, ``X | None``, ``tuple[X, ...]``), checked against the annotations both
+  when built and when decoded;
 - plan reports (:class:`SavePlanReport`, :class:`LoadPlanReport`) carry a local plan in the
   planning package's own versioned columnar codec.
 
@@ -67,6 +68,9 @@ class _Record:
     """Base of the plain records: a frozen dataclass whose ``RECORD`` names it on the wire."""
 
     RECORD: ClassVar[str]
+    # set by @dataclass on each record (declared so that dataclasses.fields accepts ``cls``)
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+    _cached_hints: ClassVar[dict[str, Any]]
 
     @classmethod
     def _hints(cls) -> dict[str, Any]:

@@ -220,7 +220,7 @@ def _manifest_bytes(url: str) -> bytes:
 
 def cmd_show(args) -> int:
     import cloudckpt
-    from cloudckpt.runs.manager import decode_manifest_without_pickle
+    from cloudckpt.stored import decode_manifest_without_pickle
 
     url = _resolve_checkpoint(args.url, args.step, "show")
     pickled: tuple[str, ...] = ()
@@ -243,7 +243,7 @@ def cmd_verify(args) -> int:
     url = _resolve_checkpoint(args.url, args.step, "verify")
     total = None
     if sys.stderr.isatty():
-        from cloudckpt.runs.manager import decode_manifest_without_pickle
+        from cloudckpt.stored import decode_manifest_without_pickle
 
         total = decode_manifest_without_pickle(_manifest_bytes(url))[0].total_bytes()
     with progress(total, "verifying", unit="B") as bar:

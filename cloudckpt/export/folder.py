@@ -36,15 +36,14 @@ from dataclasses import dataclass
 
 import torch
 
-from cloudckpt.api.load import read_manifest_bytes
 from cloudckpt.api.read_tensors import TensorReader
 from cloudckpt.errors import ConfigError, ExportTargetNotEmpty, SafetensorsError
 from cloudckpt.export.destinations import LocalFolder, S3Folder
 from cloudckpt.export.shards import INDEX_FILE, ExportTensor, ShardFile, plan_shards, plan_windows
 from cloudckpt.hf.header import DTYPES, FLOATING, torch_dtype_name
 from cloudckpt.options import LoadOptions
-from cloudckpt.runs.cleanup import decode_manifest_without_pickle
 from cloudckpt.storage.urls import parse_store_url
+from cloudckpt.stored import decode_manifest_without_pickle, read_manifest_bytes
 
 #: ``huggingface_hub``'s default, "5GB".
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9

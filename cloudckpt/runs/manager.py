@@ -76,7 +76,6 @@ from cloudckpt.options import SaveOptions
 from cloudckpt.runs.cleanup import (
     DELETE_BATCH,
     DeletionPlan,
-    decode_manifest_without_pickle,
     delete_checkpoint,
     plan_checkpoint,
     remove_stale_attempts,
@@ -94,11 +93,11 @@ from cloudckpt.runs.retention import RetentionPolicy
 from cloudckpt.runtime.context import current
 from cloudckpt.runtime.loop import finish_before_exit, run_coroutine, shared_store
 from cloudckpt.storage.urls import parse_store_url
-from cloudckpt.stored import fetch_manifest_bytes
+from cloudckpt.stored import decode_manifest_without_pickle, fetch_manifest_bytes
 
 # Also importable from here, where they used to live: step_dir, parse_step_dir, join_url,
 # classify_listing, LIST_DELIMITER (cloudckpt.layout); DeletionPlan, DELETE_BATCH,
-# decode_manifest_without_pickle (cloudckpt.runs.cleanup).
+# decode_manifest_without_pickle (cloudckpt.stored).
 __all__ = [
     "CheckpointInfo",
     "CheckpointManager",

@@ -29,7 +29,6 @@ from cloudckpt.runs.cleanup import (
     DeletionPlan,
     carry_out,
     collect_homes,
-    decode_manifest_without_pickle,
     plan_abandoned,
     plan_checkpoint,
     sweep_pins,
@@ -37,7 +36,7 @@ from cloudckpt.runs.cleanup import (
 )
 from cloudckpt.runs.refs import describe_holders
 from cloudckpt.runs.retention import RetentionPolicy, select_to_delete
-from cloudckpt.stored import fetch_manifest_bytes
+from cloudckpt.stored import decode_manifest_without_pickle, fetch_manifest_bytes
 
 __all__ = [
     "HEAD_CONCURRENCY",

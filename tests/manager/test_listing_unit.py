@@ -57,7 +57,7 @@ class Unpicklable:
 def test_decode_manifest_without_pickle_never_unpickles():
     from cloudckpt.manifest.builder import ManifestBuilder
     from cloudckpt.manifest.codec import encode_manifest
-    from cloudckpt.runs.manager import decode_manifest_without_pickle
+    from cloudckpt.stored import decode_manifest_without_pickle
 
     b = ManifestBuilder(world_size=2, metadata={"step": 3}, structure=None)
     b.add_tensor("w", "float32", (4,))
