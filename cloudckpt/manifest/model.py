@@ -14,10 +14,12 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
+from typing import Any, TypeVar, cast
 
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 
 from cloudckpt.errors import ManifestError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE, MAX_ELEMENTS, MAX_NDIM
@@ -30,7 +32,10 @@ from cloudckpt.manifest.validation import (
     validate_object_key,
     validate_structure,
 )
-from cloudckpt.manifest.values import decode_value, value_path
+from cloudckpt.manifest.values import AllowPickle, decode_value, value_path
+
+_T = TypeVar("_T")
+_S = TypeVar("_S", bound=np.generic)
 
 FORMAT_NAME = "cloudckpt"
 #: The newest format version this cloudckpt writes: 3 for a manifest with incremental fields
@@ -43,12 +48,13 @@ DEFAULT_CHECKSUM_BLOCK_SIZE = 4 << 20
 MAX_CHECKSUM_BLOCK_SIZE = 1 << 40
 
 
-def crc_counts(byte_length: np.ndarray, block_size: int) -> np.ndarray:
+def crc_counts(byte_length: NDArray[np.int64], block_size: int) -> NDArray[np.int64]:
     """Number of per-block crcs of chunks of these byte lengths (an empty chunk has one)."""
-    return np.maximum(1, (byte_length + (block_size - 1)) // block_size)
+    counts: NDArray[np.int64] = np.maximum(1, (byte_length + (block_size - 1)) // block_size)
+    return counts
 
 
-class _TensorMap(Mapping):
+class _TensorMap(Mapping[str, TensorRecord]):
     """name -> TensorRecord, built lazily from the manifest's arrays."""
 
     def __init__(self, manifest: Manifest):
@@ -62,17 +68,17 @@ class _TensorMap(Mapping):
             self._cache[name] = rec
         return rec
 
-    def __contains__(self, name) -> bool:
+    def __contains__(self, name: object) -> bool:
         return name in self._m._name_index
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self._m._names)
 
     def __len__(self) -> int:
         return len(self._m._names)
 
 
-def _ro(a, dtype) -> np.ndarray:
+def _ro(a: ArrayLike, dtype: type[_S]) -> NDArray[_S]:
     """A read-only 1-D copy of ``a``; an array that already is one (the decoder's, which owns
     its data) is taken as it is."""
     if (
@@ -120,26 +126,26 @@ class Manifest:
         world_size: int,
         created_at: float,
         cloudckpt_version: str,
-        metadata: dict,
+        metadata: dict[str, Any],
         checksum_block_size: int,
         objects: Sequence[str],
         tensor_names: Sequence[str],
         tensor_dtypes: Sequence[str],
-        tensor_shapes: Sequence[Sequence[int]],
-        chunk_counts,
-        chunk_offsets,
-        chunk_sizes,
-        chunk_object_index,
-        chunk_byte_offset,
-        chunk_byte_length,
-        chunk_crcs,
+        tensor_shapes: Sequence[Sequence[int]] | NDArray[np.int64],
+        chunk_counts: ArrayLike,
+        chunk_offsets: ArrayLike,
+        chunk_sizes: ArrayLike,
+        chunk_object_index: ArrayLike,
+        chunk_byte_offset: ArrayLike,
+        chunk_byte_length: ArrayLike,
+        chunk_crcs: ArrayLike,
         value_blobs: Mapping[str, bytes],
         values: Mapping[str, object] | None = None,
         structure: object = None,
-        allow_pickle: bool = False,
-        tensor_ndims=None,
-        object_homes=None,
-        chunk_hashes=None,
+        allow_pickle: AllowPickle = False,
+        tensor_ndims: ArrayLike | None = None,
+        object_homes: Iterable[str] | None = None,
+        chunk_hashes: bytes | NDArray[np.uint8] | None = None,
         base: str = "",
         attempt: str = "",
         checksums: bool = True,
@@ -207,11 +213,18 @@ class Manifest:
             chunks=self.num_chunks,
         )
         self.tensors: Mapping[str, TensorRecord] = _TensorMap(self)
-        self._derived: dict = {}
+        self._derived: dict[str, object] = {}
 
     # --- construction and validation ------------------------------------------------------
 
-    def _init_tensors(self, names, dtypes, shapes, ndims, counts) -> None:
+    def _init_tensors(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]] | NDArray[np.int64],
+        ndims: ArrayLike | None,
+        counts: ArrayLike,
+    ) -> None:
         names, dtypes = tuple(names), tuple(dtypes)
         n = len(names)
         if ndims is None:  # a sequence of shapes
@@ -291,7 +304,15 @@ class Manifest:
         t = int(np.searchsorted(self._chunk_start, chunk, side="right")) - 1
         return f"{tensor_path(self._names[t])}.chunks[{chunk - int(self._chunk_start[t])}]{field}"
 
-    def _init_chunks(self, offsets, sizes, object_index, byte_offset, byte_length, crcs) -> None:
+    def _init_chunks(
+        self,
+        offsets: ArrayLike,
+        sizes: ArrayLike,
+        object_index: ArrayLike,
+        byte_offset: ArrayLike,
+        byte_length: ArrayLike,
+        crcs: ArrayLike,
+    ) -> None:
         nchunks, ncoords = int(self._chunk_start[-1]), int(self._coord_start[-1])
         offsets, sizes = _ro(offsets, np.int64), _ro(sizes, np.int64)
         object_index, byte_offset, byte_length = (
@@ -384,7 +405,14 @@ class Manifest:
         )
         self._crcs, self._crc_start = crcs, crc_start
 
-    def _check_boxes(self, offsets, sizes, chunk_tensor, chunk_ndim, chunk_coord_start) -> None:
+    def _check_boxes(
+        self,
+        offsets: NDArray[np.int64],
+        sizes: NDArray[np.int64],
+        chunk_tensor: NDArray[np.int64],
+        chunk_ndim: NDArray[np.int64],
+        chunk_coord_start: NDArray[np.int64],
+    ) -> None:
         """Every chunk's box lies inside its tensor's shape (checked block by block)."""
         shape_flat, shape_start = self._shape_flat, self._shape_start
         for a in range(0, len(offsets), _BLOCK):
@@ -398,13 +426,19 @@ class Manifest:
             if bad.any():
                 c = int(chunk[int(np.flatnonzero(bad)[0])])
                 s, nd = int(chunk_coord_start[c]), int(chunk_ndim[c])
+                box = tuple(offsets[s : s + nd].tolist()), tuple(sizes[s : s + nd].tolist())
                 raise ManifestError(
-                    f"box offsets={tuple(offsets[s : s + nd].tolist())} sizes={tuple(sizes[s : s + nd].tolist())} "
+                    f"box offsets={box[0]} sizes={box[1]} "
                     f"is not inside shape {self._shape(int(chunk_tensor[c]))}",
                     path=self._chunk_path(c),
                 )
 
-    def _check_no_shared_bytes(self, object_index, byte_offset, byte_length) -> None:
+    def _check_no_shared_bytes(
+        self,
+        object_index: NDArray[np.int64],
+        byte_offset: NDArray[np.int64],
+        byte_length: NDArray[np.int64],
+    ) -> None:
         """No two chunks' byte ranges in one object overlap (O(n log n)): one stored byte
         belongs to one chunk, so the bytes referenced never exceed the bytes stored."""
         held = np.flatnonzero(byte_length > 0)
@@ -425,7 +459,12 @@ class Manifest:
                 path=self._chunk_path(second),
             )
 
-    def _init_values(self, value_blobs, values, allow_pickle) -> None:
+    def _init_values(
+        self,
+        value_blobs: Mapping[str, bytes],
+        values: Mapping[str, object] | None,
+        allow_pickle: AllowPickle,
+    ) -> None:
         blobs: dict[str, bytes] = {}
         decoded: dict[str, object] = {}
         for name, blob in value_blobs.items():
@@ -460,7 +499,7 @@ class Manifest:
 
     def _shape(self, t: int) -> tuple[int, ...]:
         """Tensor ``t``'s shape."""
-        shapes = self.__dict__.get("_shapes")
+        shapes: tuple[tuple[int, ...], ...] | None = self.__dict__.get("_shapes")
         if shapes is not None:
             return shapes[t]
         return tuple(self._shape_flat[self._shape_start[t] : self._shape_start[t + 1]].tolist())
@@ -499,7 +538,7 @@ class Manifest:
         """Every tensor's shape, in tensor order (made on first use when decoded)."""
         return self._shapes
 
-    def derived(self, key: str, factory):
+    def derived(self, key: str, factory: Callable[[Manifest], _T]) -> _T:
         """A value derived from this manifest (immutable, so the value never goes stale):
         ``factory(self)`` on the first call with ``key``, the same object on every later one,
         kept as long as the manifest is (e.g. load planning's chunk index). Not locked: two
@@ -507,7 +546,7 @@ class Manifest:
         value = self._derived.get(key)
         if value is None:
             value = self._derived.setdefault(key, factory(self))
-        return value
+        return cast(_T, value)  # a key names one factory, so its value is of that type
 
     @property
     def num_chunks(self) -> int:
@@ -518,7 +557,7 @@ class Manifest:
         """Whether some object lies under another checkpoint's folder (a non-empty home)."""
         return any(self.object_homes)
 
-    def with_object_keys(self, keys) -> Manifest:
+    def with_object_keys(self, keys: Iterable[str]) -> Manifest:
         """This manifest with ``keys`` (distinct valid keys relative to another store root: the
         run's, see ``cloudckpt.stored``) as its objects and no homes; arrays are shared."""
         import copy
@@ -550,6 +589,6 @@ class Manifest:
 
     def __repr__(self) -> str:
         return (
-            f"Manifest(world_size={self.world_size}, tensors={len(self._names)}, chunks={self.num_chunks}, "
-            f"values={len(self.values)}, objects={len(self.objects)})"
+            f"Manifest(world_size={self.world_size}, tensors={len(self._names)}, "
+            f"chunks={self.num_chunks}, values={len(self.values)}, objects={len(self.objects)})"
         )
