@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator
+from typing import Literal
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -29,6 +30,10 @@ _LIMITS = {w: (-(1 << (8 * w - 1)), (1 << (8 * w - 1)) - 1) for w in _WIDTHS}
 
 #: An encoded column: ``[transform, width, compression, count, payload]`` (see module doc).
 Column = list[str | int | bytes]
+#: How a column's numbers are stored: as they are, or first value then differences.
+Transform = Literal["raw", "delta"]
+#: What packs a column's integers.
+Compression = Literal["none", "zlib"]
 
 
 class ColumnError(ValueError):
@@ -53,7 +58,7 @@ def encode_int_column(values: ArrayLike, *, delta: bool = False, compress: bool 
     else:
         width = 1
     payload = stored.astype(f"<i{width}", copy=False).tobytes()
-    compression = "none"
+    compression: Compression = "none"
     if compress and len(payload) >= 64:
         packed = zlib.compress(payload, 6)
         if len(packed) < len(payload) - len(payload) // 8:
@@ -68,7 +73,7 @@ _FEED = 1 << 16  # compressed bytes handed to zlib at once
 
 def _header(
     column: object, expected: int | None, max_count: int | None
-) -> tuple[str, int, str, int, bytes | bytearray]:
+) -> tuple[Transform, int, Compression, int, bytes | bytearray]:
     if not isinstance(column, (list, tuple)) or len(column) != 5:
         raise ColumnError("column must be a 5-element array")
     transform, width, compression, count, payload = column
@@ -90,7 +95,7 @@ def _header(
 
 
 def _raw_pieces(
-    payload: bytes | bytearray, compression: str, nbytes: int, step: int
+    payload: bytes | bytearray, compression: Compression, nbytes: int, step: int
 ) -> Iterator[bytes | memoryview]:
     """The column's packed integers, ``step`` bytes at a time (the last piece may be shorter)."""
     if compression == "none":
