@@ -160,7 +160,8 @@ class LayoutMismatchError(PlanningError):
 
 
 class CoverageError(PlanningError):
-    """Pieces leave a gap in, or overlap (other than identical replicas), a tensor or destination."""
+    """Pieces leave a gap in, or overlap (other than identical replicas), a tensor or
+    destination."""
 
 
 class MissingKeysError(PlanningError, KeyError):
