@@ -300,7 +300,7 @@ class Phase:
         self.what = what
         self.report_type = report_type
         self.inline = inline
-        self.report = None
+        self.report: PhaseReport | None = None
         self.reports: tuple = ()
 
     def __enter__(self) -> Phase:

@@ -112,8 +112,9 @@ class _Sorter:
     keeps them) and left."""
 
     def __init__(self, prefix: str, refs: FolderRefs | None = None):
-        self.prefix, self.objects, self.left, self.examples = prefix, [], 0, []
-        self.refs, self.kept = refs, 0
+        self.prefix, self.left, self.refs, self.kept = prefix, 0, refs, 0
+        self.objects: list[str] = []
+        self.examples: list[str] = []
 
     def add(self, key: str, wanted: bool = True) -> None:
         rel = key[len(self.prefix) :]

@@ -54,6 +54,7 @@ and carrying out deletions (:mod:`cloudckpt.runs.cleanup`), keep rules
 
 from __future__ import annotations
 
+import builtins
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -394,7 +395,7 @@ class CheckpointManager:
 
     def prune(
         self, *, dry_run: bool = False, progress: Callable[[int], None] | None = None
-    ) -> list[CheckpointInfo]:
+    ) -> builtins.list[CheckpointInfo]:
         """Apply the retention policy and remove abandoned saves; return what was removed.
 
         The result lists, oldest step first, the complete checkpoints the policy does not keep
@@ -408,7 +409,7 @@ class CheckpointManager:
 
     def prune_plans(
         self, *, dry_run: bool = False, progress: Callable[[int], None] | None = None
-    ) -> list[tuple[CheckpointInfo, DeletionPlan]]:
+    ) -> builtins.list[tuple[CheckpointInfo, DeletionPlan]]:
         """:meth:`prune`, returning each removed checkpoint with the exact keys and uploads that
         went (or, with ``dry_run=True``, would go)."""
         removed = run_coroutine(

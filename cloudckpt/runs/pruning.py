@@ -321,16 +321,17 @@ async def prune_run(
                 plan, used = await uncommit_and_plan(store, step_dir(step), now=now)
                 homes |= used
         else:
-            plan = await plan_abandoned(store, step_dir(step), state.uploads, cutoff, now=now)
-            if plan is None or plan.empty:
+            abandoned = await plan_abandoned(store, step_dir(step), state.uploads, cutoff, now=now)
+            if abandoned is None or abandoned.empty:
                 continue  # still being written (or vanished, or nothing of ours): kept
+            plan = abandoned
         removed.append((step, state, plan))
         if not dry_run:
             await carry_out(store, plan, progress=progress)
     for home, plan in await collect_homes(store, homes, cutoff=cutoff, now=now):
-        step = parse_step_dir(home + "/")
-        if step is not None:
-            removed.append((step, steps.get(step, StepState()), plan))
+        home_step = parse_step_dir(home + "/")
+        if home_step is not None:
+            removed.append((home_step, steps.get(home_step, StepState()), plan))
     if not dry_run:
         await sweep_pins(store, now=now)
     return removed
