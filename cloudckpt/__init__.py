@@ -33,7 +33,7 @@ _LAZY = {
     "RetryOptions": ("cloudckpt.storage", "RetryOptions"),
     "GlobalPiece": ("cloudckpt.statedict.pieces", "GlobalPiece"),
     "CheckpointManager": ("cloudckpt.runs.manager", "CheckpointManager"),
-    "CheckpointInfo": ("cloudckpt.runs.manager", "CheckpointInfo"),
+    "CheckpointInfo": ("cloudckpt.runs.pruning", "CheckpointInfo"),
     "RetentionPolicy": ("cloudckpt.runs.retention", "RetentionPolicy"),
     "PreemptionHandler": ("cloudckpt.runs.preemption", "PreemptionHandler"),
     "Preempted": ("cloudckpt.runs.preemption", "Preempted"),

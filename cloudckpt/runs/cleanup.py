@@ -16,10 +16,10 @@ folders: every plan then leaves out the objects :func:`cloudckpt.runs.refs.folde
 are kept (counted in ``kept``), and :func:`delete_checkpoint` removes the manifest *before* it
 asks, then removes the checkpoint's own pins in the folders it referenced and collects those
 folders too: only those that held its pin, so that a forged or damaged manifest never widens a
-deletion to a sibling (see docs/architecture.md, "Deleting with references"). A checkpoint at the store's
-root ('') has no siblings: nothing can reference it. On a LocalStore, a checkpoint folder that is
-a symlink leading outside the store's root is refused (``AccessDenied`` from the manifest's HEAD)
-before anything is listed or deleted.
+deletion to a sibling (see docs/architecture.md, "Deleting with references"). A checkpoint at
+the store's root ('') has no siblings: nothing can reference it. On a LocalStore, a checkpoint
+folder that is a symlink leading outside the store's root is refused (``AccessDenied`` from the
+manifest's HEAD) before anything is listed or deleted.
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ class _Sorter:
     keeps them) and left."""
 
     def __init__(self, prefix: str, refs: FolderRefs | None = None):
-        self.prefix, self.objects, self.left, self.examples = prefix, [], 0, []
-        self.refs, self.kept = refs, 0
+        self.prefix, self.left, self.refs, self.kept = prefix, 0, refs, 0
+        self.objects: list[str] = []
+        self.examples: list[str] = []
 
     def add(self, key: str, wanted: bool = True) -> None:
         rel = key[len(self.prefix) :]

@@ -109,6 +109,7 @@ async def folder_references(
     referrers, stale, pinned = [], [], False
     for key, (verdict, detail) in sorted(verdicts.items()):
         if verdict == "refs":
+            assert isinstance(detail, tuple)  # (referrer, keys): judge_pin's contract
             keys |= detail[1]
             referrers.append(detail[0])
         elif verdict == "live":

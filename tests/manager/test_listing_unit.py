@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cloudckpt.runs.manager import classify_listing, join_url, parse_step_dir, step_dir
+from cloudckpt.layout import classify_listing, join_url, parse_step_dir, step_dir
 from cloudckpt.storage.base import CommonPrefix, ObjectInfo
 
 

@@ -36,7 +36,7 @@ import pytest
 import cloudckpt
 from cloudckpt import CheckpointManager
 from cloudckpt.errors import CheckpointNotFound
-from cloudckpt.runs.manager import step_dir
+from cloudckpt.layout import step_dir
 from cloudckpt.testing.ranks.world import ProcessWorld, RankFailedError
 from tests.reliability.conftest import SAVE_OPTIONS
 from tests.reliability.killpoints import KillPoint, ci_kill_points, long_kill_points

@@ -27,9 +27,9 @@ import torch
 
 import cloudckpt
 from cloudckpt import CheckpointManager, RetentionPolicy, SaveOptions
+from cloudckpt.layout import step_dir
 from cloudckpt.manifest.framing import frame, unframe
 from cloudckpt.runs.cleanup import delete_checkpoint
-from cloudckpt.runs.manager import step_dir
 from cloudckpt.runtime.loop import run_coroutine, shared_store
 from tests.reliability.stores import cli
 

@@ -21,7 +21,7 @@ import torch
 import cloudckpt
 from cloudckpt import CheckpointManager
 from cloudckpt.cli.main import build_parser
-from cloudckpt.runs.manager import step_dir
+from cloudckpt.layout import step_dir
 from tests.cli_forkserver import run_cli
 from tests.reliability.stores import REPO, cli, cli_env
 

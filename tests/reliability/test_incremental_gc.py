@@ -33,8 +33,8 @@ import pytest
 import cloudckpt
 from cloudckpt import CheckpointManager, RetentionPolicy
 from cloudckpt.errors import CheckpointExists
+from cloudckpt.layout import step_dir
 from cloudckpt.runs.cleanup import remove_stale_attempts, sweep_pins
-from cloudckpt.runs.manager import step_dir
 from cloudckpt.runs.pruning import prune_run
 from cloudckpt.runtime.loop import run_coroutine, shared_store
 from cloudckpt.testing.ranks.world import ProcessWorld, RankFailedError
