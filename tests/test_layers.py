@@ -4,6 +4,7 @@ cloudckpt's modules, and the data plane, planning and api keep to their places."
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import cloudckpt
@@ -419,3 +420,79 @@ if __name__ == "__main__":
             print(f"{key}: {value}")
     except AssertionError as exc:
         print(exc)
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+_CODE_SPAN = re.compile(r"`([^`\n]+)`")
+_PATH = re.compile(r"^(?:cloudckpt/)?((?:\w+/)*\w+)(\.py)?(/)?(?:[.:](\w+))?$")
+
+
+def named_modules(text: str) -> list[str]:
+    """What the architecture page names as cloudckpt code, in code spans and its tree block:
+    module files (``storage/s3/store.py``, bare ``store.py`` too), folders (``planning/save/``),
+    a module's name (``dataplane/reader.fetch_regions``) and dotted modules
+    (``cloudckpt.runtime.loop.reset``); each as the problem found, empty when it exists."""
+    spans = _CODE_SPAN.findall(text)
+    tree = text.split("```", 2)[1] if text.count("```") >= 2 else ""
+    spans += [line.split()[0] for line in tree.splitlines()[1:] if line.strip()]
+    files = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")}
+    basenames = {f.rsplit("/", 1)[-1] for f in files}
+    folders = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*") if p.is_dir()}
+    problems = []
+    for span in spans:
+        span = span.strip().rstrip(",")
+        if span.startswith("cloudckpt.") and re.fullmatch(r"[\w.]+", span):
+            parts = span.split(".")[1:]
+            for cut in range(len(parts), 0, -1):
+                rel = "/".join(parts[:cut])
+                if f"{rel}.py" in files or f"{rel}/__init__.py" in files:
+                    rest = parts[cut:]
+                    path = PACKAGE / (f"{rel}.py" if f"{rel}.py" in files else f"{rel}/__init__.py")
+                    if rest and not re.search(rf"\b{re.escape(rest[0])}\b", path.read_text()):
+                        problems.append(f"{span}: no {rest[0]} in {rel}")
+                    break
+            else:
+                problems.append(f"{span}: no such module")
+            continue
+        m = _PATH.match(span)
+        if not m or not (m.group(2) or m.group(3) or "/" in m.group(1)):
+            continue
+        rel, is_file, is_folder, attr = m.groups()
+        if is_folder:
+            if rel not in folders and not (PACKAGE.parent / rel).is_dir():
+                problems.append(f"{span}: no such folder")
+        elif is_file:
+            root_file = (PACKAGE.parent / f"{rel}.py").is_file()
+            if (
+                f"{rel}.py" not in files
+                and not root_file
+                and not ("/" not in rel and f"{rel}.py" in basenames)
+            ):
+                problems.append(f"{span}: no such module")
+        elif f"{rel}.py" in files and attr:
+            if not re.search(rf"\b{re.escape(attr)}\b", (PACKAGE / f"{rel}.py").read_text()):
+                problems.append(f"{span}: no {attr} in {rel}.py")
+        elif rel.split("/")[0] in folders and f"{rel}.py" not in files and rel not in folders:
+            problems.append(f"{span}: no such module or folder")
+    return problems
+
+
+def test_the_architecture_page_names_only_modules_that_exist():
+    text = ARCHITECTURE.read_text()
+    assert text.startswith("# cloudckpt architecture") and "```" in text
+    assert named_modules(text) == []
+
+
+def test_the_name_check_finds_what_does_not_exist():
+    text = (
+        "```\ncloudckpt/\n  storage/   x\n  nothere/  y\n```\n"
+        "`storage/s3/store.py` `storage/s3/nope.py` `planning/save/` `planning/nope/` "
+        "`cloudckpt.runtime.loop.reset` `cloudckpt.runtime.nope` `dataplane/reader.nope_fn`"
+    )
+    assert named_modules(text) == [
+        "storage/s3/nope.py: no such module",
+        "planning/nope/: no such folder",
+        "cloudckpt.runtime.nope: no nope in runtime",
+        "dataplane/reader.nope_fn: no nope_fn in dataplane/reader.py",
+        "nothere/: no such folder",
+    ]
