@@ -13,13 +13,17 @@ in place (no copy) whatever their format, as long as they are C-contiguous.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import crc32c as _crc32c_lib
 import xxhash
 
-if TYPE_CHECKING:
-    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
+
+class Buffer(Protocol):
+    """Any object exposing the buffer protocol (``collections.abc.Buffer`` from Python 3.12)."""
+
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
 
 #: crc32c(data, value) continuing from ``value`` (the ``crc32c`` package has no type hints).
 _extend: Callable[[Buffer, int], int] = _crc32c_lib.crc32c

@@ -298,7 +298,7 @@ BANDS: list[tuple[str, tuple[str, ...]]] = [
     ("mechanism", ("dataplane", "transport", "stored", "runtime", "statedict")),
     ("pure", ("layout", "manifest", "planning")),
     ("storage", ("storage",)),
-    ("ground", ("errors", "options", "checksum", "wording", "http_numbers")),
+    ("ground", ("errors", "options", "checksum", "wording", "http_numbers", "version")),
 ]
 #: The package's own ``__init__`` (the lazy public façade: it names the api by strings) and the
 #: test infrastructure stand outside the bands; no library module imports ``cloudckpt.testing``.

@@ -188,7 +188,7 @@ def cmd_verify(args: Any, storage: CommandStorage) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cloudckpt import __version__
+    from cloudckpt.version import __version__
 
     p = Parser(
         prog="cloudckpt",

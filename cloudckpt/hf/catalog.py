@@ -33,7 +33,7 @@ from typing import Union
 
 import msgpack
 
-from cloudckpt import __version__
+from cloudckpt.version import __version__
 from cloudckpt.errors import ConfigError, DuplicateKeyError, SafetensorsError
 from cloudckpt.hf.header import Header, TensorEntry, load_json, parse_header
 from cloudckpt.hf.whole import ExpectedFile

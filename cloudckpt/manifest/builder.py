@@ -24,7 +24,7 @@ _Chunk = tuple[tuple[int, ...], tuple[int, ...], int, int, int, tuple[int, ...]]
 
 
 def _version() -> str:
-    from cloudckpt import __version__
+    from cloudckpt.version import __version__
 
     return __version__
 

@@ -217,7 +217,7 @@ def assemble_manifest(
         crcs[dest] = values
     offsets, sizes = skeleton.flat_coords()
     if cloudckpt_version is None:
-        from cloudckpt import __version__
+        from cloudckpt.version import __version__
 
         cloudckpt_version = __version__
     return Manifest(
