@@ -14,17 +14,16 @@ import asyncio
 import collections
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import (
-    Literal,
-    Protocol,
-    Union,
-    runtime_checkable,
-)
+from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, runtime_checkable
 
 from cloudckpt.errors import ConfigError, StorageError
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
 PutMode = Literal["overwrite", "create"]
-Body = Union[bytes, bytearray, memoryview, Sequence]
+#: Any C-contiguous buffer, or a sequence of them (concatenated).
+Body: TypeAlias = "Buffer | Sequence[Buffer]"
 
 
 @dataclass(frozen=True)

@@ -141,7 +141,7 @@ class HeldRange:
         self.add(where.start or 0, src)
 
     def add(self, pos: int, src) -> None:
-        """Bytes ``src`` at ``pos`` inside the range (``src`` must stay unchanged until complete)."""
+        """Bytes ``src`` at ``pos`` inside the range (``src`` unchanged until complete)."""
         view = src if isinstance(src, memoryview) else memoryview(src)
         with self._lock:
             self._parts.append((pos, view))

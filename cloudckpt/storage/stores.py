@@ -1,4 +1,5 @@
-"""Opening a store from a URL: ``open_store`` picks the backend, ``local_path`` names a local one."""
+"""Opening a store from a URL: ``open_store`` picks the backend, ``local_path`` names a local
+one."""
 
 from __future__ import annotations
 

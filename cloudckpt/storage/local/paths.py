@@ -1,4 +1,5 @@
-"""Reaching files below a root without leaving it, for :class:`~cloudckpt.storage.local.store.LocalStore`.
+"""Reaching files below a root without leaving it, for
+:class:`~cloudckpt.storage.local.store.LocalStore`.
 
 Contract:
 - Every path component is opened relative to the directory fd of its parent with ``O_NOFOLLOW``

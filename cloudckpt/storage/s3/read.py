@@ -60,27 +60,24 @@ class S3Reader:
         conn = self.conn
 
         async def attempt(n: int) -> ObjectInfo:
-            client = await conn.client()
             try:
-                resp = await _parsed(
-                    client.head_object(Bucket=conn.bucket, Key=phys), f"{self.where}/{key}"
-                )
+                resp = await _parsed(conn.send("head_object", Key=phys), f"{self.where}/{key}")
             except ClientError as exc:
                 if is_bare_403(exc):
-                    raise await self._reason_of_403(client, phys, exc) from None
+                    raise await self._reason_of_403(phys, exc) from None
                 raise
             return object_info(key, resp.get("ContentLength", 0), resp)
 
         return await conn.call("head", key, attempt, where=self.where)
 
-    async def _reason_of_403(self, client, phys: str, refused: ClientError) -> ClientError:
+    async def _reason_of_403(self, phys: str, refused: ClientError) -> ClientError:
         """A HEAD's 403 carries no error code (no body), so one GET of the object's first byte
         asks why: its 403 names the cause (``SignatureDoesNotMatch``, ``InvalidAccessKeyId``,
         ``AccessDenied``...). Returns that error, or ``refused`` when the GET says nothing
         more. Only on this failure path; the GET counts in ``stats`` as a ``get``."""
         self.conn.stats.count("get")
         try:
-            resp = await client.get_object(Bucket=self.conn.bucket, Key=phys, Range="bytes=0-0")
+            resp = await self.conn.send("get_object", Key=phys, Range="bytes=0-0")
         except ClientError as exc:
             status = error_code(exc)[1]
             return exc if status == 403 and not is_bare_403(exc) else refused
@@ -148,7 +145,7 @@ class S3Reader:
             drop_stale_connections(client)
             try:
                 resp = await _parsed(
-                    client.get_object(Bucket=conn.bucket, Key=phys, Range=f"bytes=0-{first - 1}"),
+                    conn.send("get_object", Key=phys, Range=f"bytes=0-{first - 1}"),
                     f"{self.where}/{key}",
                 )
             except ClientError as exc:
@@ -156,9 +153,7 @@ class S3Reader:
                     raise
                 # An empty object has no byte 0: ask for all of it.
                 conn.stats.count("get")
-                resp = await _parsed(
-                    client.get_object(Bucket=conn.bucket, Key=phys), f"{self.where}/{key}"
-                )
+                resp = await _parsed(conn.send("get_object", Key=phys), f"{self.where}/{key}")
             body = resp["Body"]
             done = False
             try:
@@ -316,7 +311,7 @@ class S3Reader:
         pos = cursor.pos
         drop_stale_connections(client)
         resp = await _parsed(
-            client.get_object(Bucket=conn.bucket, Key=phys, Range=f"bytes={pos}-{piece.end - 1}"),
+            conn.send("get_object", Key=phys, Range=f"bytes={pos}-{piece.end - 1}"),
             f"{self.where}/{key}",
         )
         body = resp["Body"]

@@ -46,6 +46,7 @@ from cloudckpt.storage.s3.errors import (
     is_retriable,
 )
 from cloudckpt.storage.s3.read import S3Reader, object_info
+from cloudckpt.storage.s3.shapes import S3Params
 from cloudckpt.storage.s3.stream import S3ObjectWriter
 from cloudckpt.storage.s3.write import S3Writer
 from cloudckpt.storage.spreading import merge_sorted
@@ -182,10 +183,9 @@ class S3Store:
 
         async def attempt(n: int) -> None:
             nonlocal pending
-            client = await self._conn.client()
-            resp = await client.delete_objects(
-                Bucket=self._conn.bucket,
-                Delete={"Objects": [{"Key": k} for k in pending], "Quiet": True},
+            objects = [{"Key": k} for k in pending]
+            resp = await self._conn.send(
+                "delete_objects", Delete={"Objects": objects, "Quiet": True}
             )
             retry, fatal = [], None
             for err in resp.get("Errors", []) or []:
@@ -218,12 +218,10 @@ class S3Store:
         todo = iter(batch)
 
         async def delete_one(phys: str) -> None:
-            async def attempt(n: int) -> None:
-                client = await conn.client()
-                await client.delete_object(Bucket=conn.bucket, Key=phys)
-
             try:
-                await conn.call("delete_object", None, attempt, where=self.url)
+                await conn.request(
+                    "delete_object", op="delete_object", key=None, where=self.url, Key=phys
+                )
             except ObjectNotFound:
                 pass
 
@@ -241,15 +239,15 @@ class S3Store:
     async def whole_checksum(self, key: str) -> WholeChecksum | None:
         """``ObjectStore.whole_checksum``: one HeadObject with ``ChecksumMode=ENABLED``
         (counted as a ``head``; see :func:`whole_checksum_of`)."""
-        phys = self._phys(key)
-
-        async def attempt(n: int) -> dict:
-            client = await self._conn.client()
-            return await client.head_object(
-                Bucket=self._conn.bucket, Key=phys, ChecksumMode="ENABLED"
-            )
-
-        return whole_checksum_of(await self._conn.call("head", key, attempt, where=self.url))
+        resp = await self._conn.request(
+            "head_object",
+            op="head",
+            key=key,
+            where=self.url,
+            Key=self._phys(key),
+            ChecksumMode="ENABLED",
+        )
+        return whole_checksum_of(resp)
 
     async def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         """The whole object (see ``S3Reader.get`` for how its memory is budgeted). With
@@ -279,17 +277,14 @@ class S3Store:
     async def _list_base(self, base: str, prefix: str, delimiter: str | None):
         token = None
         while True:
-            kw = {"Bucket": self._conn.bucket, "Prefix": base + prefix, "MaxKeys": 1000}
+            kw: S3Params = {"Prefix": base + prefix, "MaxKeys": 1000}
             if delimiter:
                 kw["Delimiter"] = delimiter
             if token:
                 kw["ContinuationToken"] = token
-
-            async def attempt(n: int, kw=kw):
-                client = await self._conn.client()
-                return await client.list_objects_v2(**kw)
-
-            page = await self._conn.call("list", prefix or None, attempt, where=self.url)
+            page = await self._conn.request(
+                "list_objects_v2", op="list", key=prefix or None, where=self.url, **kw
+            )
             items: list = [
                 object_info(o["Key"][len(base) :], o.get("Size", 0), o)
                 for o in page.get("Contents", []) or []

@@ -54,9 +54,10 @@ from cloudckpt.errors import (
 )
 from cloudckpt.storage.base import ObjectInfo, UploadInfo, run_all, slice_views
 from cloudckpt.storage.options import MAX_PUT_SIZE, choose_part_size
-from cloudckpt.storage.s3.client import BodyPayload, crc32c_b64, send_with_body
+from cloudckpt.storage.s3.client import crc32c_b64
 from cloudckpt.storage.s3.conn import S3Connection
 from cloudckpt.storage.s3.errors import is_not_implemented
+from cloudckpt.storage.s3.shapes import S3Params
 
 logger = logging.getLogger("cloudckpt.storage")
 
@@ -109,16 +110,16 @@ class S3Writer:
         with their first ``strip`` characters removed)."""
         conn = self.conn
         found: list[UploadInfo] = []
-        markers: dict = {}
+        markers: S3Params = {}
         while True:
-
-            async def attempt(n: int, markers=dict(markers)):
-                client = await conn.client()
-                return await client.list_multipart_uploads(
-                    Bucket=conn.bucket, Prefix=prefix, **markers
-                )
-
-            page = await conn.call("list_uploads", None, attempt, where=self.where)
+            page = await conn.request(
+                "list_multipart_uploads",
+                op="list_uploads",
+                key=None,
+                where=self.where,
+                Prefix=prefix,
+                **markers,
+            )
             for u in page.get("Uploads", []) or []:
                 started = u.get("Initiated")
                 found.append(
@@ -139,14 +140,15 @@ class S3Writer:
 
     async def abort(self, key: str, phys: str, upload_id: str) -> None:
         """Abort one multipart upload; an upload already gone is fine."""
-        conn = self.conn
-
-        async def attempt(n: int) -> None:
-            client = await conn.client()
-            await client.abort_multipart_upload(Bucket=conn.bucket, Key=phys, UploadId=upload_id)
-
         try:
-            await conn.call("abort_multipart", key, attempt, where=self.where)
+            await self.conn.request(
+                "abort_multipart_upload",
+                op="abort_multipart",
+                key=key,
+                where=self.where,
+                Key=phys,
+                UploadId=upload_id,
+            )
         except ObjectNotFound:
             pass
 
@@ -155,28 +157,17 @@ class S3Writer:
     async def _single_put(self, key, phys, views, size, create, token) -> ObjectInfo:
         conn = self.conn
         crc = await _crc(views) if conn.options.transport_checksums else None
-
-        async def attempt(n: int) -> ObjectInfo:
-            client = await conn.client()
-            kw = {
-                "Bucket": conn.bucket,
-                "Key": phys,
-                "ContentLength": size,
-                "Body": BodyPayload(views) if size else b"",
-            }
-            if crc is not None:
-                kw["ChecksumCRC32C"] = crc32c_b64(crc)
-            if create:
-                kw["IfNoneMatch"] = "*"
-                kw["Metadata"] = {TOKEN_META: token}
-            resp = await send_with_body(
-                client.put_object(**kw), kw["Body"], conn.options.retry.read_timeout
-            )
-            conn.stats.bytes_sent += size
-            return ObjectInfo(key=key, size=size, etag=resp.get("ETag"))
-
+        kw: S3Params = {"Key": phys}
+        if crc is not None:
+            kw["ChecksumCRC32C"] = crc32c_b64(crc)
+        if create:
+            kw["IfNoneMatch"] = "*"
+            kw["Metadata"] = {TOKEN_META: token}
         try:
-            return await conn.call("put", key, attempt, where=self.where)
+            resp = await conn.request(
+                "put_object", op="put", key=key, where=self.where, body=views, **kw
+            )
+            return ObjectInfo(key=key, size=size, etag=resp.get("ETag"))
         except ObjectExists:
             # An earlier attempt (ours, or aiohttp's silent re-send of an idempotent PUT on a
             # reset connection) may have stored it and lost the answer.
@@ -187,44 +178,26 @@ class S3Writer:
 
     async def create_upload(self, key, phys, token) -> str:
         conn = self.conn
-
-        async def attempt(n: int) -> str:
-            client = await conn.client()
-            kw = {"Bucket": conn.bucket, "Key": phys, "Metadata": {TOKEN_META: token}}
-            if conn.options.transport_checksums:
-                kw["ChecksumAlgorithm"] = "CRC32C"
-            resp = await client.create_multipart_upload(**kw)
-            return resp["UploadId"]
-
-        return await conn.call("create_multipart", key, attempt, where=self.where)
+        kw: S3Params = {"Key": phys, "Metadata": {TOKEN_META: token}}
+        if conn.options.transport_checksums:
+            kw["ChecksumAlgorithm"] = "CRC32C"
+        resp = await conn.request(
+            "create_multipart_upload", op="create_multipart", key=key, where=self.where, **kw
+        )
+        return resp["UploadId"]
 
     async def upload_part(self, key, phys, upload_id, number: int, views) -> dict:
         """Upload ``views`` (concatenated) as part ``number`` (1-based); returns its entry of the
         CompleteMultipartUpload part list."""
         conn = self.conn
-        size = sum(len(v) for v in views)
         crc = await _crc(views) if conn.options.transport_checksums else None
-
-        async def attempt(n: int) -> str:
-            client = await conn.client()
-            kw = {
-                "Bucket": conn.bucket,
-                "Key": phys,
-                "UploadId": upload_id,
-                "PartNumber": number,
-                "ContentLength": size,
-                "Body": BodyPayload(views) if size else b"",
-            }
-            if crc is not None:
-                kw["ChecksumCRC32C"] = crc32c_b64(crc)
-            resp = await send_with_body(
-                client.upload_part(**kw), kw["Body"], conn.options.retry.read_timeout
-            )
-            conn.stats.bytes_sent += size
-            return resp["ETag"]
-
-        etag = await conn.call("upload_part", key, attempt, where=self.where)
-        entry = {"PartNumber": number, "ETag": etag}
+        kw: S3Params = {"Key": phys, "UploadId": upload_id, "PartNumber": number}
+        if crc is not None:
+            kw["ChecksumCRC32C"] = crc32c_b64(crc)
+        resp = await conn.request(
+            "upload_part", op="upload_part", key=key, where=self.where, body=views, **kw
+        )
+        entry: dict[str, object] = {"PartNumber": number, "ETag": resp["ETag"]}
         if crc is not None:
             entry["ChecksumCRC32C"] = crc32c_b64(crc)
         return entry
@@ -249,26 +222,26 @@ class S3Writer:
         return parts  # type: ignore[return-value]
 
     async def complete(self, key, phys, upload_id, parts, size, create, token) -> ObjectInfo:
-        conn = self.conn
         tries = 0
 
-        async def attempt(n: int) -> ObjectInfo:
+        def started(n: int) -> None:
             nonlocal tries
             tries = n
-            client = await conn.client()
-            kw = {
-                "Bucket": conn.bucket,
-                "Key": phys,
-                "UploadId": upload_id,
-                "MultipartUpload": {"Parts": parts},
-            }
-            if create:
-                kw["IfNoneMatch"] = "*"
-            resp = await client.complete_multipart_upload(**kw)
-            return ObjectInfo(key=key, size=size, etag=resp.get("ETag"))
 
+        kw: S3Params = {"Key": phys, "UploadId": upload_id}
+        if create:
+            kw["IfNoneMatch"] = "*"
         try:
-            return await conn.call("complete_multipart", key, attempt, where=self.where)
+            resp = await self.conn.request(
+                "complete_multipart_upload",
+                op="complete_multipart",
+                key=key,
+                where=self.where,
+                on_attempt=started,
+                MultipartUpload={"Parts": parts},
+                **kw,
+            )
+            return ObjectInfo(key=key, size=size, etag=resp.get("ETag"))
         except (ObjectExists, ObjectNotFound):
             if tries > 1 or create:  # an earlier attempt may have completed it
                 info = await self._own_object(key, phys, token, size)
@@ -313,14 +286,10 @@ class S3Writer:
 
     async def head(self, key, phys) -> dict | None:
         """The HeadObject answer for ``phys``, or None when there is no such object."""
-        conn = self.conn
-
-        async def attempt(n: int):
-            client = await conn.client()
-            return await client.head_object(Bucket=conn.bucket, Key=phys)
-
         try:
-            return await conn.call("head", key, attempt, where=self.where)
+            return await self.conn.request(
+                "head_object", op="head", key=key, where=self.where, Key=phys
+            )
         except ObjectNotFound:
             return None
 
@@ -361,27 +330,19 @@ class S3Writer:
         conn = self.conn
         probe = f"{phys[: phys.rfind('/') + 1]}.cloudckpt-probe-{secrets.token_hex(8)}"
 
-        async def attempt(n: int) -> None:
-            client = await conn.client()
-            await client.put_object(Bucket=conn.bucket, Key=probe, Body=b"probe", IfNoneMatch="*")
-
         where = f"s3://{conn.bucket}/{conn.anchor}"
+        put: S3Params = {"Key": probe, "Body": b"probe", "IfNoneMatch": "*"}
         try:
             try:
                 # A refusal here can only be our own first write, re-sent after a lost answer.
-                await conn.call("probe", None, attempt, where=where)
-                await conn.call("probe", None, attempt, where=where)
+                await conn.request("put_object", op="probe", key=None, where=where, **put)
+                await conn.request("put_object", op="probe", key=None, where=where, **put)
                 strategy = "fallback"
             except ObjectExists:
                 strategy = "native"
         finally:
-
-            async def delete(n: int) -> None:
-                client = await conn.client()
-                await client.delete_object(Bucket=conn.bucket, Key=probe)
-
             try:
-                await conn.call("delete", None, delete, where=where)
+                await conn.request("delete_object", op="delete", key=None, where=where, Key=probe)
             except Exception as exc:  # noqa: BLE001 - a stray probe object is harmless
                 logger.warning("could not delete probe object %s: %s", probe, exc)
         return strategy
