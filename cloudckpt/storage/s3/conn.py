@@ -110,6 +110,16 @@ class S3Connection:
                 self._client, self._stack, self._loop = client, stack, loop
         return self._client
 
+    def refuses_batch_delete(self) -> bool:
+        """Remember that the server refuses DeleteObjects; True only the first time (one log)."""
+        first, self.batch_delete = self.batch_delete is not False, False
+        return first
+
+    def refuses_upload_listing(self) -> bool:
+        """Remember that ListMultipartUploads is not implemented; True only the first time."""
+        first, self.lists_uploads = self.lists_uploads is not False, False
+        return first
+
     def describe_endpoint(self) -> str:
         """Where this store's requests go, for messages (see ``s3_errors.Endpoint``)."""
         return self.endpoint.describe()

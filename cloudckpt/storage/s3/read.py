@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 
 import aiohttp
 from botocore.exceptions import ClientError
@@ -16,7 +16,7 @@ from botocore.exceptions import ClientError
 from cloudckpt.errors import ObjectTooLarge
 from cloudckpt.http_numbers import http_int
 from cloudckpt.storage.base import ObjectInfo, ReadRange, run_all
-from cloudckpt.storage.ranges import Scatter, plan_pieces
+from cloudckpt.storage.ranges import HeldRange, Piece, Scatter, plan_pieces
 from cloudckpt.storage.s3.answers import (
     BadAnswer,
     check_answer,
@@ -27,6 +27,7 @@ from cloudckpt.storage.s3.client import iter_body
 from cloudckpt.storage.s3.conn import S3Connection
 from cloudckpt.storage.s3.errors import TruncatedBody, error_code, is_bare_403
 from cloudckpt.storage.s3.exchange import Cursor, UseBotocore
+from cloudckpt.storage.s3.shapes import ListedObject, S3Answer, S3Client
 from cloudckpt.storage.verified import read_verified
 
 logger = logging.getLogger("cloudckpt.storage")
@@ -36,7 +37,7 @@ logger = logging.getLogger("cloudckpt.storage")
 READ_PIECE = 32 * 1024 * 1024
 
 
-def object_info(key: str, size, resp: dict) -> ObjectInfo:
+def object_info(key: str, size: int | None, resp: S3Answer | ListedObject) -> ObjectInfo:
     """The ``ObjectInfo`` of a HeadObject answer or a listing entry."""
     modified = resp.get("LastModified")
     return ObjectInfo(
@@ -135,12 +136,12 @@ class S3Reader:
 
     async def _get_first(
         self, key: str, phys: str, first: int, deadline: float, max_bytes: int | None = None
-    ) -> tuple[list, int]:
+    ) -> tuple[list[bytes], int]:
         """The first ``first`` bytes of the object (as chunks) and its total size
         (``ObjectTooLarge``, the body unread, when that is over ``max_bytes``)."""
         conn = self.conn
 
-        async def attempt(n: int) -> tuple[list, int]:
+        async def attempt(n: int) -> tuple[list[bytes], int]:
             client = await conn.client()
             drop_stale_connections(client)
             try:
@@ -166,7 +167,8 @@ class S3Reader:
                         size=total,
                         limit=max_bytes,
                     )
-                chunks, got = [], 0
+                chunks: list[bytes] = []
+                got = 0
                 try:
                     async for chunk in iter_body(body):
                         chunks.append(chunk)
@@ -190,7 +192,7 @@ class S3Reader:
 
         return await conn.call("get", key, attempt, where=self.where, deadline=deadline)
 
-    def _first_answer(self, key: str, resp: dict, first: int) -> tuple[int, int]:
+    def _first_answer(self, key: str, resp: S3Answer, first: int) -> tuple[int, int]:
         """(body length, object size) of the answer to ``get``'s first GET (bytes
         ``[0, first)``, or the whole object): a 206 for bytes ``[0, min(first, size))``, or a
         200 with the whole object; ``BadAnswer`` (retried) for any other."""
@@ -205,7 +207,8 @@ class S3Reader:
             check_answer(
                 status, resp.get("ContentRange"), length, 0, min(first, total), where=where, key=key
             )
-            return length, total
+            # no Content-Length (a chunked body): the Content-Range checked says how long it is
+            return (length if length is not None else min(first, total)), total
         raise BadAnswer(
             f"GET {where}: asked bytes [0, {first}); the answer is HTTP {status} "
             f"with Content-Range {resp.get('ContentRange')!r} and Content-Length "
@@ -221,7 +224,13 @@ class S3Reader:
         deadline = self.conn.deadline()
         gap = self.conn.options.coalesce_gap
 
-        async def fetch(offsets, lengths, targets, *, reread: bool) -> None:
+        async def fetch(
+            offsets: Sequence[int],
+            lengths: Sequence[int],
+            targets: Sequence[memoryview | HeldRange],
+            *,
+            reread: bool,
+        ) -> None:
             await self._fetch_into(
                 key,
                 phys,
@@ -233,7 +242,7 @@ class S3Reader:
             )
 
         @contextlib.asynccontextmanager
-        async def hold(nbytes: int):
+        async def hold(nbytes: int) -> AsyncIterator[None]:
             held = await self.conn.reserve(
                 nbytes, op="get", key=key, where=self.where, deadline=deadline
             )
@@ -245,7 +254,15 @@ class S3Reader:
         return await read_verified(key, ranges, fetch, where=self.where, hold=hold)
 
     async def _fetch_into(
-        self, key: str, phys: str, offsets, lengths, views, *, gap: int = 0, deadline: float | None
+        self,
+        key: str,
+        phys: str,
+        offsets: Sequence[int],
+        lengths: Sequence[int],
+        views: Sequence[memoryview | HeldRange],
+        *,
+        gap: int = 0,
+        deadline: float | None,
     ) -> None:
         """Fetch ranges into ``views``: coalesced (within ``gap``), split into pieces of at most
         one read piece, pieces concurrently. Takes no byte budget (callers hold it)."""
@@ -255,7 +272,7 @@ class S3Reader:
         )
 
     async def _fetch(
-        self, key: str, phys: str, piece, scatter: Scatter, deadline: float | None
+        self, key: str, phys: str, piece: Piece, scatter: Scatter, deadline: float | None
     ) -> None:
         """GET ``piece`` into the scatter's views; a retry resumes where the last attempt
         broke. Through the direct reader (``s3_rangeget``) where it serves this client, else
@@ -303,7 +320,7 @@ class S3Reader:
         await conn.call("get", key, attempt, where=self.where, deadline=deadline)
 
     async def _fetch_botocore(
-        self, client, key: str, phys: str, piece, scatter: Scatter, cursor: Cursor
+        self, client: S3Client, key: str, phys: str, piece: Piece, scatter: Scatter, cursor: Cursor
     ) -> None:
         """One attempt of ``_fetch`` through aiobotocore, from ``cursor.pos``."""
         conn = self.conn
@@ -363,7 +380,7 @@ class S3Reader:
                 body.close()
 
 
-async def _parsed(request, where: str) -> dict:
+async def _parsed(request: Awaitable[S3Answer], where: str) -> S3Answer:
     """The answer of an aiobotocore ``request`` (a coroutine) about the object ``where``; a
     header botocore fails to parse (a Content-Length of Unicode digits makes its ``int()``
     raise ``ValueError``) is a :class:`BadAnswer`."""
@@ -375,6 +392,6 @@ async def _parsed(request, where: str) -> dict:
         ) from exc
 
 
-def _status(resp: dict) -> int:
+def _status(resp: S3Answer) -> int:
     """The HTTP status of an aiobotocore answer (0 when it does not say)."""
     return http_int((resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")) or 0

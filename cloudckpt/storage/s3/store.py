@@ -14,6 +14,7 @@ Split by responsibility, with imports pointing one way (``s3`` -> ``s3_stream`` 
 from __future__ import annotations
 
 import base64
+import builtins
 import logging
 import re
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -46,7 +47,7 @@ from cloudckpt.storage.s3.errors import (
     is_retriable,
 )
 from cloudckpt.storage.s3.read import S3Reader, object_info
-from cloudckpt.storage.s3.shapes import S3Params
+from cloudckpt.storage.s3.shapes import S3Answer, S3Params
 from cloudckpt.storage.s3.stream import S3ObjectWriter
 from cloudckpt.storage.s3.write import S3Writer
 from cloudckpt.storage.spreading import merge_sorted
@@ -127,7 +128,7 @@ class S3Store:
     async def __aenter__(self) -> S3Store:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     # --- writes ---------------------------------------------------------------------------------
@@ -168,8 +169,7 @@ class S3Store:
                 code, status = cause_code(exc)
                 if code not in BATCH_DELETE_REFUSALS and status != 501:
                     raise
-                if conn.batch_delete is not False:
-                    conn.batch_delete = False
+                if conn.refuses_batch_delete():
                     logger.warning(
                         "%s refuses DeleteObjects (%s); deleting one object per "
                         "request from now on",
@@ -274,7 +274,9 @@ class S3Store:
         async for item in merge_sorted(iters, _sort_key):
             yield item
 
-    async def _list_base(self, base: str, prefix: str, delimiter: str | None):
+    async def _list_base(
+        self, base: str, prefix: str, delimiter: str | None
+    ) -> AsyncIterator[ObjectInfo | CommonPrefix]:
         token = None
         while True:
             kw: S3Params = {"Prefix": base + prefix, "MaxKeys": 1000}
@@ -285,7 +287,7 @@ class S3Store:
             page = await self._conn.request(
                 "list_objects_v2", op="list", key=prefix or None, where=self.url, **kw
             )
-            items: list = [
+            items: builtins.list[ObjectInfo | CommonPrefix] = [
                 object_info(o["Key"][len(base) :], o.get("Size", 0), o)
                 for o in page.get("Contents", []) or []
             ]
@@ -299,7 +301,7 @@ class S3Store:
             if not page.get("IsTruncated") or not token:
                 return
 
-    async def list_uploads(self, prefix: str = "") -> list[UploadInfo]:
+    async def list_uploads(self, prefix: str = "") -> builtins.list[UploadInfo]:
         """Unfinished multipart uploads under ``prefix``. On a server that does not implement
         ListMultipartUploads (501) this is always empty (one WARNING per connection): such
         uploads cannot be found, so clean-up cannot abort them (the server's own expiry of
@@ -308,15 +310,14 @@ class S3Store:
         conn = self._conn
         if conn.lists_uploads is False:
             return []
-        found: list[UploadInfo] = []
+        found: builtins.list[UploadInfo] = []
         for base in self._bases():
             try:
                 found += await self._writer.list_uploads(base + prefix, strip=len(base))
             except StorageError as exc:
                 if not is_not_implemented(exc):
                     raise
-                if conn.lists_uploads is not False:
-                    conn.lists_uploads = False
+                if conn.refuses_upload_listing():
                     logger.warning(
                         "%s does not implement ListMultipartUploads: unfinished "
                         "multipart uploads cannot be listed or aborted by cloudckpt",
@@ -330,7 +331,7 @@ class S3Store:
         await self._writer.abort(upload.key, self._phys(upload.key), upload.upload_id)
 
 
-def whole_checksum_of(resp: dict) -> WholeChecksum | None:
+def whole_checksum_of(resp: S3Answer) -> WholeChecksum | None:
     """The whole-object checksum a HeadObject answer gives: its ``ChecksumCRC32C`` unless that
     is a composite (``-N``) or not a full-object one, else an ETag that is an MD5 (32 hex digits:
     a single-part upload; not for SSE-KMS or SSE-C objects, whose ETags are not MD5s), else
@@ -353,7 +354,7 @@ def whole_checksum_of(resp: dict) -> WholeChecksum | None:
     return None
 
 
-def _sort_key(item) -> str:
+def _sort_key(item: ObjectInfo | CommonPrefix) -> str:
     return item.key if isinstance(item, ObjectInfo) else item.prefix
 
 

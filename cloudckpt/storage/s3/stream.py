@@ -55,7 +55,7 @@ from cloudckpt.storage.s3.write import S3Writer
 
 def _buffer(nbytes: int) -> memoryview:
     """Uninitialised memory (pages become resident only as they are written)."""
-    return memoryview(np.empty(nbytes, dtype=np.uint8))
+    return np.empty(nbytes, dtype=np.uint8).data
 
 
 class S3ObjectWriter(WriterState):

@@ -42,6 +42,7 @@ import asyncio
 import logging
 import random
 import secrets
+from collections.abc import Sequence
 
 from cloudckpt.checksum import crc32c
 from cloudckpt.errors import (
@@ -57,7 +58,7 @@ from cloudckpt.storage.options import MAX_PUT_SIZE, choose_part_size
 from cloudckpt.storage.s3.client import crc32c_b64
 from cloudckpt.storage.s3.conn import S3Connection
 from cloudckpt.storage.s3.errors import is_not_implemented
-from cloudckpt.storage.s3.shapes import S3Params
+from cloudckpt.storage.s3.shapes import CompletedPart, S3Answer, S3Params
 
 logger = logging.getLogger("cloudckpt.storage")
 
@@ -67,7 +68,7 @@ STALE_UPLOAD_S = 900.0
 _THREAD_CRC_BYTES = 4 * 1024 * 1024
 
 
-async def _crc(views) -> int:
+async def _crc(views: Sequence[memoryview]) -> int:
     def run() -> int:
         value = 0
         for v in views:
@@ -87,7 +88,9 @@ class S3Writer:
         self.conn = conn
         self.where = where
 
-    async def put(self, key: str, phys: str, views, create: bool) -> ObjectInfo:
+    async def put(
+        self, key: str, phys: str, views: Sequence[memoryview], create: bool
+    ) -> ObjectInfo:
         """Store ``views`` (concatenated) at ``phys``; see the module docstring for ``create``."""
         size = sum(len(v) for v in views)
         token = secrets.token_hex(12)
@@ -110,15 +113,10 @@ class S3Writer:
         with their first ``strip`` characters removed)."""
         conn = self.conn
         found: list[UploadInfo] = []
-        markers: S3Params = {}
+        params: S3Params = {"Prefix": prefix}
         while True:
             page = await conn.request(
-                "list_multipart_uploads",
-                op="list_uploads",
-                key=None,
-                where=self.where,
-                Prefix=prefix,
-                **markers,
+                "list_multipart_uploads", op="list_uploads", key=None, where=self.where, **params
             )
             for u in page.get("Uploads", []) or []:
                 started = u.get("Initiated")
@@ -131,11 +129,12 @@ class S3Writer:
                 )
             if not page.get("IsTruncated"):
                 return found
-            markers = {
+            params = {
+                "Prefix": prefix,
                 "KeyMarker": page.get("NextKeyMarker", ""),
                 "UploadIdMarker": page.get("NextUploadIdMarker", ""),
             }
-            if not markers["KeyMarker"] and not markers["UploadIdMarker"]:
+            if not params["KeyMarker"] and not params["UploadIdMarker"]:
                 return found
 
     async def abort(self, key: str, phys: str, upload_id: str) -> None:
@@ -154,7 +153,15 @@ class S3Writer:
 
     # --- single and multipart puts --------------------------------------------------------------
 
-    async def _single_put(self, key, phys, views, size, create, token) -> ObjectInfo:
+    async def _single_put(
+        self,
+        key: str,
+        phys: str,
+        views: Sequence[memoryview],
+        size: int,
+        create: bool,
+        token: str,
+    ) -> ObjectInfo:
         conn = self.conn
         crc = await _crc(views) if conn.options.transport_checksums else None
         kw: S3Params = {"Key": phys}
@@ -176,7 +183,7 @@ class S3Writer:
                 return info
             raise
 
-    async def create_upload(self, key, phys, token) -> str:
+    async def create_upload(self, key: str, phys: str, token: str) -> str:
         conn = self.conn
         kw: S3Params = {"Key": phys, "Metadata": {TOKEN_META: token}}
         if conn.options.transport_checksums:
@@ -186,7 +193,9 @@ class S3Writer:
         )
         return resp["UploadId"]
 
-    async def upload_part(self, key, phys, upload_id, number: int, views) -> dict:
+    async def upload_part(
+        self, key: str, phys: str, upload_id: str, number: int, views: Sequence[memoryview]
+    ) -> CompletedPart:
         """Upload ``views`` (concatenated) as part ``number`` (1-based); returns its entry of the
         CompleteMultipartUpload part list."""
         conn = self.conn
@@ -197,18 +206,20 @@ class S3Writer:
         resp = await conn.request(
             "upload_part", op="upload_part", key=key, where=self.where, body=views, **kw
         )
-        entry: dict[str, object] = {"PartNumber": number, "ETag": resp["ETag"]}
+        entry: CompletedPart = {"PartNumber": number, "ETag": resp["ETag"]}
         if crc is not None:
             entry["ChecksumCRC32C"] = crc32c_b64(crc)
         return entry
 
-    async def _upload_parts(self, key, phys, upload_id, views, size) -> list[dict]:
+    async def _upload_parts(
+        self, key: str, phys: str, upload_id: str, views: Sequence[memoryview], size: int
+    ) -> list[CompletedPart]:
         """Upload every part of a body held in memory (at most ``concurrency`` at a time);
         returns the CompleteMultipartUpload part list."""
         conn = self.conn
         part = choose_part_size(size, conn.options.part_size)
         count = max(1, -(-size // part))
-        parts: list[dict | None] = [None] * count
+        parts: list[CompletedPart | None] = [None] * count
         next_part = 0
 
         async def worker() -> None:
@@ -219,16 +230,25 @@ class S3Writer:
                 parts[i] = await self.upload_part(key, phys, upload_id, i + 1, pviews)
 
         await run_all(worker() for _ in range(min(conn.options.concurrency, count)))
-        return parts  # type: ignore[return-value]
+        return [p for p in parts if p is not None]  # every part, once all workers ran
 
-    async def complete(self, key, phys, upload_id, parts, size, create, token) -> ObjectInfo:
+    async def complete(
+        self,
+        key: str,
+        phys: str,
+        upload_id: str,
+        parts: list[CompletedPart],
+        size: int,
+        create: bool,
+        token: str,
+    ) -> ObjectInfo:
         tries = 0
 
         def started(n: int) -> None:
             nonlocal tries
             tries = n
 
-        kw: S3Params = {"Key": phys, "UploadId": upload_id}
+        kw: S3Params = {"Key": phys, "UploadId": upload_id, "MultipartUpload": {"Parts": parts}}
         if create:
             kw["IfNoneMatch"] = "*"
         try:
@@ -238,7 +258,6 @@ class S3Writer:
                 key=key,
                 where=self.where,
                 on_attempt=started,
-                MultipartUpload={"Parts": parts},
                 **kw,
             )
             return ObjectInfo(key=key, size=size, etag=resp.get("ETag"))
@@ -249,13 +268,24 @@ class S3Writer:
                     return info
             raise
 
-    async def _multipart_put(self, key, phys, views, size, token) -> ObjectInfo:
+    async def _multipart_put(
+        self, key: str, phys: str, views: Sequence[memoryview], size: int, token: str
+    ) -> ObjectInfo:
         """An overwrite-mode multipart upload (create mode never goes multipart: module
         docstring)."""
         upload_id = await self.create_upload(key, phys, token)
         return await self._finish_upload(key, phys, upload_id, views, size, False, token)
 
-    async def _finish_upload(self, key, phys, upload_id, views, size, create, token) -> ObjectInfo:
+    async def _finish_upload(
+        self,
+        key: str,
+        phys: str,
+        upload_id: str,
+        views: Sequence[memoryview],
+        size: int,
+        create: bool,
+        token: str,
+    ) -> ObjectInfo:
         """Upload a body held in memory as the parts of ``upload_id`` and complete it; abort
         the upload on any failure."""
         try:
@@ -265,7 +295,9 @@ class S3Writer:
             self.abort_later(key, phys, upload_id)
             raise
 
-    def abort_later(self, key, phys, upload_id, *, after=()) -> asyncio.Task:
+    def abort_later(
+        self, key: str, phys: str, upload_id: str, *, after: Sequence[asyncio.Task[None]] = ()
+    ) -> asyncio.Task[None]:
         """Abort an upload after a failure, once the tasks ``after`` (its part uploads) have
         stopped, even if the caller is being cancelled (best effort: a failure is logged).
         Returns the background task (``close`` of the connection waits for it too)."""
@@ -284,7 +316,7 @@ class S3Writer:
         self.conn.in_background(task)
         return task
 
-    async def head(self, key, phys) -> dict | None:
+    async def head(self, key: str, phys: str) -> S3Answer | None:
         """The HeadObject answer for ``phys``, or None when there is no such object."""
         try:
             return await self.conn.request(
@@ -293,7 +325,7 @@ class S3Writer:
         except ObjectNotFound:
             return None
 
-    async def _own_object(self, key, phys, token, size) -> ObjectInfo | None:
+    async def _own_object(self, key: str, phys: str, token: str, size: int) -> ObjectInfo | None:
         """The object at ``phys`` if it is the one this put wrote (its token matches), else
         None."""
         resp = await self.head(key, phys)
@@ -347,12 +379,14 @@ class S3Writer:
                 logger.warning("could not delete probe object %s: %s", probe, exc)
         return strategy
 
-    async def _fallback_create(self, key, phys, views, size, token) -> ObjectInfo:
+    async def _fallback_create(
+        self, key: str, phys: str, views: Sequence[memoryview], size: int, token: str
+    ) -> ObjectInfo:
         """The multipart claim protocol (module docstring) for a body held in memory."""
         upload_id = await self.claim(key, phys, token)
         return await self._finish_upload(key, phys, upload_id, views, size, True, token)
 
-    async def claim(self, key, phys, token, *, required: bool = True) -> str:
+    async def claim(self, key: str, phys: str, token: str, *, required: bool = True) -> str:
         """Steps (1)-(4) of the claim protocol (module docstring): returns the id of a multipart
         upload of ``phys`` that no other non-stale creator's upload preceded, the key not
         existing (``ObjectExists`` otherwise). Contention is retried with backoff until the
@@ -396,7 +430,9 @@ class S3Writer:
             )
             await asyncio.sleep(delay)
 
-    async def _rivals(self, key, phys, upload_id, required: bool) -> list[UploadInfo]:
+    async def _rivals(
+        self, key: str, phys: str, upload_id: str, required: bool
+    ) -> list[UploadInfo]:
         """The other unfinished, non-stale uploads of ``phys`` (step 3)."""
         if self.conn.lists_uploads is False:
             return []
@@ -420,7 +456,7 @@ class S3Writer:
             )
         ]
 
-    async def refuse_existing(self, key, phys) -> None:
+    async def refuse_existing(self, key: str, phys: str) -> None:
         """``ObjectExists`` if ``phys`` exists (one HEAD)."""
         if await self.head(key, phys) is not None:
             raise ObjectExists(
