@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable
 from datetime import datetime
-from typing import Literal, Protocol, TypedDict
+from typing import Any, Literal, Protocol, TypedDict
 
 #: The client methods ``S3Connection.send`` / ``request`` call (botocore's snake_case names).
 S3Method = Literal[
@@ -125,11 +125,37 @@ class S3Answer(TypedDict, total=False):
     Errors: list[DeleteError]
 
 
+class ConfigSession(Protocol):
+    """The parts of a botocore (or aiobotocore) session that ``aws_config`` reads. Config values
+    are botocore's, untyped (strings, booleans, nested sections): read, never passed on blindly."""
+
+    @property
+    def profile(self) -> str | None: ...
+
+    @property
+    def full_config(self) -> dict[str, Any]: ...
+
+    def get_config_variable(self, logical_name: str) -> Any: ...
+
+    def get_scoped_config(self) -> dict[str, Any]: ...
+
+
+class ClientConfig(Protocol):
+    @property
+    def s3(self) -> dict[str, str] | None: ...
+
+
 class ClientMeta(Protocol):
     """``client.meta``: the parts of botocore's ``ClientMeta`` that cloudckpt reads."""
 
     @property
     def endpoint_url(self) -> str: ...
+
+    @property
+    def region_name(self) -> str | None: ...
+
+    @property
+    def config(self) -> ClientConfig: ...
 
     @property
     def service_model(self) -> object: ...
