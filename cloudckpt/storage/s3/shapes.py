@@ -145,6 +145,17 @@ class ClientConfig(Protocol):
     def s3(self) -> dict[str, str] | None: ...
 
 
+class OperationModel(Protocol):
+    @property
+    def output_shape(self) -> object: ...
+
+
+class ServiceModel(Protocol):
+    """botocore's ``ServiceModel`` (to parse an error answer as botocore would)."""
+
+    def operation_model(self, operation_name: str) -> OperationModel: ...
+
+
 class ClientMeta(Protocol):
     """``client.meta``: the parts of botocore's ``ClientMeta`` that cloudckpt reads."""
 
@@ -158,7 +169,7 @@ class ClientMeta(Protocol):
     def config(self) -> ClientConfig: ...
 
     @property
-    def service_model(self) -> object: ...
+    def service_model(self) -> ServiceModel: ...
 
 
 class S3Client(Protocol):
