@@ -8,8 +8,8 @@ translation (``retry.Retrier`` with ``s3_errors.classify``). A plain request is 
 one ``send``); only attempts that do more than send one request (read a streamed body, inspect
 an answer and retry part of it) pass their own ``attempt`` to ``call``, sending with ``send``.
 ``S3Connection.reserve`` takes buffer memory from the byte budget under the same deadline. The
-write and read halves of the store (``s3_write.S3Writer``, ``s3_read.S3Reader``) use only this
-public interface.
+write and read halves of the store (``uploads.S3Uploads`` / ``write.S3Writer``,
+``read.S3Reader``) use only this public interface.
 """
 
 from __future__ import annotations

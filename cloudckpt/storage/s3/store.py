@@ -1,13 +1,15 @@
 """``S3Store``: the ``ObjectStore`` protocol on S3-compatible servers (aiobotocore).
 
-Split by responsibility, with imports pointing one way (``s3`` -> ``s3_stream`` -> ``s3_write``;
-``s3_write`` / ``s3_read`` -> ``s3_conn`` -> ``retry``, ``s3_errors``, ``s3_client``):
-- ``s3_conn.S3Connection``: one per ``open_store`` call, shared by ``child()`` stores: client,
-  the request choke point (``call``: slots, retries, deadline, logging, error translation), the
-  byte budget, the counters;
-- ``s3_write.S3Writer``: puts, multipart uploads, conditional create and its claim protocol;
-- ``s3_stream.S3ObjectWriter``: streams (``open_writer``), built on ``S3Writer``;
-- ``s3_read.S3Reader``: head, get, ranged reads (coalescing, verification);
+Split by responsibility, with imports pointing one way (``store`` -> ``stream`` -> ``write`` ->
+``uploads``; ``uploads`` / ``read`` -> ``conn`` -> ``retry``, ``errors``, ``client``; all of
+``cloudckpt.storage.s3``):
+- ``conn.S3Connection``: one per ``open_store`` call, shared by ``child()`` stores: client,
+  the request choke point (``request`` / ``call``: slots, retries, deadline, logging, error
+  translation), the byte budget, the counters; ``shapes``: the typed boundary to aiobotocore;
+- ``uploads.S3Uploads``: single puts, multipart steps, aborts, HEADs, the upload listing;
+- ``write.S3Writer``: puts and the conditional create with its claim protocol;
+- ``stream.S3ObjectWriter``: streams (``open_writer``), built on ``S3Writer``;
+- ``read.S3Reader``: head, get, ranged reads (coalescing, verification);
 - here: keys (anchor, child prefix, prefix spreading), listings, deletes, and the composition.
 """
 
