@@ -61,6 +61,7 @@ class S3Reader:
         conn = self.conn
 
         async def attempt(n: int) -> ObjectInfo:
+            await conn.client()  # made here, outside _parsed: its errors are not answers
             try:
                 resp = await _parsed(conn.send("head_object", Key=phys), f"{self.where}/{key}")
             except ClientError as exc:

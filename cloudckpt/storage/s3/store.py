@@ -44,7 +44,6 @@ from cloudckpt.storage.s3.conn import S3Connection
 from cloudckpt.storage.s3.errors import (
     TransientServerError,
     cause_code,
-    error_code,
     is_not_implemented,
     is_retriable,
 )
@@ -360,4 +359,4 @@ def _sort_key(item: ObjectInfo | CommonPrefix) -> str:
     return item.key if isinstance(item, ObjectInfo) else item.prefix
 
 
-__all__ = ["S3Connection", "S3Store", "error_code"]
+__all__ = ["S3Store", "whole_checksum_of"]
