@@ -474,11 +474,9 @@ def named_modules(text: str) -> list[str]:
                 problems.append(f"{span}: no such folder")
         elif is_file:
             root_file = (PACKAGE.parent / f"{rel}.py").is_file()
-            if (
-                f"{rel}.py" not in files
-                and not root_file
-                and not ("/" not in rel and f"{rel}.py" in basenames)
-            ):
+            # relative to its section's folder (`s3/conn.py` under Storage) or anywhere (`store.py`)
+            known = f"{rel}.py" in files or any(f.endswith(f"/{rel}.py") for f in files)
+            if not known and not root_file and not ("/" not in rel and f"{rel}.py" in basenames):
                 problems.append(f"{span}: no such module")
         elif f"{rel}.py" in files and attr:
             if not re.search(rf"\b{re.escape(attr)}\b", (PACKAGE / f"{rel}.py").read_text()):
