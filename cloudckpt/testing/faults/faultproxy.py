@@ -4,8 +4,7 @@
 It forwards every request with its Host header, so SigV4 signatures still verify upstream, and
 injects faults on a schedule, at a rate, or on every request:
 
-- ``"503"``: answers 503 SlowDown (S3 XML error body), request not forwarded.
-- ``"500"``: answers 500 InternalError, request not forwarded.
+- ``"503"`` / ``"500"``: answers 503 SlowDown / 500 InternalError (S3 XML body), unforwarded.
 - ``"reset"``: aborts the connection as soon as the request head arrives (not forwarded).
 - ``"delay"``: waits ``delay_s`` seconds, then forwards normally.
 - ``"truncate"``: forwards, then sends half of the response body (with the full Content-Length)
@@ -15,9 +14,8 @@ injects faults on a schedule, at a rate, or on every request:
   damaged the bytes; never picked at random: name it in ``kinds`` or ``schedule``).
 
 ``ignore_conditional_writes=True`` (needs ``credentials``) strips ``If-None-Match``/``If-Match``
-from requests and re-signs them, so the server behaves like one that ignores conditional writes;
-``ignore_conditional_writes="complete"`` does so on CompleteMultipartUpload only (as Ceph RGW 16,
-which honours the header on PutObject).
+and re-signs requests, as a server that ignores conditional writes; ``"complete"`` does so on
+CompleteMultipartUpload only (as Ceph RGW 16, which honours the header on PutObject).
 
 Servers that lack a request form: ``refuse=[("POST", "delete", 501, "NotImplemented")]`` answers
 every request with that method and that query parameter (here DeleteObjects) with that status and
@@ -26,7 +24,6 @@ S3 error code, unforwarded; ``require_content_md5=True`` answers a DeleteObjects
 ``record=True`` keeps ``(method, path?query, headers)`` of every request in ``requests``.
 
 Usage::
-
     with FaultProxy(info.endpoint_url, rate=0.2) as proxy:
         store = open_store(url, StorageOptions(endpoint_url=proxy.endpoint_url, ...))
         ...
