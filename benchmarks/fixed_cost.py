@@ -250,7 +250,10 @@ def _on_loop(fn) -> None:
     """Run ``fn`` on cloudckpt's loop thread and wait for it."""
     import concurrent.futures
 
-    from cloudckpt.runtime.loop import get_loop
+    try:
+        from cloudckpt.runtime.loop import get_loop
+    except ImportError:  # a --baseline from before the banded layout (runtime.py, issue 26)
+        from cloudckpt.runtime import get_loop  # type: ignore[attr-defined,no-redef]
 
     done = concurrent.futures.Future()
     get_loop().call_soon_threadsafe(lambda: (fn(), done.set_result(None)))
@@ -320,7 +323,11 @@ def rank_call(action: str, url: str) -> dict:
     import torch.distributed as dist
 
     import cloudckpt
-    from cloudckpt.runtime.loop import shared_store
+
+    try:
+        from cloudckpt.runtime.loop import shared_store
+    except ImportError:  # a --baseline from before the banded layout (runtime.py, issue 26)
+        from cloudckpt.runtime import shared_store  # type: ignore[attr-defined,no-redef]
 
     rec, prof = _CTX["recorder"], _CTX["profile"]
     if action != _CTX.get("profile_action"):
