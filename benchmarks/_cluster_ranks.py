@@ -1,8 +1,8 @@
 """Rank side of benchmarks/cluster.py: the state, the methods and one measured step.
 
-Runs inside the simulated cluster's rank processes (cloudckpt.testing.cluster.simulated), which see the
-store through the standard AWS variables. State: save_load.py's kinds of tensors (large, medium,
-tiny, non-tensor values) with row counts divisible by every world size used, in two cases:
+Runs inside the simulated cluster's rank processes (cloudckpt.testing.cluster.simulated), which
+see the store through the standard AWS variables. State: save_load.py's kinds of tensors (large,
+medium, tiny, non-tensor values) with row counts divisible by every world size used, in two cases:
 - sharded: large and medium tensors are DTensors, Shard(0) over the world's 1-D mesh (or over the
   first `readers` ranks when a world-N checkpoint is loaded by fewer ranks); tiny ones replicated;
 - replicated (DDP-like): every rank holds every tensor whole.
@@ -118,7 +118,7 @@ def rank_build(
 
 
 def _info():
-    from cloudckpt.testing.servers.seaweed import S3ServerInfo
+    from cloudckpt.testing.servers.endpoint import S3ServerInfo
 
     env = os.environ
     return S3ServerInfo(

@@ -1,7 +1,8 @@
 """Shared helpers of the end-to-end benchmarks (not part of the library).
 
 - `repo_on_path()`: make `import cloudckpt` work when a script is run as `python benchmarks/x.py`.
-- `start_server()`: one local SeaweedFS with credentials (cloudckpt.testing.servers.seaweed.S3Server).
+- `start_server()`: one local SeaweedFS with credentials
+  (cloudckpt.testing.servers.seaweed.server.S3Server).
 - `Meter`: wall seconds, process CPU seconds (every thread of this process: user + system) and
   RSS figures of one measured step. Peak RSS is the kernel's VmHWM, reset before the step by
   writing 5 to /proc/self/clear_refs (Linux >= 4.0); when the reset is refused the peak is the
@@ -46,7 +47,7 @@ def start_server(bucket: str = "bench"):
     """Start one SeaweedFS S3 endpoint with credentials; returns the S3Server (`.info`, `.pid`,
     `.stop()`)."""
     repo_on_path()
-    from cloudckpt.testing.servers.seaweed import S3Server
+    from cloudckpt.testing.servers.seaweed.server import S3Server
 
     server = S3Server(bucket=bucket)
     server.start()

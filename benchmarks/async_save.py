@@ -158,7 +158,8 @@ def main(argv=None) -> int:
             print(f"  clone: {[f'{x:.3f}' for x in clone[0]['clone']]} s (rank 0)", flush=True)
             first = world.run(rank_async, info.url("async/first"))
             print(
-                f"  async #1: blocked {_max(first, 'blocked'):.3f} s, total {_max(first, 'total'):.3f} s",
+                f"  async #1: blocked {_max(first, 'blocked'):.3f} s, "
+                f"total {_max(first, 'total'):.3f} s",
                 flush=True,
             )
             for k in range(a.repeat):

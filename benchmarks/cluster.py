@@ -3,9 +3,9 @@
     python benchmarks/cluster.py --quick     # as root: small state, 2 and 4 nodes, ~2 minutes
     python benchmarks/cluster.py             # the issue's figures (N = 2, 4, 8), ~10 minutes
 
-Each world of N ranks runs on N nodes of cloudckpt.testing.cluster.simulated.Cluster: network namespaces
-whose frontend link to the one SeaweedFS is shaped to `--frontend-mbit` each way and whose
-backend link (gloo) to the other nodes to `--backend-mbit` (10x by default). The state (about
+Each world of N ranks runs on N nodes of cloudckpt.testing.cluster.simulated.Cluster: network
+namespaces whose frontend link to the one SeaweedFS is shaped to `--frontend-mbit` each way and
+whose backend link (gloo) to the other nodes to `--backend-mbit` (10x by default). The state (about
 `--mib` MiB, the kinds of tensors of save_load.py) is saved and loaded by every method, in cases:
 - sharded (FSDP-like) save and load;
 - replicated (DDP-like) save, and load: cloudckpt reads each region once and broadcasts it over
@@ -376,7 +376,8 @@ class Bench:
                 what = "issue 5's target" if limit == 0.7 else "read once + broadcast"
                 out.append(
                     C.ratio_line(
-                        f"[N={n}] replicated load cloudckpt / raw GET of everything by every rank ({what})",
+                        f"[N={n}] replicated load cloudckpt / raw GET of everything by every rank "
+                        f"({what})",
                         self.seconds(n, "replicated", "cloudckpt", "load"),
                         self.seconds(n, "replicated", "raw", "load"),
                         limit,
@@ -385,8 +386,8 @@ class Bench:
                 if limit != 0.7:
                     out.append(
                         C.ratio_line(
-                            f"[N={n}] replicated load cloudckpt / cloudckpt with every rank reading "
-                            f"everything (broadcast=False)",
+                            f"[N={n}] replicated load cloudckpt / cloudckpt with every rank "
+                            f"reading everything (broadcast=False)",
                             self.seconds(n, "replicated", "cloudckpt", "load"),
                             self.seconds(n, "replicated", "cloudckpt-nobcast", "load"),
                             limit,
@@ -401,7 +402,8 @@ class Bench:
                     eff = (r_hi["ideal"] / r_hi["seconds"]) / (r_lo["ideal"] / r_lo["seconds"])
                 out.append(
                     C.ratio_line(
-                        f"scaling efficiency {lo}->{hi} ranks, {'N->N/2' if case == 'reshard' else case} "
+                        f"scaling efficiency {lo}->{hi} ranks, "
+                        f"{'N->N/2' if case == 'reshard' else case} "
                         f"{action} (ideal/seconds at {hi} over the same at {lo})",
                         eff,
                         1.0,
@@ -422,9 +424,9 @@ class Bench:
                     share = moved[n - 1] / max(1, sum(moved))
                 out.append(
                     C.ratio_line(
-                        f"[N={n}, node {n - 1} at 1/4 rate] replicated {action}: share of the bytes "
-                        f"{'written' if action == 'save' else 'read from the store'} by the slow node "
-                        f"/ an even share",
+                        f"[N={n}, node {n - 1} at 1/4 rate] replicated {action}: share of the "
+                        f"bytes {'written' if action == 'save' else 'read from the store'} by the "
+                        f"slow node / an even share",
                         share,
                         1 / n,
                         1.0,

@@ -137,6 +137,8 @@ TRACED = (
     "cloudckpt.api.reports:LoadPlanReport.decode",
     "cloudckpt.api.load_data:assign_readers",
     "cloudckpt.api.load_data:select_broadcasts",
+    "cloudckpt.api.load_data:split_reads",
+    "cloudckpt.api.load_data:plan_broadcasts",
     "cloudckpt.dataplane.broadcast:BroadcastSession.__init__",
     "cloudckpt.api.load_data:run_broadcasts",
     "cloudckpt.dataplane.reader:plan_pieces",
@@ -248,7 +250,10 @@ def _on_loop(fn) -> None:
     """Run ``fn`` on cloudckpt's loop thread and wait for it."""
     import concurrent.futures
 
-    from cloudckpt.runtime.loop import get_loop
+    try:
+        from cloudckpt.runtime.loop import get_loop
+    except ImportError:  # a --baseline from before the banded layout (runtime.py, issue 26)
+        from cloudckpt.runtime import get_loop  # type: ignore[attr-defined,no-redef]
 
     done = concurrent.futures.Future()
     get_loop().call_soon_threadsafe(lambda: (fn(), done.set_result(None)))
@@ -318,7 +323,11 @@ def rank_call(action: str, url: str) -> dict:
     import torch.distributed as dist
 
     import cloudckpt
-    from cloudckpt.runtime.loop import shared_store
+
+    try:
+        from cloudckpt.runtime.loop import shared_store
+    except ImportError:  # a --baseline from before the banded layout (runtime.py, issue 26)
+        from cloudckpt.runtime import shared_store  # type: ignore[attr-defined,no-redef]
 
     rec, prof = _CTX["recorder"], _CTX["profile"]
     if action != _CTX.get("profile_action"):

@@ -9,12 +9,12 @@ GiB: large and medium tensors as DTensors, Shard(0) on a 1-D mesh (~99% of the b
 bfloat16), 200 tiny tensors replicated on both ranks, and a few non-tensor values. Methods, all on
 the one server started here (with credentials, path-style addressing):
 
-| method             | save                                         | load                            |
-| ------------------ | -------------------------------------------- | ------------------------------- |
-| `cloudckpt-dcp`    | `dcp.save(storage_writer=cloudckpt.dcp.StorageWriter)` | `dcp.load(storage_reader=cloudckpt.dcp.StorageReader)` |
-| `s3torchconnector` | `dcp.save(storage_writer=S3StorageWriter)`   | `dcp.load(storage_reader=S3StorageReader)` |
-| `dcp-s3fs`         | `dcp.save(storage_writer=FsspecWriter)`      | `dcp.load(storage_reader=FsspecReader)` |
-| `cloudckpt`        | `cloudckpt.save`                             | `cloudckpt.load`                |
+| method             | save: `dcp.save(storage_writer=...)` | load: `dcp.load(storage_reader=...)` |
+| ------------------ | ------------------------------------ | ------------------------------------ |
+| `cloudckpt-dcp`    | `cloudckpt.dcp.StorageWriter`        | `cloudckpt.dcp.StorageReader`        |
+| `s3torchconnector` | `S3StorageWriter`                    | `S3StorageReader`                    |
+| `dcp-s3fs`         | `FsspecWriter`                       | `FsspecReader`                       |
+| `cloudckpt`        | `cloudckpt.save` (not DCP)           | `cloudckpt.load` (not DCP)           |
 
 s3torchconnector (`pip install s3torchconnector[dcp]`, the `bench` extra) reaches the server
 through `AWS_ENDPOINT_URL` and the credentials in the workers' environment, with
@@ -444,7 +444,7 @@ class Runner:
                 print(f)
 
 
-# -- extra sections ---------------------------------------------------------------------------------
+# -- extra sections ------------------------------------------------------------------------------
 # Sections measured after the DCP comparison, in the same run, world and server. Each is a
 # function `section(runner, world) -> None` that runs its own steps (`runner.step(world, ...)`
 # with a method `_do` knows, or its own rank functions), prints its table and appends

@@ -16,7 +16,7 @@ at the start of the step):
 
 ``--shard-mib`` sets the shard size (default 128 MiB, so the export makes several files).
 :func:`run_export_benchmark` runs it all and returns the rows; another script can call it
-with a server of its own (``info``: a ``cloudckpt.testing.servers.seaweed.S3ServerInfo``).
+with a server of its own (``info``: a ``cloudckpt.testing.servers.endpoint.S3ServerInfo``).
 """
 
 from __future__ import annotations

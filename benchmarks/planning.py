@@ -1,6 +1,6 @@
 """Planning and manifest benchmark on simulated FSDP-like jobs (pure Python, one process).
 
-    python benchmarks/planning.py                      # 256 and 1,024 ranks x 2,000 tensors, hostile
+    python benchmarks/planning.py                  # 256 and 1,024 ranks x 2,000 tensors, hostile
     python benchmarks/planning.py --ranks 64 --tensors 500 --repeat 1
     python benchmarks/planning.py --only hostile       # the hostile-manifest section alone
 
@@ -28,6 +28,7 @@ import pickle
 import sys
 import time
 import tracemalloc
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -38,11 +39,8 @@ sys.path.insert(
 
 from cloudckpt.manifest.codec import decode_manifest, encode_manifest
 from cloudckpt.planning.broadcast.readers import assign_readers
-from cloudckpt.planning.load.plan import (
-    decode_local_load_plan,
-    encode_local_load_plan,
-    plan_local_load,
-)
+from cloudckpt.planning.load.plan import plan_local_load
+from cloudckpt.planning.load.plan_codec import decode_local_load_plan, encode_local_load_plan
 from cloudckpt.planning.pieces import PieceHeader, PieceSpec, PieceTable
 from cloudckpt.planning.save.assemble import WrittenChunks, assemble_manifest
 from cloudckpt.planning.save.cache import SavePlanCache, save_plan_cache_key
@@ -113,7 +111,8 @@ def fake_written(plan, world: int) -> list[WrittenChunks]:
 
 
 def best_of(repeat: int, fn):
-    """(min seconds over ``repeat`` runs, last result): the machine may be shared, so take the best."""
+    """(min seconds over ``repeat`` runs, last result): the machine may be shared, so take the
+    best."""
     best, result = float("inf"), None
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -138,7 +137,8 @@ def run(world: int, n_sharded: int, n_replicated: int, load_world: int, repeat: 
     t_plan, gplan = best_of(repeat, lambda: plan_global_save(plans, rank=0))
     chunks = gplan.skeleton.num_chunks
     print(
-        f"global save plan: {t_dec + t_plan:.3f} s = decode {world} plans {t_dec:.3f} s + plan {t_plan:.3f} s; "
+        f"global save plan: {t_dec + t_plan:.3f} s = decode {world} plans {t_dec:.3f} s + "
+        f"plan {t_plan:.3f} s; "
         f"{chunks:,} chunks; rank 0 writes {len(gplan.writes)}"
     )
 
@@ -154,7 +154,8 @@ def run(world: int, n_sharded: int, n_replicated: int, load_world: int, repeat: 
     t_cached, hit = best_of(repeat, cached)
     assert hit is gplan
     print(
-        f"cached plan: {t_cached * 1e3:.2f} ms (fingerprint own plan + key over {world} fingerprints + lookup)"
+        f"cached plan: {t_cached * 1e3:.2f} ms "
+        f"(fingerprint own plan + key over {world} fingerprints + lookup)"
     )
 
     written = fake_written(gplan, world)
@@ -193,7 +194,8 @@ def run(world: int, n_sharded: int, n_replicated: int, load_world: int, repeat: 
     pickled = len(pickle.dumps(info, protocol=pickle.HIGHEST_PROTOCOL))
     print(
         f"manifest: assemble {t_asm:.3f} s, encode {t_menc:.3f} s, decode+validate {t_mdec:.3f} s "
-        f"({chunks / t_mdec / 1e6:.2f} M chunks/s); {len(data):,} bytes = {len(data) / chunks:.1f} bytes/chunk; "
+        f"({chunks / t_mdec / 1e6:.2f} M chunks/s); "
+        f"{len(data):,} bytes = {len(data) / chunks:.1f} bytes/chunk; "
         f"pickle of the same information {pickled:,} bytes ({pickled / len(data):.1f}x larger)"
     )
 
@@ -230,9 +232,10 @@ def run(world: int, n_sharded: int, n_replicated: int, load_world: int, repeat: 
     )
     t_load = t_first + t_ldec + t_assign
     print(
-        f"load by {load_world} ranks: local plan {t_first * 1e3:.1f} ms on first use of the manifest (index build), "
-        f"{t_local * 1e3:.1f} ms after ({len(lp0.reads)} reads); decode {load_world} plans {t_ldec:.3f} s; "
-        f"assign_readers {t_assign:.3f} s ({len(assignment.broadcasts)} broadcasts); per rank {t_load:.3f} s"
+        f"load by {load_world} ranks: local plan {t_first * 1e3:.1f} ms on first use of the "
+        f"manifest (index build), {t_local * 1e3:.1f} ms after ({len(lp0.reads)} reads); "
+        f"decode {load_world} plans {t_ldec:.3f} s; assign_readers {t_assign:.3f} s "
+        f"({len(assignment.broadcasts)} broadcasts); per rank {t_load:.3f} s"
     )
     return {
         "world": world,
@@ -284,15 +287,15 @@ def hostile(repeat: int, sizes: list[str]) -> None:
     for key in sizes:
         label, make = cases[key]
         data = make()
-        peak, manifest = traced(lambda: decode_manifest(data))
+        peak, manifest = traced(partial(decode_manifest, data))
         if isinstance(manifest, Exception):
-            t_dec, _ = best_of(repeat, lambda: _refused(decode_manifest, data))
+            t_dec, _ = best_of(repeat, partial(_refused, decode_manifest, data))
             print(
                 f"{label:32} {len(data):>10,} | {t_dec:7.3f} s {peak / mib:5.0f} MiB | "
                 f"refused: {type(manifest).__name__}: {str(manifest)[:60]}"
             )
             continue
-        t_dec, _ = best_of(repeat, lambda: decode_manifest(data))
+        t_dec, _ = best_of(repeat, partial(decode_manifest, data))
         name = max(manifest.tensors, key=lambda n: len(manifest.tensors[n].chunks))
         rec = manifest.tensors[name]
         where = tuple(s // 2 for s in rec.shape)
@@ -304,10 +307,10 @@ def hostile(repeat: int, sizes: list[str]) -> None:
             plan_local_load(fresh, request, rank=0)
             firsts.append(time.perf_counter() - t0)
         fresh = decode_manifest(data)
-        plan_peak, _ = traced(lambda: plan_local_load(fresh, request, rank=0))
-        t_again, plan = best_of(repeat, lambda: plan_local_load(fresh, request, rank=0))
+        plan_peak, _ = traced(partial(plan_local_load, fresh, request, rank=0))
+        t_again, plan = best_of(repeat, partial(plan_local_load, fresh, request, rank=0))
         off, size = (np.asarray(rec.chunks.offsets), np.asarray(rec.chunks.sizes))
-        t_cover, defect = best_of(repeat, lambda: find_cover_defect(rec.shape, off, size))
+        t_cover, defect = best_of(repeat, partial(find_cover_defect, rec.shape, off, size))
         assert len(plan.reads) == 1 and defect is None
         print(
             f"{label:32} {len(data):>10,} | {t_dec:7.3f} s {peak / mib:5.0f} MiB | "
@@ -348,7 +351,8 @@ def main() -> None:
     for r in results:
         limit = 1.0 if r["world"] <= 256 else 5.0
         print(
-            f"  {r['world']:>5} ranks: global plan {r['global']:.2f} s (< {limit:g}: {r['global'] < limit}), "
+            f"  {r['world']:>5} ranks: global plan {r['global']:.2f} s "
+            f"(< {limit:g}: {r['global'] < limit}), "
             f"cached {r['cached'] * 1e3:.1f} ms (< 50: {r['cached'] < 0.05}), "
             f"{r['bytes_per_chunk']:.1f} bytes/chunk (<= 40: {r['bytes_per_chunk'] <= 40}), "
             f"pickle {r['pickle_ratio']:.1f}x larger (> 1: {r['pickle_ratio'] > 1}), "

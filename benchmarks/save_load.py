@@ -38,7 +38,7 @@ LABEL = {
 RSS_BUDGET = 256 * C.MiB
 
 
-# -- the state (pure: every process computes the same specs) ----------------------------------------
+# -- the state (pure: every process computes the same specs) -------------------------------------
 
 
 def make_specs(total_bytes: int) -> list[dict]:
@@ -630,7 +630,8 @@ class Runner:
         print(f"\n# save_load results  ({C.describe_machine()})")
         print(
             f"state: {state / C.MiB:,.1f} MiB ({len(make_specs(a.total_bytes))} tensors + values), "
-            f"world 2, repeats {a.repeat} (median shown{'; of 2: the faster' if a.repeat == 2 else ''}), "
+            f"world 2, repeats {a.repeat} "
+            f"(median shown{'; of 2: the faster' if a.repeat == 2 else ''}), "
             f"raw: {a.raw_concurrency} in flight, "
             f"{a.raw_object_mib} MiB objects, DCP thread_count {a.dcp_threads}, no fsync anywhere"
         )

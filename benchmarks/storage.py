@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cloudckpt.storage import ReadRange, StorageOptions, open_store
-from cloudckpt.testing.servers.seaweed import S3Server
+from cloudckpt.testing.servers.seaweed.server import S3Server
 
 MiB = 1024 * 1024
 

@@ -10,7 +10,7 @@ mgr = cloudckpt.CheckpointManager("s3://bucket/run", keep_last=3)
 ```
 """
 
-__version__ = "0.1.0"
+from cloudckpt.version import __version__  # noqa: E402,F401
 
 from cloudckpt import errors  # noqa: E402,F401
 from cloudckpt.errors import *  # noqa: E402,F401,F403
@@ -33,7 +33,7 @@ _LAZY = {
     "RetryOptions": ("cloudckpt.storage", "RetryOptions"),
     "GlobalPiece": ("cloudckpt.statedict.pieces", "GlobalPiece"),
     "CheckpointManager": ("cloudckpt.runs.manager", "CheckpointManager"),
-    "CheckpointInfo": ("cloudckpt.runs.manager", "CheckpointInfo"),
+    "CheckpointInfo": ("cloudckpt.runs.pruning", "CheckpointInfo"),
     "RetentionPolicy": ("cloudckpt.runs.retention", "RetentionPolicy"),
     "PreemptionHandler": ("cloudckpt.runs.preemption", "PreemptionHandler"),
     "Preempted": ("cloudckpt.runs.preemption", "Preempted"),

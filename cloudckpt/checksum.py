@@ -12,15 +12,24 @@ in place (no copy) whatever their format, as long as they are C-contiguous.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import crc32c as _crc32c_lib
 import xxhash
 
-_extend = _crc32c_lib.crc32c  # (data, value) -> int
+
+class Buffer(Protocol):
+    """Any object exposing the buffer protocol (``collections.abc.Buffer`` from Python 3.12)."""
+
+    def __buffer__(self, flags: int, /) -> memoryview: ...
 
 
-def _byte_view(data) -> memoryview:
+#: crc32c(data, value) continuing from ``value`` (the ``crc32c`` package has no type hints).
+_extend: Callable[[Buffer, int], int] = _crc32c_lib.crc32c
+
+
+def _byte_view(data: Buffer) -> memoryview:
     """``data`` (any C-contiguous buffer) as a flat memoryview of bytes (no copy)."""
     mv = data if isinstance(data, memoryview) else memoryview(data)
     if mv.format != "B" or mv.ndim != 1:
@@ -28,13 +37,13 @@ def _byte_view(data) -> memoryview:
     return mv
 
 
-def crc32c(data, value: int = 0) -> int:
+def crc32c(data: Buffer, value: int = 0) -> int:
     """Return the crc32c of ``data`` (any C-contiguous buffer), continuing from ``value``."""
     mv = _byte_view(data)
     return _extend(mv, value)
 
 
-def block_crcs(data, block_size: int) -> tuple[int, ...]:
+def block_crcs(data: Buffer, block_size: int) -> tuple[int, ...]:
     """crc32c of each ``block_size`` block of ``data`` (the last block may be shorter).
 
     An empty buffer has one block, whose crc is 0.
@@ -48,7 +57,7 @@ def block_crcs(data, block_size: int) -> tuple[int, ...]:
     return tuple(_extend(mv[i : i + block_size], 0) for i in range(0, n, block_size))
 
 
-def content_hash(data) -> bytes:
+def content_hash(data: Buffer) -> bytes:
     """The 16-byte content hash (XXH3-128, big-endian digest) of ``data`` (any C-contiguous
     buffer): what a format version 3 manifest records per chunk (``hash_algorithm`` "xxh3-128")."""
     mv = _byte_view(data)
@@ -61,7 +70,7 @@ def content_hash(data) -> bytes:
 FUSED_PIECE = 1 << 20
 
 
-def hash_and_block_crcs(data, block_size: int) -> tuple[bytes, tuple[int, ...]]:
+def hash_and_block_crcs(data: Buffer, block_size: int) -> tuple[bytes, tuple[int, ...]]:
     """``(content_hash(data), block_crcs(data, block_size))`` in one pass over ``data``: each
     piece of at most :data:`FUSED_PIECE` bytes is crc'd and hashed while it is in cache (the
     values are exactly those of the two functions)."""
@@ -72,7 +81,7 @@ def hash_and_block_crcs(data, block_size: int) -> tuple[bytes, tuple[int, ...]]:
     if n == 0:
         return xxhash.xxh3_128_digest(mv), (0,)
     hasher = xxhash.xxh3_128()
-    crcs = []
+    crcs: list[int] = []
     step = min(block_size, FUSED_PIECE)
     for start in range(0, n, block_size):
         end = min(start + block_size, n)

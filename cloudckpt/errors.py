@@ -10,7 +10,8 @@ Messages never contain secrets (keys, tokens, signed URLs).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -159,7 +160,8 @@ class LayoutMismatchError(PlanningError):
 
 
 class CoverageError(PlanningError):
-    """Pieces leave a gap in, or overlap (other than identical replicas), a tensor or destination."""
+    """Pieces leave a gap in, or overlap (other than identical replicas), a tensor or
+    destination."""
 
 
 class MissingKeysError(PlanningError, KeyError):
@@ -240,3 +242,34 @@ class ExportTargetNotEmpty(CloudCkptError, FileExistsError):
     def __init__(self, message: str, *, names: tuple[str, ...] = ()):
         super().__init__(message)
         self.names = names
+
+
+# --- the error every rank raises ---------------------------------------------------------------
+
+_combined_lock = threading.Lock()
+_combined_classes: dict[type[CloudCkptError], type[CheckpointError]] = {}
+
+
+def checkpoint_error_class(error_types: Iterable[str]) -> type[CheckpointError]:
+    """The class every rank raises when failed ranks raised errors of the class names
+    ``error_types``: when all are one cloudckpt error class, a :class:`CheckpointError` that is
+    also that class (so ``except MissingKeysError`` works on every rank, including those that did
+    not detect it); plain :class:`CheckpointError` otherwise. Each combined class is made once."""
+    names = set(error_types)
+    if len(names) != 1:
+        return CheckpointError
+    cls = globals().get(names.pop())
+    if not (isinstance(cls, type) and issubclass(cls, CloudCkptError)):
+        return CheckpointError
+    if issubclass(cls, CheckpointError):
+        return cls
+    with _combined_lock:
+        combined = _combined_classes.get(cls)
+        if combined is None:
+            try:
+                made = type(cls.__name__, (CheckpointError, cls), {"__module__": __name__})
+            except TypeError:  # incompatible builtin layouts: fall back to the plain class
+                made = CheckpointError
+            combined = made if issubclass(made, CheckpointError) else CheckpointError
+            _combined_classes[cls] = combined
+        return combined

@@ -12,7 +12,7 @@ import re
 DIGITS_RE = re.compile(r"[0-9]{1,19}", re.ASCII)
 
 
-def http_int(value) -> int | None:
+def http_int(value: object) -> int | None:
     """A Content-Length, status or other numeric header value -> int; None when absent or not
     1-19 ASCII digits (surrounding blanks allowed). An ``int`` (botocore's parsed
     ``ContentLength``) is taken as it is when not negative."""

@@ -1,4 +1,6 @@
-"""Where the objects of a checkpoint live, relative to the checkpoint's root URL.
+"""Every key name of a checkpoint and of a run, relative to its root URL. Pure: no I/O, no torch.
+
+A checkpoint:
 
 ```
 manifest.msgpack                  the commit marker and index, written last in create mode
@@ -10,9 +12,9 @@ pins/<attempt>.<folder>           a pin: save <attempt> of the sibling folder <f
 ``<attempt>`` is 16 lowercase hex digits, ``<rank>`` at least 5 decimal digits, ``<n>`` at least 4
 (zero-padded, no extra leading zero); ``<folder>`` is one path segment (a sibling checkpoint of the
 same run, see :mod:`cloudckpt.manifest.lineage`). These keys, and unfinished uploads of them, are
-everything a checkpoint *owns*: :func:`owned_key` says which keys those are, and every deletion in cloudckpt
-removes only keys it accepts. Anything else under a checkpoint's prefix (a user's notes, another
-run's folder, a key of some other layout) belongs to someone else and is left in place.
+everything a checkpoint *owns*: :func:`owned_key` says which keys those are, and every deletion in
+cloudckpt removes only keys it accepts. Anything else under a checkpoint's prefix (a user's notes,
+another run's folder, a key of some other layout) belongs to someone else and is left in place.
 
 A run is a folder of such checkpoints, one per step (like Orbax's step paths):
 
@@ -26,7 +28,7 @@ A step with pins and no manifest is *retained*: deleted, but some of its objects
 other checkpoints reference them (see :mod:`cloudckpt.runs.refs`). It is not a checkpoint.
 A step is an ``int >= 0``; its prefix has at least 12 digits, zero-padded, and exactly the digits
 :func:`step_dir` writes (``step-0000000000001/`` is not step 1). Anything else under a run root
-belongs to someone else and is ignored by listings and never deleted. Pure: no I/O, no torch.
+belongs to someone else: listings ignore it and nothing deletes it.
 """
 
 from __future__ import annotations
@@ -37,23 +39,18 @@ import re
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import msgpack
 
 from cloudckpt.manifest.lineage import folder_problem
+from cloudckpt.storage.base import CommonPrefix, ObjectInfo, UploadInfo
+from cloudckpt.storage.urls import parse_store_url
+
+# --- the keys of a checkpoint ----------------------------------------------------------------
 
 MANIFEST_KEY = "manifest.msgpack"
 DATA_PREFIX = "data/"
 PINS_PREFIX = "pins/"
-PIN_FORMAT = "cloudckpt.pin"
-#: The shortest lease a pin may declare (seconds); a pin declaring less counts as this.
-MIN_PIN_LEASE = 60.0
-#: The longest lease a pin may declare (seconds, a day); a pin declaring more counts as this, so
-#: that a pin no save renews stops protecting anything within a day whatever it says.
-MAX_PIN_LEASE = 86400.0
-#: Largest pin read (bytes).
-MAX_PIN_BYTES = 4096
 
 _ATTEMPT_RE = re.compile(r"^[0-9a-f]{16}$")
 _DATA_KEY_RE = re.compile(
@@ -111,6 +108,18 @@ def owned_key(key: str) -> bool:
     )
 
 
+# --- what a pin holds ------------------------------------------------------------------------
+
+PIN_FORMAT = "cloudckpt.pin"
+#: The shortest lease a pin may declare (seconds); a pin declaring less counts as this.
+MIN_PIN_LEASE = 60.0
+#: The longest lease a pin may declare (seconds, a day); a pin declaring more counts as this, so
+#: that a pin no save renews stops protecting anything within a day whatever it says.
+MAX_PIN_LEASE = 86400.0
+#: Largest pin read (bytes).
+MAX_PIN_BYTES = 4096
+
+
 @dataclass(frozen=True)
 class Pin:
     """What a pin says: save ``attempt`` of the sibling checkpoint ``folder`` may reference
@@ -122,7 +131,14 @@ class Pin:
     lease: float
 
 
+def clamp_lease(lease: float) -> float:
+    """A pin's lease as every writer and reader counts it: within [:data:`MIN_PIN_LEASE`,
+    :data:`MAX_PIN_LEASE`]."""
+    return min(max(float(lease), MIN_PIN_LEASE), MAX_PIN_LEASE)
+
+
 def encode_pin(pin: Pin) -> bytes:
+    """The stored bytes of ``pin`` (a msgpack map; :func:`decode_pin` reads it back)."""
     return msgpack.packb(
         {
             "format": PIN_FORMAT,
@@ -132,12 +148,6 @@ def encode_pin(pin: Pin) -> bytes:
             "lease": float(pin.lease),
         }
     )
-
-
-def clamp_lease(lease: float) -> float:
-    """A pin's lease as every writer and reader counts it: within [:data:`MIN_PIN_LEASE`,
-    :data:`MAX_PIN_LEASE`]."""
-    return min(max(float(lease), MIN_PIN_LEASE), MAX_PIN_LEASE)
 
 
 def decode_pin(raw: bytes, key: str) -> Pin:
@@ -160,6 +170,8 @@ def decode_pin(raw: bytes, key: str) -> Pin:
         raise ValueError(f"pin {key} does not match its key, or has no lease")
     return Pin(folder=named[1], attempt=named[0], lease=clamp_lease(lease))
 
+
+# --- the keys of a run -----------------------------------------------------------------------
 
 #: The delimiter of the one listing of a run root: it yields each step's manifest as a key and
 #: each step's ``data/`` folder as one common prefix, whatever the number of data objects.
@@ -194,9 +206,6 @@ def split_folder(url: str) -> tuple[str, str] | None:
     the run URL). ``None`` when there is no folder above it (a bucket root, a filesystem root,
     a bare relative name) or the last segment is not a folder name a manifest may use. Local
     paths are made absolute and normalised, so two spellings of one run compare equal."""
-    from cloudckpt.manifest.lineage import folder_problem
-    from cloudckpt.storage.urls import parse_store_url
-
     parsed = parse_store_url(url)
     if parsed.kind == "s3":
         parts = parsed.prefix.strip("/").split("/") if parsed.prefix else []
@@ -213,13 +222,16 @@ def split_folder(url: str) -> tuple[str, str] | None:
     return None if folder_problem(parts[-1]) else (run, parts[-1])
 
 
+# --- reading the listing of a run root -------------------------------------------------------
+
+
 @dataclass
 class StepState:
-    """What the listings of a run root say about one step."""
+    """What the listings of a run root say about one step (filled in while they are read)."""
 
-    manifest: Any = None  # ObjectInfo of the manifest when complete
+    manifest: ObjectInfo | None = None  # the manifest's entry when the step is complete
     has_data: bool = False  # a data/ common prefix was listed
-    uploads: tuple = ()  # UploadInfo of unfinished multipart uploads (prune only)
+    uploads: tuple[UploadInfo, ...] = ()  # unfinished multipart uploads (prune only)
     pins: int = 0  # pins listed (other checkpoints reference it)
 
     @property
@@ -228,24 +240,21 @@ class StepState:
         return self.manifest is None and self.pins > 0
 
 
-def classify_listing(items: Iterable[Any]) -> dict[int, StepState]:
+def classify_listing(items: Iterable[ObjectInfo | CommonPrefix]) -> dict[int, StepState]:
     """Group the entries of a ``delimiter="/data/"`` listing of a run root by step.
 
-    Entries are ``ObjectInfo`` (``.key``) or ``CommonPrefix`` (``.prefix``); anything that is not
-    ``step-<012d>/manifest.msgpack``, ``step-<012d>/data/`` or ``step-<012d>/pins/<name>`` is
-    ignored.
+    Anything that is not ``step-<012d>/manifest.msgpack``, ``step-<012d>/data/`` or
+    ``step-<012d>/pins/<name>`` is ignored.
     """
     steps: dict[int, StepState] = {}
     for item in items:
-        prefix = getattr(item, "prefix", None)
-        if prefix is not None:
-            head, sep, rest = prefix.rpartition(LIST_DELIMITER)
+        if isinstance(item, CommonPrefix):
+            head, sep, rest = item.prefix.rpartition(LIST_DELIMITER)
             step = parse_step_dir(head + "/") if sep and not rest else None
             if step is not None:
                 steps.setdefault(step, StepState()).has_data = True
             continue
-        key = item.key
-        head, sep, name = key.rpartition("/")
+        head, sep, name = item.key.rpartition("/")
         if name == MANIFEST_KEY:
             step = parse_step_dir(head + sep)
             if step is not None:
@@ -257,7 +266,7 @@ def classify_listing(items: Iterable[Any]) -> dict[int, StepState]:
     return steps
 
 
-def add_uploads(steps: dict[int, StepState], uploads: Iterable[Any]) -> dict[int, StepState]:
+def add_uploads(steps: dict[int, StepState], uploads: Iterable[UploadInfo]) -> dict[int, StepState]:
     """Attach each unfinished upload (``.key`` relative to the run root) to its step in
     ``steps`` (adding the step when it has nothing else); uploads outside any step are ignored.
     Returns ``steps``."""

@@ -85,7 +85,7 @@ class LoadOptions:
     timeout: float = 600.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SaveResult:
     """What a save did. ``bytes_written``/``objects`` count every rank's data objects;
     ``bytes_reused``: the chunk bytes an incremental save did not upload because its ``base``
@@ -114,7 +114,7 @@ class SaveResult:
         return self.bytes_written / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoadResult:
     """What a load did on this rank: bytes fetched from the store and received by broadcast."""
 

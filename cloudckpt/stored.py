@@ -1,19 +1,36 @@
-"""Reading a checkpoint's stored manifest bytes, their size bounded before anything is read.
+"""A stored checkpoint read back: the one way to fetch, decode for inspection and read it.
 
-No torch, no collective: used by ``load``, ``verify``, the manager's listings and clean-up and
-the command line alike, so that every reader of a manifest gets the same bound.
+No torch, no collective. Every reader of a stored manifest (``load``, ``verify``, incremental
+saves, the manager's listings, clean-up, the command line, the exports) goes through
+:func:`fetch_manifest_bytes`, so each gets the same size bound; every reader that inspects a
+manifest without trusting its pickled values decodes it with
+:func:`decode_manifest_without_pickle`; and every reader of the data opens the checkpoint's
+objects through :func:`reading_view`, which knows where an incremental checkpoint's objects are.
 """
 
 from __future__ import annotations
 
-from cloudckpt.errors import ManifestError, ObjectTooLarge
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from cloudckpt.errors import (
+    CheckpointNotFound,
+    ManifestError,
+    ObjectNotFound,
+    ObjectTooLarge,
+    PickleNotAllowed,
+)
 from cloudckpt.layout import MANIFEST_KEY, split_folder
-from cloudckpt.manifest.codec import MAX_MANIFEST_BYTES
-from cloudckpt.runtime.loop import shared_store
+from cloudckpt.manifest.codec import MAX_MANIFEST_BYTES, manifest_from_document, read_document
+from cloudckpt.manifest.model import Manifest
+from cloudckpt.manifest.values import encode_value, is_pickled
+from cloudckpt.runtime.loop import run_coroutine, shared_store
+from cloudckpt.storage.base import ObjectStore
 
 
 async def fetch_manifest_bytes(
-    store, key: str = MANIFEST_KEY, *, max_bytes: int = MAX_MANIFEST_BYTES
+    store: ObjectStore, key: str = MANIFEST_KEY, *, max_bytes: int = MAX_MANIFEST_BYTES
 ) -> bytes:
     """The stored bytes of the manifest at ``key`` in ``store`` (not decoded, not checked).
 
@@ -32,15 +49,63 @@ async def fetch_manifest_bytes(
         ) from exc
 
 
-def reading_view(url: str, storage, manifest, *, open_store=shared_store):
-    """``(store, manifest)`` to read the checkpoint at ``url`` with: the checkpoint's own store
-    and ``manifest`` itself, or, when it references sibling folders, the run root's store (the
-    folder above ``url``) and ``manifest`` with every key made relative to it
-    (``<folder>/<key>``; each home is one validated path segment, so no key leaves the run
-    root). ``ManifestError`` when ``url`` has no folder above it to hold the siblings. Stores
-    come from ``open_store(url, storage)`` (cloudckpt's shared stores by default)."""
+def read_manifest_bytes(
+    url: str, storage: Any = None, *, store: ObjectStore | None = None
+) -> bytes:
+    """:func:`fetch_manifest_bytes` of the checkpoint at ``url``, from a caller that is not a
+    coroutine. ``store``: ``url``'s store when the caller has it open (else the shared store of
+    ``url`` and ``storage``). No manifest raises :class:`~cloudckpt.errors.CheckpointNotFound`."""
+    if store is None:
+        store = shared_store(url, storage)
+    try:
+        return run_coroutine(fetch_manifest_bytes(store, MANIFEST_KEY))
+    except ObjectNotFound as exc:
+        raise CheckpointNotFound(f"no committed checkpoint at {url} (no manifest: {exc})") from exc
+
+
+def decode_manifest_without_pickle(raw: bytes) -> tuple[Manifest, tuple[str, ...]]:
+    """Decode and validate manifest bytes without ever unpickling: returns the ``Manifest`` (each
+    pickled value replaced by ``None``) and the sorted names of the pickled values. The one
+    decode for listings and inspection, where the values themselves are not needed. Anything
+    malformed (pickle outside the values included) raises ``ManifestError``."""
+    document = read_document(raw)
+    try:
+        return manifest_from_document(document, allow_pickle=False), ()
+    except PickleNotAllowed as exc:
+        refused = exc
+    values = document.fields.get("values")
+    if type(values) is not dict:
+        raise refused
+    values, pickled = dict(values), []
+    for name, blob in values.items():
+        if type(name) is str and type(blob) is bytes and is_pickled(blob, key=name):
+            values[name] = encode_value(None, key=name, allow_pickle=False)
+            pickled.append(name)
+    if not pickled:  # the pickle is elsewhere (metadata, structure): refused as it is
+        raise refused
+    fields = {**document.fields, "values": values}
+    manifest = manifest_from_document(replace(document, fields=fields), allow_pickle=False)
+    return manifest, tuple(sorted(pickled))
+
+
+def reading_view(
+    url: str,
+    storage: Any,
+    manifest: Manifest,
+    *,
+    store: ObjectStore | None = None,
+    open_store: Callable[[str, Any], ObjectStore] = shared_store,
+) -> tuple[ObjectStore, Manifest]:
+    """``(store, manifest)`` to read the checkpoint at ``url`` with.
+
+    Without references: the checkpoint's own store (``store`` when the caller has it open) and
+    ``manifest`` itself. When it references sibling folders: the run root's store (the folder
+    above ``url``) and ``manifest`` with every key made relative to it (``<folder>/<key>``; each
+    home is one validated path segment, so no key leaves the run root); ``ManifestError`` when
+    ``url`` has no folder above it to hold the siblings. Stores not given are opened with
+    ``open_store(url, storage)`` (cloudckpt's shared stores by default)."""
     if not manifest.references:
-        return open_store(url, storage), manifest
+        return (store if store is not None else open_store(url, storage)), manifest
     located = split_folder(url)
     if located is None:
         raise ManifestError(

@@ -17,9 +17,9 @@ Knows nothing of storage or checkpoints. Two pieces:
   CUDA tensors, gloo CPU tensors.
 
 The groups of both (control lanes, broadcast subgroups) are held by the runtime context
-(:class:`cloudckpt.runtime.context.GroupCache`) for the default process group they were created in: after
-``destroy_process_group`` and a new ``init_process_group`` they are created anew. A channel
-object itself belongs to the world it was created in.
+(:class:`cloudckpt.runtime.context.GroupCache`) for the default process group they were created
+in: after ``destroy_process_group`` and a new ``init_process_group`` they are created anew. A
+channel object itself belongs to the world it was created in.
 
 Without ``torch.distributed`` initialised, the channel is a world of one and every call is local.
 """
@@ -27,24 +27,21 @@ Without ``torch.distributed`` initialised, the channel is a world of one and eve
 from __future__ import annotations
 
 import datetime as _dt
-import threading
 import traceback as _tb
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import msgpack
 import torch
 import torch.distributed as dist
 
-from cloudckpt.errors import CheckpointError, CollectiveTimeout, RankFailure
+from cloudckpt.errors import CollectiveTimeout, RankFailure, checkpoint_error_class
 from cloudckpt.runtime.context import current
-from cloudckpt.wording import ranks_phrase
+from cloudckpt.wording import phase_words, ranks_phrase
 
 INLINE_BYTES = 504
-"""Payloads up to this size travel in the first (and then only) all-gather of the control channel."""
+"""Payloads up to this size travel in the first (and then only) all-gather of a control channel."""
 _LENGTH_BYTES = 8
-
-_classes_lock = threading.Lock()
 
 
 def _distributed() -> bool:
@@ -69,28 +66,6 @@ def group_rank(process_group=None) -> int:
     return group_ranks(process_group).index(dist.get_rank())
 
 
-#: Phase names (protocol steps, also used by tests to place kill points) -> the words users read
-#: in errors. Unknown names are shown as they are.
-PHASE_WORDS = {
-    "save planning": "saving",
-    "save plan exchange": "saving",
-    "save global planning": "saving",
-    "async save staging": "saving (copying to host memory)",
-    "save base": "saving (reading the base checkpoint)",
-    "save upload": "saving (writing data)",
-    "save commit": "saving (writing the manifest)",
-    "load manifest": "loading (reading the manifest)",
-    "load planning": "loading",
-    "load": "loading (reading data)",
-    "load restore": "loading (restoring values)",
-}
-
-
-def phase_words(what: str) -> str:
-    """What a user reads for the protocol step ``what`` (see :data:`PHASE_WORDS`)."""
-    return PHASE_WORDS.get(what, what)
-
-
 def describe_failure(rank: int, exc: BaseException) -> RankFailure:
     """Turn an exception into the serialisable record carried by :class:`CheckpointError`."""
     tb = "".join(_tb.format_exception(type(exc), exc, exc.__traceback__))
@@ -106,6 +81,9 @@ class PhaseReport(Protocol):
 
     @classmethod
     def decode(cls, raw: bytes) -> PhaseReport: ...
+
+
+R = TypeVar("R", bound=PhaseReport)
 
 
 class ControlChannel:
@@ -181,16 +159,17 @@ class ControlChannel:
         """Rank ``src`` sends ``payload``; every rank returns it. ``length``: the payload's
         length when every rank knows it already (e.g. from a phase report): one broadcast
         instead of two."""
+        data = bytes(payload or b"") if self.rank == src else b""  # None sends nothing
         if self.size == 1:
-            return bytes(payload or b"")
+            return data
         try:
             if length is None:
-                n = torch.tensor([len(payload) if self.rank == src else 0], dtype=torch.int64)
+                n = torch.tensor([len(data)], dtype=torch.int64)
                 dist.broadcast(n, src=self.ranks[src], group=self.group)
                 length = int(n.item())
             if self.rank == src:
                 buf = (
-                    torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                    torch.frombuffer(bytearray(data), dtype=torch.uint8)
                     if length
                     else torch.empty(0, dtype=torch.uint8)
                 )
@@ -200,7 +179,7 @@ class ControlChannel:
                 dist.broadcast(buf, src=self.ranks[src], group=self.group)
         except RuntimeError as exc:
             raise self._collective_failed("broadcast", exc) from exc
-        return bytes(payload) if self.rank == src else bytes(buf.numpy().tobytes())
+        return data if self.rank == src else bytes(buf.numpy().tobytes())
 
     def barrier(self) -> None:
         """Wait for every rank (bounded by the channel's timeout)."""
@@ -209,8 +188,8 @@ class ControlChannel:
     # -- fail together --------------------------------------------------------------------------
 
     def phase(
-        self, what: str, report: type[PhaseReport] | None = None, *, inline: int = INLINE_BYTES
-    ) -> Phase:
+        self, what: str, report: type[R] | None = None, *, inline: int = INLINE_BYTES
+    ) -> Phase[R]:
         """One step of a protocol, run on every rank of the channel and closed by an agreement::
 
             with channel.phase("save upload", UploadReport) as upload:
@@ -263,7 +242,7 @@ class ControlChannel:
                 )
         if not failures:
             return payloads
-        cls = _common_error_class(failures)
+        cls = checkpoint_error_class(f.error_type for f in failures.values())
         words = phase_words(what)
         if self.size == 1:  # one process: its own message, without the rank bookkeeping
             exc = cls(f"{words}: {failures[0].message}")
@@ -282,7 +261,7 @@ class ControlChannel:
         )
 
 
-class Phase:
+class Phase(Generic[R]):
     """A protocol step in progress (see :meth:`ControlChannel.phase`).
 
     ``report``: this rank's report, set inside the block (an instance of the phase's report
@@ -293,20 +272,21 @@ class Phase:
         self,
         channel: ControlChannel,
         what: str,
-        report_type: type | None,
+        report_type: type[R] | None,
         inline: int = INLINE_BYTES,
     ):
         self.channel = channel
         self.what = what
         self.report_type = report_type
         self.inline = inline
-        self.report = None
-        self.reports: tuple = ()
+        self.report: R | None = None
+        # loosely typed: None where a rank set no report, and the caller knows which ranks do
+        self.reports: tuple[Any, ...] = ()
 
-    def __enter__(self) -> Phase:
+    def __enter__(self) -> Phase[R]:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         error, payload = exc, b""
         if error is None and self.report is not None:
             try:
@@ -324,34 +304,6 @@ class Phase:
         decode = self.report_type.decode if self.report_type is not None else None
         self.reports = tuple(decode(p) if p and decode is not None else None for p in payloads)
         return False
-
-
-_combined_classes: dict[type, type] = {}
-
-
-def _common_error_class(failures: dict[int, RankFailure]) -> type[CheckpointError]:
-    """The class every rank raises: when all failed ranks raised one cloudckpt error type, a
-    :class:`CheckpointError` that is also that type (so ``except MissingKeysError`` works on every
-    rank, including those that did not detect it); plain :class:`CheckpointError` otherwise."""
-    from cloudckpt import errors
-
-    names = {f.error_type for f in failures.values()}
-    if len(names) != 1:
-        return CheckpointError
-    cls = getattr(errors, names.pop(), None)
-    if not (isinstance(cls, type) and issubclass(cls, errors.CloudCkptError)):
-        return CheckpointError
-    if issubclass(cls, CheckpointError):
-        return cls
-    with _classes_lock:
-        combined = _combined_classes.get(cls)
-        if combined is None:
-            try:
-                combined = type(cls.__name__, (CheckpointError, cls), {"__module__": __name__})
-            except TypeError:  # incompatible builtin layouts: fall back to the plain class
-                combined = CheckpointError
-            _combined_classes[cls] = combined
-        return combined
 
 
 def _cached_group(key: tuple, create):
@@ -392,8 +344,8 @@ class Broadcaster:
     rank creates (or reuses) every group, members or not, because torch numbers groups per
     process and a group is only found again when every process created the same sequence.
     That needs every rank of the world, so :attr:`can_use_subgroups` is false when the channel is
-    a strict subgroup of the world: callers then broadcast only to the whole channel. The backend is the job's (``nccl`` moves CUDA
-    buffers, ``gloo`` CPU buffers).
+    a strict subgroup of the world: callers then broadcast only to the whole channel. The backend
+    is the job's (``nccl`` moves CUDA buffers, ``gloo`` CPU buffers).
     """
 
     def __init__(self, channel: ControlChannel):

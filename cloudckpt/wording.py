@@ -25,3 +25,25 @@ def seconds(value: float) -> str:
     if value < 100:
         return f"{value:.1f} s"
     return f"{value:.0f} s"
+
+
+#: Phase names (protocol steps, also used by tests to place kill points) -> the words users read
+#: in errors. Unknown names are shown as they are.
+PHASE_WORDS = {
+    "save planning": "saving",
+    "save plan exchange": "saving",
+    "save global planning": "saving",
+    "async save staging": "saving (copying to host memory)",
+    "save base": "saving (reading the base checkpoint)",
+    "save upload": "saving (writing data)",
+    "save commit": "saving (writing the manifest)",
+    "load manifest": "loading (reading the manifest)",
+    "load planning": "loading",
+    "load": "loading (reading data)",
+    "load restore": "loading (restoring values)",
+}
+
+
+def phase_words(what: str) -> str:
+    """What a user reads for the protocol step ``what`` (see :data:`PHASE_WORDS`)."""
+    return PHASE_WORDS.get(what, what)

@@ -35,7 +35,7 @@ elapsed() { echo "$(( $(date +%s) - T_START )) s"; }
 installed() {
   # run from / so that the checkout itself is not what gets imported
   (cd / && "$PY" -c "import torch, aiobotocore, cloudckpt.runs.manager
-from cloudckpt.testing.servers.seaweed import find_weed; find_weed()" >/dev/null 2>&1) \
+from cloudckpt.testing.servers.seaweed.host import find_weed; find_weed()" >/dev/null 2>&1) \
     && command -v cloudckpt >/dev/null && command -v torchrun >/dev/null
 }
 if ! installed; then

@@ -23,7 +23,8 @@ import torch
 
 import cloudckpt
 from cloudckpt.errors import CloudCkptError
-from cloudckpt.testing.servers.seaweed import DEFAULT_BUCKET, S3Server
+from cloudckpt.testing.servers.endpoint import DEFAULT_BUCKET
+from cloudckpt.testing.servers.seaweed.server import S3Server
 
 
 def main() -> None:
@@ -66,8 +67,8 @@ def main() -> None:
             run(url)
         print(
             f"smoke: the private server and its data ({url}) are gone now; to keep a "
-            "checkpoint, start `python -m cloudckpt.testing.servers.seaweed`, eval its export lines, "
-            "and run this again"
+            "checkpoint, start `python -m cloudckpt.testing.servers.seaweed`, eval its export "
+            "lines, and run this again"
         )
     except CloudCkptError as exc:
         raise SystemExit(f"smoke: FAILED: {exc}") from exc

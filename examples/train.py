@@ -173,7 +173,7 @@ def resolve_storage(args, rank: int):
         raise SystemExit("AWS_ENDPOINT_URL is set: pass --url s3://<bucket>/<prefix> as well")
     server, env_lines = None, b""
     if rank == 0:
-        from cloudckpt.testing.servers.seaweed import S3Server
+        from cloudckpt.testing.servers.seaweed.server import S3Server
 
         print(
             "train: no --url and no AWS_ENDPOINT_URL: starting a private local SeaweedFS "

@@ -6,11 +6,11 @@ one fork server per test process: it imported those once, and forks a child for 
 The child is what ``python -m cloudckpt`` would be: its own process, the environment and working
 directory given (replaced whole), stdin from /dev/null, stdout and stderr captured, the module run
 as ``__main__``, and the interpreter's exit steps (uncaught errors printed, threads joined, atexit
-handlers run, streams flushed) giving the exit status. Tests that need a real interpreter start (imports, signals, pipes) keep
-starting their own subprocess.
+handlers run, streams flushed) giving the exit status. Tests that need a real interpreter start
+(imports, signals, pipes) keep starting their own subprocess.
 
 Test infrastructure: requests are pickled over a private socket between a test process and its
-own server (as in :mod:`cloudckpt.testing.dist.zygote`).
+own server (as in :mod:`cloudckpt.testing.ranks.zygote`).
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ import uuid
 
 import pytest
 
-from cloudckpt.testing.dist.world import ProcessWorld
+from cloudckpt.testing.ranks.world import ProcessWorld
+from cloudckpt.testing.servers.endpoint import S3ServerInfo
 from cloudckpt.testing.servers.moto import MotoServer
-from cloudckpt.testing.servers.seaweed import S3Server, S3ServerInfo
+from cloudckpt.testing.servers.seaweed.server import S3Server
 
 
 @pytest.fixture(scope="session")

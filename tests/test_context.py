@@ -14,7 +14,7 @@ import torch
 import cloudckpt
 from cloudckpt.api import async_save as async_save_module
 from cloudckpt.errors import StagingMemoryError
-from cloudckpt.planning.load import plan as load_plan
+from cloudckpt.planning.load import plan_codec as load_plan
 from cloudckpt.planning.save import local_plan
 from cloudckpt.runtime import loop as runtime
 from cloudckpt.runtime.context import GroupCache, current

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cloudckpt.testing.dist.world import ProcessWorld, RankFailedError, WorldTimeoutError
+from cloudckpt.testing.ranks.world import ProcessWorld, RankFailedError, WorldTimeoutError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -156,7 +156,7 @@ def test_sigkill_of_owner_leaves_no_workers():
             sys.executable,
             "-c",
             "import time\n"
-            "from cloudckpt.testing.dist.world import ProcessWorld, _ZYGOTE\n"
+            "from cloudckpt.testing.ranks.world import ProcessWorld, _ZYGOTE\n"
             "w = ProcessWorld(2, timeout=60); w.start()\n"
             "print(*w.pids, _ZYGOTE._proc.pid, flush=True)\n"
             "time.sleep(600)\n",

@@ -92,7 +92,7 @@ Root Cause (first observed failure):
   error_file: <N/A>
   traceback : Signal 9 (SIGKILL) received by PID 7
 ============================================================
-"""
+"""  # noqa: E501 - torchrun's own output, verbatim
 
 
 def _demo_lib(script: str, tmp_path: Path) -> str:

@@ -99,8 +99,8 @@ def test_the_check_finds_a_cycle():
 
 
 def test_runtime_state_lives_below_the_api():
-    """runtime/context.py imports planning at module level, and storage / the staging pool's module on
-    first use: nothing that uses it (api, transport, runtime, manager)."""
+    """runtime/context.py imports planning at module level, and storage / the staging pool's module
+    on first use: nothing that uses it (api, transport, runtime, manager)."""
     eager = import_graph(inside_functions=False)["cloudckpt.runtime.context"]
     assert {".".join(m.split(".")[:2]) for m in eager} == {"cloudckpt.planning"}, eager
     lazy = import_graph(inside_functions=True)["cloudckpt.runtime.context"]

@@ -25,8 +25,7 @@ from cloudckpt.planning.load.hints import (
     missing_names_message,
     unexpected_names_message,
 )
-from cloudckpt.transport import PHASE_WORDS, phase_words
-from cloudckpt.wording import plural, ranks_phrase
+from cloudckpt.wording import PHASE_WORDS, phase_words, plural, ranks_phrase
 from tests.cli_forkserver import run_cli
 from tests.reliability.stores import REPO, cli_env
 
@@ -114,7 +113,7 @@ def _model_and_optimizer(step: bool):
 
 def test_optimizer_names():
     model, optim = _model_and_optimizer(step=True)
-    from cloudckpt.statedict.pieces import flatten_state_dict
+    from cloudckpt.statedict.flatten import flatten_state_dict
 
     flat = flatten_state_dict({"model": model.state_dict(), "optim": optim.state_dict()})
     names = list(flat.tensors) + list(flat.values)

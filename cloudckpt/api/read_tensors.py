@@ -20,15 +20,16 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from cloudckpt.api.load import check_object_extents, read_manifest
+from cloudckpt.api.load import check_object_extents
 from cloudckpt.dataplane.destinations import fetch_into
 from cloudckpt.errors import MissingKeysError
+from cloudckpt.manifest.codec import decode_manifest
 from cloudckpt.options import LoadOptions
 from cloudckpt.planning.load.plan import plan_local_load
 from cloudckpt.planning.pieces import PieceSpec
-from cloudckpt.runtime.loop import run_coroutine
-from cloudckpt.statedict.pieces import torch_dtype
-from cloudckpt.stored import reading_view
+from cloudckpt.runtime.loop import run_coroutine, shared_store
+from cloudckpt.statedict.dtypes import torch_dtype
+from cloudckpt.stored import read_manifest_bytes, reading_view
 
 
 class TensorReader:
@@ -47,13 +48,12 @@ class TensorReader:
     ):
         self.url = url
         self.options = options or LoadOptions()
-        manifest = (
-            manifest
-            if manifest is not None
-            else read_manifest(url, storage=storage, allow_pickle=allow_pickle)
-        )
+        store = shared_store(url, storage)
+        if manifest is None:
+            raw = read_manifest_bytes(url, store=store)
+            manifest = decode_manifest(raw, allow_pickle=allow_pickle)
         # an incremental checkpoint's objects may live in sibling folders: read as load does
-        self._store, self.manifest = reading_view(url, storage, manifest)
+        self._store, self.manifest = reading_view(url, storage, manifest, store=store)
         run_coroutine(check_object_extents(self._store, self.manifest))
 
     def read_into(self, pieces: Sequence[tuple[str, Sequence[int], torch.Tensor]]) -> int:

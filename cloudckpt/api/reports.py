@@ -3,9 +3,10 @@
 Each report is a small frozen dataclass with an explicit msgpack codec, no pickle:
 
 - plain records (:class:`SavePlanning`, :class:`UploadReport`, :class:`ManifestRead`,
-  :class:`LatestStep`, :class:`StopVote`, :class:`StepSaved`) encode as one map ``{"record": <name>, <field>: <value>,
-  ...}`` of msgpack-native fields (``bool``, ``int``, ``str``, ``bytes``, ``X | None``,
-  ``tuple[X, ...]``), checked against the annotations both when built and when decoded;
+  :class:`LatestStep`, :class:`StopVote`, :class:`StepSaved`) encode as one map
+  ``{"record": <name>, <field>: <value>, ...}`` of msgpack-native fields (``bool``, ``int``,
+  ``str``, ``bytes``, ``X | None``, ``tuple[X, ...]``), checked against the annotations both
+  when built and when decoded;
 - plan reports (:class:`SavePlanReport`, :class:`LoadPlanReport`) carry a local plan in the
   planning package's own versioned columnar codec.
 
@@ -27,11 +28,8 @@ import msgpack
 
 from cloudckpt.errors import PlanningError, ProtocolError
 from cloudckpt.manifest.values import decode_value
-from cloudckpt.planning.load.plan import (
-    LocalLoadPlan,
-    decode_local_load_plan,
-    encode_local_load_plan,
-)
+from cloudckpt.planning.load.plan import LocalLoadPlan
+from cloudckpt.planning.load.plan_codec import decode_local_load_plan, encode_local_load_plan
 from cloudckpt.planning.save.assemble import WrittenChunks, decode_written_chunks
 from cloudckpt.planning.save.local_plan import (
     LocalSavePlan,
@@ -70,6 +68,9 @@ class _Record:
     """Base of the plain records: a frozen dataclass whose ``RECORD`` names it on the wire."""
 
     RECORD: ClassVar[str]
+    # set by @dataclass on each record (declared so that dataclasses.fields accepts ``cls``)
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+    _cached_hints: ClassVar[dict[str, Any]]
 
     @classmethod
     def _hints(cls) -> dict[str, Any]:

@@ -7,7 +7,8 @@ fail-together exchange, so a failure anywhere raises the same
 
 1. ``save planning``: ``state_dict()`` on stateful values, flatten, local plan; the coordinator
    refuses an existing checkpoint (``CheckpointExists``) and picks the attempt id. Every rank
-   reports its plan's fingerprint and its plan-cache vote (:class:`~cloudckpt.api.reports.SavePlanning`).
+   reports its plan's fingerprint and its plan-cache vote
+   (:class:`~cloudckpt.api.reports.SavePlanning`).
 2. global plan: reused from the cache when every rank holds the plan of these fingerprints;
    otherwise ``save plan exchange`` (local plans, msgpack) and ``save global planning`` (every
    rank computes the same global plan).
@@ -22,22 +23,25 @@ fail-together exchange, so a failure anywhere raises the same
 5. ``save commit``: the coordinator assembles the manifest from everyone's reports and writes it
    in ``create`` mode. Its presence is the commit.
 
-:func:`prepare_save` (phases 1-2) and :func:`finish_save` (phases 3-4) are separate so that
+:func:`prepare_save` (phases 1-2) and :func:`finish_save` (phases 3-5) are separate so that
 ``async_save`` can stage data between them and run the rest in the background (hashing included:
-it reads the staged copies).
+it reads the staged copies). The checkpoint's store is opened once, in phase 1, and travels in the
+:class:`PreparedSave` (a frozen plan); what the later phases learn is a :class:`SaveProgress`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from cloudckpt import layout
 from cloudckpt.api.incremental import PinnedBase, base_folder, open_base, read_base
+from cloudckpt.api.prepared import BaseSite, PreparedSave, SaveProgress
 from cloudckpt.api.reports import SavePlanning, SavePlanReport, UploadReport
 from cloudckpt.dataplane.writer import ItemDigests, WriterOptions, write_chunks
 from cloudckpt.errors import CheckpointExists, ObjectExists, ObjectNotFound
@@ -57,34 +61,10 @@ from cloudckpt.runtime.loop import (
     submit,
     wait_for_pending_save,
 )
-from cloudckpt.statedict.pieces import flatten_state_dict, merge_structures
+from cloudckpt.statedict.flatten import flatten_state_dict, merge_structures
 from cloudckpt.statedict.stateful import resolve_stateful
+from cloudckpt.storage.base import ObjectStore
 from cloudckpt.transport import ControlChannel
-
-
-@dataclass
-class PreparedSave:
-    """A save after planning: what this rank writes, ready for :func:`finish_save`."""
-
-    url: str
-    channel: ControlChannel
-    options: SaveOptions
-    storage: Any
-    attempt: str
-    plan: GlobalSavePlan
-    items: list  # [(chunk_id, tensor)] this rank writes
-    values: dict[str, bytes]  # encoded values this rank owns
-    structure: Any
-    metadata: dict
-    allow_pickle: bool
-    plan_cached: bool
-    started: float = field(default_factory=time.perf_counter)
-    incremental: bool = False  # every rank hashes its items (the coordinator's word)
-    base: str | None = None  # the coordinator's base URL
-    base_read: Any = None  # the coordinator's read of the base (a future), if any
-    manifest_sent: bool = False  # the coordinator issued the manifest's PUT
-    used_homes: frozenset = frozenset()  # the folders the committed manifest references
-    base_used: str = ""  # the base's folder, on every rank ("": a full save)
 
 
 def save(
@@ -146,14 +126,17 @@ def prepare_save(
     cached = plan_cache.held() if options.use_plan_cache else {}
 
     with channel.phase("save planning", SavePlanning) as planning:
+        # the one opening of the checkpoint's store for this save (a malformed URL fails here)
+        store = shared_store(url, storage)
         local = _plan_locally(state_dict, channel, allow_pickle)
-        attempt = _new_attempt(url, storage) if channel.is_coordinator else ""
-        base_read = None
+        attempt = _new_attempt(url, store) if channel.is_coordinator else ""
+        site, base_read = None, None
         if channel.is_coordinator and base is not None:
             # a base outside the run fails every rank, before any I/O
-            run_url, _, base_name = base_folder(url, base)
+            run_url, folder, base_name = base_folder(url, base)
+            site = BaseSite(run_store=shared_store(run_url, storage), folder=folder, base=base_name)
             # read the base's manifest while the planning goes on (no side effect)
-            base_read = submit(read_base(shared_store(run_url, storage), base_name))
+            base_read = submit(read_base(site.run_store, base_name))
         planning.report = SavePlanning(
             fingerprint=local.plan.fingerprint(),
             attempt=attempt,
@@ -181,9 +164,9 @@ def prepare_save(
     }
     return PreparedSave(
         url=url,
+        store=store,
         channel=channel,
         options=options,
-        storage=storage,
         attempt=planning.reports[0].attempt,
         plan=plan,
         items=items,
@@ -194,7 +177,7 @@ def prepare_save(
         plan_cached=plan_cached,
         started=started,
         incremental=planning.reports[0].incremental,
-        base=base if channel.is_coordinator else None,
+        base=site,
         base_read=base_read,
     )
 
@@ -203,6 +186,7 @@ def finish_save(p: PreparedSave) -> SaveResult:
     """Phases 3-5: pin the base (incremental), upload this rank's items, then commit.
     Collective."""
     channel = p.channel
+    progress = SaveProgress()
     pinned: PinnedBase | None = None
     digests: ItemDigests | None = None
     try:
@@ -213,7 +197,7 @@ def finish_save(p: PreparedSave) -> SaveResult:
             run_coroutine(digests.start())
             with channel.phase("save base"):
                 if channel.is_coordinator and p.base is not None:
-                    pinned = _pin_base(p)
+                    pinned = _pin_base(p, p.base)
             table = channel.broadcast_bytes(
                 (encode_known(pinned.chunks.known(), pinned.chunks.folder) if pinned else b"")
                 if channel.is_coordinator
@@ -221,7 +205,7 @@ def finish_save(p: PreparedSave) -> SaveResult:
             )
             if table:
                 mine = {w.chunk_id for w in p.plan.writes}
-                known, p.base_used = decode_known(table)
+                known, progress.base_used = decode_known(table)
                 known = {c: h for c, h in known.items() if c in mine}
 
         with channel.phase("save upload", UploadReport) as upload:
@@ -229,20 +213,20 @@ def finish_save(p: PreparedSave) -> SaveResult:
 
         with channel.phase("save commit"):
             if channel.is_coordinator:
-                _commit(p, upload.reports, pinned)
+                _commit(p, progress, upload.reports, pinned)
     except BaseException as exc:
         if digests is not None:
             run_coroutine(digests.stop())
         if pinned is not None:
             pinned.stop()
             # the pins record the references once the manifest may be there: kept then
-            if not p.manifest_sent or isinstance(exc, CheckpointExists):
+            if not progress.manifest_sent or isinstance(exc, CheckpointExists):
                 run_coroutine(pinned.release())
         raise
     if pinned is not None:
         pinned.stop()
         if channel.is_coordinator:
-            run_coroutine(pinned.drop_unused(p.used_homes))
+            run_coroutine(pinned.drop_unused(progress.used_homes))
 
     reports = upload.reports
     return SaveResult(
@@ -254,7 +238,7 @@ def finish_save(p: PreparedSave) -> SaveResult:
         attempt=p.attempt,
         plan_cached=p.plan_cached,
         bytes_reused=sum(r.bytes_reused for r in reports),
-        base=p.base_used,
+        base=progress.base_used,
     )
 
 
@@ -302,9 +286,9 @@ def _chunk_view(tensor, w):
     return tensor
 
 
-def _new_attempt(url: str, storage) -> str:
+def _new_attempt(url: str, store: ObjectStore) -> str:
     """The coordinator's part of planning: refuse a committed checkpoint, pick the attempt id."""
-    _refuse_existing(url, storage)
+    _refuse_existing(url, store)
     return layout.new_attempt_id()
 
 
@@ -322,15 +306,14 @@ def _plan_globally(
     return plan
 
 
-def _pin_base(p: PreparedSave) -> PinnedBase | None:
+def _pin_base(p: PreparedSave, site: BaseSite) -> PinnedBase | None:
     """The coordinator's part of ``save base``: the pinned base, its pins kept fresh."""
-    run_url, folder, base = base_folder(p.url, p.base)
     read = p.base_read.result() if p.base_read is not None else None
     pinned = run_coroutine(
         open_base(
-            shared_store(run_url, p.storage),
-            folder=folder,
-            base=base,
+            site.run_store,
+            folder=site.folder,
+            base=site.base,
             attempt=p.attempt,
             skeleton=p.plan.skeleton,
             checksum_block_size=p.options.checksum_block_size,
@@ -353,10 +336,9 @@ def _writer_options(options: SaveOptions) -> WriterOptions:
 
 def _upload(p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | None) -> UploadReport:
     rank = p.channel.rank
-    store = shared_store(p.url, p.storage)
     locations, stats = run_coroutine(
         write_chunks(
-            store,
+            p.store,
             p.items,
             rank=rank,
             attempt=p.attempt,
@@ -377,14 +359,19 @@ def _upload(p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | Non
     )
 
 
-def _commit(p: PreparedSave, reports: tuple[UploadReport, ...], pinned: PinnedBase | None) -> None:
+def _commit(
+    p: PreparedSave,
+    progress: SaveProgress,
+    reports: tuple[UploadReport, ...],
+    pinned: PinnedBase | None,
+) -> None:
     """The coordinator's part of the commit: assemble the manifest, write it in create mode."""
     if len({r.plan_digest for r in reports}) != 1:
         raise RuntimeError("ranks disagree on the global save plan (plan cache out of sync)")
     written = [r.written_chunks() for r in reports]
     reused = None
     if pinned is not None:
-        ids = sorted(int(c) for w in written for c in w.reused)
+        ids = np.array(sorted(int(c) for w in written for c in w.reused), dtype=np.int64)
         reused = reused_chunks(pinned.chunks, ids)
     manifest = assemble_manifest(
         p.plan.skeleton,
@@ -402,16 +389,14 @@ def _commit(p: PreparedSave, reports: tuple[UploadReport, ...], pinned: PinnedBa
     )
     if pinned is not None:
         pinned.check_lease()
-    store = shared_store(p.url, p.storage)
-    p.manifest_sent, p.used_homes = True, frozenset(manifest.object_homes)
+    progress.manifest_sent, progress.used_homes = True, frozenset(manifest.object_homes)
     try:
-        run_coroutine(store.put(layout.MANIFEST_KEY, encode_manifest(manifest), mode="create"))
+        run_coroutine(p.store.put(layout.MANIFEST_KEY, encode_manifest(manifest), mode="create"))
     except ObjectExists as exc:
         raise CheckpointExists(f"a checkpoint was committed at {p.url} meanwhile") from exc
 
 
-def _refuse_existing(url: str, storage) -> None:
-    store = shared_store(url, storage)
+def _refuse_existing(url: str, store: ObjectStore) -> None:
     try:
         run_coroutine(store.head(layout.MANIFEST_KEY))
     except ObjectNotFound:
@@ -426,12 +411,17 @@ def _written_chunks(rank: int, locations, values: dict[str, bytes], reused) -> W
     return WrittenChunks(
         rank=rank,
         object_keys=tuple(keys),
-        chunk_ids=[loc.chunk_id for loc in locations],
-        object_index=[keys[loc.object_key] for loc in locations],
-        byte_offset=[loc.byte_offset for loc in locations],
-        byte_length=[loc.byte_length for loc in locations],
-        crcs=[c for loc in locations for c in loc.crcs],
+        chunk_ids=_ints(loc.chunk_id for loc in locations),
+        object_index=_ints(keys[loc.object_key] for loc in locations),
+        byte_offset=_ints(loc.byte_offset for loc in locations),
+        byte_length=_ints(loc.byte_length for loc in locations),
+        crcs=_ints(c for loc in locations for c in loc.crcs),
         values=values,
         hashes=b"".join(loc.content_hash for loc in locations),
         reused=reused,
     )
+
+
+def _ints(values: Iterable[int]) -> np.ndarray:
+    """A column of a :class:`WrittenChunks` (int64, as it keeps them)."""
+    return np.fromiter(values, dtype=np.int64)

@@ -43,7 +43,7 @@ from cloudckpt.manifest.codec import encode_manifest
 from cloudckpt.options import SaveOptions, SaveResult
 from cloudckpt.planning.load.chunk_index import coverage_errors
 from cloudckpt.runtime.loop import run_coroutine, shared_store
-from cloudckpt.statedict.pieces import dtype_name
+from cloudckpt.statedict.dtypes import dtype_name
 
 
 class StreamingSave:
@@ -73,8 +73,9 @@ class StreamingSave:
         self.batch_bytes = batch_bytes
         self.allow_pickle = allow_pickle
         self.started = time.perf_counter()
+        self._store = shared_store(url, storage)  # opened once, used by every upload
         try:
-            run_coroutine(shared_store(url, storage).head(layout.MANIFEST_KEY))
+            run_coroutine(self._store.head(layout.MANIFEST_KEY))
         except ObjectNotFound:
             pass
         else:
@@ -121,8 +122,8 @@ class StreamingSave:
 
     def commit(self, structure: Any = None) -> SaveResult:
         """Upload what waits, then write the manifest (module doc). ``structure`` (a
-        :mod:`cloudckpt.statedict.pieces` structure) defaults to a flat dict of the names in the order
-        they were added."""
+        :mod:`cloudckpt.statedict.flatten` structure) defaults to a flat dict of the names in the
+        order they were added."""
         self._upload()
         if structure is None:
             structure = ["d", [[name, [tag, name]] for name, tag in self._order]]
@@ -131,9 +132,10 @@ class StreamingSave:
         problems = coverage_errors(manifest)
         if problems:
             raise problems[0]
-        store = shared_store(self.url, self.storage)
         try:
-            run_coroutine(store.put(layout.MANIFEST_KEY, encode_manifest(manifest), mode="create"))
+            run_coroutine(
+                self._store.put(layout.MANIFEST_KEY, encode_manifest(manifest), mode="create")
+            )
         except ObjectExists as exc:
             raise CheckpointExists(f"a checkpoint was committed at {self.url} meanwhile") from exc
         return SaveResult(
@@ -152,7 +154,7 @@ class StreamingSave:
         o = self.options
         locations, stats = run_coroutine(
             write_chunks(
-                shared_store(self.url, self.storage),
+                self._store,
                 [(i, t) for i, (_, _, t) in enumerate(waiting)],
                 rank=0,
                 attempt=self.attempt,

@@ -9,9 +9,9 @@ unpickled, so one that would not unpickle is not seen.
 Contract: one process, no collective. Each data object the chunks use (and only those: nothing
 is listed) is checked for existence and size (one ``head``), then every non-empty chunk is read
 in full with each checksum block verified, a fixed number of chunks at a time, through windows of
-whole blocks in reused buffers (memory stays under about 128 MiB
-whatever the chunk sizes). Problems are collected (not raised) so one run names every damaged object; the report
-is ``ok`` only when there are none. A missing or invalid manifest raises (there is nothing to
+whole blocks in reused buffers (memory stays under about 128 MiB whatever the chunk sizes).
+Problems are collected (not raised) so one run names every damaged object; the report is ``ok``
+only when there are none. A missing or invalid manifest raises (there is nothing to
 verify against); a manifest's own checksum (format version 2) is checked before it is decoded,
 and a manifest without one (version 1, written by an older cloudckpt) is reported in ``notes``
 (a warning, not a problem: the data is verified all the same).
@@ -25,18 +25,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cloudckpt.api.load import read_manifest_bytes
 from cloudckpt.dataplane.buffers import BufferPool
 from cloudckpt.dataplane.reader import read_windows
 from cloudckpt.errors import CloudCkptError
-from cloudckpt.manifest.codec import decode_manifest
 from cloudckpt.manifest.framing import stored_version
 from cloudckpt.planning.load.chunk_index import coverage_errors
 from cloudckpt.planning.load.plan import Region
 from cloudckpt.planning.load.windows import plan_windows
 from cloudckpt.runtime.loop import run_coroutine, shared_store
-from cloudckpt.statedict.pieces import torch_dtype
-from cloudckpt.stored import reading_view
+from cloudckpt.statedict.dtypes import torch_dtype
+from cloudckpt.stored import decode_manifest_without_pickle, read_manifest_bytes, reading_view
 
 #: bytes read and checked at once per request; at most ``_IN_FLIGHT`` chunks in progress.
 _WINDOW = 16 << 20
@@ -64,11 +62,12 @@ UNCHECKSUMMED = (
 
 def verify(url: str, *, storage=None, progress=None) -> VerifyReport:
     """Verify the checkpoint at ``url``. ``progress(nbytes)`` is called as bytes are checked."""
-    raw = read_manifest_bytes(url, storage)
-    manifest = decode_manifest(raw, allow_pickle="inspect")  # never unpickles
+    store = shared_store(url, storage)
+    raw = read_manifest_bytes(url, store=store)
+    manifest, _ = decode_manifest_without_pickle(raw)
     notes = [UNCHECKSUMMED] if stored_version(raw) == 1 else []
     del raw
-    store, manifest = reading_view(url, storage, manifest, open_store=shared_store)
+    store, manifest = reading_view(url, storage, manifest, store=store, open_store=shared_store)
     return run_coroutine(_verify(url, store, manifest, progress, notes))
 
 

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from cloudckpt.cli.options import UsageError, global_options
+from cloudckpt.cli.store import CommandStorage
 from cloudckpt.cli.urls import check_local_destination
 from cloudckpt.wording import plural
 
 
-def cmd_convert(args) -> int:
+def cmd_convert(args: Any, storage: CommandStorage) -> int:
     from cloudckpt.dcp.convert import TRUST_MESSAGE, convert
     from cloudckpt.storage.urls import parse_store_url
 
@@ -38,7 +40,9 @@ def cmd_convert(args) -> int:
         raise UsageError(
             TRUST_MESSAGE.replace("pass allow_pickle=True (command line: --trust)", "add --trust")
         )
-    result = convert(args.url, args.dst, to=args.to, allow_pickle=args.trust)
+    result = convert(
+        args.url, args.dst, to=args.to, allow_pickle=args.trust, storage=storage.options
+    )
     if result.skipped:
         print(
             f"warning: {plural(len(result.skipped), 'name')} left out: "
@@ -60,7 +64,7 @@ def cmd_convert(args) -> int:
     return 0
 
 
-def register(sub) -> None:
+def register(sub: Any) -> None:
     """Add ``convert`` to the command line's subcommands (``sub``: argparse's subparsers)."""
     help_ = "convert a checkpoint between cloudckpt and torch DCP formats"
     sp = sub.add_parser("convert", help=help_, description=help_)

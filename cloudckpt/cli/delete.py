@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
-from cloudckpt.cli import documents as cli_json
+from cloudckpt.cli import documents
 from cloudckpt.cli.options import EXIT_FAILED, EXIT_OK, UsageError
-from cloudckpt.cli.store import has_manifest, manager, open_store, progress
+from cloudckpt.cli.store import CommandStorage, has_manifest, progress
 from cloudckpt.cli.urls import refuse_not_a_run, step_of_url
+from cloudckpt.layout import join_url, step_dir
 from cloudckpt.wording import plural
 
 
@@ -43,27 +45,25 @@ def _counts(plan, removed: int | None = None) -> str:
 
 def _print_keys(base: str, plan) -> None:
     """Every object and upload of ``plan`` (keys relative to ``base``), one per line."""
-    from cloudckpt.runs.manager import join_url
-
     for key in plan.objects:
         print(f"  {join_url(base, key)}")
     for upload in plan.uploads:
         print(f"  upload {join_url(base, upload.key)} {upload.upload_id}")
 
 
-def cmd_prune(args) -> int:
-    mgr = manager(
+def cmd_prune(args: Any, storage: CommandStorage) -> int:
+    mgr = storage.manager(
         args.url,
         keep_last=args.keep_last,
         keep_every=args.keep_every,
         abandoned_after=args.abandoned_after,
     )
     if not mgr.list():
-        refuse_not_a_run(args.url, "prune")
+        refuse_not_a_run(storage, args.url, "prune")
     with progress(None, "deleting") as bar:
         removed = mgr.prune_plans(dry_run=args.dry_run, progress=bar.update)
     if args.json:
-        cli_json.emit(cli_json.prune_document(mgr.url, removed, args.dry_run))
+        documents.emit(documents.prune_document(mgr.url, removed, args.dry_run))
         for info, plan in removed:
             _left_note(info.url, plan, "would leave" if args.dry_run else "left")
         return EXIT_OK
@@ -79,24 +79,23 @@ def cmd_prune(args) -> int:
     return EXIT_OK
 
 
-def cmd_rm(args) -> int:
+def cmd_rm(args: Any, storage: CommandStorage) -> int:
     """Delete one checkpoint, complete or incomplete: only the keys the layout owns. A step of a
     run (``--step N``, or a URL ending in ``step-<012d>``) goes through
     ``CheckpointManager(run).delete`` and its guards; a run or a folder that is neither is
     refused (exit 2), and a URL with nothing there is "nothing to remove" (exit 1). A URL with no
     manifest that holds step checkpoints is a run, unless it is a step that owns keys itself."""
     from cloudckpt.runs.cleanup import delete_checkpoint, plan_checkpoint
-    from cloudckpt.runs.manager import join_url, step_dir
     from cloudckpt.runtime.loop import run_coroutine
 
     located = (args.url, args.step) if args.step is not None else step_of_url(args.url)
     if located is not None:
-        if args.step is not None and has_manifest(open_store(args.url)):
+        if args.step is not None and has_manifest(storage.open(args.url)):
             raise UsageError(
                 f"{args.url} is a checkpoint already; give its run's URL with "
                 f"--step {args.step}, or drop --step"
             )
-        mgr, step = manager(located[0]), located[1]
+        mgr, step = storage.manager(located[0]), located[1]
         url, base = join_url(mgr.url, step_dir(step)), mgr.url
         plan = mgr.plan_delete(step)  # refuses a step folder that leads out of the run
 
@@ -110,14 +109,14 @@ def cmd_rm(args) -> int:
         if above is not None and os.path.islink(parse_store_url(url).path or "/"):
             above = None  # a folder the user named through a symlink: itself, no siblings
         base, prefix = (url, "") if above is None else (above[0], above[1] + "/")
-        store = open_store(base)
+        store = storage.open(base)
 
         def delete(progress) -> int:
             return run_coroutine(delete_checkpoint(store, prefix, progress=progress))
 
     # a run is refused; a step of a run that owns something is a checkpoint whatever it holds
-    if plan.empty if plan is not None else not has_manifest(open_store(url)):
-        others = manager(url).list()
+    if plan.empty if plan is not None else not has_manifest(storage.open(url)):
+        others = storage.manager(url).list()
         if others:  # never "its newest": rm removes only what the user named
             newest = [i.step for i in others if i.complete][-1:] or [others[-1].step]
             raise UsageError(

@@ -20,8 +20,8 @@ The keys below are stable: new keys may be added, none is renamed or removed.
   ``--json``.
 - ``prune``: ``{"dry_run", "removed"}``; ``removed`` is a list of ``{"step", "url", "complete",
   "objects", "uploads", "left"}`` where ``objects`` lists the URLs of the objects removed (or
-  that would be), ``uploads`` the unfinished uploads as ``{"key", "upload_id"}`` (key: a URL) and ``left`` counts the keys
-  under the checkpoint that are not part of it and stay.
+  that would be), ``uploads`` the unfinished uploads as ``{"key", "upload_id"}`` (key: a URL)
+  and ``left`` counts the keys under the checkpoint that are not part of it and stay.
 
 Values that JSON cannot represent (bytes, tensors of a value, ints beyond 64 bits, non-finite
 floats, objects, non-string keys of a mapping) are rendered as their ``repr`` string; metadata
@@ -35,6 +35,8 @@ import math
 import sys
 from datetime import datetime, timezone
 from typing import Any
+
+from cloudckpt.cli.format import referenced_objects
 
 _MAX_DEPTH = 32
 _INT_LIMIT = 1 << 63
@@ -159,8 +161,6 @@ def _references(manifest) -> dict:
     """An incremental checkpoint's base and the objects of other checkpoints it uses."""
     if not getattr(manifest, "base", "") and not getattr(manifest, "references", False):
         return {}
-    from cloudckpt.cli.show import referenced_objects
-
     return {
         "base": manifest.base or None,
         "references": [

@@ -1,14 +1,19 @@
-"""``cloudckpt export URL DST --format safetensors``: the Hugging Face layout from the command
-line (see :mod:`cloudckpt.export.folder`). Without ``--format``, ``export`` writes one file
-(:mod:`cloudckpt.export.file`); the options here then are usage errors."""
+"""``cloudckpt export URL OUT``: one consolidated ``.safetensors`` or ``.pt`` file
+(:mod:`cloudckpt.export.file`: a fresh, exclusively created temporary file renamed onto OUT;
+nothing left behind on failure), or with ``--format safetensors`` the Hugging Face layout (see
+:mod:`cloudckpt.export.folder`). Without ``--format``, the folder's options are usage errors."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
+from typing import Any
 
-from cloudckpt.cli.options import UsageError
+from cloudckpt.cli.options import EXIT_OK, UsageError
+from cloudckpt.cli.store import CommandStorage, progress
+from cloudckpt.cli.urls import check_local_destination, resolve_checkpoint
 from cloudckpt.wording import plural
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -82,7 +87,36 @@ def wants_folder(args) -> bool:
     return False
 
 
-def cmd_export_folder(args, url: str, storage, progress) -> int:
+def cmd_export(args: Any, storage: CommandStorage) -> int:
+    """Write the checkpoint as one file, or as a folder with ``--format``."""
+    from cloudckpt.export.file import export, export_kind
+
+    if wants_folder(args):
+        check_local_destination(args.out, "OUT")
+        url = resolve_checkpoint(storage, args.url, args.step, "export")
+        return _export_folder(args, url, storage)
+    out = args.out
+    if export_kind(out) is None:
+        raise UsageError(f"OUT must end with .safetensors or .pt, got {out!r}")
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        raise UsageError(f"cannot write {out}: the folder {folder} does not exist; create it first")
+    if os.path.isdir(out):
+        raise UsageError(f"cannot write {out}: it is a folder; give a file name")
+    url = resolve_checkpoint(storage, args.url, args.step, "export")
+    skipped = export(url, out, allow_pickle=args.allow_pickle, storage=storage.options)
+    if skipped:
+        print(
+            f"warning: {plural(len(skipped), 'non-tensor value')} not representable in "
+            f"JSON {'was' if len(skipped) == 1 else 'were'} "
+            f"left out: {', '.join(skipped[:5])}",
+            file=sys.stderr,
+        )
+    print(f"exported {url} -> {out}")
+    return EXIT_OK
+
+
+def _export_folder(args: Any, url: str, storage: CommandStorage) -> int:
     """Run the export of ``url`` into the folder ``args.out``; prints what was written."""
     from cloudckpt.errors import ExportTargetNotEmpty
     from cloudckpt.export.folder import DEFAULT_MAX_SHARD_BYTES, export_safetensors
@@ -96,7 +130,7 @@ def cmd_export_folder(args, url: str, storage, progress) -> int:
                 prefix=args.prefix,
                 dtype=args.dtype,
                 max_shard_bytes=shard,
-                storage=storage,
+                storage=storage.options,
                 progress=bar.update,
             )
         except ExportTargetNotEmpty as exc:

@@ -3,7 +3,8 @@
 ```
 cloudckpt [--endpoint-url URL] [--profile NAME] [--timeout SECONDS] COMMAND ...
 cloudckpt --version
-cloudckpt ls RUN_URL [--details]           checkpoints of a run: step, time, size, objects, world size, complete
+cloudckpt ls RUN_URL [--details]           checkpoints of a run: step, time, size, objects,
+                                           world size, complete
                                            (--details: own and shared bytes, base step,
                                            retained folders and what holds each folder)
 cloudckpt show URL [--step N]              tensors (name, dtype, shape, chunks, bytes) and values
@@ -12,7 +13,7 @@ cloudckpt prune RUN_URL --keep-last N [--keep-every K] [--abandoned-after S] [--
 cloudckpt rm URL [--step N] [--dry-run]    delete one checkpoint (manifest first)
 cloudckpt export URL OUT [--step N]        one consolidated OUT.safetensors, or OUT.pt (torch.save)
 cloudckpt export URL DST --format safetensors [--prefix P] [--dtype D] [--max-shard-size S]
-                                           a Hugging Face folder (local or s3://): cli_export
+                                           a Hugging Face folder (local or s3://): cli/export.py
 cloudckpt convert SRC DST --to dcp|cloudckpt [--trust]   to or from torch DCP (cli/convert.py)
 ```
 
@@ -22,9 +23,10 @@ refuses a run and prints the ``--step`` to type). Credentials and endpoint
 come from the standard AWS environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...);
 ``--endpoint-url``, ``--profile`` and ``--timeout`` (accepted before or after the command, as
 ``aws`` does) override them for one run: they make the one ``StorageOptions`` every command uses
-(:func:`storage_options`). An endpoint must be an ``http://`` or ``https://`` URL (exit 2
-otherwise). ``ls``, ``show``, ``verify`` and ``prune`` take ``--json``: one JSON document on
-stdout, shapes in :mod:`cloudckpt.cli.documents`.
+(:func:`storage_options`), made once and passed to the command as a
+:class:`~cloudckpt.cli.store.CommandStorage`. An endpoint must be an ``http://`` or ``https://``
+URL (exit 2 otherwise). ``ls``, ``show``, ``verify`` and ``prune`` take ``--json``: one JSON
+document on stdout, shapes in :mod:`cloudckpt.cli.documents`.
 
 Mistakes are refused with one line and exit 2 before anything is changed: a malformed option
 (argparse's errors are one line here, with a pointer to ``--help``), a bad endpoint or unknown
@@ -67,11 +69,14 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from datetime import datetime
 from typing import Any
 
-from cloudckpt.cli import documents as cli_json
+from cloudckpt.cli import documents
+from cloudckpt.cli.convert import register as register_convert
 from cloudckpt.cli.delete import cmd_prune, cmd_rm
+from cloudckpt.cli.export import add_options as add_export_options
+from cloudckpt.cli.export import cmd_export
+from cloudckpt.cli.format import human_bytes, local_time, table
 from cloudckpt.cli.options import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -84,89 +89,27 @@ from cloudckpt.cli.options import (
     storage_options,
     whole_number,
 )
-from cloudckpt.cli.show import print_show
+from cloudckpt.cli.show import cmd_show
 from cloudckpt.cli.stdout import guarded, stdout_is_gone
-from cloudckpt.cli.store import has_manifest, manager, open_store, progress, set_storage, storage
-from cloudckpt.cli.urls import check_local_destination, check_local_url, not_a_run, refuse_not_a_run
-from cloudckpt.errors import (
-    AccessDenied,
-    BucketNotFound,
-    CheckpointNotFound,
-    CloudCkptError,
-    ConfigError,
-    ObjectNotFound,
-)
+from cloudckpt.cli.store import CommandStorage, manifest_bytes, progress
+from cloudckpt.cli.urls import check_local_url, refuse_not_a_run, resolve_checkpoint
+from cloudckpt.errors import AccessDenied, BucketNotFound, CloudCkptError, ConfigError
 from cloudckpt.wording import plural
-
-# -- helpers ------------------------------------------------------------------------------------
-
-
-def _human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
-def _fmt_time(value: datetime | None) -> str:
-    return value.astimezone().strftime("%Y-%m-%d %H:%M:%S") if value is not None else "-"
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], out=None) -> None:
-    out = out or sys.stdout
-    cells = [[str(c) for c in row] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    for row in [list(headers)] + cells:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip(), file=out)
-
-
-def _resolve_checkpoint(url: str, step: int | None, command: str) -> str:
-    """The checkpoint URL meant by ``url`` / ``--step`` (newest complete of a run by default);
-    a folder of checkpoints or runs is a UsageError naming them (``command``: for its hint)."""
-    from cloudckpt.runs.manager import join_url, step_dir
-
-    is_checkpoint = has_manifest(open_store(url))
-    if step is not None:
-        if is_checkpoint:
-            raise UsageError(
-                f"{url} is a checkpoint already; give its run's URL with --step "
-                f"{step}, or drop --step"
-            )
-        return join_url(url, step_dir(step))
-    if is_checkpoint:
-        return url
-    latest = manager(url).latest()
-    if latest is None:
-        from cloudckpt.runtime.loop import run_coroutine
-
-        reason = run_coroutine(not_a_run(open_store(url), url, command))
-        if reason is not None:  # a folder of checkpoints or of runs: say which to give
-            raise UsageError(reason)
-        raise CheckpointNotFound(f"no complete checkpoint at {url} (nor a run with one)")
-    print(
-        f"using the newest complete checkpoint: step {latest.step} ({latest.url})", file=sys.stderr
-    )
-    return latest.url
-
 
 # -- commands -----------------------------------------------------------------------------------
 
 
-def cmd_ls(args) -> int:
-    mgr = manager(args.url)
+def cmd_ls(args: Any, storage: CommandStorage) -> int:
+    mgr = storage.manager(args.url)
     infos = mgr.list()
     if not infos:
-        refuse_not_a_run(args.url, "ls")
+        refuse_not_a_run(storage, args.url, "ls")
     with progress(sum(i.complete for i in infos), "reading manifests") as bar:
         infos = mgr.list(details=True, progress=bar.update) if infos else infos
     if not args.details:  # retained folders are listed with --details only
         infos = [i for i in infos if not i.retained]
     if args.json:
-        cli_json.emit(cli_json.ls_document(infos, args.details))
+        documents.emit(documents.ls_document(infos, args.details))
     if not infos:
         print(f"no checkpoints under {args.url}", file=sys.stderr)
         return EXIT_OK
@@ -175,8 +118,8 @@ def cmd_ls(args) -> int:
     extra = (
         (
             lambda i: (
-                _human_bytes(i.own_bytes),
-                _human_bytes(i.shared_bytes),
+                human_bytes(i.own_bytes),
+                human_bytes(i.shared_bytes),
                 "-" if i.base_step is None else i.base_step,
             )
         )
@@ -186,8 +129,8 @@ def cmd_ls(args) -> int:
     rows = [
         (
             i.step,
-            _fmt_time(i.created_at),
-            _human_bytes(i.total_bytes),
+            local_time(i.created_at),
+            human_bytes(i.total_bytes),
             "-" if i.objects is None else i.objects,
             "-" if i.world_size is None else i.world_size,
             "DAMAGED" if i.damaged else "yes" if i.complete else "RETAINED" if i.retained else "NO",
@@ -195,7 +138,7 @@ def cmd_ls(args) -> int:
         )
         for i in infos
     ]
-    _table(
+    table(
         ("step", "time", "size", "objects", "world_size", "complete")
         + (("own", "shared", "base") if args.details else ()),
         rows,
@@ -208,58 +151,30 @@ def cmd_ls(args) -> int:
     return EXIT_OK
 
 
-def _manifest_bytes(url: str) -> bytes:
-    from cloudckpt.runtime.loop import run_coroutine
-    from cloudckpt.stored import fetch_manifest_bytes
+def cmd_verify(args: Any, storage: CommandStorage) -> int:
+    from cloudckpt.api.verify import verify
 
-    try:
-        return run_coroutine(fetch_manifest_bytes(open_store(url)))
-    except ObjectNotFound as exc:
-        raise CheckpointNotFound(f"no complete checkpoint at {url} ({exc})") from exc
-
-
-def cmd_show(args) -> int:
-    import cloudckpt
-    from cloudckpt.runs.manager import decode_manifest_without_pickle
-
-    url = _resolve_checkpoint(args.url, args.step, "show")
-    pickled: tuple[str, ...] = ()
-    if args.allow_pickle:
-        manifest = cloudckpt.read_manifest(url, allow_pickle=True, storage=storage())
-    else:
-        manifest, pickled = decode_manifest_without_pickle(_manifest_bytes(url))
-    if args.json:
-        cli_json.emit(cli_json.show_document(url, manifest, pickled))
-    else:
-        print_show(
-            url, manifest, pickled, table=_table, human_bytes=_human_bytes, fmt_time=_fmt_time
-        )
-    return EXIT_OK
-
-
-def cmd_verify(args) -> int:
-    import cloudckpt
-
-    url = _resolve_checkpoint(args.url, args.step, "verify")
+    url = resolve_checkpoint(storage, args.url, args.step, "verify")
     total = None
     if sys.stderr.isatty():
-        from cloudckpt.runs.manager import decode_manifest_without_pickle
+        from cloudckpt.stored import decode_manifest_without_pickle
 
-        total = decode_manifest_without_pickle(_manifest_bytes(url))[0].total_bytes()
+        raw = manifest_bytes(storage.open(url), url)
+        total = decode_manifest_without_pickle(raw)[0].total_bytes()
     with progress(total, "verifying", unit="B") as bar:
-        report = cloudckpt.verify(url, progress=bar.update, storage=storage())
+        report = verify(url, progress=bar.update, storage=storage.options)
     if args.json:
-        cli_json.emit(cli_json.verify_document(url, report))
+        documents.emit(documents.verify_document(url, report))
         return EXIT_OK if report.ok else EXIT_FAILED
     if report.ok:
         print(
             f"OK  {url}: {plural(report.objects_checked, 'object')}, "
-            f"{_human_bytes(report.bytes_checked)} checked"
+            f"{human_bytes(report.bytes_checked)} checked"
         )
     else:
         print(
             f"FAILED  {url}: {plural(len(report.problems), 'problem')} "
-            f"({plural(report.objects_checked, 'object')}, {_human_bytes(report.bytes_checked)} "
+            f"({plural(report.objects_checked, 'object')}, {human_bytes(report.bytes_checked)} "
             "checked)"
         )
     for problem in report.problems:
@@ -269,43 +184,11 @@ def cmd_verify(args) -> int:
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
-def cmd_export(args) -> int:
-    """Write one consolidated file; see :mod:`cloudckpt.export.file` for how OUT is written (a fresh,
-    exclusively created temporary file renamed onto OUT; nothing left behind on failure)."""
-    from cloudckpt.cli import export as cli_export
-    from cloudckpt.export.file import export, export_kind
-
-    if cli_export.wants_folder(args):
-        check_local_destination(args.out, "OUT")
-        url = _resolve_checkpoint(args.url, args.step, "export")
-        return cli_export.cmd_export_folder(args, url, storage(), progress)
-    out = args.out
-    if export_kind(out) is None:
-        raise UsageError(f"OUT must end with .safetensors or .pt, got {out!r}")
-    folder = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(folder):
-        raise UsageError(f"cannot write {out}: the folder {folder} does not exist; create it first")
-    if os.path.isdir(out):
-        raise UsageError(f"cannot write {out}: it is a folder; give a file name")
-    url = _resolve_checkpoint(args.url, args.step, "export")
-    skipped = export(url, out, allow_pickle=args.allow_pickle, storage=storage())
-    if skipped:
-        print(
-            f"warning: {plural(len(skipped), 'non-tensor value')} not representable in "
-            f"JSON {'was' if len(skipped) == 1 else 'were'} "
-            f"left out: {', '.join(skipped[:5])}",
-            file=sys.stderr,
-        )
-    print(f"exported {url} -> {out}")
-    return EXIT_OK
-
-
 # -- entry point --------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cloudckpt import __version__
-    from cloudckpt.cli import export as cli_export
+    from cloudckpt.version import __version__
 
     p = Parser(
         prog="cloudckpt",
@@ -430,10 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="decode pickled values (runs code from the checkpoint: trusted only)",
     )
-    cli_export.add_options(sp)
-    from cloudckpt.cli.convert import register
-
-    register(sub)
+    add_export_options(sp)
+    register_convert(sub)
     return p
 
 
@@ -447,15 +328,11 @@ def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     debug = bool(os.environ.get("CLOUDCKPT_DEBUG"))
     try:
-        from cloudckpt.runtime.loop import set_default_storage
         from cloudckpt.storage.urls import parse_store_url
 
         parse_store_url(args.url)  # a malformed URL is a usage error before anything runs
         check_local_url(args.url)  # bucket/x written without s3://
-        set_storage(storage_options(args))
-        if storage() is not None:  # also for any call below that is given no storage
-            set_default_storage(storage())
-        return args.fn(args)
+        return args.fn(args, CommandStorage(options=storage_options(args)))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -1,6 +1,6 @@
-"""The text of ``cloudckpt show``: a checkpoint's header, tensors, values and, for an incremental
-checkpoint, its base and the objects of other checkpoints it uses (split from
-:mod:`cloudckpt.cli.main`, which reads the manifest, parses the command line and handles errors)."""
+"""``cloudckpt show``: a checkpoint's header, tensors, values and, for an incremental checkpoint,
+its base and the objects of other checkpoints it uses; as text, or as the ``--json`` document
+of :mod:`cloudckpt.cli.documents`. Pickled values are not unpickled without ``--allow-pickle``."""
 
 from __future__ import annotations
 
@@ -9,13 +9,35 @@ import json
 from datetime import datetime
 from typing import Any
 
+from cloudckpt.cli import documents
+from cloudckpt.cli.format import human_bytes, local_time, referenced_objects, table
+from cloudckpt.cli.options import EXIT_OK
+from cloudckpt.cli.store import CommandStorage, manifest_bytes
+from cloudckpt.cli.urls import resolve_checkpoint
 from cloudckpt.wording import plural
 
 
-def _fmt_epoch(seconds: float, fmt_time) -> str:
+def cmd_show(args: Any, storage: CommandStorage) -> int:
+    from cloudckpt.api.load import read_manifest
+    from cloudckpt.stored import decode_manifest_without_pickle
+
+    url = resolve_checkpoint(storage, args.url, args.step, "show")
+    pickled: tuple[str, ...] = ()
+    if args.allow_pickle:
+        manifest = read_manifest(url, allow_pickle=True, storage=storage.options)
+    else:
+        manifest, pickled = decode_manifest_without_pickle(manifest_bytes(storage.open(url), url))
+    if args.json:
+        documents.emit(documents.show_document(url, manifest, pickled))
+    else:
+        print_show(url, manifest, pickled)
+    return EXIT_OK
+
+
+def _fmt_epoch(seconds: float) -> str:
     """A manifest's creation time (unix seconds), or the number itself when it is no time."""
     try:
-        return fmt_time(datetime.fromtimestamp(seconds).astimezone())
+        return local_time(datetime.fromtimestamp(seconds).astimezone())
     except (OverflowError, OSError, ValueError):
         return f"{seconds!r} (not a valid time)"
 
@@ -66,22 +88,11 @@ def _metadata_text(metadata: dict) -> str:
         return _value_summary(metadata, 200)
 
 
-def referenced_objects(manifest) -> list[tuple[str, str, int]]:
-    """``(folder, key, bytes used)`` of every object the checkpoint uses in another checkpoint's
-    folder (an incremental checkpoint's references), in folder, key order."""
-    used = manifest.object_sizes()
-    return sorted(
-        (home, key, int(used[key]))
-        for home, key in zip(manifest.object_homes, manifest.objects)
-        if home
-    )
-
-
-def print_show(url: str, manifest, pickled, *, table, human_bytes, fmt_time) -> None:
+def print_show(url: str, manifest: Any, pickled: tuple[str, ...]) -> None:
     """The text of ``cloudckpt show`` for ``manifest`` (``pickled``: the names of values not
-    unpickled); ``table``, ``human_bytes`` and ``fmt_time`` are the command line's formatters."""
+    unpickled)."""
     created = getattr(manifest, "created_at", None)
-    when = _fmt_epoch(created, fmt_time) if created else "-"
+    when = _fmt_epoch(created) if created else "-"
     print(f"checkpoint  {url}")
     print(
         f"created     {when}   world size {manifest.world_size}   "
@@ -96,7 +107,7 @@ def print_show(url: str, manifest, pickled, *, table, human_bytes, fmt_time) -> 
     if manifest.metadata:
         print(f"metadata    {_metadata_text(manifest.metadata)}")
     print(f"\ntensors ({len(manifest.tensors)})")
-    rows = []
+    rows: list[tuple[Any, ...]] = []
     for name, rec in sorted(manifest.tensors.items()):
         rows.append(
             (

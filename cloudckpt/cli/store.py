@@ -1,40 +1,51 @@
-"""The store options, stores and managers of one run of the ``cloudckpt`` command.
+"""The storage of one run of the ``cloudckpt`` command: its one ``StorageOptions`` and what is
+opened with it.
 
-Contract: :func:`set_storage` is called once by :func:`cloudckpt.cli.main.main` with the one
-``StorageOptions`` of the run (None: the standard AWS chain); every command then opens its stores
-(:func:`open_store`, shared and closed at exit) and managers (:func:`manager`) with it.
-:func:`progress` is the command's tqdm bar: on stderr when it is a terminal, else silent.
+Contract: :func:`cloudckpt.cli.main.main` makes one :class:`CommandStorage` from the global
+options (:func:`cloudckpt.cli.options.storage_options`) and passes it to the command; the
+command opens every store (:meth:`CommandStorage.open`, shared and closed at exit) and manager
+(:meth:`CommandStorage.manager`) with it, and gives its ``options`` to every library call that
+takes ``storage=``. Nothing else holds the command's storage options (no global, no default
+set in the runtime). :func:`progress` is the command's tqdm bar: on stderr when it is a
+terminal, else silent.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from cloudckpt.errors import ObjectNotFound
+from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
 from cloudckpt.layout import MANIFEST_KEY
 
-#: The StorageOptions of this run of the command (None: the AWS chain).
-_STORAGE: Any = None
+if TYPE_CHECKING:  # imported when used: `cloudckpt --help` stays quick
+    from cloudckpt.runs.manager import CheckpointManager
+    from cloudckpt.storage.base import ObjectStore
+    from cloudckpt.storage.options import StorageOptions
 
 
-def set_storage(options: Any) -> None:
-    global _STORAGE
-    _STORAGE = options
+@dataclass(frozen=True, kw_only=True)
+class CommandStorage:
+    """The ``StorageOptions`` of this run of the command (``None``: the standard AWS chain)."""
+
+    options: StorageOptions | None = None
+
+    def open(self, url: str) -> ObjectStore:
+        """The shared store of ``url`` (closed at exit)."""
+        from cloudckpt.runtime.loop import shared_store
+
+        return shared_store(url, self.options)
+
+    def manager(self, url: str, **kwargs: Any) -> CheckpointManager:
+        """A ``CheckpointManager`` of the run at ``url`` with these options."""
+        from cloudckpt.runs.manager import CheckpointManager
+
+        return CheckpointManager(url, storage=self.options, **kwargs)
 
 
-def storage() -> Any:
-    """The StorageOptions of this run (None: the AWS chain)."""
-    return _STORAGE
-
-
-def open_store(url: str):
-    from cloudckpt.runtime.loop import shared_store
-
-    return shared_store(url, _STORAGE)  # closed at exit
-
-
-def has_manifest(store) -> bool:
+def has_manifest(store: ObjectStore) -> bool:
+    """Whether ``store``'s root is a checkpoint (one HEAD of its manifest)."""
     from cloudckpt.runtime.loop import run_coroutine
 
     try:
@@ -44,13 +55,19 @@ def has_manifest(store) -> bool:
         return False
 
 
-def manager(url: str, **kwargs):
-    from cloudckpt.runs.manager import CheckpointManager
+def manifest_bytes(store: ObjectStore, url: str) -> bytes:
+    """The raw manifest of the checkpoint at ``url`` (``store``: its store), else
+    ``CheckpointNotFound``."""
+    from cloudckpt.runtime.loop import run_coroutine
+    from cloudckpt.stored import fetch_manifest_bytes
 
-    return CheckpointManager(url, storage=_STORAGE, **kwargs)
+    try:
+        return run_coroutine(fetch_manifest_bytes(store))
+    except ObjectNotFound as exc:
+        raise CheckpointNotFound(f"no complete checkpoint at {url} ({exc})") from exc
 
 
-def progress(total: int | None, desc: str, unit: str = "obj"):
+def progress(total: int | None, desc: str, unit: str = "obj") -> Any:
     """A tqdm bar on stderr when it is a terminal, else a silent stand-in."""
     from tqdm import tqdm
 

@@ -23,6 +23,10 @@ Contract:
   entries of one delimited listing, then at most :data:`MAX_PROBED` folders, each one HEAD and,
   when that is not a checkpoint, one delimited listing stopped at its first step folder or after
   :data:`MAX_LISTED` entries.
+- :func:`resolve_checkpoint`: the checkpoint ``show``, ``verify`` and ``export`` read: ``URL``
+  itself when it is one, step N of the run at ``URL`` with ``--step N`` (a checkpoint given with
+  ``--step`` is a :class:`UsageError`), else the run's newest complete checkpoint (named on
+  stderr); a URL with none is :func:`not_a_run`'s :class:`UsageError` or ``CheckpointNotFound``.
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import sys
 
 from cloudckpt.cli.options import UsageError
-from cloudckpt.cli.store import has_manifest, open_store
+from cloudckpt.cli.store import CommandStorage, has_manifest
 from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
-from cloudckpt.layout import MANIFEST_KEY, join_url, parse_step_dir
+from cloudckpt.layout import MANIFEST_KEY, join_url, parse_step_dir, step_dir
 
 MAX_LISTED = 1000
 MAX_PROBED = 20
@@ -149,12 +154,12 @@ def step_of_url(url: str) -> tuple[str, int] | None:
     return parent, step
 
 
-def refuse_not_a_run(url: str, command: str) -> None:
+def refuse_not_a_run(storage: CommandStorage, url: str, command: str) -> None:
     """``ls``/``prune`` found no step checkpoint at ``url`` (see the module docstring)."""
     from cloudckpt.runtime.loop import run_coroutine
 
     missing_local_folder(url)
-    store = open_store(url)
+    store = storage.open(url)
     if has_manifest(store):
         located = step_of_url(url)
         run = f", or its run: cloudckpt {command} {located[0]}" if located else ""
@@ -165,3 +170,31 @@ def refuse_not_a_run(url: str, command: str) -> None:
     reason = run_coroutine(not_a_run(store, url, command))
     if reason is not None:
         raise UsageError(reason)
+
+
+def resolve_checkpoint(storage: CommandStorage, url: str, step: int | None, command: str) -> str:
+    """The checkpoint URL meant by ``url`` / ``--step`` (see the module docstring; ``command``:
+    for the hint of a folder of checkpoints or runs)."""
+    from cloudckpt.runtime.loop import run_coroutine
+
+    store = storage.open(url)
+    is_checkpoint = has_manifest(store)
+    if step is not None:
+        if is_checkpoint:
+            raise UsageError(
+                f"{url} is a checkpoint already; give its run's URL with --step "
+                f"{step}, or drop --step"
+            )
+        return join_url(url, step_dir(step))
+    if is_checkpoint:
+        return url
+    latest = storage.manager(url).latest()
+    if latest is None:
+        reason = run_coroutine(not_a_run(store, url, command))
+        if reason is not None:  # a folder of checkpoints or of runs: say which to give
+            raise UsageError(reason)
+        raise CheckpointNotFound(f"no complete checkpoint at {url} (nor a run with one)")
+    print(
+        f"using the newest complete checkpoint: step {latest.step} ({latest.url})", file=sys.stderr
+    )
+    return latest.url

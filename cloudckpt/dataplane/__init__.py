@@ -1,7 +1,6 @@
 """The data plane: every module that moves checkpoint bytes (see docs/architecture.md).
 
 - :mod:`~cloudckpt.dataplane.buffers`: byte views of tensors, pooled buffers;
-- :mod:`~cloudckpt.dataplane.staging`: host copies for async save;
 - :mod:`~cloudckpt.dataplane.writer`: packing a rank's items into data objects, crcs, uploads;
 - :mod:`~cloudckpt.dataplane.reader`: regions -> crc-verified ranged reads, through verified
   sinks or windows in pooled buffers;

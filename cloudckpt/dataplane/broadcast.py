@@ -1,14 +1,12 @@
 """Read once, share: this rank's bytes in a load's broadcast rounds (no collective here).
 
-A :class:`BroadcastSession` holds this rank's share of the rounds (planned identically on every
-rank: :func:`~cloudckpt.planning.broadcast.parts.plan_parts`, each part's source balanced over its group
-by :func:`~cloudckpt.planning.batching.balance_sources`, then
-:func:`~cloudckpt.planning.batching.batch_parts` and
-:func:`~cloudckpt.planning.batching.plan_rounds`) and everything about their bytes: fetching
-the batches this rank is the source of (ahead, in the order the rounds use them, a few at a
-time, within a byte budget), where each batch lands, and copying what arrived into the
-destinations. It runs no collective: :func:`cloudckpt.api.load_data.run_broadcasts` drives it,
-round by round, in the one global order::
+A :class:`BroadcastSession` moves the bytes of this rank's share of the rounds, a finished
+:class:`~cloudckpt.planning.broadcast.plan.BroadcastPlan` (planned identically on every rank by
+:func:`~cloudckpt.planning.broadcast.plan.plan_broadcasts`): fetching the batches this rank is
+the source of (ahead, in the order the rounds use them, a few at a time, within the plan's
+byte budget), where each batch lands, and copying what arrived into the destinations. It runs
+no collective: :func:`cloudckpt.api.load_data.run_broadcasts` drives it, round by round, in the
+one global order::
 
     for pos, round_ in enumerate(session.rounds):
         session.prefetch(pos)          # this rank's batches of this round and the next ones
@@ -59,24 +57,15 @@ import torch
 from cloudckpt.dataplane.buffers import BufferPool, byte_view, flat_bytes, is_byte_viewable
 from cloudckpt.dataplane.destinations import dest_view, sub_view
 from cloudckpt.dataplane.reader import read_windows, run_ranges, stored_dtype, window_boxes
-from cloudckpt.planning.batching import (
-    BroadcastBatch,
-    Round,
-    RunBatch,
-    balance_sources,
-    batch_parts,
-    pack_in_order,
-    plan_rounds,
-)
-from cloudckpt.planning.broadcast.parts import WINDOW_ALIGN, RunPart, part_window_bytes, plan_parts
-from cloudckpt.planning.load.windows import boxes_in_flat_range
+from cloudckpt.planning.batching import pack_in_order
+from cloudckpt.planning.broadcast.parts import RunPart
+from cloudckpt.planning.broadcast.plan import BroadcastPlan
+from cloudckpt.planning.broadcast.rounds import BroadcastBatch, Round, RunBatch
+from cloudckpt.planning.load.plan import ReadItem
+from cloudckpt.planning.load.windows import boxes_in_flat_range, dense_run
 from cloudckpt.runtime.loop import BackgroundTask, start_task
 from cloudckpt.storage.base import run_all
 
-#: the largest window a part carries (the unit a source fetches and verifies before sending).
-WINDOW_BYTES = 16 << 20
-#: regions at least this large that are one contiguous stored run travel as run windows.
-RUN_MIN_BYTES = 1 << 20
 #: a source starts fetching at most this many rounds after the one being sent.
 _LOOKAHEAD = 12
 #: a source's batch fetches running at once (started in round order), until one fails: one,
@@ -174,62 +163,30 @@ class _InOrder:
 
 
 class BroadcastSession:
-    """This rank's share of the broadcast rounds (see module doc).
+    """The bytes of ``plan`` on this rank (see module doc): ``dests``, its destination tensors
+    (the plan's read items index them); ``device``: where sent buffers live (CPU for gloo, CUDA
+    for NCCL)."""
 
-    ``broadcasts``: the assignment's broadcasts (the one global order); ``kept``: indices of
-    those that run (:func:`~cloudckpt.planning.broadcast.groups.select_broadcasts`); ``items_by_broadcast``:
-    this rank's read items each kept broadcast serves; ``dests``: this rank's destinations;
-    ``device``: where sent buffers live (CPU for gloo, CUDA for NCCL); ``loads``: per channel
-    rank, the bytes it fetches for itself (balancing counts them; default none).
-    """
-
-    def __init__(
-        self,
-        store,
-        manifest,
-        broadcasts: Sequence,
-        kept: Sequence[int],
-        items_by_broadcast: dict,
-        dests: Sequence[torch.Tensor],
-        *,
-        rank: int,
-        device: torch.device,
-        batch_bytes: int,
-        max_read_bytes: int,
-        loads: Sequence[int] | None = None,
-    ):
-        self.store, self.manifest, self.rank, self.device = store, manifest, rank, device
-        self.broadcasts, self.items_by_broadcast, self.dests = broadcasts, items_by_broadcast, dests
-        if loads is None:
-            loads = [0] * (1 + max([rank] + [m for i in kept for m in broadcasts[i].group]))
-        # small batch sizes (tests) shrink the windows too, so every path runs at small scale
-        total = sum(broadcasts[i].region.nbytes for i in kept)
-        window = part_window_bytes(
-            total, len(loads), min(WINDOW_BYTES, batch_bytes), max_read_bytes
-        )
-        parts = plan_parts(manifest, broadcasts, kept, window, min(RUN_MIN_BYTES, batch_bytes))
-        sources = balance_sources(broadcasts, parts, loads)
-        every = plan_rounds(batch_parts(broadcasts, parts, window, sources))
-        #: the groups every rank must prepare, members or not (sorted)
-        self.member_sets: list[tuple[int, ...]] = sorted({r.members for r in every})
-        #: the rounds this rank takes part in, in the global order
-        self.rounds: list[Round] = [r for r in every if rank in r.members]
-        #: the batches of those rounds (this rank sends or receives each)
-        self.batches: list[BroadcastBatch] = [b for r in self.rounds for b in r.batches]
-        #: round position -> the batch this rank sends in it
-        self._mine = {
-            pos: b for pos, r in enumerate(self.rounds) for b in r.batches if b.src == rank
-        }
-        biggest = max([b.nbytes for r in every for b in r.batches] or [0])
-        self.pool = BufferPool(biggest + WINDOW_ALIGN)
-        self.budget = max(max_read_bytes // 4, biggest)
-        self.dtypes = {
-            name: stored_dtype(manifest, name) for name in {broadcasts[i].region.name for i in kept}
-        }
+    def __init__(self, store, manifest, plan: BroadcastPlan, dests, *, device: torch.device):
+        self.store, self.plan, self.dests, self.device = store, plan, dests, device
+        self.rank, self.broadcasts, self._mine = plan.rank, plan.broadcasts, plan.sends
+        self.items_by_broadcast = plan.items_by_broadcast
+        self.pool = BufferPool(plan.buffer_bytes)
+        self.dtypes = {name: stored_dtype(manifest, name) for name in plan.region_names}
         self._pending: dict[int, _PendingFetch] = {}
         self._gate = _InOrder(_FETCHES_IN_FLIGHT)
         self.fetched = self.received = 0
         self.failure: BaseException | None = None
+
+    @property
+    def rounds(self) -> tuple[Round, ...]:
+        """The rounds this rank takes part in, in the global order."""
+        return self.plan.rounds
+
+    @property
+    def batches(self) -> tuple[BroadcastBatch, ...]:
+        """The batches of those rounds (this rank sends or receives each)."""
+        return self.plan.batches
 
     @property
     def count(self) -> int:
@@ -279,7 +236,7 @@ class BroadcastSession:
             if k not in self._mine or k in self._pending:
                 continue
             size = self._buffered(self._mine[k])
-            if self._pending and size and ahead + size > self.budget:
+            if self._pending and size and ahead + size > self.plan.fetch_budget:
                 break
             self._start(k, size)
             ahead += size
@@ -372,10 +329,11 @@ class BroadcastSession:
         status = oks is None
         for batch in round_.batches:
             j = round_.slot(batch.src)
-            if not status and not oks[j]:
+            if oks is not None and not oks[j]:
                 continue
             n = batch.nbytes + status
             if batch.src == self.rank:
+                assert landing is not None  # this rank's own batch has landed (see land)
                 if status:
                     landing.buf[batch.nbytes] = 1 if landing.ok else 0
                 buf, flat = landing.buf[:n].to(self.device), landing.in_place
@@ -460,12 +418,12 @@ class BroadcastSession:
             if len(window.boxes) == 1 and wire.device.type == "cpu":
                 # the usual small region: whole in one window, its elements one run there;
                 # destinations of the stored dtype take its bytes with one copy each
-                run = _dense_run(window)
+                run = dense_run(window)
                 if run is not None and run[1] == region.nbytes:
                     if wire_at is None:
                         wire_at = wire.data_ptr()
                     start, n = wire_at + offset + run[0], run[1]
-                    rest = []
+                    rest: list[ReadItem] = []
                     for item in items:
                         view = dest_view(self.dests, item)
                         if (
@@ -476,7 +434,7 @@ class BroadcastSession:
                             ctypes.memmove(view.data_ptr(), start, n)  # a dense run each
                         else:
                             rest.append(item)
-                    items = rest
+                    items = tuple(rest)
             for sub, piece in window_boxes(window, wire, offset, dtype) if items else ():
                 for item in items:
                     sub_view(dest_view(self.dests, item), sub.offsets, sub.lengths).copy_(piece)
@@ -487,17 +445,3 @@ def sent_ok(wire: torch.Tensor) -> bool:
     :meth:`BroadcastSession.wire` / :meth:`BroadcastSession.exchange_slots`): whether its
     source fetched and verified them."""
     return int(wire[-1].item()) == 1
-
-
-def _dense_run(window) -> tuple[int, int] | None:
-    """``(byte offset in the window, bytes)`` of a window's one sub-box when its elements are
-    one dense run there (its box is whole in every dimension after the first it spans more
-    than one element of); None otherwise."""
-    (sub,) = window.boxes
-    lengths, strides = sub.lengths, window.strides
-    expect = 1
-    for n, s in zip(reversed(lengths), reversed(strides)):
-        if n > 1 and s != expect:
-            return None
-        expect *= n
-    return sub.first * window.itemsize, expect * window.itemsize

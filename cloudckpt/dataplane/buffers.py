@@ -59,7 +59,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     flat = flat_bytes(t)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.numpy()).cast("B")
+    return flat.numpy().data.cast("B")
 
 
 def tensor_from_bytes(buf, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -67,12 +67,12 @@ def tensor_from_bytes(buf, dtype: torch.dtype, shape) -> torch.Tensor:
     shape = tuple(int(s) for s in shape)
     n = math.prod(shape)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    mv = memoryview(buf).cast("B") if not isinstance(buf, torch.Tensor) else None
     if isinstance(buf, torch.Tensor):
         raw = flat_bytes(buf)
-    elif len(mv) == 0:
-        return torch.empty(shape, dtype=dtype)
     else:
+        mv = memoryview(buf).cast("B")
+        if len(mv) == 0:
+            return torch.empty(shape, dtype=dtype)
         raw = torch.frombuffer(mv, dtype=torch.uint8)
     if raw.numel() != n * itemsize:
         raise ValueError(f"buffer of {raw.numel()} bytes cannot hold {shape} of {dtype}")

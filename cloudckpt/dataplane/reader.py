@@ -9,8 +9,8 @@ A *region* is a box inside one stored chunk (see :class:`cloudckpt.planning.Regi
   (verified sinks, see :func:`direct_ranges`) and reads any other region through bounded
   windows (see :mod:`cloudckpt.planning.load.windows`) into pooled buffers, with at most
   ``max_bytes`` of buffers alive at once, handing each verified part to a consumer; the store
-  bounds and coalesces the requests themselves. :func:`read_windows` / :func:`window_boxes` are the same steps for a
-  caller that owns the buffer (broadcast batches).
+  bounds and coalesces the requests themselves. :func:`read_windows` / :func:`window_boxes` are
+  the same steps for a caller that owns the buffer (broadcast batches).
 - Nothing here runs collectives.
 
 A manifest without checksums (``Manifest.checksums`` false: foreign files such as safetensors)
@@ -24,22 +24,20 @@ import asyncio
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
 from cloudckpt.dataplane.buffers import BufferPool, byte_view, is_byte_viewable
-from cloudckpt.planning.batching import Span, batch_by_object
-from cloudckpt.planning.broadcast.parts import aligned, layout_windows
+from cloudckpt.planning.batching import Span, aligned, batch_by_object
 from cloudckpt.planning.load.plan import Region
 from cloudckpt.planning.load.windows import (
     RunWindow,
     Window,
+    layout_windows,
     plan_run_windows,
-    plan_run_windows_many,
-    plan_windows_many,
 )
-from cloudckpt.statedict.pieces import torch_dtype
+from cloudckpt.planning.load.windows_many import plan_run_windows_many, plan_windows_many
+from cloudckpt.statedict.dtypes import torch_dtype
 from cloudckpt.storage.base import ReadRange
 
 #: ``consume`` calls for buffers holding at least this many bytes run in a worker thread.
@@ -55,7 +53,7 @@ def window_ranges(windows: Sequence[Window], buf: torch.Tensor) -> dict[str, lis
     offsets, total = layout_windows(windows)
     if total > buf.numel():
         raise ValueError(f"windows need {total} bytes, the buffer holds {buf.numel()}")
-    mv = memoryview(buf.numpy()).cast("B")
+    mv = buf.numpy().data.cast("B")
     by_key: dict[str, list[ReadRange]] = defaultdict(list)
     for w, off in zip(windows, offsets):
         ranges = by_key[w.object_key]
@@ -111,9 +109,9 @@ def direct_ranges(
     possible.
 
     Possible when the region's elements are one contiguous run of its chunk and every target is
-    a byte-viewable tensor (see :mod:`cloudckpt.dataplane.buffers`) of the stored dtype and the region's
-    shape. The ranges deliver to
-    sinks: a target is written only with verified bytes (see :class:`ReadRange`).
+    a byte-viewable tensor (see :mod:`cloudckpt.dataplane.buffers`) of the stored dtype and the
+    region's shape. The ranges deliver to sinks: a target is written only with verified bytes
+    (see :class:`ReadRange`).
     """
     if not _can_land(manifest, region, targets):
         return None
@@ -173,13 +171,13 @@ class WindowPiece:
         return Span(self.window.object_key, self.window.start, self.window.length)
 
 
-Piece = Union[DirectPiece, WindowPiece]
+Piece = DirectPiece | WindowPiece
 
 
 def plan_pieces(manifest, regions: Sequence, targets, window_bytes: int) -> list[Piece]:
     """How every region is read: direct pieces when ``targets(region)`` can take it in place
     (see :func:`direct_ranges`), windows of at most ``window_bytes`` otherwise. The regions are
-    located together (:func:`~cloudckpt.planning.load.windows.plan_run_windows_many`)."""
+    located together (:func:`~cloudckpt.planning.load.windows_many.plan_run_windows_many`)."""
     dests = [targets(r) for r in regions] if targets is not None else [None] * len(regions)
     landing = [i for i, (r, d) in enumerate(zip(regions, dests)) if _can_land(manifest, r, d)]
     runs = dict(
@@ -189,9 +187,10 @@ def plan_pieces(manifest, regions: Sequence, targets, window_bytes: int) -> list
     windows = dict(zip(rest, plan_windows_many(manifest, [regions[i] for i in rest], window_bytes)))
     pieces: list[Piece] = []
     for i, region in enumerate(regions):
-        if runs.get(i) is not None:
-            views = [byte_view(t) for t in dests[i]]
-            pieces.extend(DirectPiece(w.object_key, tuple(run_ranges(w, views))) for w in runs[i])
+        run, dest = runs.get(i), dests[i]
+        if run is not None and dest is not None:  # a run is planned only for a destination
+            views = [byte_view(t) for t in dest]
+            pieces.extend(DirectPiece(w.object_key, tuple(run_ranges(w, views))) for w in run)
             continue
         dtype = stored_dtype(manifest, region.name)
         pieces.extend(WindowPiece(w, region, dtype) for w in windows[i])
@@ -262,11 +261,11 @@ async def _read_batch(
         buf = pool.take() if windows else None
         try:
             ranges = [r for p in batch if isinstance(p, DirectPiece) for r in p.ranges]
-            if windows:
+            if buf is not None:  # there are windows
                 ranges += window_ranges([p.window for p in windows], buf)[key]
             ranges.sort(key=lambda r: r.offset)
             await store.read_ranges(key, ranges)
-            if windows:
+            if buf is not None:
                 await _copy_out(windows, buf, consume)
             return sum(r.length for r in ranges)
         finally:

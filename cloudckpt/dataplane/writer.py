@@ -81,6 +81,11 @@ class WriteStats:
     bytes_reused: int = 0
 
 
+def _crcs_of(views: Sequence[memoryview], block_size: int) -> list[tuple[int, ...]]:
+    """The block crcs of each of ``views`` (run in a worker thread)."""
+    return [block_crcs(v, block_size) for v in views]
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -192,14 +197,15 @@ async def write_chunks(
             else:
                 tensors = [items[i][1] for i in members]
             views = [byte_view(t) for t in tensors]
-            crcs = [known_crcs[i] for i in members]
-            todo = [k for k, c in enumerate(crcs) if c is None]
+            given = [known_crcs[i] for i in members]
+            todo = [k for k, c in enumerate(given) if c is None]
+            computed: dict[int, tuple[int, ...]] = {}
             if todo:
-                computed = await asyncio.to_thread(
-                    lambda vs=views: [block_crcs(vs[k], options.checksum_block_size) for k in todo]
+                blocks = await asyncio.to_thread(
+                    _crcs_of, [views[k] for k in todo], options.checksum_block_size
                 )
-                for k, c in zip(todo, computed):
-                    crcs[k] = c
+                computed = dict(zip(todo, blocks))
+            crcs = [c if c is not None else computed[k] for k, c in enumerate(given)]
             offset = 0
             for i, view, crc in zip(members, views, crcs):
                 locations[i] = ChunkLocation(items[i][0], key, offset, len(view), crc, hashes[i])
@@ -233,7 +239,7 @@ async def write_chunks(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if own_digests:
+        if own_digests and digests is not None:
             await digests.stop()
         raise
     stats = WriteStats(

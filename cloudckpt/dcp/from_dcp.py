@@ -21,7 +21,8 @@ from cloudckpt.errors import (
 from cloudckpt.manifest.values import encode_value
 from cloudckpt.options import SaveOptions
 from cloudckpt.runtime.loop import shared_store
-from cloudckpt.statedict.pieces import dtype_name, flatten_state_dict
+from cloudckpt.statedict.dtypes import dtype_name
+from cloudckpt.statedict.flatten import flatten_state_dict
 
 
 class _IntoSave:

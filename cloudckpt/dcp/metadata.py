@@ -119,7 +119,6 @@ def check_metadata(md) -> None:
     by a DCP writer would not have (module doc). Safe on any object: one made bare (without
     its fields) is refused, not an ``AttributeError``."""
     import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         Metadata,
@@ -129,6 +128,9 @@ def check_metadata(md) -> None:
     )
 
     from cloudckpt.dcp.metadata_build import MAX_NDIM
+    from cloudckpt.statedict.torch_private import storage_info_class
+
+    _StorageInfo = storage_info_class()
 
     def bad(what: str, path: str):
         return ManifestError(what, path=f".metadata {path}".rstrip())

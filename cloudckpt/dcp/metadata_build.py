@@ -27,11 +27,13 @@ import pathlib
 
 import torch
 from torch.distributed.checkpoint import metadata as _md
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from cloudckpt.dcp.unpickle import FIX as _FIX
 from cloudckpt.dcp.unpickle import Node
 from cloudckpt.errors import ManifestError
+from cloudckpt.statedict.torch_private import storage_info_class
+
+_StorageInfo = storage_info_class()
 
 #: Most dimensions of a tensor, a chunk box or an index offset in a ``.metadata``.
 MAX_NDIM = 64

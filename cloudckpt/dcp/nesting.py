@@ -125,7 +125,7 @@ def rebuild(entries: list[tuple[str, object]], planner_data) -> tuple[dict, list
 
 
 _HOLE = object()
-MAX_DEPTH = 100  # as cloudckpt.statedict.pieces.flatten_state_dict
+MAX_DEPTH = 100  # as cloudckpt.statedict.flatten.flatten_state_dict
 
 
 def _set_elements(entries, planner_data: dict) -> tuple[dict, list[str]]:

@@ -386,10 +386,9 @@ def _untransform(unit: _Unit, stream, descriptors, allowed: bool) -> bytes:
             f"{list(descriptors)} are not supported here"
         )
     try:
-        from torch.distributed.checkpoint._extension import (
-            ExtensionRegistry,
-            StreamTransformExtension,
-        )
+        from cloudckpt.statedict.torch_private import stream_transform_classes
+
+        ExtensionRegistry, StreamTransformExtension = stream_transform_classes()
     except ImportError as exc:  # pragma: no cover - torch without DCP extensions
         raise IntegrityError(
             f"{unit.info.relative_path}: stream transforms {list(descriptors)} need a newer torch"

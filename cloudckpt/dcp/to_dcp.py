@@ -17,7 +17,8 @@ from cloudckpt.errors import DuplicateKeyError
 from cloudckpt.options import LoadOptions
 from cloudckpt.planning.batching import pack_in_order
 from cloudckpt.runtime.loop import run_coroutine, shared_store
-from cloudckpt.statedict.pieces import torch_dtype, unflatten_state_dict
+from cloudckpt.statedict.dtypes import torch_dtype
+from cloudckpt.statedict.flatten import unflatten_state_dict
 
 
 def to_dcp(src: str, dst: str, allow_pickle: bool, storage, options: DCPOptions) -> dict:

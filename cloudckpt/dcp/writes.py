@@ -115,7 +115,9 @@ async def write_files(
 ) -> list[Written]:
     """Write items ``0 .. len(sizes) - 1`` (``sizes``: their expected bytes, for packing) into
     data files (module doc), numbered from ``first_file``."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from cloudckpt.statedict.torch_private import storage_info_class
+
+    _StorageInfo = storage_info_class()
 
     groups = pack_in_order(list(sizes), options.object_size)
     written: list[Written | None] = [None] * len(sizes)

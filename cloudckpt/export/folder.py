@@ -36,7 +36,6 @@ from dataclasses import dataclass
 
 import torch
 
-from cloudckpt.api.load import read_manifest_bytes
 from cloudckpt.api.read_tensors import TensorReader
 from cloudckpt.errors import ConfigError, ExportTargetNotEmpty, SafetensorsError
 from cloudckpt.export.destinations import ExportFolder, open_folder
@@ -50,8 +49,8 @@ from cloudckpt.export.shards import (
 )
 from cloudckpt.hf.header import DTYPES, FLOATING, torch_dtype_name
 from cloudckpt.options import LoadOptions
-from cloudckpt.runs.cleanup import decode_manifest_without_pickle
 from cloudckpt.storage.urls import parse_store_url
+from cloudckpt.stored import decode_manifest_without_pickle, read_manifest_bytes
 
 #: ``huggingface_hub``'s default, "5GB".
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9

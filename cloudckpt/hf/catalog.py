@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import msgpack
 
-from cloudckpt import __version__
+from cloudckpt.version import __version__
 from cloudckpt.errors import ConfigError, DuplicateKeyError, SafetensorsError
 from cloudckpt.hf.header import Header, TensorEntry, load_json, parse_header
 from cloudckpt.hf.whole import ExpectedFile

@@ -20,7 +20,7 @@ from cloudckpt.hf.source import read_header_bundle
 from cloudckpt.hf.whole import VerifyingStore
 from cloudckpt.manifest.model import Manifest
 from cloudckpt.options import LoadOptions, LoadResult
-from cloudckpt.runtime.loop import run_coroutine, shared_store
+from cloudckpt.runtime.loop import run_coroutine
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,8 @@ class SafetensorsSource:
     storage: Any = None
     key_map: KeyMap = None
 
-    def read(self) -> bytes:
-        return run_coroutine(read_header_bundle(shared_store(self.url, self.storage), self.url))
+    def read(self, store) -> bytes:
+        return run_coroutine(read_header_bundle(store, self.url))
 
     def decode(self, raw: bytes) -> Manifest:
         return manifest_of_bundle(raw, self.key_map)

@@ -1,7 +1,8 @@
 """Incremental construction of a :class:`~cloudckpt.manifest.model.Manifest`.
 
 For a handful of tensors use :class:`ManifestBuilder`; for millions of chunks build the columns
-directly (see ``cloudckpt.planning.assemble_manifest``) and call the ``Manifest`` constructor.
+directly (see ``cloudckpt.planning.save.assemble.assemble_manifest``) and call the ``Manifest``
+constructor.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -16,9 +18,13 @@ from cloudckpt.errors import PlanningError
 from cloudckpt.manifest.model import DEFAULT_CHECKSUM_BLOCK_SIZE, Manifest
 from cloudckpt.manifest.values import encode_value
 
+#: A chunk as :meth:`ManifestBuilder.add_chunk` keeps it: offsets, sizes, object index, byte
+#: offset, byte length, crcs.
+_Chunk = tuple[tuple[int, ...], tuple[int, ...], int, int, int, tuple[int, ...]]
+
 
 def _version() -> str:
-    from cloudckpt import __version__
+    from cloudckpt.version import __version__
 
     return __version__
 
@@ -36,7 +42,7 @@ class ManifestBuilder:
         self,
         *,
         world_size: int,
-        metadata: Mapping | None = None,
+        metadata: Mapping[str, Any] | None = None,
         checksum_block_size: int = DEFAULT_CHECKSUM_BLOCK_SIZE,
         structure: object = None,
         created_at: float | None = None,
@@ -48,7 +54,7 @@ class ManifestBuilder:
         self.structure = structure
         self.created_at = time.time() if created_at is None else created_at
         self.cloudckpt_version = _version() if cloudckpt_version is None else cloudckpt_version
-        self._tensors: dict[str, tuple[str, tuple[int, ...], list]] = {}
+        self._tensors: dict[str, tuple[str, tuple[int, ...], list[_Chunk]]] = {}
         self._objects: dict[str, int] = {}
         self._values: dict[str, object] = {}
         self._blobs: dict[str, bytes] = {}
@@ -97,8 +103,16 @@ class ManifestBuilder:
     def build(self) -> Manifest:
         encode_value(self.metadata, key="metadata", allow_pickle=False)
         encode_value(self.structure, key="structure", allow_pickle=False)
-        names, dtypes, shapes, counts = [], [], [], []
-        offsets, sizes, obj, boff, blen, crcs = [], [], [], [], [], []
+        names: list[str] = []
+        dtypes: list[str] = []
+        shapes: list[tuple[int, ...]] = []
+        counts: list[int] = []
+        offsets: list[int] = []
+        sizes: list[int] = []
+        obj: list[int] = []
+        boff: list[int] = []
+        blen: list[int] = []
+        crcs: list[int] = []
         for name, (dtype, shape, chunks) in self._tensors.items():
             names.append(name)
             dtypes.append(dtype)

@@ -50,9 +50,11 @@ and its size), so every manifest it writes is within it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import msgpack
 import numpy as np
+from numpy.typing import NDArray
 
 from cloudckpt.errors import ManifestError, UnsupportedManifestVersion
 from cloudckpt.manifest.columns import (
@@ -67,7 +69,7 @@ from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE, MAX_NDIM
 from cloudckpt.manifest.framing import frame, unframe
 from cloudckpt.manifest.lineage import HASH_ALGORITHM
 from cloudckpt.manifest.model import FORMAT_NAME, Manifest
-from cloudckpt.manifest.values import decode_plain, encode_value
+from cloudckpt.manifest.values import AllowPickle, decode_plain, encode_value
 
 #: Largest manifest read or decoded (bytes); a larger one is refused before it is read.
 MAX_MANIFEST_BYTES = 1 << 31
@@ -97,7 +99,7 @@ _FIELDS = frozenset(
 _DTYPE_NAMES = {name: name for name in DTYPE_ITEMSIZE}  # one str object per dtype name
 
 
-def _dim_major_index(counts: np.ndarray, ndims: np.ndarray) -> np.ndarray:
+def _dim_major_index(counts: NDArray[np.int64], ndims: NDArray[np.int64]) -> NDArray[np.int64]:
     """For each chunk-major coordinate position, its position in the dimension-major layout."""
     n_tensors = len(counts)
     chunk_start = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
@@ -109,9 +111,10 @@ def _dim_major_index(counts: np.ndarray, ndims: np.ndarray) -> np.ndarray:
     chunk_base = coord_start[chunk_tensor] + chunk_local * chunk_ndim
     dim = np.arange(ncoords, dtype=np.int64) - np.repeat(chunk_base, chunk_ndim)
     coord_tensor = np.repeat(chunk_tensor, chunk_ndim)
-    return (
+    index: NDArray[np.int64] = (
         coord_start[coord_tensor] + dim * counts[coord_tensor] + np.repeat(chunk_local, chunk_ndim)
     )
+    return index
 
 
 def needed_version(m: Manifest) -> int:
@@ -151,7 +154,15 @@ def encode_manifest(m: Manifest, *, format_version: int | None = None) -> bytes:
     declared = 2 * len(flat_shapes) + len(off_dm)
 
     def document(compress: bool) -> bytes:
-        doc = {
+        chunks: dict[str, object] = {
+            "offsets": encode_int_column(off_dm, delta=True, compress=compress),
+            "sizes": encode_int_column(size_dm, delta=True, compress=compress),
+            "object_index": encode_int_column(cols.object_index, delta=True),
+            "byte_offset": encode_int_column(cols.byte_offset, delta=True),
+            "byte_length": encode_int_column(cols.byte_length, delta=True),
+            "crc32c": encode_u32(cols.crcs),
+        }
+        doc: dict[str, object] = {
             "format": FORMAT_NAME,
             "version": format_version,
             "cloudckpt_version": m.cloudckpt_version,
@@ -168,19 +179,12 @@ def encode_manifest(m: Manifest, *, format_version: int | None = None) -> bytes:
                 "shapes": encode_int_column(flat_shapes, compress=compress),
                 "chunk_counts": encode_int_column(counts),
             },
-            "chunks": {
-                "offsets": encode_int_column(off_dm, delta=True, compress=compress),
-                "sizes": encode_int_column(size_dm, delta=True, compress=compress),
-                "object_index": encode_int_column(cols.object_index, delta=True),
-                "byte_offset": encode_int_column(cols.byte_offset, delta=True),
-                "byte_length": encode_int_column(cols.byte_length, delta=True),
-                "crc32c": encode_u32(cols.crcs),
-            },
+            "chunks": chunks,
             "values": dict(cols.value_blobs),
         }
         if format_version >= 3:
             hashes = m.chunk_hashes
-            doc["chunks"]["hash"] = b"" if hashes is None else hashes.tobytes()
+            chunks["hash"] = b"" if hashes is None else hashes.tobytes()
             doc.update(
                 homes=list(m.object_homes),
                 base=m.base,
@@ -201,14 +205,16 @@ class ManifestDocument:
 
     version: int  # format version of the stored bytes: 1 (no checksum) or 2
     size: int  # bytes stored
-    fields: dict  # the known top-level fields, decoded by msgpack, not validated yet
+    fields: dict[str, Any]  # the known top-level fields, decoded by msgpack, not validated yet
 
 
-def _refuse_ext(code, data):
+def _refuse_ext(code: int, data: bytes) -> NoReturn:
     raise ValueError(f"msgpack extension type {code} is not allowed at the manifest top level")
 
 
-def read_document(data, *, max_bytes: int = MAX_MANIFEST_BYTES) -> ManifestDocument:
+def read_document(
+    data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_MANIFEST_BYTES
+) -> ManifestDocument:
     """Check the frame (size, checksum) of stored manifest bytes and decode their top-level map.
 
     Unknown top-level fields are skipped without building them; a duplicated known field,
@@ -225,7 +231,7 @@ def read_document(data, *, max_bytes: int = MAX_MANIFEST_BYTES) -> ManifestDocum
     unpacker = msgpack.Unpacker(
         raw=False, strict_map_key=True, ext_hook=_refuse_ext, max_buffer_size=max(1, length)
     )
-    fields: dict = {}
+    fields: dict[str, Any] = {}
     try:
         unpacker.feed(payload)
         del payload
@@ -253,7 +259,9 @@ def read_document(data, *, max_bytes: int = MAX_MANIFEST_BYTES) -> ManifestDocum
     return ManifestDocument(version, size, fields)
 
 
-def _field(doc: dict, key: str, types, path: str | None = None):
+def _field(
+    doc: dict[str, Any], key: str, types: type | tuple[type, ...], path: str | None = None
+) -> Any:
     if key not in doc:
         raise ManifestError("missing field", path=path or key)
     value = doc[key]
@@ -265,18 +273,22 @@ def _field(doc: dict, key: str, types, path: str | None = None):
     return value
 
 
-def _column(section: dict, key: str, path: str, **kw) -> np.ndarray:
+def _column(section: dict[str, Any], key: str, path: str, *, expected: int) -> NDArray[np.int64]:
     if key not in section:
         raise ManifestError("missing column", path=f"{path}.{key}")
     try:
-        return decode_int_column(section[key], **kw)
+        return decode_int_column(section[key], expected=expected)
     except ColumnError as exc:
         raise ManifestError(str(exc), path=f"{path}.{key}") from exc
 
 
 def _chunk_major(
-    section: dict, key: str, counts: np.ndarray, ndims: np.ndarray, ncoords: int
-) -> np.ndarray:
+    section: dict[str, Any],
+    key: str,
+    counts: NDArray[np.int64],
+    ndims: NDArray[np.int64],
+    ncoords: int,
+) -> NDArray[np.int64]:
     """Decode a dimension-major coordinate column straight into chunk-major order, block by
     block (no permutation array, no second copy of the column)."""
     if key not in section:
@@ -298,9 +310,9 @@ def _chunk_major(
 
 
 def decode_manifest(
-    data: bytes,
+    data: bytes | bytearray | memoryview,
     *,
-    allow_pickle: bool | str = False,
+    allow_pickle: AllowPickle = False,
     max_bytes: int = MAX_MANIFEST_BYTES,
     structure: bool = True,
 ) -> Manifest:
@@ -322,7 +334,7 @@ def decode_manifest(
 
 
 def manifest_from_document(
-    document: ManifestDocument, *, allow_pickle: bool | str = False, structure: bool = True
+    document: ManifestDocument, *, allow_pickle: AllowPickle = False, structure: bool = True
 ) -> Manifest:
     """Validate the fields of a :class:`ManifestDocument` into a :class:`Manifest` (see
     :func:`decode_manifest`). Does not modify the document."""
@@ -384,7 +396,7 @@ def manifest_from_document(
     offsets = _chunk_major(chunks, "offsets", counts, ndims, ncoords)
     sizes = _chunk_major(chunks, "sizes", counts, ndims, ncoords)
     lineage = _read_lineage(doc, chunks) if document.version >= 3 else {}
-    blobs = {}
+    blobs: dict[str, bytes] = {}
     for name, blob in values.items():
         if type(blob) is not bytes:
             raise ManifestError("encoded value must be bytes", path=f"values[{name!r:.80}]")
@@ -414,7 +426,7 @@ def manifest_from_document(
     )
 
 
-def _read_lineage(doc: dict, chunks: dict) -> dict:
+def _read_lineage(doc: dict[str, Any], chunks: dict[str, Any]) -> dict[str, Any]:
     """The version 3 fields as ``Manifest`` keyword arguments (checked there)."""
     homes = _field(doc, "homes", list)
     algorithm = _field(doc, "hash_algorithm", str)

@@ -18,18 +18,29 @@ inflates into more than one block besides the caller's result.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
+from typing import Literal
 
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 
 _WIDTHS = (1, 2, 4, 8)
 _LIMITS = {w: (-(1 << (8 * w - 1)), (1 << (8 * w - 1)) - 1) for w in _WIDTHS}
+
+
+#: An encoded column: ``[transform, width, compression, count, payload]`` (see module doc).
+Column = list[str | int | bytes]
+#: How a column's numbers are stored: as they are, or first value then differences.
+Transform = Literal["raw", "delta"]
+#: What packs a column's integers.
+Compression = Literal["none", "zlib"]
 
 
 class ColumnError(ValueError):
     """A column is malformed (the caller turns this into its own error with a path)."""
 
 
-def encode_int_column(values, *, delta: bool = False, compress: bool = True) -> list:
+def encode_int_column(values: ArrayLike, *, delta: bool = False, compress: bool = True) -> Column:
     """Encode a 1-D sequence of int64-representable integers as a column (see module doc)."""
     arr = np.ascontiguousarray(values, dtype=np.int64).reshape(-1)
     stored = arr
@@ -47,7 +58,7 @@ def encode_int_column(values, *, delta: bool = False, compress: bool = True) -> 
     else:
         width = 1
     payload = stored.astype(f"<i{width}", copy=False).tobytes()
-    compression = "none"
+    compression: Compression = "none"
     if compress and len(payload) >= 64:
         packed = zlib.compress(payload, 6)
         if len(packed) < len(payload) - len(payload) // 8:
@@ -60,7 +71,9 @@ BLOCK = 1 << 16
 _FEED = 1 << 16  # compressed bytes handed to zlib at once
 
 
-def _header(column, expected: int | None, max_count: int | None):
+def _header(
+    column: object, expected: int | None, max_count: int | None
+) -> tuple[Transform, int, Compression, int, bytes | bytearray]:
     if not isinstance(column, (list, tuple)) or len(column) != 5:
         raise ColumnError("column must be a 5-element array")
     transform, width, compression, count, payload = column
@@ -81,7 +94,9 @@ def _header(column, expected: int | None, max_count: int | None):
     return transform, width, compression, count, payload
 
 
-def _raw_pieces(payload, compression: str, nbytes: int, step: int):
+def _raw_pieces(
+    payload: bytes | bytearray, compression: Compression, nbytes: int, step: int
+) -> Iterator[bytes | memoryview]:
     """The column's packed integers, ``step`` bytes at a time (the last piece may be shorter)."""
     if compression == "none":
         if len(payload) != nbytes:
@@ -92,7 +107,8 @@ def _raw_pieces(payload, compression: str, nbytes: int, step: int):
         return
     inflater = zlib.decompressobj()
     source = memoryview(payload)
-    pos, tail, produced, pending = 0, b"", 0, bytearray()
+    tail: bytes | memoryview = b""
+    pos, produced, pending = 0, 0, bytearray()
     try:
         while produced < nbytes:
             if not tail:  # feed the input in bounded pieces: unconsumed_tail is a copy
@@ -121,8 +137,8 @@ def _raw_pieces(payload, compression: str, nbytes: int, step: int):
 
 
 def iter_int_column(
-    column, *, expected: int | None = None, max_count: int | None = None, block: int = BLOCK
-):
+    column: object, *, expected: int | None = None, max_count: int | None = None, block: int = BLOCK
+) -> Iterator[tuple[int, NDArray[np.int64]]]:
     """Decode a column piecewise: yields ``(start, values)``, ``values`` an int64 array of at most
     ``block`` values (delta already undone) starting at value ``start``, in order.
 
@@ -143,8 +159,8 @@ def iter_int_column(
 
 
 def decode_int_column(
-    column, *, expected: int | None = None, max_count: int | None = None
-) -> np.ndarray:
+    column: object, *, expected: int | None = None, max_count: int | None = None
+) -> NDArray[np.int64]:
     """Decode a column into a read-only int64 array.
 
     ``expected``: the exact number of values required; ``max_count``: an upper bound when the
@@ -159,12 +175,12 @@ def decode_int_column(
     return out
 
 
-def encode_u32(values) -> bytes:
+def encode_u32(values: ArrayLike) -> bytes:
     """Pack unsigned 32-bit integers (crc32c values) little-endian, uncompressed."""
     return np.ascontiguousarray(values, dtype="<u4").tobytes()
 
 
-def decode_u32(payload, *, expected: int | None = None) -> np.ndarray:
+def decode_u32(payload: object, *, expected: int | None = None) -> NDArray[np.uint32]:
     """Inverse of :func:`encode_u32`, as a read-only uint32 array."""
     if not isinstance(payload, (bytes, bytearray)) or len(payload) % 4:
         raise ColumnError("u32 payload must be bytes of a multiple of 4 length")

@@ -50,7 +50,7 @@ def frame(payload: bytes, version: int = FRAMED_VERSION) -> bytes:
     return head + struct.pack("<I", crc32c(payload, crc32c(head))) + bytes(payload)
 
 
-def stored_version(data) -> int:
+def stored_version(data: bytes | bytearray | memoryview) -> int:
     """The format version the stored bytes ``data`` claim (1, or the framed version 2 or 3),
     without checking them.
 
@@ -58,8 +58,10 @@ def stored_version(data) -> int:
     """
     mv = memoryview(data).cast("B")
     if bytes(mv[: len(MAGIC)]) == MAGIC:
-        if len(mv) >= HEADER.size and HEADER.unpack_from(mv)[1] in FRAMED_VERSIONS:
-            return HEADER.unpack_from(mv)[1]
+        if len(mv) >= HEADER.size:
+            declared: int = HEADER.unpack_from(mv)[1]
+            if declared in FRAMED_VERSIONS:
+                return declared
         return FRAMED_VERSION
     if len(mv) and mv[0] in _MAP_MARKERS:
         return 1
@@ -73,7 +75,7 @@ def stored_version(data) -> int:
     )
 
 
-def unframe(data) -> tuple[int, memoryview]:
+def unframe(data: bytes | bytearray | memoryview) -> tuple[int, memoryview]:
     """Check the frame of stored manifest bytes; return (format version, payload view).
 
     Versions 2 and 3: header complete, version supported, crc32c matching, all before anything

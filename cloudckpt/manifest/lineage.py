@@ -16,8 +16,10 @@ Pure; every problem is a :class:`~cloudckpt.errors.ManifestError` naming its pat
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 import numpy as np
+from numpy.typing import NDArray
 
 from cloudckpt.errors import ManifestError
 
@@ -27,7 +29,7 @@ HASH_BYTES = 16
 _ATTEMPT_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
-def folder_problem(name) -> str | None:
+def folder_problem(name: object) -> str | None:
     """Why ``name`` is not a folder name a home or base may use (one safe path segment), or
     None."""
     if type(name) is not str:
@@ -43,7 +45,15 @@ def folder_problem(name) -> str | None:
     return None
 
 
-def check_lineage(object_homes, chunk_hashes, base, attempt, *, objects: int, chunks: int):
+def check_lineage(
+    object_homes: Iterable[str] | None,
+    chunk_hashes: bytes | bytearray | memoryview | NDArray[np.uint8] | None,
+    base: str,
+    attempt: str,
+    *,
+    objects: int,
+    chunks: int,
+) -> tuple[tuple[str, ...], NDArray[np.uint8] | None, str, str]:
     """Validated ``(object_homes, chunk_hashes, base, attempt)``: a tuple of ``objects`` homes,
     a read-only ``(chunks, 16)`` uint8 array or None, and two strings."""
     if object_homes is None:
@@ -61,7 +71,7 @@ def check_lineage(object_homes, chunk_hashes, base, attempt, *, objects: int, ch
         raise ManifestError(folder_problem(base) or "base must be a string", path="base")
     if type(attempt) is not str or (attempt and not _ATTEMPT_RE.match(attempt)):
         raise ManifestError(f"attempt {attempt!r:.40} is not 16 hex digits", path="attempt")
-    hashes = None
+    hashes: NDArray[np.uint8] | None = None
     if chunk_hashes is not None:
         raw = chunk_hashes.tobytes() if isinstance(chunk_hashes, np.ndarray) else chunk_hashes
         if (

@@ -12,25 +12,32 @@ says where, like ``tensors["w"].chunks[3]``.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
+from typing import Any, TypeVar, cast
 
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 
 from cloudckpt.errors import ManifestError
-from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE, MAX_ELEMENTS, MAX_NDIM
+from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE, MAX_ELEMENTS
+from cloudckpt.manifest.geometry import (
+    check_boxes,
+    check_no_shared_bytes,
+    read_only,
+    tensor_columns,
+)
 from cloudckpt.manifest.lineage import check_lineage
 from cloudckpt.manifest.records import ChunkTable, ManifestColumns, TensorRecord
 from cloudckpt.manifest.validation import (
-    check_shape,
-    flat_dims,
     tensor_path,
     validate_object_key,
     validate_structure,
 )
-from cloudckpt.manifest.values import decode_value, value_path
+from cloudckpt.manifest.values import AllowPickle, decode_value, value_path
+
+_T = TypeVar("_T")
 
 FORMAT_NAME = "cloudckpt"
 #: The newest format version this cloudckpt writes: 3 for a manifest with incremental fields
@@ -43,12 +50,13 @@ DEFAULT_CHECKSUM_BLOCK_SIZE = 4 << 20
 MAX_CHECKSUM_BLOCK_SIZE = 1 << 40
 
 
-def crc_counts(byte_length: np.ndarray, block_size: int) -> np.ndarray:
+def crc_counts(byte_length: NDArray[np.int64], block_size: int) -> NDArray[np.int64]:
     """Number of per-block crcs of chunks of these byte lengths (an empty chunk has one)."""
-    return np.maximum(1, (byte_length + (block_size - 1)) // block_size)
+    counts: NDArray[np.int64] = np.maximum(1, (byte_length + (block_size - 1)) // block_size)
+    return counts
 
 
-class _TensorMap(Mapping):
+class _TensorMap(Mapping[str, TensorRecord]):
     """name -> TensorRecord, built lazily from the manifest's arrays."""
 
     def __init__(self, manifest: Manifest):
@@ -62,34 +70,14 @@ class _TensorMap(Mapping):
             self._cache[name] = rec
         return rec
 
-    def __contains__(self, name) -> bool:
+    def __contains__(self, name: object) -> bool:
         return name in self._m._name_index
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self._m._names)
 
     def __len__(self) -> int:
         return len(self._m._names)
-
-
-def _ro(a, dtype) -> np.ndarray:
-    """A read-only 1-D copy of ``a``; an array that already is one (the decoder's, which owns
-    its data) is taken as it is."""
-    if (
-        isinstance(a, np.ndarray)
-        and a.dtype == dtype
-        and a.ndim == 1
-        and a.base is None
-        and not a.flags.writeable
-    ):
-        return a
-    arr = np.array(a, dtype=dtype, copy=True).reshape(-1)
-    arr.flags.writeable = False
-    return arr
-
-
-#: Coordinates checked at once (bounds the temporary memory of validation).
-_BLOCK = 1 << 16
 
 
 class Manifest:
@@ -120,26 +108,26 @@ class Manifest:
         world_size: int,
         created_at: float,
         cloudckpt_version: str,
-        metadata: dict,
+        metadata: dict[str, Any],
         checksum_block_size: int,
         objects: Sequence[str],
         tensor_names: Sequence[str],
         tensor_dtypes: Sequence[str],
-        tensor_shapes: Sequence[Sequence[int]],
-        chunk_counts,
-        chunk_offsets,
-        chunk_sizes,
-        chunk_object_index,
-        chunk_byte_offset,
-        chunk_byte_length,
-        chunk_crcs,
+        tensor_shapes: Sequence[Sequence[int]] | NDArray[np.int64],
+        chunk_counts: ArrayLike,
+        chunk_offsets: ArrayLike,
+        chunk_sizes: ArrayLike,
+        chunk_object_index: ArrayLike,
+        chunk_byte_offset: ArrayLike,
+        chunk_byte_length: ArrayLike,
+        chunk_crcs: ArrayLike,
         value_blobs: Mapping[str, bytes],
         values: Mapping[str, object] | None = None,
         structure: object = None,
-        allow_pickle: bool = False,
-        tensor_ndims=None,
-        object_homes=None,
-        chunk_hashes=None,
+        allow_pickle: AllowPickle = False,
+        tensor_ndims: ArrayLike | None = None,
+        object_homes: Iterable[str] | None = None,
+        chunk_hashes: bytes | NDArray[np.uint8] | None = None,
         base: str = "",
         attempt: str = "",
         checksums: bool = True,
@@ -186,7 +174,14 @@ class Manifest:
                 raise ManifestError(why, path=f"objects[{i}]")
         if len(set(self.objects)) != len(self.objects):
             raise ManifestError("duplicate object keys", path="objects")
-        self._init_tensors(tensor_names, tensor_dtypes, tensor_shapes, tensor_ndims, chunk_counts)
+        g = tensor_columns(tensor_names, tensor_dtypes, tensor_shapes, tensor_ndims, chunk_counts)
+        if g.shapes is not None:
+            self.__dict__["_shapes"] = g.shapes
+        self._geometry = g
+        self._names, self._dtypes, self._name_index = g.names, g.dtypes, g.name_index
+        self._ndims, self._numel = g.ndims, g.numel
+        self._shape_flat, self._shape_start = g.shape_flat, g.shape_start
+        self._chunk_start, self._coord_start = g.chunk_start, g.coord_start
         self._init_chunks(
             chunk_offsets,
             chunk_sizes,
@@ -207,95 +202,23 @@ class Manifest:
             chunks=self.num_chunks,
         )
         self.tensors: Mapping[str, TensorRecord] = _TensorMap(self)
-        self._derived: dict = {}
+        self._derived: dict[str, object] = {}
 
     # --- construction and validation ------------------------------------------------------
 
-    def _init_tensors(self, names, dtypes, shapes, ndims, counts) -> None:
-        names, dtypes = tuple(names), tuple(dtypes)
-        n = len(names)
-        if ndims is None:  # a sequence of shapes
-            shapes = tuple(s if type(s) is tuple else tuple(s) for s in shapes)
-            if len(shapes) != n:
-                raise ManifestError(
-                    "tensor names, dtypes and shapes differ in length", path="tensors"
-                )
-            self.__dict__["_shapes"] = shapes
-            ndims = np.fromiter(map(len, shapes), dtype=np.int64, count=n)
-            flat = flat_dims(shapes, int(ndims.sum())) if n and ndims.max() <= MAX_NDIM else None
-        else:  # columnar: every dim in one array
-            ndims, flat = _ro(ndims, np.int64), _ro(shapes, np.int64)
-            if (
-                len(ndims) != n
-                or (n and (ndims.min() < 0 or ndims.max() > MAX_NDIM))
-                or int(ndims.sum()) != len(flat)
-            ):
-                raise ManifestError("tensor shapes do not match the tensors", path="tensors")
-        if len(dtypes) != n:
-            raise ManifestError("tensor names, dtypes and shapes differ in length", path="tensors")
-        index: dict[str, int] = {}
-        for i, name in enumerate(names):
-            if type(name) is not str:
-                raise ManifestError(
-                    f"tensor name must be a string, got {type(name).__name__}", path=f"tensors[{i}]"
-                )
-            if name in index:
-                raise ManifestError("duplicate tensor name", path=tensor_path(name))
-            index[name] = i
-        for name, dtype in zip(names, dtypes):
-            if type(dtype) is not str or dtype not in DTYPE_ITEMSIZE:
-                raise ManifestError(
-                    f"dtype {dtype!r:.80} is not allowed", path=f"{tensor_path(name)}.dtype"
-                )
-        starts = np.concatenate(([0], np.cumsum(ndims))).astype(np.int64)
-        has = ndims > 0
-        if flat is None:  # odd dims (not ints, beyond int64, too many): check one by one
-            for t in range(n):
-                check_shape(names[t], dtypes[t], shapes[t])
-            flat = np.fromiter(
-                itertools.chain.from_iterable(shapes), dtype=np.int64, count=int(starts[-1])
-            )
-        elif flat.size:  # vectorised; suspects get the exact check
-            negative = np.zeros(n, dtype=bool)
-            negative[has] = np.minimum.reduceat(flat, starts[:-1][has]) < 0
-            logs = flat.astype(np.float64)
-            np.log2(np.maximum(logs, 1.0, out=logs), out=logs)
-            log_bytes = np.log2([DTYPE_ITEMSIZE[d] for d in dtypes])
-            log_bytes[has] += np.add.reduceat(logs, starts[:-1][has])
-            del logs
-            for t in np.flatnonzero(negative | (log_bytes > 59.5)).tolist():
-                check_shape(names[t], dtypes[t], tuple(flat[starts[t] : starts[t + 1]].tolist()))
-        numel = np.ones(n, dtype=np.int64)  # no overflow: every product is at most 2**60
-        if has.any():
-            numel[has] = np.multiply.reduceat(flat, starts[:-1][has])
-        counts = np.asarray(counts, dtype=np.int64).reshape(-1)
-        if len(counts) != n:
-            raise ManifestError("chunk counts do not match the tensors", path="tensors")
-        if n and counts.min() < 0:
-            raise ManifestError(
-                "negative chunk count", path=tensor_path(names[int(np.argmin(counts))])
-            )
-        chunk_start = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
-        coord_start = np.concatenate(([0], np.cumsum(counts * ndims))).astype(np.int64)
-        for arr in (flat, starts, ndims, numel, chunk_start, coord_start):
-            arr.flags.writeable = False
-        self._names = names
-        self._dtypes = dtypes
-        self._name_index = index
-        self._ndims = ndims
-        self._numel = numel
-        self._shape_flat, self._shape_start = flat, starts
-        self._chunk_start, self._coord_start = chunk_start, coord_start
-
-    def _chunk_path(self, chunk: int, field: str = "") -> str:
-        t = int(np.searchsorted(self._chunk_start, chunk, side="right")) - 1
-        return f"{tensor_path(self._names[t])}.chunks[{chunk - int(self._chunk_start[t])}]{field}"
-
-    def _init_chunks(self, offsets, sizes, object_index, byte_offset, byte_length, crcs) -> None:
+    def _init_chunks(
+        self,
+        offsets: ArrayLike,
+        sizes: ArrayLike,
+        object_index: ArrayLike,
+        byte_offset: ArrayLike,
+        byte_length: ArrayLike,
+        crcs: ArrayLike,
+    ) -> None:
         nchunks, ncoords = int(self._chunk_start[-1]), int(self._coord_start[-1])
-        offsets, sizes = _ro(offsets, np.int64), _ro(sizes, np.int64)
+        offsets, sizes = read_only(offsets, np.int64), read_only(sizes, np.int64)
         object_index, byte_offset, byte_length = (
-            _ro(a, np.int64) for a in (object_index, byte_offset, byte_length)
+            read_only(a, np.int64) for a in (object_index, byte_offset, byte_length)
         )
         if len(offsets) != ncoords or len(sizes) != ncoords:
             raise ManifestError(
@@ -318,7 +241,7 @@ class Manifest:
             self._coord_start[chunk_tensor]
             + (np.arange(nchunks, dtype=np.int64) - self._chunk_start[chunk_tensor]) * chunk_ndim
         )
-        self._check_boxes(offsets, sizes, chunk_tensor, chunk_ndim, chunk_coord_start)
+        check_boxes(self._geometry, offsets, sizes, chunk_tensor, chunk_ndim, chunk_coord_start)
         numel = np.ones(nchunks, dtype=np.int64)
         has_dims = chunk_ndim > 0
         if has_dims.any():  # no overflow: sizes are inside shapes, whose products fit
@@ -331,7 +254,8 @@ class Manifest:
             if bad.any():
                 c = int(np.flatnonzero(bad)[0])
                 raise ManifestError(
-                    f"{field} {int(arr[c])} out of range", path=self._chunk_path(c, f".{field}")
+                    f"{field} {int(arr[c])} out of range",
+                    path=self._geometry.chunk_path(c, f".{field}"),
                 )
         bad = (byte_length != expected) | (byte_offset > MAX_ELEMENTS)
         if bad.any():
@@ -339,7 +263,7 @@ class Manifest:
             raise ManifestError(
                 f"byte_length {int(byte_length[c])} does not match {int(numel[c])} elements of "
                 f"{self._dtypes[int(chunk_tensor[c])]} ({int(expected[c])} bytes)",
-                path=self._chunk_path(c, ".byte_length"),
+                path=self._geometry.chunk_path(c, ".byte_length"),
             )
         del bad, expected, chunk_tensor
         total = np.concatenate(([0], np.cumsum(numel)))
@@ -357,7 +281,7 @@ class Manifest:
                 path=tensor_path(self._names[t]),
             )
         del total, total_f, numel
-        self._check_no_shared_bytes(object_index, byte_offset, byte_length)
+        check_no_shared_bytes(self._geometry, self.objects, object_index, byte_offset, byte_length)
         ncrc = (
             crc_counts(byte_length, self.checksum_block_size)
             if self.checksums
@@ -374,7 +298,7 @@ class Manifest:
             )
         if len(crcs) and (int(crcs.min()) < 0 or int(crcs.max()) >= 1 << 32):
             raise ManifestError("crc32c values must be unsigned 32-bit", path="chunks.crc32c")
-        crcs = _ro(crcs, np.uint32)
+        crcs = read_only(crcs, np.uint32)
         crc_start.flags.writeable = False
         self._offsets, self._sizes = offsets, sizes
         self._object_index, self._byte_offset, self._byte_length = (
@@ -384,48 +308,12 @@ class Manifest:
         )
         self._crcs, self._crc_start = crcs, crc_start
 
-    def _check_boxes(self, offsets, sizes, chunk_tensor, chunk_ndim, chunk_coord_start) -> None:
-        """Every chunk's box lies inside its tensor's shape (checked block by block)."""
-        shape_flat, shape_start = self._shape_flat, self._shape_start
-        for a in range(0, len(offsets), _BLOCK):
-            pos = np.arange(a, min(a + _BLOCK, len(offsets)), dtype=np.int64)
-            # chunk of each coordinate: the last one starting at or before it (0-dim chunks
-            # start where the next one does)
-            chunk = np.searchsorted(chunk_coord_start, pos, side="right") - 1
-            limit = shape_flat[shape_start[chunk_tensor[chunk]] + pos - chunk_coord_start[chunk]]
-            off, size = offsets[pos[0] : pos[-1] + 1], sizes[pos[0] : pos[-1] + 1]
-            bad = (size < 0) | (off < 0) | (off > limit) | (size > limit - off)
-            if bad.any():
-                c = int(chunk[int(np.flatnonzero(bad)[0])])
-                s, nd = int(chunk_coord_start[c]), int(chunk_ndim[c])
-                raise ManifestError(
-                    f"box offsets={tuple(offsets[s : s + nd].tolist())} sizes={tuple(sizes[s : s + nd].tolist())} "
-                    f"is not inside shape {self._shape(int(chunk_tensor[c]))}",
-                    path=self._chunk_path(c),
-                )
-
-    def _check_no_shared_bytes(self, object_index, byte_offset, byte_length) -> None:
-        """No two chunks' byte ranges in one object overlap (O(n log n)): one stored byte
-        belongs to one chunk, so the bytes referenced never exceed the bytes stored."""
-        held = np.flatnonzero(byte_length > 0)
-        order = held[np.lexsort((byte_offset[held], object_index[held]))]
-        del held
-        if len(order) < 2:
-            return
-        obj, start = object_index[order], byte_offset[order]
-        end = start + byte_length[order]
-        bad = (obj[1:] == obj[:-1]) & (start[1:] < end[:-1])
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            first, second = int(order[i]), int(order[i + 1])
-            raise ManifestError(
-                f"bytes [{int(start[i + 1])}, {int(end[i + 1])}) of object "
-                f"{self.objects[int(obj[i])]!r} are also those of {self._chunk_path(first)} "
-                f"([{int(start[i])}, {int(end[i])}))",
-                path=self._chunk_path(second),
-            )
-
-    def _init_values(self, value_blobs, values, allow_pickle) -> None:
+    def _init_values(
+        self,
+        value_blobs: Mapping[str, bytes],
+        values: Mapping[str, object] | None,
+        allow_pickle: AllowPickle,
+    ) -> None:
         blobs: dict[str, bytes] = {}
         decoded: dict[str, object] = {}
         for name, blob in value_blobs.items():
@@ -460,7 +348,7 @@ class Manifest:
 
     def _shape(self, t: int) -> tuple[int, ...]:
         """Tensor ``t``'s shape."""
-        shapes = self.__dict__.get("_shapes")
+        shapes: tuple[tuple[int, ...], ...] | None = self.__dict__.get("_shapes")
         if shapes is not None:
             return shapes[t]
         return tuple(self._shape_flat[self._shape_start[t] : self._shape_start[t + 1]].tolist())
@@ -499,7 +387,7 @@ class Manifest:
         """Every tensor's shape, in tensor order (made on first use when decoded)."""
         return self._shapes
 
-    def derived(self, key: str, factory):
+    def derived(self, key: str, factory: Callable[[Manifest], _T]) -> _T:
         """A value derived from this manifest (immutable, so the value never goes stale):
         ``factory(self)`` on the first call with ``key``, the same object on every later one,
         kept as long as the manifest is (e.g. load planning's chunk index). Not locked: two
@@ -507,7 +395,7 @@ class Manifest:
         value = self._derived.get(key)
         if value is None:
             value = self._derived.setdefault(key, factory(self))
-        return value
+        return cast(_T, value)  # a key names one factory, so its value is of that type
 
     @property
     def num_chunks(self) -> int:
@@ -518,7 +406,7 @@ class Manifest:
         """Whether some object lies under another checkpoint's folder (a non-empty home)."""
         return any(self.object_homes)
 
-    def with_object_keys(self, keys) -> Manifest:
+    def with_object_keys(self, keys: Iterable[str]) -> Manifest:
         """This manifest with ``keys`` (distinct valid keys relative to another store root: the
         run's, see ``cloudckpt.stored``) as its objects and no homes; arrays are shared."""
         import copy
@@ -550,6 +438,6 @@ class Manifest:
 
     def __repr__(self) -> str:
         return (
-            f"Manifest(world_size={self.world_size}, tensors={len(self._names)}, chunks={self.num_chunks}, "
-            f"values={len(self.values)}, objects={len(self.objects)})"
+            f"Manifest(world_size={self.world_size}, tensors={len(self._names)}, "
+            f"chunks={self.num_chunks}, values={len(self.values)}, objects={len(self.objects)})"
         )

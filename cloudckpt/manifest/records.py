@@ -10,8 +10,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
+from numpy.typing import NDArray
 
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
 
@@ -30,7 +32,7 @@ class ChunkRecord:
     crc32c: tuple[int, ...]  # one per checksum block of the chunk's bytes
 
 
-class ChunkTable(Sequence):
+class ChunkTable(Sequence[ChunkRecord]):
     """The chunks of one tensor: a read-only sequence of :class:`ChunkRecord` over arrays.
 
     Array attributes (read-only): ``offsets`` and ``sizes`` (shape ``(n, ndim)``),
@@ -48,7 +50,16 @@ class ChunkTable(Sequence):
         "_crcs",
     )
 
-    def __init__(self, offsets, sizes, object_index, byte_offset, byte_length, crc_start, crcs):
+    def __init__(
+        self,
+        offsets: NDArray[np.int64],
+        sizes: NDArray[np.int64],
+        object_index: NDArray[np.int64],
+        byte_offset: NDArray[np.int64],
+        byte_length: NDArray[np.int64],
+        crc_start: NDArray[np.int64],
+        crcs: NDArray[np.uint32],
+    ):
         self.offsets = offsets
         self.sizes = sizes
         self.object_index = object_index
@@ -63,7 +74,11 @@ class ChunkTable(Sequence):
     def crcs(self, i: int) -> tuple[int, ...]:
         return tuple(self._crcs[self._crc_start[i] : self._crc_start[i + 1]].tolist())
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: int) -> ChunkRecord: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[ChunkRecord]: ...
+    def __getitem__(self, i: int | slice) -> ChunkRecord | list[ChunkRecord]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         n = len(self)
@@ -121,16 +136,16 @@ class ManifestColumns:
     names: tuple[str, ...]
     dtypes: tuple[str, ...]
     name_index: Mapping[str, int]
-    ndims: np.ndarray
-    shape_flat: np.ndarray
-    shape_start: np.ndarray
-    chunk_start: np.ndarray
-    coord_start: np.ndarray
-    offsets: np.ndarray
-    sizes: np.ndarray
-    object_index: np.ndarray
-    byte_offset: np.ndarray
-    byte_length: np.ndarray
-    crcs: np.ndarray
-    crc_start: np.ndarray
+    ndims: NDArray[np.int64]
+    shape_flat: NDArray[np.int64]
+    shape_start: NDArray[np.int64]
+    chunk_start: NDArray[np.int64]
+    coord_start: NDArray[np.int64]
+    offsets: NDArray[np.int64]
+    sizes: NDArray[np.int64]
+    object_index: NDArray[np.int64]
+    byte_offset: NDArray[np.int64]
+    byte_length: NDArray[np.int64]
+    crcs: NDArray[np.uint32]
+    crc_start: NDArray[np.int64]
     value_blobs: Mapping[str, bytes]

@@ -9,9 +9,10 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
+from numpy.typing import NDArray
 
 from cloudckpt.errors import ManifestError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE, MAX_ELEMENTS, MAX_NDIM
@@ -22,7 +23,7 @@ def tensor_path(name: str) -> str:
     return f"tensors[{json.dumps(name)}]"
 
 
-def validate_object_key(key) -> str | None:
+def validate_object_key(key: object) -> str | None:
     """Return why ``key`` is not a safe object key relative to a checkpoint root, or None.
 
     Refused: non-strings, empty keys, absolute paths, backslashes, empty / ``.`` / ``..`` segments,
@@ -47,10 +48,13 @@ def validate_object_key(key) -> str | None:
 _STRUCTURE_TAGS = {"d": "dict", "o": "OrderedDict", "l": "list", "t": "tuple"}
 
 
-def validate_structure(structure, tensor_names: Mapping | set, value_names: Mapping | set) -> None:
-    """Check a structure mapping (see ``cloudckpt.statedict.pieces``): nodes ``[tag, body]`` with tags
-    d/o (body: ``[[key, node], ...]``, keys str or int), l/t (body: ``[node, ...]``), x (a tensor
-    name of this manifest) or v (a value name). Raises ManifestError(path="structure")."""
+def validate_structure(
+    structure: object, tensor_names: Collection[str], value_names: Collection[str]
+) -> None:
+    """Check a structure mapping (see ``cloudckpt.statedict.flatten``): nodes ``[tag, body]``
+    with tags d/o (body: ``[[key, node], ...]``, keys str or int), l/t (body: ``[node, ...]``),
+    x (a tensor name of this manifest) or v (a value name). Raises
+    ManifestError(path="structure")."""
     stack = [(structure, 0)]
     while stack:
         node, depth = stack.pop()
@@ -84,7 +88,7 @@ def validate_structure(structure, tensor_names: Mapping | set, value_names: Mapp
             raise ManifestError(f"malformed node {node!r:.80}", path="structure")
 
 
-def flat_dims(shapes, total: int) -> np.ndarray | None:
+def flat_dims(shapes: Iterable[Sequence[object]], total: int) -> NDArray[np.int64] | None:
     """Every dim of ``shapes`` as one int64 array, or None when one is not an int or does not
     fit int64 (the caller then checks each shape one by one)."""
     dims = itertools.chain.from_iterable(shapes)
@@ -96,14 +100,17 @@ def flat_dims(shapes, total: int) -> np.ndarray | None:
         return None
 
 
-def check_shape(name: str, dtype: str, shape: tuple) -> None:
+def check_shape(name: str, dtype: str, shape: Sequence[object]) -> None:
+    """Raise :class:`~cloudckpt.errors.ManifestError` unless ``shape`` is a valid shape of
+    tensor ``name`` of ``dtype`` (at most :data:`MAX_NDIM` ints >= 0, at most 2**60 bytes)."""
     where = tensor_path(name)
     if len(shape) > MAX_NDIM:
         raise ManifestError(f"{len(shape)} dims, at most {MAX_NDIM} allowed", path=f"{where}.shape")
-    if any(type(s) is not int or s < 0 for s in shape):
+    dims = [s for s in shape if type(s) is int]
+    if len(dims) != len(shape) or any(s < 0 for s in dims):
         raise ManifestError(f"bad shape {shape!r:.200}", path=f"{where}.shape")
     # every dim counted as at least 1: an empty shape's strides must fit int64 too
-    if math.prod(max(s, 1) for s in shape) * DTYPE_ITEMSIZE[dtype] > MAX_ELEMENTS:
+    if math.prod(max(s, 1) for s in dims) * DTYPE_ITEMSIZE[dtype] > MAX_ELEMENTS:
         raise ManifestError(
             f"shape {shape!r:.200} is too large (more than 2**60 bytes, empty dims counted as 1)",
             path=f"{where}.shape",

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import pickle
 import re
+from collections.abc import Callable
+from typing import Any, Literal
 
 import msgpack
 
@@ -29,6 +31,12 @@ MAX_DEPTH = 200
 _MAX_BIGINT_BYTES = 1 << 16
 _OPEN = frozenset({list, dict})
 _INT_MIN, _UINT_MAX = -(1 << 63), (1 << 64) - 1
+
+#: What a decoder does with a pickled payload: raise :class:`PickleNotAllowed` (``"refuse"``),
+#: unpickle it (``"allow"``) or decode it to an opaque marker, never unpickling (``"inspect"``).
+PickleMode = Literal["refuse", "allow", "inspect"]
+#: The ``allow_pickle`` argument of the decoders, as the public API spells it.
+AllowPickle = bool | Literal["inspect"]
 
 
 class _Unsupported(Exception):
@@ -43,26 +51,26 @@ def value_path(key: str) -> str:
     return f"values[{json.dumps(key)}]"
 
 
-def _tree(value, where: str, depth: int):
+def _tree(value: object, where: str, depth: int) -> object:
     if depth > MAX_DEPTH:
         raise _Unsupported(f"nesting deeper than {MAX_DEPTH}", where)
     t = type(value)
     if value is None or t is bool or t is float or t is str or t is bytes:
         return value
-    if t is int:
+    if type(value) is int:
         if _INT_MIN <= value <= _UINT_MAX:
             return value
         n = (value.bit_length() + 8) // 8
         if n > _MAX_BIGINT_BYTES:
             raise _Unsupported("an integer too large", where)
         return msgpack.ExtType(EXT_BIGINT, value.to_bytes(n, "big", signed=True))
-    if t is list:
+    if type(value) is list:
         return [_tree(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
-    if t is tuple:
+    if type(value) is tuple:
         items = [_tree(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
         return msgpack.ExtType(EXT_TUPLE, _pack(items, where))
-    if t is dict:
-        out = {}
+    if type(value) is dict:
+        out: dict[object, object] = {}
         for k, v in value.items():
             out[_tree(k, f"{where} (key {k!r})", depth + 1)] = _tree(
                 v, f"{where}[{k!r}]", depth + 1
@@ -71,14 +79,14 @@ def _tree(value, where: str, depth: int):
     raise _Unsupported(f"type {t.__module__}.{t.__qualname__}", where)
 
 
-def _pack(tree, where: str) -> bytes:
+def _pack(tree: object, where: str) -> bytes:
     try:
         return msgpack.packb(tree, use_bin_type=True)
     except (UnicodeEncodeError, ValueError, OverflowError, TypeError) as exc:
         raise _Unsupported(f"a value msgpack cannot pack ({exc})", where) from exc
 
 
-def encode_value(value, *, key: str, allow_pickle: bool) -> bytes:
+def encode_value(value: object, *, key: str, allow_pickle: bool) -> bytes:
     """Encode one non-tensor value (see module doc) as msgpack bytes.
 
     Raises :class:`~cloudckpt.errors.UnsupportedValueError` naming ``key`` (and where inside the
@@ -102,7 +110,7 @@ def encode_value(value, *, key: str, allow_pickle: bool) -> bytes:
         return msgpack.packb(msgpack.ExtType(EXT_PICKLE, data), use_bin_type=True)
 
 
-def _pickle_hint(value) -> str:
+def _pickle_hint(value: object) -> str:
     """What to do about a value msgpack cannot hold: ``allow_pickle=True`` only when pickle can
     hold it (tried with ``pickle.dumps``; nothing is unpickled), else store plain data."""
     try:
@@ -140,13 +148,13 @@ class _TooDeep(Exception):
     pass
 
 
-def _decode(data, *, path: str, pickle_mode: str):
-    """pickle_mode: 'refuse' (raise PickleNotAllowed), 'allow' (unpickle), 'inspect' (marker)."""
+def _decode(data: object, *, path: str, pickle_mode: PickleMode) -> object:
+    """Decode exact-type msgpack bytes; ``pickle_mode`` says what a pickled payload becomes."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ManifestError("encoded value must be bytes", path=path)
     unpickled: set[int] = set()  # ids of unpickled objects: leaves, whatever they hold
 
-    def hook(code: int, payload: bytes):
+    def hook(code: int, payload: bytes) -> object:
         if code == EXT_TUPLE:  # not decoded here: nested calls would nest C stacks (a crash)
             return _Tuple(payload)
         if code == EXT_BIGINT:
@@ -180,23 +188,47 @@ def _decode(data, *, path: str, pickle_mode: str):
         raise ManifestError(f"undecodable value ({type(exc).__name__}: {exc})", path=path) from exc
 
 
-def _resolve(root, hook, leaves: set[int]):
+class _Frame:
+    """A list, dict or tuple being resolved by :func:`_resolve`: its ``kind`` (the type it
+    becomes), its ``items`` (a dict's keys and values interleaved), the indices of the items
+    still to resolve (last first), its ``depth``, the ``node`` it was opened from, its position
+    in the parent's items (-1: the root) and whether an item ``changed`` (or it is a tuple)."""
+
+    __slots__ = ("kind", "items", "todo", "depth", "node", "pos", "changed")
+
+    def __init__(
+        self,
+        kind: type[object],
+        items: list[object],
+        todo: list[int],
+        depth: int,
+        node: object,
+        pos: int,
+        changed: bool,
+    ):
+        self.kind, self.items, self.todo, self.depth = kind, items, todo, depth
+        self.node, self.pos, self.changed = node, pos, changed
+
+
+def _resolve(root: object, hook: Callable[[int, bytes], object], leaves: set[int]) -> object:
     """``root`` with every :class:`_Tuple` decoded into its tuple, bottom-up, with an explicit
     stack (no recursion, whatever the nesting); raises :class:`_TooDeep` for a value nested
     deeper than :data:`MAX_DEPTH` as :func:`encode_value` counts it (the value at depth 0, a
     container's items and dict keys one deeper). A tuple's payload is dropped once decoded.
     """
 
-    # a frame: [kind, items, indices of the items to resolve, depth, node, position in the
-    # parent, changed]; only non-empty lists and dicts and tuples are ever opened
-    def open_frame(node, depth: int, pos):
-        t = type(node)
-        if t is _Tuple:
-            items = msgpack.unpackb(node.payload, ext_hook=hook, raw=False, strict_map_key=False)
-            if type(items) is not list:
+    # only non-empty lists and dicts and tuples are ever opened
+    def open_frame(node: object, depth: int, pos: int) -> _Frame | None:
+        items: list[object]
+        if type(node) is _Tuple:
+            unpacked = msgpack.unpackb(node.payload, ext_hook=hook, raw=False, strict_map_key=False)
+            if type(unpacked) is not list:
                 raise ValueError("tuple payload is not an array")
-        elif (t is list or t is dict) and len(node) and id(node) not in leaves:
-            items = node if t is list else [x for kv in node.items() for x in kv]
+            items = unpacked
+        elif type(node) is list and len(node) and id(node) not in leaves:
+            items = node
+        elif type(node) is dict and len(node) and id(node) not in leaves:
+            items = [x for kv in node.items() for x in kv]
         else:
             return None
         if items and depth >= MAX_DEPTH:
@@ -205,60 +237,69 @@ def _resolve(root, hook, leaves: set[int]):
             [
                 i
                 for i, c in enumerate(items)
-                if type(c) is _Tuple or (type(c) in _OPEN and len(c) and not _plain(c, depth + 1))
+                if type(c) is _Tuple or (type(c) in _OPEN and not _plain(c, depth + 1))
             ]
             if not _NESTED.isdisjoint(map(type, items))
             else []
         )
         todo.reverse()
-        return [tuple if t is _Tuple else t, items, todo, depth, node, pos, t is _Tuple]
+        t = type(node)
+        return _Frame(tuple if t is _Tuple else t, items, todo, depth, node, pos, t is _Tuple)
 
-    def _plain(node, depth: int) -> bool:
-        """Whether a non-empty list or dict at ``depth`` needs no frame: it holds no container
-        (nor a tuple to decode) and is not too deep; it is then kept as it is."""
-        if id(node) in leaves:
-            return False
+    def _plain(node: object, depth: int) -> bool:
+        """Whether a list or dict at ``depth`` needs no frame: it is empty, or it holds no
+        container (nor a tuple to decode) and is not too deep; it is then kept as it is."""
         if type(node) is dict:
+            if not node:
+                return True
+            if id(node) in leaves:
+                return False
             nested = not (
                 _NESTED.isdisjoint(map(type, node)) and _NESTED.isdisjoint(map(type, node.values()))
             )
-        else:
+        elif type(node) is list:
+            if not node:
+                return True
+            if id(node) in leaves:
+                return False
             nested = not _NESTED.isdisjoint(map(type, node))
+        else:  # not a container: nothing to open
+            return True
         if nested:
             return False
         if depth >= MAX_DEPTH:
             raise _TooDeep
         return True
 
-    frame = open_frame(root, 0, None)
+    frame = open_frame(root, 0, -1)
     if frame is None:
         return root
     stack = [frame]
     while True:
         frame = stack[-1]
-        if frame[2]:
-            i = frame[2].pop()
-            child = open_frame(frame[1][i], frame[3] + 1, i)
+        if frame.todo:
+            i = frame.todo.pop()
+            child = open_frame(frame.items[i], frame.depth + 1, i)
             if child is not None:
                 stack.append(child)
             continue
         stack.pop()
-        kind, items = frame[0], frame[1]
-        if kind is tuple:
-            done = tuple(items)
-        elif kind is dict and frame[6]:  # a key or an item changed: rebuilt
-            done = dict(zip(items[::2], items[1::2]))
+        done: object
+        if frame.kind is tuple:
+            done = tuple(frame.items)
+        elif frame.kind is dict and frame.changed:  # a key or an item changed: rebuilt
+            done = dict(zip(frame.items[::2], frame.items[1::2]))
         else:
-            done = frame[4]  # a list changed in place, or an unchanged dict
+            done = frame.node  # a list changed in place, or an unchanged dict
         if not stack:
             return done
-        if done is not frame[4]:
+        if done is not frame.node:
             parent = stack[-1]
-            parent[1][frame[5]] = done
-            parent[6] = True
+            parent.items[frame.pos] = done
+            parent.changed = True
 
 
-def decode_value(data, *, key: str, allow_pickle):
+def decode_value(data: bytes, *, key: str, allow_pickle: AllowPickle) -> Any:
     """Decode bytes made by :func:`encode_value`, restoring exact types.
 
     Raises :class:`~cloudckpt.errors.PickleNotAllowed` (naming ``allow_pickle=True``) for a
@@ -266,23 +307,25 @@ def decode_value(data, *, key: str, allow_pickle):
     ``values["<key>"]`` for malformed bytes. ``allow_pickle="inspect"`` never unpickles: each
     pickled payload decodes to an opaque marker (for listings and verification).
     """
-    mode = "allow" if allow_pickle is True else "inspect" if allow_pickle == "inspect" else "refuse"
+    mode: PickleMode = (
+        "allow" if allow_pickle is True else "inspect" if allow_pickle == "inspect" else "refuse"
+    )
     return _decode(data, path=value_path(key), pickle_mode=mode)
 
 
-def decode_plain(data, *, path: str):
+def decode_plain(data: bytes, *, path: str) -> Any:
     """Decode exact-type msgpack bytes that must not hold pickle (metadata, structure)."""
     return _decode(data, path=path, pickle_mode="refuse")
 
 
-def is_pickled(data, *, key: str) -> bool:
+def is_pickled(data: bytes, *, key: str) -> bool:
     """Whether encoded value bytes hold a pickled payload; validates them without unpickling."""
     found = []
 
-    def walk(obj):
+    def walk(obj: object) -> None:
         if isinstance(obj, _PickledMarker):
             found.append(True)
-        elif type(obj) in (list, tuple):
+        elif type(obj) is list or type(obj) is tuple:
             for item in obj:
                 walk(item)
         elif type(obj) is dict:

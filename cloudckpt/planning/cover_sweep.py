@@ -27,6 +27,9 @@ Pure numpy, no recursion in Python.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import SupportsInt
+
 import numpy as np
 
 #: At most this many signed boxes in flight per axis, times the number of boxes (plus a floor).
@@ -34,7 +37,7 @@ WORK_FACTOR = 16
 WORK_FLOOR = 1 << 16
 
 
-def stable_order(columns, *, stable: bool = True) -> np.ndarray:
+def stable_order(columns: Sequence[np.ndarray], *, stable: bool = True) -> np.ndarray:
     """Stable lexicographic order of rows given non-negative int columns, most significant first.
 
     Packs the columns into one int64 key when their bit widths fit (one stable argsort, several
@@ -94,7 +97,7 @@ class _Entries:
 
     __slots__ = ("gid", "b", "w", "root")
 
-    def __init__(self, gid, b, w, root):
+    def __init__(self, gid: np.ndarray, b: np.ndarray, w: np.ndarray, root: np.ndarray):
         self.gid, self.b, self.w, self.root = gid, b, w, root
 
     def __len__(self) -> int:
@@ -107,7 +110,7 @@ def _group_starts(gid: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.concatenate(([True], gid[1:] != gid[:-1])))
 
 
-def _split(bx: _Boxes, j: int, e: _Entries, *, skip: bool):
+def _split(bx: _Boxes, j: int, e: _Entries, *, skip: bool) -> tuple[_Entries, np.ndarray]:
     """Replace every group that differs along axis ``j`` by its jumps along ``j`` (cancelled,
     zero-weight entries dropped; the largest jump of each group dropped when ``skip``); groups
     whose entries all share one interval along ``j`` pass unchanged. Returns the new entries
@@ -181,7 +184,7 @@ def _failing_roots(
     budget: np.ndarray,
     *,
     stop_at_first: bool,
-    stats: dict | None = None,
+    stats: dict[str, int] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(roots whose signed sum is not zero, roots past their work bound), checking axes ``j0..``.
 
@@ -243,7 +246,9 @@ def covers_many(
     return verdict
 
 
-def _prepare(shape, offsets: np.ndarray, sizes: np.ndarray):
+def _prepare(
+    shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Axes along which some box is not whole (the others are a common factor), and the boxes
     restricted to them with the target box appended."""
     shape_a = np.asarray(shape, dtype=np.int64)
@@ -261,16 +266,22 @@ def _initial(rows: int) -> _Entries:
     return _Entries(zeros, np.arange(rows, dtype=np.int64), w, zeros.copy())
 
 
-def find_defect(shape, offsets: np.ndarray, sizes: np.ndarray, *, stats: dict | None = None):
+def find_defect(
+    shape: Iterable[SupportsInt],
+    offsets: np.ndarray,
+    sizes: np.ndarray,
+    *,
+    stats: dict[str, int] | None = None,
+) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
     """None if the (non-empty, in-bounds) boxes cover ``shape`` exactly once, else
     ``(kind, offsets, sizes)`` with kind ``"gap"`` or ``"overlap"`` and a box of the defect.
     Raises :class:`TooIrregular` past the work bound. ``stats`` (a dict), if given, receives
     ``rows`` (boxes + 1) and ``max_entries`` (the most signed boxes in flight after any axis)."""
-    shape = tuple(int(s) for s in shape)
-    axes, lo, hi = _prepare(shape, offsets, sizes)
+    shape_ = tuple(int(s) for s in shape)
+    axes, lo, hi = _prepare(shape_, offsets, sizes)
     rows = len(lo)
     if not len(axes):  # every box is the whole tensor
-        return None if rows == 2 else ("overlap", (0,) * len(shape), shape)
+        return None if rows == 2 else ("overlap", (0,) * len(shape_), shape_)
     bx = _Boxes(lo, hi)
     budget = np.array([WORK_FACTOR * rows + WORK_FLOOR])
     if stats is not None:
@@ -308,7 +319,7 @@ def find_defect(shape, offsets: np.ndarray, sizes: np.ndarray, *, stats: dict | 
             np.zeros(len(mine), np.int64),
         )
     value = int(e.w.sum())
-    region = _unproject(shape, axes, region_lo, region_hi)
+    region = _unproject(shape_, axes, region_lo, region_hi)
     return ("gap" if value < 0 else "overlap", *region)
 
 
@@ -320,7 +331,9 @@ def _coord_value(bx: _Boxes, j: int, rank: int) -> int:
     return int(bx.hi[np.flatnonzero(bx.rank_hi[j] == rank)[0], j])
 
 
-def _unproject(shape, axes, region_lo, region_hi):
+def _unproject(
+    shape: tuple[int, ...], axes: np.ndarray, region_lo: list[int], region_hi: list[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     off, size = [0] * len(shape), list(shape)
     for k, a in enumerate(axes.tolist()):
         off[a], size[a] = region_lo[k], region_hi[k] - region_lo[k]

@@ -11,16 +11,23 @@ along which boxes differ for the layouts it was measured on, with a hard bound o
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Literal, SupportsInt
 
 import numpy as np
+import numpy.typing as npt
 
 from cloudckpt.planning import cover_sweep
 from cloudckpt.planning.cover_sweep import stable_order
 
-Defect = tuple  # (kind: "gap" | "overlap" | "irregular", offsets: tuple[int, ...], sizes: tuple[int, ...])
+#: (kind: "gap" | "overlap" | "irregular", offsets, sizes) of a region that is not covered
+#: exactly once.
+Defect = tuple[str, tuple[int, ...], tuple[int, ...]]
 
 
-def _slab_defect(shape, offsets: np.ndarray, sizes: np.ndarray):
+def _slab_defect(
+    shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray
+) -> Defect | None | Literal[False]:
     """Defect for boxes that are all slabs along one common dim; None if ok; False if not slabs."""
     n, d = offsets.shape
     full = (offsets == 0) & (sizes == np.asarray(shape, dtype=np.int64))
@@ -41,7 +48,7 @@ def _slab_defect(shape, offsets: np.ndarray, sizes: np.ndarray):
     start = offsets[order, k]
     end = start + sizes[order, k]
 
-    def region(lo: int, hi: int):
+    def region(lo: int, hi: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         o = [0] * d
         s = list(shape)
         o[k], s[k] = lo, hi - lo
@@ -63,7 +70,9 @@ def _slab_defect(shape, offsets: np.ndarray, sizes: np.ndarray):
     return None
 
 
-def find_cover_defect(shape, offsets: np.ndarray, sizes: np.ndarray):
+def find_cover_defect(
+    shape: Iterable[SupportsInt], offsets: npt.ArrayLike, sizes: npt.ArrayLike
+) -> Defect | None:
     """Return None if the boxes cover ``shape`` exactly once, else ``(kind, offsets, sizes)``.
 
     ``kind`` is ``"gap"`` (elements no box covers) or ``"overlap"`` (elements covered twice);
@@ -71,28 +80,28 @@ def find_cover_defect(shape, offsets: np.ndarray, sizes: np.ndarray):
     whole tensor) means the layout needs more work than :mod:`cover_sweep` allows for its size
     (no layout cloudckpt saves comes near it): callers refuse it like a defect.
     """
-    shape = tuple(int(s) for s in shape)
-    d = len(shape)
-    offsets = np.asarray(offsets, dtype=np.int64)
-    sizes = np.asarray(sizes, dtype=np.int64)
-    if offsets.ndim != 2:  # flat input: only meaningful for ndim >= 1
-        offsets, sizes = offsets.reshape(-1, max(d, 1))[:, :d], sizes.reshape(-1, max(d, 1))[:, :d]
-    keep = (sizes > 0).all(axis=1) if d else np.ones(len(sizes), dtype=bool)
-    offsets, sizes = offsets[keep], sizes[keep]
-    n = len(offsets)
-    if math.prod(shape) == 0:
+    shape_ = tuple(int(s) for s in shape)
+    d = len(shape_)
+    off = np.asarray(offsets, dtype=np.int64)
+    size = np.asarray(sizes, dtype=np.int64)
+    if off.ndim != 2:  # flat input: only meaningful for ndim >= 1
+        off, size = off.reshape(-1, max(d, 1))[:, :d], size.reshape(-1, max(d, 1))[:, :d]
+    keep = (size > 0).all(axis=1) if d else np.ones(len(size), dtype=bool)
+    off, size = off[keep], size[keep]
+    n = len(off)
+    if math.prod(shape_) == 0:
         return None
     if n == 0:
-        return ("gap", (0,) * d, shape)
+        return ("gap", (0,) * d, shape_)
     if d == 0:
         return None if n == 1 else ("overlap", (), ())
-    slab = _slab_defect(shape, offsets, sizes)
+    slab = _slab_defect(shape_, off, size)
     if slab is not False:
         return slab
     try:
-        return cover_sweep.find_defect(shape, offsets, sizes)
+        return cover_sweep.find_defect(shape_, off, size)
     except cover_sweep.TooIrregular:
-        return ("irregular", (0,) * d, shape)
+        return ("irregular", (0,) * d, shape_)
 
 
 def slab_segments_ok(

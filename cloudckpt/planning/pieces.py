@@ -9,18 +9,20 @@ arrays per piece); :class:`PieceSpec` objects are made only when asked for.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import SupportsInt, overload
 
 import msgpack
 import numpy as np
+import numpy.typing as npt
 
 from cloudckpt.errors import LayoutMismatchError, PlanningError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE, MAX_ELEMENTS, MAX_NDIM
 
 
-def region_str(offsets, sizes) -> str:
+def region_str(offsets: Iterable[SupportsInt], sizes: Iterable[SupportsInt]) -> str:
     """A box as slices, like ``[0:4, 8:16]`` (``[]`` for a 0-d tensor)."""
     return "[" + ", ".join(f"{int(o)}:{int(o) + int(s)}" for o, s in zip(offsets, sizes)) + "]"
 
@@ -155,7 +157,7 @@ class PieceHeader:
         return header
 
 
-class PieceTable(Sequence):
+class PieceTable(Sequence[PieceSpec]):
     """The pieces of one rank as columns; a read-only ``Sequence[PieceSpec]``.
 
     ``name_index`` (per piece, into ``header.names``), ``offsets`` / ``sizes`` (flat, each piece
@@ -164,7 +166,14 @@ class PieceTable(Sequence):
 
     __slots__ = ("header", "name_index", "offsets", "sizes", "broadcastable", "__dict__")
 
-    def __init__(self, header: PieceHeader, name_index, offsets, sizes, broadcastable):
+    def __init__(
+        self,
+        header: PieceHeader,
+        name_index: npt.ArrayLike,
+        offsets: npt.ArrayLike,
+        sizes: npt.ArrayLike,
+        broadcastable: npt.ArrayLike,
+    ):
         self.header = header
         self.name_index = np.asarray(name_index, dtype=np.int64).reshape(-1)
         self.offsets = np.asarray(offsets, dtype=np.int64).reshape(-1)
@@ -182,8 +191,13 @@ class PieceTable(Sequence):
     def from_pieces(cls, pieces: Sequence[PieceSpec], *, rank: int | None = None) -> PieceTable:
         """Columns of ``pieces``; all pieces of one name must agree on dtype and global shape."""
         index: dict[str, int] = {}
-        names, dtypes, shapes = [], [], []
-        name_index, offsets, sizes, bcast = [], [], [], []
+        names: list[str] = []
+        dtypes: list[str] = []
+        shapes: list[tuple[int, ...]] = []
+        name_index: list[int] = []
+        offsets: list[int] = []
+        sizes: list[int] = []
+        bcast: list[bool] = []
         for p in pieces:
             i = index.get(p.name)
             if i is None:
@@ -194,8 +208,8 @@ class PieceTable(Sequence):
             elif dtypes[i] != p.dtype or shapes[i] != p.global_shape:
                 where = "" if rank is None else f" on rank {rank}"
                 raise LayoutMismatchError(
-                    f"tensor {p.name!r}: pieces{where} disagree: {dtypes[i]} {shapes[i]} vs {p.dtype} "
-                    f"{p.global_shape}"
+                    f"tensor {p.name!r}: pieces{where} disagree: {dtypes[i]} {shapes[i]} vs "
+                    f"{p.dtype} {p.global_shape}"
                 )
             name_index.append(i)
             offsets.extend(p.offsets)
@@ -226,8 +240,12 @@ class PieceTable(Sequence):
     def __len__(self) -> int:
         return len(self.name_index)
 
-    def __getitem__(self, i):
-        specs = self.__dict__.get("_specs")
+    @overload
+    def __getitem__(self, i: int) -> PieceSpec: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[PieceSpec, ...]: ...
+    def __getitem__(self, i: int | slice) -> PieceSpec | tuple[PieceSpec, ...]:
+        specs: tuple[PieceSpec, ...] | None = self.__dict__.get("_specs")
         if specs is not None:
             return specs[i]
         if isinstance(i, slice):
@@ -249,7 +267,7 @@ class PieceTable(Sequence):
             bool(self.broadcastable[i]),
         )
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         if not isinstance(other, PieceTable):
             return NotImplemented
         return (

@@ -16,10 +16,10 @@ folders: every plan then leaves out the objects :func:`cloudckpt.runs.refs.folde
 are kept (counted in ``kept``), and :func:`delete_checkpoint` removes the manifest *before* it
 asks, then removes the checkpoint's own pins in the folders it referenced and collects those
 folders too: only those that held its pin, so that a forged or damaged manifest never widens a
-deletion to a sibling (see docs/architecture.md, "Deleting with references"). A checkpoint at the store's
-root ('') has no siblings: nothing can reference it. On a LocalStore, a checkpoint folder that is
-a symlink leading outside the store's root is refused (``AccessDenied`` from the manifest's HEAD)
-before anything is listed or deleted.
+deletion to a sibling (see docs/architecture.md, "Deleting with references"). A checkpoint at
+the store's root ('') has no siblings: nothing can reference it. On a LocalStore, a checkpoint
+folder that is a symlink leading outside the store's root is refused (``AccessDenied`` from the
+manifest's HEAD) before anything is listed or deleted.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from cloudckpt.errors import CloudCkptError, ObjectNotFound, PickleNotAllowed
+from cloudckpt.errors import CloudCkptError, ObjectNotFound
 from cloudckpt.layout import (
     DATA_PREFIX,
     MANIFEST_KEY,
@@ -40,7 +40,7 @@ from cloudckpt.layout import (
     pin_key,
 )
 from cloudckpt.runs.refs import FolderRefs, folder_references, judge_pin, read_manifest_or_none
-from cloudckpt.stored import fetch_manifest_bytes
+from cloudckpt.stored import decode_manifest_without_pickle, fetch_manifest_bytes
 from cloudckpt.wording import plural
 
 #: Keys per delete request (the S3 DeleteObjects limit).
@@ -49,37 +49,6 @@ DELETE_BATCH = 1000
 LEFT_EXAMPLES = 5
 
 log = logging.getLogger(__name__)
-
-
-def decode_manifest_without_pickle(raw: bytes):
-    """Decode and validate manifest bytes without ever unpickling: returns the ``Manifest`` (each
-    pickled value replaced by ``None``) and the names of the pickled values. For listings and
-    inspection, where the values themselves are not needed. The bytes are checked and parsed
-    once; anything malformed (pickle outside the values included) raises ``ManifestError``."""
-    from dataclasses import replace
-
-    from cloudckpt.manifest.codec import manifest_from_document, read_document
-    from cloudckpt.manifest.values import encode_value, is_pickled
-
-    document = read_document(raw)
-    try:
-        return manifest_from_document(document, allow_pickle=False), ()
-    except PickleNotAllowed as exc:
-        refused = exc
-    values = document.fields.get("values")
-    if type(values) is not dict:
-        raise refused
-    values, pickled = dict(values), []
-    for name, blob in values.items():
-        if type(name) is str and type(blob) is bytes and is_pickled(blob, key=name):
-            values[name] = encode_value(None, key=name, allow_pickle=False)
-            pickled.append(name)
-    if not pickled:  # the pickle is elsewhere (metadata, structure): refused as it is
-        raise refused
-    fields = {**document.fields, "values": values}
-    return manifest_from_document(replace(document, fields=fields), allow_pickle=False), tuple(
-        sorted(pickled)
-    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,8 +81,9 @@ class _Sorter:
     keeps them) and left."""
 
     def __init__(self, prefix: str, refs: FolderRefs | None = None):
-        self.prefix, self.objects, self.left, self.examples = prefix, [], 0, []
-        self.refs, self.kept = refs, 0
+        self.prefix, self.left, self.refs, self.kept = prefix, 0, refs, 0
+        self.objects: list[str] = []
+        self.examples: list[str] = []
 
     def add(self, key: str, wanted: bool = True) -> None:
         rel = key[len(self.prefix) :]

@@ -28,8 +28,8 @@ Cost contract:
   newest complete one) and *abandoned* saves: incomplete checkpoints whose newest object or
   upload is older than ``abandoned_after`` seconds (default 3600). Of an abandoned save it removes
   only owned objects and uploads older than that, so a save that starts again at the same step
-  while a prune runs keeps its fresh objects. A save in progress is therefore never broken by a prune, as
-  long as it keeps producing objects within the grace period. Ages compare the store's
+  while a prune runs keeps its fresh objects. A save in progress is therefore never broken by a
+  prune, as long as it keeps producing objects within the grace period. Ages compare the store's
   timestamps with this machine's clock.
 
 Incremental runs (``incremental=True``): every save records a content hash of each chunk, and
@@ -47,111 +47,51 @@ step to load are made by rank 0 of the group. :meth:`list`, :meth:`latest`, :met
 :meth:`prune` are plain calls of one process.
 
 The manager composes: step paths and the reading of a listing (:mod:`cloudckpt.layout`,
-pure), listing and pruning a run (:mod:`cloudckpt.runs.pruning`), planning and carrying out
-deletions (:mod:`cloudckpt.runs.cleanup`), keep rules (:mod:`cloudckpt.runs.retention`).
+pure), listing and pruning a run, ``CheckpointInfo`` (:mod:`cloudckpt.runs.pruning`), planning
+and carrying out deletions (:mod:`cloudckpt.runs.cleanup`), keep rules
+(:mod:`cloudckpt.runs.retention`), and the saves and loads of :mod:`cloudckpt.api`.
 """
 
 from __future__ import annotations
 
-import asyncio
+import builtins
 import logging
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from dataclasses import replace
 from typing import Any
 
-from cloudckpt.errors import CheckpointNotFound, ManifestError, ObjectNotFound
-from cloudckpt.layout import (  # noqa: F401
-    LIST_DELIMITER,
-    MANIFEST_KEY,
-    StepState,
-    classify_listing,
-    join_url,
-    parse_step_dir,
-    step_dir,
-)
+from cloudckpt.layout import join_url, step_dir
 from cloudckpt.options import SaveOptions
 from cloudckpt.runs.cleanup import (
-    DELETE_BATCH,
     DeletionPlan,
-    decode_manifest_without_pickle,
     delete_checkpoint,
     plan_checkpoint,
     remove_stale_attempts,
     sweep_pins,
 )
 from cloudckpt.runs.pruning import (
-    HEAD_CONCURRENCY,
-    newest_readable_step,
+    CheckpointInfo,
+    checkpoint_details,
+    checkpoint_info,
+    latest_loadable_step,
+    list_run,
     prune_run,
-    scan_run,
     step_has_objects,
-    step_holders,
 )
 from cloudckpt.runs.retention import RetentionPolicy
 from cloudckpt.runtime.context import current
 from cloudckpt.runtime.loop import finish_before_exit, run_coroutine, shared_store
 from cloudckpt.storage.urls import parse_store_url
-from cloudckpt.stored import fetch_manifest_bytes
 
-# Also importable from here, where they used to live: step_dir, parse_step_dir, join_url,
-# classify_listing, LIST_DELIMITER (cloudckpt.layout); DeletionPlan, DELETE_BATCH,
-# decode_manifest_without_pickle (cloudckpt.runs.cleanup).
-__all__ = [
-    "CheckpointInfo",
-    "CheckpointManager",
-    "DeletionPlan",
-    "ManagedSaveHandle",
-    "step_dir",
-    "join_url",
-    "DELETE_BATCH",
-]
+__all__ = ["CheckpointManager", "ManagedSaveHandle"]
 
 log = logging.getLogger(__name__)
 
 
-def _utc(epoch: float | None) -> datetime | None:
-    return None if epoch is None else datetime.fromtimestamp(epoch, tz=timezone.utc)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointInfo:
-    """One checkpoint of a run.
-
-    ``created_at`` is when the manifest was committed (the store's last-modified time) and is
-    ``None`` for an incomplete checkpoint. ``total_bytes``, ``objects`` and ``world_size`` come
-    from the manifest: ``None`` unless details were asked for (and always for incomplete ones).
-    So do ``own_bytes`` (chunk bytes stored in the checkpoint's own folder), ``shared_bytes``
-    (chunk bytes it references in older checkpoints' folders: an incremental checkpoint) and
-    ``base_step`` (the step of the checkpoint it was saved against, ``None`` for a full one).
-    ``damaged``: with details, the reason a complete checkpoint's manifest could not be decoded
-    (its checksum or structure is wrong: it cannot be loaded); ``None`` otherwise.
-    ``retained`` (listed with details only): a deleted checkpoint whose folder stays for the
-    pins in it. ``held_by`` (details only): one line for each pin in the folder, saying which
-    checkpoint or running save holds which objects, until when, or that prune removes it
-    (:func:`cloudckpt.runs.refs.describe_holders`).
-    """
-
-    step: int
-    url: str
-    complete: bool
-    created_at: datetime | None = None
-    manifest_bytes: int | None = None
-    total_bytes: int | None = None
-    objects: int | None = None
-    world_size: int | None = None
-    own_bytes: int | None = None
-    shared_bytes: int | None = None
-    base_step: int | None = None
-    damaged: str | None = None
-    retained: bool = False
-    held_by: tuple[str, ...] = ()
-
-
 class ManagedSaveHandle(Future):
-    """The ``concurrent.futures.Future`` returned by ``CheckpointManager.save(..., blocking=False)``.
+    """The ``Future`` returned by ``CheckpointManager.save(..., blocking=False)``.
 
     Done once the save has committed (or failed) *and* the manager's follow-up work (cleanup of
     stale attempts of the same step, automatic pruning) has run. ``result()`` returns the
@@ -249,16 +189,6 @@ class CheckpointManager:
 
     # -- listing --------------------------------------------------------------------------------
 
-    def _info(self, step: int, state: StepState) -> CheckpointInfo:
-        m = state.manifest
-        return CheckpointInfo(
-            step=step,
-            url=self.step_url(step),
-            complete=m is not None,
-            created_at=_utc(m.last_modified) if m is not None else None,
-            manifest_bytes=m.size if m is not None else None,
-        )
-
     def list(
         self, *, details: bool = False, progress: Callable[[int], None] | None = None
     ) -> list[CheckpointInfo]:
@@ -273,16 +203,7 @@ class CheckpointManager:
         details, every folder holding pins says what holds it (``held_by``: one listing of its
         pins and one GET of each referrer's manifest).
         """
-        steps = run_coroutine(scan_run(self.store))
-        infos = [self._info(s, steps[s]) for s in sorted(steps) if details or not steps[s].retained]
-        if details:
-            infos = run_coroutine(self._with_details(infos, progress))
-            held = run_coroutine(step_holders(self.store, [s for s in steps if steps[s].pins]))
-            infos = [
-                replace(i, retained=steps[i.step].retained, held_by=held.get(i.step, ()))
-                for i in infos
-            ]
-        return infos
+        return run_coroutine(list_run(self.store, self.url, details=details, progress=progress))
 
     def latest(self) -> CheckpointInfo | None:
         """The newest complete checkpoint, or ``None`` when the run has none."""
@@ -291,53 +212,7 @@ class CheckpointManager:
 
     def info(self, step: int) -> CheckpointInfo:
         """Step ``step``'s checkpoint with details; ``CheckpointNotFound`` if it is not complete."""
-
-        async def _one():
-            try:
-                head = await self.store.head(step_dir(step) + MANIFEST_KEY)
-            except ObjectNotFound as exc:
-                raise CheckpointNotFound(
-                    f"no complete checkpoint at {self.step_url(step)}"
-                ) from exc
-            base = self._info(step, StepState(manifest=head))
-            return (await self._with_details([base], None))[0]
-
-        return run_coroutine(_one())
-
-    async def _with_details(
-        self, infos: list[CheckpointInfo], progress: Callable[[int], None] | None
-    ) -> list[CheckpointInfo]:
-        sem = asyncio.Semaphore(HEAD_CONCURRENCY)
-
-        async def _one(info: CheckpointInfo) -> CheckpointInfo:
-            if not info.complete:
-                return info
-            async with sem:
-                try:
-                    raw = await fetch_manifest_bytes(self.store, step_dir(info.step) + MANIFEST_KEY)
-                except ObjectNotFound:  # deleted since the listing
-                    return replace(info, complete=False, created_at=None)
-            if progress is not None:
-                progress(1)
-            try:
-                manifest, _ = decode_manifest_without_pickle(raw)
-            except ManifestError as exc:  # listed as damaged; the other checkpoints still are
-                return replace(info, damaged=str(exc))
-            own = manifest.object_sizes()
-            own_bytes = sum(
-                n for (key, n), home in zip(own.items(), manifest.object_homes) if not home
-            )
-            return replace(
-                info,
-                total_bytes=int(manifest.total_bytes()),
-                objects=len(manifest.objects),
-                world_size=int(manifest.world_size),
-                own_bytes=int(own_bytes),
-                shared_bytes=int(manifest.total_bytes()) - int(own_bytes),
-                base_step=parse_step_dir(manifest.base + "/") if manifest.base else None,
-            )
-
-        return list(await asyncio.gather(*(_one(i) for i in infos)))
+        return run_coroutine(checkpoint_details(self.store, self.url, step))
 
     # -- save / load ----------------------------------------------------------------------------
 
@@ -363,7 +238,8 @@ class CheckpointManager:
         it is logged (WARNING) and returned as the result's ``retention_error`` (``None`` when
         that work succeeded); :meth:`prune` retries it and raises on failure.
         """
-        import cloudckpt
+        from cloudckpt.api.async_save import async_save
+        from cloudckpt.api.save import save
         from cloudckpt.transport import group_rank
 
         url = self.step_url(step)
@@ -385,11 +261,11 @@ class CheckpointManager:
                 base=self._base_for(step) if coordinator else None,
             )
         if blocking:
-            result = cloudckpt.save(state_dict, url, **kwargs)
+            result = save(state_dict, url, **kwargs)
             if coordinator:
                 result = self._after_save(step, leftovers, result)
             return result
-        inner = cloudckpt.async_save(state_dict, url, **kwargs)
+        inner = async_save(state_dict, url, **kwargs)
         handle = ManagedSaveHandle(step, url, inner)
 
         def _follow_up() -> None:
@@ -453,14 +329,14 @@ class CheckpointManager:
         every rank raises ``ManifestError`` naming it and the newest step that does decode
         (nothing is loaded; pass that ``step`` to resume from it).
         """
-        import cloudckpt
+        from cloudckpt.api.load import load
 
         self.wait()
         if step is None:
             step = self._agree_on_latest()
             if step is None:
                 return None
-        cloudckpt.load(
+        load(
             state_dict,
             self.step_url(step),
             process_group=self.process_group,
@@ -485,40 +361,12 @@ class CheckpointManager:
         return finding.reports[0].step
 
     def _latest_step(self) -> int | None:
-        """The newest complete step, its manifest checked to decode (one GET); ``None`` when
-        the run has none. ``ManifestError`` when that manifest is damaged, naming the step and
-        the newest older one that decodes: a resume never falls back to an older step on its
-        own (that would silently lose training), and never fails without saying which step
-        would load."""
+        """The newest complete step whose manifest decodes, else ``ManifestError`` naming the
+        newest older one that does (:func:`~cloudckpt.runs.pruning.latest_loadable_step`)."""
         complete = [i.step for i in self.list() if i.complete]
-        return run_coroutine(self._check_newest_decodes(complete)) if complete else None
-
-    async def _check_newest_decodes(self, complete: list[int]) -> int | None:
-        while complete:
-            newest = complete[-1]
-            try:
-                decode_manifest_without_pickle(
-                    await fetch_manifest_bytes(self.store, step_dir(newest) + MANIFEST_KEY)
-                )
-            except ObjectNotFound:  # deleted since the listing: the next newest is the latest
-                complete = complete[:-1]
-                continue
-            except ManifestError as exc:
-                older = await newest_readable_step(self.store, complete[:-1])
-                if older is None:
-                    hint = "no older checkpoint of the run decodes either"
-                else:
-                    hint = (
-                        f"the newest one that decodes is step {older}: "
-                        f"load(state_dict, step={older}) resumes from it"
-                    )
-                raise ManifestError(
-                    f"step {newest} ({self.step_url(newest)}), the newest complete checkpoint, "
-                    f"cannot be loaded: {exc}. Not falling back on an older step by itself: "
-                    f"{hint} (`cloudckpt ls --details {self.url}` marks the damaged ones)"
-                ) from exc
-            return newest
-        return None
+        if not complete:
+            return None
+        return run_coroutine(latest_loadable_step(self.store, self.url, complete))
 
     # -- deleting -------------------------------------------------------------------------------
 
@@ -529,11 +377,12 @@ class CheckpointManager:
     def delete(self, step: int, *, progress: Callable[[int], None] | None = None) -> int:
         """Delete step ``step``'s checkpoint, complete or not; returns the objects removed.
 
-        Manifest first, then the step's data objects in batches of :data:`DELETE_BATCH`, then
-        their unfinished uploads: only keys the checkpoint layout owns (see the module
-        docstring); other keys under the step are left and logged. Deleting a step that does
-        not exist removes nothing and returns 0. A step folder that is a symlink leading out of
-        a local run raises ``AccessDenied``. Do not delete a step that is being saved.
+        Manifest first, then the step's data objects in batches of
+        :data:`~cloudckpt.runs.cleanup.DELETE_BATCH`, then their unfinished uploads: only keys
+        the checkpoint layout owns (see the module docstring); other keys under the step are
+        left and logged. Deleting a step that does not exist removes nothing and returns 0. A
+        step folder that is a symlink leading out of a local run raises ``AccessDenied``. Do
+        not delete a step that is being saved.
         """
         return run_coroutine(
             delete_checkpoint(
@@ -546,7 +395,7 @@ class CheckpointManager:
 
     def prune(
         self, *, dry_run: bool = False, progress: Callable[[int], None] | None = None
-    ) -> list[CheckpointInfo]:
+    ) -> builtins.list[CheckpointInfo]:
         """Apply the retention policy and remove abandoned saves; return what was removed.
 
         The result lists, oldest step first, the complete checkpoints the policy does not keep
@@ -560,7 +409,7 @@ class CheckpointManager:
 
     def prune_plans(
         self, *, dry_run: bool = False, progress: Callable[[int], None] | None = None
-    ) -> list[tuple[CheckpointInfo, DeletionPlan]]:
+    ) -> builtins.list[tuple[CheckpointInfo, DeletionPlan]]:
         """:meth:`prune`, returning each removed checkpoint with the exact keys and uploads that
         went (or, with ``dry_run=True``, would go)."""
         removed = run_coroutine(
@@ -568,4 +417,4 @@ class CheckpointManager:
                 self.store, self.retention, self.abandoned_after, dry_run=dry_run, progress=progress
             )
         )
-        return [(self._info(step, state), plan) for step, state, plan in removed]
+        return [(checkpoint_info(self.url, step, state), plan) for step, state, plan in removed]

@@ -14,7 +14,8 @@ Contract:
 - The signal handler only sets a flag; nothing is saved inside the handler.
 - :meth:`should_stop` is called by every rank at the same step boundaries. Every ``check_every``
   steps it does one exchange of the flag on cloudckpt's control channel (on a gloo group of its
-  own, apart from the training's and from the saves'), so a signal that reached one rank only is seen by all of them, at the same step.
+  own, apart from the training's and from the saves'), so a signal that reached one rank only
+  is seen by all of them, at the same step.
   Between checks it returns ``False`` without communicating. Once it returned ``True`` it keeps
   returning ``True``.
 - :meth:`save_and_exit` saves that step synchronously through the manager on every rank
@@ -139,7 +140,8 @@ class PreemptionHandler:
     # -- step boundaries ------------------------------------------------------------------------
 
     def resume(self, state_dict) -> int | None:
-        """Load the newest complete checkpoint into ``state_dict`` (collective); its step or None."""
+        """Load the newest complete checkpoint into ``state_dict`` (collective): its step, or
+        None when the run has none."""
         return self.manager.load(state_dict)
 
     def should_stop(self, step: int) -> bool:

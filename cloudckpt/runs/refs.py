@@ -29,8 +29,7 @@ from cloudckpt.layout import (
     decode_pin,
     parse_pin_key,
 )
-from cloudckpt.manifest.codec import decode_manifest
-from cloudckpt.stored import fetch_manifest_bytes
+from cloudckpt.stored import decode_manifest_without_pickle, fetch_manifest_bytes
 from cloudckpt.wording import plural
 
 __all__ = [
@@ -76,7 +75,7 @@ async def read_manifest_or_none(store, folder: str):
         raw = await fetch_manifest_bytes(store, f"{folder}/{MANIFEST_KEY}")
     except ObjectNotFound:
         return None
-    return decode_manifest(raw, allow_pickle="inspect")
+    return decode_manifest_without_pickle(raw)[0]
 
 
 async def folder_references(
@@ -110,6 +109,7 @@ async def folder_references(
     referrers, stale, pinned = [], [], False
     for key, (verdict, detail) in sorted(verdicts.items()):
         if verdict == "refs":
+            assert isinstance(detail, tuple)  # (referrer, keys): judge_pin's contract
             keys |= detail[1]
             referrers.append(detail[0])
         elif verdict == "live":

@@ -108,6 +108,8 @@ def exchange(
     https = parts.scheme == "https"
     host, port = parts.hostname, parts.port or (443 if https else 80)
     what = f"{method} {endpoint}{path}"
+    if not host:  # the poller checks its endpoint first: a caller's mistake
+        raise ValueError(f"{what}: the endpoint names no host")
     sock = _connect(host, port, deadline, what)
     try:
         if https:
@@ -267,10 +269,10 @@ def _parse_head(head: bytes, what: str) -> tuple[int, dict[str, str]]:
         )
     fields: dict[str, str] = {}
     for line in lines[1:]:
-        name, colon, value = line.partition(b":")
+        name, colon, raw = line.partition(b":")
         if not colon or not name.strip() or name != name.strip():
             raise RequestFailed("not HTTP", f"{what}: a malformed header line: {line[:80]!r}")
-        key, value = name.decode("latin-1").lower(), value.strip().decode("latin-1")
+        key, value = name.decode("latin-1").lower(), raw.strip().decode("latin-1")
         if key in fields and fields[key] != value:
             if key in ("content-length", "transfer-encoding"):
                 raise RequestFailed("not HTTP", f"{what}: two different {key} headers")

@@ -20,7 +20,8 @@ piece               what it holds                              lifetime
 ``save_plans``      global save plans by every rank's          cleared by ``reset``
                     fingerprints (``SavePlanCache``, 8 plans)
 ``staging``         host copies of async saves                 created by the first async save;
-                    (``StagingPool``), reused between saves    buffers released by ``reset``
+                    (``runtime.staging.StagingPool``), reused  buffers released by ``reset``
+                    between saves
 ``save_executor``   the one thread that runs async saves'      created by the first async save;
                     uploads and commits (and then the          shut down by ``reset``
                     manager's follow-up work)
@@ -29,8 +30,8 @@ piece               what it holds                              lifetime
 ==================  =========================================  ===================================
 
 Outside the context, only pure memos stay in modules: the decoded plan headers of the plan codecs
-(``planning.lru.LRUCache``, 16 each; ``reset`` clears them) and transport's table of combined
-error classes. They are functions of their keys and never stale.
+(``planning.lru.LRUCache``, 16 each; ``reset`` clears them) and the table of combined error
+classes (``errors.checkpoint_error_class``). They are functions of their keys and never stale.
 
 Process groups are kept by ``reset`` on purpose: they are torch's, valid exactly as long as the
 default group they were created in, and every rank must create a group together; forgetting them
@@ -45,10 +46,13 @@ import concurrent.futures
 import threading
 import weakref
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cloudckpt.planning.memos import clear_header_caches
 from cloudckpt.planning.save.cache import SavePlanCache
+
+if TYPE_CHECKING:  # imported on first use: importing the context does not import torch
+    from cloudckpt.runtime.staging import StagingPool
 
 
 class LoopThread:
@@ -171,7 +175,7 @@ class RuntimeContext:
         self._stores: dict[tuple, Any] = {}
         self.default_storage: Any = None
         """``StorageOptions`` used where a call gives none (the CLI's flags); kept by ``reset``."""
-        self._staging = None
+        self._staging: StagingPool | None = None
         self._save_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._save_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self._pending_save: concurrent.futures.Future | None = None
@@ -228,7 +232,7 @@ class RuntimeContext:
 
     # -- async saves ------------------------------------------------------------------------------
 
-    def staging_pool(self, limit_bytes: int | None):
+    def staging_pool(self, limit_bytes: int | None) -> StagingPool:
         """The pool async saves stage into, bounded by ``limit_bytes`` (``None``: unbounded).
 
         The limit is each save's ``SaveOptions.max_async_staging_bytes``: it is set when the
@@ -238,7 +242,7 @@ class RuntimeContext:
         """
         with self._lock:
             if self._staging is None:
-                from cloudckpt.dataplane.staging import StagingPool
+                from cloudckpt.runtime.staging import StagingPool
 
                 self._staging = StagingPool(limit_bytes=limit_bytes)
             elif self._staging.limit_bytes != limit_bytes:
@@ -246,7 +250,7 @@ class RuntimeContext:
             return self._staging
 
     @property
-    def staging(self):
+    def staging(self) -> StagingPool | None:
         """The staging pool, or ``None`` before the first async save."""
         return self._staging
 

@@ -4,8 +4,8 @@ aiobotocore clients are bound to the loop they were created on, and a caller may
 inside an event loop (a notebook, an async trainer). So cloudckpt owns one daemon thread with one
 loop per process, created on first use, and synchronous entry points submit coroutines to it.
 The loop, the shared stores and the saves in flight are pieces of
-:class:`cloudckpt.runtime.context.RuntimeContext`, with every other piece of process state; this module
-is their functional interface and holds the exit hooks.
+:class:`cloudckpt.runtime.context.RuntimeContext`, with every other piece of process state; this
+module is their functional interface and holds the exit hooks.
 
 Contract:
 - :func:`run_coroutine` blocks the calling thread until the coroutine finishes and returns its
@@ -125,10 +125,11 @@ def shared_store(url: str, options: Any = None):
     """Return an open store for ``url``, sharing one connection per bucket and options.
 
     ``options`` is a :class:`cloudckpt.storage.StorageOptions` or ``None`` (those of
-    :func:`set_default_storage`, else the standard AWS chain). For ``s3://bucket/path`` the bucket's store is opened once (one client, one
-    connection pool, one request budget) and a child store for ``path`` is returned; local
-    stores are cheap and opened per URL. Stores live on the background loop: use them only from
-    coroutines run there. They are closed by :func:`reset` and at interpreter exit.
+    :func:`set_default_storage`, else the standard AWS chain). For ``s3://bucket/path`` the
+    bucket's store is opened once (one client, one connection pool, one request budget) and a
+    child store for ``path`` is returned; local stores are cheap and opened per URL. Stores live
+    on the background loop: use them only from coroutines run there. They are closed by
+    :func:`reset` and at interpreter exit.
     """
     from cloudckpt.storage.stores import open_store
     from cloudckpt.storage.urls import parse_store_url
@@ -251,6 +252,7 @@ def _close_all() -> None:
 atexit.register(_exit_status_after_failed_save)
 atexit.register(_close_all)
 try:
-    threading._register_atexit(_wait_for_saves_at_exit)  # as concurrent.futures does, see above
+    # as concurrent.futures does, see above; private to CPython and absent from typeshed
+    threading._register_atexit(_wait_for_saves_at_exit)  # type: ignore[attr-defined]
 except RuntimeError:  # first imported while the interpreter exits: no save of ours can be running
     pass

@@ -17,7 +17,7 @@ before keys of any other type (by type name, then ``repr``).
 Containers on the way are copied (a load never writes into a dict that ``state_dict()``
 returned), so ``load_state_dict()`` gets the types its ``state_dict()`` gave: dicts and their
 subclasses as the same type with the same attributes and factory when that can be built
-faithfully (:func:`~cloudckpt.statedict.pieces.copy_mapping`), else, and for mappings that are not
+faithfully (:func:`~cloudckpt.statedict.flatten.copy_mapping`), else, and for mappings that are not
 dicts, as an ``OrderedDict`` (OrderedDict subclasses) or a plain ``dict``. Lists become lists;
 tuples are rebuilt (namedtuples as themselves) only when something inside changed.
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from cloudckpt.statedict.pieces import copy_mapping, rebuild_tuple
+from cloudckpt.statedict.flatten import copy_mapping, rebuild_tuple
 
 #: containers nested deeper than this are left as they are (flattening then refuses them).
 MAX_DEPTH = 100

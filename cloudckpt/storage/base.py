@@ -11,20 +11,22 @@ Contracts common to all backends:
 from __future__ import annotations
 
 import asyncio
+import builtins
 import collections
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import (
-    Literal,
-    Protocol,
-    Union,
-    runtime_checkable,
-)
+from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, TypeVar, runtime_checkable
 
 from cloudckpt.errors import ConfigError, StorageError
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer, Self
+
+T = TypeVar("T")
+
 PutMode = Literal["overwrite", "create"]
-Body = Union[bytes, bytearray, memoryview, Sequence]
+#: Any C-contiguous buffer, or a sequence of them (concatenated).
+Body: TypeAlias = "Buffer | Sequence[Buffer]"
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,7 @@ class ObjectWriter(Protocol):
 
     async def __aenter__(self) -> ObjectWriter: ...
 
-    async def __aexit__(self, *exc) -> None: ...
+    async def __aexit__(self, *exc: object) -> None: ...
 
 
 class WriterState:
@@ -166,10 +168,10 @@ class WriterState:
     async def abort(self) -> None:
         raise NotImplementedError
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         if self.state != "committed":
             await self.abort()
 
@@ -191,8 +193,12 @@ class ObjectStore(Protocol):
 
     url: str
     stats: StoreStats
-    remote: bool
-    local_root: str | None
+
+    @property
+    def remote(self) -> bool: ...
+
+    @property
+    def local_root(self) -> str | None: ...
 
     async def put(self, key: str, body: Body, *, mode: PutMode = "overwrite") -> ObjectInfo:
         """Store ``body`` under ``key``. ``create`` raises ``ObjectExists`` if the key exists
@@ -238,7 +244,7 @@ class ObjectStore(Protocol):
     async def delete(self, keys: Iterable[str]) -> None:
         """Delete ``keys`` (batched); missing keys are fine."""
 
-    async def list_uploads(self, prefix: str = "") -> list[UploadInfo]:
+    async def list_uploads(self, prefix: str = "") -> builtins.list[UploadInfo]:
         """Unfinished uploads whose key starts with ``prefix``."""
 
     async def abort_upload(self, upload: UploadInfo) -> None:
@@ -277,14 +283,13 @@ def check_prefix(prefix: str) -> str:
 def as_views(body: Body) -> list[memoryview]:
     """The body as a list of flat byte views (no copy). Raises ``ConfigError`` for non-buffers or
     non-contiguous buffers."""
-    if isinstance(body, (bytes, bytearray, memoryview)) or not isinstance(body, (list, tuple)):
-        parts = [body]
-    else:
-        parts = list(body)
+    parts: Sequence[object] = body if isinstance(body, (list, tuple)) else [body]
     views = []
     for part in parts:
         try:
-            mv = part if isinstance(part, memoryview) else memoryview(part)
+            # any buffer (numpy's stubs give arrays no __buffer__ before Python 3.12); anything
+            # else raises TypeError here
+            mv = part if isinstance(part, memoryview) else memoryview(part)  # type: ignore[arg-type]
         except TypeError as exc:
             raise ConfigError(f"body of type {type(part).__name__} is not a buffer") from exc
         if not mv.c_contiguous:
@@ -358,7 +363,7 @@ class ByteBudget:
         self.limit = limit
         self.used = 0
         self.peak = 0
-        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
 
     def clip(self, n: int) -> int:
         return min(max(n, 0), self.limit)
@@ -406,21 +411,22 @@ class ByteBudget:
             fut.set_result(None)
 
 
-async def run_all(coros) -> list:
+async def run_all(coros: Iterable[Awaitable[T]]) -> list[T]:
     """Run coroutines concurrently; on the first failure cancel the others and raise it.
     Returns the results in order."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     if not tasks:
         return []
     try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for t in done:
-            if not t.cancelled() and t.exception() is not None:
-                raise t.exception()
+            failure = None if t.cancelled() else t.exception()
+            if failure is not None:
+                raise failure
         return [t.result() for t in tasks]
     finally:
-        pending = [t for t in tasks if not t.done()]
-        for t in pending:
+        unfinished = [t for t in tasks if not t.done()]
+        for t in unfinished:
             t.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
+        if unfinished:
+            await asyncio.gather(*unfinished, return_exceptions=True)

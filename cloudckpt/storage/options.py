@@ -1,4 +1,4 @@
-"""Options of the storage layer: frozen, keyword-only, safe to log (secrets are hidden from repr)."""
+"""Options of the storage layer: frozen, keyword-only, safe to log (secrets hidden from repr)."""
 
 from __future__ import annotations
 
@@ -89,8 +89,9 @@ class RetryOptions:
 @dataclass(frozen=True, kw_only=True)
 class StorageOptions:
     """Options of an object store. Anything left ``None`` comes from the standard AWS chain,
-    resolved as boto3 resolves it (``AWS_ENDPOINT_URL[_S3]``, ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``,
-    ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``, ``AWS_CA_BUNDLE``, the config
+    resolved as boto3 resolves it (``AWS_ENDPOINT_URL[_S3]``, ``AWS_DEFAULT_REGION``,
+    ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``,
+    ``AWS_CA_BUNDLE``, the config
     and credentials files, instance roles; ``AWS_REGION`` where nothing else names a region): the
     order is in ``cloudckpt.storage.s3.aws_config``.
 

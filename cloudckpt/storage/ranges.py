@@ -11,11 +11,17 @@ import asyncio
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from cloudckpt.checksum import crc32c
 from cloudckpt.errors import ChecksumError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from cloudckpt.storage.base import ReadRange
 
 #: crc32c of buffers at least this large runs in a worker thread (the library releases the GIL).
 _THREAD_CRC_BYTES = 4 * 1024 * 1024
@@ -59,7 +65,7 @@ def plan_pieces(
         start, end = offsets[i], offsets[i] + lengths[i]
         for a in range(start, end, max_piece):
             b = min(a + max_piece, end)
-            if joins(a, b):
+            if cur is not None and joins(a, b):
                 cur.end = max(cur.end, b)
                 cur.members.append(i)
             else:
@@ -81,23 +87,23 @@ class Scatter:
         piece: Piece,
         offsets: Sequence[int],
         lengths: Sequence[int],
-        outs: Sequence[memoryview],
+        outs: Sequence[memoryview | HeldRange],
     ):
         self._members = [(offsets[i], offsets[i] + lengths[i], outs[i]) for i in piece.members]
         self._first = 0
 
     @property
-    def members(self) -> list:
+    def members(self) -> list[tuple[int, int, memoryview | HeldRange]]:
         return self._members
 
-    def feed(self, chunk, pos: int) -> None:
+    def feed(self, chunk: Buffer, pos: int) -> None:
         members = self._members
-        end = pos + len(chunk)
+        src = chunk if isinstance(chunk, memoryview) else memoryview(chunk)
+        end = pos + len(src)
         i = self._first
         while i < len(members) and members[i][1] <= pos:
             i += 1
         self._first = i
-        src = None
         while i < len(members):
             off, stop, out = members[i]
             if off >= end:
@@ -105,8 +111,6 @@ class Scatter:
             a = max(off, pos)
             b = min(stop, end)
             if a < b:
-                if src is None:
-                    src = chunk if isinstance(chunk, memoryview) else memoryview(chunk)
                 out[a - off : b - off] = src[a - pos : b - pos]
             i += 1
 
@@ -124,7 +128,7 @@ class HeldRange:
     crc found.
     """
 
-    def __init__(self, rng):
+    def __init__(self, rng: ReadRange):
         self.range = rng
         self.ok: bool | None = None
         self.actual: int | None = None
@@ -137,11 +141,11 @@ class HeldRange:
         if rng.length == 0:
             self._finish()
 
-    def __setitem__(self, where: slice, src) -> None:
+    def __setitem__(self, where: slice, src: Buffer) -> None:
         self.add(where.start or 0, src)
 
-    def add(self, pos: int, src) -> None:
-        """Bytes ``src`` at ``pos`` inside the range (``src`` must stay unchanged until complete)."""
+    def add(self, pos: int, src: Buffer) -> None:
+        """Bytes ``src`` at ``pos`` inside the range (``src`` unchanged until complete)."""
         view = src if isinstance(src, memoryview) else memoryview(src)
         with self._lock:
             self._parts.append((pos, view))
@@ -170,7 +174,7 @@ class HeldRange:
         with self._lock:
             start, end = self._run
             if pos != end or start == end:  # a new run of landed bytes
-                if start != end:
+                if start != end and self._buf is not None:
                     self._parts.append((start, memoryview(self._buf)[start:end]))
                 start = pos
             self._run = (start, pos + n)
@@ -181,7 +185,7 @@ class HeldRange:
 
     def _finish(self) -> None:
         start, end = self._run
-        if start != end:
+        if start != end and self._buf is not None:
             self._parts.append((start, memoryview(self._buf)[start:end]))
             self._run = (0, 0)
         parts = sorted(self._parts, key=lambda p: p[0])
@@ -189,7 +193,7 @@ class HeldRange:
         for _, view in parts:
             crc = crc32c(view, crc)
         self.actual = crc
-        self.ok = crc == self.range.crc32c & 0xFFFFFFFF
+        self.ok = crc == (self.range.crc32c or 0) & 0xFFFFFFFF
         if self.ok:
             for pos, sink in self.range.sinks:
                 _copy_parts(parts, pos, sink)

@@ -10,9 +10,12 @@ anchor URL with the same N. Listings merge the N sorted listings back into one.
 from __future__ import annotations
 
 import heapq
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TypeVar
 
 from cloudckpt.checksum import crc32c
+
+T = TypeVar("T")
 
 
 class Spreader:
@@ -36,16 +39,18 @@ class Spreader:
         return [f"{i:0{self.width}x}/" for i in range(self.n)]
 
 
-async def merge_sorted(iterators: list[AsyncIterator], sort_key: Callable) -> AsyncIterator:
+async def merge_sorted(
+    iterators: Sequence[AsyncIterator[T]], sort_key: Callable[[T], str]
+) -> AsyncIterator[T]:
     """Merge already-sorted async iterators into one sorted stream, dropping exact duplicates
     that arrive back to back (the same common prefix listed under several hashed dirs)."""
-    heap: list = []
+    heap: list[tuple[str, int, T]] = []
     for idx, it in enumerate(iterators):
         item = await anext_or_none(it)
         if item is not None:
             heap.append((sort_key(item), idx, item))
     heapq.heapify(heap)
-    last = None
+    last: T | None = None
     while heap:
         _, idx, item = heapq.heappop(heap)
         if item != last:
@@ -56,7 +61,7 @@ async def merge_sorted(iterators: list[AsyncIterator], sort_key: Callable) -> As
             heapq.heappush(heap, (sort_key(nxt), idx, nxt))
 
 
-async def anext_or_none(it: AsyncIterator):
+async def anext_or_none(it: AsyncIterator[T]) -> T | None:
     try:
         return await it.__anext__()
     except StopAsyncIteration:

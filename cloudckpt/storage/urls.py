@@ -61,7 +61,7 @@ class StoreURL:
         return f"s3://{self.bucket}"
 
 
-def _text(url) -> str:
+def _text(url: object) -> str:
     if isinstance(url, os.PathLike):
         url = os.fspath(url)
     if not isinstance(url, str):
@@ -69,7 +69,7 @@ def _text(url) -> str:
     return url
 
 
-def parse_store_url(url: str | os.PathLike) -> StoreURL:
+def parse_store_url(url: str | os.PathLike[str]) -> StoreURL:
     """Parse ``url`` (see the module docstring); ``ConfigError`` with a hint otherwise."""
     text = _text(url)
     if not text.strip():
@@ -160,6 +160,6 @@ def _scheme_hint(text: str, scheme: str) -> str:
     )
 
 
-def is_s3_url(url) -> bool:
+def is_s3_url(url: object) -> bool:
     """Whether ``url`` is meant as an S3 URL (starts with ``s3://``; it may still be malformed)."""
     return isinstance(url, str) and url.startswith("s3://")

@@ -41,7 +41,7 @@ async def read_verified(
     fetch: Fetch,
     *,
     where: str,
-    hold: Callable[[int], contextlib.AbstractAsyncContextManager] | None = None,
+    hold: Callable[[int], contextlib.AbstractAsyncContextManager[None]] | None = None,
 ) -> list[memoryview]:
     """``ObjectStore.read_ranges`` of object ``key`` of the store at URL ``where``, over
     ``fetch`` (module docstring). ``hold(n)``, when given, is entered around the buffers the read
@@ -53,19 +53,32 @@ async def read_verified(
     held = [HeldRange(r) if r.sinks else None for r in ranges]
     buffered = sum(r.length for r, o, h in zip(ranges, outs, held) if o is None and h is None)
     async with hold(buffered) if hold is not None else contextlib.nullcontext():
-        views = [
-            h if h is not None else o if o is not None else memoryview(bytearray(r.length))
-            for r, o, h in zip(ranges, outs, held)
-        ]
-        await fetch(offsets, lengths, views, reread=False)
+        flat: list[memoryview | None] = []  # the range's view; None: a HeldRange (sinks)
+        targets: list[memoryview | HeldRange] = []
+        for r, o, h in zip(ranges, outs, held):
+            if h is not None:
+                flat.append(None)
+                targets.append(h)
+            else:
+                view = o if o is not None else memoryview(bytearray(r.length))
+                flat.append(view)
+                targets.append(view)
+        await fetch(offsets, lengths, targets, reread=False)
         crcs = [None if h is not None else r.crc32c for r, h in zip(ranges, held)]
-        bad = await bad_crc_ranges(offsets, crcs, views)
+        bad = await bad_crc_ranges(offsets, crcs, [v or memoryview(b"") for v in flat])
         bad += [i for i, h in enumerate(held) if h is not None and not h.ok]
         for i in sorted(bad):
-            again = HeldRange(ranges[i]) if held[i] is not None else views[i]
-            await fetch([offsets[i]], [lengths[i]], [again], reread=True)
-            actual = again.actual if held[i] is not None else await crc_of(views[i])
-            expected = ranges[i].crc32c & 0xFFFFFFFF
+            wanted = ranges[i].crc32c
+            assert wanted is not None  # only a range with a crc32c fails verification
+            expected = wanted & 0xFFFFFFFF
+            own = flat[i]
+            if own is None:
+                again = HeldRange(ranges[i])
+                await fetch([offsets[i]], [lengths[i]], [again], reread=True)
+                actual = again.actual
+            else:
+                await fetch([offsets[i]], [lengths[i]], [own], reread=True)
+                actual = await crc_of(own)
             if actual != expected:
                 raise checksum_error(where, key, offsets[i], lengths[i], expected, actual)
-        return [memoryview(b"") if h is not None else v for v, h in zip(views, held)]
+        return [v if v is not None else memoryview(b"") for v in flat]

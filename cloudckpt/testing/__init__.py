@@ -1,23 +1,27 @@
 """Test infrastructure: a local SeaweedFS S3 endpoint and a multi-rank process harness.
 
 Used by tests, examples and benchmarks; library code never imports this package.
-- `cloudckpt.testing.servers.seaweed`: S3Server / S3ServerInfo / start_s3_server (SeaweedFS `weed mini`).
-- `cloudckpt.testing.dist.world`: ProcessWorld (persistent gloo worlds), RankFailedError, WorldTimeoutError.
+- `servers/`: local S3 endpoints: `seaweed/` (`server`: S3Server, start_s3_server; SeaweedFS
+  `weed mini`), `endpoint` (S3ServerInfo, S3ServerError), `moto`, `imds`, `tlsca`.
+- `ranks/`: `world` (ProcessWorld: persistent gloo worlds, RankFailedError, WorldTimeoutError),
+  with its `zygote` and `worker` processes.
+- `faults/`: proxies that inject faults in front of an endpoint; `cluster/`: a simulated cluster
+  in network namespaces; `memory`: memory measurement helpers.
 
-Names are re-exported lazily, so `python -m cloudckpt.testing.servers.seaweed` runs cleanly and importing
-this package costs nothing.
+Names are re-exported lazily, so `python -m cloudckpt.testing.servers.seaweed` runs cleanly and
+importing this package costs nothing.
 """
 
 import importlib
 
 _EXPORTS = {
-    "S3Server": "servers.seaweed",
-    "S3ServerError": "servers.seaweed",
-    "S3ServerInfo": "servers.seaweed",
-    "start_s3_server": "servers.seaweed",
-    "ProcessWorld": "dist.world",
-    "RankFailedError": "dist.world",
-    "WorldTimeoutError": "dist.world",
+    "S3Server": "servers.seaweed.server",
+    "S3ServerError": "servers.endpoint",
+    "S3ServerInfo": "servers.endpoint",
+    "start_s3_server": "servers.seaweed.server",
+    "ProcessWorld": "ranks.world",
+    "RankFailedError": "ranks.world",
+    "WorldTimeoutError": "ranks.world",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -56,7 +56,7 @@ def reset_high_water_mark() -> bool:
 class PeakRSS:
     """Measures the peak RSS growth of a ``with`` block (see module doc)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.start = self.peak = self.growth = 0
         self._sampler: threading.Thread | None = None
         self._stop = threading.Event()
@@ -81,6 +81,7 @@ class PeakRSS:
             self.peak = (_status_kib("VmHWM") or 0) * 1024
         else:
             self._stop.set()
-            self._sampler.join()
+            if self._sampler is not None:
+                self._sampler.join()
             self.peak = max(self.peak, current_rss())
         self.growth = max(0, self.peak - self.start)

@@ -84,3 +84,44 @@ def test_a_corrupt_block_fails_load_and_verify_and_does_not_land(tmp_path):
     assert not report.ok and any(key in p for p in report.problems)
     with pytest.raises(ChecksumError):
         cloudckpt.load_full(url)
+
+
+def test_each_entry_point_opens_the_checkpoints_store_once(tmp_path, monkeypatch):
+    """save, load, load_full, verify and a streaming save resolve ``(url, storage)`` to a store
+    once and pass it down (a LocalStore is opened per resolution: no cache hides a second)."""
+    import cloudckpt.api.load as load_module
+    import cloudckpt.api.save as save_module
+    import cloudckpt.api.streaming as streaming_module
+    import cloudckpt.api.verify as verify_module
+    import cloudckpt.stored as stored_module
+
+    opened: list[str] = []
+
+    def counting(module):
+        real = module.shared_store
+
+        def spy(url, storage=None):
+            opened.append(url)
+            return real(url, storage)
+
+        monkeypatch.setattr(module, "shared_store", spy)
+
+    for module in (load_module, save_module, streaming_module, verify_module, stored_module):
+        counting(module)
+    url = str(tmp_path / "ck")
+    cloudckpt.save(_state(), url, options=OPTS)
+    assert opened == [url]
+    for entry in (
+        lambda: cloudckpt.load(_blank(), url),
+        lambda: cloudckpt.load_full(url),
+        lambda: cloudckpt.verify(url),
+    ):
+        opened.clear()
+        entry()
+        assert opened == [url]
+    opened.clear()
+    streaming = streaming_module.StreamingSave(str(tmp_path / "streamed"))
+    streaming.add_tensor("t", "float32", (4,))
+    streaming.write("t", (0,), torch.ones(4))
+    streaming.commit()
+    assert opened == [str(tmp_path / "streamed")]

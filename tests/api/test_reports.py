@@ -1,4 +1,5 @@
-"""The typed phase reports: every record round-trips, anything else is refused with ProtocolError."""
+"""The typed phase reports: every record round-trips, anything else is refused with
+ProtocolError."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The simulated cluster (cloudckpt.testing.cluster.simulated): namespaces with shaped links, one store.
+"""The simulated cluster (cloudckpt.testing.cluster.simulated): namespaces with shaped links, one
+store.
 
 Skipped where network namespaces cannot be created (not root, no iproute2)."""
 
@@ -150,7 +151,7 @@ def test_stale_runs_of_dead_owners_are_swept_and_live_ones_kept(tmp_path):
 
 
 def test_weed_listens_elsewhere_than_loopback_only_inside_a_named_namespace():
-    from cloudckpt.testing.servers.seaweed import S3Server
+    from cloudckpt.testing.servers.seaweed.server import S3Server
 
     with pytest.raises(ValueError, match="network namespace"):
         S3Server(host="10.213.1.254")  # this process runs in the machine's own namespace

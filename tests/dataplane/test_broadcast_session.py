@@ -10,7 +10,6 @@ anywhere), in an exchange round and in a round of one source."""
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
 
 import pytest
 import torch
@@ -18,13 +17,15 @@ import torch
 from cloudckpt.api.load_data import run_broadcasts
 from cloudckpt.dataplane.broadcast import BroadcastSession
 from cloudckpt.errors import ChecksumError
-from cloudckpt.planning.batching import RunBatch, WindowBatch
 from cloudckpt.planning.broadcast.groups import select_broadcasts
+from cloudckpt.planning.broadcast.plan import plan_broadcasts, split_reads
 from cloudckpt.planning.broadcast.readers import assign_readers
+from cloudckpt.planning.broadcast.rounds import RunBatch, WindowBatch
 from cloudckpt.planning.load.plan import plan_local_load
 from tests.dataplane.helpers import box, data_path, piece, store_at, write_tensors
 
 BLOCK = 512
+CPU = torch.device("cpu")
 FILL = 9
 
 
@@ -38,7 +39,7 @@ class _Link:
 
 
 class _MemoryBroadcaster:
-    def __init__(self, rank: int, link: _Link, device: torch.device = torch.device("cpu")):
+    def __init__(self, rank: int, link: _Link, device: torch.device = CPU):
         self.rank, self.link, self.device = rank, link, device
 
     def broadcast(self, buf: torch.Tensor, *, src: int, members) -> None:
@@ -102,7 +103,7 @@ def _load_two_ranks(
     *,
     batch_bytes,
     max_read_bytes,
-    device=torch.device("cpu"),
+    device=CPU,
     names=("run", "half", "cols"),
 ):
     wants = [[(s, d) for s, d in _wants(r, state) if s.name in names] for r in range(2)]
@@ -112,23 +113,20 @@ def _load_two_ranks(
     sessions = []
     for rank in range(2):
         served = assignment.broadcast_of(rank)
-        items = defaultdict(list)
-        for i, item in enumerate(plans[rank].reads):
+        for i in range(len(plans[rank].reads)):
             assert int(served[i]) in kept  # every region is broadcast here
-            items[int(served[i])].append(item)
+        reads = split_reads(plans[rank], assignment, kept)
+        plan = plan_broadcasts(
+            manifest,
+            assignment,
+            kept,
+            reads.items_by_broadcast,
+            rank=rank,
+            batch_bytes=batch_bytes,
+            max_read_bytes=max_read_bytes,
+        )
         sessions.append(
-            BroadcastSession(
-                store,
-                manifest,
-                assignment.broadcasts,
-                kept,
-                items,
-                [d for _, d in wants[rank]],
-                rank=rank,
-                device=device,
-                batch_bytes=batch_bytes,
-                max_read_bytes=max_read_bytes,
-            )
+            BroadcastSession(store, manifest, plan, [d for _, d in wants[rank]], device=device)
         )
     link, errors = _Link(2), [None, None]
 

@@ -3,8 +3,9 @@
     python exit_script.py ENTRY URL [--gloo DIR] [--end normal|raise|exit3]
 
 ENTRY is ``async_save`` (``cloudckpt.async_save(state, URL)``) or ``manager``
-(``CheckpointManager(URL, keep_last=2).save(7, state, blocking=False)``). ``--gloo DIR`` first initialises a 1-rank gloo group (file store in DIR)
-and never destroys it. The script prints whether the save was still running as it ended.
+(``CheckpointManager(URL, keep_last=2).save(7, state, blocking=False)``). ``--gloo DIR`` first
+initialises a 1-rank gloo group (file store in DIR) and never destroys it. The script prints
+whether the save was still running as it ended.
 """
 
 from __future__ import annotations

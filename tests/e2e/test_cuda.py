@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cloudckpt
-from cloudckpt.dataplane.staging import StagingPool
+from cloudckpt.runtime.staging import StagingPool
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

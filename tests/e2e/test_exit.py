@@ -134,7 +134,8 @@ def test_cloudckpt_first_used_during_exit_imports_cleanly():
     """Importing the runtime from an atexit handler (threading hooks closed by then) is fine."""
     code = (
         "import atexit, importlib\n"
-        "atexit.register(lambda: print(importlib.import_module('cloudckpt.runtime.loop').__name__))\n"
+        "atexit.register(lambda: "
+        "print(importlib.import_module('cloudckpt.runtime.loop').__name__))\n"
     )
     res = subprocess.run(
         [sys.executable, "-c", code],

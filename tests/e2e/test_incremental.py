@@ -14,7 +14,7 @@ import torch.distributed as dist
 import cloudckpt
 from cloudckpt import CheckpointManager, SaveOptions
 from cloudckpt.errors import ConfigError
-from cloudckpt.runs.manager import step_dir
+from cloudckpt.layout import step_dir
 from tests.reliability.stores import cli
 
 FROZEN = 64 * 256 * 4  # bytes of the frozen tensor

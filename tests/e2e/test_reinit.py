@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import cloudckpt
 from cloudckpt.runtime import context
-from cloudckpt.testing.dist.world import ProcessWorld
+from cloudckpt.testing.ranks.world import ProcessWorld
 from cloudckpt.transport import ControlChannel
 
 PAIR = (128, 128)  # 64 KiB of float32: above the 32 KiB read-once-broadcast threshold

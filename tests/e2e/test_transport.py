@@ -230,7 +230,7 @@ def rank_peer_dies(timeout: float) -> dict:
 
 
 def test_dead_peer_gives_collective_timeout_not_a_hang(world2):
-    from cloudckpt.testing.dist.world import RankFailedError
+    from cloudckpt.testing.ranks.world import RankFailedError
 
     try:
         world2.run(rank_peer_dies, 5.0, timeout=60)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cloudckpt import CheckpointManager
-from cloudckpt.runs.manager import step_dir
+from cloudckpt.layout import step_dir
 from tests.cli_forkserver import run_cli
 from tests.reliability.stores import REPO, cli, cli_env
 

@@ -17,7 +17,7 @@ import cloudckpt
 from cloudckpt import CheckpointManager
 from cloudckpt.cli.documents import jsonable
 from cloudckpt.cli.main import build_parser
-from cloudckpt.runs.manager import step_dir
+from cloudckpt.layout import step_dir
 from tests.reliability.stores import RawCheckpoint, cli
 
 COMMANDS = ("ls", "show", "verify", "prune", "rm", "export", "convert")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cloudckpt.runs.manager import classify_listing, join_url, parse_step_dir, step_dir
+from cloudckpt.layout import classify_listing, join_url, parse_step_dir, step_dir
 from cloudckpt.storage.base import CommonPrefix, ObjectInfo
 
 
@@ -57,7 +57,7 @@ class Unpicklable:
 def test_decode_manifest_without_pickle_never_unpickles():
     from cloudckpt.manifest.builder import ManifestBuilder
     from cloudckpt.manifest.codec import encode_manifest
-    from cloudckpt.runs.manager import decode_manifest_without_pickle
+    from cloudckpt.stored import decode_manifest_without_pickle
 
     b = ManifestBuilder(world_size=2, metadata={"step": 3}, structure=None)
     b.add_tensor("w", "float32", (4,))

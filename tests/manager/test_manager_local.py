@@ -8,7 +8,7 @@ import os
 import torch
 
 from cloudckpt import CheckpointManager, RetentionPolicy
-from cloudckpt.runs.manager import step_dir
+from cloudckpt.layout import step_dir
 
 
 def test_local_run_retention_and_abandoned(tmp_path):

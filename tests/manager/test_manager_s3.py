@@ -16,7 +16,7 @@ import torch
 
 from cloudckpt import CheckpointManager, SaveOptions
 from cloudckpt.errors import CheckpointExists, CheckpointNotFound
-from cloudckpt.runs.manager import step_dir
+from cloudckpt.layout import step_dir
 from cloudckpt.runtime.loop import run_coroutine
 from tests.cli_forkserver import run_cli
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from cloudckpt import CheckpointManager
-from cloudckpt.runs.manager import step_dir
+from cloudckpt.layout import step_dir
 
 
 def train_until_preempted(url: str, progress_dir: str) -> dict | None:

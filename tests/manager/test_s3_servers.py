@@ -17,8 +17,7 @@ import cloudckpt
 from cloudckpt import CheckpointManager
 from cloudckpt.checksum import crc32c
 from cloudckpt.errors import AccessDenied, ChecksumError
-from cloudckpt.layout import data_key
-from cloudckpt.runs.manager import step_dir
+from cloudckpt.layout import data_key, step_dir
 from cloudckpt.runtime.loop import run_coroutine
 from cloudckpt.testing.faults.faultproxy import FaultProxy
 from tests.reliability.stores import cli

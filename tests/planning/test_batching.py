@@ -1,5 +1,6 @@
-"""Batching (planning/batching.py): every item in exactly one batch, caps respected unless one
-item alone exceeds them, order kept, broadcast batches identical for every rank's input."""
+"""Batching (planning/batching.py, planning/broadcast/rounds.py): every item in exactly one
+batch, caps respected unless one item alone exceeds them, order kept, broadcast batches
+identical for every rank's input."""
 
 from __future__ import annotations
 
@@ -9,17 +10,15 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cloudckpt.planning.batching import (
+from cloudckpt.planning.batching import WINDOW_ALIGN, Span, aligned, batch_by_object, pack_in_order
+from cloudckpt.planning.broadcast.parts import RunPart, WindowPart
+from cloudckpt.planning.broadcast.rounds import (
     RunBatch,
-    Span,
     WindowBatch,
     balance_sources,
-    batch_by_object,
     batch_parts,
-    pack_in_order,
     plan_rounds,
 )
-from cloudckpt.planning.broadcast.parts import WINDOW_ALIGN, RunPart, WindowPart, aligned
 from cloudckpt.planning.load.windows import RunWindow, Window
 
 SIZES = st.lists(st.integers(0, 200), max_size=40)

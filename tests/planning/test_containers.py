@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from cloudckpt.errors import PlanningError
 from cloudckpt.manifest.values import decode_value, encode_value
-from cloudckpt.statedict.pieces import (
+from cloudckpt.statedict.flatten import (
     check_replaceable,
     copy_mapping,
     flatten_state_dict,

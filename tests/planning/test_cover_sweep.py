@@ -120,7 +120,7 @@ def test_damaged_tilings_are_found_and_located(layout):
     check_against_oracle(shape, off, size, find_cover_defect(shape, off, size))
 
 
-# -- adversarial layouts: right answers, bounded work -------------------------------------------------
+# -- adversarial layouts: right answers, bounded work ---------------------------------------------
 
 
 def _product(a, b):
@@ -181,7 +181,7 @@ def test_the_work_bound_refuses_instead_of_running_away(monkeypatch):
         plan_local_load(manifest, [PieceSpec("w", "uint8", shape, (0, 0), (1, 1))], rank=0)
 
 
-# -- the lookup tree -----------------------------------------------------------------------------------
+# -- the lookup tree ------------------------------------------------------------------------------
 
 
 @SETTINGS

@@ -1,5 +1,5 @@
-"""Broadcast group selection (planning/broadcast/groups.py): the busiest groups, whole groups kept or
-dropped, and the same selection on every rank."""
+"""Broadcast group selection (planning/broadcast/groups.py): the busiest groups, whole groups kept
+or dropped, and the same selection on every rank."""
 
 from __future__ import annotations
 
@@ -11,11 +11,8 @@ from hypothesis import strategies as st
 
 from cloudckpt.planning.broadcast.groups import select_broadcasts
 from cloudckpt.planning.broadcast.readers import assign_readers
-from cloudckpt.planning.load.plan import (
-    decode_local_load_plan,
-    encode_local_load_plan,
-    plan_local_load,
-)
+from cloudckpt.planning.load.plan import plan_local_load
+from cloudckpt.planning.load.plan_codec import decode_local_load_plan, encode_local_load_plan
 from cloudckpt.planning.pieces import PieceSpec
 from tests.planning.test_load_plan import manifest_with
 

@@ -8,13 +8,8 @@ import pytest
 from cloudckpt.errors import CoverageError, MissingKeysError, PlanningError, ShapeMismatchError
 from cloudckpt.manifest.builder import ManifestBuilder
 from cloudckpt.manifest.model import crc_counts
-from cloudckpt.planning.load.plan import (
-    LocalLoadPlan,
-    ReadItem,
-    decode_local_load_plan,
-    encode_local_load_plan,
-    plan_local_load,
-)
+from cloudckpt.planning.load.plan import LocalLoadPlan, ReadItem, plan_local_load
+from cloudckpt.planning.load.plan_codec import decode_local_load_plan, encode_local_load_plan
 from cloudckpt.planning.pieces import PieceSpec
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cloudckpt.planning.load import plan as load_plan
+from cloudckpt.planning.load import plan_codec as load_plan
 from cloudckpt.planning.lru import LRUCache
 from cloudckpt.planning.memos import clear_header_caches
 from cloudckpt.planning.save import local_plan

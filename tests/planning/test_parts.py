@@ -1,5 +1,5 @@
-"""Broadcast parts (planning/broadcast/parts.py): run parts for large regions stored as one run, tiling
-the region's bytes in order; window parts otherwise; buffer layout aligned."""
+"""Broadcast parts (planning/broadcast/parts.py): run parts for large regions stored as one run,
+tiling the region's bytes in order; window parts otherwise; buffer layout aligned."""
 
 from __future__ import annotations
 
@@ -8,19 +8,18 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cloudckpt.planning.batching import WINDOW_ALIGN
 from cloudckpt.planning.broadcast.parts import (
     MIN_PART_WINDOW,
     ROUNDS_PER_SOURCE,
-    WINDOW_ALIGN,
     RunPart,
     WindowPart,
-    layout_windows,
     part_window_bytes,
     plan_parts,
 )
 from cloudckpt.planning.broadcast.readers import Broadcast
 from cloudckpt.planning.load.plan import Region
-from cloudckpt.planning.load.windows import plan_windows
+from cloudckpt.planning.load.windows import layout_windows, plan_windows
 from tests.planning.test_load_plan import manifest_with
 
 ITEMSIZE = {"float32": 4, "int64": 8, "bfloat16": 2, "bool": 1}

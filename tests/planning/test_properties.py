@@ -10,11 +10,8 @@ from hypothesis import strategies as st
 
 from cloudckpt.manifest.codec import decode_manifest, encode_manifest
 from cloudckpt.planning.broadcast.readers import assign_readers
-from cloudckpt.planning.load.plan import (
-    decode_local_load_plan,
-    encode_local_load_plan,
-    plan_local_load,
-)
+from cloudckpt.planning.load.plan import plan_local_load
+from cloudckpt.planning.load.plan_codec import decode_local_load_plan, encode_local_load_plan
 from tests.planning.layouts import (
     KINDS,
     apply_reads,

@@ -6,12 +6,8 @@ import pytest
 
 from cloudckpt.errors import PlanningError
 from cloudckpt.planning.broadcast.readers import assign_readers
-from cloudckpt.planning.load.plan import (
-    Region,
-    decode_local_load_plan,
-    encode_local_load_plan,
-    plan_local_load,
-)
+from cloudckpt.planning.load.plan import Region, plan_local_load
+from cloudckpt.planning.load.plan_codec import decode_local_load_plan, encode_local_load_plan
 from cloudckpt.planning.pieces import PieceSpec
 from tests.planning.test_load_plan import manifest_with
 

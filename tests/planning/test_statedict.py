@@ -1,4 +1,5 @@
-"""statedict: flattening, structure, GlobalPiece, DTensor boxes (with torch's fake process group)."""
+"""statedict: flattening, structure, GlobalPiece, DTensor boxes (with torch's fake process
+group)."""
 
 from __future__ import annotations
 
@@ -15,16 +16,14 @@ from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
 from cloudckpt.manifest.values import decode_value, encode_value
 from cloudckpt.planning.save.global_plan import plan_global_save
 from cloudckpt.planning.save.local_plan import LocalSavePlan
-from cloudckpt.statedict.pieces import (
-    GlobalPiece,
-    dtensor_local_boxes,
-    dtype_name,
+from cloudckpt.statedict.dtypes import dtype_name, torch_dtype
+from cloudckpt.statedict.flatten import (
     flatten_state_dict,
     merge_structures,
     set_by_path,
-    torch_dtype,
     unflatten_state_dict,
 )
+from cloudckpt.statedict.pieces import GlobalPiece, dtensor_local_boxes
 from tests.planning.layouts import shard_boxes
 
 

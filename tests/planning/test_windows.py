@@ -1,5 +1,6 @@
-"""Read windows: every element of a region in exactly one sub-box of one window, block-aligned
-windows that never share a block, bounded window size, views that land on the right elements."""
+"""Read windows (planning/load/windows.py, windows_many.py): every element of a region in exactly
+one sub-box of one window, block-aligned windows that never share a block, bounded window size,
+views that land on the right elements."""
 
 from __future__ import annotations
 
@@ -15,11 +16,10 @@ from cloudckpt.planning.load.plan import Region
 from cloudckpt.planning.load.windows import (
     boxes_in_flat_range,
     plan_run_windows,
-    plan_run_windows_many,
     plan_windows,
-    plan_windows_many,
     row_major_strides,
 )
+from cloudckpt.planning.load.windows_many import plan_run_windows_many, plan_windows_many
 from tests.planning.test_load_plan import manifest_with
 
 
@@ -241,7 +241,7 @@ def test_windows_of_many_regions_are_those_of_each(case):
     windows, or the very error, of planning it alone."""
     m, regions, max_bytes = case
     for many, one in ((plan_windows_many, plan_windows), (plan_run_windows_many, plan_run_windows)):
-        singles = [_outcome(lambda r=r: one(m, r, max_bytes)) for r in regions]
+        singles = [_outcome(lambda r=r, one=one: one(m, r, max_bytes)) for r in regions]
         errors = [s for s in singles if isinstance(s, tuple) and isinstance(s[0], type)]
-        got = _outcome(lambda: many(m, regions, max_bytes))
+        got = _outcome(lambda many=many: many(m, regions, max_bytes))
         assert got == (errors[0] if errors else singles)

@@ -102,9 +102,9 @@ def spiral(n: int, d: int = 2):
     lo, hi = [0] * d, [n] * d
     pairs = []
     k = 0
-    while all(h - l > 0 for l, h in zip(lo, hi)):
+    while all(high - low > 0 for low, high in zip(lo, hi)):
         axis = k % d
-        off, size = list(lo), [h - l for l, h in zip(lo, hi)]
+        off, size = list(lo), [high - low for low, high in zip(lo, hi)]
         if size[axis] == 1 or any(s == 0 for s in size):
             pairs.append((tuple(off), tuple(size)))
             break
@@ -199,8 +199,9 @@ def layout_manifest_bytes(layouts: dict, **kw) -> bytes:
 
 
 def write_layout(raw, layouts: dict, *, block: int = 1 << 40) -> Manifest:
-    """Write a checkpoint of ``layouts`` through ``raw`` (a ``tests.reliability.stores.RawCheckpoint``):
-    its data object (zeros) and its manifest, with real crcs."""
+    """Write a checkpoint of ``layouts`` through ``raw`` (a
+    ``tests.reliability.stores.RawCheckpoint``): its data object (zeros) and its manifest, with real
+    crcs."""
     manifest = layout_manifest(layouts, checksums=True, block=block)
     raw.write(DATA_KEY, bytes(manifest.total_bytes()))
     raw.write("manifest.msgpack", encode_manifest(manifest))

@@ -169,7 +169,7 @@ def armed(point: KillPoint | None, rank: int, pids=()):
         undo.append((local, "_link_exclusive", orig_link))
         local._link_exclusive = link
     elif point.kind == "stage":
-        from cloudckpt.dataplane.staging import StagingPool
+        from cloudckpt.runtime.staging import StagingPool
 
         orig_stage = StagingPool.stage
 

@@ -23,7 +23,7 @@ import pytest
 
 import cloudckpt
 from cloudckpt import CheckpointManager
-from cloudckpt.testing.dist.world import ProcessWorld
+from cloudckpt.testing.ranks.world import ProcessWorld
 from tests.reliability.conftest import SAVE_OPTIONS
 from tests.reliability.ranks import load_step, save_step
 from tests.reliability.states import differences, full_expected

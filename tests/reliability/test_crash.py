@@ -36,8 +36,8 @@ import pytest
 import cloudckpt
 from cloudckpt import CheckpointManager
 from cloudckpt.errors import CheckpointNotFound
-from cloudckpt.runs.manager import step_dir
-from cloudckpt.testing.dist.world import ProcessWorld, RankFailedError
+from cloudckpt.layout import step_dir
+from cloudckpt.testing.ranks.world import ProcessWorld, RankFailedError
 from tests.reliability.conftest import SAVE_OPTIONS
 from tests.reliability.killpoints import KillPoint, ci_kill_points, long_kill_points
 from tests.reliability.ranks import load_step, save_step, warm_up
@@ -304,7 +304,7 @@ def test_whole_job_killed_at_random_instants(crash_world, runs, tmp_path, figure
         delay = rng.uniform(0.0, 1.1 * duration)
         result: dict = {}
 
-        def save() -> None:
+        def save(result: dict = result, step: int = step) -> None:
             try:
                 result["ok"] = run.save(crash_world, step, 0)
             except RankFailedError as exc:

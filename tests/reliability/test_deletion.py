@@ -27,8 +27,14 @@ from hypothesis import strategies as st
 
 from cloudckpt import CheckpointManager
 from cloudckpt.errors import AccessDenied
-from cloudckpt.layout import MANIFEST_KEY, data_key, data_key_attempt, owned_key, parse_pin_key
-from cloudckpt.runs.manager import step_dir
+from cloudckpt.layout import (
+    MANIFEST_KEY,
+    data_key,
+    data_key_attempt,
+    owned_key,
+    parse_pin_key,
+    step_dir,
+)
 from tests.reliability.stores import cli
 
 pytestmark = pytest.mark.timeout(600)

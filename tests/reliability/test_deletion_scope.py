@@ -4,10 +4,11 @@ A run holds three siblings a deletion must leave alone: ``step-1`` (complete; it
 bit-exact), ``step-2`` (a killed save: data objects, no manifest) and ``keep`` (a folder that is
 no step: data objects of the layout, no manifest). Then ``step-5``'s manifest is replaced by a
 forged one (a valid, checksummed format-3 manifest) whose objects name those siblings, and
-itself, as their homes (one of them is ``step-1``'s manifest), with an attempt id whose pins exist nowhere. ``step-5`` is deleted
-through every entry point: ``delete_checkpoint`` (judged two hours later), the manager's
-``delete`` and ``prune`` (``abandoned_after=0``: every object counts as old) and ``cloudckpt rm``
-(on a local run the siblings' files are aged two hours, past the command's one-hour cutoff).
+itself, as their homes (one of them is ``step-1``'s manifest), with an attempt id whose pins exist
+nowhere. ``step-5`` is deleted through every entry point: ``delete_checkpoint`` (judged two hours
+later), the manager's ``delete`` and ``prune`` (``abandoned_after=0``: every object counts as old)
+and ``cloudckpt rm`` (on a local run the siblings' files are aged two hours, past the command's
+one-hour cutoff).
 Every sibling key survives, ``step-1`` loads bit-exact, and ``step-5`` owns nothing afterwards.
 
 Manifests that do not decode (keys with ``..``, absolute keys, homes with ``/`` or ``..``, the
@@ -26,9 +27,9 @@ import torch
 
 import cloudckpt
 from cloudckpt import CheckpointManager, RetentionPolicy, SaveOptions
+from cloudckpt.layout import step_dir
 from cloudckpt.manifest.framing import frame, unframe
 from cloudckpt.runs.cleanup import delete_checkpoint
-from cloudckpt.runs.manager import step_dir
 from cloudckpt.runtime.loop import run_coroutine, shared_store
 from tests.reliability.stores import cli
 

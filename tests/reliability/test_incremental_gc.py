@@ -33,11 +33,11 @@ import pytest
 import cloudckpt
 from cloudckpt import CheckpointManager, RetentionPolicy
 from cloudckpt.errors import CheckpointExists
+from cloudckpt.layout import step_dir
 from cloudckpt.runs.cleanup import remove_stale_attempts, sweep_pins
-from cloudckpt.runs.manager import step_dir
 from cloudckpt.runs.pruning import prune_run
 from cloudckpt.runtime.loop import run_coroutine, shared_store
-from cloudckpt.testing.dist.world import ProcessWorld, RankFailedError
+from cloudckpt.testing.ranks.world import ProcessWorld, RankFailedError
 from tests.reliability.incremental_run import run_garbage, save_step, state
 from tests.reliability.stores import REPO
 

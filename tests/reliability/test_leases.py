@@ -18,8 +18,15 @@ import pytest
 import torch
 
 from cloudckpt import CheckpointManager, RetentionPolicy, SaveOptions
-from cloudckpt.layout import MAX_PIN_LEASE, MIN_PIN_LEASE, Pin, decode_pin, encode_pin, pin_key
-from cloudckpt.runs.manager import step_dir
+from cloudckpt.layout import (
+    MAX_PIN_LEASE,
+    MIN_PIN_LEASE,
+    Pin,
+    decode_pin,
+    encode_pin,
+    pin_key,
+    step_dir,
+)
 from cloudckpt.runs.pruning import prune_run
 from cloudckpt.runtime.loop import run_coroutine, shared_store
 from tests.reliability.stores import cli

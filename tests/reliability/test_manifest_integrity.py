@@ -62,7 +62,7 @@ def _flipped(data: bytes, bit: int) -> bytes:
     return bytes(out)
 
 
-# -- the manifest cannot change silently ------------------------------------------------------------
+# -- the manifest cannot change silently ---------------------------------------------------------
 
 
 def test_every_bit_flip_of_a_saved_manifest_is_refused(tmp_path, figures):
@@ -256,7 +256,7 @@ def _values(column):
     return decode_int_column(column).tolist()
 
 
-# -- the command line on odd manifests --------------------------------------------------------------
+# -- the command line on odd manifests -----------------------------------------------------------
 
 
 def _deep(depth: int):

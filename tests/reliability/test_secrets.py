@@ -179,8 +179,8 @@ def _save_load_retries_and_failures(s3_server, s3_url, fault_proxy) -> None:
     fault_proxy.configure(fail_all=True)
     for options in failing:
         for fn in (
-            lambda: cloudckpt.save(_state(), s3_url + "/c", storage=options),
-            lambda: cloudckpt.load_full(s3_url + "/a", storage=options),
+            lambda options=options: cloudckpt.save(_state(), s3_url + "/c", storage=options),
+            lambda options=options: cloudckpt.load_full(s3_url + "/a", storage=options),
         ):
             with pytest.raises(errors.CloudCkptError) as failed:
                 fn()
@@ -250,7 +250,7 @@ def test_no_secret_in_reprs(s3_server, s3_url):
     _assert_clean(_all_text(half.value), s3_server, "a ConfigError")
 
 
-# -- the command line -------------------------------------------------------------------------------
+# -- the command line ----------------------------------------------------------------------------
 
 
 def test_no_secret_in_cli_output(s3_server, s3_url):
@@ -276,7 +276,7 @@ def test_no_secret_in_cli_output(s3_server, s3_url):
         _assert_clean(r.stdout + r.stderr, s3_server, f"cloudckpt {r.args[3]}'s output")
 
 
-# -- TLS ---------------------------------------------------------------------------------------------
+# -- TLS -----------------------------------------------------------------------------------------
 
 
 class _NotFound(http.server.BaseHTTPRequestHandler):

@@ -52,8 +52,8 @@ def _duplicate_one_drop_another(layout):
 
 
 def _build(layouts: dict, *, extra=None) -> bytes:
-    """Manifest bytes (real crcs of the zero data in :data:`hl.DATA_KEY`); ``extra(builder)`` may add
-    more chunks and objects."""
+    """Manifest bytes (real crcs of the zero data in :data:`hl.DATA_KEY`); ``extra(builder)`` may
+    add more chunks and objects."""
     b = ManifestBuilder(
         world_size=1,
         checksum_block_size=BLOCK,
@@ -239,7 +239,7 @@ def test_hostile_entry_point_checkpoints_agree(tmp_path):
     assert not cloudckpt.verify(target.url).ok
 
 
-# -- what verify asks the store -----------------------------------------------------------------------
+# -- what verify asks the store ------------------------------------------------------------------
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -14,7 +14,7 @@ import pytest
 
 from cloudckpt.storage import RetryOptions, StorageOptions, open_store
 from cloudckpt.testing.faults.faultproxy import FaultProxy
-from cloudckpt.testing.servers.seaweed import S3ServerInfo
+from cloudckpt.testing.servers.endpoint import S3ServerInfo
 
 #: Conformance tests whose moto variant moves the most data (1,054 puts; 200 MiB): long mode only.
 SLOW_ON_MOTO = frozenset(

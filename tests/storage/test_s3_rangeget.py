@@ -98,7 +98,7 @@ def test_direct_reads_match_the_aiobotocore_path(objects, server, specs, gap):
     for direct in (True, False):
         ranges, checks = _ranges(specs)
 
-        async def body(store):
+        async def body(store, ranges=ranges):
             views = await store.read_ranges("obj", ranges)
             getter = store.connection.range_getter
             return [bytes(v) for v in views], getter.fetches, getter.disabled

@@ -25,7 +25,7 @@ import cloudckpt
 from cloudckpt.errors import ConfigError
 from cloudckpt.runtime.loop import drop_store
 from cloudckpt.storage import ReadRange, RetryOptions, StorageOptions, open_store
-from cloudckpt.testing.servers.seaweed import S3Server
+from cloudckpt.testing.servers.seaweed.server import S3Server
 from tests.reliability.stores import cli
 
 pytestmark = pytest.mark.timeout(300)

@@ -35,8 +35,9 @@ from cloudckpt.storage.base import ByteBudget, as_views, check_key, slice_views
 from cloudckpt.storage.options import MiB, choose_part_size
 from cloudckpt.storage.ranges import Scatter, plan_pieces
 from cloudckpt.storage.retry import Retrier, Verdict
-from cloudckpt.storage.s3.client import crc32c_b64, parse_s3_url
+from cloudckpt.storage.s3.client import crc32c_b64
 from cloudckpt.storage.s3.errors import TruncatedBody, classify
+from cloudckpt.storage.urls import parse_s3_url
 
 
 def test_storage_never_imports_torch():

@@ -13,9 +13,11 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
+from cloudckpt.planning.broadcast.readers import Broadcast
+
 
 def select_broadcasts(
-    broadcasts: Sequence,
+    broadcasts: Sequence[Broadcast],
     max_groups: int,
     *,
     only_group: tuple[int, ...] | None = None,
@@ -25,7 +27,7 @@ def select_broadcasts(
     busiest (the bytes of its broadcasts' regions summed) and moves at least
     ``min_group_bytes``. With ``only_group``, of those only the broadcasts to exactly that
     group are kept (a job that cannot create subgroups passes its whole channel)."""
-    weight: dict[tuple, int] = defaultdict(int)
+    weight: dict[tuple[int, ...], int] = defaultdict(int)
     for b in broadcasts:
         weight[tuple(b.group)] += b.region.nbytes
     busiest = sorted(weight.items(), key=lambda gw: (-gw[1], gw[0]))[:max_groups]

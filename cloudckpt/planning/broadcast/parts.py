@@ -1,6 +1,7 @@
 """Broadcast parts: how each broadcast region of a load is cut for the wire.
 
-A region several ranks need (a :class:`~cloudckpt.planning.broadcast.readers.Broadcast`) travels as parts:
+A region several ranks need (a :class:`~cloudckpt.planning.broadcast.readers.Broadcast`) travels
+as parts:
 
 - a :class:`RunPart` when the region is at least ``run_min_bytes`` and its elements are one
   contiguous run of its chunk: a :class:`~cloudckpt.planning.load.windows.RunWindow` of about
@@ -8,7 +9,8 @@ A region several ranks need (a :class:`~cloudckpt.planning.broadcast.readers.Bro
   takes straight into its own (one broadcast each);
 - a :class:`WindowPart` otherwise: a checksum-aligned
   :class:`~cloudckpt.planning.load.windows.Window`, batched with others through a shared buffer in
-  which every window starts at a multiple of :data:`WINDOW_ALIGN` (see :func:`layout_windows`).
+  which every window starts at a multiple of :data:`~cloudckpt.planning.batching.WINDOW_ALIGN`
+  (see :func:`~cloudckpt.planning.load.windows.layout_windows`).
 
 The window size follows the load (:func:`part_window_bytes`): small enough that every source
 sends its share in several rounds (fetching the next window while the previous one is exchanged)
@@ -22,12 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Union
 
-from cloudckpt.planning.load.windows import RunWindow, Window, plan_run_windows, plan_windows_many
+from cloudckpt.manifest.model import Manifest
+from cloudckpt.planning.batching import aligned
+from cloudckpt.planning.broadcast.readers import Broadcast
+from cloudckpt.planning.load.windows import RunWindow, Window, plan_run_windows
+from cloudckpt.planning.load.windows_many import plan_windows_many
 
-#: every window starts at a multiple of this in a shared buffer (dtype views need alignment).
-WINDOW_ALIGN = 64
 #: windows are not made smaller than this to get more rounds (each round costs collectives).
 MIN_PART_WINDOW = 1 << 20
 #: a source's share is cut in about this many windows, so fetching overlaps exchanging.
@@ -44,20 +47,6 @@ def part_window_bytes(total_bytes: int, ranks: int, cap: int, max_read_bytes: in
     share = -(-total_bytes // (ranks * ROUNDS_PER_SOURCE))
     memory = max_read_bytes // (4 * ranks)
     return max(min(cap, share, memory), min(cap, MIN_PART_WINDOW, memory), 1)
-
-
-def aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to a multiple of :data:`WINDOW_ALIGN`."""
-    return -(-nbytes // WINDOW_ALIGN) * WINDOW_ALIGN
-
-
-def layout_windows(windows: Sequence[Window]) -> tuple[list[int], int]:
-    """Byte offset of each window in a shared buffer (each one aligned), and the bytes used."""
-    offsets, pos = [], 0
-    for w in windows:
-        offsets.append(pos)
-        pos += aligned(w.length)
-    return offsets, pos
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +96,15 @@ class RunPart:
         return self.run.hi - self.run.lo
 
 
-Part = Union[WindowPart, RunPart]
+Part = WindowPart | RunPart
 
 
 def plan_parts(
-    manifest, broadcasts, indices: Sequence[int], window_bytes: int, run_min_bytes: int
+    manifest: Manifest,
+    broadcasts: Sequence[Broadcast],
+    indices: Sequence[int],
+    window_bytes: int,
+    run_min_bytes: int,
 ) -> list[Part]:
     """The parts of broadcasts ``indices`` (in that order): run parts for a region of at least
     ``run_min_bytes`` stored as one run, window parts otherwise; each region's parts in byte
@@ -128,8 +121,9 @@ def plan_parts(
     )
     parts: list[Part] = []
     for i in indices:
-        if runs.get(i) is not None:
-            parts.extend(RunPart(i, r) for r in runs[i])
+        run_windows = runs.get(i)
+        if run_windows is not None:
+            parts.extend(RunPart(i, r) for r in run_windows)
         else:
             parts.extend(WindowPart(i, w) for w in windows[i])
     return parts

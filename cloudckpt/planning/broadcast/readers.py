@@ -8,8 +8,8 @@ the others, unless it is smaller than ``min_broadcast_bytes`` or a rank's piece 
 chosen heaviest region first, each to the group member with the fewest bytes assigned so far
 (its own reads included), ties to the lowest rank. Broadcasts are listed in that order, the one
 global order every rank plans from. A load then cuts each region in windows and spreads their
-sources over the group (:func:`~cloudckpt.planning.batching.balance_sources`); ``src`` is the
-whole-region choice, used where nothing spreads them.
+sources over the group (:func:`~cloudckpt.planning.broadcast.rounds.balance_sources`); ``src``
+is the whole-region choice, used where nothing spreads them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cloudckpt.errors import PlanningError
-from cloudckpt.planning.coverage import stable_order
+from cloudckpt.planning.cover_sweep import stable_order
 from cloudckpt.planning.load.plan import LocalLoadPlan, Region, shared_tuples
 
 DEFAULT_MIN_BROADCAST_BYTES = 32 * 1024
@@ -28,7 +28,7 @@ DEFAULT_MIN_BROADCAST_BYTES = 32 * 1024
 
 @dataclass(frozen=True, slots=True)
 class Broadcast:
-    """``src`` fetches ``region`` and broadcasts it to ``group`` (sorted rank tuple, includes src)."""
+    """``src`` fetches ``region`` and broadcasts it to ``group`` (sorted ranks, src included)."""
 
     region: Region
     src: int
@@ -81,11 +81,12 @@ class ReadAssignment:
         return tuple(b for b in self.broadcasts if rank in b.group)
 
 
-def _unify_names(plans: Sequence[LocalLoadPlan]):
+def _unify_names(plans: Sequence[LocalLoadPlan]) -> tuple[list[str], list[np.ndarray]]:
     names: list[str] = []
     index: dict[str, int] = {}
-    maps = []
-    prev_names, prev_map = None, None
+    maps: list[np.ndarray] = []
+    prev_names: tuple[str, ...] | None = None
+    prev_map = np.empty(0, dtype=np.int64)
     for p in plans:
         t = p.table
         if prev_names is not None and t.names == prev_names:
@@ -197,7 +198,9 @@ def assign_readers(
             src_all[first].tolist(),
             len_all[first].tolist(),
         )
-        groups: dict[tuple, tuple] = {}  # a run's rows' ranks -> its group (a few distinct)
+        groups: dict[
+            tuple[int, ...], tuple[int, ...]
+        ] = {}  # a run's rows' ranks -> its group (a few distinct)
         same = shared_tuples()
         for run, nb, g, c, nd, src_off, lengths in firsts:
             rows_ranks = tuple(rank_list[starts[run] : ends[run]])

@@ -13,19 +13,17 @@ bounding-box tree) on larger ones.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 
 import numpy as np
+import numpy.typing as npt
 
 from cloudckpt.errors import CoverageError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
-from cloudckpt.manifest.model import Manifest, TensorRecord
-from cloudckpt.planning.cover_sweep import covers_many
-from cloudckpt.planning.coverage import (
-    find_cover_defect,
-    slab_segments_ok,
-    sort_boxes,
-    stable_order,
-)
+from cloudckpt.manifest.model import Manifest
+from cloudckpt.manifest.records import TensorRecord
+from cloudckpt.planning.cover_sweep import covers_many, stable_order
+from cloudckpt.planning.coverage import Defect, find_cover_defect, slab_segments_ok, sort_boxes
 from cloudckpt.planning.pieces import region_str
 
 #: Chunks per leaf of a :class:`ChunkIndex` tree (a leaf's chunks are tested directly).
@@ -36,7 +34,7 @@ SCAN_CHUNKS = 1024
 SCAN_PAIRS = 1 << 20
 
 
-def coverage_error(name: str, defect, what: str = "stored chunks") -> CoverageError:
+def coverage_error(name: str, defect: Defect, what: str = "stored chunks") -> CoverageError:
     """The error for a ``find_cover_defect`` result."""
     kind, o, s = defect
     if kind == "irregular":
@@ -61,10 +59,13 @@ def _ranges(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return owner, pos
 
 
-def _segment_reduce(ufunc, values: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+def _segment_reduce(
+    ufunc: np.ufunc, values: np.ndarray, start: np.ndarray, end: np.ndarray
+) -> np.ndarray:
     """``ufunc.reduce(values[start[i]:end[i]])`` per (non-empty) segment, rows of a 2-d array."""
     padded = np.concatenate((values, values[:1]))
-    return ufunc.reduceat(padded, np.stack((start, end), axis=1).reshape(-1), axis=0)[::2]
+    out: np.ndarray = ufunc.reduceat(padded, np.stack((start, end), axis=1).reshape(-1), axis=0)
+    return out[::2]
 
 
 class ChunkIndex:
@@ -240,7 +241,7 @@ class ManifestIndex:
         #: checked yet (slab layouts are checked above, the others by :meth:`check`)
         self.verdict = np.where(self.slab_ok, 1, 0).astype(np.int64)
 
-    def check(self, tensors) -> None:
+    def check(self, tensors: npt.ArrayLike) -> None:
         """Run the exact-cover check of those ``tensors`` not checked yet, all in one sweep
         (each gets the verdict it would get alone)."""
         todo = np.unique(np.asarray(tensors, dtype=np.int64))
@@ -266,7 +267,9 @@ class ManifestIndex:
         )
         return coverage_error(name, defect or ("irregular", (), ()))
 
-    def scan_hits(self, t: np.ndarray, req_off: np.ndarray, req_end: np.ndarray):
+    def scan_hits(
+        self, t: np.ndarray, req_off: np.ndarray, req_end: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """For requests on (checked) tensors of few chunks: (request row, sorted chunk position)
         pairs, the chunks tested being those whose dim-0 start lies within the tensor's longest
         dim-0 extent before the request (chunks are sorted by dim-0 offset within a tensor);
@@ -308,7 +311,8 @@ class ManifestIndex:
             position = np.full(int(self.chunk_start[-1]), -1, dtype=np.int64)
             position[self.order] = np.arange(len(self.order), dtype=np.int64)
             self._position = position
-        return self._position[chunks]
+        found: np.ndarray = self._position[chunks]
+        return found
 
     def general(self, t: int) -> ChunkIndex:
         """Tensor ``t``'s lookup tree; raises its :class:`CoverageError` when its chunks do not
@@ -321,8 +325,11 @@ class ManifestIndex:
             idx = self._general[t] = ChunkIndex(self.manifest.tensors[self.names[t]])
         return idx
 
-    def slab_hits(self, t: np.ndarray, req_off: np.ndarray, req_end: np.ndarray):
-        """For requests on slab tensors (padded boxes): (request row, sorted chunk position) pairs."""
+    def slab_hits(
+        self, t: np.ndarray, req_off: np.ndarray, req_end: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """For requests on slab tensors (padded boxes): (request row, sorted chunk position)
+        pairs."""
         k = self.axis[t]
         rows = np.arange(len(t))
         a, b = req_off[rows, k], req_end[rows, k]
@@ -339,7 +346,8 @@ class ManifestIndex:
 
 def manifest_index(m: Manifest) -> ManifestIndex:
     """The index of ``m``, built once per manifest (kept in :meth:`Manifest.derived`)."""
-    return m.derived("planning.chunk_index", ManifestIndex)
+    index: ManifestIndex = m.derived("planning.chunk_index", ManifestIndex)
+    return index
 
 
 def coverage_errors(m: Manifest) -> list[CoverageError]:
@@ -350,7 +358,9 @@ def coverage_errors(m: Manifest) -> list[CoverageError]:
     return [idx.coverage_error(t) for t in np.flatnonzero(idx.verdict < 0).tolist()]
 
 
-def padded_rows(rows, ndims: np.ndarray, width: int, fill: int) -> np.ndarray:
+def padded_rows(
+    rows: Iterable[Iterable[int]], ndims: np.ndarray, width: int, fill: int
+) -> np.ndarray:
     """An ``(len(ndims), width)`` int64 array whose row ``i`` holds the ``ndims[i]`` integers of
     ``rows[i]`` (an iterable of sequences), then ``fill``: ragged shapes, offsets or lengths
     as one array, for planning many regions at once."""

@@ -1,8 +1,9 @@
 """Load planning: which stored bytes fill which requested pieces.
 
 For every requested piece and every stored chunk of the same name, their N-d overlap becomes a
-:class:`ReadItem`. A manifest's chunks are indexed once (see :mod:`cloudckpt.planning.load.chunk_index`),
-so requests find their chunks by binary search, not by scanning them all. Plans are columnar
+:class:`ReadItem`. A manifest's chunks are indexed once (see
+:mod:`cloudckpt.planning.load.chunk_index`), so requests find their chunks by binary search, not by
+scanning them all. Plans are columnar
 (:class:`ReadTable`); :class:`ReadItem` objects are made on access.
 
 dtype: a request may ask for another dtype than the stored one; the reader converts (values
@@ -11,33 +12,29 @@ cast like ``torch.Tensor.to``). Read sizes (``nbytes``) are always in the stored
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import overload
 
-import msgpack
 import numpy as np
+import numpy.typing as npt
 
 from cloudckpt.errors import MissingKeysError, PlanningError, ShapeMismatchError
-from cloudckpt.manifest.columns import ColumnError, decode_int_column, encode_int_column
-from cloudckpt.manifest.dtypes import MAX_NDIM
 from cloudckpt.manifest.model import Manifest
 from cloudckpt.planning.load.chunk_index import SCAN_CHUNKS, manifest_index, padded_rows
 from cloudckpt.planning.load.hints import missing_names_message
-from cloudckpt.planning.lru import LRUCache
 from cloudckpt.planning.pieces import PieceSpec
 
-LOAD_PLAN_FORMAT = "cloudckpt.load_plan"
 
-
-def shared_tuples():
+def shared_tuples() -> Callable[[Iterable[int]], tuple[int, ...]]:
     """``same(ints)``: a tuple of ``ints``, the one made before for equal ints (boxes repeat a
     lot: whole tensors at offset 0, shards of equal sizes); fewer live objects means fewer
     collections by Python's garbage collector, whose full passes over a process holding torch
     cost tens of milliseconds."""
-    seen: dict = {}
+    seen: dict[tuple[int, ...], tuple[int, ...]] = {}
 
-    def same(ints) -> tuple:
+    def same(ints: Iterable[int]) -> tuple[int, ...]:
         t = tuple(ints)
         return seen.setdefault(t, t)
 
@@ -74,7 +71,7 @@ class ReadItem:
         return Region(self.name, self.chunk_index, self.src_offsets, self.lengths, self.nbytes)
 
 
-class ReadTable(Sequence):
+class ReadTable(Sequence[ReadItem]):
     """Read items as columns; a read-only ``Sequence[ReadItem]``.
 
     ``names`` / ``ndims``: the distinct tensor names; per item ``name_index``, ``request_index``,
@@ -98,16 +95,16 @@ class ReadTable(Sequence):
 
     def __init__(
         self,
-        names,
-        ndims,
-        name_index,
-        request_index,
-        chunk_index,
-        dest_offsets,
-        src_offsets,
-        lengths,
-        nbytes,
-        broadcastable,
+        names: Sequence[str],
+        ndims: npt.ArrayLike,
+        name_index: npt.ArrayLike,
+        request_index: npt.ArrayLike,
+        chunk_index: npt.ArrayLike,
+        dest_offsets: npt.ArrayLike,
+        src_offsets: npt.ArrayLike,
+        lengths: npt.ArrayLike,
+        nbytes: npt.ArrayLike,
+        broadcastable: npt.ArrayLike,
     ):
         self.names = names if type(names) is tuple else tuple(names)
         self.ndims = np.asarray(ndims, dtype=np.int64).reshape(-1)
@@ -148,7 +145,9 @@ class ReadTable(Sequence):
     @classmethod
     def from_items(cls, items: Sequence[ReadItem]) -> ReadTable:
         index: dict[str, int] = {}
-        names, ndims, cols = [], [], ([], [], [], [], [], [], [], [], [])
+        names: list[str] = []
+        ndims: list[int] = []
+        cols: tuple[list[int], ...] = ([], [], [], [], [], [], [], [], [])
         for it in items:
             i = index.get(it.name)
             if i is None:
@@ -203,11 +202,15 @@ class ReadTable(Sequence):
             )
         ]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[ReadItem]:
         return iter(self.items())
 
-    def __getitem__(self, i):
-        items = self.__dict__.get("_items")
+    @overload
+    def __getitem__(self, i: int) -> ReadItem: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[ReadItem, ...]: ...
+    def __getitem__(self, i: int | slice) -> ReadItem | tuple[ReadItem, ...]:
+        items: tuple[ReadItem, ...] | None = self.__dict__.get("_items")
         if items is not None:
             return items[i]
         if isinstance(i, slice):
@@ -254,9 +257,10 @@ class LocalLoadPlan:
 
     @property
     def table(self) -> ReadTable:
-        return self._table  # type: ignore[attr-defined]
+        table: ReadTable = self.__dict__["_table"]  # set in __post_init__
+        return table
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         if not isinstance(other, LocalLoadPlan):
             return NotImplemented
         return (self.rank, tuple(self.reads), self.unexpected, self.missing) == (
@@ -354,8 +358,8 @@ def plan_local_load(
     bounds = np.flatnonzero(np.diff(t_arr[rows_g])) + 1 if len(rows_g) else rows_g
     for rows in np.split(rows_g, bounds) if len(rows_g) else ():
         t = int(t_arr[rows[0]])
-        nd = int(idx.ndims[t])
-        req, hits = idx.general(t).overlapping_many(off[rows, :nd], end[rows, :nd])
+        t_nd = int(idx.ndims[t])
+        req, hits = idx.general(t).overlapping_many(off[rows, :t_nd], end[rows, :t_nd])
         parts_r.append(rows[req])
         parts_pos.append(idx.position_of(int(idx.chunk_start[t]) + hits))
     item_r = np.concatenate(parts_r) if parts_r else np.zeros(0, dtype=np.int64)
@@ -383,104 +387,6 @@ def plan_local_load(
     return LocalLoadPlan(rank, table, unexpected, tuple(missing) if not strict else ())
 
 
-def tensor_of_names(tensor_of, names) -> np.ndarray:
+def tensor_of_names(tensor_of: Mapping[str, int], names: Sequence[str]) -> np.ndarray:
     """The manifest's tensor number of each of ``names`` (all known)."""
     return np.fromiter(map(tensor_of.__getitem__, names), np.int64, len(names))
-
-
-HEADER_CACHE: LRUCache[bytes, tuple[tuple[str, ...], np.ndarray]] = LRUCache(16)
-"""Decoded load plan headers by their bytes (a memo of a pure decode: never stale)."""
-
-
-def _pack_header(names, ndims) -> bytes:
-    return msgpack.packb(
-        [list(names), np.asarray(ndims, dtype=np.int64).tolist()], use_bin_type=True
-    )
-
-
-def _unpack_header(data) -> tuple[tuple[str, ...], np.ndarray]:
-    """Names and ndims of a load plan; identical headers (the usual case) decode once and are shared."""
-    if not isinstance(data, bytes):
-        raise PlanningError("bad load plan header")
-    hit = HEADER_CACHE.get(data)
-    if hit is not None:
-        return hit
-    try:
-        names, ndims = msgpack.unpackb(data, raw=False)
-        ndims_arr = np.array(ndims, dtype=np.int64)
-    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
-        raise PlanningError(f"bad load plan header: {exc}") from exc
-    if (
-        not (isinstance(names, list) and len(names) == len(ndims_arr) and ndims_arr.ndim == 1)
-        or not set(map(type, names)) <= {str}
-        or (len(ndims_arr) and not 0 <= ndims_arr.min() <= ndims_arr.max() <= MAX_NDIM)
-    ):
-        raise PlanningError("bad load plan header")
-    hit = (tuple(names), ndims_arr)
-    hit[1].flags.writeable = False
-    HEADER_CACHE.put(data, hit)
-    return hit
-
-
-def encode_local_load_plan(plan: LocalLoadPlan) -> bytes:
-    """msgpack bytes of a load plan (columnar; see :class:`ReadTable`)."""
-    t = plan.table
-    return msgpack.packb(
-        {
-            "format": LOAD_PLAN_FORMAT,
-            "version": 1,
-            "rank": plan.rank,
-            "header": _pack_header(t.names, t.ndims),
-            "name_index": encode_int_column(t.name_index, delta=True),
-            "request_index": encode_int_column(t.request_index, delta=True),
-            "chunk_index": encode_int_column(t.chunk_index, delta=True),
-            "dest_offsets": encode_int_column(t.dest_offsets, delta=True),
-            "src_offsets": encode_int_column(t.src_offsets, delta=True),
-            "lengths": encode_int_column(t.lengths, delta=True),
-            "nbytes": encode_int_column(t.nbytes, delta=True),
-            "broadcastable": np.packbits(t.broadcastable).tobytes(),
-            "unexpected": list(plan.unexpected),
-            "missing": list(plan.missing),
-        },
-        use_bin_type=True,
-    )
-
-
-def decode_local_load_plan(data: bytes) -> LocalLoadPlan:
-    """Inverse of :func:`encode_local_load_plan`; raises PlanningError on malformed bytes."""
-    try:
-        doc = msgpack.unpackb(data, raw=False)
-        if (
-            not isinstance(doc, dict)
-            or doc.get("format") != LOAD_PLAN_FORMAT
-            or doc.get("version") != 1
-        ):
-            raise PlanningError("not a cloudckpt load plan (format/version)")
-        names, ndims = _unpack_header(doc["header"])
-        name_index = decode_int_column(doc["name_index"])
-        n = len(name_index)
-        if n and (name_index.min() < 0 or name_index.max() >= len(names)):
-            raise PlanningError("load plan refers to an unknown name")
-        ncoords = int(ndims[name_index].sum()) if n else 0
-        bits = doc["broadcastable"]
-        if not isinstance(bits, bytes) or len(bits) != (n + 7) // 8:
-            raise PlanningError("bad broadcastable flags")
-        table = ReadTable(
-            names,
-            ndims,
-            name_index,
-            decode_int_column(doc["request_index"], expected=n),
-            decode_int_column(doc["chunk_index"], expected=n),
-            decode_int_column(doc["dest_offsets"], expected=ncoords),
-            decode_int_column(doc["src_offsets"], expected=ncoords),
-            decode_int_column(doc["lengths"], expected=ncoords),
-            decode_int_column(doc["nbytes"], expected=n),
-            np.unpackbits(np.frombuffer(bits, dtype=np.uint8), count=n).astype(bool),
-        )
-        return LocalLoadPlan(
-            int(doc["rank"]), table, tuple(doc["unexpected"]), tuple(doc["missing"])
-        )
-    except PlanningError:
-        raise
-    except (ColumnError, KeyError, TypeError, ValueError, IndexError) as exc:
-        raise PlanningError(f"malformed load plan: {exc}") from exc

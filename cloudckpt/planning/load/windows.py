@@ -31,7 +31,9 @@ import numpy as np
 
 from cloudckpt.errors import ManifestError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
-from cloudckpt.planning.load.chunk_index import padded_rows
+from cloudckpt.manifest.model import Manifest
+from cloudckpt.planning.batching import aligned
+from cloudckpt.planning.load.plan import Region
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +56,7 @@ class Window:
     start: int
     length: int
     first_block: int
-    crc32c: tuple[int, ...]
+    crc32c: tuple[int | None, ...]
     block_size: int
     itemsize: int
     strides: tuple[int, ...]
@@ -67,6 +69,15 @@ def row_major_strides(sizes: Sequence[int]) -> tuple[int, ...]:
     for i in range(len(sizes) - 2, -1, -1):
         strides[i] = strides[i + 1] * max(int(sizes[i + 1]), 1)
     return tuple(strides)
+
+
+def layout_windows(windows: Sequence[Window]) -> tuple[list[int], int]:
+    """Byte offset of each window in a shared buffer (each one aligned), and the bytes used."""
+    offsets, pos = [], 0
+    for w in windows:
+        offsets.append(pos)
+        pos += aligned(w.length)
+    return offsets, pos
 
 
 def boxes_in_flat_range(
@@ -105,11 +116,25 @@ def boxes_in_flat_range(
     return out
 
 
-class _Chunks:
+def dense_run(window: Window) -> tuple[int, int] | None:
+    """``(byte offset in the window, bytes)`` of a window's one sub-box when its elements are
+    one dense run there (its box is whole in every dimension after the first it spans more
+    than one element of); None otherwise."""
+    (sub,) = window.boxes
+    lengths, strides = sub.lengths, window.strides
+    expect = 1
+    for n, s in zip(reversed(lengths), reversed(strides)):
+        if n > 1 and s != expect:
+            return None
+        expect *= n
+    return sub.first * window.itemsize, expect * window.itemsize
+
+
+class ChunkColumns:
     """A manifest's chunk columns as :func:`_locate` reads them (made once per manifest, kept
     with it: ``Manifest.derived``), so locating a region builds no record objects."""
 
-    def __init__(self, manifest):
+    def __init__(self, manifest: Manifest):
         cols = manifest.columns
         self.name_index = cols.name_index
         self.ndims, self.chunk_start, self.coord_start = (
@@ -123,8 +148,9 @@ class _Chunks:
         self.itemsizes = [DTYPE_ITEMSIZE[d] for d in cols.dtypes]
 
 
-def _chunks(manifest) -> _Chunks:
-    return manifest.derived("planning.windows.chunks", _Chunks)
+def chunk_columns(manifest: Manifest) -> ChunkColumns:
+    chunks: ChunkColumns = manifest.derived("planning.windows.chunks", ChunkColumns)
+    return chunks
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,18 +171,18 @@ class _Place:
     byte_length: int
     object_index: int
     crc_lo: int
-    crcs: object  # the manifest's flat crc column
+    crcs: np.ndarray  # the manifest's flat crc column
 
     def block_crcs(self, b: int, e: int) -> tuple[int, ...]:
         """crc32c of the chunk's blocks ``b .. e - 1``."""
         return tuple(self.crcs[self.crc_lo + b : self.crc_lo + e].tolist())
 
 
-def _locate(manifest, region) -> _Place | None:
+def _locate(manifest: Manifest, region: Region) -> _Place | None:
     """The region's place in its chunk; None for an empty region. Raises
     :class:`ManifestError` when the region reaches past the chunk's bytes (``KeyError`` /
     ``IndexError`` for a tensor or chunk the manifest does not have)."""
-    g = _chunks(manifest)
+    g = chunk_columns(manifest)
     t = g.name_index[region.name]
     c0 = int(g.chunk_start[t])
     count = int(g.chunk_start[t + 1]) - c0
@@ -199,7 +225,7 @@ def _locate(manifest, region) -> _Place | None:
     )
 
 
-def plan_windows(manifest, region, max_bytes: int) -> list[Window]:
+def plan_windows(manifest: Manifest, region: Region, max_bytes: int) -> list[Window]:
     """The windows (see module doc) through which ``region`` of ``manifest`` is read.
 
     An empty region has no windows. Raises :class:`ManifestError` when the region reaches past
@@ -267,7 +293,7 @@ def plan_windows(manifest, region, max_bytes: int) -> list[Window]:
     return windows
 
 
-def _unverified_windows(manifest, place: _Place, max_bytes: int) -> list[Window]:
+def _unverified_windows(manifest: Manifest, place: _Place, max_bytes: int) -> list[Window]:
     """Windows of a region of a manifest without checksums: runs of at most ``max_bytes`` (at
     least one element) from the region's first element to its last, no block alignment."""
     itemsize, strides = place.itemsize, place.strides
@@ -329,7 +355,7 @@ class RunWindow:
     blocks: tuple[BlockRead, ...]
 
 
-def plan_run_windows(manifest, region, max_bytes: int) -> list[RunWindow] | None:
+def plan_run_windows(manifest: Manifest, region: Region, max_bytes: int) -> list[RunWindow] | None:
     """The windows of a region whose elements are one contiguous run of its chunk (so its bytes
     can go straight to a contiguous destination); None for any other region, or an empty one.
 
@@ -380,181 +406,3 @@ def plan_run_windows(manifest, region, max_bytes: int) -> list[RunWindow] | None
         )
         b = e
     return windows
-
-
-# -- many regions at once ------------------------------------------------------------------------
-#
-# A load plans windows for every region it reads or shares (hundreds of small tensors are
-# usual), so the regions are located together, with array arithmetic; only the windows
-# themselves are made one by one. A region that fits in one window (the usual case) gets the
-# same window the one-region functions give, with its whole box as one sub-box; any other one
-# (several windows, odd block sizes, an unknown name or chunk, a region past its chunk, a
-# manifest without checksums) goes through the one-region functions, which raise what they
-# raise.
-
-
-class _Located:
-    """The places of many regions, as columns (see :func:`_locate_many`)."""
-
-    def __init__(self, manifest, regions: Sequence):
-        g = _chunks(manifest)
-        n = len(regions)
-        t = np.fromiter((g.name_index.get(r.name, -1) for r in regions), np.int64, n)
-        ci = np.fromiter((r.chunk_index for r in regions), np.int64, n)
-        nds = np.fromiter((len(r.lengths) for r in regions), np.int64, n)
-        width = int(nds.max(initial=0))
-        mask = np.arange(width) < nds[:, None]
-        off = padded_rows((r.src_offsets for r in regions), nds, width, 0)
-        lengths = padded_rows((r.lengths for r in regions), nds, width, 1)
-        ok = t >= 0
-        tt = np.where(ok, t, 0)
-        c0 = g.chunk_start[tt]
-        ok &= (ci >= 0) & (ci < g.chunk_start[tt + 1] - c0) & (g.ndims[tt] == nds)
-        ci = np.where(ok, ci, 0)
-        c = c0 + ci
-        sizes = np.ones((n, width), dtype=np.int64)
-        take = mask & ok[:, None]
-        sizes[take] = g.sizes[((g.coord_start[tt] + ci * nds)[:, None] + np.arange(width))[take]]
-        strides = np.ones((n, width), dtype=np.int64)
-        if width > 1:  # row-major, a zero size counting as one (padding dims are 1 at the end)
-            strides[:, :-1] = np.cumprod(np.maximum(sizes[:, :0:-1], 1), axis=1)[:, ::-1]
-        first = (off * strides).sum(axis=1)
-        last = ((off + lengths - 1) * strides).sum(axis=1)
-        numel = lengths.prod(axis=1)
-        itemsize = (
-            np.asarray(g.itemsizes, dtype=np.int64)[tt]
-            if g.itemsizes
-            else np.zeros(n, dtype=np.int64)
-        )
-        byte_length = g.byte_length[c]
-        ok &= (numel > 0) & ((last + 1) * itemsize <= byte_length)
-        self.ok, self.nds, self.strides, self.lengths = ok, nds, strides, lengths
-        self.first, self.last, self.numel, self.itemsize = first, last, numel, itemsize
-        self.byte_offset, self.byte_length = g.byte_offset[c], byte_length
-        self.object_index, self.crc_lo, self.crcs = g.object_index[c], g.crc_start[c], g.crcs
-
-    def blocks(self, block: int, max_bytes: int):
-        """Per region: its first block, one past its last, and whether they make one window of
-        at most ``max_bytes`` (a region a fast path can take)."""
-        b = self.first * self.itemsize // block
-        b_end = -(-(self.last + 1) * self.itemsize // block)
-        one = (
-            self.ok
-            & (block % np.maximum(self.itemsize, 1) == 0)
-            & (b_end - b <= max(1, max_bytes // block))
-        )
-        return b, b_end, one
-
-    def block_crcs(self, lo: np.ndarray, hi: np.ndarray, rows: np.ndarray) -> list:
-        """Per region, the crcs of its chunk's blocks ``lo .. hi - 1`` where ``rows`` (valid
-        regions only) says so, None elsewhere."""
-        out: list = [None] * len(rows)
-        pick = np.flatnonzero(rows)
-        start, end = (self.crc_lo + lo)[pick], (self.crc_lo + hi)[pick]
-        single = self.crcs[start].tolist()
-        for i, s, e, c in zip(pick.tolist(), start.tolist(), end.tolist(), single):
-            out[i] = (c,) if e - s == 1 else tuple(self.crcs[s:e].tolist())
-        return out
-
-
-def plan_windows_many(manifest, regions: Sequence, max_bytes: int) -> list[list[Window]]:
-    """:func:`plan_windows` of each of ``regions`` (same windows, same errors), located
-    together."""
-    if not manifest.checksums or not regions:
-        return [plan_windows(manifest, r, max_bytes) for r in regions]
-    at = _Located(manifest, regions)
-    block = manifest.checksum_block_size
-    b, b_end, one = at.blocks(block, max_bytes)
-    lo_byte = b * block
-    hi_byte = np.minimum(b_end * block, at.byte_length)
-    crcs = at.block_crcs(b, b_end, one)
-    keys = manifest.objects
-    out: list[list[Window]] = []
-    same: dict = {}  # equal boxes share their tuples (fewer live objects: see shared_tuples)
-    rows = zip(
-        regions,
-        one.tolist(),
-        at.nds.tolist(),
-        at.lengths.tolist(),
-        at.strides.tolist(),
-        (at.byte_offset + lo_byte).tolist(),
-        (hi_byte - lo_byte).tolist(),
-        b.tolist(),
-        crcs,
-        at.itemsize.tolist(),
-        at.object_index.tolist(),
-        (at.first - lo_byte // np.maximum(at.itemsize, 1)).tolist(),
-    )
-    for (
-        region,
-        fast,
-        nd,
-        lengths,
-        strides,
-        start,
-        length,
-        first_block,
-        crc,
-        itemsize,
-        obj,
-        sub_first,
-    ) in rows:
-        if not fast:
-            out.append(plan_windows(manifest, region, max_bytes))
-            continue
-        lengths = tuple(lengths[:nd])
-        lengths = same.setdefault(lengths, lengths)
-        strides = tuple(strides[:nd])
-        strides = same.setdefault(strides, strides)
-        boxes = same.get((lengths, sub_first))
-        if boxes is None:
-            boxes = same[(lengths, sub_first)] = (SubBox((0,) * nd, lengths, sub_first),)
-        out.append(
-            [Window(keys[obj], start, length, first_block, crc, block, itemsize, strides, boxes)]
-        )
-    return out
-
-
-def plan_run_windows_many(
-    manifest, regions: Sequence, max_bytes: int
-) -> list[list[RunWindow] | None]:
-    """:func:`plan_run_windows` of each of ``regions`` (same windows, same errors), located
-    together."""
-    if not manifest.checksums or not regions:
-        return [plan_run_windows(manifest, r, max_bytes) for r in regions]
-    at = _Located(manifest, regions)
-    block = manifest.checksum_block_size
-    lo, hi = at.first * at.itemsize, (at.last + 1) * at.itemsize
-    b, b_end, one = at.blocks(block, max_bytes)
-    run = at.last - at.first + 1 == at.numel
-    crcs = at.block_crcs(b, b_end, one & run)
-    keys = manifest.objects
-    out: list[list[RunWindow] | None] = []
-    rows = zip(
-        regions,
-        at.ok.tolist(),
-        one.tolist(),
-        run.tolist(),
-        lo.tolist(),
-        hi.tolist(),
-        b.tolist(),
-        b_end.tolist(),
-        crcs,
-        at.byte_offset.tolist(),
-        at.byte_length.tolist(),
-        at.object_index.tolist(),
-    )
-    for region, ok, fast, is_run, lo_, hi_, b_, e_, crc, byte_offset, byte_length, obj in rows:
-        if ok and not is_run:
-            out.append(None)
-            continue
-        if not fast:
-            out.append(plan_run_windows(manifest, region, max_bytes))
-            continue
-        reads = []
-        for k, c in zip(range(b_, e_), crc):
-            blo, bhi = k * block, min((k + 1) * block, byte_length)
-            a, z = max(blo, lo_), min(bhi, hi_)
-            reads.append(BlockRead(byte_offset + blo, bhi - blo, c, a - blo, z - a, a - lo_))
-        out.append([RunWindow(keys[obj], 0, hi_ - lo_, tuple(reads))])
-    return out

@@ -124,7 +124,7 @@ def assemble_manifest(
     *,
     world_size: int,
     checksum_block_size: int = DEFAULT_CHECKSUM_BLOCK_SIZE,
-    metadata: Mapping | None = None,
+    metadata: Mapping[str, object] | None = None,
     structure: object = None,
     created_at: float | None = None,
     cloudckpt_version: str | None = None,
@@ -202,7 +202,8 @@ def assemble_manifest(
     if (blen != skeleton.nbytes).any():
         c = int(np.flatnonzero(blen != skeleton.nbytes)[0])
         raise PlanningError(
-            f"chunk {c} has {int(blen[c])} bytes written, the plan expects {int(skeleton.nbytes[c])}"
+            f"chunk {c} has {int(blen[c])} bytes written, "
+            f"the plan expects {int(skeleton.nbytes[c])}"
         )
     ncrc_all = crc_counts(blen, checksum_block_size)
     crc_start = np.concatenate(([0], np.cumsum(ncrc_all))).astype(np.int64)
@@ -216,7 +217,9 @@ def assemble_manifest(
         crcs[dest] = values
     offsets, sizes = skeleton.flat_coords()
     if cloudckpt_version is None:
-        from cloudckpt import __version__ as cloudckpt_version
+        from cloudckpt.version import __version__
+
+        cloudckpt_version = __version__
     return Manifest(
         world_size=world_size,
         created_at=time.time() if created_at is None else created_at,
@@ -244,7 +247,12 @@ def assemble_manifest(
     )
 
 
-def _add_objects(objects: list, homes: list, pos: dict, entries) -> np.ndarray:
+def _add_objects(
+    objects: list[str],
+    homes: list[str],
+    pos: dict[tuple[str, str], int],
+    entries: Sequence[tuple[str, str]],
+) -> np.ndarray:
     """Index of each ``(home, key)`` of ``entries`` in the object table (added when new)."""
     remap = np.empty(len(entries), dtype=np.int64)
     for i, (home, key) in enumerate(entries):

@@ -8,18 +8,19 @@ vectorised (numpy over all pieces at once): no per-piece Python objects.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 
 from cloudckpt.errors import CoverageError, LayoutMismatchError, PlanningError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
 from cloudckpt.planning.coverage import find_cover_defect, slab_segments_ok, sort_boxes
-from cloudckpt.planning.pieces import region_str
+from cloudckpt.planning.pieces import PieceHeader, region_str
 from cloudckpt.planning.save import replicas
 from cloudckpt.planning.save.local_plan import LocalSavePlan
-from cloudckpt.planning.save.replicas import assign_replicas, cut_dim
+from cloudckpt.planning.save.replicas import ReplicaBoxes, assign_replicas, cut_dim
 
 
 @dataclass(frozen=True)
@@ -62,14 +63,15 @@ class ManifestSkeleton:
         return int(self.chunk_start[-1])
 
     def tensor_index(self, name: str) -> int:
-        index = self.__dict__.get("_index")
+        index: dict[str, int] | None = self.__dict__.get("_index")
         if index is None:
             index = {n: i for i, n in enumerate(self.names)}
             object.__setattr__(self, "_index", index)
         return index[name]
 
     def chunks_of(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(offsets ``(n, ndim)``, sizes ``(n, ndim)``, writer ranks ``(n,)``) of tensor ``name``."""
+        """(offsets ``(n, ndim)``, sizes ``(n, ndim)``, writer ranks ``(n,)``) of tensor
+        ``name``."""
         i = self.tensor_index(name)
         s, e, nd = int(self.chunk_start[i]), int(self.chunk_start[i + 1]), len(self.shapes[i])
         return self.offsets[s:e, :nd], self.sizes[s:e, :nd], self.writer[s:e]
@@ -79,7 +81,8 @@ class ManifestSkeleton:
         return np.repeat(np.arange(len(self.names), dtype=np.int64), np.diff(self.chunk_start))
 
     def flat_coords(self) -> tuple[np.ndarray, np.ndarray]:
-        """Chunk offsets and sizes flattened chunk-major, each chunk giving its tensor's ndim numbers."""
+        """Chunk offsets and sizes flattened chunk-major, each chunk giving its tensor's ndim
+        numbers."""
         ndims = np.array([len(s) for s in self.shapes], dtype=np.int64)[self.chunk_tensor()]
         mask = np.arange(self.offsets.shape[1]) < ndims[:, None]
         return self.offsets[mask], self.sizes[mask]
@@ -105,13 +108,16 @@ class GlobalSavePlan:
     value_owner: dict[str, int]
 
 
-def _union_names(plans: Sequence[LocalSavePlan]):
+def _union_names(
+    plans: Sequence[LocalSavePlan],
+) -> tuple[list[str], list[str], list[tuple[int, ...]], dict[str, int], list[np.ndarray]]:
     names: list[str] = []
     dtypes: list[str] = []
     shapes: list[tuple[int, ...]] = []
     index: dict[str, int] = {}
     maps: list[np.ndarray] = []
-    prev_header, prev_map = None, None
+    prev_header: PieceHeader | None = None
+    prev_map = np.empty(0, dtype=np.int64)
     for p in plans:
         h = p.table.header
         if prev_header is not None and h.same_as(prev_header):
@@ -133,8 +139,8 @@ def _union_names(plans: Sequence[LocalSavePlan]):
     return names, dtypes, shapes, index, maps
 
 
-def _raise_layout_mismatch(plans: Sequence[LocalSavePlan], name: str):
-    groups: dict[tuple, list[int]] = {}
+def _raise_layout_mismatch(plans: Sequence[LocalSavePlan], name: str) -> NoReturn:
+    groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}
     for p in plans:
         i = p.table.header.index.get(name)
         if i is not None:
@@ -171,13 +177,14 @@ def plan_global_save(
 ) -> GlobalSavePlan:
     """Merge every rank's local plan into this rank's :class:`GlobalSavePlan` (see module doc).
 
-    ``local_plans[i]`` must be rank ``i``'s plan. Validates that ranks agree on each tensor's dtype
-    and global shape (:class:`~cloudckpt.errors.LayoutMismatchError` naming the tensor and ranks) and
-    that the pieces cover every tensor exactly, identical replicas aside
+    ``local_plans[i]`` must be rank ``i``'s plan. Validates that ranks agree on each tensor's
+    dtype and global shape (:class:`~cloudckpt.errors.LayoutMismatchError` naming the tensor and
+    ranks) and that the pieces cover every tensor exactly, identical replicas aside
     (:class:`~cloudckpt.errors.CoverageError` naming the tensor and region). Each distinct box
     becomes one chunk written by one holder, except large replicated boxes, cut into row ranges
-    of at least ``replica_piece_bytes`` (default :data:`~cloudckpt.planning.save.replicas.REPLICA_PIECE_BYTES`)
-    written by different holders so that every rank writes about its fair share
+    of at least ``replica_piece_bytes`` (default
+    :data:`~cloudckpt.planning.save.replicas.REPLICA_PIECE_BYTES`) written by different holders so
+    that every rank writes about its fair share
     (:mod:`cloudckpt.planning.save.replicas`); with ``replicas_to_lowest_rank``
     every replicated box goes whole to its lowest holder. Empty pieces are not written.
     """
@@ -269,22 +276,23 @@ def plan_global_save(
     writer_piece = s_piece[run_start].copy()
     within = np.zeros_like(u_off)
     if not replicas_to_lowest_rank:
-        cut = assign_replicas(
-            run_start,
-            run_len,
-            u_nbytes,
-            u_size,
-            ndims[u_g],
-            s_rank,
-            s_piece,
-            writer,
-            writer_piece,
-            world,
-            replicas.REPLICA_PIECE_BYTES if replica_piece_bytes is None else replica_piece_bytes,
+        boxes = ReplicaBoxes(
+            run_start=run_start,
+            run_len=run_len,
+            nbytes=u_nbytes,
+            size=u_size,
+            ndim=ndims[u_g],
+            hold_rank=s_rank,
+            hold_piece=s_piece,
         )
-        if cut:
+        piece_bytes = (
+            replicas.REPLICA_PIECE_BYTES if replica_piece_bytes is None else replica_piece_bytes
+        )
+        assigned = assign_replicas(boxes, world_size=world, piece_bytes=piece_bytes)
+        writer, writer_piece = assigned.writer, assigned.writer_piece
+        if assigned.cuts:
             u_g, u_off, u_size, u_nbytes, writer, writer_piece, within = _apply_cuts(
-                cut,
+                assigned.cuts,
                 u_g,
                 u_off,
                 u_size,
@@ -325,20 +333,20 @@ def plan_global_save(
 
 
 def _apply_cuts(
-    cut,
-    u_g,
-    u_off,
-    u_size,
-    u_nbytes,
-    writer,
-    writer_piece,
-    itemsizes,
-    ndims,
-    run_start,
-    s_rank,
-    s_piece,
-    n_names,
-):
+    cut: Mapping[int, tuple[tuple[int, int, int], ...]],
+    u_g: np.ndarray,
+    u_off: np.ndarray,
+    u_size: np.ndarray,
+    u_nbytes: np.ndarray,
+    writer: np.ndarray,
+    writer_piece: np.ndarray,
+    itemsizes: np.ndarray,
+    ndims: np.ndarray,
+    run_start: np.ndarray,
+    s_rank: np.ndarray,
+    s_piece: np.ndarray,
+    n_names: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Replace each cut box by its row-range pieces; returns the chunk arrays (re-sorted by
     tensor and offsets) and each chunk's offsets inside its writer's piece."""
     counts = np.ones(len(u_g), dtype=np.int64)
@@ -362,7 +370,16 @@ def _apply_cuts(
     return g[order], off[order], size[order], nbytes[order], wr[order], wp[order], within[order]
 
 
-def _check_coverage(names, shapes, ndims, gshape, chunk_start, u_g, u_off, u_size) -> None:
+def _check_coverage(
+    names: Sequence[str],
+    shapes: Sequence[tuple[int, ...]],
+    ndims: np.ndarray,
+    gshape: np.ndarray,
+    chunk_start: np.ndarray,
+    u_g: np.ndarray,
+    u_off: np.ndarray,
+    u_size: np.ndarray,
+) -> None:
     seg_len = np.diff(chunk_start)
     nonempty = np.flatnonzero(seg_len > 0)
     for g in np.flatnonzero(seg_len == 0).tolist():

@@ -42,6 +42,7 @@ class BaseChunks:
         """Chunk id -> the base's content hash, for every matched chunk."""
         ids = np.flatnonzero(self.match >= 0)
         hashes = self.manifest.chunk_hashes
+        assert hashes is not None  # match_base matches only a base that holds chunk hashes
         return {int(c): hashes[int(b)].tobytes() for c, b in zip(ids, self.match[ids])}
 
     def homes(self) -> frozenset[str]:
@@ -159,6 +160,7 @@ def reused_chunks(base: BaseChunks, ids: np.ndarray) -> ReusedChunks:
     pos = np.repeat(cols.crc_start[src], ncrc) + (
         np.arange(int(ncrc.sum())) - np.repeat(np.cumsum(ncrc) - ncrc, ncrc)
     )
+    assert m.chunk_hashes is not None  # a reused chunk comes from a base with chunk hashes
     return ReusedChunks(
         ids=ids,
         objects=objects,

@@ -69,17 +69,19 @@ class LocalSavePlan:
     @property
     def table(self) -> PieceTable:
         """The pieces as columns."""
-        return self._table  # type: ignore[attr-defined]
+        table: PieceTable = self.__dict__["_table"]  # set in __post_init__
+        return table
 
     def fingerprint(self) -> bytes:
-        """16-byte blake2b of the canonical encoding (names, dtypes, shapes, boxes, rank, world size,
-        broadcastable flags, value names)."""
-        if self._fingerprint is None:  # type: ignore[attr-defined]
+        """16-byte blake2b of the canonical encoding (names, dtypes, shapes, boxes, rank, world
+        size, broadcastable flags, value names)."""
+        digest: bytes | None = self.__dict__["_fingerprint"]
+        if digest is None:
             digest = hashlib.blake2b(encode_local_save_plan(self), digest_size=16).digest()
             object.__setattr__(self, "_fingerprint", digest)
-        return self._fingerprint  # type: ignore[attr-defined]
+        return digest
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         if not isinstance(other, LocalSavePlan):
             return NotImplemented
         return (
@@ -94,7 +96,8 @@ class LocalSavePlan:
 
 def encode_local_save_plan(plan: LocalSavePlan) -> bytes:
     """Canonical msgpack bytes of a local save plan (cached on the plan)."""
-    if plan._encoded is None:  # type: ignore[attr-defined]
+    encoded: bytes | None = plan.__dict__["_encoded"]
+    if encoded is None:
         t = plan.table
         doc = {
             "format": SAVE_PLAN_FORMAT,
@@ -108,8 +111,9 @@ def encode_local_save_plan(plan: LocalSavePlan) -> bytes:
             "broadcastable": np.packbits(t.broadcastable).tobytes(),
             "values": list(plan.value_names),
         }
-        object.__setattr__(plan, "_encoded", msgpack.packb(doc, use_bin_type=True))
-    return plan._encoded  # type: ignore[attr-defined]
+        encoded = msgpack.packb(doc, use_bin_type=True)
+        object.__setattr__(plan, "_encoded", encoded)
+    return encoded
 
 
 def _header(data: bytes) -> PieceHeader:

@@ -1,7 +1,7 @@
 """Who writes each replicated box, and which large ones are cut into row ranges.
 
-Part of :func:`cloudckpt.planning.save.global_plan.plan_global_save`; pure and deterministic (integer
-arithmetic, every tie broken by rank), so every rank derives the same result.
+Part of :func:`cloudckpt.planning.save.global_plan.plan_global_save`; pure and deterministic
+(integer arithmetic, every tie broken by rank), so every rank derives the same result.
 
 Contract of :func:`assign_replicas`:
 
@@ -13,8 +13,9 @@ Contract of :func:`assign_replicas`:
 - Replicated boxes, heaviest first (stable), each whole to the holder with the fewest bytes so
   far (ties: lowest rank) when it fits in that holder's room left below its target. Otherwise a
   box of at least ``2 * piece_bytes`` whose first dimension of size above 1 (its *rows*) allows
-  two pieces of at least ``piece_bytes`` is cut into row ranges: holders take, in order of smallest positive room left below their target
-  (ties: lowest rank), as many whole rows as fit in that room; a holder whose room is less than
+  two pieces of at least ``piece_bytes`` is cut into row ranges: holders take, in order of
+  smallest positive room left below their target (ties: lowest rank), as many whole rows as fit in
+  that room; a holder whose room is less than
   ``piece_bytes`` takes none; a piece that would leave a tail shorter than ``piece_bytes``
   takes the tail too or leaves exactly ``piece_bytes``, whichever is nearer its room; rows left
   when every holder is full go, at least ``piece_bytes`` at a time, to the holders not yet used
@@ -31,6 +32,9 @@ tensor it is a view, no copy.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -69,7 +73,12 @@ def _water_fill(levels: list[int], amount: int) -> list[int]:
     return add
 
 
-def _targets(load: list[int], multi: list[int], holders_of, nbytes: list[int]) -> list[int]:
+def _targets(
+    load: list[int],
+    multi: list[int],
+    holders_of: Callable[[int], tuple[int, ...]],
+    nbytes: list[int],
+) -> list[int]:
     groups: dict[tuple[int, ...], int] = {}
     for u, nb in zip(multi, nbytes):
         key = holders_of(u)
@@ -121,22 +130,46 @@ def _cut(
     return pieces
 
 
-def assign_replicas(
-    run_start: np.ndarray,
-    run_len: np.ndarray,
-    u_nbytes: np.ndarray,
-    u_size: np.ndarray,
-    u_ndim: np.ndarray,
-    s_rank: np.ndarray,
-    s_piece: np.ndarray,
-    writer: np.ndarray,
-    writer_piece: np.ndarray,
-    world_size: int,
-    piece_bytes: int,
-) -> dict[int, list[tuple[int, int, int]]]:
-    """Fill ``writer`` / ``writer_piece`` (per distinct box: lowest holder on entry) and return
-    the boxes that are cut: box index -> ``[(row start, row count, holder position)]`` in row
-    order (holder position ``i``: rank ``s_rank[run_start[u] + i]``). See the module doc."""
+@dataclass(frozen=True, kw_only=True)
+class ReplicaBoxes:
+    """A save's distinct boxes and their holders, as columns.
+
+    Per distinct box ``u``: ``nbytes[u]``, ``size[u]`` (padded past its tensor's ``ndim[u]``)
+    and its holders: rows ``run_start[u] .. run_start[u] + run_len[u] - 1`` of ``hold_rank``
+    (ascending ranks) and ``hold_piece`` (the holder's piece index of the box).
+    """
+
+    run_start: np.ndarray
+    run_len: np.ndarray
+    nbytes: np.ndarray
+    size: np.ndarray
+    ndim: np.ndarray
+    hold_rank: np.ndarray
+    hold_piece: np.ndarray
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaAssignment:
+    """Who writes each distinct box (see module doc).
+
+    ``writer[u]`` / ``writer_piece[u]``: the rank writing box ``u`` whole and its piece index
+    there (for a cut box, its lowest holder's: unused); ``cuts``: the boxes that are cut, box
+    index -> ``((row start, row count, holder position), ...)`` in row order (holder position
+    ``i``: rank ``hold_rank[run_start[u] + i]``).
+    """
+
+    writer: np.ndarray
+    writer_piece: np.ndarray
+    cuts: Mapping[int, tuple[tuple[int, int, int], ...]]
+
+
+def assign_replicas(boxes: ReplicaBoxes, *, world_size: int, piece_bytes: int) -> ReplicaAssignment:
+    """Choose the writer of every distinct box of ``boxes`` among its holders, cutting large
+    replicated ones into row ranges of at least ``piece_bytes`` (see the module doc)."""
+    run_start, run_len, u_nbytes = boxes.run_start, boxes.run_len, boxes.nbytes
+    u_size, u_ndim, s_rank, s_piece = boxes.size, boxes.ndim, boxes.hold_rank, boxes.hold_piece
+    writer = s_rank[run_start].copy()  # the lowest holder, until chosen
+    writer_piece = s_piece[run_start].copy()
     single = run_len == 1
     load = np.zeros(world_size, dtype=np.int64)
     np.add.at(load, writer[single], u_nbytes[single])
@@ -150,7 +183,7 @@ def assign_replicas(
         u_nbytes[multi].tolist(),
     )
     holders = [tuple(s_rank[s : s + n].tolist()) for s, n in zip(starts, lens)]  # ascending ranks
-    cut: dict[int, list[tuple[int, int, int]]] = {}
+    cut: dict[int, tuple[tuple[int, int, int], ...]] = {}
     room = None
     if piece_bytes > 0 and multi_l and max(nbytes) >= 2 * piece_bytes:
         by_box = dict(zip(multi_l, holders))
@@ -171,7 +204,7 @@ def assign_replicas(
                         out.append((start, n, i))
                         loads[hs[i]] += n * row_bytes
                         start += n
-                    cut[u] = out
+                    cut[u] = tuple(out)
                     continue
                 i = pieces[0][0]  # one piece: the box whole (room already charged)
                 loads[hs[i]] += nb
@@ -181,4 +214,4 @@ def assign_replicas(
         if room is not None:
             room[hs[i]] -= nb
         writer[u], writer_piece[u] = hs[i], s_piece[s + i]
-    return cut
+    return ReplicaAssignment(writer=writer, writer_piece=writer_piece, cuts=cut)

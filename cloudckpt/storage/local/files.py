@@ -24,7 +24,7 @@ import os
 import re
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, TypeVar
 
 from cloudckpt.storage.base import Body, ObjectInfo, StoreStats, WriterState, as_views
 from cloudckpt.storage.local.paths import Jail
@@ -134,7 +134,15 @@ def unlink_quietly(path: At) -> None:
         pass
 
 
-Runner = Callable[..., Awaitable]
+R = TypeVar("R")
+
+
+class Runner(Protocol):
+    """``LocalStore._run``: run ``fn`` on the store's pool, counted ``count`` times as ``op``."""
+
+    def __call__(
+        self, op: str, key: str | None, fn: Callable[[], R], count: int = 1
+    ) -> Awaitable[R]: ...
 
 
 class LocalObjectWriter(WriterState):
@@ -205,7 +213,8 @@ class LocalObjectWriter(WriterState):
 
     # --- blocking steps (on the store's pool) --------------------------------------------------
 
-    def _open(self) -> None:
+    def _open(self) -> int:
+        """Open the temporary file (``_fd``, ``_tmp``, ``_dir_fd``); returns its fd."""
         for _ in range(5):  # a concurrent delete may prune the directory as we reach it
             with self._jail.walk(self._parts[:-1], create=True) as d:
                 opened = open_temp(At(d.fd, self._parts[-1]))
@@ -220,18 +229,15 @@ class LocalObjectWriter(WriterState):
                     raise
             self._tmp, self._fd = At(self._dir_fd, tmp.name), fd
             self._reserved = preallocate(fd, self._hint or 0)
-            return
+            return fd
         raise FileNotFoundError(errno.ENOENT, "directory vanished", self.key)
 
     def _write(self, views: Sequence[memoryview]) -> None:
-        if self._fd is None:
-            self._open()
-        write_all(self._fd, views)
+        write_all(self._fd if self._fd is not None else self._open(), views)
 
     def _publish(self) -> ObjectInfo:
-        if self._fd is None:
-            self._open()
-        fd, self._fd = self._fd, None
+        fd = self._fd if self._fd is not None else self._open()
+        self._fd = None
         try:
             if self._reserved and os.fstat(fd).st_size != self.size:
                 os.ftruncate(fd, self.size)  # the hint reserved more (or less) than written
@@ -240,6 +246,7 @@ class LocalObjectWriter(WriterState):
         finally:
             os.close(fd)
         d, tmp = self._dir_fd, self._tmp
+        assert d is not None and tmp is not None  # set with the fd by _open
         path = At(d, self._parts[-1])
         if self._create:
             link_exclusive(tmp, path)  # FileExistsError: the temporary file goes in _remove

@@ -1,4 +1,5 @@
-"""Reaching files below a root without leaving it, for :class:`~cloudckpt.storage.local.store.LocalStore`.
+"""Reaching files below a root without leaving it, for
+:class:`~cloudckpt.storage.local.store.LocalStore`.
 
 Contract:
 - Every path component is opened relative to the directory fd of its parent with ``O_NOFOLLOW``
@@ -26,6 +27,9 @@ import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
+
+R = TypeVar("R")
 
 #: symlinks followed within one resolution before giving up (like the kernel's 40).
 MAX_LINKS = 40
@@ -104,7 +108,7 @@ class Walk:
     def __enter__(self) -> Walk:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -178,7 +182,7 @@ class Walk:
             self.fds.append(fd)
             self.names.append(part)
 
-    def _final(self, name: str, attempt) -> object:
+    def _final(self, name: str, attempt: Callable[[str], R]) -> R:
         """Run ``attempt(name)`` on the last component, following links inside the root:
         ``attempt`` returns a result, or raises OSError (a link error leads to following)."""
         while True:
@@ -256,7 +260,9 @@ def walk_files(
     except (FileNotFoundError, NotADirectoryError, PermissionError):
         return
     with top:
-        stack = [(rel_dir, os.dup(top.fd), None)]
+        stack: list[tuple[str, int, Iterator[tuple[str, bool, bool]] | None]] = [
+            (rel_dir, os.dup(top.fd), None)
+        ]
         try:
             while stack:
                 rel, fd, entries = stack[-1]
@@ -288,7 +294,9 @@ def walk_files(
                 os.close(fd)
 
 
-def _entry_stat(jail: Jail, dir_fd: int, rel: str, name: str, is_link: bool):
+def _entry_stat(
+    jail: Jail, dir_fd: int, rel: str, name: str, is_link: bool
+) -> os.stat_result | None:
     """The stat of a listed regular file (a link: of the file it leads to inside the root), or
     None when it is none (or leads outside)."""
     try:
@@ -315,7 +323,7 @@ def dir_level(jail: Jail, rel_dir: str, mark: str) -> list[tuple[str, os.stat_re
     with top:
         with os.scandir(top.fd) as it:
             entries = [(e.name, e.is_dir(follow_symlinks=False), e.is_symlink()) for e in it]
-        out = []
+        out: list[tuple[str, os.stat_result | None]] = []
         for name, is_dir, is_link in entries:
             if is_dir:
                 out.append((f"{rel_dir}{name}/", None))

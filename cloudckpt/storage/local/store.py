@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import concurrent.futures
 import errno
 import os
@@ -57,9 +58,6 @@ from cloudckpt.storage.base import (
     run_all,
 )
 from cloudckpt.storage.local.files import (
-    TMP_MARK as _TMP_MARK,
-)
-from cloudckpt.storage.local.files import (
     TMP_RE as _TMP_RE,
 )
 from cloudckpt.storage.local.files import (
@@ -78,9 +76,10 @@ from cloudckpt.storage.local.files import (
 from cloudckpt.storage.local.files import (
     write_temp as _write_temp,
 )
-from cloudckpt.storage.local.paths import Jail, dir_level, has_files, read_whole, walk_files
+from cloudckpt.storage.local.listing import list_tree, scan_uploads
+from cloudckpt.storage.local.paths import Jail, read_whole
 from cloudckpt.storage.options import StorageOptions
-from cloudckpt.storage.ranges import HeldRange, plan_pieces
+from cloudckpt.storage.ranges import HeldRange, Piece, plan_pieces
 from cloudckpt.storage.verified import read_verified
 
 T = TypeVar("T")
@@ -111,7 +110,7 @@ class LocalStore:
 
     def __init__(
         self,
-        root: str | os.PathLike,
+        root: str | os.PathLike[str],
         options: StorageOptions | None = None,
         *,
         _shared: _LocalShared | None = None,
@@ -191,7 +190,7 @@ class LocalStore:
     async def __aenter__(self) -> LocalStore:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     # --- writes ---------------------------------------------------------------------------------
@@ -310,7 +309,13 @@ class LocalStore:
     async def read_ranges(self, key: str, ranges: Sequence[ReadRange]) -> list[memoryview]:
         parts = self._parts(key)
 
-        async def fetch(offsets, lengths, targets, *, reread: bool) -> None:
+        async def fetch(
+            offsets: Sequence[int],
+            lengths: Sequence[int],
+            targets: Sequence[memoryview | HeldRange],
+            *,
+            reread: bool,
+        ) -> None:
             await self._fetch_into(key, parts, offsets, lengths, targets)
 
         return await read_verified(key, ranges, fetch, where=self.url)
@@ -321,7 +326,7 @@ class LocalStore:
         parts: Sequence[str],
         offsets: Sequence[int],
         lengths: Sequence[int],
-        targets: Sequence,
+        targets: Sequence[memoryview | HeldRange],
     ) -> None:
         """Read ranges into ``targets`` (flat views, or ``HeldRange``s given freshly read
         blocks): coalesced into pieces, pieces concurrently in the pool."""
@@ -346,14 +351,14 @@ class LocalStore:
                         operation="get",
                     )
 
-            def reader(piece) -> Callable[[], None]:
+            def reader(piece: Piece) -> Callable[[], None]:
                 def run() -> None:
                     for i in piece.members:
                         lo = max(offsets[i], piece.start)
                         hi = min(offsets[i] + lengths[i], piece.end)
                         target = targets[i]
                         if isinstance(target, HeldRange):  # verified, then copied to the sinks
-                            part = memoryview(np.empty(hi - lo, dtype=np.uint8))
+                            part = np.empty(hi - lo, dtype=np.uint8).data  # uninitialised
                             _pread_into(fd, part, lo, self.url, key)
                             target.add(lo - offsets[i], part)
                         else:
@@ -377,27 +382,15 @@ class LocalStore:
         if delimiter == "":
             raise ConfigError("delimiter must be None or non-empty")
         items = await self._run(
-            "list", prefix or None, lambda: _list_tree(self._jail, prefix, delimiter)
+            "list", prefix or None, lambda: list_tree(self._jail, prefix, delimiter)
         )
         for item in items:
             yield item
 
-    async def list_uploads(self, prefix: str = "") -> list[UploadInfo]:
+    async def list_uploads(self, prefix: str = "") -> builtins.list[UploadInfo]:
         check_prefix(prefix)
-
-        def scan() -> list[UploadInfo]:
-            found = []
-            for rel, st in walk_files(self._jail, _dir_hint(prefix), temps=True, mark=_TMP_MARK):
-                name = rel.rpartition("/")[2]
-                m = _TMP_RE.match(name)
-                if not m:
-                    continue
-                key = rel[: len(rel) - len(name)] + m.group("name")
-                if key.startswith(prefix):
-                    found.append(UploadInfo(key=key, upload_id=name, initiated=st.st_mtime))
-            return sorted(found, key=lambda u: (u.key, u.initiated or 0.0, u.upload_id))
-
-        return await self._run("list_uploads", prefix or None, scan)
+        jail = self._jail
+        return await self._run("list_uploads", prefix or None, lambda: scan_uploads(jail, prefix))
 
     async def abort_upload(self, upload: UploadInfo) -> None:
         m = _TMP_RE.match(upload.upload_id)
@@ -440,41 +433,3 @@ def _pread_into(fd: int, view: memoryview, offset: int, url: str, key: str) -> N
                 operation="get",
             )
         done += n
-
-
-def _dir_hint(prefix: str) -> str:
-    """The deepest directory (relative, "" or ending in "/") every key with ``prefix`` is under."""
-    return prefix[: prefix.rfind("/") + 1]
-
-
-def _list_tree(jail: Jail, prefix: str, delimiter: str | None) -> list:
-    hint = _dir_hint(prefix)
-    if delimiter == "/":  # one directory level is enough
-        out: list = []
-        for rel, st in dir_level(jail, hint, _TMP_MARK):
-            if not rel.rstrip("/").startswith(prefix):
-                continue
-            if st is None:
-                if has_files(jail, rel, _TMP_MARK):
-                    out.append(CommonPrefix(rel))
-            else:
-                out.append(_info(rel, st))
-        return sorted(out, key=lambda x: x.key if isinstance(x, ObjectInfo) else x.prefix)
-    files = sorted(
-        (rel, st)
-        for rel, st in walk_files(jail, hint, temps=False, mark=_TMP_MARK)
-        if rel.startswith(prefix)
-    )
-    out = []
-    last_prefix = None
-    for rel, st in files:
-        if delimiter:
-            cut = rel.find(delimiter, len(prefix))
-            if cut >= 0:
-                common = rel[: cut + len(delimiter)]
-                if common != last_prefix:
-                    out.append(CommonPrefix(common))
-                    last_prefix = common
-                continue
-        out.append(_info(rel, st))
-    return out

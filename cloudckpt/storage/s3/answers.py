@@ -9,6 +9,7 @@ Shared by the direct reader (``s3_rangeget``) and the aiobotocore one (``s3_read
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import select
@@ -86,12 +87,12 @@ def check_answer(
         raise BadAnswer(f"GET {where}: {asked}; {said}")
 
 
-def _shown(value) -> str:
+def _shown(value: object) -> str:
     """A header value for a message: quoted, bounded."""
     return "(none)" if value is None else repr(str(value)[:80])
 
 
-def bytes_waiting(transport) -> bool:
+def bytes_waiting(transport: asyncio.BaseTransport | None) -> bool:
     """Whether the socket under ``transport`` has bytes (or its end) waiting that the event loop
     has not delivered yet. False where there is no socket to ask."""
     sock = transport.get_extra_info("socket") if transport is not None else None
@@ -102,7 +103,7 @@ def bytes_waiting(transport) -> bool:
     return bool(poller.poll(0))
 
 
-def drop_stale_connections(client) -> int:
+def drop_stale_connections(client: object) -> int:
     """Close the idle pooled connections of an aiobotocore ``client`` that have bytes waiting:
     bytes a server sent after an answer, which aiohttp would read as the next request's answer.
     Returns how many were closed. Best effort over aiohttp's pool (``ClientSession.connector``'s

@@ -40,6 +40,7 @@ import botocore.exceptions
 
 from cloudckpt.errors import ConfigError
 from cloudckpt.storage.options import StorageOptions
+from cloudckpt.storage.s3.shapes import ConfigSession, S3Client
 
 __all__ = [
     "ResolvedS3",
@@ -56,7 +57,7 @@ __all__ = [
 _ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 
 
-def resolve_region(options: StorageOptions, session) -> str | None:
+def resolve_region(options: StorageOptions, session: ConfigSession) -> str | None:
     """The region to give botocore, or None to let it pick its default (see the module's order).
     ``session`` is the botocore (or aiobotocore) session the client is made from."""
     return (
@@ -67,7 +68,9 @@ def resolve_region(options: StorageOptions, session) -> str | None:
     )
 
 
-def endpoint_source(options: StorageOptions, session=None) -> tuple[str | None, str]:
+def endpoint_source(
+    options: StorageOptions, session: ConfigSession | None = None
+) -> tuple[str | None, str]:
     """``(endpoint URL, the setting that names it)`` in botocore's order (the module's), e.g.
     ``("http://h:8333", "AWS_ENDPOINT_URL")``; ``(None, "")`` when no setting names one (AWS S3).
     Without ``session`` only the options and the environment are read (the profile's settings
@@ -124,7 +127,7 @@ def verify_arg(options: StorageOptions) -> bool | str | None:
     return verify
 
 
-def ca_bundle_source(options: StorageOptions, session) -> tuple[str | bool, str]:
+def ca_bundle_source(options: StorageOptions, session: ConfigSession) -> tuple[str | bool, str]:
     """``(bundle, where it came from)``, resolved in botocore's order: a path, or True for the
     default bundle (certifi), or False when verification is off."""
     verify = verify_arg(options)
@@ -140,7 +143,7 @@ def ca_bundle_source(options: StorageOptions, session) -> tuple[str | bool, str]
     return True, "the default CA bundle"
 
 
-def check_ca_bundle(options: StorageOptions, session) -> None:
+def check_ca_bundle(options: StorageOptions, session: ConfigSession) -> None:
     """Raise ``ConfigError`` when the CA bundle that would be used is empty or not a file (botocore
     would fail later, at the first request, with a less helpful message)."""
     bundle, source = ca_bundle_source(options, session)
@@ -155,7 +158,7 @@ def check_ca_bundle(options: StorageOptions, session) -> None:
         )
 
 
-def client_kwargs(options: StorageOptions, session) -> dict[str, Any]:
+def client_kwargs(options: StorageOptions, session: ConfigSession) -> dict[str, Any]:
     """Keyword arguments of ``session.create_client("s3", ...)`` other than ``config``: only what
     the options set, plus the region (``resolve_region``); botocore resolves the rest."""
     return dict(
@@ -185,7 +188,7 @@ class ResolvedS3:
     credentials: str | None
 
 
-def describe(client) -> ResolvedS3:
+def describe(client: S3Client) -> ResolvedS3:
     """The ``ResolvedS3`` of a botocore or aiobotocore S3 client (for logs and tests)."""
     s3 = client.meta.config.s3 or {}
     style = s3.get("addressing_style") or "auto"
@@ -203,13 +206,13 @@ def describe(client) -> ResolvedS3:
     )
 
 
-def ssl_context(verify) -> ssl.SSLContext:
+def ssl_context(verify: bool | str | None) -> ssl.SSLContext:
     """The TLS context aiobotocore builds for a client's ``verify`` (False: no verification;
     True or None: botocore's CA bundle; a path: that bundle), for connections made beside it
     (``s3_rangeget``)."""
     from botocore.httpsession import create_urllib3_context, get_cert_path
 
-    context = create_urllib3_context()
+    context: ssl.SSLContext = create_urllib3_context()  # botocore is untyped
     if verify is False:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE

@@ -27,12 +27,13 @@ from typing import Any, NamedTuple, TypeVar
 import aiohttp.payload
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
+from aiohttp.abc import AbstractStreamWriter
 
 from cloudckpt.errors import ConfigError
 from cloudckpt.storage.options import StorageOptions
 from cloudckpt.storage.redact import install_redaction
 from cloudckpt.storage.s3 import aws_config
-from cloudckpt.storage.urls import parse_s3_url  # noqa: F401 - re-exported
+from cloudckpt.storage.s3.shapes import S3Client, StreamingBody
 
 log = logging.getLogger("cloudckpt.storage")
 
@@ -49,7 +50,7 @@ def crc32c_b64(crc: int) -> str:
 
 def _config(options: StorageOptions, style: str | None) -> AioConfig:
     retry = options.retry
-    s3 = {"payload_signing_enabled": False}
+    s3: dict[str, bool | str] = {"payload_signing_enabled": False}
     if style is not None:  # None: the profile's, else botocore's default
         s3["addressing_style"] = style
     return AioConfig(
@@ -70,12 +71,12 @@ class OpenedClient(NamedTuple):
     setting that named ``client.meta.endpoint_url`` (``aws_config.endpoint_source``; ``""``:
     none did, botocore's default endpoint)."""
 
-    client: Any
+    client: S3Client
     access_key_id: str | None
     endpoint_source: str
 
 
-async def open_client(options: StorageOptions, stack: contextlib.AsyncExitStack):
+async def open_client(options: StorageOptions, stack: contextlib.AsyncExitStack) -> OpenedClient:
     """Create the aiobotocore S3 client for ``options`` inside ``stack`` (closed with it).
     Returns an :class:`OpenedClient`: ``(client, access key id, endpoint source)``.
 
@@ -118,7 +119,7 @@ async def open_client(options: StorageOptions, stack: contextlib.AsyncExitStack)
     return OpenedClient(client, access_key_id, source)
 
 
-def add_content_md5(params, **kwargs) -> None:
+def add_content_md5(params: dict[str, Any], **kwargs: object) -> None:
     """botocore ``before-call`` handler: set ``Content-MD5`` (base64 MD5 of the body) on a
     request that has a body and none yet. Registered for DeleteObjects, whose body is a small
     XML document; the header is signed with the rest (signing happens later)."""
@@ -143,16 +144,17 @@ class BodyPayload(aiohttp.payload.Payload):
     def __init__(self, views: Sequence[memoryview]):
         super().__init__(views, content_type="application/octet-stream")
         self._views = list(views)
-        self._size = sum(len(v) for v in self._views)
+        self._length = sum(len(v) for v in self._views)
+        self._size = self._length  # aiohttp's Payload.size
         self._pos = 0
         self.progress_at = time.monotonic()  #: when the socket last took bytes (or creation)
         self.sent = False  #: the whole body was handed to the socket
 
     def __len__(self) -> int:
-        return self._size
+        return self._length
 
     def __bool__(self) -> bool:
-        return self._size > 0
+        return self._length > 0
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         raise TypeError("binary body")
@@ -161,13 +163,13 @@ class BodyPayload(aiohttp.payload.Payload):
         return self._pos
 
     def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, min(self._size, base + pos))
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, min(self._length, base + pos))
         return self._pos
 
     def read(self, n: int = -1) -> bytes:
         """Copying fallback for code paths that insist on reading the body (not used by S3Store)."""
-        stop = self._size if n is None or n < 0 else min(self._size, self._pos + n)
+        stop = self._length if n is None or n < 0 else min(self._length, self._pos + n)
         out = bytearray()
         offset = 0
         for v in self._views:
@@ -178,13 +180,15 @@ class BodyPayload(aiohttp.payload.Payload):
         self._pos = stop
         return bytes(out)
 
-    async def write(self, writer) -> None:
+    async def write(self, writer: AbstractStreamWriter) -> None:
         await self.write_with_length(writer, None)
 
-    async def write_with_length(self, writer, content_length: int | None) -> None:
+    async def write_with_length(
+        self, writer: AbstractStreamWriter, content_length: int | None
+    ) -> None:
         self.sent = False
         self.progress_at = time.monotonic()
-        remaining = self._size if content_length is None else min(content_length, self._size)
+        remaining = self._length if content_length is None else min(content_length, self._length)
         for v in self._views:
             for start in range(0, len(v), SEND_CHUNK):
                 if remaining <= 0:
@@ -200,7 +204,7 @@ class SendStall(TimeoutError):
     """The endpoint took no byte of a request body for the read timeout (retried, a stall)."""
 
 
-async def send_with_body(request: Awaitable[T], body, silence: float) -> T:
+async def send_with_body(request: Awaitable[T], body: BodyPayload | bytes, silence: float) -> T:
     """Await ``request``, which sends ``body`` (a :class:`BodyPayload`, or bytes). While the body
     is not fully sent, ``silence`` seconds without the socket taking a byte of it (a server that
     never answers ``100 Continue``, or stops reading) cancel the request and raise
@@ -227,7 +231,7 @@ async def send_with_body(request: Awaitable[T], body, silence: float) -> T:
         raise
 
 
-async def iter_body(body) -> AsyncIterator[bytes]:
+async def iter_body(body: StreamingBody) -> AsyncIterator[bytes]:
     """Chunks of an aiobotocore streaming body as the socket delivers them (no re-buffering)."""
     raw = getattr(body, "raw_stream", None)
     content = getattr(raw, "content", None)

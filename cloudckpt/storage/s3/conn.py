@@ -3,28 +3,35 @@ the concurrency slots, the byte budget and the counters.
 
 ``S3Connection.call`` is the one way a request reaches the server: it holds a request slot for
 each attempt and owns retries, per-attempt caps, the operation's deadline, logging and error
-translation (``retry.Retrier`` with ``s3_errors.classify``). ``S3Connection.reserve`` takes buffer
-memory from the byte budget under the same deadline. The write and read halves of the store
-(``s3_write.S3Writer``, ``s3_read.S3Reader``) use only this public interface.
+translation (``retry.Retrier`` with ``s3_errors.classify``). A plain request is one line,
+``await conn.request("head_object", op="head", key=key, where=url, Key=phys)`` (``call`` around
+one ``send``); only attempts that do more than send one request (read a streamed body, inspect
+an answer and retry part of it) pass their own ``attempt`` to ``call``, sending with ``send``.
+``S3Connection.reserve`` takes buffer memory from the byte budget under the same deadline. The
+write and read halves of the store (``uploads.S3Uploads`` / ``write.S3Writer``,
+``read.S3Reader``) use only this public interface.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from cloudckpt.errors import StorageError
 from cloudckpt.storage.base import ByteBudget, StoreStats
 from cloudckpt.storage.options import StorageOptions
 from cloudckpt.storage.retry import Retrier, Verdict
 from cloudckpt.storage.s3.aws_config import endpoint_source, is_aws_endpoint
-from cloudckpt.storage.s3.client import open_client
+from cloudckpt.storage.s3.client import BodyPayload, open_client, send_with_body
 from cloudckpt.storage.s3.errors import Endpoint, classify
 from cloudckpt.storage.s3.rangeget import RangeGetter
+from cloudckpt.storage.s3.shapes import S3Answer, S3Client, S3Method, S3Params
 from cloudckpt.storage.spreading import Spreader
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 T = TypeVar("T")
 
 
@@ -72,14 +79,14 @@ class S3Connection:
         self.batch_delete: bool | None = None
         self.lists_uploads: bool | None = None
         self.range_getter = RangeGetter(options, self.stats)
-        self._client = None
+        self._client: S3Client | None = None
         self._client_lock = asyncio.Lock()
         self._stack: contextlib.AsyncExitStack | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
-        self._background: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task[None]] = set()
 
-    async def client(self):
+    async def client(self) -> S3Client:
         """The aiobotocore client, created on first use in the running loop."""
         loop = asyncio.get_running_loop()
         if self._client is not None:
@@ -102,6 +109,16 @@ class S3Connection:
                 )
                 self._client, self._stack, self._loop = client, stack, loop
         return self._client
+
+    def refuses_batch_delete(self) -> bool:
+        """Remember that the server refuses DeleteObjects; True only the first time (one log)."""
+        first, self.batch_delete = self.batch_delete is not False, False
+        return first
+
+    def refuses_upload_listing(self) -> bool:
+        """Remember that ListMultipartUploads is not implemented; True only the first time."""
+        first, self.lists_uploads = self.lists_uploads is not False, False
+        return first
 
     def describe_endpoint(self) -> str:
         """Where this store's requests go, for messages (see ``s3_errors.Endpoint``)."""
@@ -133,6 +150,54 @@ class S3Connection:
         request starts its own. Waiting for a slot counts against it (``retry.py``)."""
         return await self._retrier.call(op, key, attempt, where=where, deadline=deadline)
 
+    async def request(
+        self,
+        method: S3Method,
+        *,
+        op: str,
+        key: str | None,
+        where: str,
+        deadline: float | None = None,
+        body: Sequence[memoryview] | None = None,
+        on_attempt: Callable[[int], None] | None = None,
+        **params: Unpack[S3Params],
+    ) -> S3Answer:
+        """One plain request through :meth:`call`: each attempt is one :meth:`send` of
+        ``method`` with ``params`` (and ``body``). ``on_attempt(n)`` is told each attempt's
+        number as it starts (a caller whose recovery depends on whether it was retried)."""
+
+        async def attempt(n: int) -> S3Answer:
+            if on_attempt is not None:
+                on_attempt(n)
+            return await self.send(method, body=body, **params)
+
+        return await self.call(op, key, attempt, where=where, deadline=deadline)
+
+    async def send(
+        self,
+        method: S3Method,
+        *,
+        body: Sequence[memoryview] | None = None,
+        **params: Unpack[S3Params],
+    ) -> S3Answer:
+        """Send one request (no retry: inside an attempt of :meth:`call`) to the bucket.
+        ``body``: buffers sent as one zero-copy body with its ``ContentLength``, watched for a
+        stalled upload (``s3_client.send_with_body``) and counted in ``stats.bytes_sent``."""
+        client = await self.client()
+        # aiobotocore's methods are generated at run time (untyped): the boundary is S3Answer
+        operation: Callable[..., Coroutine[Any, Any, S3Answer]] = getattr(client, method)
+        if body is None:
+            return await operation(Bucket=self.bucket, **params)
+        size = sum(len(v) for v in body)
+        payload: BodyPayload | bytes = BodyPayload(body) if size else b""
+        answer = await send_with_body(
+            operation(Bucket=self.bucket, ContentLength=size, Body=payload, **params),
+            payload,
+            self.options.retry.read_timeout,
+        )
+        self.stats.bytes_sent += size
+        return answer
+
     async def reserve(
         self, nbytes: int, *, op: str, key: str | None, where: str, deadline: float
     ) -> int:
@@ -153,7 +218,7 @@ class S3Connection:
 
     # --- lifetime -------------------------------------------------------------------------------
 
-    def in_background(self, coro) -> None:
+    def in_background(self, coro: Awaitable[None]) -> None:
         """Run ``coro`` (a cleanup) to completion even if the caller is cancelled; ``close``
         waits for it."""
         task = asyncio.ensure_future(coro)

@@ -155,10 +155,11 @@ def cause_code(exc: BaseException) -> tuple[str, int]:
     """(S3 error code, HTTP status) of the server answer behind ``exc``: ``exc`` itself or the
     ``ClientError`` it was raised from ('' / 0 when there is none)."""
     seen = 0
-    while exc is not None and seen < 8:
-        if isinstance(exc, bex.ClientError):
-            return error_code(exc)
-        exc, seen = exc.__cause__, seen + 1
+    cur: BaseException | None = exc
+    while cur is not None and seen < 8:
+        if isinstance(cur, bex.ClientError):
+            return error_code(cur)
+        cur, seen = cur.__cause__, seen + 1
     return "", 0
 
 

@@ -11,17 +11,25 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Sequence
+from typing import TypeAlias
 
 from botocore.exceptions import ClientError
 
 from cloudckpt.http_numbers import http_int
+from cloudckpt.storage.base import StoreStats
 from cloudckpt.storage.ranges import HeldRange, LandingPool
 from cloudckpt.storage.s3.answers import BadAnswer, check_answer
 from cloudckpt.storage.s3.errors import RETRIABLE_STATUS, TruncatedBody
+from cloudckpt.storage.s3.shapes import ServiceModel
 
 _HEAD_START = 16 * 1024
 _HEAD_MAX = 64 * 1024
 _ERROR_BODY_MAX = 64 * 1024
+
+Target: TypeAlias = "memoryview | HeldRange"
+#: ``(a, b, kind, target, target offset, copies)``: see :meth:`Exchange._plan`
+Segment: TypeAlias = "tuple[int, int, str, Target | None, int, tuple[tuple[int, Target], ...]]"
 
 
 class UseBotocore(Exception):
@@ -46,14 +54,17 @@ class Cursor:
 class Connection(asyncio.BufferedProtocol):
     """One keep-alive HTTP/1.1 connection, one exchange at a time."""
 
-    def __init__(self):
-        self.transport = None
+    transport: asyncio.WriteTransport  #: set by connection_made, before any other call
+
+    def __init__(self) -> None:
         self.exchange: Exchange | None = None
         self.broken = False
         self.used = False
         self._spare = bytearray(4096)
 
-    def connection_made(self, transport) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not isinstance(transport, asyncio.WriteTransport):  # a stream connection's always is
+            raise TypeError(f"not a stream transport: {transport!r}")
         self.transport = transport
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -92,7 +103,7 @@ class Connection(asyncio.BufferedProtocol):
             self.exchange.fail(None)
         return False
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self.broken = True
         if self.exchange is not None:
             self.exchange.fail(exc)
@@ -103,14 +114,14 @@ class Exchange:
 
     def __init__(
         self,
-        future,
+        future: asyncio.Future[None],
         cursor: Cursor,
         end: int,
-        members,
+        members: Sequence[tuple[int, int, Target]],
         pool: LandingPool,
         scratch: memoryview,
-        stats,
-        service_model,
+        stats: StoreStats,
+        service_model: ServiceModel,
         where: str = "",
     ):
         self.future = future
@@ -129,7 +140,7 @@ class Exchange:
         self.headers: dict[str, str] = {}
         self.error_body: bytearray | None = None
         self.error_need = 0
-        self.segments: list = []
+        self.segments: list[Segment] = []
         self.seg = 0
         self.at = 0
         self.view: memoryview | None = None
@@ -139,7 +150,7 @@ class Exchange:
 
     # -- the protocol's side ---------------------------------------------------------------------
 
-    def buffer(self) -> memoryview | None:
+    def buffer(self) -> memoryview:
         if self.error_body is not None:
             return memoryview(self.error_body)[len(self.error_body) - self.error_need :]
         if not self.segments:
@@ -150,10 +161,10 @@ class Exchange:
             return memoryview(self.head)[self.hlen :]
         a, b, kind, target, off, _ = self.segments[self.seg]
         at = self.at
-        if kind == "o":
-            view = target[at - off : b - off]
-        elif kind == "h":
+        if isinstance(target, HeldRange):  # kind "h"
             view = target.landing(at - off, b - at, self.pool)
+        elif target is not None:  # kind "o"
+            view = target[at - off : b - off]
         else:
             view = self.scratch[: min(len(self.scratch), b - at)]
         self.view = view
@@ -279,7 +290,7 @@ class Exchange:
 
     # -- the body --------------------------------------------------------------------------------
 
-    def _plan(self) -> list:
+    def _plan(self) -> list[Segment]:
         """Segments ``(a, b, kind, target, target offset, copies)`` of ``[start, end)``: kind
         ``o`` lands in an ``out`` view, ``h`` in a HeldRange's buffer, ``s`` in scratch (not
         needed). ``copies``: other ranges covering the segment, filled from what landed."""
@@ -288,7 +299,7 @@ class Exchange:
         for off, stop, _ in self.members:
             cuts.update(x for x in (off, stop) if start < x < end)
         bounds = sorted(cuts)
-        segments = []
+        segments: list[Segment] = []
         for a, b in zip(bounds, bounds[1:]):
             cover = [(off, t) for off, stop, t in self.members if off <= a and b <= stop]
             cover.sort(key=lambda c: isinstance(c[1], HeldRange))  # an out view first
@@ -303,14 +314,15 @@ class Exchange:
     def _delivered(self, n: int) -> None:
         a, b, kind, target, off, copies = self.segments[self.seg]
         at = self.at
+        landed = self.view
         for c_off, c_target in copies:  # before the landed range may complete and recycle
-            src = self.view[:n]
+            src = landed[:n] if landed is not None else memoryview(b"")
             if isinstance(c_target, HeldRange):
                 c_target.landing(at - c_off, n, self.pool)[:] = src
                 c_target.landed(at - c_off, n)
             else:
                 c_target[at - c_off : at - c_off + n] = src
-        if kind == "h":
+        if isinstance(target, HeldRange):  # kind "h"
             target.landed(at - off, n)
         self.at = at = at + n
         self.stats.bytes_received += n

@@ -46,7 +46,8 @@ import asyncio
 import ssl
 import sys
 import time
-from urllib.parse import urlsplit
+from collections.abc import Sequence
+from urllib.parse import SplitResult, urlsplit
 
 from botocore.exceptions import (
     ConnectTimeoutError,
@@ -55,11 +56,14 @@ from botocore.exceptions import (
     SSLError,
 )
 
+from cloudckpt.storage.base import StoreStats
+from cloudckpt.storage.options import StorageOptions
 from cloudckpt.storage.ranges import LandingPool
 from cloudckpt.storage.s3.answers import bytes_waiting
 from cloudckpt.storage.s3.aws_config import ssl_context
 from cloudckpt.storage.s3.errors import TruncatedBody
-from cloudckpt.storage.s3.exchange import Connection, Cursor, Exchange
+from cloudckpt.storage.s3.exchange import Connection, Cursor, Exchange, Target
+from cloudckpt.storage.s3.shapes import S3Client
 
 #: Lifetime of a presigned URL: it is used at once; this only has to outlast clock skew.
 URL_EXPIRES_S = 900
@@ -71,16 +75,16 @@ _IDLE_CLEAR_S = 2.0
 class RangeGetter:
     """The direct ranged-GET reader of one S3 connection (module docstring)."""
 
-    def __init__(self, options, stats):
+    def __init__(self, options: StorageOptions, stats: StoreStats):
         self.options = options
         self.stats = stats
         self.disabled = False
         self.fetches = 0  #: requests sent by this reader (attempts, not counting re-sends)
         self.pool = LandingPool(options.concurrency)  # one range per request in flight
         self._scratch = memoryview(bytearray(_SCRATCH))
-        self._idle: dict[tuple, list[Connection]] = {}
+        self._idle: dict[tuple[str, str | None, int | None], list[Connection]] = {}
         self._idle_count = 0
-        self._checked_client = None
+        self._checked_client: S3Client | None = None
         self._usable = False
         self._ssl: ssl.SSLContext | None = None
         self._endpoint = ""
@@ -90,7 +94,7 @@ class RangeGetter:
     def disable(self) -> None:
         self.disabled = True
 
-    async def usable(self, client) -> bool:
+    async def usable(self, client: S3Client) -> bool:
         """Whether :meth:`fetch` may serve ``client``'s ranged GETs (module docstring)."""
         if self.disabled or not self.options.direct_range_reads:
             return False
@@ -99,7 +103,7 @@ class RangeGetter:
             self._usable = await self._check(client)
         return self._usable
 
-    async def _check(self, client) -> bool:
+    async def _check(self, client: S3Client) -> bool:
         url = client.meta.endpoint_url
         scheme = urlsplit(url).scheme
         self._endpoint = url
@@ -118,12 +122,12 @@ class RangeGetter:
 
     async def fetch(
         self,
-        client,
+        client: S3Client,
         bucket: str,
         phys: str,
         cursor: Cursor,
         end: int,
-        members,
+        members: Sequence[tuple[int, int, Target]],
         read_timeout: float,
         connect_timeout: float,
         where: str = "",
@@ -187,9 +191,12 @@ class RangeGetter:
                 raise ReadTimeoutError(endpoint_url=self._endpoint)
             done, _ = await asyncio.wait((ex.future,), timeout=wait)
             if done:
-                return ex.future.result()
+                ex.future.result()  # raises the exchange's error
+                return
 
-    async def _connection(self, parts, fresh: bool, connect_timeout: float) -> Connection:
+    async def _connection(
+        self, parts: SplitResult, fresh: bool, connect_timeout: float
+    ) -> Connection:
         key = (parts.scheme, parts.hostname, parts.port)
         idle = self._idle.get(key)
         while idle and not fresh:
@@ -198,6 +205,9 @@ class RangeGetter:
             if not (conn.broken or conn.transport.is_closing() or bytes_waiting(conn.transport)):
                 return conn  # (bytes waiting: sent after the last answer, never the next one)
             conn.transport.abort()
+        host = parts.hostname
+        if not host:  # never for a presigned URL
+            raise EndpointConnectionError(endpoint_url=self._endpoint, error="no host in the URL")
         port = parts.port or (443 if parts.scheme == "https" else 80)
         tls = self._ssl if parts.scheme == "https" else None
         loop = asyncio.get_running_loop()
@@ -205,10 +215,10 @@ class RangeGetter:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(
                     Connection,
-                    parts.hostname,
+                    host,
                     port,
                     ssl=tls,
-                    server_hostname=parts.hostname if tls is not None else None,
+                    server_hostname=host if tls is not None else None,
                 ),
                 connect_timeout,
             )
@@ -220,7 +230,7 @@ class RangeGetter:
             raise EndpointConnectionError(endpoint_url=self._endpoint, error=exc) from exc
         return conn
 
-    def _release(self, parts, conn: Connection, reusable: bool) -> None:
+    def _release(self, parts: SplitResult, conn: Connection, reusable: bool) -> None:
         # ``reusable``: the answer ended where its Content-Length said, nothing after it
         if not reusable or self._idle_count >= self.options.concurrency:
             conn.transport.close()

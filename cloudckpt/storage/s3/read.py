@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 
 import aiohttp
 from botocore.exceptions import ClientError
@@ -16,7 +16,7 @@ from botocore.exceptions import ClientError
 from cloudckpt.errors import ObjectTooLarge
 from cloudckpt.http_numbers import http_int
 from cloudckpt.storage.base import ObjectInfo, ReadRange, run_all
-from cloudckpt.storage.ranges import Scatter, plan_pieces
+from cloudckpt.storage.ranges import HeldRange, Piece, Scatter, plan_pieces
 from cloudckpt.storage.s3.answers import (
     BadAnswer,
     check_answer,
@@ -27,6 +27,7 @@ from cloudckpt.storage.s3.client import iter_body
 from cloudckpt.storage.s3.conn import S3Connection
 from cloudckpt.storage.s3.errors import TruncatedBody, error_code, is_bare_403
 from cloudckpt.storage.s3.exchange import Cursor, UseBotocore
+from cloudckpt.storage.s3.shapes import ListedObject, S3Answer, S3Client
 from cloudckpt.storage.verified import read_verified
 
 logger = logging.getLogger("cloudckpt.storage")
@@ -36,7 +37,7 @@ logger = logging.getLogger("cloudckpt.storage")
 READ_PIECE = 32 * 1024 * 1024
 
 
-def object_info(key: str, size, resp: dict) -> ObjectInfo:
+def object_info(key: str, size: int | None, resp: S3Answer | ListedObject) -> ObjectInfo:
     """The ``ObjectInfo`` of a HeadObject answer or a listing entry."""
     modified = resp.get("LastModified")
     return ObjectInfo(
@@ -60,27 +61,25 @@ class S3Reader:
         conn = self.conn
 
         async def attempt(n: int) -> ObjectInfo:
-            client = await conn.client()
+            await conn.client()  # made here, outside _parsed: its errors are not answers
             try:
-                resp = await _parsed(
-                    client.head_object(Bucket=conn.bucket, Key=phys), f"{self.where}/{key}"
-                )
+                resp = await _parsed(conn.send("head_object", Key=phys), f"{self.where}/{key}")
             except ClientError as exc:
                 if is_bare_403(exc):
-                    raise await self._reason_of_403(client, phys, exc) from None
+                    raise await self._reason_of_403(phys, exc) from None
                 raise
             return object_info(key, resp.get("ContentLength", 0), resp)
 
         return await conn.call("head", key, attempt, where=self.where)
 
-    async def _reason_of_403(self, client, phys: str, refused: ClientError) -> ClientError:
+    async def _reason_of_403(self, phys: str, refused: ClientError) -> ClientError:
         """A HEAD's 403 carries no error code (no body), so one GET of the object's first byte
         asks why: its 403 names the cause (``SignatureDoesNotMatch``, ``InvalidAccessKeyId``,
         ``AccessDenied``...). Returns that error, or ``refused`` when the GET says nothing
         more. Only on this failure path; the GET counts in ``stats`` as a ``get``."""
         self.conn.stats.count("get")
         try:
-            resp = await client.get_object(Bucket=self.conn.bucket, Key=phys, Range="bytes=0-0")
+            resp = await self.conn.send("get_object", Key=phys, Range="bytes=0-0")
         except ClientError as exc:
             status = error_code(exc)[1]
             return exc if status == 403 and not is_bare_403(exc) else refused
@@ -138,17 +137,17 @@ class S3Reader:
 
     async def _get_first(
         self, key: str, phys: str, first: int, deadline: float, max_bytes: int | None = None
-    ) -> tuple[list, int]:
+    ) -> tuple[list[bytes], int]:
         """The first ``first`` bytes of the object (as chunks) and its total size
         (``ObjectTooLarge``, the body unread, when that is over ``max_bytes``)."""
         conn = self.conn
 
-        async def attempt(n: int) -> tuple[list, int]:
+        async def attempt(n: int) -> tuple[list[bytes], int]:
             client = await conn.client()
             drop_stale_connections(client)
             try:
                 resp = await _parsed(
-                    client.get_object(Bucket=conn.bucket, Key=phys, Range=f"bytes=0-{first - 1}"),
+                    conn.send("get_object", Key=phys, Range=f"bytes=0-{first - 1}"),
                     f"{self.where}/{key}",
                 )
             except ClientError as exc:
@@ -156,9 +155,7 @@ class S3Reader:
                     raise
                 # An empty object has no byte 0: ask for all of it.
                 conn.stats.count("get")
-                resp = await _parsed(
-                    client.get_object(Bucket=conn.bucket, Key=phys), f"{self.where}/{key}"
-                )
+                resp = await _parsed(conn.send("get_object", Key=phys), f"{self.where}/{key}")
             body = resp["Body"]
             done = False
             try:
@@ -171,7 +168,8 @@ class S3Reader:
                         size=total,
                         limit=max_bytes,
                     )
-                chunks, got = [], 0
+                chunks: list[bytes] = []
+                got = 0
                 try:
                     async for chunk in iter_body(body):
                         chunks.append(chunk)
@@ -195,7 +193,7 @@ class S3Reader:
 
         return await conn.call("get", key, attempt, where=self.where, deadline=deadline)
 
-    def _first_answer(self, key: str, resp: dict, first: int) -> tuple[int, int]:
+    def _first_answer(self, key: str, resp: S3Answer, first: int) -> tuple[int, int]:
         """(body length, object size) of the answer to ``get``'s first GET (bytes
         ``[0, first)``, or the whole object): a 206 for bytes ``[0, min(first, size))``, or a
         200 with the whole object; ``BadAnswer`` (retried) for any other."""
@@ -210,7 +208,8 @@ class S3Reader:
             check_answer(
                 status, resp.get("ContentRange"), length, 0, min(first, total), where=where, key=key
             )
-            return length, total
+            # no Content-Length (a chunked body): the Content-Range checked says how long it is
+            return (length if length is not None else min(first, total)), total
         raise BadAnswer(
             f"GET {where}: asked bytes [0, {first}); the answer is HTTP {status} "
             f"with Content-Range {resp.get('ContentRange')!r} and Content-Length "
@@ -226,7 +225,13 @@ class S3Reader:
         deadline = self.conn.deadline()
         gap = self.conn.options.coalesce_gap
 
-        async def fetch(offsets, lengths, targets, *, reread: bool) -> None:
+        async def fetch(
+            offsets: Sequence[int],
+            lengths: Sequence[int],
+            targets: Sequence[memoryview | HeldRange],
+            *,
+            reread: bool,
+        ) -> None:
             await self._fetch_into(
                 key,
                 phys,
@@ -238,7 +243,7 @@ class S3Reader:
             )
 
         @contextlib.asynccontextmanager
-        async def hold(nbytes: int):
+        async def hold(nbytes: int) -> AsyncIterator[None]:
             held = await self.conn.reserve(
                 nbytes, op="get", key=key, where=self.where, deadline=deadline
             )
@@ -250,7 +255,15 @@ class S3Reader:
         return await read_verified(key, ranges, fetch, where=self.where, hold=hold)
 
     async def _fetch_into(
-        self, key: str, phys: str, offsets, lengths, views, *, gap: int = 0, deadline: float | None
+        self,
+        key: str,
+        phys: str,
+        offsets: Sequence[int],
+        lengths: Sequence[int],
+        views: Sequence[memoryview | HeldRange],
+        *,
+        gap: int = 0,
+        deadline: float | None,
     ) -> None:
         """Fetch ranges into ``views``: coalesced (within ``gap``), split into pieces of at most
         one read piece, pieces concurrently. Takes no byte budget (callers hold it)."""
@@ -260,7 +273,7 @@ class S3Reader:
         )
 
     async def _fetch(
-        self, key: str, phys: str, piece, scatter: Scatter, deadline: float | None
+        self, key: str, phys: str, piece: Piece, scatter: Scatter, deadline: float | None
     ) -> None:
         """GET ``piece`` into the scatter's views; a retry resumes where the last attempt
         broke. Through the direct reader (``s3_rangeget``) where it serves this client, else
@@ -308,7 +321,7 @@ class S3Reader:
         await conn.call("get", key, attempt, where=self.where, deadline=deadline)
 
     async def _fetch_botocore(
-        self, client, key: str, phys: str, piece, scatter: Scatter, cursor: Cursor
+        self, client: S3Client, key: str, phys: str, piece: Piece, scatter: Scatter, cursor: Cursor
     ) -> None:
         """One attempt of ``_fetch`` through aiobotocore, from ``cursor.pos``."""
         conn = self.conn
@@ -316,7 +329,7 @@ class S3Reader:
         pos = cursor.pos
         drop_stale_connections(client)
         resp = await _parsed(
-            client.get_object(Bucket=conn.bucket, Key=phys, Range=f"bytes={pos}-{piece.end - 1}"),
+            conn.send("get_object", Key=phys, Range=f"bytes={pos}-{piece.end - 1}"),
             f"{self.where}/{key}",
         )
         body = resp["Body"]
@@ -368,7 +381,7 @@ class S3Reader:
                 body.close()
 
 
-async def _parsed(request, where: str) -> dict:
+async def _parsed(request: Awaitable[S3Answer], where: str) -> S3Answer:
     """The answer of an aiobotocore ``request`` (a coroutine) about the object ``where``; a
     header botocore fails to parse (a Content-Length of Unicode digits makes its ``int()``
     raise ``ValueError``) is a :class:`BadAnswer`."""
@@ -380,6 +393,6 @@ async def _parsed(request, where: str) -> dict:
         ) from exc
 
 
-def _status(resp: dict) -> int:
+def _status(resp: S3Answer) -> int:
     """The HTTP status of an aiobotocore answer (0 when it does not say)."""
     return http_int((resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")) or 0

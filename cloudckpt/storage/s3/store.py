@@ -1,19 +1,22 @@
 """``S3Store``: the ``ObjectStore`` protocol on S3-compatible servers (aiobotocore).
 
-Split by responsibility, with imports pointing one way (``s3`` -> ``s3_stream`` -> ``s3_write``;
-``s3_write`` / ``s3_read`` -> ``s3_conn`` -> ``retry``, ``s3_errors``, ``s3_client``):
-- ``s3_conn.S3Connection``: one per ``open_store`` call, shared by ``child()`` stores: client,
-  the request choke point (``call``: slots, retries, deadline, logging, error translation), the
-  byte budget, the counters;
-- ``s3_write.S3Writer``: puts, multipart uploads, conditional create and its claim protocol;
-- ``s3_stream.S3ObjectWriter``: streams (``open_writer``), built on ``S3Writer``;
-- ``s3_read.S3Reader``: head, get, ranged reads (coalescing, verification);
+Split by responsibility, with imports pointing one way (``store`` -> ``stream`` -> ``write`` ->
+``uploads``; ``uploads`` / ``read`` -> ``conn`` -> ``retry``, ``errors``, ``client``; all of
+``cloudckpt.storage.s3``):
+- ``conn.S3Connection``: one per ``open_store`` call, shared by ``child()`` stores: client,
+  the request choke point (``request`` / ``call``: slots, retries, deadline, logging, error
+  translation), the byte budget, the counters; ``shapes``: the typed boundary to aiobotocore;
+- ``uploads.S3Uploads``: single puts, multipart steps, aborts, HEADs, the upload listing;
+- ``write.S3Writer``: puts and the conditional create with its claim protocol;
+- ``stream.S3ObjectWriter``: streams (``open_writer``), built on ``S3Writer``;
+- ``read.S3Reader``: head, get, ranged reads (coalescing, verification);
 - here: keys (anchor, child prefix, prefix spreading), listings, deletes, and the composition.
 """
 
 from __future__ import annotations
 
 import base64
+import builtins
 import logging
 import re
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -41,11 +44,11 @@ from cloudckpt.storage.s3.conn import S3Connection
 from cloudckpt.storage.s3.errors import (
     TransientServerError,
     cause_code,
-    error_code,
     is_not_implemented,
     is_retriable,
 )
 from cloudckpt.storage.s3.read import S3Reader, object_info
+from cloudckpt.storage.s3.shapes import S3Answer, S3Params
 from cloudckpt.storage.s3.stream import S3ObjectWriter
 from cloudckpt.storage.s3.write import S3Writer
 from cloudckpt.storage.spreading import merge_sorted
@@ -126,7 +129,7 @@ class S3Store:
     async def __aenter__(self) -> S3Store:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     # --- writes ---------------------------------------------------------------------------------
@@ -167,8 +170,7 @@ class S3Store:
                 code, status = cause_code(exc)
                 if code not in BATCH_DELETE_REFUSALS and status != 501:
                     raise
-                if conn.batch_delete is not False:
-                    conn.batch_delete = False
+                if conn.refuses_batch_delete():
                     logger.warning(
                         "%s refuses DeleteObjects (%s); deleting one object per "
                         "request from now on",
@@ -182,10 +184,9 @@ class S3Store:
 
         async def attempt(n: int) -> None:
             nonlocal pending
-            client = await self._conn.client()
-            resp = await client.delete_objects(
-                Bucket=self._conn.bucket,
-                Delete={"Objects": [{"Key": k} for k in pending], "Quiet": True},
+            objects = [{"Key": k} for k in pending]
+            resp = await self._conn.send(
+                "delete_objects", Delete={"Objects": objects, "Quiet": True}
             )
             retry, fatal = [], None
             for err in resp.get("Errors", []) or []:
@@ -218,12 +219,10 @@ class S3Store:
         todo = iter(batch)
 
         async def delete_one(phys: str) -> None:
-            async def attempt(n: int) -> None:
-                client = await conn.client()
-                await client.delete_object(Bucket=conn.bucket, Key=phys)
-
             try:
-                await conn.call("delete_object", None, attempt, where=self.url)
+                await conn.request(
+                    "delete_object", op="delete_object", key=None, where=self.url, Key=phys
+                )
             except ObjectNotFound:
                 pass
 
@@ -241,15 +240,15 @@ class S3Store:
     async def whole_checksum(self, key: str) -> WholeChecksum | None:
         """``ObjectStore.whole_checksum``: one HeadObject with ``ChecksumMode=ENABLED``
         (counted as a ``head``; see :func:`whole_checksum_of`)."""
-        phys = self._phys(key)
-
-        async def attempt(n: int) -> dict:
-            client = await self._conn.client()
-            return await client.head_object(
-                Bucket=self._conn.bucket, Key=phys, ChecksumMode="ENABLED"
-            )
-
-        return whole_checksum_of(await self._conn.call("head", key, attempt, where=self.url))
+        resp = await self._conn.request(
+            "head_object",
+            op="head",
+            key=key,
+            where=self.url,
+            Key=self._phys(key),
+            ChecksumMode="ENABLED",
+        )
+        return whole_checksum_of(resp)
 
     async def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         """The whole object (see ``S3Reader.get`` for how its memory is budgeted). With
@@ -276,21 +275,20 @@ class S3Store:
         async for item in merge_sorted(iters, _sort_key):
             yield item
 
-    async def _list_base(self, base: str, prefix: str, delimiter: str | None):
+    async def _list_base(
+        self, base: str, prefix: str, delimiter: str | None
+    ) -> AsyncIterator[ObjectInfo | CommonPrefix]:
         token = None
         while True:
-            kw = {"Bucket": self._conn.bucket, "Prefix": base + prefix, "MaxKeys": 1000}
+            kw: S3Params = {"Prefix": base + prefix, "MaxKeys": 1000}
             if delimiter:
                 kw["Delimiter"] = delimiter
             if token:
                 kw["ContinuationToken"] = token
-
-            async def attempt(n: int, kw=kw):
-                client = await self._conn.client()
-                return await client.list_objects_v2(**kw)
-
-            page = await self._conn.call("list", prefix or None, attempt, where=self.url)
-            items: list = [
+            page = await self._conn.request(
+                "list_objects_v2", op="list", key=prefix or None, where=self.url, **kw
+            )
+            items: builtins.list[ObjectInfo | CommonPrefix] = [
                 object_info(o["Key"][len(base) :], o.get("Size", 0), o)
                 for o in page.get("Contents", []) or []
             ]
@@ -304,7 +302,7 @@ class S3Store:
             if not page.get("IsTruncated") or not token:
                 return
 
-    async def list_uploads(self, prefix: str = "") -> list[UploadInfo]:
+    async def list_uploads(self, prefix: str = "") -> builtins.list[UploadInfo]:
         """Unfinished multipart uploads under ``prefix``. On a server that does not implement
         ListMultipartUploads (501) this is always empty (one WARNING per connection): such
         uploads cannot be found, so clean-up cannot abort them (the server's own expiry of
@@ -313,15 +311,14 @@ class S3Store:
         conn = self._conn
         if conn.lists_uploads is False:
             return []
-        found: list[UploadInfo] = []
+        found: builtins.list[UploadInfo] = []
         for base in self._bases():
             try:
                 found += await self._writer.list_uploads(base + prefix, strip=len(base))
             except StorageError as exc:
                 if not is_not_implemented(exc):
                     raise
-                if conn.lists_uploads is not False:
-                    conn.lists_uploads = False
+                if conn.refuses_upload_listing():
                     logger.warning(
                         "%s does not implement ListMultipartUploads: unfinished "
                         "multipart uploads cannot be listed or aborted by cloudckpt",
@@ -335,7 +332,7 @@ class S3Store:
         await self._writer.abort(upload.key, self._phys(upload.key), upload.upload_id)
 
 
-def whole_checksum_of(resp: dict) -> WholeChecksum | None:
+def whole_checksum_of(resp: S3Answer) -> WholeChecksum | None:
     """The whole-object checksum a HeadObject answer gives: its ``ChecksumCRC32C`` unless that
     is a composite (``-N``) or not a full-object one, else an ETag that is an MD5 (32 hex digits:
     a single-part upload; not for SSE-KMS or SSE-C objects, whose ETags are not MD5s), else
@@ -358,8 +355,8 @@ def whole_checksum_of(resp: dict) -> WholeChecksum | None:
     return None
 
 
-def _sort_key(item) -> str:
+def _sort_key(item: ObjectInfo | CommonPrefix) -> str:
     return item.key if isinstance(item, ObjectInfo) else item.prefix
 
 
-__all__ = ["S3Connection", "S3Store", "error_code"]
+__all__ = ["S3Store", "whole_checksum_of"]

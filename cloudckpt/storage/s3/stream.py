@@ -50,12 +50,13 @@ import numpy as np
 from cloudckpt.errors import ConfigError
 from cloudckpt.storage.base import Body, ObjectInfo, WriterState, as_views
 from cloudckpt.storage.options import MAX_PARTS, choose_part_size
+from cloudckpt.storage.s3.shapes import CompletedPart
 from cloudckpt.storage.s3.write import S3Writer
 
 
 def _buffer(nbytes: int) -> memoryview:
     """Uninitialised memory (pages become resident only as they are written)."""
-    return memoryview(np.empty(nbytes, dtype=np.uint8))
+    return np.empty(nbytes, dtype=np.uint8).data
 
 
 class S3ObjectWriter(WriterState):
@@ -80,11 +81,11 @@ class S3ObjectWriter(WriterState):
         self._spare: list[memoryview] = []  # part buffers back from the server, for reuse
         self._upload_id: str | None = None
         self._parts = 0  # parts handed to an upload task
-        self._entries: dict[int, dict] = {}  # part number -> CompleteMultipartUpload entry
-        self._tasks: list[asyncio.Task] = []
+        self._entries: dict[int, CompletedPart] = {}  # part number -> its completion entry
+        self._tasks: list[asyncio.Task[None]] = []
         self._room = asyncio.Semaphore(self._conn.options.concurrency)
         self._error: BaseException | None = None
-        self._aborting: asyncio.Task | None = None
+        self._aborting: asyncio.Task[None] | None = None
 
     # --- the stream -----------------------------------------------------------------------------
 
@@ -95,13 +96,14 @@ class S3ObjectWriter(WriterState):
             for v in views:
                 pos = 0
                 while pos < len(v):
-                    if self._buf is None:
-                        self._buf = self._new_buffer()
-                    elif self._fill == len(self._buf):
-                        await self._make_room()
+                    buf = self._buf
+                    if buf is None:
+                        buf = self._buf = self._new_buffer()
+                    elif self._fill == len(buf):
+                        await self._make_room(buf)
                         continue
-                    n = min(len(v) - pos, len(self._buf) - self._fill)
-                    self._buf[self._fill : self._fill + n] = v[pos : pos + n]
+                    n = min(len(v) - pos, len(buf) - self._fill)
+                    buf[self._fill : self._fill + n] = v[pos : pos + n]
                     self._fill += n
                     pos += n
                     self.size += n
@@ -113,8 +115,11 @@ class S3ObjectWriter(WriterState):
         self.check_open("commit")
         try:
             if self._parts == 0:
-                views = [self._buf[: self._fill]] if self._fill else []
+                buf = self._buf
+                views = [buf[: self._fill]] if self._fill and buf is not None else []
                 info = await self._w.put(self.key, self._phys, views, self._create)
+            elif self._upload_id is None:  # parts were sent, so the upload exists
+                raise AssertionError("a multipart stream without an upload id")
             else:
                 if self._fill:
                     await self._send_part()
@@ -154,12 +159,12 @@ class S3ObjectWriter(WriterState):
             return _buffer(self._first)
         return self._spare.pop() if self._spare else _buffer(self.part_size)
 
-    async def _make_room(self) -> None:
-        """The buffer is full and more bytes come: grow a first buffer sized by the hint, else
-        send the buffer as a part."""
-        if len(self._buf) < self.part_size:
+    async def _make_room(self, buf: memoryview) -> None:
+        """The buffer ``buf`` is full and more bytes come: grow a first buffer sized by the hint,
+        else send the buffer as a part."""
+        if len(buf) < self.part_size:
             bigger = _buffer(self.part_size)
-            bigger[: self._fill] = self._buf[: self._fill]
+            bigger[: self._fill] = buf[: self._fill]
             self._buf = bigger
             return
         await self._send_part()
@@ -175,6 +180,7 @@ class S3ObjectWriter(WriterState):
             )
         if self._upload_id is None:
             self._upload_id = await self._start()
+        upload_id = self._upload_id
         await self._room.acquire()
         try:
             self._raise_part_error()
@@ -192,8 +198,11 @@ class S3ObjectWriter(WriterState):
             raise
         self._parts += 1
         buf, fill, self._buf, self._fill = self._buf, self._fill, None, 0
+        if buf is None:  # only a filled buffer is sent
+            raise AssertionError("a part without a buffer")
         self._tasks = [t for t in self._tasks if not t.done()]
-        self._tasks.append(asyncio.ensure_future(self._upload(self._parts, buf, fill, held)))
+        part = self._upload(upload_id, self._parts, buf, fill, held)
+        self._tasks.append(asyncio.ensure_future(part))
 
     async def _start(self) -> str:
         """Start the multipart upload; in create mode, claim the key first."""
@@ -204,13 +213,15 @@ class S3ObjectWriter(WriterState):
             self.key, self._phys, self._token, required=strategy == "fallback"
         )
 
-    async def _upload(self, number: int, buf: memoryview, fill: int, held: int) -> None:
+    async def _upload(
+        self, upload_id: str, number: int, buf: memoryview, fill: int, held: int
+    ) -> None:
         """Send ``buf[:fill]`` as part ``number``; then the buffer serves a later part, so a
         stream allocates at most one buffer more than it ever had in flight, however late the
         garbage collector frees the request objects that saw it."""
         try:
             self._entries[number] = await self._w.upload_part(
-                self.key, self._phys, self._upload_id, number, [buf[:fill]]
+                self.key, self._phys, upload_id, number, [buf[:fill]]
             )
             if len(buf) == self.part_size and self.state == "open":
                 self._spare.append(buf)

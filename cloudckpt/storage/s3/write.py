@@ -42,51 +42,34 @@ import asyncio
 import logging
 import random
 import secrets
+from collections.abc import Sequence
 
-from cloudckpt.checksum import crc32c
 from cloudckpt.errors import (
     AccessDenied,
     ConfigError,
     ObjectExists,
-    ObjectNotFound,
     RetriesExhausted,
     StorageError,
 )
-from cloudckpt.storage.base import ObjectInfo, UploadInfo, run_all, slice_views
-from cloudckpt.storage.options import MAX_PUT_SIZE, choose_part_size
-from cloudckpt.storage.s3.client import BodyPayload, crc32c_b64, send_with_body
-from cloudckpt.storage.s3.conn import S3Connection
+from cloudckpt.storage.base import ObjectInfo, UploadInfo
+from cloudckpt.storage.options import MAX_PUT_SIZE
 from cloudckpt.storage.s3.errors import is_not_implemented
+from cloudckpt.storage.s3.shapes import S3Params
+from cloudckpt.storage.s3.uploads import S3Uploads
 
 logger = logging.getLogger("cloudckpt.storage")
 
-TOKEN_META = "cloudckpt-put"
 #: Unfinished uploads older than this (relative to ours, server clock) do not block a create.
 STALE_UPLOAD_S = 900.0
-_THREAD_CRC_BYTES = 4 * 1024 * 1024
 
 
-async def _crc(views) -> int:
-    def run() -> int:
-        value = 0
-        for v in views:
-            value = crc32c(v, value)
-        return value
+class S3Writer(S3Uploads):
+    """The writes of one store (``S3Uploads``' steps, composed): ``put`` and the conditional
+    create of the module docstring (its strategy probe and claim protocol)."""
 
-    if sum(len(v) for v in views) >= _THREAD_CRC_BYTES:
-        return await asyncio.to_thread(run)
-    return run()
-
-
-class S3Writer:
-    """The writes of one store: ``where`` is its URL (for messages). Methods take the
-    store-relative ``key`` (messages, stats) and the physical key ``phys`` in the bucket."""
-
-    def __init__(self, conn: S3Connection, where: str):
-        self.conn = conn
-        self.where = where
-
-    async def put(self, key: str, phys: str, views, create: bool) -> ObjectInfo:
+    async def put(
+        self, key: str, phys: str, views: Sequence[memoryview], create: bool
+    ) -> ObjectInfo:
         """Store ``views`` (concatenated) at ``phys``; see the module docstring for ``create``."""
         size = sum(len(v) for v in views)
         token = secrets.token_hex(12)
@@ -103,234 +86,6 @@ class S3Writer:
         if size <= self.conn.options.multipart_threshold:
             return await self._single_put(key, phys, views, size, False, token)
         return await self._multipart_put(key, phys, views, size, token)
-
-    async def list_uploads(self, prefix: str, *, strip: int) -> list[UploadInfo]:
-        """Unfinished multipart uploads whose physical key starts with ``prefix`` (keys returned
-        with their first ``strip`` characters removed)."""
-        conn = self.conn
-        found: list[UploadInfo] = []
-        markers: dict = {}
-        while True:
-
-            async def attempt(n: int, markers=dict(markers)):
-                client = await conn.client()
-                return await client.list_multipart_uploads(
-                    Bucket=conn.bucket, Prefix=prefix, **markers
-                )
-
-            page = await conn.call("list_uploads", None, attempt, where=self.where)
-            for u in page.get("Uploads", []) or []:
-                started = u.get("Initiated")
-                found.append(
-                    UploadInfo(
-                        key=u["Key"][strip:],
-                        upload_id=u["UploadId"],
-                        initiated=started.timestamp() if started else None,
-                    )
-                )
-            if not page.get("IsTruncated"):
-                return found
-            markers = {
-                "KeyMarker": page.get("NextKeyMarker", ""),
-                "UploadIdMarker": page.get("NextUploadIdMarker", ""),
-            }
-            if not markers["KeyMarker"] and not markers["UploadIdMarker"]:
-                return found
-
-    async def abort(self, key: str, phys: str, upload_id: str) -> None:
-        """Abort one multipart upload; an upload already gone is fine."""
-        conn = self.conn
-
-        async def attempt(n: int) -> None:
-            client = await conn.client()
-            await client.abort_multipart_upload(Bucket=conn.bucket, Key=phys, UploadId=upload_id)
-
-        try:
-            await conn.call("abort_multipart", key, attempt, where=self.where)
-        except ObjectNotFound:
-            pass
-
-    # --- single and multipart puts --------------------------------------------------------------
-
-    async def _single_put(self, key, phys, views, size, create, token) -> ObjectInfo:
-        conn = self.conn
-        crc = await _crc(views) if conn.options.transport_checksums else None
-
-        async def attempt(n: int) -> ObjectInfo:
-            client = await conn.client()
-            kw = {
-                "Bucket": conn.bucket,
-                "Key": phys,
-                "ContentLength": size,
-                "Body": BodyPayload(views) if size else b"",
-            }
-            if crc is not None:
-                kw["ChecksumCRC32C"] = crc32c_b64(crc)
-            if create:
-                kw["IfNoneMatch"] = "*"
-                kw["Metadata"] = {TOKEN_META: token}
-            resp = await send_with_body(
-                client.put_object(**kw), kw["Body"], conn.options.retry.read_timeout
-            )
-            conn.stats.bytes_sent += size
-            return ObjectInfo(key=key, size=size, etag=resp.get("ETag"))
-
-        try:
-            return await conn.call("put", key, attempt, where=self.where)
-        except ObjectExists:
-            # An earlier attempt (ours, or aiohttp's silent re-send of an idempotent PUT on a
-            # reset connection) may have stored it and lost the answer.
-            info = await self._own_object(key, phys, token, size)
-            if info is not None:
-                return info
-            raise
-
-    async def create_upload(self, key, phys, token) -> str:
-        conn = self.conn
-
-        async def attempt(n: int) -> str:
-            client = await conn.client()
-            kw = {"Bucket": conn.bucket, "Key": phys, "Metadata": {TOKEN_META: token}}
-            if conn.options.transport_checksums:
-                kw["ChecksumAlgorithm"] = "CRC32C"
-            resp = await client.create_multipart_upload(**kw)
-            return resp["UploadId"]
-
-        return await conn.call("create_multipart", key, attempt, where=self.where)
-
-    async def upload_part(self, key, phys, upload_id, number: int, views) -> dict:
-        """Upload ``views`` (concatenated) as part ``number`` (1-based); returns its entry of the
-        CompleteMultipartUpload part list."""
-        conn = self.conn
-        size = sum(len(v) for v in views)
-        crc = await _crc(views) if conn.options.transport_checksums else None
-
-        async def attempt(n: int) -> str:
-            client = await conn.client()
-            kw = {
-                "Bucket": conn.bucket,
-                "Key": phys,
-                "UploadId": upload_id,
-                "PartNumber": number,
-                "ContentLength": size,
-                "Body": BodyPayload(views) if size else b"",
-            }
-            if crc is not None:
-                kw["ChecksumCRC32C"] = crc32c_b64(crc)
-            resp = await send_with_body(
-                client.upload_part(**kw), kw["Body"], conn.options.retry.read_timeout
-            )
-            conn.stats.bytes_sent += size
-            return resp["ETag"]
-
-        etag = await conn.call("upload_part", key, attempt, where=self.where)
-        entry = {"PartNumber": number, "ETag": etag}
-        if crc is not None:
-            entry["ChecksumCRC32C"] = crc32c_b64(crc)
-        return entry
-
-    async def _upload_parts(self, key, phys, upload_id, views, size) -> list[dict]:
-        """Upload every part of a body held in memory (at most ``concurrency`` at a time);
-        returns the CompleteMultipartUpload part list."""
-        conn = self.conn
-        part = choose_part_size(size, conn.options.part_size)
-        count = max(1, -(-size // part))
-        parts: list[dict | None] = [None] * count
-        next_part = 0
-
-        async def worker() -> None:
-            nonlocal next_part
-            while next_part < count:
-                i, next_part = next_part, next_part + 1
-                pviews = slice_views(views, i * part, min(size, (i + 1) * part))
-                parts[i] = await self.upload_part(key, phys, upload_id, i + 1, pviews)
-
-        await run_all(worker() for _ in range(min(conn.options.concurrency, count)))
-        return parts  # type: ignore[return-value]
-
-    async def complete(self, key, phys, upload_id, parts, size, create, token) -> ObjectInfo:
-        conn = self.conn
-        tries = 0
-
-        async def attempt(n: int) -> ObjectInfo:
-            nonlocal tries
-            tries = n
-            client = await conn.client()
-            kw = {
-                "Bucket": conn.bucket,
-                "Key": phys,
-                "UploadId": upload_id,
-                "MultipartUpload": {"Parts": parts},
-            }
-            if create:
-                kw["IfNoneMatch"] = "*"
-            resp = await client.complete_multipart_upload(**kw)
-            return ObjectInfo(key=key, size=size, etag=resp.get("ETag"))
-
-        try:
-            return await conn.call("complete_multipart", key, attempt, where=self.where)
-        except (ObjectExists, ObjectNotFound):
-            if tries > 1 or create:  # an earlier attempt may have completed it
-                info = await self._own_object(key, phys, token, size)
-                if info is not None:
-                    return info
-            raise
-
-    async def _multipart_put(self, key, phys, views, size, token) -> ObjectInfo:
-        """An overwrite-mode multipart upload (create mode never goes multipart: module
-        docstring)."""
-        upload_id = await self.create_upload(key, phys, token)
-        return await self._finish_upload(key, phys, upload_id, views, size, False, token)
-
-    async def _finish_upload(self, key, phys, upload_id, views, size, create, token) -> ObjectInfo:
-        """Upload a body held in memory as the parts of ``upload_id`` and complete it; abort
-        the upload on any failure."""
-        try:
-            parts = await self._upload_parts(key, phys, upload_id, views, size)
-            return await self.complete(key, phys, upload_id, parts, size, create, token)
-        except BaseException:
-            self.abort_later(key, phys, upload_id)
-            raise
-
-    def abort_later(self, key, phys, upload_id, *, after=()) -> asyncio.Task:
-        """Abort an upload after a failure, once the tasks ``after`` (its part uploads) have
-        stopped, even if the caller is being cancelled (best effort: a failure is logged).
-        Returns the background task (``close`` of the connection waits for it too)."""
-
-        async def run() -> None:
-            if after:
-                await asyncio.gather(*after, return_exceptions=True)
-            try:
-                await self.abort(key, phys, upload_id)
-            except Exception as exc:  # noqa: BLE001 - best effort, logged
-                logger.warning(
-                    "could not abort multipart upload of %s/%s: %s", self.where, key, exc
-                )
-
-        task = asyncio.ensure_future(run())
-        self.conn.in_background(task)
-        return task
-
-    async def head(self, key, phys) -> dict | None:
-        """The HeadObject answer for ``phys``, or None when there is no such object."""
-        conn = self.conn
-
-        async def attempt(n: int):
-            client = await conn.client()
-            return await client.head_object(Bucket=conn.bucket, Key=phys)
-
-        try:
-            return await conn.call("head", key, attempt, where=self.where)
-        except ObjectNotFound:
-            return None
-
-    async def _own_object(self, key, phys, token, size) -> ObjectInfo | None:
-        """The object at ``phys`` if it is the one this put wrote (its token matches), else
-        None."""
-        resp = await self.head(key, phys)
-        if resp is None or (resp.get("Metadata") or {}).get(TOKEN_META) != token:
-            return None
-        return ObjectInfo(key=key, size=int(resp.get("ContentLength", size)), etag=resp.get("ETag"))
 
     # --- conditional create ---------------------------------------------------------------------
 
@@ -361,37 +116,31 @@ class S3Writer:
         conn = self.conn
         probe = f"{phys[: phys.rfind('/') + 1]}.cloudckpt-probe-{secrets.token_hex(8)}"
 
-        async def attempt(n: int) -> None:
-            client = await conn.client()
-            await client.put_object(Bucket=conn.bucket, Key=probe, Body=b"probe", IfNoneMatch="*")
-
         where = f"s3://{conn.bucket}/{conn.anchor}"
+        put: S3Params = {"Key": probe, "Body": b"probe", "IfNoneMatch": "*"}
         try:
             try:
                 # A refusal here can only be our own first write, re-sent after a lost answer.
-                await conn.call("probe", None, attempt, where=where)
-                await conn.call("probe", None, attempt, where=where)
+                await conn.request("put_object", op="probe", key=None, where=where, **put)
+                await conn.request("put_object", op="probe", key=None, where=where, **put)
                 strategy = "fallback"
             except ObjectExists:
                 strategy = "native"
         finally:
-
-            async def delete(n: int) -> None:
-                client = await conn.client()
-                await client.delete_object(Bucket=conn.bucket, Key=probe)
-
             try:
-                await conn.call("delete", None, delete, where=where)
+                await conn.request("delete_object", op="delete", key=None, where=where, Key=probe)
             except Exception as exc:  # noqa: BLE001 - a stray probe object is harmless
                 logger.warning("could not delete probe object %s: %s", probe, exc)
         return strategy
 
-    async def _fallback_create(self, key, phys, views, size, token) -> ObjectInfo:
+    async def _fallback_create(
+        self, key: str, phys: str, views: Sequence[memoryview], size: int, token: str
+    ) -> ObjectInfo:
         """The multipart claim protocol (module docstring) for a body held in memory."""
         upload_id = await self.claim(key, phys, token)
         return await self._finish_upload(key, phys, upload_id, views, size, True, token)
 
-    async def claim(self, key, phys, token, *, required: bool = True) -> str:
+    async def claim(self, key: str, phys: str, token: str, *, required: bool = True) -> str:
         """Steps (1)-(4) of the claim protocol (module docstring): returns the id of a multipart
         upload of ``phys`` that no other non-stale creator's upload preceded, the key not
         existing (``ObjectExists`` otherwise). Contention is retried with backoff until the
@@ -435,7 +184,9 @@ class S3Writer:
             )
             await asyncio.sleep(delay)
 
-    async def _rivals(self, key, phys, upload_id, required: bool) -> list[UploadInfo]:
+    async def _rivals(
+        self, key: str, phys: str, upload_id: str, required: bool
+    ) -> list[UploadInfo]:
         """The other unfinished, non-stale uploads of ``phys`` (step 3)."""
         if self.conn.lists_uploads is False:
             return []
@@ -459,7 +210,7 @@ class S3Writer:
             )
         ]
 
-    async def refuse_existing(self, key, phys) -> None:
+    async def refuse_existing(self, key: str, phys: str) -> None:
         """``ObjectExists`` if ``phys`` exists (one HEAD)."""
         if await self.head(key, phys) is not None:
             raise ObjectExists(

@@ -17,7 +17,8 @@ import signal
 import sys
 import threading
 
-from cloudckpt.testing.servers.seaweed import S3Server, S3ServerError
+from cloudckpt.testing.servers.endpoint import S3ServerError
+from cloudckpt.testing.servers.seaweed.server import S3Server
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,9 +16,10 @@ shape at a small scale, so benchmarks measure links instead of the machine's CPU
 - The store is one SeaweedFS with credentials, in its own namespace, listening on that
   namespace's private address (:mod:`cloudckpt.testing.cluster.s3`); `info` is its
   `S3ServerInfo` (reachable from the ranks only, not from the process that built the cluster).
-- `ranks_per_node` gloo ranks per node, a persistent :class:`cloudckpt.testing.dist.world.ProcessWorld`
-  whose workers enter their node's namespace before initialising torch.distributed: the
-  rendezvous is node 0's backend address, gloo is bound to the backend link
+- `ranks_per_node` gloo ranks per node, a persistent
+  :class:`cloudckpt.testing.ranks.world.ProcessWorld` whose workers enter their node's namespace
+  before initialising torch.distributed: the rendezvous is node 0's backend address, gloo is
+  bound to the backend link
   (``GLOO_SOCKET_IFNAME=be0``), and the standard AWS variables point at the store, so
   ``cloudckpt.save(state, "s3://...")`` in a rank uses the frontend link. Ranks of one node talk
   to each other through the node's loopback (fast, like NVLink). Rank r runs on node
@@ -58,8 +59,9 @@ from typing import Any
 
 from cloudckpt.testing.cluster import net
 from cloudckpt.testing.cluster.watchdog import destroy, run_dir, run_namespaces, sweep_stale
-from cloudckpt.testing.dist.world import ProcessWorld
-from cloudckpt.testing.servers.seaweed import DEFAULT_BUCKET, S3ServerInfo, check_bucket_name
+from cloudckpt.testing.ranks.world import ProcessWorld
+from cloudckpt.testing.servers.endpoint import DEFAULT_BUCKET, S3ServerInfo
+from cloudckpt.testing.servers.seaweed.host import check_bucket_name
 
 __all__ = ["Cluster", "ClusterUnavailable", "unavailable_reason"]
 
@@ -217,11 +219,11 @@ class Cluster:
                 if not run_namespaces(self.prefix):
                     raise ClusterUnavailable(f"cannot create a network namespace: {exc}") from exc
                 raise
-            self._start_server()
+            info = self._start_server()
             self._world = ProcessWorld(
                 self.world_size,
                 timeout=self.timeout,
-                env={**self._info.env(), **self.env},
+                env={**info.env(), **self.env},
                 rank_env=[self._rank_env(r) for r in range(self.world_size)],
                 netns=[self.topology.node_ns(self.node_of(r)) for r in range(self.world_size)],
                 master_addr=self.topology.backend_addr(0),
@@ -245,11 +247,11 @@ class Cluster:
             "no_proxy": self.topology.server_addr,
         }
 
-    def _start_server(self) -> None:
+    def _start_server(self) -> S3ServerInfo:
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         log = open(os.path.join(run_dir(self.prefix), "cluster_s3.log"), "wb")
         with log:
-            self._server = subprocess.Popen(
+            server = self._server = subprocess.Popen(
                 [
                     "ip",
                     "netns",
@@ -272,18 +274,20 @@ class Cluster:
                 env=env,
                 close_fds=True,
             )
+        stdout = server.stdout
+        assert stdout is not None  # (stdout=PIPE)
         line = b""
         with selectors.DefaultSelector() as sel:
-            sel.register(self._server.stdout, selectors.EVENT_READ)
+            sel.register(stdout, selectors.EVENT_READ)
             deadline = time.monotonic() + SERVER_START_TIMEOUT_S
             while not line.endswith(b"\n") and time.monotonic() < deadline:
                 if sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                    chunk = os.read(self._server.stdout.fileno(), 1 << 16)
+                    chunk = os.read(stdout.fileno(), 1 << 16)
                     if not chunk:
                         break
                     line += chunk
         try:
-            reply = json.loads(line) if line.strip() else {"error": "no answer"}
+            reply: dict[str, Any] = json.loads(line) if line.strip() else {"error": "no answer"}
         except ValueError:
             reply = {"error": f"unreadable answer {line[:200]!r}"}
         if "error" in reply:
@@ -293,6 +297,7 @@ class Cluster:
             )
         self._server_pid = reply.pop("pid")
         self._info = S3ServerInfo(**reply)
+        return self._info
 
     def _server_log_tail(self) -> str:
         try:
@@ -308,12 +313,14 @@ class Cluster:
         server, self._server = self._server, None
         if server is not None:
             try:
-                server.stdin.close()  # EOF: the helper stops weed cleanly
+                if server.stdin is not None:
+                    server.stdin.close()  # EOF: the helper stops weed cleanly
                 server.wait(timeout=SERVER_STOP_TIMEOUT_S)
             except (OSError, subprocess.TimeoutExpired):
                 server.kill()
                 server.wait()
-            server.stdout.close()
+            if server.stdout is not None:
+                server.stdout.close()
         self._info = self._server_pid = None
         destroy(self.prefix, grace=2.0)
         watchdog, self._watchdog = self._watchdog, None

@@ -4,8 +4,7 @@
 It forwards every request with its Host header, so SigV4 signatures still verify upstream, and
 injects faults on a schedule, at a rate, or on every request:
 
-- ``"503"``: answers 503 SlowDown (S3 XML error body), request not forwarded.
-- ``"500"``: answers 500 InternalError, request not forwarded.
+- ``"503"`` / ``"500"``: answers 503 SlowDown / 500 InternalError (S3 XML body), unforwarded.
 - ``"reset"``: aborts the connection as soon as the request head arrives (not forwarded).
 - ``"delay"``: waits ``delay_s`` seconds, then forwards normally.
 - ``"truncate"``: forwards, then sends half of the response body (with the full Content-Length)
@@ -15,9 +14,8 @@ injects faults on a schedule, at a rate, or on every request:
   damaged the bytes; never picked at random: name it in ``kinds`` or ``schedule``).
 
 ``ignore_conditional_writes=True`` (needs ``credentials``) strips ``If-None-Match``/``If-Match``
-from requests and re-signs them, so the server behaves like one that ignores conditional writes;
-``ignore_conditional_writes="complete"`` does so on CompleteMultipartUpload only (as Ceph RGW 16,
-which honours the header on PutObject).
+and re-signs requests, as a server that ignores conditional writes; ``"complete"`` does so on
+CompleteMultipartUpload only (as Ceph RGW 16, which honours the header on PutObject).
 
 Servers that lack a request form: ``refuse=[("POST", "delete", 501, "NotImplemented")]`` answers
 every request with that method and that query parameter (here DeleteObjects) with that status and
@@ -26,7 +24,6 @@ S3 error code, unforwarded; ``require_content_md5=True`` answers a DeleteObjects
 ``record=True`` keeps ``(method, path?query, headers)`` of every request in ``requests``.
 
 Usage::
-
     with FaultProxy(info.endpoint_url, rate=0.2) as proxy:
         store = open_store(url, StorageOptions(endpoint_url=proxy.endpoint_url, ...))
         ...
@@ -40,6 +37,7 @@ import asyncio
 import random
 import threading
 from collections.abc import Iterable, Sequence
+from typing import Literal
 
 import aiohttp
 from aiohttp import web
@@ -194,7 +192,7 @@ class FaultProxy(LoopThreadServer):
         fail_all: bool | None = None,
         delay_s: float | None = None,
         schedule: Sequence[str | None] | None = None,
-        methods: Iterable[str] | None | bool = False,
+        methods: Iterable[str] | None | Literal[False] = False,
         ignore_conditional_writes: bool | str | None = None,
         refuse: Iterable[tuple[str, str, int, str]] | None = None,
         require_content_md5: bool | None = None,
@@ -407,8 +405,9 @@ class FaultProxy(LoopThreadServer):
             sent = 0
             async for chunk in upstream.content.iter_chunked(1 << 16):
                 if sent <= flip_at < sent + len(chunk):
-                    chunk = bytearray(chunk)
-                    chunk[flip_at - sent] ^= 0x01
+                    flipped = bytearray(chunk)
+                    flipped[flip_at - sent] ^= 0x01
+                    chunk = bytes(flipped)
                 if limit is not None and sent + len(chunk) >= limit:
                     await response.write(chunk[: limit - sent])
                     _reset(request)

@@ -35,6 +35,7 @@ import asyncio
 import re
 import threading
 from collections.abc import Sequence
+from typing import Literal
 
 import aiohttp
 from yarl import URL
@@ -90,9 +91,9 @@ class LyingProxy(LoopThreadServer):
     def configure(
         self,
         *,
-        lie: str | None | bool = False,
+        lie: str | None | Literal[False] = False,
         schedule: Sequence[str | None] | None = None,
-        only: str | None | bool = False,
+        only: str | None | Literal[False] = False,
     ) -> None:
         """``lie``: told on every ranged GET (None: none); ``schedule``: the next ones first;
         ``only``: lie only about paths containing it (None: any)."""

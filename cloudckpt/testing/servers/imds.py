@@ -144,7 +144,9 @@ class FakeMetadataServer:
     def _notice_status(self, token: str | None) -> int:
         with self.lock:
             uses = self.tokens.get(token) if token is not None else None
-            if uses is None or (self.token_uses is not None and uses >= self.token_uses):
+            if token is None or uses is None:
+                return 401
+            if self.token_uses is not None and uses >= self.token_uses:
                 return 401
             self.tokens[token] = uses + 1
             self.valid_gets += 1

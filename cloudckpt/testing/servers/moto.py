@@ -7,10 +7,11 @@ session's SeaweedFS in ways the tests rely on: it accepts any credentials (no au
 does not check ``x-amz-checksum-crc32c`` or ``Content-MD5`` (a damaged body is stored as sent),
 and honours ``If-None-Match: *`` on PutObject.
 
-Contract, as for :mod:`cloudckpt.testing.servers.seaweed`: ``MotoServer().start()`` returns an
-``S3ServerInfo`` once the port answers and the bucket exists (its read-only identity is not
-enforced by moto); the port is chosen free and the start retried on a clash; the process runs in
-its own session, is stopped by PID, and a watchdog stops it if the owning process dies.
+Contract, as for :mod:`cloudckpt.testing.servers.seaweed.server`: ``MotoServer().start()``
+returns an ``S3ServerInfo`` once the port answers and the bucket exists (its read-only identity is
+not enforced by moto); the port is chosen free and the start retried on a clash; the process runs
+in its own session, is stopped by PID, and the SeaweedFS watchdog script stops it if the owning
+process dies.
 """
 
 from __future__ import annotations
@@ -27,14 +28,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from cloudckpt.testing.servers.seaweed import (
-    _WATCHDOG_SCRIPT,
+from cloudckpt.testing.servers.endpoint import (
     DEFAULT_BUCKET,
     DEFAULT_REGION,
     S3ServerError,
     S3ServerInfo,
-    stop_server_process,
 )
+from cloudckpt.testing.servers.seaweed.host import WATCHDOG_SCRIPT, stop_server_process
 
 __all__ = ["MotoServer", "moto_available"]
 
@@ -116,7 +116,7 @@ class MotoServer:
         # will stop it. It finds moto as the process running this interpreter with the work dir
         # among its arguments.
         self._watchdog = subprocess.Popen(
-            [sys.executable, _WATCHDOG_SCRIPT, str(os.getpid()), sys.executable, self._workdir],
+            [sys.executable, WATCHDOG_SCRIPT, str(os.getpid()), sys.executable, self._workdir],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -125,7 +125,7 @@ class MotoServer:
             env=env,
         )
         with open(work / "moto.out", "wb") as out:
-            self._proc = subprocess.Popen(
+            proc = self._proc = subprocess.Popen(
                 [
                     sys.executable,
                     "-c",
@@ -145,7 +145,7 @@ class MotoServer:
                 close_fds=True,
             )
         endpoint = f"http://127.0.0.1:{port}"
-        self._wait_ready(endpoint)
+        self._wait_ready(proc, endpoint)
         info = S3ServerInfo(
             endpoint_url=endpoint,
             region=DEFAULT_REGION,
@@ -159,16 +159,18 @@ class MotoServer:
         return info
 
     def _log_tail(self, limit: int = 3000) -> str:
+        if self._workdir is None:
+            return ""
         try:
             return (Path(self._workdir) / "moto.out").read_text(errors="replace")[-limit:]
-        except (OSError, TypeError):
+        except OSError:
             return ""
 
-    def _wait_ready(self, endpoint: str) -> None:
+    def _wait_ready(self, proc: subprocess.Popen, endpoint: str) -> None:
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         deadline = time.monotonic() + self.ready_timeout
         while True:
-            code = self._proc.poll()
+            code = proc.poll()
             if code is not None:
                 raise S3ServerError(f"moto exited with {code} during start:\n{self._log_tail()}")
             try:

@@ -1,4 +1,6 @@
-"""The watchdog of a local SeaweedFS: `python weed_watchdog.py OWNER_PID WEED_BIN WORKDIR [SOCKET]...`
+"""The watchdog of a local SeaweedFS.
+
+`python watchdog.py OWNER_PID WEED_BIN WORKDIR [SOCKET]...`
 
 Started by `S3Server` *before* weed, in a session of its own (so Ctrl-C or a group kill of the
 owner does not take it down first). It polls its parent; once the parent is no longer OWNER_PID

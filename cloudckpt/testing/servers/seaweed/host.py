@@ -1,6 +1,7 @@
 """What starting weed needs from this host: the binary, free ports, bucket names, the address
-weed may listen on, and stopping a launched server (used by :mod:`cloudckpt.testing.servers.seaweed` and
-:mod:`cloudckpt.testing.servers.moto`; never imported by library code).
+weed may listen on, and stopping a launched server with its watchdog (used by
+:mod:`cloudckpt.testing.servers.seaweed.server`, and :mod:`cloudckpt.testing.servers.moto` for the
+watchdog and the stop; never imported by library code).
 """
 
 from __future__ import annotations
@@ -15,18 +16,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cloudckpt.testing.servers.endpoint import S3ServerError
+
 STOP_GRACE_S = 10.0
+# The watchdog of a launched server: a script run in its own process (see its docstring); it
+# imports nothing of cloudckpt. ``python -I WATCHDOG_SCRIPT OWNER_PID BINARY WORKDIR [SOCKET]...``
+WATCHDOG_SCRIPT = str(Path(__file__).with_name("watchdog.py"))
 # HTTP ports are drawn here; each gRPC port is its HTTP port + 10000, which keeps every port below
 # the kernel's ephemeral range (32768+) and satisfies weed's "admin gRPC = admin + 10000" dial.
-_PORT_LOW, _PORT_HIGH, _GRPC_OFFSET = 10000, 22700, 10000
+_PORT_LOW, _PORT_HIGH, GRPC_OFFSET = 10000, 22700, 10000
 _SERVICES = ("master", "volume", "filer", "s3", "admin", "webdav")
-_GRPC_SOCKET_SERVICES = ("master", "volume", "filer", "s3", "admin")
-_GRPC_SOCKET = "/tmp/seaweedfs-{service}-grpc-{port}.sock"  # hard-coded in weed 4.48
+GRPC_SOCKET_SERVICES = ("master", "volume", "filer", "s3", "admin")
+GRPC_SOCKET = "/tmp/seaweedfs-{service}-grpc-{port}.sock"  # hard-coded in weed 4.48
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-
-
-class S3ServerError(RuntimeError):
-    """The local SeaweedFS could not be found, started or reached."""
 
 
 def find_weed() -> str:
@@ -63,7 +65,7 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
-def _pick_ports(rng: random.Random) -> dict[str, int]:
+def pick_ports(rng: random.Random) -> dict[str, int]:
     """One free HTTP port per service, each with a free gRPC port at +10000 whose socket path
     in /tmp is not taken either (weed in a cluster's namespace shares /tmp with every other)."""
     ports: dict[str, int] = {}
@@ -71,10 +73,10 @@ def _pick_ports(rng: random.Random) -> dict[str, int]:
     for service in _SERVICES:
         for _ in range(200):
             port = rng.randrange(_PORT_LOW, _PORT_HIGH)
-            pair = {port, port + _GRPC_OFFSET}
+            pair = {port, port + GRPC_OFFSET}
             if pair & taken or not all(_port_is_free(p) for p in pair):
                 continue
-            if os.path.exists(_GRPC_SOCKET.format(service=service, port=port + _GRPC_OFFSET)):
+            if os.path.exists(GRPC_SOCKET.format(service=service, port=port + GRPC_OFFSET)):
                 continue
             ports[service] = port
             taken |= pair
@@ -84,9 +86,9 @@ def _pick_ports(rng: random.Random) -> dict[str, int]:
     return ports
 
 
-def _pick_extra_port(rng: random.Random, ports: dict[str, int]) -> int:
+def pick_extra_port(rng: random.Random, ports: dict[str, int]) -> int:
     """A free port clear of ``ports`` and their gRPC ports (for the https listener)."""
-    taken = {p + d for p in ports.values() for d in (0, _GRPC_OFFSET)}
+    taken = {p + d for p in ports.values() for d in (0, GRPC_OFFSET)}
     for _ in range(200):
         port = rng.randrange(_PORT_LOW, _PORT_HIGH)
         if port not in taken and _port_is_free(port):

@@ -1,5 +1,5 @@
-"""The zygote of the multi-rank harness (:mod:`cloudckpt.testing.dist.world`): one process per owner
-that imported torch once and forks workers on request, so a world (re)start costs well under a
+"""The zygote of the multi-rank harness (:mod:`cloudckpt.testing.ranks.world`): one process per
+owner that imported torch once and forks workers on request, so a world (re)start costs well under a
 second after the first. It runs in its own session and exits (killing its workers) on EOF of its
 control socket, i.e. when the owner closes it or dies, even by SIGKILL.
 
@@ -24,6 +24,8 @@ import time
 import traceback
 from pathlib import Path
 
+from cloudckpt.testing.ranks.worker import worker_main
+
 _ZYGOTE_START_TIMEOUT_S = 120.0
 
 
@@ -47,13 +49,19 @@ class _Zygote:
             return
         self._close()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        boot = ("import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
-                "from cloudckpt.testing.dist.zygote import _zygote_main; _zygote_main(int(sys.argv[2]))")
+        boot = (
+            "import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
+            "from cloudckpt.testing.ranks.zygote import _zygote_main; "
+            "_zygote_main(int(sys.argv[2]))"
+        )
         path = [_repo_root()] + [p for p in sys.path if p]
         with theirs:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", boot, json.dumps(path), str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True)
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self._sock = ours
         ours.settimeout(_ZYGOTE_START_TIMEOUT_S)
         try:
@@ -68,22 +76,28 @@ class _Zygote:
         self.scratch_dir = msg[2]
 
     def _request(self, msg: tuple, fds: list[int] | None = None) -> tuple:
+        sock = self._sock
+        if sock is None:  # (set with _proc, under the lock: callers checked _proc)
+            raise OSError("the harness zygote process is not running")
         data = pickle.dumps(msg)
         if fds:
-            socket.send_fds(self._sock, [data], fds)
+            socket.send_fds(sock, [data], fds)
         else:
-            self._sock.send(data)
-        return pickle.loads(self._sock.recv(1 << 16))
+            sock.send(data)
+        return pickle.loads(sock.recv(1 << 16))
 
     def spawn(self) -> tuple[int, multiprocessing.connection.Connection, str]:
         """Fork one worker; return its pid, the owner's end of its connection and the
         zygote's scratch directory."""
         with self._lock:
             self._ensure()
+            scratch = self.scratch_dir
+            if scratch is None:
+                raise RuntimeError("the harness zygote process did not start")
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             with theirs:
                 reply = self._request(("spawn",), [theirs.fileno()])
-            return reply[1], multiprocessing.connection.Connection(ours.detach()), self.scratch_dir
+            return reply[1], multiprocessing.connection.Connection(ours.detach()), scratch
 
     def kill(self, pids: list[int]) -> dict[int, int | None]:
         """SIGKILL and reap the given workers (only ones the zygote has not reaped yet)."""
@@ -140,8 +154,6 @@ def _zygote_main(fd: int) -> None:
     import torch  # noqa: F401  (the point of the zygote: workers inherit the import)
     import torch.distributed  # noqa: F401
 
-    from cloudckpt.testing.dist.world import _worker_main
-
     sock = socket.socket(fileno=fd)
     live: set[int] = set()
     exited: dict[int, int] = {}
@@ -177,7 +189,7 @@ def _zygote_main(fd: int) -> None:
                 try:
                     sock.close()
                     signal.signal(signal.SIGINT, signal.SIG_IGN)
-                    _worker_main(multiprocessing.connection.Connection(fds[0]))
+                    worker_main(multiprocessing.connection.Connection(fds[0]))
                     code = 0
                 except BaseException:
                     traceback.print_exc()

@@ -22,143 +22,60 @@ Contract:
   work directory): nothing trusts it unless told to.
 - `host` (default 127.0.0.1) is the one address weed listens on and advertises. Any other address
   is accepted only inside a named network namespace (``ip netns``), never in the machine's own:
-  the simulated cluster of :mod:`cloudckpt.testing.cluster.simulated` runs weed on its server namespace's
-  private address, which nothing outside that run's namespaces can reach.
+  the simulated cluster of :mod:`cloudckpt.testing.cluster.simulated` runs weed on its server
+  namespace's private address, which nothing outside that run's namespaces can reach.
 
-Command line: `python -m cloudckpt.testing.servers.seaweed [--bucket B]...` runs a server in the
-foreground, creates the buckets named (default `cloudckpt-test`), prints the endpoint and
-`export AWS_...` lines, and stops cleanly on Ctrl-C or SIGTERM. It exits 1 with a one-line reason
-when weed cannot be found or started, 2 on a bad bucket name.
+Around it: `config` (identities file, command lines, environment), `host` (binary, ports, names,
+stopping), `watchdog` (the script that outlives a crash); `cli` is the command line.
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
-import json
 import os
 import random
 import secrets
-import signal
 import ssl
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from cloudckpt.testing.servers.weed_host import (
-    _GRPC_OFFSET,
-    _GRPC_SOCKET,
-    _GRPC_SOCKET_SERVICES,
+from cloudckpt.testing.servers.endpoint import (
+    DEFAULT_BUCKET,
+    DEFAULT_REGION,
     S3ServerError,
-    _pick_extra_port,
-    _pick_ports,
+    S3ServerInfo,
+)
+from cloudckpt.testing.servers.seaweed.config import (
+    new_keys,
+    watchdog_argv,
+    weed_argv,
+    weed_environment,
+    write_identities,
+)
+from cloudckpt.testing.servers.seaweed.host import (
+    GRPC_OFFSET,
+    GRPC_SOCKET,
+    GRPC_SOCKET_SERVICES,
     check_bucket_name,
     check_host,
     find_weed,
+    pick_extra_port,
+    pick_ports,
     stop_server_process,
 )
-from cloudckpt.testing.servers.weed_watchdog import remove_sockets
+from cloudckpt.testing.servers.seaweed.watchdog import remove_sockets
+from cloudckpt.testing.servers.tlsca import make_tls_files
 
-__all__ = ["S3ServerInfo", "S3Server", "S3ServerError", "start_s3_server", "find_weed"]
+__all__ = ["S3Server", "start_s3_server"]
 
-DEFAULT_BUCKET = "cloudckpt-test"
-DEFAULT_REGION = "us-east-1"
 READY_TIMEOUT_S = 30.0
 START_ATTEMPTS = 5
-# Runs as a script in its own process (see its docstring); it imports nothing of cloudckpt.
-_WATCHDOG_SCRIPT = str(Path(__file__).with_name("weed_watchdog.py"))
-
-
-@dataclass(frozen=True, kw_only=True)
-class S3ServerInfo:
-    """Where a running local S3 endpoint is and how to sign requests to it."""
-
-    endpoint_url: str
-    access_key: str
-    secret_key: str = field(repr=False)
-    region: str = DEFAULT_REGION
-    bucket: str = DEFAULT_BUCKET
-    readonly_access_key: str
-    readonly_secret_key: str = field(repr=False)
-    https_endpoint_url: str | None = None
-    ca_file: str | None = None
-
-    def env(self) -> dict[str, str]:
-        """The standard AWS variables that point an S3 client at this endpoint (admin identity)."""
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint_url,
-            "AWS_ACCESS_KEY_ID": self.access_key,
-            "AWS_SECRET_ACCESS_KEY": self.secret_key,
-            "AWS_DEFAULT_REGION": self.region,
-        }
-
-    def readonly_env(self) -> dict[str, str]:
-        """Like `env()`, with the read-only identity (Read, List: every write gets 403)."""
-        return {
-            **self.env(),
-            "AWS_ACCESS_KEY_ID": self.readonly_access_key,
-            "AWS_SECRET_ACCESS_KEY": self.readonly_secret_key,
-        }
-
-    def url(self, path: str = "") -> str:
-        """`s3://<bucket>/<path>` (a leading slash in `path` is dropped)."""
-        return f"s3://{self.bucket}/{path.lstrip('/')}"
-
-    def boto3_client(
-        self,
-        *,
-        readonly: bool = False,
-        access_key: str | None = None,
-        secret_key: str | None = None,
-    ):
-        """A path-style S3 client for this endpoint (admin identity unless told otherwise).
-
-        It is the client ``boto3.client("s3", ...)`` returns, built with botocore directly (which
-        aiobotocore brings): boto3 is not a dependency of cloudckpt, nor of its test extras."""
-        from botocore.config import Config
-
-        if readonly:
-            access_key = access_key or self.readonly_access_key
-            secret_key = secret_key or self.readonly_secret_key
-        return _create_botocore_client(
-            "s3",
-            endpoint_url=self.endpoint_url,
-            aws_access_key_id=access_key or self.access_key,
-            aws_secret_access_key=secret_key or self.secret_key,
-            region_name=self.region,
-            config=Config(
-                s3={"addressing_style": "path", "payload_signing_enabled": False},
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-                retries={"max_attempts": 2},
-                connect_timeout=5,
-                read_timeout=60,
-                proxies={},
-            ),
-        )
-
-
-_BOTOCORE_SESSION = None
-_BOTOCORE_LOCK = threading.Lock()
-
-
-def _create_botocore_client(service: str, **kwargs):
-    """``boto3.client(service, **kwargs)`` without boto3: one shared botocore session (its loaded
-    service models are reused, as boto3's default session does), clients created under a lock."""
-    global _BOTOCORE_SESSION
-    import botocore.session
-
-    with _BOTOCORE_LOCK:
-        if _BOTOCORE_SESSION is None:
-            _BOTOCORE_SESSION = botocore.session.get_session()
-        return _BOTOCORE_SESSION.create_client(service, **kwargs)
 
 
 _LIVE_SERVERS: weakref.WeakSet[S3Server] = weakref.WeakSet()
@@ -249,12 +166,7 @@ class S3Server:
                 return self._info
             t0 = time.monotonic()
             rng = random.Random(secrets.randbits(64))
-            keys = {
-                "access_key": "CK" + secrets.token_hex(9).upper(),
-                "secret_key": secrets.token_urlsafe(30),
-                "readonly_access_key": "CR" + secrets.token_hex(9).upper(),
-                "readonly_secret_key": secrets.token_urlsafe(30),
-            }
+            keys = new_keys()
             failures: list[str] = []
             for _ in range(START_ATTEMPTS):
                 try:
@@ -279,86 +191,28 @@ class S3Server:
         work = Path(self._workdir)
         (work / "data").mkdir()
         (work / "log").mkdir()
-        identities = {
-            "identities": [
-                {
-                    "name": "admin",
-                    "credentials": [
-                        {"accessKey": keys["access_key"], "secretKey": keys["secret_key"]}
-                    ],
-                    "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-                },
-                {
-                    "name": "readonly",
-                    "credentials": [
-                        {
-                            "accessKey": keys["readonly_access_key"],
-                            "secretKey": keys["readonly_secret_key"],
-                        }
-                    ],
-                    "actions": ["Read", "List"],
-                },
-            ]
-        }
-        config = work / "s3-identities.json"
-        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(identities, f)
-
+        identities = work / "s3-identities.json"
+        write_identities(identities, keys)
         # (checked free on 127.0.0.1 of this namespace: in a cluster's server namespace, where
         # weed listens on another address, nothing else listens anyway; a clash is retried)
-        ports = self._ports = _pick_ports(rng)
+        ports = self._ports = pick_ports(rng)
         if self.tls:
-            ports["s3https"] = _pick_extra_port(rng, ports)
+            ports["s3https"] = pick_extra_port(rng, ports)
         weed = find_weed()
-        argv = [
-            weed,
-            f"-logdir={work / 'log'}",
-            "mini",
-            f"-dir={work / 'data'}",
-            f"-ip={self.host}",
-            f"-ip.bind={self.host}",
-            "-master.telemetry=false",
-            "-admin.ui=false",
-            "-webdav=false",
-            "-s3.port.iceberg=0",
-            "-s3.port.lance=0",
-            "-volume.preStopSeconds=0",  # nobody to drain: stop in ~1 s instead of ~2 s
-            f"-filer.localSocket={work / 'log' / 'filer.sock'}",
-            f"-s3.localSocket={work / 'log' / 's3.sock'}",
-            f"-s3.config={config}",
-            f"-s3.autoCreateBucket={'true' if self.s3_auto_create_bucket else 'false'}",
-            f"-webdav.port={ports['webdav']}",
-        ]
-        for service in ("master", "volume", "filer", "s3", "admin"):
-            argv += [
-                f"-{service}.port={ports[service]}",
-                f"-{service}.port.grpc={ports[service] + _GRPC_OFFSET}",
-            ]
-        tls = None
-        if self.tls:
-            from cloudckpt.testing.servers.tlsca import make_tls_files
-
-            tls = make_tls_files(work / "tls")
-            argv += [
-                f"-s3.cert.file={tls.cert_file}",
-                f"-s3.key.file={tls.key_file}",
-                f"-s3.port.https={ports['s3https']}",
-            ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        env.pop("S3_BUCKET", None)
-        env.pop("S3_TABLE_BUCKET", None)
+        tls = make_tls_files(work / "tls") if self.tls else None
+        argv = weed_argv(
+            weed=weed,
+            work=work,
+            host=self.host,
+            ports=ports,
+            identities=identities,
+            s3_auto_create_bucket=self.s3_auto_create_bucket,
+            tls=tls,
+        )
+        env = weed_environment()
         # The watchdog first: from the moment weed exists, someone will stop it.
         self._watchdog = subprocess.Popen(
-            [
-                sys.executable,
-                "-I",
-                _WATCHDOG_SCRIPT,
-                str(os.getpid()),
-                weed,
-                self._workdir,
-                *self._grpc_sockets(),
-            ],
+            watchdog_argv(weed, self._workdir, self._grpc_sockets()),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -367,7 +221,7 @@ class S3Server:
             env=env,
         )
         with open(work / "weed.out", "wb") as out:
-            self._proc = subprocess.Popen(
+            proc = self._proc = subprocess.Popen(
                 argv,
                 cwd=work,
                 env=env,
@@ -379,11 +233,11 @@ class S3Server:
             )
 
         endpoint = f"http://{self.host}:{ports['s3']}"
-        self._wait_ready(endpoint)
+        self._wait_ready(proc, endpoint)
         https = None
         if tls is not None:
             https = f"https://127.0.0.1:{ports['s3https']}"
-            self._wait_ready(https, ssl.create_default_context(cafile=tls.ca_file))
+            self._wait_ready(proc, https, ssl.create_default_context(cafile=tls.ca_file))
         info = S3ServerInfo(
             endpoint_url=endpoint,
             region=DEFAULT_REGION,
@@ -393,29 +247,33 @@ class S3Server:
             **keys,
         )
         # A signed request with our own keys proves the answering server is ours, not a neighbour's.
-        self._check_signed(info)
+        self._check_signed(proc, info)
         return info
 
     def _grpc_sockets(self) -> list[str]:
         return [
-            _GRPC_SOCKET.format(service=service, port=self._ports[service] + _GRPC_OFFSET)
-            for service in _GRPC_SOCKET_SERVICES
+            GRPC_SOCKET.format(service=service, port=self._ports[service] + GRPC_OFFSET)
+            for service in GRPC_SOCKET_SERVICES
             if service in self._ports
         ]
 
     def _log_tail(self, limit: int = 3000) -> str:
+        if self._workdir is None:
+            return ""
         try:
             return (Path(self._workdir) / "weed.out").read_text(errors="replace")[-limit:]
-        except (OSError, TypeError):
+        except OSError:
             return ""
 
-    def _wait_ready(self, endpoint: str, context: ssl.SSLContext | None = None) -> None:
+    def _wait_ready(
+        self, proc: subprocess.Popen, endpoint: str, context: ssl.SSLContext | None = None
+    ) -> None:
         opener = urllib.request.build_opener(
             urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context)
         )
         deadline = time.monotonic() + self.ready_timeout
         while True:
-            code = self._proc.poll()
+            code = proc.poll()
             if code is not None:
                 raise _PortClash(f"weed exited with {code} during start:\n{self._log_tail()}")
             try:
@@ -434,7 +292,7 @@ class S3Server:
                 )
             time.sleep(0.05)
 
-    def _check_signed(self, info: S3ServerInfo) -> None:
+    def _check_signed(self, proc: subprocess.Popen, info: S3ServerInfo) -> None:
         from botocore.exceptions import ClientError
 
         client = info.boto3_client()
@@ -457,7 +315,7 @@ class S3Server:
                 if time.monotonic() > deadline:
                     raise S3ServerError(f"S3 not usable: {exc}\n{self._log_tail()}") from exc
             except Exception as exc:  # connection errors while weed settles
-                if self._proc.poll() is not None:
+                if proc.poll() is not None:
                     raise _PortClash(f"weed exited during start:\n{self._log_tail()}") from exc
                 if time.monotonic() > deadline:
                     raise S3ServerError(f"S3 not usable: {exc}\n{self._log_tail()}") from exc
@@ -503,75 +361,3 @@ def start_s3_server(**kw) -> S3Server:
     server = S3Server(**kw)
     server.start()
     return server
-
-
-def _bucket_arg(text: str) -> str:
-    try:
-        return check_bucket_name(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cloudckpt.testing.servers.seaweed",
-        description="Run a local SeaweedFS S3 endpoint in the foreground (Ctrl-C stops it). "
-        "Only the buckets named exist: a PUT into any other gets NoSuchBucket, as on S3.",
-    )
-    parser.add_argument(
-        "--bucket",
-        action="append",
-        type=_bucket_arg,
-        metavar="NAME",
-        help=f"bucket created at start; repeat for more (default: {DEFAULT_BUCKET})",
-    )
-    parser.add_argument("--workdir", default=None, help="parent of the private work directory")
-    parser.add_argument(
-        "--tls", action="store_true", help="also serve https, with a certificate from a private CA"
-    )
-    args = parser.parse_args(argv)
-    buckets = list(dict.fromkeys(args.bucket or [DEFAULT_BUCKET]))
-
-    stop_requested = threading.Event()
-
-    def _on_signal(signum, frame):
-        stop_requested.set()
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
-    server = S3Server(
-        bucket=buckets[0], buckets=tuple(buckets[1:]), workdir=args.workdir, tls=args.tls
-    )
-    try:
-        info = server.start()
-    except S3ServerError as exc:
-        summary, _, details = str(exc).partition("\n")
-        print(f"s3server: {summary}", file=sys.stderr, flush=True)
-        if details.strip():
-            print(
-                "  weed's output:\n" + "\n".join("    " + line for line in details.splitlines()),
-                file=sys.stderr,
-                flush=True,
-            )
-        return 1
-    try:
-        print(f"S3 endpoint: {info.endpoint_url}  buckets: {', '.join(buckets)}", flush=True)
-        if info.https_endpoint_url:
-            print(
-                f"https endpoint: {info.https_endpoint_url}  (trust it with "
-                f"AWS_CA_BUNDLE={info.ca_file})",
-                flush=True,
-            )
-        for key, value in info.env().items():
-            print(f"export {key}={value}", flush=True)
-        print("Press Ctrl-C to stop.", file=sys.stderr, flush=True)
-        while not stop_requested.wait(0.5):
-            pass
-    finally:
-        server.stop()
-    print("stopped", file=sys.stderr, flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

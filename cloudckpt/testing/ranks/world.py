@@ -21,8 +21,8 @@ Contract:
   set; then the rank's own `rank_env` entry (if given). torch is already imported by then
   (variables torch reads at import time are not honoured). Workers run with
   `torch.set_num_threads(1)`.
-- Placement (for simulated clusters, :mod:`cloudckpt.testing.cluster.simulated`): `netns[rank]` names a
-  network namespace (``ip netns`` name or a path) the rank enters before anything else, and
+- Placement (for simulated clusters, :mod:`cloudckpt.testing.cluster.simulated`): `netns[rank]`
+  names a network namespace (``ip netns`` name or a path) the rank enters before anything else, and
   `master_addr` is where rank 0's rendezvous store is reached (default 127.0.0.1).
 - Workers are forked from a shared "zygote" process that imported torch once, so a (re)start costs
   well under a second after the first. The zygote and the workers run in their own session;
@@ -41,12 +41,12 @@ import signal
 import sys
 import threading
 import time
-import traceback
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from cloudckpt.testing.dist.zygote import _ZYGOTE, _describe_status
+from cloudckpt.testing.ranks.zygote import _ZYGOTE, _describe_status
 
 __all__ = ["ProcessWorld", "RankFailedError", "WorldTimeoutError"]
 
@@ -76,7 +76,7 @@ class WorldTimeoutError(TimeoutError):
 
 # -- owner side ---------------------------------------------------------------------------------
 
-_LIVE_WORLDS: "weakref.WeakSet[ProcessWorld]" = weakref.WeakSet()
+_LIVE_WORLDS: weakref.WeakSet[ProcessWorld] = weakref.WeakSet()
 
 
 @atexit.register
@@ -95,10 +95,17 @@ class ProcessWorld:
     (per-rank network namespace; None entries stay in the caller's), `master_addr` (address of
     rank 0's rendezvous store)."""
 
-    def __init__(self, world_size: int, *, timeout: float = 120.0,
-                 env: dict[str, str] | None = None, failure_grace: float = _FAILURE_GRACE_S,
-                 rank_env: "list[dict[str, str]] | None" = None,
-                 netns: "list[str | None] | None" = None, master_addr: str = "127.0.0.1"):
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+        failure_grace: float = _FAILURE_GRACE_S,
+        rank_env: list[dict[str, str]] | None = None,
+        netns: list[str | None] | None = None,
+        master_addr: str = "127.0.0.1",
+    ):
         if world_size < 1:
             raise ValueError("world_size must be >= 1")
         for name, per_rank in (("rank_env", rank_env), ("netns", netns)):
@@ -143,19 +150,27 @@ class ProcessWorld:
         _LIVE_WORLDS.add(self)
         try:
             deadline = time.monotonic() + self.timeout
-            for rank in range(self.world_size):
+            for _ in range(self.world_size):
                 pid, conn, scratch = _ZYGOTE.spawn()
                 self._pids.append(pid)
                 self._conns.append(conn)
                 self._stack_files.append(os.path.join(scratch, f"{pid}.stacks"))
             base_env = {**os.environ, **self.env}
             for rank, conn in enumerate(self._conns):
-                conn.send({"rank": rank, "world_size": self.world_size, "env": base_env,
-                           "stack_file": self._stack_files[rank],
-                           "owner_pid": os.getpid(), "pg_timeout": self.timeout,
-                           "sys_path": list(sys.path), "master_addr": self.master_addr,
-                           "rank_env": self.rank_env[rank] if self.rank_env else {},
-                           "netns": self.netns[rank] if self.netns else None})
+                conn.send(
+                    {
+                        "rank": rank,
+                        "world_size": self.world_size,
+                        "env": base_env,
+                        "stack_file": self._stack_files[rank],
+                        "owner_pid": os.getpid(),
+                        "pg_timeout": self.timeout,
+                        "sys_path": list(sys.path),
+                        "master_addr": self.master_addr,
+                        "rank_env": self.rank_env[rank] if self.rank_env else {},
+                        "netns": self.netns[rank] if self.netns else None,
+                    }
+                )
             port = self._collect("port", deadline, ranks=[0])[0][2]
             for conn in self._conns[1:]:
                 conn.send(("port", port))
@@ -194,14 +209,15 @@ class ProcessWorld:
                 pass
         self._stack_files = []
 
-    def __enter__(self) -> "ProcessWorld":
+    def __enter__(self) -> ProcessWorld:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
-            **kwargs: Any) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any
+    ) -> list[Any]:
         """Call `fn(*args, **kwargs)` on every rank; return the results in rank order.
 
         Starts (or restarts) the world first if needed; a start has its own `self.timeout`.
@@ -222,15 +238,23 @@ class ProcessWorld:
             try:
                 for conn in self._conns:
                     conn.send(("call", call_id, list(sys.path), payload))
-                replies = self._collect("result", time.monotonic() + limit, call_id=call_id,
-                                        what=what)
+                replies = self._collect(
+                    "result", time.monotonic() + limit, call_id=call_id, what=what
+                )
             except BaseException:
                 self._kill_locked()
                 raise
         return [pickle.loads(reply[2]) for reply in replies]
 
-    def _collect(self, kind: str, deadline: float, *, ranks: list[int] | None = None,
-                 call_id: int | None = None, what: str = "start") -> list[tuple]:
+    def _collect(
+        self,
+        kind: str,
+        deadline: float,
+        *,
+        ranks: list[int] | None = None,
+        call_id: int | None = None,
+        what: str = "start",
+    ) -> list[tuple]:
         """Wait for one `kind` message from each of `ranks`; raise on failure or timeout."""
         ranks = list(range(self.world_size)) if ranks is None else ranks
         pending = {self._conns[r]: r for r in ranks}
@@ -240,7 +264,8 @@ class ProcessWorld:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            for conn in multiprocessing.connection.wait(list(pending), timeout=remaining):
+            ready = multiprocessing.connection.wait(list(pending), timeout=remaining)
+            for conn in [c for c in list(pending) if c in ready]:
                 rank = pending[conn]
                 try:
                     msg = conn.recv()
@@ -261,8 +286,10 @@ class ProcessWorld:
                 deadline = min(deadline, time.monotonic() + self.failure_grace)
         missing = tuple(sorted(pending.values()))
         if failures:
-            lines = [f"{len(failures)} of {self.world_size} ranks failed in {what}: "
-                     f"ranks {sorted(failures)}"]
+            lines = [
+                f"{len(failures)} of {self.world_size} ranks failed in {what}: "
+                f"ranks {sorted(failures)}"
+            ]
             if missing:
                 lines.append(f"ranks {list(missing)} had not answered")
             for rank in sorted(failures):
@@ -270,8 +297,10 @@ class ProcessWorld:
             raise RankFailedError("\n".join(lines), failures=failures, missing=missing)
         if missing:
             stacks = self._dump_stacks(missing)
-            lines = [f"ranks {list(missing)} of {self.world_size} did not answer {what} "
-                     f"within the timeout"]
+            lines = [
+                f"ranks {list(missing)} of {self.world_size} did not answer {what} "
+                f"within the timeout"
+            ]
             for rank in missing:
                 if stacks.get(rank):
                     lines.append(f"--- rank {rank} stacks ---\n{stacks[rank].rstrip()}")
@@ -296,9 +325,6 @@ class ProcessWorld:
         return stacks
 
 
-# -- worker side (runs in a process forked by the zygote) ---------------------------------------
-
-
 def _worker_alive(pid: int) -> bool:
     """Whether worker ``pid`` still runs (not gone, not a zombie); no waiting."""
     try:
@@ -308,118 +334,3 @@ def _worker_alive(pid: int) -> bool:
         return state not in (b"Z", b"X")
     except (OSError, IndexError):
         return False
-
-
-def _enter_netns(name: str) -> None:
-    """Move this (just forked, single-threaded) process into network namespace `name` (an
-    ``ip netns`` name or a path): every socket it opens from now on lives there."""
-    import ctypes
-
-    path = name if "/" in name else f"/run/netns/{name}"
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns({path}): {os.strerror(err)}")
-    finally:
-        os.close(fd)
-
-
-def _watch_owner(owner_pid: int, zygote_pid: int) -> None:
-    """Exit the worker as soon as the owning process or the zygote is gone."""
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != zygote_pid:
-            os._exit(70)
-        try:
-            with open(f"/proc/{owner_pid}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            os._exit(70)
-        if state in (b"Z", b"X"):
-            os._exit(70)
-
-
-def _worker_main(conn: multiprocessing.connection.Connection) -> None:
-    init = conn.recv()
-    rank, world_size = init["rank"], init["world_size"]
-    if init.get("netns"):
-        try:
-            _enter_netns(init["netns"])
-        except OSError:
-            conn.send(("error", None, f"rank {rank}: " + traceback.format_exc()))
-            return
-    threading.Thread(target=_watch_owner, args=(init["owner_pid"], os.getppid()), daemon=True,
-                     name="cloudckpt-owner-watch").start()
-    import faulthandler
-    import random
-
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.reconfigure(line_buffering=True)
-        except (AttributeError, ValueError):
-            pass
-
-    random.seed()  # forked from one zygote: do not share its random state
-    stacks = open(init["stack_file"], "w")
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
-    try:
-        for entry in init["sys_path"]:
-            if entry not in sys.path:
-                sys.path.append(entry)
-        os.environ.clear()
-        os.environ.update(init["env"])
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
-                           "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-                           "MASTER_ADDR": init["master_addr"]})
-        os.environ.update(init["rank_env"])
-        from datetime import timedelta
-
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        if "numpy" in sys.modules:
-            sys.modules["numpy"].random.seed()
-        timeout = timedelta(seconds=max(init["pg_timeout"], 30.0))
-        if rank == 0:
-            store = dist.TCPStore(init["master_addr"], 0, world_size, is_master=True, timeout=timeout,
-                                  wait_for_workers=False)
-            port = store.port
-            conn.send(("port", None, port))
-        else:
-            port = conn.recv()[1]
-            store = dist.TCPStore(init["master_addr"], port, world_size, is_master=False, timeout=timeout)
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)
-        conn.send(("ready", None))
-    except BaseException:
-        conn.send(("error", None, f"rank {rank}: " + traceback.format_exc()))
-        return
-
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg[0] == "close":
-            break
-        _, call_id, caller_path, payload = msg
-        for entry in caller_path:
-            if entry not in sys.path:
-                sys.path.append(entry)
-        try:
-            fn, args, kwargs = pickle.loads(payload)
-            result = fn(*args, **kwargs)
-            data = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-        except BaseException:
-            conn.send(("error", call_id, f"rank {rank}: " + traceback.format_exc()))
-            continue
-        conn.send(("result", call_id, data))
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass

@@ -1,4 +1,5 @@
-"""Host staging buffers for async save.
+"""Host staging buffers for async save: process state, held by the runtime context
+(:meth:`cloudckpt.runtime.context.RuntimeContext.staging_pool`) and reused from save to save.
 
 Contract:
 - :meth:`StagingPool.stage` copies every ``(chunk_id, tensor)`` item into host buffers owned by

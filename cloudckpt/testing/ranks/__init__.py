@@ -1,0 +1,1 @@
+"""Multi-rank process worlds for tests: world (ProcessWorld, owner side), zygote, worker."""
