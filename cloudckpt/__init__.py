@@ -10,10 +10,9 @@ mgr = cloudckpt.CheckpointManager("s3://bucket/run", keep_last=3)
 ```
 """
 
-from cloudckpt.version import __version__  # noqa: E402,F401
-
 from cloudckpt import errors  # noqa: E402,F401
 from cloudckpt.errors import *  # noqa: E402,F401,F403
+from cloudckpt.version import __version__  # noqa: E402,F401
 
 _LAZY = {
     "save": ("cloudckpt.api.save", "save"),

@@ -32,12 +32,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 import msgpack
 
-from cloudckpt.version import __version__
 from cloudckpt.errors import ConfigError, DuplicateKeyError, SafetensorsError
 from cloudckpt.hf.header import Header, TensorEntry, load_json, parse_header
 from cloudckpt.hf.whole import ExpectedFile
 from cloudckpt.manifest.model import Manifest
 from cloudckpt.manifest.validation import validate_object_key
+from cloudckpt.version import __version__
 
 #: a dict (listed names renamed, others kept) or a callable (name -> new name, None drops it).
 KeyMap = Mapping[str, str] | Callable[[str], str | None] | None
