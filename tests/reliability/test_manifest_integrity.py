@@ -173,6 +173,8 @@ def test_chunks_sharing_bytes_are_refused_everywhere(tmp_path, backend, request,
             ), (args, res.stderr)
             assert "internal error" not in res.stderr
         assert not out.exists() and not (tmp_path / "big.safetensors.partial").exists()
+        # nor a temporary entry of the one local atomic write (storage/local/files.temp_name)
+        assert not [n for n in os.listdir(tmp_path) if ".cloudckpt-tmp-" in n]
 
 
 # -- bounded decoding -----------------------------------------------------------------------------
