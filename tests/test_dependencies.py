@@ -51,11 +51,29 @@ def extra_test_requirements() -> dict[str, Requirement]:
     return _requirements(_project()["optional-dependencies"]["test"])
 
 
-def third_party_imports(paths) -> dict[str, set[str]]:
-    """Top-level module -> files importing it, for every non-stdlib, non-cloudckpt import."""
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:`` (imported by the type checker, never run)."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        test = getattr(node, "test", None)
+        if isinstance(node, ast.If) and (
+            (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+            or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        ):
+            inside |= {id(n) for child in node.body for n in ast.walk(child)}
+    return inside
+
+
+def third_party_imports(paths, *, type_checking: bool = False) -> dict[str, set[str]]:
+    """Top-level module -> files importing it, for every non-stdlib, non-cloudckpt import: those
+    that run (``type_checking=False``) or those only under ``if TYPE_CHECKING:`` (True)."""
     found: dict[str, set[str]] = {}
     for path in paths:
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = _type_checking_only(tree)
+        for node in ast.walk(tree):
+            if (id(node) in typing_only) != type_checking:
+                continue
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -65,7 +83,9 @@ def third_party_imports(paths) -> dict[str, set[str]]:
             for name in names:
                 top = name.split(".")[0]
                 if top != "cloudckpt" and top not in sys.stdlib_module_names:
-                    found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+                    found.setdefault(top, set()).add(
+                        str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+                    )
     return found
 
 
@@ -108,6 +128,25 @@ def test_every_library_import_is_a_declared_runtime_dependency():
     )
     missing = {m: sorted(files) for m, files in imports.items() if not _declares(declared, m)}
     assert not missing, f"imported but not declared in [project].dependencies: {missing}"
+
+
+def test_imports_for_the_type_checker_only_are_declared_in_the_lint_extra():
+    declared = set(runtime_requirements()) | set(
+        _requirements(_project()["optional-dependencies"]["lint"])
+    )
+    imports = third_party_imports(list(PACKAGE.rglob("*.py")), type_checking=True)
+    missing = {m: sorted(files) for m, files in imports.items() if not _declares(declared, m)}
+    assert not missing, f"imported under TYPE_CHECKING but in no extra: {missing}"
+
+
+def test_the_scan_tells_run_time_imports_from_type_checking_ones(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "from typing import TYPE_CHECKING\nimport msgpack\nif TYPE_CHECKING:\n"
+        "    from typing_extensions import Self\n"
+    )
+    assert set(third_party_imports([path])) == {"msgpack"}
+    assert set(third_party_imports([path], type_checking=True)) == {"typing_extensions"}
 
 
 def test_testing_helpers_import_only_declared_dependencies():

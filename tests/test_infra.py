@@ -53,14 +53,18 @@ OBJECT_ACTIONS = {
     "s3:ListMultipartUploadParts",
     "s3:GetObjectAttributes",
 }
-_CLIENT_CALL = re.compile(r"\bclient\s*\.\s*([a-z][a-z0-9_]*)\s*\(")
+# ``client.<method>(`` and the one-line form of the choke point, ``conn.request("<method>", ...)``
+# / ``conn.send("<method>", ...)`` (storage/s3/conn.py)
+_CLIENT_CALL = re.compile(
+    r"\bclient\s*\.\s*([a-z][a-z0-9_]*)\s*\(|\.(?:request|send)\(\s*\"([a-z][a-z0-9_]*)\""
+)
 
 
 def s3_calls_of_storage_layer() -> set[str]:
     """Every ``client.<method>(`` of the aiobotocore client in cloudckpt/storage/**/*.py."""
     calls: set[str] = set()
     for path in sorted(STORAGE.rglob("*.py")):
-        calls |= set(_CLIENT_CALL.findall(path.read_text()))
+        calls |= {a or b for a, b in _CLIENT_CALL.findall(path.read_text())}
     return calls - NOT_S3_REQUESTS
 
 
@@ -196,6 +200,15 @@ def test_iam_policy_is_an_identity_policy():
     assert len(set(sids)) == len(sids)
     for statement in policy["Statement"]:
         assert set(statement) <= {"Sid", "Effect", "Action", "Resource", "Condition"}, statement
+
+
+def test_the_typed_boundary_names_exactly_the_requests_the_storage_layer_sends():
+    from typing import get_args
+
+    from cloudckpt.storage.s3.shapes import S3Method
+
+    sent = s3_calls_of_storage_layer() - {"generate_presigned_url"}  # signed locally, no request
+    assert set(get_args(S3Method)) == sent
 
 
 def test_storage_layer_calls_are_known():
