@@ -28,8 +28,8 @@ import pathlib
 import torch
 from torch.distributed.checkpoint import metadata as _md
 
-from cloudckpt.dcp.unpickle import FIX as _FIX
-from cloudckpt.dcp.unpickle import Node
+from cloudckpt.dcp.pickle_parser import FIX as _FIX
+from cloudckpt.dcp.pickle_parser import Node
 from cloudckpt.errors import ManifestError
 from cloudckpt.statedict.torch_private import storage_info_class
 

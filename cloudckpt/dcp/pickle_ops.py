@@ -1,24 +1,19 @@
 """The opcode table of the bounded pickle interpreter (:mod:`cloudckpt.dcp.unpickle`, whose
 doc is the contract): what each opcode outside the parser's inlined ones does, and the refusals.
-Handlers take the parser and return :data:`STOP` at the end of the pickle."""
+Handlers take the parser (:mod:`cloudckpt.dcp.pickle_parser`) and return its ``STOP`` at the
+end of the pickle."""
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from cloudckpt.dcp.pickle_parser import COST_SCALAR, STOP, Parser
 from cloudckpt.errors import ManifestError
-
-if TYPE_CHECKING:
-    from cloudckpt.dcp.unpickle import Parser
 
 _I4, _U4, _U8 = struct.Struct("<i"), struct.Struct("<I"), struct.Struct("<Q")
 _F8 = struct.Struct(">d")
-# estimated bytes held per thing built (a CPython object and the pointers to it)
-COST_SCALAR, COST_NODE, COST_REF = 48, 144, 8
-
-STOP = object()
 
 
 def _u(fmt: struct.Struct):
