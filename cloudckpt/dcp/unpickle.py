@@ -7,7 +7,8 @@ Contract of :func:`parse`:
   booleans, tuples, lists, dicts, the memo, marks, frames) and the object opcodes ``GLOBAL`` /
   ``STACK_GLOBAL``, ``REDUCE``, ``NEWOBJ``, ``BUILD``. Nothing is called and no attribute is set:
   a global is looked up by ``resolve(module, name)`` (which refuses names outside its allow-list)
-  and becomes a :class:`~cloudckpt.dcp.pickle_parser.Node` of kind ``"g"``; ``REDUCE`` / ``NEWOBJ`` make a node that records
+  and becomes a :class:`~cloudckpt.dcp.pickle_parser.Node` of kind ``"g"``; ``REDUCE`` /
+  ``NEWOBJ`` make a node that records
   the global and its arguments; ``BUILD`` records a state on such a node, once, and only on a
   node this parse created with ``REDUCE`` / ``NEWOBJ``, never on a global (a class) and never
   on a node already used inside another one. Tuples, lists and dicts are nodes too: nothing is
@@ -42,5 +43,6 @@ def parse(
     max_nodes: int,
     max_cost: int,
 ):
-    """The value a pickle holds, as scalars and :class:`~cloudckpt.dcp.pickle_parser.Node` objects (module doc)."""
+    """The value a pickle holds, as scalars and :class:`~cloudckpt.dcp.pickle_parser.Node`
+    objects (module doc)."""
     return Parser(data, resolve, where, max_depth, max_nodes, max_cost, ops=OPS).run()
