@@ -51,26 +51,26 @@ def value_path(key: str) -> str:
     return f"values[{json.dumps(key)}]"
 
 
-def _tree(value: object, where: str, depth: int) -> object:
+def _tree(value: Any, where: str, depth: int) -> Any:
     if depth > MAX_DEPTH:
         raise _Unsupported(f"nesting deeper than {MAX_DEPTH}", where)
     t = type(value)
     if value is None or t is bool or t is float or t is str or t is bytes:
         return value
-    if type(value) is int:
+    if t is int:
         if _INT_MIN <= value <= _UINT_MAX:
             return value
         n = (value.bit_length() + 8) // 8
         if n > _MAX_BIGINT_BYTES:
             raise _Unsupported("an integer too large", where)
         return msgpack.ExtType(EXT_BIGINT, value.to_bytes(n, "big", signed=True))
-    if type(value) is list:
+    if t is list:
         return [_tree(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
-    if type(value) is tuple:
+    if t is tuple:
         items = [_tree(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
         return msgpack.ExtType(EXT_TUPLE, _pack(items, where))
-    if type(value) is dict:
-        out: dict[object, object] = {}
+    if t is dict:
+        out: dict[Any, Any] = {}
         for k, v in value.items():
             out[_tree(k, f"{where} (key {k!r})", depth + 1)] = _tree(
                 v, f"{where}[{k!r}]", depth + 1
@@ -188,47 +188,23 @@ def _decode(data: object, *, path: str, pickle_mode: PickleMode) -> object:
         raise ManifestError(f"undecodable value ({type(exc).__name__}: {exc})", path=path) from exc
 
 
-class _Frame:
-    """A list, dict or tuple being resolved by :func:`_resolve`: its ``kind`` (the type it
-    becomes), its ``items`` (a dict's keys and values interleaved), the indices of the items
-    still to resolve (last first), its ``depth``, the ``node`` it was opened from, its position
-    in the parent's items (-1: the root) and whether an item ``changed`` (or it is a tuple)."""
-
-    __slots__ = ("kind", "items", "todo", "depth", "node", "pos", "changed")
-
-    def __init__(
-        self,
-        kind: type[object],
-        items: list[object],
-        todo: list[int],
-        depth: int,
-        node: object,
-        pos: int,
-        changed: bool,
-    ):
-        self.kind, self.items, self.todo, self.depth = kind, items, todo, depth
-        self.node, self.pos, self.changed = node, pos, changed
-
-
-def _resolve(root: object, hook: Callable[[int, bytes], object], leaves: set[int]) -> object:
+def _resolve(root: Any, hook: Callable[[int, bytes], object], leaves: set[int]) -> Any:
     """``root`` with every :class:`_Tuple` decoded into its tuple, bottom-up, with an explicit
     stack (no recursion, whatever the nesting); raises :class:`_TooDeep` for a value nested
     deeper than :data:`MAX_DEPTH` as :func:`encode_value` counts it (the value at depth 0, a
     container's items and dict keys one deeper). A tuple's payload is dropped once decoded.
     """
 
-    # only non-empty lists and dicts and tuples are ever opened
-    def open_frame(node: object, depth: int, pos: int) -> _Frame | None:
-        items: list[object]
-        if type(node) is _Tuple:
-            unpacked = msgpack.unpackb(node.payload, ext_hook=hook, raw=False, strict_map_key=False)
-            if type(unpacked) is not list:
+    # a frame: [kind, items, indices of the items to resolve, depth, node, position in the
+    # parent, changed]; only non-empty lists and dicts and tuples are ever opened
+    def open_frame(node: Any, depth: int, pos: int | None) -> list[Any] | None:
+        t = type(node)
+        if t is _Tuple:
+            items = msgpack.unpackb(node.payload, ext_hook=hook, raw=False, strict_map_key=False)
+            if type(items) is not list:
                 raise ValueError("tuple payload is not an array")
-            items = unpacked
-        elif type(node) is list and len(node) and id(node) not in leaves:
-            items = node
-        elif type(node) is dict and len(node) and id(node) not in leaves:
-            items = [x for kv in node.items() for x in kv]
+        elif (t is list or t is dict) and len(node) and id(node) not in leaves:
+            items = node if t is list else [x for kv in node.items() for x in kv]
         else:
             return None
         if items and depth >= MAX_DEPTH:
@@ -237,66 +213,58 @@ def _resolve(root: object, hook: Callable[[int, bytes], object], leaves: set[int
             [
                 i
                 for i, c in enumerate(items)
-                if type(c) is _Tuple or (type(c) in _OPEN and not _plain(c, depth + 1))
+                if type(c) is _Tuple or (type(c) in _OPEN and len(c) and not _plain(c, depth + 1))
             ]
             if not _NESTED.isdisjoint(map(type, items))
             else []
         )
         todo.reverse()
-        t = type(node)
-        return _Frame(tuple if t is _Tuple else t, items, todo, depth, node, pos, t is _Tuple)
+        return [tuple if t is _Tuple else t, items, todo, depth, node, pos, t is _Tuple]
 
-    def _plain(node: object, depth: int) -> bool:
-        """Whether a list or dict at ``depth`` needs no frame: it is empty, or it holds no
-        container (nor a tuple to decode) and is not too deep; it is then kept as it is."""
+    def _plain(node: Any, depth: int) -> bool:
+        """Whether a non-empty list or dict at ``depth`` needs no frame: it holds no container
+        (nor a tuple to decode) and is not too deep; it is then kept as it is."""
+        if id(node) in leaves:
+            return False
         if type(node) is dict:
-            if not node:
-                return True
-            if id(node) in leaves:
-                return False
             nested = not (
                 _NESTED.isdisjoint(map(type, node)) and _NESTED.isdisjoint(map(type, node.values()))
             )
-        elif type(node) is list:
-            if not node:
-                return True
-            if id(node) in leaves:
-                return False
+        else:
             nested = not _NESTED.isdisjoint(map(type, node))
-        else:  # not a container: nothing to open
-            return True
         if nested:
             return False
         if depth >= MAX_DEPTH:
             raise _TooDeep
         return True
 
-    frame = open_frame(root, 0, -1)
+    frame = open_frame(root, 0, None)
     if frame is None:
         return root
     stack = [frame]
     while True:
         frame = stack[-1]
-        if frame.todo:
-            i = frame.todo.pop()
-            child = open_frame(frame.items[i], frame.depth + 1, i)
+        if frame[2]:
+            i = frame[2].pop()
+            child = open_frame(frame[1][i], frame[3] + 1, i)
             if child is not None:
                 stack.append(child)
             continue
         stack.pop()
-        done: object
-        if frame.kind is tuple:
-            done = tuple(frame.items)
-        elif frame.kind is dict and frame.changed:  # a key or an item changed: rebuilt
-            done = dict(zip(frame.items[::2], frame.items[1::2]))
+        kind, items = frame[0], frame[1]
+        done: Any
+        if kind is tuple:
+            done = tuple(items)
+        elif kind is dict and frame[6]:  # a key or an item changed: rebuilt
+            done = dict(zip(items[::2], items[1::2]))
         else:
-            done = frame.node  # a list changed in place, or an unchanged dict
+            done = frame[4]  # a list changed in place, or an unchanged dict
         if not stack:
             return done
-        if done is not frame.node:
+        if done is not frame[4]:
             parent = stack[-1]
-            parent.items[frame.pos] = done
-            parent.changed = True
+            parent[1][frame[5]] = done
+            parent[6] = True
 
 
 def decode_value(data: bytes, *, key: str, allow_pickle: AllowPickle) -> Any:
