@@ -17,10 +17,11 @@ from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, TypeVar, runtime_checkable
 
+from cloudckpt.checksum import Buffer
 from cloudckpt.errors import ConfigError, StorageError
 
 if TYPE_CHECKING:
-    from typing_extensions import Buffer, Self
+    from typing_extensions import Self
 
 T = TypeVar("T")
 

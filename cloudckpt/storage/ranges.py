@@ -15,12 +15,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cloudckpt.checksum import crc32c
+from cloudckpt.checksum import Buffer, crc32c
 from cloudckpt.errors import ChecksumError
 
 if TYPE_CHECKING:
-    from typing_extensions import Buffer
-
     from cloudckpt.storage.base import ReadRange
 
 #: crc32c of buffers at least this large runs in a worker thread (the library releases the GIL).
