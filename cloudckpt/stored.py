@@ -10,7 +10,6 @@ objects through :func:`reading_view`, which knows where an incremental checkpoin
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -94,7 +93,6 @@ def reading_view(
     manifest: Manifest,
     *,
     store: ObjectStore | None = None,
-    open_store: Callable[[str, Any], ObjectStore] = shared_store,
 ) -> tuple[ObjectStore, Manifest]:
     """``(store, manifest)`` to read the checkpoint at ``url`` with.
 
@@ -102,10 +100,10 @@ def reading_view(
     ``manifest`` itself. When it references sibling folders: the run root's store (the folder
     above ``url``) and ``manifest`` with every key made relative to it (``<folder>/<key>``; each
     home is one validated path segment, so no key leaves the run root); ``ManifestError`` when
-    ``url`` has no folder above it to hold the siblings. Stores not given are opened with
-    ``open_store(url, storage)`` (cloudckpt's shared stores by default)."""
+    ``url`` has no folder above it to hold the siblings. Stores not given are cloudckpt's
+    shared stores (``shared_store(url, storage)``)."""
     if not manifest.references:
-        return (store if store is not None else open_store(url, storage)), manifest
+        return (store if store is not None else shared_store(url, storage)), manifest
     located = split_folder(url)
     if located is None:
         raise ManifestError(
@@ -115,4 +113,4 @@ def reading_view(
         )
     run_url, folder = located
     keys = [f"{home or folder}/{key}" for home, key in zip(manifest.object_homes, manifest.objects)]
-    return open_store(run_url, storage), manifest.with_object_keys(keys)
+    return shared_store(run_url, storage), manifest.with_object_keys(keys)

@@ -67,7 +67,7 @@ def verify(url: str, *, storage=None, progress=None) -> VerifyReport:
     manifest, _ = decode_manifest_without_pickle(raw)
     notes = [UNCHECKSUMMED] if stored_version(raw) == 1 else []
     del raw
-    store, manifest = reading_view(url, storage, manifest, store=store, open_store=shared_store)
+    store, manifest = reading_view(url, storage, manifest, store=store)
     return run_coroutine(_verify(url, store, manifest, progress, notes))
 
 
