@@ -91,7 +91,7 @@ from cloudckpt.cli.options import (
 )
 from cloudckpt.cli.show import cmd_show
 from cloudckpt.cli.stdout import guarded, stdout_is_gone
-from cloudckpt.cli.store import CommandStorage, manifest_bytes, progress
+from cloudckpt.cli.store import CommandStorage, progress
 from cloudckpt.cli.urls import check_local_url, refuse_not_a_run, resolve_checkpoint
 from cloudckpt.errors import AccessDenied, BucketNotFound, CloudCkptError, ConfigError
 from cloudckpt.wording import plural
@@ -157,9 +157,9 @@ def cmd_verify(args: Any, storage: CommandStorage) -> int:
     url = resolve_checkpoint(storage, args.url, args.step, "verify")
     total = None
     if sys.stderr.isatty():
-        from cloudckpt.stored import decode_manifest_without_pickle
+        from cloudckpt.stored import decode_manifest_without_pickle, read_manifest_bytes
 
-        raw = manifest_bytes(storage.open(url), url)
+        raw = read_manifest_bytes(url, store=storage.open(url))
         total = decode_manifest_without_pickle(raw)[0].total_bytes()
     with progress(total, "verifying", unit="B") as bar:
         report = verify(url, progress=bar.update, storage=storage.options)

@@ -12,21 +12,23 @@ from typing import Any
 from cloudckpt.cli import documents
 from cloudckpt.cli.format import human_bytes, local_time, referenced_objects, table
 from cloudckpt.cli.options import EXIT_OK
-from cloudckpt.cli.store import CommandStorage, manifest_bytes
+from cloudckpt.cli.store import CommandStorage
 from cloudckpt.cli.urls import resolve_checkpoint
 from cloudckpt.wording import plural
 
 
 def cmd_show(args: Any, storage: CommandStorage) -> int:
     from cloudckpt.api.load import read_manifest
-    from cloudckpt.stored import decode_manifest_without_pickle
+    from cloudckpt.stored import decode_manifest_without_pickle, read_manifest_bytes
 
     url = resolve_checkpoint(storage, args.url, args.step, "show")
     pickled: tuple[str, ...] = ()
     if args.allow_pickle:
         manifest = read_manifest(url, allow_pickle=True, storage=storage.options)
     else:
-        manifest, pickled = decode_manifest_without_pickle(manifest_bytes(storage.open(url), url))
+        manifest, pickled = decode_manifest_without_pickle(
+            read_manifest_bytes(url, store=storage.open(url))
+        )
     if args.json:
         documents.emit(documents.show_document(url, manifest, pickled))
     else:

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
+from cloudckpt.errors import ObjectNotFound
 from cloudckpt.layout import MANIFEST_KEY
 
 if TYPE_CHECKING:  # imported when used: `cloudckpt --help` stays quick
@@ -53,18 +53,6 @@ def has_manifest(store: ObjectStore) -> bool:
         return True
     except ObjectNotFound:
         return False
-
-
-def manifest_bytes(store: ObjectStore, url: str) -> bytes:
-    """The raw manifest of the checkpoint at ``url`` (``store``: its store), else
-    ``CheckpointNotFound``."""
-    from cloudckpt.runtime.loop import run_coroutine
-    from cloudckpt.stored import fetch_manifest_bytes
-
-    try:
-        return run_coroutine(fetch_manifest_bytes(store))
-    except ObjectNotFound as exc:
-        raise CheckpointNotFound(f"no complete checkpoint at {url} ({exc})") from exc
 
 
 def progress(total: int | None, desc: str, unit: str = "obj") -> Any:
