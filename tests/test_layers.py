@@ -292,7 +292,7 @@ def test_no_module_reads_the_manifests_private_attributes():
 
 BANDS: list[tuple[str, tuple[str, ...]]] = [
     ("face", ("cli", "__main__")),
-    ("interop", ("export", "hf", "dcp")),
+    ("interop", ("export", "hf", "dcp", "integrations")),
     ("control", ("runs",)),
     ("protocol", ("api",)),
     ("mechanism", ("dataplane", "transport", "stored", "runtime", "statedict")),
