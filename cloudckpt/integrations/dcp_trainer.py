@@ -64,6 +64,37 @@ def step_folder(step: int) -> str:
     return f"step-{step}"
 
 
+@contextlib.contextmanager
+def one_line_errors(url: str, storage=None, *, reading: bool) -> Iterator[None]:
+    """DCP's ``CheckpointException`` (every rank's traceback) raised as the cloudckpt error that
+    caused it when one did (for a load DCP could not read the metadata of, the reason cloudckpt's
+    reader gives for ``url``), else as it is."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        cause = next(
+            (e for _, (e, _tb) in sorted(exc.failures.items()) if isinstance(e, CloudCkptError)),
+            None,
+        )
+        if cause is None and reading:
+            cause = _why_unreadable(url, storage)
+        if cause is None:
+            raise
+        raise cause from exc
+
+
+def _why_unreadable(url: str, storage) -> CloudCkptError | None:
+    from cloudckpt.dcp.reader import load_checkpoint_metadata
+
+    try:
+        load_checkpoint_metadata(shared_store(url, storage), url)
+    except CloudCkptError as exc:
+        return exc
+    return None
+
+
 class DCPRun:
     """The DCP checkpoints of one run at ``url`` (see the module doc).
 
@@ -141,7 +172,7 @@ class DCPRun:
         import torch.distributed.checkpoint as dcp
 
         self.wait()
-        with self._one_line_errors(step, reading=False):
+        with one_line_errors(self.step_url(step), self.storage, reading=False):
             dcp.save(state, storage_writer=self.writer(step), process_group=self.process_group)
         self.after_save()
 
@@ -155,14 +186,14 @@ class DCPRun:
         self.wait()
         if "process_group" not in kwargs:
             kwargs["process_group"] = self._async_group()
-        with self._one_line_errors(step, reading=False):
+        with one_line_errors(self.step_url(step), self.storage, reading=False):
             got = dcp.async_save(state, storage_writer=self.writer(step), **kwargs)
         upload: Any = getattr(got, "upload_completion", got)  # AsyncSaveResponse, or the future
         settled: concurrent.futures.Future = concurrent.futures.Future()
 
         def done(f: concurrent.futures.Future) -> None:
             try:
-                with self._one_line_errors(step, reading=False):
+                with one_line_errors(self.step_url(step), self.storage, reading=False):
                     f.result()
             except BaseException as exc:  # handed on to wait()
                 settled.set_exception(exc)
@@ -236,7 +267,7 @@ class DCPRun:
             step = self.latest()
             if step is None:
                 return None
-        with self._one_line_errors(step, reading=True):
+        with one_line_errors(self.step_url(step), self.storage, reading=True):
             dcp.load(state, storage_reader=self.reader(step), process_group=self.process_group)
         return step
 
@@ -254,40 +285,6 @@ class DCPRun:
                 self._store(), self.retention, abandoned_after=self.abandoned_after, dry_run=dry_run
             )
         )
-
-    @contextlib.contextmanager
-    def _one_line_errors(self, step: int, *, reading: bool) -> Iterator[None]:
-        """DCP's ``CheckpointException`` (every rank's traceback) as the cloudckpt error that
-        caused it, when one did (on a load whose metadata DCP could not read, the reason
-        cloudckpt's reader gives); else as it is."""
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        try:
-            yield
-        except CheckpointException as exc:
-            cause = next(
-                (
-                    e
-                    for _, (e, _tb) in sorted(exc.failures.items())
-                    if isinstance(e, CloudCkptError)
-                ),
-                None,
-            )
-            if cause is None and reading:
-                cause = self._why_unreadable(step)
-            if cause is None:
-                raise
-            raise cause from exc
-
-    def _why_unreadable(self, step: int) -> CloudCkptError | None:
-        from cloudckpt.dcp.reader import load_checkpoint_metadata
-
-        url = self.step_url(step)
-        try:
-            load_checkpoint_metadata(shared_store(url, self.storage), url)
-        except CloudCkptError as exc:
-            return exc
-        return None
 
     def _latest_here(self) -> int | None:
         found = latest_complete(self.list())

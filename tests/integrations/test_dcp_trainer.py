@@ -8,7 +8,12 @@ what a hostile listing or a damaged .metadata does."""
 from __future__ import annotations
 
 import logging
+import os
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,3 +169,38 @@ def test_bad_arguments_are_refused_before_any_request():
         DCPRun("s3://bucket/run", keep_last=2, retention=object())  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         DCPRun("s3://bucket/run").step_url(-1)
+
+
+# -- the example ---------------------------------------------------------------------------------
+
+
+def _example(s3_server, url: str, *args: str) -> dict[int, str]:
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(s3_server.env(), PYTHONPATH=str(repo), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + ["examples/dcp_train.py", "--url", url, "--steps", "8", "--save-every", "2", *args],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    losses = dict(re.findall(r"^step (\d+) loss (\S+)$", res.stdout, re.M))
+    first = res.stdout.splitlines()[0]
+    return {"first": first, "last": res.stdout.splitlines()[-1], **losses}
+
+
+@pytest.mark.slow
+def test_the_example_stopped_and_started_again_prints_the_losses_of_one_run(s3_server, s3_url):
+    whole = _example(s3_server, f"{s3_url}/whole")
+    part = _example(s3_server, f"{s3_url}/part", "--async", "--stop-at", "5")
+    again = _example(s3_server, f"{s3_url}/part", "--async")
+    assert whole["first"] == part["first"] == "fresh start"
+    assert again["first"] == "resumed from step 4"
+    assert sorted(again) == sorted(["first", "last", "5", "6", "7", "8"])
+    assert all(again[s] == whole[s] for s in ("5", "6", "7", "8"))
+    assert part["5"] == whole["5"]
+    assert whole["last"] == again["last"] == "complete checkpoints: [6, 8]"
