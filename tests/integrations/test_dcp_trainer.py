@@ -82,6 +82,26 @@ def test_a_resumed_run_equals_an_uninterrupted_one(world2, s3_env, s3_url, mode)
     assert _complete(f"{s3_url}/part") == [4, 6]
 
 
+def rank_latest(urls: list[str]):
+    import torch.distributed as dist
+
+    from cloudckpt.integrations.dcp_trainer import DCPRun
+
+    try:
+        return DCPRun(urls[dist.get_rank()], timeout=30).latest()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_rank_0_chooses_the_step_and_every_rank_fails_with_its_listing(world2, s3_env, s3_url):
+    _put(s3_url, "step-4/.metadata", b"rank 0 sees a complete step 4")
+    # rank 1 looks at an empty run: it still resumes from the step rank 0 chose
+    assert world2.run(rank_latest, [s3_url, f"{s3_url}-empty"]) == [4, 4]
+    bad = world2.run(rank_latest, ["s3://no-such-bucket-dcp/run", s3_url])
+    assert bad[0] == bad[1] and bad[0].startswith("BucketNotFound: "), bad  # the same, one line
+    assert "failed on rank 0" in bad[0] and "\n" not in bad[0]
+
+
 # -- one process: the run's folders ---------------------------------------------------------------
 
 
