@@ -93,7 +93,9 @@ def train(
     )
     kwargs: dict[str, Any] = {"accelerator": "cpu", "devices": ranks}
     if mode == "sharded":
-        kwargs["strategy"] = CloudModelParallelStrategy(data_parallel_size=ranks)
+        kwargs["strategy"] = CloudModelParallelStrategy(
+            data_parallel_size=ranks, tensor_parallel_size=1
+        )
     else:
         plugin: Any = CloudCheckpointIO(async_save=mode == "async")
         if mode == "lightning-async":
@@ -135,4 +137,19 @@ def train(
         weights=weights,
         global_step=trainer.global_step,
         callback=ckpt.state_dict(),
+    )
+
+
+def rank_train(url: str, root: str, mode: str, epochs: int, resume: str | None) -> Outcome:
+    """`train` on one rank of a test world (Lightning finds the processes already started)."""
+    import torch.distributed as dist
+
+    return train(
+        url,
+        epochs=epochs,
+        resume=resume,
+        mode=mode,
+        root=root,
+        save_top_k=1,
+        ranks=dist.get_world_size(),
     )
