@@ -30,3 +30,26 @@ def test_resume_on_two_ranks_equals_uninterrupted(mode, world2, s3_env, s3_url, 
     assert manifest.metadata.get("sharded", False) is (mode == "sharded")
     names = sorted(c.name for c in library.list_committed(f"{s3_url}/cut", None))
     assert names == ["epoch=2-step=12.ckpt", "last.ckpt"]
+
+
+@pytest.mark.slow
+def test_the_example_stops_resumes_and_loads_as_it_says(s3_server, s3_url):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(s3_server.env(), PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
+    res = subprocess.run(
+        [sys.executable, "examples/lightning_train.py", "--url", s3_url, "--demo", "--epochs", "2"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "resumed run's losses equal the uninterrupted run's: True" in res.stdout
+    assert "load_from_checkpoint gives the trained weights: True" in res.stdout
