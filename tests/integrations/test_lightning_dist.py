@@ -12,7 +12,7 @@ from tests.integrations.test_lightning import assert_resumed_like  # noqa: E402
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sharded"])
+@pytest.mark.parametrize("mode", ["ddp", "sharded"])
 def test_resume_on_two_ranks_equals_uninterrupted(mode, world2, s3_env, s3_url, tmp_path):
     import cloudckpt
     from cloudckpt.integrations.lightning import library

@@ -1,9 +1,9 @@
 """The library calls the Lightning integration makes, in one place.
 
 Issue 24 adds ``cloudckpt.exists``, ``cloudckpt.delete``, ``cloudckpt.list_checkpoints``,
-``SaveOptions(if_exists="replace")``, ``process_group="self"``, ``map_location`` on loads and
-``cloudckpt.RNGState``. Until each lands, the function here does the same with what exists (and
-says below where it falls short); the callers do not change when they do.
+``SaveOptions(if_exists="replace")``, ``map_location`` on loads and ``cloudckpt.RNGState``.
+Until each lands, the function here does the same with what exists (and says below where it
+falls short); the callers do not change when they do.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def save_replacing(
     return save(
         state,
         url,
-        process_group=None if whole_world else _self_group(),
+        process_group=None if whole_world else "self",
         storage=storage,
         allow_pickle=allow_pickle,
         metadata=metadata,
@@ -133,25 +133,12 @@ def async_save_replacing(
     return async_save(
         state,
         url,
-        process_group=None if whole_world else _self_group(),
+        process_group=None if whole_world else "self",
         storage=storage,
         allow_pickle=allow_pickle,
         metadata=metadata,
         options=_replacing(url, storage, options, whole_world),
     )
-
-
-def _self_group() -> Any:
-    """``process_group="self"`` where cloudckpt has it; before, only outside a distributed job
-    (the default group, of one process) is this process alone."""
-    if _HAS_SELF_GROUP or not (dist.is_available() and dist.is_initialized()):
-        return "self" if _HAS_SELF_GROUP else None
-    raise NotImplementedError(
-        "saving from one rank of a distributed job needs cloudckpt's process_group='self'"
-    )
-
-
-_HAS_SELF_GROUP = False  # set True when cloudckpt's save takes process_group="self"
 
 
 MapLocation = Any  # a device, a string, a dict or a callable, as torch.load takes it
