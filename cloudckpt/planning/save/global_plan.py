@@ -174,6 +174,7 @@ def plan_global_save(
     rank: int,
     replicas_to_lowest_rank: bool = False,
     replica_piece_bytes: int | None = None,
+    rate_weights: Sequence[float] | None = None,
 ) -> GlobalSavePlan:
     """Merge every rank's local plan into this rank's :class:`GlobalSavePlan` (see module doc).
 
@@ -184,7 +185,8 @@ def plan_global_save(
     becomes one chunk written by one holder, except large replicated boxes, cut into row ranges
     of at least ``replica_piece_bytes`` (default
     :data:`~cloudckpt.planning.save.replicas.REPLICA_PIECE_BYTES`) written by different holders so
-    that every rank writes about its fair share
+    that every rank writes about its fair share: in proportion to ``rate_weights`` (one per rank,
+    :func:`cloudckpt.planning.save.rates.replica_weights`) when given, else evenly
     (:mod:`cloudckpt.planning.save.replicas`); with ``replicas_to_lowest_rank``
     every replicated box goes whole to its lowest holder. Empty pieces are not written.
     """
@@ -288,7 +290,12 @@ def plan_global_save(
         piece_bytes = (
             replicas.REPLICA_PIECE_BYTES if replica_piece_bytes is None else replica_piece_bytes
         )
-        assigned = assign_replicas(boxes, world_size=world, piece_bytes=piece_bytes)
+        assigned = assign_replicas(
+            boxes,
+            world_size=world,
+            piece_bytes=piece_bytes,
+            weights=rate_weights,
+        )
         writer, writer_piece = assigned.writer, assigned.writer_piece
         if assigned.cuts:
             u_g, u_off, u_size, u_nbytes, writer, writer_piece, within = _apply_cuts(
