@@ -8,6 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cloudckpt.errors import PlanningError
+from cloudckpt.planning.pieces import PieceSpec
 from cloudckpt.planning.save import rates
 from cloudckpt.planning.save.cache import save_plan_cache_key
 from cloudckpt.planning.save.global_plan import plan_global_save
@@ -124,3 +126,21 @@ def test_cache_key_follows_the_weights():
     assert save_plan_cache_key(
         fps, replicas_to_lowest_rank=True, rate_weights=[1.0, 0.25]
     ) == save_plan_cache_key(fps, replicas_to_lowest_rank=True)
+
+
+def test_for_rank_gives_every_ranks_own_plan():
+    state = ddp_state()
+    sharded = [
+        [whole("r", (4096, 1024))] + [PieceSpec("s", "float32", (8, 4), (2 * r, 0), (2, 4))]
+        for r in range(4)
+    ]
+    for per_rank, weights in (([state] * 4, [1.0, 1.0, 0.5, 0.25]), (sharded, None)):
+        plans = [
+            plan_global_save(plans_of(per_rank), rank=r, rate_weights=weights) for r in range(4)
+        ]
+        for r in range(4):
+            other = plans[0].for_rank(r)
+            assert other.rank == r and other.writes == plans[r].writes
+            assert other.skeleton is plans[0].skeleton
+        with pytest.raises(PlanningError):
+            plans[0].for_rank(4)
