@@ -225,79 +225,100 @@ def dcp_metadata_bytes(skeleton, names, dtypes, shapes, written) -> int:
     return len(pickle.dumps(meta))
 
 
+class _Clock:
+    """Wall and process CPU seconds of a block (``with _Clock() as c: ...; c.wall, c.cpu``)."""
+
+    def __enter__(self):
+        self._w, self._c = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self._w
+        self.cpu = time.process_time() - self._c
+
+
 def run_world(dp: int, dcp_max: int) -> dict:
     job = Job(dp)
     world = job.world
-    t0 = time.perf_counter()
-    encoded = [encode_local_save_plan(job.local_plan(r)) for r in range(world)]
-    t_local = (time.perf_counter() - t0) / world
+    with _Clock() as local:
+        encoded = [encode_local_save_plan(job.local_plan(r)) for r in range(world)]
     gc.collect()
     base = rss_hwm_reset()
-    t0 = time.perf_counter()
-    plans = [decode_local_save_plan(e) for e in encoded]
-    t_dec = time.perf_counter() - t0
-    plan = plan_global_save(plans, rank=0)
-    t_plan = time.perf_counter() - t0 - t_dec
+    with _Clock() as dec:
+        plans = [decode_local_save_plan(e) for e in encoded]
+    with _Clock() as planned:
+        plan = plan_global_save(plans, rank=0)
     sk = plan.skeleton
-    written = fake_written(sk, world)
-    t1 = time.perf_counter()
-    manifest = assemble_manifest(
-        sk, written, world_size=world, checksum_block_size=BLOCK, created_at=0.0
-    )
-    data = encode_manifest(manifest)
-    t_manifest = time.perf_counter() - t1
-    coord = time.perf_counter() - t0
+    written = fake_written(sk, world)  # what the ranks report: not the coordinator's work
+    with _Clock() as man:
+        manifest = assemble_manifest(
+            sk, written, world_size=world, checksum_block_size=BLOCK, created_at=0.0
+        )
+        data = encode_manifest(manifest)
     peak = _status("VmHWM") - base
     del manifest
-    t0 = time.perf_counter()
-    last = plan_global_save(plans, rank=world - 1)
-    t_rank = time.perf_counter() - t0
-    names, dtypes, shapes = sk.names, sk.dtypes, sk.shapes
+    with _Clock() as rank_plan:  # today's protocol: every rank plans the whole save
+        last = plan_global_save(plans, rank=world - 1)
+    with _Clock() as share:  # a rank's share of one plan (GlobalSavePlan.for_rank)
+        mine = plan.for_rank(world - 1)
+    assert mine.writes == last.writes
     res = {
         "world": world,
         "dp": dp,
         "tensors": job.tensors,
         "pieces": int(sum(len(p.table) for p in plans)),
         "chunks": sk.num_chunks,
-        "local_plan_ms": t_local * 1e3,
+        "local_plan_ms": local.cpu / world * 1e3,
         "plan_bytes": int(np.mean([len(e) for e in encoded])),
-        "decode_s": t_dec,
-        "plan_s": t_plan,
-        "manifest_s": t_manifest,
-        "coordinator_s": coord,
+        "decode": (dec.wall, dec.cpu),
+        "plan": (planned.wall, planned.cpu),
+        "manifest": (man.wall, man.cpu),
+        "coordinator": (dec.wall + planned.wall + man.wall, dec.cpu + planned.cpu + man.cpu),
+        "rank": (dec.wall + rank_plan.wall, dec.cpu + rank_plan.cpu),
+        "share": (share.wall, share.cpu),
         "peak_bytes": peak,
-        "rank_s": t_rank,
         "rank_writes": len(last.writes),
         "manifest_bytes": len(data),
         "dcp_bytes": None,
         "dcp_extrapolated": False,
     }
-    del plans, encoded, last
+    del plans, encoded, last, mine
     if world <= dcp_max:
-        t0 = time.perf_counter()
-        res["dcp_bytes"] = dcp_metadata_bytes(sk, names, dtypes, shapes, written)
-        res["dcp_s"] = time.perf_counter() - t0
+        with _Clock() as dcp:
+            res["dcp_bytes"] = dcp_metadata_bytes(sk, sk.names, sk.dtypes, sk.shapes, written)
+        res["dcp_s"] = dcp.wall
     gc.collect()
     return res
 
 
+def _ws(pair: tuple[float, float]) -> str:
+    return f"{pair[1]:.2f} s CPU ({pair[0]:.2f} s wall)"
+
+
 def scale(worlds: list[int], dcp_max: int) -> list[dict]:
-    print("\n== scale on paper: 405B dense + Adam, pipeline 16 x TP 8 x FSDP dp, one process ==")
+    """Run every world size; print one line each and the growth from the smallest."""
+    print(
+        "\n== scale on paper: 405B dense + Adam, pipeline 16 x TP 8 x FSDP dp, one process "
+        "(seconds: process CPU, wall in parentheses: the machine is shared) =="
+    )
     results = []
     for world in worlds:
-        dp = world // (PP * TP)
-        r = run_world(dp, dcp_max)
+        r = run_world(world // (PP * TP), dcp_max)
         results.append(r)
         print(
-            f"  {world:>6} ranks (dp {dp}): {r['tensors']:,} tensors, {r['pieces']:,} pieces, "
-            f"{r['chunks']:,} chunks; local plan {r['local_plan_ms']:.2f} ms/rank "
-            f"({r['plan_bytes'] / 1024:.1f} KiB); coordinator {r['coordinator_s']:.2f} s = "
-            f"decode plans {r['decode_s']:.2f} + plan {r['plan_s']:.2f} + manifest "
-            f"{r['manifest_s']:.2f}, peak +{r['peak_bytes'] / MiB:,.0f} MiB; a rank's plan "
-            f"{r['rank_s']:.2f} s ({r['rank_writes']} writes); manifest "
-            f"{r['manifest_bytes'] / MiB:.1f} MiB"
+            f"  {world:>6} ranks (dp {r['dp']}): {r['tensors']:,} tensors, {r['pieces']:,} "
+            f"pieces, {r['chunks']:,} chunks; local plan {r['local_plan_ms']:.2f} ms/rank "
+            f"({r['plan_bytes'] / 1024:.1f} KiB)\n"
+            f"         coordinator {_ws(r['coordinator'])} = decode plans "
+            f"{r['decode'][1]:.2f} + plan {r['plan'][1]:.2f} + manifest {r['manifest'][1]:.2f}; "
+            f"peak RSS +{r['peak_bytes'] / MiB:,.0f} MiB\n"
+            f"         a rank (today: decode + whole plan) {_ws(r['rank'])}; its share of one "
+            f"plan (for_rank) {r['share'][1] * 1e3:.1f} ms ({r['rank_writes']} writes)\n"
+            f"         manifest {r['manifest_bytes'] / MiB:.2f} MiB "
+            f"({r['manifest_bytes'] / r['chunks']:.1f} B/chunk)"
             + (
-                f", DCP .metadata {r['dcp_bytes'] / MiB:.1f} MiB (built in {r['dcp_s']:.1f} s)"
+                f"; DCP .metadata {r['dcp_bytes'] / MiB:.1f} MiB "
+                f"({r['dcp_bytes'] / r['chunks']:.1f} B/chunk, built in {r['dcp_s']:.0f} s)"
                 if r["dcp_bytes"]
                 else ""
             ),
@@ -310,4 +331,52 @@ def scale(worlds: list[int], dcp_max: int) -> list[dict]:
             if not r["dcp_bytes"]:
                 r["dcp_bytes"] = int(per_chunk * r["chunks"])
                 r["dcp_extrapolated"] = True
+    first = results[0]
+    print(f"  growth from {first['world']:,} ranks (x: world size / {first['world']:,}):")
+    for r in results[1:]:
+        g = r["world"] / first["world"]
+        print(
+            f"    x{g:<4g} chunks x{r['chunks'] / first['chunks']:.2f}, coordinator CPU "
+            f"x{r['coordinator'][1] / first['coordinator'][1]:.2f}, peak RSS "
+            f"x{r['peak_bytes'] / max(1, first['peak_bytes']):.2f}, a rank's plan CPU "
+            f"x{r['rank'][1] / first['rank'][1]:.2f}, manifest "
+            f"x{r['manifest_bytes'] / first['manifest_bytes']:.2f}"
+        )
     return results
+
+
+def targets(results: list[dict]) -> list[tuple[str, bool | None]]:
+    """The issue's targets at the largest world (PASS/MISS lines, as the other benchmarks)."""
+    import _common as C
+
+    r = results[-1]
+    w = f"[{r['world']:,} ranks]"
+    dcp = "extrapolated from the largest world built" if r["dcp_extrapolated"] else "built"
+    return [
+        C.ratio_line(
+            f"{w} coordinator planning + manifest encoding, CPU s (wall "
+            f"{r['coordinator'][0]:.2f} s)",
+            r["coordinator"][1],
+            10.0,
+            1.0,
+        ),
+        C.ratio_line(f"{w} coordinator peak RSS growth, MiB", r["peak_bytes"] / MiB, 4096, 1.0),
+        C.ratio_line(
+            f"{w} a rank's own plan, today's protocol (decode every plan + whole plan), CPU s",
+            r["rank"][1],
+            1.0,
+            1.0,
+        ),
+        C.ratio_line(
+            f"{w} a rank's share of one plan (GlobalSavePlan.for_rank), CPU s",
+            r["share"][1],
+            1.0,
+            1.0,
+        ),
+        C.ratio_line(
+            f"{w} manifest bytes / DCP .metadata bytes ({dcp})",
+            r["manifest_bytes"],
+            r["dcp_bytes"],
+            0.1,
+        ),
+    ]
