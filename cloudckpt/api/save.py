@@ -86,6 +86,10 @@ def save(
     checkpoint (which stays untouched), and :class:`CheckpointError` (the same on every rank)
     if any rank fails.
 
+    ``process_group``: the ranks that save together (default: the world);
+    ``process_group="self"``: this process alone, no collective, even in a distributed job
+    (a checkpoint that rank 0 saves by itself, as trainers do for non-sharded state).
+
     ``base``: the URL of another checkpoint of the same run (a sibling folder; the coordinator's
     value is the one used): an *incremental* save. Every chunk whose bytes equal those of the
     same chunk (tensor, box, dtype) of the base is not uploaded; the manifest points at the

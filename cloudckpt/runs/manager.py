@@ -240,7 +240,7 @@ class CheckpointManager:
         """
         from cloudckpt.api.async_save import async_save
         from cloudckpt.api.save import save
-        from cloudckpt.transport import group_rank
+        from cloudckpt.groups import group_rank
 
         url = self.step_url(step)
         self.wait()
