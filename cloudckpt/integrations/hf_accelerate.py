@@ -102,15 +102,25 @@ def save_state(accelerator: Any, url: str, *, storage: Any = None) -> str:
     return target
 
 
-def load_state(accelerator: Any, url: str, *, storage: Any = None, strict: bool = True) -> str:
+def load_state(
+    accelerator: Any,
+    url: str,
+    *,
+    storage: Any = None,
+    strict: bool = True,
+    missing_ok: bool = False,
+) -> str | None:
     """Load the state of the checkpoint at ``url`` (with automatic checkpoint naming: the newest
     complete one under it) into the accelerator's prepared objects; returns the URL loaded.
-    Every process calls it."""
+    Every process calls it. ``missing_ok`` (automatic naming): None, nothing loaded, when the
+    run has no complete checkpoint yet (a first start), instead of ``CheckpointNotFound``."""
     _check(accelerator)
     target = url.rstrip("/")
     if _automatic(accelerator):
         newest = newest_complete(target, CHECKPOINT_PREFIX, storage=storage)
         if newest is None:
+            if missing_ok:
+                return None
             raise CheckpointNotFound(
                 f"no complete {CHECKPOINT_PREFIX}<N> checkpoint under {target} to load"
             )
