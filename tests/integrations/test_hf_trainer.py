@@ -108,7 +108,7 @@ def test_the_export_of_a_checkpoint_loads_with_from_pretrained(runs, s3_env, tmp
     ckpt = f"{url}/checkpoint-3"
     folder = tmp_path / "export"
     assert main(["export", ckpt, str(folder), "--format", "safetensors", "--prefix", "model."]) == 0
-    (folder / "config.json").write_text(cloudckpt.load_full(ckpt)["model_config"])
+    (folder / "config.json").write_text(cloudckpt.read_manifest(ckpt).values["model_config"])
     model = LlamaForCausalLM.from_pretrained(folder)
     for k, v in stopped.model.state_dict().items():
         assert torch.equal(v, model.state_dict()[k]), k
