@@ -1,5 +1,5 @@
 """Run by ``torchrun --nproc_per_node 2`` (gloo, CPU) from test_hf_trainer_ddp.py: an
-uninterrupted run, a run stopped after its step-3 checkpoint and its resume from S3, all through
+uninterrupted run, a run stopped after its step-2 checkpoint and its resume from S3, all through
 CloudckptTrainer; rank 0 writes what the test compares to the JSON file named by argv[2]."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def main(run_url: str, result: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, url, callbacks, resume, seed in (
             ("full", f"{run_url}/full", [], None, 0),
-            ("stopped", f"{run_url}/stopped", [stop_at(3)], None, 0),
+            ("stopped", f"{run_url}/stopped", [stop_at(2)], None, 0),
             ("resumed", f"{run_url}/stopped", [], "latest", 5),
         ):
             t = CloudckptTrainer(

@@ -29,7 +29,7 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def runs(s3_server, tmp_path_factory):
-    """An uninterrupted 6-step run (``full``), one stopped after its step-3 checkpoint
+    """An uninterrupted 4-step run (``full``), one stopped after its step-2 checkpoint
     (``stopped``), and a third resumed from S3 (``resumed``): each a (trainer, run URL)."""
     from cloudckpt.integrations.hf_trainer import CloudckptTrainer
 
@@ -39,7 +39,7 @@ def runs(s3_server, tmp_path_factory):
             mp.setenv(key, value)
         base = s3_server.url(f"hf-trainer-{os.getpid()}-{os.urandom(4).hex()}")
         out = {}
-        for name, extra, limit in (("full", [], 1), ("stopped", [stop_at(3)], None)):
+        for name, extra, limit in (("full", [], 1), ("stopped", [stop_at(2)], None)):
             url = f"{base}/{name}"
             t = CloudckptTrainer(
                 checkpoint_url=url,
@@ -74,10 +74,10 @@ def test_a_resume_from_s3_continues_as_the_uninterrupted_run(runs):
     stopped, _ = runs["stopped"]
     resumed, _ = runs["resumed"]
     want = losses(full.state.log_history)
-    assert sorted(losses(stopped.state.log_history)) == [1, 2, 3]
+    assert sorted(losses(stopped.state.log_history)) == [1, 2]
     got = losses(resumed.state.log_history)
-    assert [got[s] for s in (4, 5, 6)] == [want[s] for s in (4, 5, 6)]  # dropout: RNG came back
-    assert resumed.state.global_step == 6
+    assert [got[s] for s in (3, 4)] == [want[s] for s in (3, 4)]  # dropout: RNG came back
+    assert resumed.state.global_step == 4
     assert_same_optimizer(full.optimizer.state_dict(), resumed.optimizer.state_dict())
     assert full.lr_scheduler.state_dict() == resumed.lr_scheduler.state_dict()
     for k, v in full.model.state_dict().items():
@@ -87,16 +87,16 @@ def test_a_resume_from_s3_continues_as_the_uninterrupted_run(runs):
 def test_checkpoints_go_to_s3_only_and_save_total_limit_prunes(runs):
     _, full_url = runs["full"]
     # save_total_limit=1: only the newest complete one stays
-    assert [c.name for c in complete_checkpoints(full_url, "checkpoint-")] == ["checkpoint-6"]
-    assert [c.step for c in runs["checkpoints_after_stop"]] == [3]
+    assert [c.name for c in complete_checkpoints(full_url, "checkpoint-")] == ["checkpoint-4"]
+    assert [c.step for c in runs["checkpoints_after_stop"]] == [2]
     # nothing written locally: no checkpoint folder in output_dir; the staged state file is gone
     assert glob.glob(str(runs["tmp"] / "*" / "checkpoint-*")) == []
     assert runs["staged_left"] == set()
-    stored = cloudckpt.load_full(f"{full_url}/checkpoint-6")
+    stored = cloudckpt.load_full(f"{full_url}/checkpoint-4")
     assert set(stored) >= {"model", "optimizer", "scheduler", "rng", "trainer_state"}
-    assert json.loads(stored["trainer_state"])["global_step"] == 6
+    assert json.loads(stored["trainer_state"])["global_step"] == 4
     assert isinstance(stored["rng"]["rank0"]["torch"], torch.Tensor)
-    assert cloudckpt.read_manifest(f"{full_url}/checkpoint-6").metadata["step"] == 6
+    assert cloudckpt.read_manifest(f"{full_url}/checkpoint-4").metadata["step"] == 4
 
 
 def test_the_export_of_a_checkpoint_loads_with_from_pretrained(runs, s3_env, tmp_path):
@@ -105,7 +105,7 @@ def test_the_export_of_a_checkpoint_loads_with_from_pretrained(runs, s3_env, tmp
     from cloudckpt.cli.main import main
 
     stopped, url = runs["stopped"]
-    ckpt = f"{url}/checkpoint-3"
+    ckpt = f"{url}/checkpoint-2"
     folder = tmp_path / "export"
     assert main(["export", ckpt, str(folder), "--format", "safetensors", "--prefix", "model."]) == 0
     (folder / "config.json").write_text(cloudckpt.read_manifest(ckpt).values["model_config"])
