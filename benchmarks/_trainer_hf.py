@@ -5,7 +5,8 @@ optimizer state is about ``mib`` MiB), no training loop: each save is one call o
 ``_save_checkpoint`` at a new ``global_step``, which is what ``save_steps`` runs, and the loop
 waits for all of it. Baseline: the Trainer's own local checkpoint folder (safetensors weights,
 ``torch.save`` of optimizer, scheduler, RNG, the JSON trainer state) under ``args.tmp``; then
-``CloudckptTrainer`` writing the same checkpoint to the local SeaweedFS.
+``CloudckptTrainer`` writing the same checkpoint to the local SeaweedFS, synchronously and with
+``async_save=True`` (blocked: until the call returns; the upload is awaited outside the timer).
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ def _time_saves(trainer, saves: int) -> tuple[float, int]:
             trainer._save_checkpoint(trainer.model, None)
         blocked.append(m.result.seconds)
         growth = max(growth, m.result.rss_growth)
+        wait = getattr(trainer, "wait_for_checkpoint", None)
+        if wait is not None:  # an async upload: training would run meanwhile, not measured
+            wait()
     return statistics.median(blocked), growth
 
 
@@ -101,4 +105,14 @@ def measure(server, args) -> list:
     c.checkpoint_url = f"{url}/run"
     s, rss = _time_saves(c, args.saves)
     rows.append(Row(method="CloudckptTrainer, s3://", blocked_s=s, rss_bytes=rss))
+    c.checkpoint_url, c.checkpoint_async = f"{url}/async", True
+    s, rss = _time_saves(c, args.saves)
+    rows.append(
+        Row(
+            method="CloudckptTrainer(async_save=True)",
+            blocked_s=s,
+            rss_bytes=rss,
+            note="upload after the call",
+        )
+    )
     return rows

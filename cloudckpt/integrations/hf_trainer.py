@@ -26,6 +26,10 @@ local folder itself, so that one small file is staged in a temporary folder for 
 through cloudckpt's safe deletion on the main process (the newest complete one and the best one
 are never deleted; half-written ones are never listed, counted or resumed from).
 
+With ``async_save=True`` a save blocks training only for the copy of the state to host memory
+(:func:`cloudckpt.async_save`); the next save and the end of ``train()`` wait for the upload,
+and pruning follows its commit.
+
 Errors from S3 are cloudckpt's one-line errors; the run folder is listed when ``train()``
 starts, so a wrong endpoint, bucket or credentials fail before the first step, not at the first
 save. Not supported (``ConfigError`` at construction): DeepSpeed, FSDP, ``push_to_hub``,
@@ -42,6 +46,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from cloudckpt.api.async_save import SaveHandle, async_save
 from cloudckpt.api.load import load_full
 from cloudckpt.api.save import save
 from cloudckpt.errors import CheckpointNotFound, ConfigError, ManifestError
@@ -81,16 +86,27 @@ class CloudckptTrainerMixin:
 
     ``checkpoint_url``: the run folder (``s3://bucket/prefix``, ``file://`` or a path) that gets
     the ``checkpoint-<N>`` checkpoints; ``storage``: a :class:`cloudckpt.StorageOptions` (default:
-    the process's). Other arguments go to the Trainer.
+    the process's). ``async_save``: training waits only for the copy of the state to host
+    memory, the upload runs meanwhile (:func:`cloudckpt.async_save`; the next save, and the
+    end of ``train()``, wait for it). Other arguments go to the Trainer.
     """
 
-    def __init__(self, *args: Any, checkpoint_url: str, storage: Any = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        checkpoint_url: str,
+        storage: Any = None,
+        async_save: bool = False,
+        **kwargs: Any,
+    ):
         if not isinstance(checkpoint_url, str) or not checkpoint_url.strip("/"):
             raise ConfigError(f"checkpoint_url must be a run folder URL, got {checkpoint_url!r}")
         super().__init__(*args, **kwargs)
         self.checkpoint_url = checkpoint_url.rstrip("/")
         self.checkpoint_storage = storage
+        self.checkpoint_async = bool(async_save)
         self._cloud_resume: _Resume | None = None
+        self._pending: tuple[SaveHandle, str] | None = None
         t: Any = self
         for flag, what in (
             (t.is_deepspeed_enabled, "DeepSpeed"),
@@ -143,9 +159,12 @@ class CloudckptTrainerMixin:
             complete_checkpoints(
                 self.checkpoint_url, CHECKPOINT_PREFIX, storage=self.checkpoint_storage
             )
-            return parent.train(
-                resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs
-            )
+            try:
+                return parent.train(
+                    resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs
+                )
+            finally:
+                self.wait_for_checkpoint()
         state = load_full(url, storage=self.checkpoint_storage)
         record = self._trainer_record(state, url)
         best = record.get("best_model_checkpoint")
@@ -158,6 +177,7 @@ class CloudckptTrainerMixin:
                 return parent.train(resume_from_checkpoint=folder, trial=trial, **kwargs)
             finally:
                 self._cloud_resume = None
+                self.wait_for_checkpoint()
 
     @staticmethod
     def _trainer_record(state: dict[str, Any], url: str) -> dict[str, Any]:
@@ -200,19 +220,42 @@ class CloudckptTrainerMixin:
             }:
                 t.state.best_model_checkpoint = best
         self._export_callback_states()
-        self.save_cloud_checkpoint(url)
-        if t.args.should_save and t.args.save_total_limit is not None:
-            if t.args.save_total_limit > 0:
-                best_url = t.state.best_model_checkpoint
-                deleted = prune_to(
-                    run_url,
-                    CHECKPOINT_PREFIX,
-                    keep=t.args.save_total_limit,
-                    protect=[best_url] if best_url else [],
-                    storage=self.checkpoint_storage,
-                )
-                for gone in deleted:
-                    log.info("deleted %s (save_total_limit=%d)", gone, t.args.save_total_limit)
+        self.wait_for_checkpoint()
+        if self.checkpoint_async:
+            handle = async_save(
+                self.cloud_state_dict(),
+                url,
+                storage=self.checkpoint_storage,
+                metadata={"step": int(t.state.global_step)},
+            )
+            self._pending = (handle, run_url)
+        else:
+            self.save_cloud_checkpoint(url)
+            self._prune(run_url)
+
+    def wait_for_checkpoint(self) -> None:
+        """With ``async_save``: wait until the checkpoint in flight is committed (its error, the
+        same on every rank, is raised here), then prune. ``train()`` calls it before it returns
+        and each save before it starts."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[0].result()
+            self._prune(pending[1])
+
+    def _prune(self, run_url: str) -> None:
+        t: Any = self
+        limit = t.args.save_total_limit
+        if not t.args.should_save or limit is None or limit <= 0:
+            return
+        best_url = t.state.best_model_checkpoint
+        for gone in prune_to(
+            run_url,
+            CHECKPOINT_PREFIX,
+            keep=limit,
+            protect=[best_url] if best_url else [],
+            storage=self.checkpoint_storage,
+        ):
+            log.info("deleted %s (save_total_limit=%d)", gone, limit)
 
     def _export_callback_states(self) -> None:
         # the Trainer's own bookkeeping of ExportableState callbacks, as in _save_checkpoint

@@ -30,7 +30,7 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def runs(s3_server, tmp_path_factory):
     """An uninterrupted 4-step run (``full``), one stopped after its step-2 checkpoint
-    (``stopped``), and a third resumed from S3 (``resumed``): each a (trainer, run URL)."""
+    (``stopped``, saving with ``async_save``), and a third resumed from S3 (``resumed``): each a (trainer, run URL)."""
     from cloudckpt.integrations.hf_trainer import CloudckptTrainer
 
     tmp = tmp_path_factory.mktemp("hf")
@@ -39,10 +39,15 @@ def runs(s3_server, tmp_path_factory):
             mp.setenv(key, value)
         base = s3_server.url(f"hf-trainer-{os.getpid()}-{os.urandom(4).hex()}")
         out = {}
-        for name, extra, limit in (("full", [], 1), ("stopped", [stop_at(2)], None)):
+        # the stopped run saves asynchronously: its checkpoints are what the resume reads
+        for name, extra, limit, asynchronous in (
+            ("full", [], 1, False),
+            ("stopped", [stop_at(2)], None, True),
+        ):
             url = f"{base}/{name}"
             t = CloudckptTrainer(
                 checkpoint_url=url,
+                async_save=asynchronous,
                 model=tiny_model(),
                 args=trainer_args(tmp / name, save_total_limit=limit),
                 train_dataset=TokenData(),
