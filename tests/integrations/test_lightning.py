@@ -55,7 +55,7 @@ def uninterrupted(s3_server, tmp_path_factory) -> Outcome:
         )
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "lightning-async"])
 def test_resume_from_last_equals_uninterrupted(mode, s3_env, s3_url, tmp_path, uninterrupted):
     import cloudckpt
     from cloudckpt.integrations.lightning import library
