@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,18 @@ class _Resume:
 
 def _is_url(text: str) -> bool:
     return "://" in text
+
+
+def load_into(url: str, what: str, load_state_dict: Callable[..., Any], state: Any, **kw: Any):
+    """``load_state_dict(state, **kw)``; its refusal of the stored state as one line."""
+    try:
+        load_state_dict(state, **kw)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ManifestError(
+            f"{url}: the stored {what} cannot be loaded into this run ({first}): resume "
+            "with the model, optimizer and scheduler the checkpoint was saved with"
+        ) from exc
 
 
 class CloudckptTrainerMixin:
@@ -323,7 +336,7 @@ class CloudckptTrainerMixin:
         if not isinstance(weights, dict):
             raise ManifestError(f"{r.url} holds no model weights")
         target = t.accelerator.unwrap_model(model if model is not None else t.model)
-        target.load_state_dict(weights)
+        load_into(r.url, "model weights", target.load_state_dict, weights)
         log.info("loaded the model weights from %s", r.url)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
@@ -335,9 +348,11 @@ class CloudckptTrainerMixin:
         if "optimizer" not in r.state:
             log.info("%s holds no optimizer state (saved with save_only_model)", r.url)
             return
-        t.optimizer.load_state_dict(r.state["optimizer"])
+        load_into(r.url, "optimizer state", t.optimizer.load_state_dict, r.state["optimizer"])
         if t.lr_scheduler is not None and "scheduler" in r.state:
-            t.lr_scheduler.load_state_dict(r.state["scheduler"])
+            load_into(
+                r.url, "scheduler state", t.lr_scheduler.load_state_dict, r.state["scheduler"]
+            )
 
     def _load_scaler(self, checkpoint: Any) -> None:
         r = self._resume_for(checkpoint)
@@ -347,7 +362,7 @@ class CloudckptTrainerMixin:
         t: Any = self
         scaler = getattr(t.accelerator, "scaler", None)
         if scaler is not None and "scaler" in r.state:
-            scaler.load_state_dict(r.state["scaler"])
+            load_into(r.url, "scaler state", scaler.load_state_dict, r.state["scaler"])
 
     def _load_rng_state(self, checkpoint: Any) -> None:
         r = self._resume_for(checkpoint)
