@@ -44,7 +44,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from cloudckpt.api.async_save import SaveHandle, async_save
@@ -75,7 +75,6 @@ class _Resume:
     folder: str
     state: dict[str, Any]
     best: str | None = None
-    loaded: set[str] = field(default_factory=set)
 
 
 def _is_url(text: str) -> bool:
@@ -92,6 +91,14 @@ def load_into(url: str, what: str, load_state_dict: Callable[..., Any], state: A
             f"{url}: the stored {what} cannot be loaded into this run ({first}): resume "
             "with the model, optimizer and scheduler the checkpoint was saved with"
         ) from exc
+
+
+def _refuse(what: str, flag: Any, who: str) -> None:
+    if flag:
+        raise ConfigError(
+            f"{who or 'CloudckptTrainer'} does not support {what} yet: use the Trainer's own "
+            "local checkpoints for that run"
+        )
 
 
 class CloudckptTrainerMixin:
@@ -114,6 +121,13 @@ class CloudckptTrainerMixin:
     ):
         if not isinstance(checkpoint_url, str) or not checkpoint_url.strip("/"):
             raise ConfigError(f"checkpoint_url must be a run folder URL, got {checkpoint_url!r}")
+        targs = kwargs.get("args", args[1] if len(args) > 1 else None)
+        _refuse("push_to_hub", getattr(targs, "push_to_hub", False), type(self).__name__)
+        _refuse(
+            "load_best_model_at_end",
+            getattr(targs, "load_best_model_at_end", False),
+            type(self).__name__,
+        )
         super().__init__(*args, **kwargs)
         self.checkpoint_url = checkpoint_url.rstrip("/")
         self.checkpoint_storage = storage
@@ -121,17 +135,8 @@ class CloudckptTrainerMixin:
         self._cloud_resume: _Resume | None = None
         self._pending: tuple[SaveHandle, str] | None = None
         t: Any = self
-        for flag, what in (
-            (t.is_deepspeed_enabled, "DeepSpeed"),
-            (t.is_fsdp_enabled, "FSDP"),
-            (t.args.push_to_hub, "push_to_hub"),
-            (t.args.load_best_model_at_end, "load_best_model_at_end"),
-        ):
-            if flag:
-                raise ConfigError(
-                    f"{type(self).__name__} does not support {what} yet: use the Trainer's own "
-                    "local checkpoints for that run"
-                )
+        _refuse("DeepSpeed", t.is_deepspeed_enabled, type(self).__name__)
+        _refuse("FSDP", t.is_fsdp_enabled, type(self).__name__)
 
     # -- where checkpoints are ------------------------------------------------------------------
 

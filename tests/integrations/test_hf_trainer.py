@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cloudckpt
-from cloudckpt.errors import CheckpointNotFound, ManifestError, StorageError
+from cloudckpt.errors import CheckpointNotFound, ConfigError, ManifestError, StorageError
 from cloudckpt.integrations.run_folder import complete_checkpoints
 from tests.integrations.hf_models import (
     TokenData,
@@ -131,6 +131,15 @@ def test_resume_errors_are_cloudckpt_one_liners(runs, s3_env, s3_url):
             train_dataset=TokenData(),
         )
 
+    for unsupported in ("push_to_hub", "load_best_model_at_end"):
+        with pytest.raises(ConfigError, match=f"does not support {unsupported}"):
+            CloudckptTrainer(
+                checkpoint_url=s3_url,
+                model=tiny_model(),
+                args=trainer_args(
+                    runs["tmp"] / "errors", eval_strategy="steps", **{unsupported: True}
+                ),
+            )
     t = trainer(s3_url)
     assert t.latest_checkpoint() is None
     with pytest.raises(CheckpointNotFound, match="no complete checkpoint-<N> checkpoint under"):
