@@ -79,3 +79,8 @@ def load_latest(url: str, root: str, ranks_per_node: int, tier_kw: dict, step=No
         "healed": COUNTERS.healed - before[1],
         "reads": {k: v for k, v in reads.items() if v},
     }
+
+
+def load_in_world(url: str, root: str, ranks_per_node: int, tier_kw: dict) -> dict:
+    """``load_latest`` in whatever world this is (a smaller one than the save's: resharding)."""
+    return load_latest(url, root, ranks_per_node, tier_kw)
