@@ -84,3 +84,42 @@ def load_latest(url: str, root: str, ranks_per_node: int, tier_kw: dict, step=No
 def load_in_world(url: str, root: str, ranks_per_node: int, tier_kw: dict) -> dict:
     """``load_latest`` in whatever world this is (a smaller one than the save's: resharding)."""
     return load_latest(url, root, ranks_per_node, tier_kw)
+
+
+def train(url: str, root: str, ranks_per_node: int, steps: list[int], tier_kw: dict, pause: float):
+    """Save ``steps`` one after the other, ``pause`` seconds apart (a run to kill part-way)."""
+    import time
+
+    from cloudckpt import CheckpointManager
+
+    mgr = CheckpointManager(url, local=tier_of(root, ranks_per_node, **tier_kw))
+    for step in steps:
+        mgr.save(step, make_state(step))
+        time.sleep(pause)
+    mgr.close()
+    return steps[-1]
+
+
+def load_in_group(url: str, root: str, ranks_per_node: int, tier_kw: dict, members: list) -> dict:
+    """Load the newest step in the subgroup ``members`` (a smaller world after losing nodes);
+    ranks outside it return ``None``."""
+    import torch.distributed as dist
+
+    from cloudckpt import CheckpointManager
+    from cloudckpt.storage.peer.tiered import COUNTERS
+
+    group = dist.new_group(members)
+    if dist.get_rank() not in members:
+        return None
+    before = dict(COUNTERS.reads)
+    mgr = CheckpointManager(
+        url, local=tier_of(root, ranks_per_node, **tier_kw), process_group=group
+    )
+    state = make_state(0, blank=True, group=group)
+    loaded = mgr.load(state)
+    reads = {k: v - before.get(k, 0) for k, v in COUNTERS.reads.items()}
+    return {
+        "step": loaded,
+        "equal": loaded is not None and _equal(state, make_state(loaded, group=group)),
+        "reads": {k: v for k, v in reads.items() if v},
+    }
