@@ -11,16 +11,18 @@ Save of a tier step (collective; each ``── name ──`` is one ``ControlCha
    room: the save goes to the object store only, with a warning.
 3. ``cloudckpt.save`` to each rank's own node directory (the same protocol, manifest last); a
    failure there (disk full...) -> the save goes to the object store, with a warning.
-4. ``── tier manifest ──`` + a broadcast of the manifest bytes, then ``── tier replicate ──``:
-   every node writes the manifest; every rank checks its objects' crcs and sends them, then the
-   manifest, to the ``replicas`` nodes after its own. A failure is a warning (the step is then
-   complete where it is, the object store still behind it).
-5. Every ``store_every`` steps, ``── tier drain upload ──`` / ``── tier drain commit ──`` on a
-   lane of its own (in the background by default): every rank uploads its own objects, checked
-   against the manifest's crcs first, to the object store; then the coordinator puts the same
-   manifest bytes there in create mode: the commit rule of every save.
-6. Each node's first rank prunes its tier: the newest ``keep`` steps, never one whose drain has
-   not committed.
+4. ``── tier manifest ──`` + a broadcast of the manifest bytes; every node writes it: the step
+   is now complete in the tiers (each node holds its own objects) and ``save`` returns.
+5. In the background (``background=True``; else before ``save`` returns), on a lane of its own,
+   one step at a time (the next tier save waits for the previous step's): ``── tier replicate
+   ──``: every rank sends its objects, then the manifest, to the ``replicas`` nodes after its
+   own; then, every ``store_every`` steps, ``── tier drain upload ──`` / ``── tier drain
+   commit ──``: every rank uploads its own objects, checked against the manifest's crcs first,
+   to the object store, then the coordinator puts the same manifest bytes there in create
+   mode: the commit rule of every save. A failure is a warning (the step stays complete where
+   it is).
+6. Each node's first rank prunes its tier: the newest ``keep`` steps, never one whose replicas
+   or copy are still due.
 
 Load and listing: :mod:`cloudckpt.runs.tier.reading`.
 """
@@ -49,7 +51,15 @@ from cloudckpt.runs.tier.node import (
     object_blocks,
 )
 from cloudckpt.runs.tier.options import LocalTier
-from cloudckpt.runs.tier.peers import Blob, Nodes, Peer, advertised_host, decode_peer, encode_peer
+from cloudckpt.runs.tier.peers import (
+    Blob,
+    Nodes,
+    Peer,
+    advertised_host,
+    decode_peer,
+    encode_peer,
+    peer_client,
+)
 from cloudckpt.runs.tier.peers import serve as serve_tier
 from cloudckpt.runtime.context import current
 from cloudckpt.runtime.loop import finish_before_exit, run_coroutine, shared_store
@@ -76,13 +86,15 @@ class TierRun:
         self._nodes: tuple[int, Nodes | None] | None = None
         self._drain_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._drains: list[concurrent.futures.Future] = []
-        self._draining: set[int] = set()
+        self._pending: set[int] = set()  # steps whose replicas or copy to the store are due
         self.replicated: set[int] = set()  # steps this process saw replicated
-        self._peers: dict[tuple[int, str, str], PeerStore] = {}  # the other nodes' services
         self.last_inventories: list[Inventory] = []  # as of the last load
 
     def channel(self, lane: str = "protocol") -> ControlChannel:
-        return ControlChannel(self.process_group, timeout=self.tier.timeout, lane=lane)
+        """The control channel of the tier's phases: the save protocol's timeout (its group is
+        then the protocol's own: no group of its own to create on the "protocol" lane)."""
+        timeout = getattr(self.manager.save_options, "timeout", 600.0)
+        return ControlChannel(self.process_group, timeout=timeout, lane=lane)
 
     # -- the job's nodes ------------------------------------------------------------------------
 
@@ -126,6 +138,7 @@ class TierRun:
         nodes = self.nodes()
         if nodes is None:
             return store_save()
+        self.wait()  # the previous step's replicas and copy: at most one step in flight
         if not self._space(step, nodes):
             return store_save()
         try:
@@ -142,19 +155,19 @@ class TierRun:
             self.node.remove_step(step)
             return store_save()
         raw = self._share_manifest(step)
-        self._replicate(step, raw, nodes)
-        if step % self.tier.store_every == 0:
-            self._draining.add(step)
-            lane = self.channel(lane="tier")  # its group made here, in every rank's main order
-            if self.tier.background:
-                future = self._pool().submit(self._drain, step, raw, lane)
-                finish_before_exit(future, self.step_url(step))
-                self._drains.append(future)
-            else:
-                try:
-                    self._drain(step, raw, lane)
-                except CheckpointError:
-                    pass  # logged: the step stays in the tiers; training goes on
+        try:  # this node's copy of the manifest: its objects are complete here now
+            run_coroutine(self.node.store.put(step_dir(step) + MANIFEST_KEY, raw, mode="create"))
+        except ObjectExists:
+            pass  # another rank of this node wrote it (the same bytes: one save)
+        drain = step % self.tier.store_every == 0
+        self._pending.add(step)
+        lane = self.channel(lane="tier")  # its group made here, in every rank's main order
+        if self.tier.background:
+            future = self._pool().submit(self._copies, step, raw, nodes, lane, drain)
+            finish_before_exit(future, self.step_url(step))
+            self._drains.append(future)
+        else:
+            self._copies(step, raw, nodes, lane, drain)
         self._prune(nodes)
         return result
 
@@ -201,8 +214,17 @@ class TierRun:
         length = msgpack.unpackb(reading.reports[0].raw)
         return channel.broadcast_bytes(raw if channel.is_coordinator else None, length=length)
 
-    def _replicate(self, step: int, raw: bytes, nodes: Nodes) -> None:
-        channel = self.channel()
+    def _copies(self, step: int, raw: bytes, nodes: Nodes, lane: ControlChannel, drain: bool):
+        """The replicas of ``step``, then (``drain``) its copy to the object store; failures are
+        logged (the step stays where it is complete)."""
+        try:
+            self._replicate(step, raw, nodes, lane)
+            if drain:
+                self._drain(step, raw, lane)
+        finally:
+            self._pending.discard(step)
+
+    def _replicate(self, step: int, raw: bytes, nodes: Nodes, channel: ControlChannel) -> None:
         try:
             with channel.phase("tier replicate"):
                 own = self.node.own_keys(step, channel.rank)
@@ -216,19 +238,11 @@ class TierRun:
         self, step: int, raw: bytes, nodes: Nodes, rank: int, own: list[str]
     ) -> None:
         prefix = step_dir(step)
-        try:
-            await self.node.store.put(prefix + MANIFEST_KEY, raw, mode="create")
-        except ObjectExists:
-            pass  # another rank of this node wrote it (the same bytes: one save)
         targets = nodes.targets(nodes.node_of[rank], self.tier.replicas)
         if not targets:
             return
-        manifest, _ = decode_manifest_without_pickle(raw)
-        blocks = object_blocks(manifest)
-        for key in own:
+        for key in own:  # just written; every reader checks the crcs, this copy's included
             data = await self.node.store.get(prefix + key)
-            if damaged_blocks(data, blocks.get(key, [])):
-                raise StorageError(f"{key} of step {step} fails its checksums in the local tier")
             for target in targets:
                 await _create(self.peer_store(nodes, target, prefix), key, data)
         for target in targets:
@@ -236,13 +250,7 @@ class TierRun:
 
     def peer_store(self, nodes: Nodes, node: int, prefix: str) -> PeerStore:
         service = nodes.service(node)
-        key = (current().generation, service.url, service.token)
-        root = self._peers.get(key)
-        if root is None:
-            root = self._peers[key] = PeerStore(
-                service.url, token=service.token, timeout=self.tier.timeout
-            )
-        return root.child(prefix)
+        return peer_client(service.url, service.token, self.tier.timeout).child(prefix)
 
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._drain_pool is None:
@@ -269,19 +277,16 @@ class TierRun:
         except CheckpointError as exc:
             if channel.is_coordinator:
                 log.warning("cloudckpt: copying step %d to %s failed: %s", step, self.run_url, exc)
-            raise
-        finally:
-            self._draining.discard(step)
 
     def wait(self) -> None:
-        """Wait for the background copies to the object store (their failures were logged)."""
+        """Wait for the background replicas and copies (their failures were logged)."""
         drains, self._drains = self._drains, []
         concurrent.futures.wait(drains)
 
     def _prune(self, nodes: Nodes) -> None:
         rank = self.channel().rank
         if nodes.first_rank[nodes.node_of[rank]] == rank:
-            removed = self.node.prune(self.tier.keep, set(self._draining))
+            removed = self.node.prune(self.tier.keep, set(self._pending))
             if removed:
                 log.info("cloudckpt: local tier pruned steps %s", removed)
 

@@ -23,9 +23,11 @@ import msgpack
 from cloudckpt.errors import ProtocolError
 from cloudckpt.runtime.context import current
 from cloudckpt.runtime.loop import run_coroutine
+from cloudckpt.storage.peer.client import PeerStore
 from cloudckpt.storage.peer.server import PeerServer
 
 _SERVERS: dict[str, tuple[int, PeerServer]] = {}  # path -> (runtime generation, server)
+_CLIENTS: dict[tuple[int, str, str], PeerStore] = {}  # (generation, url, token) -> client
 _MAX_FIELD = 4096
 
 
@@ -136,3 +138,12 @@ def serve(path: str, host: str) -> PeerServer:
     run_coroutine(server.start())
     _SERVERS[path] = (generation, server)
     return server
+
+
+def peer_client(url: str, token: str, timeout: float) -> PeerStore:
+    """This process's client of the service at ``url`` (one connection pool per service)."""
+    key = (current().generation, url, token)
+    client = _CLIENTS.get(key)
+    if client is None:
+        client = _CLIENTS[key] = PeerStore(url, token=token, timeout=timeout)
+    return client

@@ -27,9 +27,11 @@ T = TypeVar("T")
 @dataclass
 class TierCounters:
     """What a tiered read did: ``reads`` per holder name, ``failures`` (a holder failed and the
-    next one was tried), ``healed`` (a later holder then served it), ``lost`` (none could)."""
+    next one was tried; ``failed``: each ``"<holder>:<key>"``), ``healed`` (a later holder then
+    served it), ``lost`` (none could)."""
 
     reads: dict[str, int] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
     failures: int = 0
     healed: int = 0
     lost: int = 0
@@ -72,6 +74,7 @@ class TieredStore:
             except (StorageError, OSError, ValueError) as exc:  # IntegrityError is a ValueError
                 failed = True
                 COUNTERS.failures += 1
+                COUNTERS.failed.add(f"{holder.name}:{key}")
                 log.warning(
                     "cloudckpt: %s of %s failed (%s): reading it from the next tier",
                     key,
