@@ -95,13 +95,14 @@ class PeerStore:
                 ) as resp,
             ):
                 body = b""
-                if expect is not None:
-                    body = await resp.content.read(expect + 1)
-                    while len(body) <= expect:
-                        more = await resp.content.read(expect + 1 - len(body))
-                        if not more:
-                            break
-                        body += more
+                if expect is not None:  # never more than asked for plus one byte
+                    try:
+                        body = await resp.content.readexactly(expect)
+                    except asyncio.IncompleteReadError as short:
+                        body = short.partial
+                    else:
+                        if await resp.content.read(1):
+                            body += b"?"  # longer than asked: refused below
                 self.stats.bytes_received += len(body)
                 return resp.status, dict(resp.headers), body
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:

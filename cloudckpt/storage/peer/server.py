@@ -120,7 +120,7 @@ class PeerServer:
             raise InvalidRange(f"range {start}-{end} of a {size}-byte object")
         (view,) = await self.store.read_ranges(key, [ReadRange(start, end - start + 1)])
         return web.Response(
-            status=206, body=bytes(view), headers={"Content-Range": f"bytes {start}-{end}/{size}"}
+            status=206, body=view, headers={"Content-Range": f"bytes {start}-{end}/{size}"}
         )
 
     async def _put(self, request: web.Request, key: str) -> web.Response:
