@@ -53,6 +53,7 @@ from cloudckpt.planning.save.cache import key_digest, save_plan_cache_key
 from cloudckpt.planning.save.global_plan import GlobalSavePlan, plan_global_save
 from cloudckpt.planning.save.incremental import decode_known, encode_known, reused_chunks
 from cloudckpt.planning.save.local_plan import LocalSavePlan
+from cloudckpt.planning.save.rates import WRITE_RATES, replica_weights
 from cloudckpt.runtime.context import current
 from cloudckpt.runtime.loop import (
     run_coroutine,
@@ -85,6 +86,10 @@ def save(
     ``allow_pickle=True``. Raises :class:`CheckpointExists` if ``url`` already holds a committed
     checkpoint (which stays untouched), and :class:`CheckpointError` (the same on every rank)
     if any rank fails.
+
+    ``process_group``: the ranks that save together (default: the world);
+    ``process_group="self"``: this process alone, no collective, even in a distributed job
+    (a checkpoint that rank 0 saves by itself, as trainers do for non-sharded state).
 
     ``base``: the URL of another checkpoint of the same run (a sibling folder; the coordinator's
     value is the one used): an *incremental* save. Every chunk whose bytes equal those of the
@@ -142,17 +147,21 @@ def prepare_save(
             attempt=attempt,
             cached_plans=tuple(cached),
             incremental=channel.is_coordinator and (base is not None or options.content_hashes),
+            write_rate_class=WRITE_RATES.rate_class(),
         )
 
+    # replicated bytes follow the ranks' write rates when those differ (planning/save/rates.py)
+    weights = replica_weights([r.write_rate_class for r in planning.reports])
     key = save_plan_cache_key(
         [r.fingerprint for r in planning.reports],
         replicas_to_lowest_rank=options.replicas_to_lowest_rank,
+        rate_weights=weights,
     )
     key = key + (msgpack.packb(list(channel.ranks)),)
     digest = key_digest(key)
     # caches can differ between ranks (a restarted rank): reuse only if every rank holds it
     plan_cached = all(digest in r.cached_plans for r in planning.reports)
-    plan = cached[digest] if plan_cached else _plan_globally(channel, local.plan, options)
+    plan = cached[digest] if plan_cached else _plan_globally(channel, local.plan, options, weights)
     if options.use_plan_cache:
         plan_cache.put(key, plan)
 
@@ -293,7 +302,10 @@ def _new_attempt(url: str, store: ObjectStore) -> str:
 
 
 def _plan_globally(
-    channel: ControlChannel, local: LocalSavePlan, options: SaveOptions
+    channel: ControlChannel,
+    local: LocalSavePlan,
+    options: SaveOptions,
+    weights: list[float] | None,
 ) -> GlobalSavePlan:
     with channel.phase("save plan exchange", SavePlanReport) as exchange:
         exchange.report = SavePlanReport(local)
@@ -302,6 +314,7 @@ def _plan_globally(
             [r.plan for r in exchange.reports],
             rank=channel.rank,
             replicas_to_lowest_rank=options.replicas_to_lowest_rank,
+            rate_weights=weights,
         )
     return plan
 
@@ -336,6 +349,7 @@ def _writer_options(options: SaveOptions) -> WriterOptions:
 
 def _upload(p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | None) -> UploadReport:
     rank = p.channel.rank
+    began = time.perf_counter()
     locations, stats = run_coroutine(
         write_chunks(
             p.store,
@@ -348,6 +362,7 @@ def _upload(p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | Non
             digests=digests,
         )
     )
+    WRITE_RATES.record(stats.bytes_written, time.perf_counter() - began)
     written = _written_chunks(rank, locations, p.values, [c for c, _ in stats.reused])
     return UploadReport(
         written=encode_written_chunks(written),
