@@ -273,3 +273,12 @@ def checkpoint_error_class(error_types: Iterable[str]) -> type[CheckpointError]:
             combined = made if issubclass(made, CheckpointError) else CheckpointError
             _combined_classes[cls] = combined
         return combined
+
+
+# --- the rank-0 guard --------------------------------------------------------------------------
+
+
+class CollectiveMismatch(CheckpointError, RuntimeError):
+    """A collective save or load that not every rank of its process group joined within
+    ``join_timeout``, or that ranks joined with different calls (save / load, URLs). Raised on
+    every rank that made the call, within seconds; names the ranks and what differs."""
