@@ -121,11 +121,14 @@ def prepare_save(
     metadata=None,
     options=None,
     base=None,
+    call: str = "save",
 ) -> PreparedSave:
-    """Phases 1-2: plan the save on every rank. Collective."""
+    """Phases 1-2: plan the save on every rank, once all joined ``call`` of ``url``.
+    Collective."""
     wait_for_pending_save()
     options = options or SaveOptions()
     channel = ControlChannel(process_group, timeout=options.timeout)
+    channel.join(call, url, options.join_timeout)
     started = time.perf_counter()
     plan_cache = current().save_plans
     cached = plan_cache.held() if options.use_plan_cache else {}

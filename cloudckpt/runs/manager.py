@@ -63,7 +63,7 @@ from dataclasses import replace
 from typing import Any
 
 from cloudckpt.layout import join_url, step_dir
-from cloudckpt.options import SaveOptions
+from cloudckpt.options import LoadOptions, SaveOptions
 from cloudckpt.runs.cleanup import (
     DeletionPlan,
     delete_checkpoint,
@@ -373,8 +373,9 @@ class CheckpointManager:
         from cloudckpt.api.reports import LatestStep
         from cloudckpt.transport import ControlChannel
 
-        timeout = getattr(self.load_options, "timeout", 600.0)
-        channel = ControlChannel(self.process_group, timeout=timeout)
+        options = self.load_options or LoadOptions()
+        channel = ControlChannel(self.process_group, timeout=options.timeout)
+        channel.join("CheckpointManager.load", self.url, options.join_timeout)
         if channel.size == 1:  # one process: the listing's own error, unwrapped
             return self._latest_step()
         with channel.phase("finding the latest checkpoint", LatestStep) as finding:
