@@ -238,11 +238,12 @@ class CheckpointManager:
         Waits first for a pending asynchronous save of this manager. ``blocking=True`` returns the
         ``SaveResult``; ``blocking=False`` returns a :class:`ManagedSaveHandle` at once. The step
         is recorded in the manifest's metadata (``"step"``) unless ``metadata`` already has one.
-        Raises ``CheckpointExists`` when the step is already complete. After a successful save,
-        rank 0 removes leftovers of earlier killed attempts at the same step and, when the
-        retention policy has a rule, prunes. A failure there does not fail the committed save:
-        it is logged (WARNING) and returned as the result's ``retention_error`` (``None`` when
-        that work succeeded); :meth:`prune` retries it and raises on failure.
+        Raises ``CheckpointExists`` when the step is already complete (unless ``save_options``
+        has ``if_exists="replace"``: the new checkpoint replaces it, see ``SaveOptions``). After
+        a successful save, rank 0 removes leftovers of earlier killed attempts at the same step
+        and, when the retention policy has a rule, prunes. A failure there does not fail the
+        committed save: it is logged (WARNING) and returned as the result's ``retention_error``
+        (``None`` when that work succeeded); :meth:`prune` retries it and raises on failure.
         """
         from cloudckpt.api.async_save import async_save
         from cloudckpt.api.save import save
