@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +30,15 @@ class SaveOptions:
       last renewed (renewed every quarter of it while the save runs; a save that could not
       renew them for half of it fails before committing). From 60 to 86400 (a day,
       ``cloudckpt.layout.MAX_PIN_LEASE``): a reader counts any longer lease as a day.
+    - ``if_exists``: what a save does when a checkpoint is already committed at its URL.
+      ``"error"`` (the default): ``CheckpointExists``, the old one untouched. ``"replace"``: the
+      new one replaces it atomically (a fixed name such as ``last``): its objects go under a
+      fresh attempt prefix, the manifest's overwrite is the commit (readers see the old
+      checkpoint or the new one, never a mix), then the objects of the checkpoint's other
+      attempts that no checkpoint references are deleted. A crash at any point leaves one
+      loadable checkpoint there (the old one before the swap, the new one after); leftovers of
+      a crash are collected by the next replacing save. A reader still reading the old
+      checkpoint when its objects are collected fails with ``ObjectNotFound``.
     """
 
     object_size: int = 128 << 20
@@ -41,9 +51,12 @@ class SaveOptions:
     max_async_staging_bytes: int | None = None
     content_hashes: bool = False
     pin_lease: float = 600.0
+    if_exists: Literal["error", "replace"] = "error"
 
     def __post_init__(self) -> None:
         _check_join_timeout(self.join_timeout)
+        if self.if_exists not in ("error", "replace"):
+            raise ValueError(f'if_exists must be "error" or "replace", got {self.if_exists!r}')
         if not 60.0 <= self.pin_lease <= 86400.0:
             raise ValueError(
                 f"pin_lease must be from 60 to 86400 seconds (a day), got "
