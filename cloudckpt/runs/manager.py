@@ -363,6 +363,8 @@ class CheckpointManager:
 
         self.wait()
         if self.tier is not None:
+            if isinstance(step, str):
+                raise ValueError(f"a run with a local tier loads steps by number, got {step!r}")
             return self.tier.load(state_dict, step, strict)
         if step is None:
             step = self._agree_on_latest()
