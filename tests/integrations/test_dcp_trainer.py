@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cloudckpt.errors import ConfigError, ManifestError
+from cloudckpt.errors import CheckpointExists, CheckpointNotFound, ConfigError, ManifestError
 from tests.integrations.dcp_training import (
     AppState,
     build_model,
@@ -177,6 +177,12 @@ def test_a_damaged_metadata_of_the_newest_step_is_a_typed_error_and_nothing_goes
         run.load({"w": torch.zeros(4), "n": 0})
     assert "\n" not in str(err.value)
     assert run.load({"w": torch.zeros(4), "n": 0}, step=1) == 1
+    with pytest.raises(CheckpointNotFound) as err:  # a step with no .metadata
+        run.load({"w": torch.zeros(4), "n": 0}, step=7)
+    assert "\n" not in str(err.value)
+    with pytest.raises(CheckpointExists) as err:  # a committed step is never written again
+        run.save({"w": torch.zeros(4), "n": 0}, 1)
+    assert "\n" not in str(err.value)
     assert _complete(s3_url) == [1, 2]
 
 
