@@ -230,3 +230,21 @@ def test_the_example_stopped_and_started_again_prints_the_losses_of_one_run(s3_s
     assert all(again[s] == whole[s] for s in ("5", "6", "7", "8"))
     assert part["5"] == whole["5"]
     assert whole["last"] == again["last"] == "complete checkpoints: [6, 8]"
+
+
+def test_a_run_in_a_local_folder(tmp_path):
+    from cloudckpt.integrations.dcp_trainer import DCPRun
+
+    run = DCPRun(tmp_path / "run", keep_last=1)
+    for step in (1, 2):
+        with pytest.warns(UserWarning):  # DCP: a single process
+            run.save({"w": torch.full((4,), float(step)), "n": step}, step)
+    run.wait()
+    assert [(c.step, c.complete) for c in run.list()] == [(2, True)]
+    assert sorted(p.name for p in (tmp_path / "run" / "step-2").iterdir()) == [
+        ".metadata",
+        ".metadata.checksums",
+        "__0_0.distcp",
+    ]
+    state = {"w": torch.zeros(4), "n": 0}
+    assert run.load(state) == 2 and state["n"] == 2
