@@ -53,7 +53,11 @@ def class_rate(cls: int) -> float:
     return float(2.0 ** (cls / CLASS_STEPS))
 
 
-def replica_weights(classes: Sequence[int]) -> list[float] | None:
+#: One weight per rank, or ``None``: the even spread.
+RateWeights = list[float] | None
+
+
+def replica_weights(classes: Sequence[int]) -> RateWeights:
     """One weight per rank from every rank's rate class, or ``None`` (see module doc)."""
     if (
         not classes
