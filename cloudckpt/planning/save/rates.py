@@ -102,6 +102,12 @@ class WriteRates:
             self._measured = self._told = 0.0
 
     @property
+    def measured(self) -> float:
+        """Bytes/s measured so far (0: none), told or not."""
+        with self._lock:
+            return self._measured
+
+    @property
     def rate(self) -> float:
         """Bytes/s: the told rate, else the measured one (0: none)."""
         with self._lock:
