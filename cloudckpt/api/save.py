@@ -55,7 +55,7 @@ from cloudckpt.planning.save.cache import key_digest, save_plan_cache_key
 from cloudckpt.planning.save.global_plan import GlobalSavePlan, plan_global_save
 from cloudckpt.planning.save.incremental import decode_known, encode_known, reused_chunks
 from cloudckpt.planning.save.local_plan import LocalSavePlan
-from cloudckpt.planning.save.rates import WRITE_RATES, replica_weights
+from cloudckpt.planning.save.rates import WRITE_RATES, RateWeights, replica_weights
 from cloudckpt.runtime.context import current
 from cloudckpt.runtime.loop import (
     run_coroutine,
@@ -155,8 +155,7 @@ def prepare_save(
             write_rate_class=WRITE_RATES.rate_class(),
         )
 
-    # replicated bytes follow the ranks' write rates when those differ (planning/save/rates.py)
-    weights = replica_weights([r.write_rate_class for r in planning.reports])
+    weights = replica_weights([r.write_rate_class for r in planning.reports])  # rates differ?
     key = save_plan_cache_key(
         [r.fingerprint for r in planning.reports],
         replicas_to_lowest_rank=options.replicas_to_lowest_rank,
@@ -309,10 +308,7 @@ def _new_attempt(url: str, store: ObjectStore, options: SaveOptions) -> str:
 
 
 def _plan_globally(
-    channel: ControlChannel,
-    local: LocalSavePlan,
-    options: SaveOptions,
-    weights: list[float] | None,
+    channel: ControlChannel, local: LocalSavePlan, options: SaveOptions, weights: RateWeights
 ) -> GlobalSavePlan:
     with channel.phase("save plan exchange", SavePlanReport) as exchange:
         exchange.report = SavePlanReport(local)

@@ -158,6 +158,27 @@ def iter_int_column(
         start += len(values)
 
 
+def _one_block(payload: bytes | bytearray, compression: Compression, nbytes: int) -> bytes:
+    """The packed integers of a small column (``0 < nbytes``, payload at most ``_FEED`` bytes),
+    with the same checks as :func:`_raw_pieces`."""
+    if compression == "none":
+        if len(payload) != nbytes:
+            raise ColumnError(f"column payload has {len(payload)} bytes, expected {nbytes}")
+        return bytes(payload)
+    inflater = zlib.decompressobj()
+    try:
+        raw = inflater.decompress(payload, nbytes)
+        got = len(raw)
+        if got != nbytes:
+            raise ColumnError(f"zlib column payload inflates to {got} bytes, expected {nbytes}")
+        extra = inflater.decompress(inflater.unconsumed_tail, 1)
+    except zlib.error as exc:
+        raise ColumnError(f"corrupt zlib column payload: {exc}") from exc
+    if extra or not inflater.eof or inflater.unconsumed_tail or inflater.unused_data:
+        raise ColumnError(f"zlib column payload does not inflate to exactly {nbytes} bytes")
+    return raw
+
+
 def decode_int_column(
     column: object, *, expected: int | None = None, max_count: int | None = None
 ) -> NDArray[np.int64]:
@@ -167,7 +188,14 @@ def decode_int_column(
     count is not known beforehand. Raises :class:`ColumnError` on any malformation. Memory: the
     result and one block (see :func:`iter_int_column`).
     """
-    _, _, _, count, _ = _header(column, expected, max_count)
+    transform, width, compression, count, payload = _header(column, expected, max_count)
+    if 0 < count <= BLOCK and len(payload) <= _FEED:  # one block: inflate it in one call
+        values = np.frombuffer(_one_block(payload, compression, count * width), f"<i{width}")
+        values = values.astype(np.int64)
+        if transform == "delta":
+            np.cumsum(values, out=values)
+        values.flags.writeable = False
+        return values
     out = np.empty(count, dtype=np.int64)
     for start, values in iter_int_column(column, expected=expected, max_count=max_count):
         out[start : start + len(values)] = values

@@ -284,16 +284,12 @@ def plan_global_save(
             f"tensor {names[g]!r}: piece {region_str(off[r, :nd], size[r, :nd])} of rank "
             f"{int(row_rank[r])} is outside the global shape {shapes[g]}"
         )
-    keep = np.flatnonzero(size.prod(axis=1) > 0)
-    gname, off, size, row_rank, row_piece = (
-        gname[keep],
-        off[keep],
-        size[keep],
-        row_rank[keep],
-        row_piece[keep],
-    )
-
-    order = sort_boxes(gname, off, n_names)
+    nonempty = (size > 0).all(axis=1)
+    if nonempty.all():  # the common case: nothing to drop, sort the rows as they are
+        order = sort_boxes(gname, off, n_names)
+    else:
+        keep = np.flatnonzero(nonempty)
+        order = keep[sort_boxes(gname[keep], off[keep], n_names)]
     s_g, s_off, s_size, s_rank, s_piece = (
         gname[order],
         off[order],

@@ -53,7 +53,11 @@ def class_rate(cls: int) -> float:
     return float(2.0 ** (cls / CLASS_STEPS))
 
 
-def replica_weights(classes: Sequence[int]) -> list[float] | None:
+#: One weight per rank, or ``None``: the even spread.
+RateWeights = list[float] | None
+
+
+def replica_weights(classes: Sequence[int]) -> RateWeights:
     """One weight per rank from every rank's rate class, or ``None`` (see module doc)."""
     if (
         not classes
@@ -96,6 +100,12 @@ class WriteRates:
         """Drop the measured and told rates."""
         with self._lock:
             self._measured = self._told = 0.0
+
+    @property
+    def measured(self) -> float:
+        """Bytes/s measured so far (0: none), told or not."""
+        with self._lock:
+            return self._measured
 
     @property
     def rate(self) -> float:

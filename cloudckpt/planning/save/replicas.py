@@ -216,7 +216,6 @@ def assign_replicas(
         len(rate_w) != world_size or not all(math.isfinite(w) and w > 0 for w in rate_w)
     ):
         raise ValueError(f"need {world_size} positive finite weights, got {rate_w!r}")
-    speed = rate_w or [1] * world_size  # "fewest bytes so far" is "least time so far"
     run_start, run_len, u_nbytes = boxes.run_start, boxes.run_len, boxes.nbytes
     u_size, u_ndim, s_rank, s_piece = boxes.size, boxes.ndim, boxes.hold_rank, boxes.hold_piece
     writer = s_rank[run_start].copy()  # the lowest holder, until chosen
@@ -233,7 +232,11 @@ def assign_replicas(
         run_len[multi].tolist(),
         u_nbytes[multi].tolist(),
     )
-    holders = [tuple(s_rank[s : s + n].tolist()) for s, n in zip(starts, lens)]  # ascending ranks
+    # every multi box's holders (ascending ranks), gathered at once
+    m_len = run_len[multi]
+    m_off = np.cumsum(m_len) - m_len
+    flat = s_rank[np.repeat(run_start[multi] - m_off, m_len) + np.arange(int(m_len.sum()))].tolist()
+    holders = [tuple(flat[o : o + n]) for o, n in zip(m_off.tolist(), lens)]
     cut: dict[int, tuple[tuple[int, int, int], ...]] = {}
     room = None
     if piece_bytes > 0 and multi_l and max(nbytes) >= 2 * piece_bytes:
@@ -241,7 +244,8 @@ def assign_replicas(
         target = _targets(loads, multi_l, by_box.__getitem__, nbytes, rate_w)
         room = [t - lo for t, lo in zip(target, loads)]
     for u, s, nb, hs in zip(multi_l, starts, nbytes, holders):
-        i = min(range(len(hs)), key=lambda k: loads[hs[k]] / speed[hs[k]])
+        times = [loads[h] for h in hs] if rate_w is None else [loads[h] / rate_w[h] for h in hs]
+        i = times.index(min(times))  # the first (lowest rank) of the least loaded
         if room is not None and nb >= 2 * piece_bytes and room[hs[i]] < nb:
             d = cut_dim(u_size[u], int(u_ndim[u]))
             rows = int(u_size[u, d]) if d >= 0 else 1
