@@ -55,6 +55,7 @@ from cloudckpt.planning.save.incremental import decode_known, encode_known, reus
 from cloudckpt.planning.save.local_plan import LocalSavePlan
 from cloudckpt.runtime.context import current
 from cloudckpt.runtime.loop import (
+    open_in_background,
     run_coroutine,
     shared_store,
     start_task,
@@ -135,6 +136,7 @@ def prepare_save(
     with channel.phase("save planning", SavePlanning) as planning:
         # the one opening of the checkpoint's store for this save (a malformed URL fails here)
         store = shared_store(url, storage)
+        open_in_background(store)  # the first call's client starts while this rank plans
         local = _plan_locally(state_dict, channel, allow_pickle)
         attempt = _new_attempt(url, store) if channel.is_coordinator else ""
         site, base_read = None, None
