@@ -275,6 +275,12 @@ def checkpoint_error_class(error_types: Iterable[str]) -> type[CheckpointError]:
         return combined
 
 
+class PeerError(StorageError, ConnectionError):
+    """Another node's local checkpoint tier did not answer as the protocol says (unreachable,
+    refused, a malformed or oversized answer). Nothing of its answer is used: the load reads the
+    object from the next tier (another peer, then the object store)."""
+
+
 # --- the rank-0 guard --------------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,6 +20,9 @@ class SaveOptions:
     - ``join_timeout``: seconds the ranks that call a save wait for the others to call it too
       before each raises ``CollectiveMismatch`` (a save made on some ranks only: the rank-0
       guard); ``None``: ``timeout``. Raise it when ranks reach their saves further apart.
+    - ``join_as``: what the ranks compare in that handshake instead of the URL (``None``: the
+      URL). Only for a caller that writes one checkpoint to per-node URLs (the local tier of
+      ``CheckpointManager(local=...)``): it passes the name those URLs share.
     - ``use_plan_cache``: reuse the global plan when the layout has not changed.
     - ``max_async_staging_bytes``: async save only; host staging memory this rank may use
       (``None``: no limit). A save needing more fails before writing anything.
@@ -29,6 +33,15 @@ class SaveOptions:
       last renewed (renewed every quarter of it while the save runs; a save that could not
       renew them for half of it fails before committing). From 60 to 86400 (a day,
       ``cloudckpt.layout.MAX_PIN_LEASE``): a reader counts any longer lease as a day.
+    - ``if_exists``: what a save does when a checkpoint is already committed at its URL.
+      ``"error"`` (the default): ``CheckpointExists``, the old one untouched. ``"replace"``: the
+      new one replaces it atomically (a fixed name such as ``last``): its objects go under a
+      fresh attempt prefix, the manifest's overwrite is the commit (readers see the old
+      checkpoint or the new one, never a mix), then the objects of the checkpoint's other
+      attempts that no checkpoint references are deleted. A crash at any point leaves one
+      loadable checkpoint there (the old one before the swap, the new one after); leftovers of
+      a crash are collected by the next replacing save. A reader still reading the old
+      checkpoint when its objects are collected fails with ``ObjectNotFound``.
     """
 
     object_size: int = 128 << 20
@@ -37,13 +50,17 @@ class SaveOptions:
     replicas_to_lowest_rank: bool = False
     timeout: float = 600.0
     join_timeout: float | None = 10.0
+    join_as: str | None = None
     use_plan_cache: bool = True
     max_async_staging_bytes: int | None = None
     content_hashes: bool = False
     pin_lease: float = 600.0
+    if_exists: Literal["error", "replace"] = "error"
 
     def __post_init__(self) -> None:
         _check_join_timeout(self.join_timeout)
+        if self.if_exists not in ("error", "replace"):
+            raise ValueError(f'if_exists must be "error" or "replace", got {self.if_exists!r}')
         if not 60.0 <= self.pin_lease <= 86400.0:
             raise ValueError(
                 f"pin_lease must be from 60 to 86400 seconds (a day), got "
@@ -81,6 +98,7 @@ class LoadOptions:
     - ``timeout``: seconds any collective may wait for a peer before every rank fails.
     - ``join_timeout``: seconds the ranks that call a load wait for the others to call it too
       before each raises ``CollectiveMismatch``; ``None``: ``timeout``.
+    - ``join_as``: as ``SaveOptions.join_as`` (a load from per-node URLs).
     """
 
     broadcast: bool | None = None
@@ -91,6 +109,7 @@ class LoadOptions:
     share_manifest: bool = True
     timeout: float = 600.0
     join_timeout: float | None = 10.0
+    join_as: str | None = None
 
     def __post_init__(self) -> None:
         _check_join_timeout(self.join_timeout)

@@ -21,7 +21,8 @@ fail-together exchange, so a failure anywhere raises the same
    incremental save: each item as its hash is ready, skipping those whose hash is the base's) and
    reports where they landed (:class:`~cloudckpt.api.reports.UploadReport`).
 5. ``save commit``: the coordinator assembles the manifest from everyone's reports and writes it
-   in ``create`` mode. Its presence is the commit.
+   in ``create`` mode. Its presence is the commit. (``if_exists="replace"``: it overwrites the
+   old manifest, then collects the old objects, :mod:`cloudckpt.api.replace`.)
 
 :func:`prepare_save` (phases 1-2) and :func:`finish_save` (phases 3-5) are separate so that
 ``async_save`` can stage data between them and run the rest in the background (hashing included:
@@ -42,6 +43,7 @@ import numpy as np
 from cloudckpt import layout
 from cloudckpt.api.incremental import PinnedBase, base_folder, open_base, read_base
 from cloudckpt.api.prepared import BaseSite, PreparedSave, SaveProgress
+from cloudckpt.api.replace import collect_replaced, replaced_attempts
 from cloudckpt.api.reports import SavePlanning, SavePlanReport, UploadReport
 from cloudckpt.dataplane.writer import ItemDigests, WriterOptions, write_chunks
 from cloudckpt.errors import CheckpointExists, ObjectExists, ObjectNotFound
@@ -53,6 +55,7 @@ from cloudckpt.planning.save.cache import key_digest, save_plan_cache_key
 from cloudckpt.planning.save.global_plan import GlobalSavePlan, plan_global_save
 from cloudckpt.planning.save.incremental import decode_known, encode_known, reused_chunks
 from cloudckpt.planning.save.local_plan import LocalSavePlan
+from cloudckpt.planning.save.rates import WRITE_RATES, replica_weights
 from cloudckpt.runtime.context import current
 from cloudckpt.runtime.loop import (
     open_in_background,
@@ -128,7 +131,7 @@ def prepare_save(
     wait_for_pending_save()
     options = options or SaveOptions()
     channel = ControlChannel(process_group, timeout=options.timeout)
-    channel.join(call, url, options.join_timeout)
+    channel.join(call, options.join_as or url, options.join_timeout)
     started = time.perf_counter()
     plan_cache = current().save_plans
     cached = plan_cache.held() if options.use_plan_cache else {}
@@ -138,7 +141,7 @@ def prepare_save(
         store = shared_store(url, storage)
         open_in_background(store)  # the first call's client starts while this rank plans
         local = _plan_locally(state_dict, channel, allow_pickle)
-        attempt = _new_attempt(url, store) if channel.is_coordinator else ""
+        attempt = _new_attempt(url, store, options) if channel.is_coordinator else ""
         site, base_read = None, None
         if channel.is_coordinator and base is not None:
             # a base outside the run fails every rank, before any I/O
@@ -151,17 +154,21 @@ def prepare_save(
             attempt=attempt,
             cached_plans=tuple(cached),
             incremental=channel.is_coordinator and (base is not None or options.content_hashes),
+            write_rate_class=WRITE_RATES.rate_class(),
         )
 
+    # replicated bytes follow the ranks' write rates when those differ (planning/save/rates.py)
+    weights = replica_weights([r.write_rate_class for r in planning.reports])
     key = save_plan_cache_key(
         [r.fingerprint for r in planning.reports],
         replicas_to_lowest_rank=options.replicas_to_lowest_rank,
+        rate_weights=weights,
     )
     key = key + (msgpack.packb(list(channel.ranks)),)
     digest = key_digest(key)
     # caches can differ between ranks (a restarted rank): reuse only if every rank holds it
     plan_cached = all(digest in r.cached_plans for r in planning.reports)
-    plan = cached[digest] if plan_cached else _plan_globally(channel, local.plan, options)
+    plan = cached[digest] if plan_cached else _plan_globally(channel, local.plan, options, weights)
     if options.use_plan_cache:
         plan_cache.put(key, plan)
 
@@ -295,14 +302,19 @@ def _chunk_view(tensor, w):
     return tensor
 
 
-def _new_attempt(url: str, store: ObjectStore) -> str:
-    """The coordinator's part of planning: refuse a committed checkpoint, pick the attempt id."""
-    _refuse_existing(url, store)
+def _new_attempt(url: str, store: ObjectStore, options: SaveOptions) -> str:
+    """The coordinator's part of planning: refuse a committed checkpoint (unless replacing it),
+    pick the attempt id."""
+    if options.if_exists != "replace":
+        _refuse_existing(url, store)
     return layout.new_attempt_id()
 
 
 def _plan_globally(
-    channel: ControlChannel, local: LocalSavePlan, options: SaveOptions
+    channel: ControlChannel,
+    local: LocalSavePlan,
+    options: SaveOptions,
+    weights: list[float] | None,
 ) -> GlobalSavePlan:
     with channel.phase("save plan exchange", SavePlanReport) as exchange:
         exchange.report = SavePlanReport(local)
@@ -311,6 +323,7 @@ def _plan_globally(
             [r.plan for r in exchange.reports],
             rank=channel.rank,
             replicas_to_lowest_rank=options.replicas_to_lowest_rank,
+            rate_weights=weights,
         )
     return plan
 
@@ -345,6 +358,7 @@ def _writer_options(options: SaveOptions) -> WriterOptions:
 
 def _upload(p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | None) -> UploadReport:
     rank = p.channel.rank
+    began = time.perf_counter()
     locations, stats = run_coroutine(
         write_chunks(
             p.store,
@@ -357,6 +371,7 @@ def _upload(p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | Non
             digests=digests,
         )
     )
+    WRITE_RATES.record(stats.bytes_written, time.perf_counter() - began)
     written = _written_chunks(rank, locations, p.values, [c for c, _ in stats.reused])
     return UploadReport(
         written=encode_written_chunks(written),
@@ -399,10 +414,20 @@ def _commit(
     if pinned is not None:
         pinned.check_lease()
     progress.manifest_sent, progress.used_homes = True, frozenset(manifest.object_homes)
+    replace = p.options.if_exists == "replace"
+    old = replaced_attempts(p.store) if replace else frozenset()
     try:
-        run_coroutine(p.store.put(layout.MANIFEST_KEY, encode_manifest(manifest), mode="create"))
+        run_coroutine(
+            p.store.put(
+                layout.MANIFEST_KEY,
+                encode_manifest(manifest),
+                mode="overwrite" if replace else "create",
+            )
+        )
     except ObjectExists as exc:
         raise CheckpointExists(f"a checkpoint was committed at {p.url} meanwhile") from exc
+    if replace:  # committed: what the replaced checkpoint alone used goes now
+        collect_replaced(p.url, p.store, old, manifest)
 
 
 def _refuse_existing(url: str, store: ObjectStore) -> None:
