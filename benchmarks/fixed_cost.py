@@ -23,6 +23,9 @@ off the ranks' garbage collector (to see its share); ``--load-option`` sets a ``
 field. Everything shares this machine's cores (N ranks and the server), so what a rank computes
 and every wait for the slowest rank are multiplied as N grows.
 
+The first and the tenth call of a fresh process (issue 27: 64 MiB, ~600 tensors, world 1 and
+2, with cProfile of both) are measured by ``benchmarks/fresh_calls.py --profile``.
+
 ``--baseline DIR`` (a directory holding another version of the ``cloudckpt`` package, e.g.
 ``git archive <commit> cloudckpt | tar -x -C DIR``) measures that version too, in worlds of its
 own, repeats alternating with this checkout's: a before/after comparison under the same load.

@@ -22,6 +22,10 @@ through `AWS_ENDPOINT_URL` and the credentials in the workers' environment, with
 (default 4), its reader its default (DCP-optimized ranged reads). s3fs gets the cheap request
 settings of benchmarks/save_load.py. Every load is verified against the saved values.
 
+The 64 MiB, ~600-tensor case in fresh processes (issue 27: the native API, `dcp.save` /
+`dcp.load` through `cloudckpt.dcp`, raw PUT / GET; first call included) is
+`benchmarks/fresh_calls.py`.
+
 Columns: seconds (wall, slowest rank, between barriers), MB/s (state bytes / seconds), peak RSS
 growth per rank (VmHWM during the step minus RSS before it, MiB, rank 0 / rank 1), client CPU
 seconds per rank, what the method left in the bucket. Target lines (PASS/MISS): cloudckpt's DCP

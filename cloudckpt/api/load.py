@@ -52,7 +52,13 @@ from cloudckpt.options import LoadOptions, LoadResult
 from cloudckpt.planning.load.hints import unexpected_names_message
 from cloudckpt.planning.load.plan import plan_local_load
 from cloudckpt.planning.pieces import PieceSpec
-from cloudckpt.runtime.loop import run_coroutine, shared_store, submit, wait_for_pending_save
+from cloudckpt.runtime.loop import (
+    open_in_background,
+    run_coroutine,
+    shared_store,
+    submit,
+    wait_for_pending_save,
+)
 from cloudckpt.statedict.dtypes import torch_dtype
 from cloudckpt.statedict.flatten import (
     check_replaceable,
@@ -174,6 +180,7 @@ def load_from(
         # needs no manifest; an error doing so is raised in "load planning", where it belongs)
         # the one opening of the checkpoint's store for this load (a malformed URL fails here)
         own_store = shared_store(source.url, source.storage)
+        open_in_background(own_store)  # every rank's client starts while it flattens
         reads = channel.is_coordinator or not options.share_manifest
         read = submit(asyncio.to_thread(source.read, own_store)) if reads else None
         try:

@@ -58,6 +58,7 @@ from cloudckpt.planning.save.local_plan import LocalSavePlan
 from cloudckpt.planning.save.rates import WRITE_RATES, RateWeights, replica_weights
 from cloudckpt.runtime.context import current
 from cloudckpt.runtime.loop import (
+    open_in_background,
     run_coroutine,
     shared_store,
     start_task,
@@ -138,6 +139,7 @@ def prepare_save(
     with channel.phase("save planning", SavePlanning) as planning:
         # the one opening of the checkpoint's store for this save (a malformed URL fails here)
         store = shared_store(url, storage)
+        open_in_background(store)  # the first call's client starts while this rank plans
         local = _plan_locally(state_dict, channel, allow_pickle)
         attempt = _new_attempt(url, store, options) if channel.is_coordinator else ""
         site, base_read = None, None

@@ -144,6 +144,16 @@ def shared_store(url: str, options: Any = None):
     return open_store(url, options)
 
 
+def open_in_background(store) -> None:
+    """Start opening ``store``'s connection (an S3 client: botocore's session and service model,
+    a good tenth of a second) on the background loop while the caller goes on planning; a
+    cheap no-op once it is open, and for stores that have none. An error is left to the
+    store's first real request, which raises it."""
+    opener = getattr(getattr(store, "connection", None), "client", None)
+    if callable(opener):
+        submit(opener()).add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
 def drop_store(url: str, options: Any = None) -> None:
     """Forget (and close) the shared connection of ``url``'s bucket; the next use reconnects
     (e.g. after the credentials in the environment changed)."""
