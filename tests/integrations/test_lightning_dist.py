@@ -12,7 +12,7 @@ from tests.integrations.test_lightning import assert_resumed_like  # noqa: E402
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ddp", "sharded"])
+@pytest.mark.parametrize("mode", ["ddp", "sharded", "sharded-async"])
 def test_resume_on_two_ranks_equals_uninterrupted(mode, world2, s3_env, s3_url, tmp_path):
     import cloudckpt
     from cloudckpt.integrations.lightning import library
@@ -27,7 +27,7 @@ def test_resume_on_two_ranks_equals_uninterrupted(mode, world2, s3_env, s3_url, 
         assert_resumed_like(resumed[rank], whole[rank], STEPS_PER_EPOCH)
     manifest = cloudckpt.read_manifest(f"{s3_url}/cut/last.ckpt")
     assert manifest.metadata["step"] == 3 * STEPS_PER_EPOCH
-    assert manifest.metadata.get("sharded", False) is (mode == "sharded")
+    assert manifest.metadata.get("sharded", False) is mode.startswith("sharded")
     names = sorted(c.name for c in library.list_committed(f"{s3_url}/cut", None))
     assert names == ["epoch=2-step=12.ckpt", "last.ckpt"]
 
