@@ -55,7 +55,9 @@ def uninterrupted(s3_server, tmp_path_factory) -> Outcome:
         )
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "lightning-async"])
+@pytest.mark.parametrize(
+    "mode", ["sync", "async", pytest.param("lightning-async", marks=pytest.mark.slow)]
+)
 def test_a_run_resumed_from_s3_equals_an_uninterrupted_one(
     mode, s3_env, s3_url, tmp_path, uninterrupted
 ):
