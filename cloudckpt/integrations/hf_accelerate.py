@@ -30,6 +30,7 @@ from cloudckpt.api.load import load_full
 from cloudckpt.api.save import save
 from cloudckpt.errors import CheckpointNotFound, ConfigError, ManifestError
 from cloudckpt.integrations import rng_states
+from cloudckpt.integrations.hf_trainer import load_into
 from cloudckpt.integrations.run_folder import newest_complete, prune_to
 from cloudckpt.layout import join_url
 
@@ -152,14 +153,20 @@ def _restore(accelerator: Any, state: dict[str, Any], url: str, strict: bool) ->
     optimizers = _items(state, "optimizers", len(accelerator._optimizers), url)
     schedulers = _items(state, "schedulers", len(accelerator._schedulers), url)
     custom = _items(state, "custom", len(accelerator._custom_objects), url)
-    for model, weights in zip(accelerator._models, models):
-        accelerator.unwrap_model(model).load_state_dict(weights, strict=strict)
-    for opt, opt_state in zip(accelerator._optimizers, optimizers):
-        opt.load_state_dict(opt_state)
-    for sched, sched_state in zip(accelerator._schedulers, schedulers):
-        sched.load_state_dict(sched_state)
-    for obj, obj_state in zip(accelerator._custom_objects, custom):
-        obj.load_state_dict(obj_state)
+    for i, (model, weights) in enumerate(zip(accelerator._models, models)):
+        load_into(
+            url,
+            f"model {i}",
+            accelerator.unwrap_model(model).load_state_dict,
+            weights,
+            strict=strict,
+        )
+    for i, (opt, opt_state) in enumerate(zip(accelerator._optimizers, optimizers)):
+        load_into(url, f"optimizer {i}", opt.load_state_dict, opt_state)
+    for i, (sched, sched_state) in enumerate(zip(accelerator._schedulers, schedulers)):
+        load_into(url, f"scheduler {i}", sched.load_state_dict, sched_state)
+    for i, (obj, obj_state) in enumerate(zip(accelerator._custom_objects, custom)):
+        load_into(url, f"custom object {i}", obj.load_state_dict, obj_state)
     for dl, dl_state in zip(accelerator._dataloaders, state.get("dataloaders", [])):
         if isinstance(dl_state, dict) and "state" in dl_state:
             dl.load_state_dict(dl_state["state"])

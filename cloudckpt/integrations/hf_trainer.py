@@ -43,7 +43,8 @@ import json
 import logging
 import os
 import tempfile
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from cloudckpt.api.async_save import SaveHandle, async_save
@@ -74,11 +75,30 @@ class _Resume:
     folder: str
     state: dict[str, Any]
     best: str | None = None
-    loaded: set[str] = field(default_factory=set)
 
 
 def _is_url(text: str) -> bool:
     return "://" in text
+
+
+def load_into(url: str, what: str, load_state_dict: Callable[..., Any], state: Any, **kw: Any):
+    """``load_state_dict(state, **kw)``; its refusal of the stored state as one line."""
+    try:
+        load_state_dict(state, **kw)
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ManifestError(
+            f"{url}: the stored {what} cannot be loaded into this run ({first}): resume "
+            "with the model, optimizer and scheduler the checkpoint was saved with"
+        ) from exc
+
+
+def _refuse(what: str, flag: Any, who: str) -> None:
+    if flag:
+        raise ConfigError(
+            f"{who or 'CloudckptTrainer'} does not support {what} yet: use the Trainer's own "
+            "local checkpoints for that run"
+        )
 
 
 class CloudckptTrainerMixin:
@@ -101,6 +121,13 @@ class CloudckptTrainerMixin:
     ):
         if not isinstance(checkpoint_url, str) or not checkpoint_url.strip("/"):
             raise ConfigError(f"checkpoint_url must be a run folder URL, got {checkpoint_url!r}")
+        targs = kwargs.get("args", args[1] if len(args) > 1 else None)
+        _refuse("push_to_hub", getattr(targs, "push_to_hub", False), type(self).__name__)
+        _refuse(
+            "load_best_model_at_end",
+            getattr(targs, "load_best_model_at_end", False),
+            type(self).__name__,
+        )
         super().__init__(*args, **kwargs)
         self.checkpoint_url = checkpoint_url.rstrip("/")
         self.checkpoint_storage = storage
@@ -108,17 +135,8 @@ class CloudckptTrainerMixin:
         self._cloud_resume: _Resume | None = None
         self._pending: tuple[SaveHandle, str] | None = None
         t: Any = self
-        for flag, what in (
-            (t.is_deepspeed_enabled, "DeepSpeed"),
-            (t.is_fsdp_enabled, "FSDP"),
-            (t.args.push_to_hub, "push_to_hub"),
-            (t.args.load_best_model_at_end, "load_best_model_at_end"),
-        ):
-            if flag:
-                raise ConfigError(
-                    f"{type(self).__name__} does not support {what} yet: use the Trainer's own "
-                    "local checkpoints for that run"
-                )
+        _refuse("DeepSpeed", t.is_deepspeed_enabled, type(self).__name__)
+        _refuse("FSDP", t.is_fsdp_enabled, type(self).__name__)
 
     # -- where checkpoints are ------------------------------------------------------------------
 
@@ -323,7 +341,7 @@ class CloudckptTrainerMixin:
         if not isinstance(weights, dict):
             raise ManifestError(f"{r.url} holds no model weights")
         target = t.accelerator.unwrap_model(model if model is not None else t.model)
-        target.load_state_dict(weights)
+        load_into(r.url, "model weights", target.load_state_dict, weights)
         log.info("loaded the model weights from %s", r.url)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
@@ -335,9 +353,11 @@ class CloudckptTrainerMixin:
         if "optimizer" not in r.state:
             log.info("%s holds no optimizer state (saved with save_only_model)", r.url)
             return
-        t.optimizer.load_state_dict(r.state["optimizer"])
+        load_into(r.url, "optimizer state", t.optimizer.load_state_dict, r.state["optimizer"])
         if t.lr_scheduler is not None and "scheduler" in r.state:
-            t.lr_scheduler.load_state_dict(r.state["scheduler"])
+            load_into(
+                r.url, "scheduler state", t.lr_scheduler.load_state_dict, r.state["scheduler"]
+            )
 
     def _load_scaler(self, checkpoint: Any) -> None:
         r = self._resume_for(checkpoint)
@@ -347,7 +367,7 @@ class CloudckptTrainerMixin:
         t: Any = self
         scaler = getattr(t.accelerator, "scaler", None)
         if scaler is not None and "scaler" in r.state:
-            scaler.load_state_dict(r.state["scaler"])
+            load_into(r.url, "scaler state", scaler.load_state_dict, r.state["scaler"])
 
     def _load_rng_state(self, checkpoint: Any) -> None:
         r = self._resume_for(checkpoint)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cloudckpt
-from cloudckpt.errors import CheckpointNotFound, ManifestError, StorageError
+from cloudckpt.errors import CheckpointNotFound, ConfigError, ManifestError, StorageError
 from cloudckpt.integrations.run_folder import complete_checkpoints
 from tests.integrations.hf_models import (
     TokenData,
@@ -30,7 +30,8 @@ pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def runs(s3_server, tmp_path_factory):
     """An uninterrupted 4-step run (``full``), one stopped after its step-2 checkpoint
-    (``stopped``, saving with ``async_save``), and a third resumed from S3 (``resumed``): each a (trainer, run URL)."""
+    (``stopped``, saving with ``async_save``), and a third resumed from S3 (``resumed``): each
+    a (trainer, run URL)."""
     from cloudckpt.integrations.hf_trainer import CloudckptTrainer
 
     tmp = tmp_path_factory.mktemp("hf")
@@ -130,6 +131,15 @@ def test_resume_errors_are_cloudckpt_one_liners(runs, s3_env, s3_url):
             train_dataset=TokenData(),
         )
 
+    for unsupported in ("push_to_hub", "load_best_model_at_end"):
+        with pytest.raises(ConfigError, match=f"does not support {unsupported}"):
+            CloudckptTrainer(
+                checkpoint_url=s3_url,
+                model=tiny_model(),
+                args=trainer_args(
+                    runs["tmp"] / "errors", eval_strategy="steps", **{unsupported: True}
+                ),
+            )
     t = trainer(s3_url)
     assert t.latest_checkpoint() is None
     with pytest.raises(CheckpointNotFound, match="no complete checkpoint-<N> checkpoint under"):
@@ -144,6 +154,22 @@ def test_resume_errors_are_cloudckpt_one_liners(runs, s3_env, s3_url):
         with pytest.raises(ManifestError, match="trainer_state|no trainer_state"):
             t.train(resume_from_checkpoint=bad_url)
         assert cloudckpt.read_manifest(bad_url)  # nothing deleted
+    # another model's weights (and so another optimizer's state): one line, no traceback text
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = CloudckptTrainer(
+        checkpoint_url=runs["stopped"][1],
+        model=LlamaForCausalLM(
+            LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=32)
+        ),
+        args=trainer_args(runs["tmp"] / "other"),
+        train_dataset=TokenData(),
+    )
+    with pytest.raises(
+        ManifestError, match="the stored model weights cannot be loaded into this run"
+    ) as err:
+        other.train(resume_from_checkpoint="latest")
+    assert "\n" not in str(err.value)
     # a bucket that does not exist fails when train() starts, before any step
     with pytest.raises(StorageError) as err:
         trainer(f"s3://no-such-bucket-{os.getpid()}/run").train()
