@@ -22,6 +22,8 @@ def test_resume_on_two_ranks_equals_uninterrupted(mode, world2, s3_env, s3_url, 
     first = world2.run(rank_train, f"{s3_url}/cut", root, mode, 1, None)
     for rank in range(2):
         assert first[rank].losses == whole[rank].losses[:STEPS_PER_EPOCH]
+    # fit has returned: an async save in flight has committed by then
+    assert library.exists(f"{s3_url}/cut/last.ckpt")
     resumed = world2.run(rank_train, f"{s3_url}/cut", root, mode, 3, "last")
     for rank in range(2):
         assert_resumed_like(resumed[rank], whole[rank], STEPS_PER_EPOCH)

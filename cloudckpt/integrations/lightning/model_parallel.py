@@ -97,6 +97,15 @@ class CloudModelParallelStrategy(ModelParallelStrategy):
         if isinstance(handle, SaveHandle):
             self._plugin().hold(handle)  # its removals (rank 0) wait for the commit
 
+    @override
+    def teardown(self) -> None:
+        # ModelParallelStrategy.teardown skips checkpoint_io.teardown: the save in flight must
+        # commit (or raise) before fit returns
+        try:
+            self._plugin().wait()
+        finally:
+            super().teardown()
+
     def _plugin(self) -> CloudCheckpointIO:
         io = self.checkpoint_io
         if not isinstance(io, CloudCheckpointIO):
