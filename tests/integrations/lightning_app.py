@@ -85,16 +85,17 @@ def train(
 ) -> Outcome:
     """Train to `epochs` (resuming from `resume`), saving every epoch's end and `last` at `url`.
     `mode`: "sync", "async" (cloudckpt's async save), "lightning-async" (Lightning's
-    AsyncCheckpointIO around the plugin), "ddp" or "sharded" (run on every rank of a world)."""
+    AsyncCheckpointIO around the plugin), "ddp", "sharded" or "sharded-async" (run on every rank
+    of a world)."""
     torch.manual_seed(0)
-    model = Tiny(sharded=mode == "sharded")
+    model = Tiny(sharded=mode.startswith("sharded"))
     ckpt = CloudModelCheckpoint(
         dirpath=url, every_n_train_steps=STEPS_PER_EPOCH, save_top_k=save_top_k, save_last=True
     )
     kwargs: dict[str, Any] = {"accelerator": "cpu", "devices": ranks}
-    if mode == "sharded":
+    if mode.startswith("sharded"):
         kwargs["strategy"] = CloudModelParallelStrategy(
-            data_parallel_size=ranks, tensor_parallel_size=1
+            data_parallel_size=ranks, tensor_parallel_size=1, async_save=mode == "sharded-async"
         )
     else:
         plugin: Any = CloudCheckpointIO(async_save=mode == "async")
@@ -117,7 +118,7 @@ def train(
     )
     trainer.fit(model, data(ranks), ckpt_path=resume)
     opt = trainer.optimizers[0]
-    if mode == "sharded":
+    if mode.startswith("sharded"):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,

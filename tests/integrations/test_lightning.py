@@ -55,7 +55,9 @@ def uninterrupted(s3_server, tmp_path_factory) -> Outcome:
         )
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "lightning-async"])
+@pytest.mark.parametrize(
+    "mode", ["sync", "async", pytest.param("lightning-async", marks=pytest.mark.slow)]
+)
 def test_a_run_resumed_from_s3_equals_an_uninterrupted_one(
     mode, s3_env, s3_url, tmp_path, uninterrupted
 ):
@@ -231,3 +233,22 @@ def test_an_s3_error_reaches_the_user_as_cloudckpts_one_line_error(s3_env, s3_ur
     with pytest.raises(CloudCkptError) as caught:
         io.load_checkpoint(f"{s3_url}/denied.ckpt")
     assert "\n" not in str(caught.value)
+
+
+def test_without_lightning_the_names_say_which_extra_to_install():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys; sys.modules['lightning'] = None\n"
+        "import cloudckpt.integrations.lightning as lit\n"
+        "from cloudckpt.errors import ConfigError\n"
+        "try:\n    lit.CloudCheckpointIO\nexcept ConfigError as exc:\n    print(exc)\n"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr
+    assert "pip install 'cloudckpt[lightning]'" in res.stdout

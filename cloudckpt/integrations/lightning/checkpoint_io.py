@@ -80,7 +80,7 @@ class CloudCheckpointIO(CheckpointIO):
                 options=self.options,
             )
         if isinstance(handle, SaveHandle):
-            self._pending = handle
+            self.hold(handle)
 
     @override
     def load_checkpoint(
@@ -106,6 +106,12 @@ class CloudCheckpointIO(CheckpointIO):
     @override
     def teardown(self) -> None:
         self.wait()
+
+    def hold(self, handle: SaveHandle) -> None:
+        """Make ``handle`` the save in flight: removals asked for until it commits wait for it
+        (the sharded strategy's async saves are held by its plugin this way)."""
+        self.wait()
+        self._pending = handle
 
     def wait(self) -> None:
         """Wait for the save in flight (raising its error), then run the removals it held."""

@@ -24,12 +24,16 @@ PROTOCOL = ALIAS + "s3"
 
 _lock = threading.Lock()
 _storage_of: dict[str, Any] = {}  # checkpoint URL -> the StorageOptions to reach it with
+_committed_at: dict[str, datetime] = {}  # checkpoint URL -> its commit, as last listed
 
 
-def remember_storage(url: str, storage: Any) -> None:
-    """The storage options the view uses for ``url`` when fsspec builds it without them."""
+def remember(url: str, storage: Any, committed_at: datetime | None) -> None:
+    """What a listing said of ``url``: the storage options the view uses for it when fsspec
+    builds the view without them, and its commit time (``modified`` needs no second listing)."""
     with _lock:
         _storage_of[url] = storage
+        if committed_at is not None:
+            _committed_at[url] = committed_at
 
 
 def _storage(url: str) -> Any:
@@ -56,6 +60,10 @@ class CheckpointFolderView(AbstractFileSystem):
 
     def modified(self, path: Any) -> datetime:
         url = checkpoint_url(path)
+        with _lock:
+            known = _committed_at.get(url)
+        if known is not None:
+            return known
         above, _, name = url.rstrip("/").rpartition("/")
         for listed in library.list_committed(above, self._options(url)):
             if listed.name == name and listed.committed_at is not None:

@@ -1,9 +1,8 @@
 """The library calls the Lightning integration makes, in one place.
 
-Issue 24 adds ``cloudckpt.exists``, ``cloudckpt.delete``, ``cloudckpt.list_checkpoints``,
-``SaveOptions(if_exists="replace")``, ``map_location`` on loads and ``cloudckpt.RNGState``.
-Until each lands, the function here does the same with what exists (and says below where it
-falls short); the callers do not change when they do.
+``exists``, ``delete`` and ``list_checkpoints`` by URL, saves replacing a reused name
+(``SaveOptions(if_exists="replace")``), this process alone (``process_group="self"``) or every
+rank, and whole loads placed by ``map_location``.
 """
 
 from __future__ import annotations
@@ -11,21 +10,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from cloudckpt.api.async_save import SaveHandle, async_save
 from cloudckpt.api.load import load_full
 from cloudckpt.api.save import save
-from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
-from cloudckpt.layout import MANIFEST_KEY, join_url, split_folder
 from cloudckpt.options import SaveOptions, SaveResult
-from cloudckpt.runs.cleanup import delete_checkpoint
-from cloudckpt.runtime.loop import run_coroutine, shared_store
-from cloudckpt.storage.base import CommonPrefix, ObjectInfo
+from cloudckpt.runs import checkpoints
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,62 +32,30 @@ class Listed:
 
 
 def exists(url: str, storage: Any = None) -> bool:
-    """A committed checkpoint (its manifest) is at ``url``."""
-
-    async def head() -> bool:
-        try:
-            await shared_store(url, storage).head(MANIFEST_KEY)
-        except ObjectNotFound:
-            return False
-        return True
-
-    return run_coroutine(head())
+    """A committed checkpoint (its manifest) is at ``url`` (``cloudckpt.exists``)."""
+    return checkpoints.exists(url, storage=storage)
 
 
 def delete(url: str, storage: Any = None) -> int:
-    """Delete the checkpoint at ``url`` (objects removed); never an object a sibling references.
-    ``CheckpointNotFound`` when there is none."""
-    if not exists(url, storage):
-        raise CheckpointNotFound(f"no committed checkpoint at {url} (nothing to remove)")
-    above = split_folder(url)
-    if above is None:
-        return run_coroutine(delete_checkpoint(shared_store(url, storage), ""))
-    return run_coroutine(delete_checkpoint(shared_store(above[0], storage), above[1] + "/"))
+    """``cloudckpt.delete``: the checkpoint at ``url`` (objects removed); never an object another
+    checkpoint references. ``CheckpointNotFound`` when there is none."""
+    return checkpoints.delete(url, storage=storage)
 
 
 def list_committed(url: str, storage: Any = None) -> list[Listed]:
-    """The committed checkpoints directly under ``url``, oldest commit first."""
-    store = shared_store(url, storage)
-
-    async def scan() -> list[Listed]:
-        folders = [
-            entry.prefix.rstrip("/")
-            async for entry in store.list("", delimiter="/")
-            if isinstance(entry, CommonPrefix)
-        ]
-        found = []
-        for folder in folders:
-            async for entry in store.list(f"{folder}/{MANIFEST_KEY}"):
-                if isinstance(entry, ObjectInfo) and entry.key == f"{folder}/{MANIFEST_KEY}":
-                    when = entry.last_modified
-                    stamp = None if when is None else datetime.fromtimestamp(when, timezone.utc)
-                    found.append(Listed(name=folder, url=join_url(url, folder), committed_at=stamp))
-        return found
-
-    epoch = datetime.fromtimestamp(0, timezone.utc)
-    return sorted(run_coroutine(scan()), key=lambda c: (c.committed_at or epoch, c.name))
+    """The committed checkpoints directly under ``url``, oldest commit first
+    (``cloudckpt.list_checkpoints`` without the half-written ones)."""
+    return [
+        Listed(name=info.name, url=info.url, committed_at=info.created_at)
+        for info in checkpoints.list_checkpoints(url, storage=storage)
+        if info.complete
+    ]
 
 
-def _replacing(url: str, storage: Any, options: SaveOptions, whole_world: bool) -> SaveOptions:
-    if "if_exists" in {f.name for f in dataclasses.fields(SaveOptions)}:
-        return dataclasses.replace(options, if_exists="replace")
-    # until if_exists lands: not atomic (a crash between the two leaves no checkpoint there)
-    together = whole_world and dist.is_available() and dist.is_initialized()
-    if (not together or dist.get_rank() == 0) and exists(url, storage):
-        delete(url, storage)
-    if together:
-        dist.barrier()
-    return options
+def _replacing(options: SaveOptions) -> SaveOptions:
+    """Lightning rewrites a name it reuses (``last.ckpt``): the new checkpoint replaces the old
+    atomically (readable until the new manifest commits, its objects collected after)."""
+    return dataclasses.replace(options, if_exists="replace")
 
 
 def save_replacing(
@@ -115,7 +77,7 @@ def save_replacing(
         storage=storage,
         allow_pickle=allow_pickle,
         metadata=metadata,
-        options=_replacing(url, storage, options, whole_world),
+        options=_replacing(options),
     )
 
 
@@ -137,7 +99,7 @@ def async_save_replacing(
         storage=storage,
         allow_pickle=allow_pickle,
         metadata=metadata,
-        options=_replacing(url, storage, options, whole_world),
+        options=_replacing(options),
     )
 
 

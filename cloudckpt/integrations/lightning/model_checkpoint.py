@@ -70,7 +70,7 @@ class CloudModelCheckpoint(ModelCheckpoint):
         found = set()
         for listed in library.list_committed(str(self.dirpath), storage):
             if pattern.match(listed.name):
-                folder_view.remember_storage(listed.url, storage)
+                folder_view.remember(listed.url, storage, listed.committed_at)
                 found.add(aliased(listed.url))  # fsspec resolves it through folder_view
         return found
 

@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
+from cloudckpt.api.async_save import SaveHandle
 from cloudckpt.api.load import load, read_manifest
 from cloudckpt.errors import ConfigError
 from cloudckpt.integrations.lightning import library
@@ -46,8 +47,9 @@ SHARDED = ("state_dict", "optimizer_states")
 class CloudModelParallelStrategy(ModelParallelStrategy):
     """``ModelParallelStrategy`` whose checkpoints are cloudckpt's (every rank saves its shards).
 
-    ``storage``, ``allow_pickle`` and ``options`` as :class:`CloudCheckpointIO`'s; the other
-    arguments are ``ModelParallelStrategy``'s.
+    ``storage``, ``allow_pickle``, ``async_save`` and ``options`` as :class:`CloudCheckpointIO`'s
+    (an async save is collective too: every rank's shards are staged, then uploaded in the
+    background); the other arguments are ``ModelParallelStrategy``'s.
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class CloudModelParallelStrategy(ModelParallelStrategy):
         *args: Any,
         storage: Any = None,
         allow_pickle: bool = False,
+        async_save: bool = False,
         options: SaveOptions | None = None,
         **kwargs: Any,
     ) -> None:
@@ -66,6 +69,7 @@ class CloudModelParallelStrategy(ModelParallelStrategy):
         super().__init__(*args, **kwargs)
         self.storage = storage
         self.allow_pickle = allow_pickle
+        self.async_save = async_save
         self.options = options or SaveOptions()
         self.checkpoint_io = CloudCheckpointIO(
             storage=storage, allow_pickle=allow_pickle, options=self.options
@@ -78,8 +82,10 @@ class CloudModelParallelStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
         url = checkpoint_url(self.broadcast(os.fspath(filepath)))
+        self._plugin().wait()
+        saver = library.async_save_replacing if self.async_save else library.save_replacing
         with naming_unsupported_values():
-            library.save_replacing(
+            handle = saver(
                 checkpoint,
                 url,
                 whole_world=True,
@@ -88,6 +94,27 @@ class CloudModelParallelStrategy(ModelParallelStrategy):
                 metadata={**checkpoint_metadata(checkpoint), "sharded": True},
                 options=self.options,
             )
+        if isinstance(handle, SaveHandle):
+            self._plugin().hold(handle)  # its removals (rank 0) wait for the commit
+
+    @override
+    def teardown(self) -> None:
+        # ModelParallelStrategy.teardown skips checkpoint_io.teardown: the save in flight must
+        # commit (or raise) before fit returns
+        try:
+            self._plugin().wait()
+        finally:
+            super().teardown()
+
+    def _plugin(self) -> CloudCheckpointIO:
+        io = self.checkpoint_io
+        if not isinstance(io, CloudCheckpointIO):
+            raise ConfigError(
+                f"{type(self).__name__} saves through its own CloudCheckpointIO; got "
+                f"{type(io).__name__}: drop the CheckpointIO plugin (pass storage= and "
+                f"async_save= to the strategy)"
+            )
+        return io
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
@@ -99,6 +126,7 @@ class CloudModelParallelStrategy(ModelParallelStrategy):
         )
 
         url = checkpoint_url(self.broadcast(os.fspath(checkpoint_path)))
+        self._plugin().wait()
         allow_pickle = self.allow_pickle and weights_only is not True
         assert self.model is not None and self.lightning_module is not None
         target = _template(read_manifest(url, storage=self.storage, allow_pickle=allow_pickle))
