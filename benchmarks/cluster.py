@@ -655,6 +655,11 @@ def parse_args(argv=None):
     p.add_argument("--raw-object-mib", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per step")
+    p.add_argument(
+        "--recovery",
+        action="store_true",
+        help="only the fast-recovery section (issue 25: benchmarks/_cluster_recovery.py)",
+    )
     p.add_argument("--json", default=os.path.join(RESULTS, "cluster.json"))
     p.add_argument("--figure", default=os.path.join(RESULTS, "cluster.png"))
     a = p.parse_args(argv)
@@ -665,6 +670,7 @@ def parse_args(argv=None):
         a.backend_mbit = 10 * a.frontend_mbit
     a.total_bytes = int(a.mib * C.MiB)
     a.slow_n = 4
+    a.results = RESULTS
     return a
 
 
@@ -677,6 +683,10 @@ def main(argv=None) -> int:
     if reason:
         print(f"cluster benchmark skipped: {reason}")
         return 0
+    if args.recovery:
+        import _cluster_recovery
+
+        return _cluster_recovery.main(args)
     bench = Bench(args)
     t0 = time.perf_counter()
     print(f"load average at start: {', '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)

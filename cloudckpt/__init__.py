@@ -32,6 +32,7 @@ _LAZY = {
     "RetryOptions": ("cloudckpt.storage", "RetryOptions"),
     "GlobalPiece": ("cloudckpt.statedict.pieces", "GlobalPiece"),
     "CheckpointManager": ("cloudckpt.runs.manager", "CheckpointManager"),
+    "LocalTier": ("cloudckpt.runs.tier.options", "LocalTier"),
     "CheckpointInfo": ("cloudckpt.runs.pruning", "CheckpointInfo"),
     "RetentionPolicy": ("cloudckpt.runs.retention", "RetentionPolicy"),
     "PreemptionHandler": ("cloudckpt.runs.preemption", "PreemptionHandler"),

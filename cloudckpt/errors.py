@@ -273,3 +273,9 @@ def checkpoint_error_class(error_types: Iterable[str]) -> type[CheckpointError]:
             combined = made if issubclass(made, CheckpointError) else CheckpointError
             _combined_classes[cls] = combined
         return combined
+
+
+class PeerError(StorageError, ConnectionError):
+    """Another node's local checkpoint tier did not answer as the protocol says (unreachable,
+    refused, a malformed or oversized answer). Nothing of its answer is used: the load reads the
+    object from the next tier (another peer, then the object store)."""

@@ -81,6 +81,7 @@ from cloudckpt.runs.pruning import (
     step_has_objects,
 )
 from cloudckpt.runs.retention import RetentionPolicy
+from cloudckpt.runs.tier.options import LocalTier
 from cloudckpt.runtime.context import current
 from cloudckpt.runtime.loop import finish_before_exit, run_coroutine, shared_store
 from cloudckpt.storage.urls import parse_store_url
@@ -115,7 +116,9 @@ class CheckpointManager:
     ``keep_last``, ``keep_every``, ``keep_steps`` and ``keep_if`` (not both). When the policy has a
     rule, every successful :meth:`save` is followed by :meth:`prune` (on rank 0). ``storage``,
     ``allow_pickle``, ``save_options`` and ``load_options`` are passed to ``cloudckpt.save`` /
-    ``cloudckpt.load``.
+    ``cloudckpt.load``. ``local``: a :class:`~cloudckpt.runs.tier.options.LocalTier`: recent
+    steps kept on each node and its peers, the object store behind them
+    (:mod:`cloudckpt.runs.tier.flow`).
     """
 
     def __init__(
@@ -134,6 +137,7 @@ class CheckpointManager:
         save_options=None,
         load_options=None,
         incremental: bool = False,
+        local: LocalTier | None = None,
     ):
         shortcuts = RetentionPolicy(
             keep_last=keep_last,
@@ -156,6 +160,11 @@ class CheckpointManager:
         self.load_options = load_options
         self.incremental = bool(incremental)
         self._store: tuple[int, object] | None = None  # (runtime generation, store)
+        self.tier = None  # the tier side of the manager (runs/tier/flow.py)
+        if local is not None:
+            from cloudckpt.runs.tier.flow import TierRun
+
+            self.tier = TierRun(local, self)
         self._pending: ManagedSaveHandle | None = None
 
     def __repr__(self) -> str:
@@ -176,6 +185,8 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for a pending asynchronous save (the shared store stays open). Idempotent."""
         self.wait()
+        if self.tier is not None:
+            self.tier.wait()  # its copies to the object store
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -203,7 +214,8 @@ class CheckpointManager:
         details, every folder holding pins says what holds it (``held_by``: one listing of its
         pins and one GET of each referrer's manifest).
         """
-        return run_coroutine(list_run(self.store, self.url, details=details, progress=progress))
+        listed = run_coroutine(list_run(self.store, self.url, details=details, progress=progress))
+        return listed if self.tier is None else self.tier.listing(listed)
 
     def latest(self) -> CheckpointInfo | None:
         """The newest complete checkpoint, or ``None`` when the run has none."""
@@ -260,6 +272,14 @@ class CheckpointManager:
                 options=replace(self.save_options or SaveOptions(), content_hashes=True),
                 base=self._base_for(step) if coordinator else None,
             )
+        if self.tier is not None:  # blocks briefly; a background copy to the store may follow
+            after = self._after_save if coordinator and self.retention.active else None
+            result = self.tier.managed_save(step, state_dict, kwargs, after)
+            if blocking:
+                return result
+            done = ManagedSaveHandle(step, url, None)
+            done.set_result(result)
+            return done
         if blocking:
             result = save(state_dict, url, **kwargs)
             if coordinator:
@@ -332,6 +352,8 @@ class CheckpointManager:
         from cloudckpt.api.load import load
 
         self.wait()
+        if self.tier is not None:
+            return self.tier.load(state_dict, step, strict)
         if step is None:
             step = self._agree_on_latest()
             if step is None:

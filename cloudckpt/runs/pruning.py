@@ -78,7 +78,9 @@ class CheckpointInfo:
     ``retained`` (listed with details only): a deleted checkpoint whose folder stays for the
     pins in it. ``held_by`` (details only): one line for each pin in the folder, saying which
     checkpoint or running save holds which objects, until when, or that prune removes it
-    (:func:`cloudckpt.runs.refs.describe_holders`).
+    (:func:`cloudckpt.runs.refs.describe_holders`). ``tiers``: with a local tier
+    (``CheckpointManager(local=...)``), where the step is complete: ``"local"`` (this node's
+    tier alone), ``"peers"`` (the nodes' tiers together), ``"store"`` (the object store).
     """
 
     step: int
@@ -95,6 +97,7 @@ class CheckpointInfo:
     damaged: str | None = None
     retained: bool = False
     held_by: tuple[str, ...] = ()
+    tiers: tuple[str, ...] = ()
 
 
 def _utc(epoch: float | None) -> datetime | None:

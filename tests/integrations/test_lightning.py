@@ -55,8 +55,10 @@ def uninterrupted(s3_server, tmp_path_factory) -> Outcome:
         )
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_resume_from_last_equals_uninterrupted(mode, s3_env, s3_url, tmp_path, uninterrupted):
+@pytest.mark.parametrize("mode", ["sync", "async", "lightning-async"])
+def test_a_run_resumed_from_s3_equals_an_uninterrupted_one(
+    mode, s3_env, s3_url, tmp_path, uninterrupted
+):
     import cloudckpt
     from cloudckpt.integrations.lightning import library
 
@@ -67,12 +69,20 @@ def test_resume_from_last_equals_uninterrupted(mode, s3_env, s3_url, tmp_path, u
     manifest = cloudckpt.read_manifest(f"{s3_url}/last.ckpt")
     assert manifest.metadata["step"] == STEPS_PER_EPOCH
 
-    resumed = train(s3_url, epochs=3, resume="last", mode=mode, root=str(tmp_path), save_top_k=1)
+    # "last" (the newest committed last*.ckpt under dirpath), or a checkpoint's own URL
+    resume = "last" if mode != "async" else f"{s3_url}/epoch=0-step=4.ckpt"
+    resumed = train(s3_url, epochs=3, resume=resume, mode=mode, root=str(tmp_path), save_top_k=1)
     assert_resumed_like(resumed, uninterrupted, STEPS_PER_EPOCH)
-    # save_top_k=1: each older checkpoint went through cloudckpt.delete; last was replaced
+    # save_top_k=1: each older checkpoint went through cloudckpt.delete, except the one resumed
+    # from; last was replaced, or (resumed from a checkpoint that had no last yet) last-v1 made,
+    # as Lightning does in a local folder
     names = sorted(c.name for c in library.list_committed(s3_url))
-    assert names == ["epoch=2-step=12.ckpt", "last.ckpt"]
-    assert cloudckpt.read_manifest(f"{s3_url}/last.ckpt").metadata["step"] == 12
+    if resume == "last":
+        assert names == ["epoch=2-step=12.ckpt", "last.ckpt"]
+        assert cloudckpt.read_manifest(f"{s3_url}/last.ckpt").metadata["step"] == 12
+    else:
+        assert names == ["epoch=0-step=4.ckpt", "epoch=2-step=12.ckpt", "last-v1.ckpt", "last.ckpt"]
+        assert cloudckpt.read_manifest(f"{s3_url}/last-v1.ckpt").metadata["step"] == 12
 
 
 # -- the plugin's surfaces, without a training run -------------------------------------------
@@ -200,3 +210,24 @@ def test_last_is_the_newest_committed_and_half_written_ones_are_not_seen(s3_env,
     plain = L.Trainer(logger=False, enable_progress_bar=False)  # saves with torch.save
     with pytest.raises(ConfigError, match=r"plugins=\[CloudCheckpointIO\(\)\]"):
         callback._find_last_checkpoints(plain)
+
+
+def test_an_s3_error_reaches_the_user_as_cloudckpts_one_line_error(s3_env, s3_url):
+    import cloudckpt
+    from cloudckpt.errors import CloudCkptError
+    from cloudckpt.integrations.lightning import CloudCheckpointIO
+    from tests.integrations.lightning_app import Tiny
+
+    wrong = cloudckpt.StorageOptions(
+        endpoint_url=s3_env.endpoint_url,
+        access_key_id=s3_env.env()["AWS_ACCESS_KEY_ID"],
+        secret_access_key="not-the-secret",
+        addressing_style="path",
+    )
+    io = CloudCheckpointIO(storage=wrong)
+    with pytest.raises(CloudCkptError) as caught:
+        io.save_checkpoint(_module_checkpoint(Tiny(width=2)), f"{s3_url}/denied.ckpt")
+    assert "\n" not in str(caught.value)
+    with pytest.raises(CloudCkptError) as caught:
+        io.load_checkpoint(f"{s3_url}/denied.ckpt")
+    assert "\n" not in str(caught.value)
