@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from cloudckpt.errors import CollectiveTimeout, RankFailure, checkpoint_error_class
-from cloudckpt.groups import distributed, group_rank, group_ranks, is_self
+from cloudckpt.groups import distributed, group_rank, group_ranks, is_self, join
 from cloudckpt.runtime.context import current
 from cloudckpt.wording import phase_words, ranks_phrase
 
@@ -82,15 +82,23 @@ class ControlChannel:
 
     def __init__(self, process_group=None, *, timeout: float = 600.0, lane: str = "protocol"):
         self.timeout = float(timeout)
+        self.lane = lane
         self.ranks: tuple[int, ...] = group_ranks(process_group)
         self.rank = group_rank(process_group)
         self.distributed = distributed() and not is_self(process_group)
-        if not self.distributed:
-            self.group = None
-            self.backend = "gloo"
-            return
-        self.backend = str(dist.get_backend(process_group)).lower()
-        self.group = _control_group(self.ranks, self.timeout, lane)
+        self._group = None
+        self.backend = "gloo"
+        if self.distributed:
+            self.backend = str(dist.get_backend(process_group)).lower()
+
+    @property
+    def group(self):
+        """The channel's gloo group (``None`` for a world of one), created (collectively) by
+        the first exchange that needs it: after :meth:`join`, so that a call some ranks never
+        make fails there instead of hanging in the group's creation."""
+        if self._group is None and self.distributed:
+            self._group = _control_group(self.ranks, self.timeout, self.lane)
+        return self._group
 
     @property
     def size(self) -> int:
@@ -99,6 +107,15 @@ class ControlChannel:
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
+
+    def join(self, call: str, url: str, wait: float | None) -> None:
+        """Open a collective call: return once every rank of the channel made the same call
+        (``call`` of ``url``), else raise :class:`~cloudckpt.errors.CollectiveMismatch` on
+        every rank that made one, within ``wait`` seconds (``None``: the channel's timeout).
+        See :func:`cloudckpt.groups.join`."""
+        if self.distributed:
+            wait = self.timeout if wait is None else wait
+            join(self.ranks, self.rank, call=call, url=url, lane=self.lane, wait=wait)
 
     # -- raw byte collectives -------------------------------------------------------------------
 

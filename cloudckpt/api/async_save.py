@@ -99,6 +99,7 @@ def async_save(
         metadata=metadata,
         options=options,
         base=base,
+        call="async_save",
     )
     context = current()
     with prepared.channel.phase("async save staging"):

@@ -222,10 +222,11 @@ class LoadPlanReport:
 
 @dataclass(frozen=True, kw_only=True)
 class LatestStep(_Record):
-    """The coordinator's choice of the step to load: the newest complete one, or ``None``."""
+    """The coordinator's choice of the checkpoint to load: the newest complete one (its step, or
+    the name of a folder not named ``step-<N>``), or ``None``."""
 
     RECORD: ClassVar[str] = "latest step"
-    step: int | None
+    step: int | str | None
 
 
 @dataclass(frozen=True, kw_only=True)

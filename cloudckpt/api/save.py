@@ -21,7 +21,8 @@ fail-together exchange, so a failure anywhere raises the same
    incremental save: each item as its hash is ready, skipping those whose hash is the base's) and
    reports where they landed (:class:`~cloudckpt.api.reports.UploadReport`).
 5. ``save commit``: the coordinator assembles the manifest from everyone's reports and writes it
-   in ``create`` mode. Its presence is the commit.
+   in ``create`` mode. Its presence is the commit. (``if_exists="replace"``: it overwrites the
+   old manifest, then collects the old objects, :mod:`cloudckpt.api.replace`.)
 
 :func:`prepare_save` (phases 1-2) and :func:`finish_save` (phases 3-5) are separate so that
 ``async_save`` can stage data between them and run the rest in the background (hashing included:
@@ -42,6 +43,7 @@ import numpy as np
 from cloudckpt import layout
 from cloudckpt.api.incremental import PinnedBase, base_folder, open_base, read_base
 from cloudckpt.api.prepared import BaseSite, PreparedSave, SaveProgress
+from cloudckpt.api.replace import collect_replaced, replaced_attempts
 from cloudckpt.api.reports import SavePlanning, SavePlanReport, UploadReport
 from cloudckpt.dataplane.writer import ItemDigests, WriterOptions, write_chunks
 from cloudckpt.errors import CheckpointExists, ObjectExists, ObjectNotFound
@@ -121,11 +123,14 @@ def prepare_save(
     metadata=None,
     options=None,
     base=None,
+    call: str = "save",
 ) -> PreparedSave:
-    """Phases 1-2: plan the save on every rank. Collective."""
+    """Phases 1-2: plan the save on every rank, once all joined ``call`` of ``url``.
+    Collective."""
     wait_for_pending_save()
     options = options or SaveOptions()
     channel = ControlChannel(process_group, timeout=options.timeout)
+    channel.join(call, url, options.join_timeout)
     started = time.perf_counter()
     plan_cache = current().save_plans
     cached = plan_cache.held() if options.use_plan_cache else {}
@@ -134,7 +139,7 @@ def prepare_save(
         # the one opening of the checkpoint's store for this save (a malformed URL fails here)
         store = shared_store(url, storage)
         local = _plan_locally(state_dict, channel, allow_pickle)
-        attempt = _new_attempt(url, store) if channel.is_coordinator else ""
+        attempt = _new_attempt(url, store, options) if channel.is_coordinator else ""
         site, base_read = None, None
         if channel.is_coordinator and base is not None:
             # a base outside the run fails every rank, before any I/O
@@ -295,9 +300,11 @@ def _chunk_view(tensor, w):
     return tensor
 
 
-def _new_attempt(url: str, store: ObjectStore) -> str:
-    """The coordinator's part of planning: refuse a committed checkpoint, pick the attempt id."""
-    _refuse_existing(url, store)
+def _new_attempt(url: str, store: ObjectStore, options: SaveOptions) -> str:
+    """The coordinator's part of planning: refuse a committed checkpoint (unless replacing it),
+    pick the attempt id."""
+    if options.if_exists != "replace":
+        _refuse_existing(url, store)
     return layout.new_attempt_id()
 
 
@@ -405,10 +412,20 @@ def _commit(
     if pinned is not None:
         pinned.check_lease()
     progress.manifest_sent, progress.used_homes = True, frozenset(manifest.object_homes)
+    replace = p.options.if_exists == "replace"
+    old = replaced_attempts(p.store) if replace else frozenset()
     try:
-        run_coroutine(p.store.put(layout.MANIFEST_KEY, encode_manifest(manifest), mode="create"))
+        run_coroutine(
+            p.store.put(
+                layout.MANIFEST_KEY,
+                encode_manifest(manifest),
+                mode="overwrite" if replace else "create",
+            )
+        )
     except ObjectExists as exc:
         raise CheckpointExists(f"a checkpoint was committed at {p.url} meanwhile") from exc
+    if replace:  # committed: what the replaced checkpoint alone used goes now
+        collect_replaced(p.url, p.store, old, manifest)
 
 
 def _refuse_existing(url: str, store: ObjectStore) -> None:

@@ -86,7 +86,7 @@ def list_committed(url: str, storage: Any = None) -> list[Listed]:
 
 def _replacing(url: str, storage: Any, options: SaveOptions, whole_world: bool) -> SaveOptions:
     if "if_exists" in {f.name for f in dataclasses.fields(SaveOptions)}:
-        return dataclasses.replace(options, if_exists="replace")  # type: ignore[call-arg]
+        return dataclasses.replace(options, if_exists="replace")
     # until if_exists lands: not atomic (a crash between the two leaves no checkpoint there)
     together = whole_world and dist.is_available() and dist.is_initialized()
     if (not together or dist.get_rank() == 0) and exists(url, storage):

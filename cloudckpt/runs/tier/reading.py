@@ -78,7 +78,7 @@ def choose(run, step: int | None) -> Choice | None:
         stored: list[int] = []
         if channel.is_coordinator:
             listed = run_coroutine(list_run(run.manager.store, run.run_url))
-            stored = [i.step for i in listed if i.complete]
+            stored = [i.step for i in listed if i.complete and i.step is not None]
         gathering.report = Blob(msgpack.packb([own, stored]))
     docs = [_decode_gathered(r.raw) for r in gathering.reports]
     inventories = [d[0] for d in docs]
@@ -175,7 +175,7 @@ class TieredSource:
 def listing(run, listed: list[CheckpointInfo]) -> list[CheckpointInfo]:
     """The object store's listing with each step's ``tiers``, and the steps complete in the
     tiers only (no collective: the peers as this process last saw them)."""
-    by_step = {i.step: i for i in listed}
+    by_step = {i.step: i for i in listed if i.step is not None}
     inventory = run.node.inventory()
     out = []
     for step in sorted(set(by_step) | set(inventory)):
@@ -193,7 +193,7 @@ def listing(run, listed: list[CheckpointInfo]) -> list[CheckpointInfo]:
         if info.complete:
             found.append("store")
         out.append(replace(info, tiers=tuple(found), complete=bool(found)))
-    return out
+    return out + [i for i in listed if i.step is None]  # named folders: the store's alone
 
 
 def _manifest_crc(url: str, storage) -> int | None:
