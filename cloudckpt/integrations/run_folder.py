@@ -10,16 +10,15 @@ rank.
 
 from __future__ import annotations
 
-import asyncio
+import logging
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from cloudckpt.errors import ObjectNotFound
-from cloudckpt.layout import MANIFEST_KEY, join_url
-from cloudckpt.runs.cleanup import delete_checkpoint
-from cloudckpt.runtime.loop import run_coroutine, shared_store
-from cloudckpt.storage.base import CommonPrefix
+from cloudckpt.errors import ManifestError
+from cloudckpt.runs.checkpoints import delete, list_checkpoints
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,36 +31,19 @@ class NamedCheckpoint:
 
 
 def complete_checkpoints(run_url: str, prefix: str, *, storage=None) -> list[NamedCheckpoint]:
-    """Every committed ``<prefix><N>`` folder directly under ``run_url``, lowest step first."""
-    pattern = re.compile(re.escape(prefix) + r"(\d+)/")
-    store = shared_store(run_url, storage)
-
-    async def scan() -> list[NamedCheckpoint]:
-        found: list[tuple[int, str]] = []
-        async for item in store.list("", delimiter="/"):
-            m = pattern.fullmatch(item.prefix) if isinstance(item, CommonPrefix) else None
-            if m is not None:
-                found.append((int(m.group(1)), item.prefix[:-1]))
-
-        async def committed(name: str) -> bool:
-            try:
-                await store.head(f"{name}/{MANIFEST_KEY}")
-            except ObjectNotFound:
-                return False
-            return True
-
-        done = await asyncio.gather(*(committed(name) for _, name in found))
-        return [
-            NamedCheckpoint(name=name, step=step, url=join_url(run_url, name))
-            for (step, name), ok in sorted(zip(found, done))
-            if ok
-        ]
-
-    return run_coroutine(scan())
+    """Every committed ``<prefix><N>`` folder directly under ``run_url``, lowest N first (the
+    step in the name: Accelerate's ``checkpoint_<iteration>`` saves another step in metadata)."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)")
+    found = []
+    for info in list_checkpoints(run_url, storage=storage):
+        m = pattern.fullmatch(info.name)
+        if info.complete and m is not None:
+            found.append(NamedCheckpoint(name=info.name, step=int(m.group(1)), url=info.url))
+    return sorted(found, key=lambda c: (c.step, c.name))
 
 
 def newest_complete(run_url: str, prefix: str, *, storage=None) -> NamedCheckpoint | None:
-    """The complete ``<prefix><N>`` checkpoint of the highest step, None if there is none."""
+    """The complete ``<prefix><N>`` checkpoint of the highest N, None if there is none."""
     found = complete_checkpoints(run_url, prefix, storage=storage)
     return found[-1] if found else None
 
@@ -70,12 +52,18 @@ def prune_to(
     run_url: str, prefix: str, *, keep: int, protect: Collection[str] = (), storage=None
 ) -> list[str]:
     """Delete the oldest complete ``<prefix><N>`` checkpoints so that ``keep`` remain (at least
-    one: the newest is never deleted), sparing the URLs in ``protect``; returns the deleted URLs."""
+    one: the newest is never deleted), sparing the URLs in ``protect``; returns the deleted URLs.
+    One whose manifest is damaged is left in place (``cloudckpt rm`` removes it) and logged."""
     found = complete_checkpoints(run_url, prefix, storage=storage)
-    keep = max(1, keep)
     spared = {u.rstrip("/") for u in protect}
-    victims = [c for c in found[: max(0, len(found) - keep)] if c.url not in spared]
-    store = shared_store(run_url, storage)
-    for c in victims:
-        run_coroutine(delete_checkpoint(store, c.name + "/"))
-    return [c.url for c in victims]
+    deleted = []
+    for c in found[: max(0, len(found) - max(1, keep))]:
+        if c.url in spared:
+            continue
+        try:
+            delete(c.url, storage=storage)
+        except ManifestError as exc:
+            log.warning("left %s in place: %s", c.url, exc)
+            continue
+        deleted.append(c.url)
+    return deleted

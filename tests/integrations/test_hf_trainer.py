@@ -174,3 +174,23 @@ def test_resume_errors_are_cloudckpt_one_liners(runs, s3_env, s3_url):
     with pytest.raises(StorageError) as err:
         trainer(f"s3://no-such-bucket-{os.getpid()}/run").train()
     assert "\n" not in str(err.value)
+
+
+def test_save_total_limit_spares_the_best_checkpoint(runs, s3_env, s3_url):
+    from cloudckpt.integrations.hf_trainer import CloudckptTrainer
+
+    t = CloudckptTrainer(
+        checkpoint_url=s3_url,
+        model=tiny_model(),
+        args=trainer_args(runs["tmp"] / "best", save_total_limit=1),
+        train_dataset=TokenData(),
+    )
+    t.create_optimizer_and_scheduler(num_training_steps=10)
+    for step, best in ((1, 1), (2, 1), (3, 1), (4, 4)):
+        t.state.global_step, t.state.best_global_step = step, best
+        t._save_checkpoint(t.model, None)  # what save_steps runs
+        names = [c.name for c in complete_checkpoints(s3_url, "checkpoint-")]
+        if step < 4:  # the newest, and the best one
+            assert names == sorted({"checkpoint-1", f"checkpoint-{step}"}), step
+    assert t.state.best_model_checkpoint == f"{s3_url}/checkpoint-4"
+    assert [c.name for c in complete_checkpoints(s3_url, "checkpoint-")] == ["checkpoint-4"]

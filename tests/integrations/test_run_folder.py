@@ -1,6 +1,6 @@
 """The trainers' own checkpoint names under a run folder on the local SeaweedFS: only committed
 ``<prefix><N>`` folders are listed; pruning keeps the newest (always), spares the protected,
-never touches half-written or foreign folders; random-generator records from storage are
+never touches half-written, damaged or foreign folders; random-generator records from storage are
 checked before anything is set."""
 
 from __future__ import annotations
@@ -30,22 +30,32 @@ def test_listing_and_pruning_keep_to_the_trainers_names(s3_env, s3_url):
         run_coroutine(store.put(f"{foreign}/manifest.msgpack", b"foreign"))
     # half-written: data objects but no manifest (a save killed before its commit)
     run_coroutine(store.put("checkpoint-20/data/a/r0-0.bin", b"partial"))
-    assert _names(s3_url) == ["checkpoint-1", "checkpoint-2", "checkpoint-3", "checkpoint-10"]
+    # damaged: a manifest that does not decode (listed: it is committed; never deleted blindly)
+    run_coroutine(store.put("checkpoint-0/manifest.msgpack", b"\x00garbage"))
+    assert _names(s3_url) == [
+        "checkpoint-0",
+        "checkpoint-1",
+        "checkpoint-2",
+        "checkpoint-3",
+        "checkpoint-10",
+    ]
     assert newest_complete(s3_url, "checkpoint-").step == 10  # numeric order, not text order
     assert newest_complete(s3_url, "nothing_") is None
 
     gone = prune_to(s3_url, "checkpoint-", keep=2, protect=[f"{s3_url}/checkpoint-1/"])
     assert gone == [f"{s3_url}/checkpoint-2"]
-    assert _names(s3_url) == ["checkpoint-1", "checkpoint-3", "checkpoint-10"]
+    assert _names(s3_url) == ["checkpoint-0", "checkpoint-1", "checkpoint-3", "checkpoint-10"]
     assert prune_to(s3_url, "checkpoint-", keep=0) == [
         f"{s3_url}/checkpoint-1",
         f"{s3_url}/checkpoint-3",
     ]
-    assert _names(s3_url) == ["checkpoint-10"]  # the newest complete one stays, whatever keep
+    # the newest complete one stays whatever keep; the damaged one is left for `cloudckpt rm`
+    assert _names(s3_url) == ["checkpoint-0", "checkpoint-10"]
     assert torch.equal(cloudckpt.load_full(f"{s3_url}/checkpoint-10")["w"], torch.full((4,), 10.0))
     # foreign and half-written folders untouched
     for foreign in ("other-7", "checkpoint-x", "checkpoint-4.bak"):
         assert run_coroutine(store.get(f"{foreign}/manifest.msgpack")) == b"foreign"
+    assert run_coroutine(store.get("checkpoint-0/manifest.msgpack")) == b"\x00garbage"
     assert run_coroutine(store.get("checkpoint-20/data/a/r0-0.bin")) == b"partial"
 
 
