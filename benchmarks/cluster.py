@@ -413,6 +413,16 @@ class Bench:
                 )
         if a.slow_node:
             n = a.slow_n
+            for case in ("sharded", "replicated"):  # replicated: S / sum of the rates
+                rec = self.pick(n, "slow", case, "cloudckpt", "save")
+                out.append(
+                    C.ratio_line(
+                        f"[N={n}, node {n - 1} at 1/4 rate] {case} save cloudckpt / ideal",
+                        rec and rec["seconds"],
+                        rec and rec["ideal"],
+                        a.ideal_limit,
+                    )
+                )
             for case, action, key in (
                 ("replicated", "save", "written"),
                 ("replicated", "load", "fetched"),
@@ -479,6 +489,7 @@ class Bench:
                         f"  {case} {action}: {even:.2f} s -> {slow:.2f} s with the slow node "
                         f"(x{slow / even:.2f})"
                     )
+        self.print_phases()
         if self.records:
             recs = self.records
             print(
@@ -501,6 +512,25 @@ class Bench:
             print("\n## failures")
             for f in self.failures:
                 print(f)
+
+    def print_phases(self) -> None:
+        """Where each cloudckpt save's seconds went, on its slowest rank: every protocol
+        phase's own work, its exchange (``~``: waiting for the other ranks and the collective)
+        and the time between phases (``-``)."""
+        a, lines = self.args, []
+        for n, scenario in [(n, "uniform") for n in a.nodes] + (
+            [(a.slow_n, "slow")] if a.slow_node else []
+        ):
+            for case in ("sharded", "replicated"):
+                rec = self.pick(n, scenario, case, "cloudckpt", "save")
+                if not rec or not all("phases" in r for r in rec["ranks"]):
+                    continue
+                k = max(range(n), key=lambda i: rec["ranks"][i]["seconds"])
+                rows = " | ".join(f"{lbl} {sec:.3f}" for lbl, sec in rec["ranks"][k]["phases"])
+                lines.append(f"  N={n} {scenario} {case} save, rank {k}: {rows}")
+        if lines:
+            print("\n## cloudckpt save phases, slowest rank (s; '~' its exchange, '-' between)")
+            print("\n".join(lines))
 
     def save_json(self, path: str) -> None:
         with open(path, "w") as f:

@@ -27,8 +27,14 @@ A run is a folder of such checkpoints, one per step (like Orbax's step paths):
 A step with pins and no manifest is *retained*: deleted, but some of its objects stay because
 other checkpoints reference them (see :mod:`cloudckpt.runs.refs`). It is not a checkpoint.
 A step is an ``int >= 0``; its prefix has at least 12 digits, zero-padded, and exactly the digits
-:func:`step_dir` writes (``step-0000000000001/`` is not step 1). Anything else under a run root
-belongs to someone else: listings ignore it and nothing deletes it.
+:func:`step_dir` writes (``step-0000000000001/`` is not step 1).
+
+A run may also hold checkpoints under names a trainer chose (``last``, ``epoch=0-step=10.ckpt``,
+``checkpoint-500``): any folder right under the run root whose name is one safe path segment
+(:func:`cloudckpt.manifest.lineage.folder_problem`) and that holds a manifest, a ``data/`` folder
+or pins is a checkpoint folder (:func:`folder_of_prefix`); its step is the last number in its name
+(:func:`step_of_name`) unless its manifest's metadata says otherwise. Other keys under a run root
+belong to someone else: listings ignore them and nothing deletes them.
 """
 
 from __future__ import annotations
@@ -240,39 +246,75 @@ class StepState:
         return self.manifest is None and self.pins > 0
 
 
-def classify_listing(items: Iterable[ObjectInfo | CommonPrefix]) -> dict[int, StepState]:
-    """Group the entries of a ``delimiter="/data/"`` listing of a run root by step.
+def folder_of_prefix(prefix: str) -> str | None:
+    """The folder name of a one-segment ``<name>/`` prefix that may name a checkpoint folder
+    (one safe path segment: no ``..``, no control character), else ``None``."""
+    name, slash, rest = prefix.partition("/")
+    if not slash or rest or folder_problem(name):
+        return None
+    return name
 
-    Anything that is not ``step-<012d>/manifest.msgpack``, ``step-<012d>/data/`` or
-    ``step-<012d>/pins/<name>`` is ignored.
+
+_LAST_NUMBER_RE = re.compile(r"(\d+)(?!.*\d)")
+
+
+def step_of_name(name: str) -> int | None:
+    """The step a checkpoint folder's name gives: a canonical ``step-<012d>``'s, else the last
+    run of decimal digits in it (``epoch=0-step=10.ckpt`` -> 10, ``checkpoint-500`` -> 500),
+    else ``None`` (``last``)."""
+    step = parse_step_dir(name + "/")
+    if step is not None:
+        return step
+    m = _LAST_NUMBER_RE.search(name)
+    return int(m.group(1)) if m is not None and len(m.group(1)) <= 30 else None
+
+
+def folder_label(name: str) -> str:
+    """How messages name a run's checkpoint folder: ``step N`` for ``step-<012d>``, else the name
+    (``repr`` of it when it has spaces, quotes or unprintable characters)."""
+    step = parse_step_dir(name + "/")
+    if step is not None:
+        return f"step {step}"
+    return repr(name) if any(c in name for c in " '\"") or not name.isprintable() else name
+
+
+def classify_listing(items: Iterable[ObjectInfo | CommonPrefix]) -> dict[str, StepState]:
+    """Group the entries of a ``delimiter="/data/"`` listing of a run root by checkpoint folder
+    name (:func:`folder_of_prefix`).
+
+    Anything that is not ``<name>/manifest.msgpack``, ``<name>/data/`` or ``<name>/pins/<key>``
+    (``<name>`` one path segment) is ignored.
     """
-    steps: dict[int, StepState] = {}
+    folders: dict[str, StepState] = {}
     for item in items:
         if isinstance(item, CommonPrefix):
             head, sep, rest = item.prefix.rpartition(LIST_DELIMITER)
-            step = parse_step_dir(head + "/") if sep and not rest else None
-            if step is not None:
-                steps.setdefault(step, StepState()).has_data = True
+            name = folder_of_prefix(head + "/") if sep and not rest else None
+            if name is not None:
+                folders.setdefault(name, StepState()).has_data = True
             continue
-        head, sep, name = item.key.rpartition("/")
-        if name == MANIFEST_KEY:
-            step = parse_step_dir(head + sep)
-            if step is not None:
-                steps.setdefault(step, StepState()).manifest = item
-        elif name and head.endswith("/" + PINS_PREFIX.rstrip("/")):
-            step = parse_step_dir(head[: -len(PINS_PREFIX) + 1])
-            if step is not None:
-                steps.setdefault(step, StepState()).pins += 1
-    return steps
+        head, sep, key = item.key.rpartition("/")
+        if key == MANIFEST_KEY:
+            name = folder_of_prefix(head + sep)
+            if name is not None:
+                folders.setdefault(name, StepState()).manifest = item
+        elif key and head.endswith("/" + PINS_PREFIX.rstrip("/")):
+            name = folder_of_prefix(head[: -len(PINS_PREFIX) + 1])
+            if name is not None:
+                folders.setdefault(name, StepState()).pins += 1
+    return folders
 
 
-def add_uploads(steps: dict[int, StepState], uploads: Iterable[UploadInfo]) -> dict[int, StepState]:
-    """Attach each unfinished upload (``.key`` relative to the run root) to its step in
-    ``steps`` (adding the step when it has nothing else); uploads outside any step are ignored.
-    Returns ``steps``."""
+def add_uploads(
+    folders: dict[str, StepState], uploads: Iterable[UploadInfo]
+) -> dict[str, StepState]:
+    """Attach each unfinished upload (``.key`` relative to the run root) to its checkpoint folder
+    in ``folders`` (adding the folder when it has nothing else); uploads of keys the layout does
+    not own are ignored. Returns ``folders``."""
     for upload in uploads:
-        step = parse_step_dir(upload.key.split("/", 1)[0] + "/")
-        if step is not None:
-            state = steps.setdefault(step, StepState())
+        head, slash, rel = upload.key.partition("/")
+        name = folder_of_prefix(head + "/") if slash else None
+        if name is not None and owned_key(rel):
+            state = folders.setdefault(name, StepState())
             state.uploads = state.uploads + (upload,)
-    return steps
+    return folders

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -16,6 +17,9 @@ class SaveOptions:
     - ``replicas_to_lowest_rank``: write every replicated piece from its lowest holder instead of
       balancing them over holders.
     - ``timeout``: seconds any collective may wait for a peer before every rank fails.
+    - ``join_timeout``: seconds the ranks that call a save wait for the others to call it too
+      before each raises ``CollectiveMismatch`` (a save made on some ranks only: the rank-0
+      guard); ``None``: ``timeout``. Raise it when ranks reach their saves further apart.
     - ``use_plan_cache``: reuse the global plan when the layout has not changed.
     - ``max_async_staging_bytes``: async save only; host staging memory this rank may use
       (``None``: no limit). A save needing more fails before writing anything.
@@ -26,6 +30,15 @@ class SaveOptions:
       last renewed (renewed every quarter of it while the save runs; a save that could not
       renew them for half of it fails before committing). From 60 to 86400 (a day,
       ``cloudckpt.layout.MAX_PIN_LEASE``): a reader counts any longer lease as a day.
+    - ``if_exists``: what a save does when a checkpoint is already committed at its URL.
+      ``"error"`` (the default): ``CheckpointExists``, the old one untouched. ``"replace"``: the
+      new one replaces it atomically (a fixed name such as ``last``): its objects go under a
+      fresh attempt prefix, the manifest's overwrite is the commit (readers see the old
+      checkpoint or the new one, never a mix), then the objects of the checkpoint's other
+      attempts that no checkpoint references are deleted. A crash at any point leaves one
+      loadable checkpoint there (the old one before the swap, the new one after); leftovers of
+      a crash are collected by the next replacing save. A reader still reading the old
+      checkpoint when its objects are collected fails with ``ObjectNotFound``.
     """
 
     object_size: int = 128 << 20
@@ -33,12 +46,17 @@ class SaveOptions:
     max_staging_bytes: int = 256 << 20
     replicas_to_lowest_rank: bool = False
     timeout: float = 600.0
+    join_timeout: float | None = 10.0
     use_plan_cache: bool = True
     max_async_staging_bytes: int | None = None
     content_hashes: bool = False
     pin_lease: float = 600.0
+    if_exists: Literal["error", "replace"] = "error"
 
     def __post_init__(self) -> None:
+        _check_join_timeout(self.join_timeout)
+        if self.if_exists not in ("error", "replace"):
+            raise ValueError(f'if_exists must be "error" or "replace", got {self.if_exists!r}')
         if not 60.0 <= self.pin_lease <= 86400.0:
             raise ValueError(
                 f"pin_lease must be from 60 to 86400 seconds (a day), got "
@@ -74,6 +92,8 @@ class LoadOptions:
     - ``share_manifest``: the coordinator reads the manifest and broadcasts it (otherwise every
       rank reads it).
     - ``timeout``: seconds any collective may wait for a peer before every rank fails.
+    - ``join_timeout``: seconds the ranks that call a load wait for the others to call it too
+      before each raises ``CollectiveMismatch``; ``None``: ``timeout``.
     """
 
     broadcast: bool | None = None
@@ -83,6 +103,17 @@ class LoadOptions:
     max_broadcast_groups: int = 64
     share_manifest: bool = True
     timeout: float = 600.0
+    join_timeout: float | None = 10.0
+
+    def __post_init__(self) -> None:
+        _check_join_timeout(self.join_timeout)
+
+
+def _check_join_timeout(value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(
+            f"join_timeout must be a positive number of seconds or None, got {value!r}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

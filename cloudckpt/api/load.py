@@ -87,7 +87,8 @@ def load(
     Tensors (plain, DTensor, :class:`cloudckpt.GlobalPiece`) are filled in place, converting
     dtype when the stored one differs. Non-tensor values are replaced. With ``strict`` (the
     default) a name missing from the checkpoint raises :class:`MissingKeysError`; names stored but
-    not requested are reported in ``LoadResult.unexpected_keys``.
+    not requested are reported in ``LoadResult.unexpected_keys``. ``process_group``: the ranks
+    that load together (default: the world); ``"self"``: this process alone, no collective.
     """
     return load_from(
         state_dict,
@@ -164,6 +165,7 @@ def load_from(
     wait_for_pending_save()
     options = options or LoadOptions()
     channel = ControlChannel(process_group, timeout=options.timeout)
+    channel.join("load", source.url, options.join_timeout)
     started = time.perf_counter()
 
     raw, manifest, store = b"", None, None

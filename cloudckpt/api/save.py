@@ -21,7 +21,8 @@ fail-together exchange, so a failure anywhere raises the same
    incremental save: each item as its hash is ready, skipping those whose hash is the base's) and
    reports where they landed (:class:`~cloudckpt.api.reports.UploadReport`).
 5. ``save commit``: the coordinator assembles the manifest from everyone's reports and writes it
-   in ``create`` mode. Its presence is the commit.
+   in ``create`` mode. Its presence is the commit. (``if_exists="replace"``: it overwrites the
+   old manifest, then collects the old objects, :mod:`cloudckpt.api.replace`.)
 
 :func:`prepare_save` (phases 1-2) and :func:`finish_save` (phases 3-5) are separate so that
 ``async_save`` can stage data between them and run the rest in the background (hashing included:
@@ -42,6 +43,7 @@ import numpy as np
 from cloudckpt import layout
 from cloudckpt.api.incremental import PinnedBase, base_folder, open_base, read_base
 from cloudckpt.api.prepared import BaseSite, PreparedSave, SaveProgress
+from cloudckpt.api.replace import collect_replaced, replaced_attempts
 from cloudckpt.api.reports import SavePlanning, SavePlanReport, UploadReport
 from cloudckpt.dataplane.writer import ItemDigests, WriterOptions, write_chunks
 from cloudckpt.errors import CheckpointExists, ObjectExists, ObjectNotFound
@@ -53,6 +55,7 @@ from cloudckpt.planning.save.cache import key_digest, save_plan_cache_key
 from cloudckpt.planning.save.global_plan import GlobalSavePlan, plan_global_save
 from cloudckpt.planning.save.incremental import decode_known, encode_known, reused_chunks
 from cloudckpt.planning.save.local_plan import LocalSavePlan
+from cloudckpt.planning.save.rates import WRITE_RATES, replica_weights
 from cloudckpt.runtime.context import current
 from cloudckpt.runtime.loop import (
     run_coroutine,
@@ -86,6 +89,10 @@ def save(
     checkpoint (which stays untouched), and :class:`CheckpointError` (the same on every rank)
     if any rank fails.
 
+    ``process_group``: the ranks that save together (default: the world);
+    ``process_group="self"``: this process alone, no collective, even in a distributed job
+    (a checkpoint that rank 0 saves by itself, as trainers do for non-sharded state).
+
     ``base``: the URL of another checkpoint of the same run (a sibling folder; the coordinator's
     value is the one used): an *incremental* save. Every chunk whose bytes equal those of the
     same chunk (tensor, box, dtype) of the base is not uploaded; the manifest points at the
@@ -116,11 +123,14 @@ def prepare_save(
     metadata=None,
     options=None,
     base=None,
+    call: str = "save",
 ) -> PreparedSave:
-    """Phases 1-2: plan the save on every rank. Collective."""
+    """Phases 1-2: plan the save on every rank, once all joined ``call`` of ``url``.
+    Collective."""
     wait_for_pending_save()
     options = options or SaveOptions()
     channel = ControlChannel(process_group, timeout=options.timeout)
+    channel.join(call, url, options.join_timeout)
     started = time.perf_counter()
     plan_cache = current().save_plans
     cached = plan_cache.held() if options.use_plan_cache else {}
@@ -129,7 +139,7 @@ def prepare_save(
         # the one opening of the checkpoint's store for this save (a malformed URL fails here)
         store = shared_store(url, storage)
         local = _plan_locally(state_dict, channel, allow_pickle)
-        attempt = _new_attempt(url, store) if channel.is_coordinator else ""
+        attempt = _new_attempt(url, store, options) if channel.is_coordinator else ""
         site, base_read = None, None
         if channel.is_coordinator and base is not None:
             # a base outside the run fails every rank, before any I/O
@@ -142,17 +152,21 @@ def prepare_save(
             attempt=attempt,
             cached_plans=tuple(cached),
             incremental=channel.is_coordinator and (base is not None or options.content_hashes),
+            write_rate_class=WRITE_RATES.rate_class(),
         )
 
+    # replicated bytes follow the ranks' write rates when those differ (planning/save/rates.py)
+    weights = replica_weights([r.write_rate_class for r in planning.reports])
     key = save_plan_cache_key(
         [r.fingerprint for r in planning.reports],
         replicas_to_lowest_rank=options.replicas_to_lowest_rank,
+        rate_weights=weights,
     )
     key = key + (msgpack.packb(list(channel.ranks)),)
     digest = key_digest(key)
     # caches can differ between ranks (a restarted rank): reuse only if every rank holds it
     plan_cached = all(digest in r.cached_plans for r in planning.reports)
-    plan = cached[digest] if plan_cached else _plan_globally(channel, local.plan, options)
+    plan = cached[digest] if plan_cached else _plan_globally(channel, local.plan, options, weights)
     if options.use_plan_cache:
         plan_cache.put(key, plan)
 
@@ -286,14 +300,19 @@ def _chunk_view(tensor, w):
     return tensor
 
 
-def _new_attempt(url: str, store: ObjectStore) -> str:
-    """The coordinator's part of planning: refuse a committed checkpoint, pick the attempt id."""
-    _refuse_existing(url, store)
+def _new_attempt(url: str, store: ObjectStore, options: SaveOptions) -> str:
+    """The coordinator's part of planning: refuse a committed checkpoint (unless replacing it),
+    pick the attempt id."""
+    if options.if_exists != "replace":
+        _refuse_existing(url, store)
     return layout.new_attempt_id()
 
 
 def _plan_globally(
-    channel: ControlChannel, local: LocalSavePlan, options: SaveOptions
+    channel: ControlChannel,
+    local: LocalSavePlan,
+    options: SaveOptions,
+    weights: list[float] | None,
 ) -> GlobalSavePlan:
     with channel.phase("save plan exchange", SavePlanReport) as exchange:
         exchange.report = SavePlanReport(local)
@@ -302,6 +321,7 @@ def _plan_globally(
             [r.plan for r in exchange.reports],
             rank=channel.rank,
             replicas_to_lowest_rank=options.replicas_to_lowest_rank,
+            rate_weights=weights,
         )
     return plan
 
@@ -336,6 +356,7 @@ def _writer_options(options: SaveOptions) -> WriterOptions:
 
 def _upload(p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | None) -> UploadReport:
     rank = p.channel.rank
+    began = time.perf_counter()
     locations, stats = run_coroutine(
         write_chunks(
             p.store,
@@ -348,6 +369,7 @@ def _upload(p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | Non
             digests=digests,
         )
     )
+    WRITE_RATES.record(stats.bytes_written, time.perf_counter() - began)
     written = _written_chunks(rank, locations, p.values, [c for c, _ in stats.reused])
     return UploadReport(
         written=encode_written_chunks(written),
@@ -390,10 +412,20 @@ def _commit(
     if pinned is not None:
         pinned.check_lease()
     progress.manifest_sent, progress.used_homes = True, frozenset(manifest.object_homes)
+    replace = p.options.if_exists == "replace"
+    old = replaced_attempts(p.store) if replace else frozenset()
     try:
-        run_coroutine(p.store.put(layout.MANIFEST_KEY, encode_manifest(manifest), mode="create"))
+        run_coroutine(
+            p.store.put(
+                layout.MANIFEST_KEY,
+                encode_manifest(manifest),
+                mode="overwrite" if replace else "create",
+            )
+        )
     except ObjectExists as exc:
         raise CheckpointExists(f"a checkpoint was committed at {p.url} meanwhile") from exc
+    if replace:  # committed: what the replaced checkpoint alone used goes now
+        collect_replaced(p.url, p.store, old, manifest)
 
 
 def _refuse_existing(url: str, store: ObjectStore) -> None:

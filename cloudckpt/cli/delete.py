@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from cloudckpt.cli import documents
+from cloudckpt.cli.format import is_step_folder, label
 from cloudckpt.cli.options import EXIT_FAILED, EXIT_OK, UsageError
 from cloudckpt.cli.store import CommandStorage, has_manifest, progress
 from cloudckpt.cli.urls import refuse_not_a_run, step_of_url
@@ -72,7 +73,7 @@ def cmd_prune(args: Any, storage: CommandStorage) -> int:
         print("nothing to remove")
     for info, plan in removed:
         state = "complete" if info.complete else "abandoned"
-        print(f"{verb} step {info.step} ({state})  {info.url}  ({_counts(plan)})")
+        print(f"{verb} {label(info)} ({state})  {info.url}  ({_counts(plan)})")
         if args.dry_run:
             _print_keys(mgr.url, plan)
         _left_note(info.url, plan, "would leave" if args.dry_run else "left")
@@ -114,18 +115,22 @@ def cmd_rm(args: Any, storage: CommandStorage) -> int:
         def delete(progress) -> int:
             return run_coroutine(delete_checkpoint(store, prefix, progress=progress))
 
-    # a run is refused; a step of a run that owns something is a checkpoint whatever it holds
-    if plan.empty if plan is not None else not has_manifest(storage.open(url)):
-        others = storage.manager(url).list()
-        if others:  # never "its newest": rm removes only what the user named
-            newest = [i.step for i in others if i.complete][-1:] or [others[-1].step]
-            raise UsageError(
-                f"{url} is a run with {plural(len(others), 'checkpoint')}, not a "
-                f"checkpoint; rm removes one checkpoint: give --step N (its newest "
-                f"complete: cloudckpt rm {url} --step {newest[0]})"
-            )
     if plan is None:
         plan = run_coroutine(plan_checkpoint(store, prefix))
+    # a run is refused; a folder that owns something is a checkpoint whatever it holds
+    if plan.empty:
+        others = storage.manager(url).list()
+        if others:  # never "its newest": rm removes only what the user named
+            newest = ([i for i in others if i.complete] or others)[-1]
+            how = (
+                f"give --step N (its newest complete: cloudckpt rm {url} --step {newest.step})"
+                if is_step_folder(newest)
+                else f"give its URL (its newest complete: cloudckpt rm {newest.url})"
+            )
+            raise UsageError(
+                f"{url} is a run with {plural(len(others), 'checkpoint')}, not a "
+                f"checkpoint; rm removes one checkpoint: {how}"
+            )
     if plan.empty and plan.left:
         raise UsageError(
             f"{url} is neither a checkpoint nor a run ({plural(plan.left, 'key')} "

@@ -4,8 +4,10 @@ Contract: with ``--json`` a command writes exactly one JSON document to stdout (
 there); errors stay one line on stderr with the usual exit status, and stdout is then empty.
 The keys below are stable: new keys may be added, none is renamed or removed.
 
-- ``ls``: a list, one object per checkpoint in step order:
-  ``{"step", "url", "complete", "created_at", "total_bytes", "objects", "world_size"}``.
+- ``ls``: a list, one object per checkpoint in step order (then commit time):
+  ``{"step", "name", "url", "complete", "created_at", "total_bytes", "objects", "world_size"}``
+  (``name``: the checkpoint's folder, ``step-000000000100`` or a trainer's name such as ``last``,
+  whose ``step`` may be null).
   ``created_at`` is ISO 8601 with its UTC offset, or null (incomplete checkpoints); the three
   counts come from the manifest, null for an incomplete checkpoint. A run with none: ``[]``.
   With ``--details`` also ``"own_bytes", "shared_bytes", "base_step", "retained", "held_by"``:
@@ -18,10 +20,10 @@ The keys below are stable: new keys may be added, none is renamed or removed.
 - ``verify``: ``{"url", "ok", "objects_checked", "bytes_checked", "problems", "notes"}``
   (``problems`` and ``notes`` are lists of strings). Exit status 1 when not ``ok``, as without
   ``--json``.
-- ``prune``: ``{"dry_run", "removed"}``; ``removed`` is a list of ``{"step", "url", "complete",
-  "objects", "uploads", "left"}`` where ``objects`` lists the URLs of the objects removed (or
-  that would be), ``uploads`` the unfinished uploads as ``{"key", "upload_id"}`` (key: a URL)
-  and ``left`` counts the keys under the checkpoint that are not part of it and stay.
+- ``prune``: ``{"dry_run", "removed"}``; ``removed`` is a list of ``{"step", "name", "url",
+  "complete", "objects", "uploads", "left"}`` where ``objects`` lists the URLs of the objects
+  removed (or that would be), ``uploads`` the unfinished uploads as ``{"key", "upload_id"}``
+  (key: a URL) and ``left`` counts the keys under the checkpoint that are not part of it and stay.
 
 Values that JSON cannot represent (bytes, tensors of a value, ints beyond 64 bits, non-finite
 floats, objects, non-string keys of a mapping) are rendered as their ``repr`` string; metadata
@@ -112,6 +114,7 @@ def ls_document(infos, details: bool = False) -> list[dict]:
     return [
         {
             "step": i.step,
+            "name": i.name,
             "url": i.url,
             "complete": bool(i.complete),
             "created_at": iso_time(i.created_at),
@@ -194,6 +197,7 @@ def prune_document(run_url: str, removed, dry_run: bool) -> dict:
         "removed": [
             {
                 "step": info.step,
+                "name": info.name,
                 "url": info.url,
                 "complete": bool(info.complete),
                 "objects": [f"{base}/{key}" for key in plan.objects],

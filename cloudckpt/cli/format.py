@@ -46,3 +46,16 @@ def referenced_objects(manifest: Any) -> list[tuple[str, str, int]]:
         for home, key in zip(manifest.object_homes, manifest.objects)
         if home
     )
+
+
+def is_step_folder(info: Any) -> bool:
+    """Whether a listed checkpoint's folder is the manager's ``step-<012d>`` one."""
+    return info.step is not None and info.name == f"step-{info.step:012d}"
+
+
+def label(info: Any) -> str:
+    """How a line names a listed checkpoint: ``step N`` for a ``step-<N>`` folder, else its
+    folder's name (:func:`cloudckpt.layout.folder_label`)."""
+    from cloudckpt.layout import folder_label
+
+    return folder_label(info.name)

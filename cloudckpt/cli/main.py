@@ -76,7 +76,7 @@ from cloudckpt.cli.convert import register as register_convert
 from cloudckpt.cli.delete import cmd_prune, cmd_rm
 from cloudckpt.cli.export import add_options as add_export_options
 from cloudckpt.cli.export import cmd_export
-from cloudckpt.cli.format import human_bytes, local_time, table
+from cloudckpt.cli.format import human_bytes, is_step_folder, label, local_time, table
 from cloudckpt.cli.options import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -126,28 +126,31 @@ def cmd_ls(args: Any, storage: CommandStorage) -> int:
         if args.details
         else lambda i: ()
     )
+    named = any(not is_step_folder(i) for i in infos)  # a name column for trainers' names
     rows = [
         (
-            i.step,
+            "-" if i.step is None else i.step,
             local_time(i.created_at),
             human_bytes(i.total_bytes),
             "-" if i.objects is None else i.objects,
             "-" if i.world_size is None else i.world_size,
             "DAMAGED" if i.damaged else "yes" if i.complete else "RETAINED" if i.retained else "NO",
             *extra(i),
+            *((i.name,) if named else ()),
         )
         for i in infos
     ]
     table(
         ("step", "time", "size", "objects", "world_size", "complete")
-        + (("own", "shared", "base") if args.details else ()),
+        + (("own", "shared", "base") if args.details else ())
+        + (("name",) if named else ()),
         rows,
     )
     for i in infos:
         if i.damaged:
-            print(f"step {i.step}: cannot be loaded: {i.damaged}", file=sys.stderr)
+            print(f"{label(i)}: cannot be loaded: {i.damaged}", file=sys.stderr)
         for line in i.held_by if args.details else ():  # notes, like the damaged ones
-            print(f"step {i.step}: held by {line}", file=sys.stderr)
+            print(f"{label(i)}: held by {line}", file=sys.stderr)
     return EXIT_OK
 
 

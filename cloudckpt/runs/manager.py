@@ -1,7 +1,13 @@
 """A run's checkpoints: save by step, list, find the latest complete one, load, delete, prune.
 
 ``CheckpointManager("s3://bucket/run")`` keeps step ``s`` at ``<run>/step-<s:012d>/`` (steps are
-ints >= 0). A checkpoint is *complete* when its ``manifest.msgpack`` exists: the save writes it
+ints >= 0). It also lists, loads, deletes and prunes checkpoints saved under other names right
+under the run (``last``, ``epoch=0-step=10.ckpt``, ``checkpoint-500``: a trainer's names, see
+:mod:`cloudckpt.layout`): wherever a method takes a ``step``, an ``int`` means ``step-<012d>`` and a
+``str`` is a folder name. A run's checkpoints are ordered by step (the manifest's ``"step"``
+metadata, else the last number in the name; none first), then by commit time.
+
+A checkpoint is *complete* when its ``manifest.msgpack`` exists: the save writes it
 last, in create mode, so a save still running or killed part-way is *incomplete*. Only complete
 checkpoints are returned by :meth:`~CheckpointManager.latest` or loaded; :meth:`list` shows the
 others with ``complete=False`` (from the first finished data object on; unfinished multipart
@@ -12,10 +18,11 @@ Cost contract:
 - :meth:`list` / :meth:`latest` make one ListObjectsV2 walk of the run root with the delimiter
   ``"/data/"``, which yields each ``step-*/manifest.msgpack`` as a key and each ``step-*/data/``
   as a common prefix: about (2 x checkpoints) / 1,000 list requests, whatever the number of data
-  objects, and no GET. Each checkpoint that looks incomplete costs one HEAD of its manifest (this
-  also repairs SeaweedFS 4.48, whose paging after a ``.../data/`` common prefix skips the rest of
-  that step's keys). ``total_bytes`` / ``objects`` / ``world_size`` come from the manifest and are
-  read only when asked for (``list(details=True)``, :meth:`info`).
+  objects, and no GET for folders named ``step-<N>`` (one manifest GET for each complete one of
+  another name, for its step). Each checkpoint that looks incomplete costs one HEAD of its
+  manifest (this also repairs SeaweedFS 4.48, whose paging after a ``.../data/`` common prefix
+  skips the rest of that step's keys). ``total_bytes`` / ``objects`` / ``world_size`` come from
+  the manifest and are read only when asked for (``list(details=True)``, :meth:`info`).
 - Deleting is safe: the manifest goes first (the checkpoint stops being complete before any of its
   data goes), then the checkpoint's data objects in batches, then its unfinished multipart
   uploads. Only keys the checkpoint layout owns go (``manifest.msgpack``, ``data/<attempt>/r<rank>
@@ -62,8 +69,8 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-from cloudckpt.layout import join_url, step_dir
-from cloudckpt.options import SaveOptions
+from cloudckpt.layout import folder_of_prefix, join_url, step_dir
+from cloudckpt.options import LoadOptions, SaveOptions
 from cloudckpt.runs.cleanup import (
     DeletionPlan,
     delete_checkpoint,
@@ -74,11 +81,10 @@ from cloudckpt.runs.cleanup import (
 from cloudckpt.runs.pruning import (
     CheckpointInfo,
     checkpoint_details,
-    checkpoint_info,
-    latest_loadable_step,
+    folder_has_objects,
+    latest_loadable,
     list_run,
     prune_run,
-    step_has_objects,
 )
 from cloudckpt.runs.retention import RetentionPolicy
 from cloudckpt.runs.tier.options import LocalTier
@@ -194,9 +200,9 @@ class CheckpointManager:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def step_url(self, step: int) -> str:
-        """URL of step ``step``'s checkpoint."""
-        return join_url(self.url, step_dir(step))
+    def step_url(self, step: int | str) -> str:
+        """URL of step ``step``'s checkpoint (or of the folder named ``step``)."""
+        return join_url(self.url, _folder(step))
 
     # -- listing --------------------------------------------------------------------------------
 
@@ -222,9 +228,9 @@ class CheckpointManager:
         complete = [i for i in self.list() if i.complete]
         return complete[-1] if complete else None
 
-    def info(self, step: int) -> CheckpointInfo:
+    def info(self, step: int | str) -> CheckpointInfo:
         """Step ``step``'s checkpoint with details; ``CheckpointNotFound`` if it is not complete."""
-        return run_coroutine(checkpoint_details(self.store, self.url, step))
+        return run_coroutine(checkpoint_details(self.store, self.url, _folder(step)))
 
     # -- save / load ----------------------------------------------------------------------------
 
@@ -244,15 +250,16 @@ class CheckpointManager:
         Waits first for a pending asynchronous save of this manager. ``blocking=True`` returns the
         ``SaveResult``; ``blocking=False`` returns a :class:`ManagedSaveHandle` at once. The step
         is recorded in the manifest's metadata (``"step"``) unless ``metadata`` already has one.
-        Raises ``CheckpointExists`` when the step is already complete. After a successful save,
-        rank 0 removes leftovers of earlier killed attempts at the same step and, when the
-        retention policy has a rule, prunes. A failure there does not fail the committed save:
-        it is logged (WARNING) and returned as the result's ``retention_error`` (``None`` when
-        that work succeeded); :meth:`prune` retries it and raises on failure.
+        Raises ``CheckpointExists`` when the step is already complete (unless ``save_options``
+        has ``if_exists="replace"``: the new checkpoint replaces it, see ``SaveOptions``). After
+        a successful save, rank 0 removes leftovers of earlier killed attempts at the same step
+        and, when the retention policy has a rule, prunes. A failure there does not fail the
+        committed save: it is logged (WARNING) and returned as the result's ``retention_error``
+        (``None`` when that work succeeded); :meth:`prune` retries it and raises on failure.
         """
         from cloudckpt.api.async_save import async_save
         from cloudckpt.api.save import save
-        from cloudckpt.transport import group_rank
+        from cloudckpt.groups import group_rank
 
         url = self.step_url(step)
         self.wait()
@@ -308,7 +315,7 @@ class CheckpointManager:
     def _base_for(self, step: int) -> str | None:
         """The base of an incremental save of ``step``: the newest complete checkpoint (another
         step); ``None`` when the run has none (the first save is a full one)."""
-        latest = [i for i in self.list() if i.complete and i.step != step]
+        latest = [i for i in self.list() if i.complete and i.name != _folder(step)]
         return latest[-1].url if latest else None
 
     def _has_objects(self, step: int) -> bool:
@@ -316,7 +323,7 @@ class CheckpointManager:
         uploads of a killed attempt (True when that cannot be told: the cleanup it enables is
         harmless, and rank 0 must not fail before the collective)."""
         try:
-            return run_coroutine(step_has_objects(self.store, step))
+            return run_coroutine(folder_has_objects(self.store, _folder(step)))
         except Exception:  # the save itself will report a broken store
             return True
 
@@ -324,9 +331,9 @@ class CheckpointManager:
         """The clean-up after a committed save: ``result``, with its error (logged) if any."""
         try:
             if leftovers:
-                run_coroutine(remove_stale_attempts(self.store, step_dir(step)))
+                run_coroutine(remove_stale_attempts(self.store, _folder(step) + "/"))
             if self.incremental:  # pins of this step's killed attempts, once their lease is over
-                run_coroutine(sweep_pins(self.store, folder=step_dir(step).rstrip("/")))
+                run_coroutine(sweep_pins(self.store, folder=_folder(step)))
             if self.retention.active:
                 self.prune()
         except Exception as exc:  # the checkpoint is committed: do not fail the save
@@ -339,11 +346,14 @@ class CheckpointManager:
             return replace(result, retention_error=exc)
         return result
 
-    def load(self, state_dict, *, step: int | None = None, strict: bool = True) -> int | None:
+    def load(
+        self, state_dict, *, step: int | str | None = None, strict: bool = True
+    ) -> int | str | None:
         """Load step ``step`` (default: the newest complete checkpoint) into ``state_dict``.
 
-        Returns the step loaded, or ``None`` when ``step`` is ``None`` and the run has no complete
-        checkpoint (``state_dict`` is then untouched). Collective in a distributed job: rank 0
+        Returns the step loaded (the folder name of a newest checkpoint that has no step), or
+        ``None`` when ``step`` is ``None`` and the run has no complete checkpoint (``state_dict``
+        is then untouched). Collective in a distributed job: rank 0
         picks the step and every rank loads that one. An explicit step that is not complete
         raises ``CheckpointNotFound``. When the newest complete checkpoint's manifest is damaged,
         every rank raises ``ManifestError`` naming it and the newest step that does decode
@@ -353,6 +363,8 @@ class CheckpointManager:
 
         self.wait()
         if self.tier is not None:
+            if isinstance(step, str):
+                raise ValueError(f"a run with a local tier loads steps by number, got {step!r}")
             return self.tier.load(state_dict, step, strict)
         if step is None:
             step = self._agree_on_latest()
@@ -369,12 +381,13 @@ class CheckpointManager:
         )
         return step
 
-    def _agree_on_latest(self) -> int | None:
+    def _agree_on_latest(self) -> int | str | None:
         from cloudckpt.api.reports import LatestStep
         from cloudckpt.transport import ControlChannel
 
-        timeout = getattr(self.load_options, "timeout", 600.0)
-        channel = ControlChannel(self.process_group, timeout=timeout)
+        options = self.load_options or LoadOptions()
+        channel = ControlChannel(self.process_group, timeout=options.timeout)
+        channel.join("CheckpointManager.load", self.url, options.join_timeout)
         if channel.size == 1:  # one process: the listing's own error, unwrapped
             return self._latest_step()
         with channel.phase("finding the latest checkpoint", LatestStep) as finding:
@@ -382,21 +395,26 @@ class CheckpointManager:
                 finding.report = LatestStep(step=self._latest_step())
         return finding.reports[0].step
 
-    def _latest_step(self) -> int | None:
-        """The newest complete step whose manifest decodes, else ``ManifestError`` naming the
-        newest older one that does (:func:`~cloudckpt.runs.pruning.latest_loadable_step`)."""
-        complete = [i.step for i in self.list() if i.complete]
+    def _latest_step(self) -> int | str | None:
+        """The newest complete checkpoint whose manifest decodes (its step when its folder is
+        ``step-<N>``, else its name), else ``ManifestError`` naming the newest older one that
+        does (:func:`~cloudckpt.runs.pruning.latest_loadable`)."""
+        complete = [i for i in self.list() if i.complete]
         if not complete:
             return None
-        return run_coroutine(latest_loadable_step(self.store, self.url, complete))
+        name = run_coroutine(latest_loadable(self.store, self.url, [i.name for i in complete]))
+        if name is None:
+            return None
+        info = next(i for i in complete if i.name == name)
+        return info.step if info.step is not None and name == _folder(info.step) else name
 
     # -- deleting -------------------------------------------------------------------------------
 
-    def plan_delete(self, step: int) -> DeletionPlan:
+    def plan_delete(self, step: int | str) -> DeletionPlan:
         """What :meth:`delete` would remove now (keys relative to the run), removing nothing."""
-        return run_coroutine(plan_checkpoint(self.store, step_dir(step)))
+        return run_coroutine(plan_checkpoint(self.store, _folder(step) + "/"))
 
-    def delete(self, step: int, *, progress: Callable[[int], None] | None = None) -> int:
+    def delete(self, step: int | str, *, progress: Callable[[int], None] | None = None) -> int:
         """Delete step ``step``'s checkpoint, complete or not; returns the objects removed.
 
         Manifest first, then the step's data objects in batches of
@@ -409,7 +427,7 @@ class CheckpointManager:
         return run_coroutine(
             delete_checkpoint(
                 self.store,
-                step_dir(step),
+                _folder(step) + "/",
                 progress=progress,
                 cutoff=time.time() - self.abandoned_after,
             )
@@ -420,8 +438,9 @@ class CheckpointManager:
     ) -> builtins.list[CheckpointInfo]:
         """Apply the retention policy and remove abandoned saves; return what was removed.
 
-        The result lists, oldest step first, the complete checkpoints the policy does not keep
-        (never the newest complete one; none at all for a policy without rules) and the
+        The result lists, oldest first (by step, then commit time), the complete checkpoints the
+        policy does not keep (never the newest complete one, nor the last one committed when it
+        has no step; none at all for a policy without rules) and the
         incomplete ones abandoned for longer than ``abandoned_after`` (unfinished multipart
         uploads included, even of a step that has no finished object). ``dry_run=True`` removes
         nothing and returns what would have been removed. Only owned keys go (see
@@ -434,9 +453,23 @@ class CheckpointManager:
     ) -> builtins.list[tuple[CheckpointInfo, DeletionPlan]]:
         """:meth:`prune`, returning each removed checkpoint with the exact keys and uploads that
         went (or, with ``dry_run=True``, would go)."""
-        removed = run_coroutine(
+        return run_coroutine(
             prune_run(
-                self.store, self.retention, self.abandoned_after, dry_run=dry_run, progress=progress
+                self.store,
+                self.retention,
+                self.abandoned_after,
+                dry_run=dry_run,
+                progress=progress,
+                run_url=self.url,
             )
         )
-        return [(checkpoint_info(self.url, step, state), plan) for step, state, plan in removed]
+
+
+def _folder(step: int | str) -> str:
+    """The folder of ``step``: ``step-<012d>`` for an int, the name itself for a str (one safe
+    path segment, else ``ValueError``)."""
+    if isinstance(step, str):
+        if folder_of_prefix(step + "/") is None:
+            raise ValueError(f"{step!r} is not a checkpoint folder name (one path segment)")
+        return step
+    return step_dir(step)[:-1]

@@ -139,9 +139,9 @@ class PreemptionHandler:
 
     # -- step boundaries ------------------------------------------------------------------------
 
-    def resume(self, state_dict) -> int | None:
-        """Load the newest complete checkpoint into ``state_dict`` (collective): its step, or
-        None when the run has none."""
+    def resume(self, state_dict) -> int | str | None:
+        """Load the newest complete checkpoint into ``state_dict`` (collective): its step (see
+        ``CheckpointManager.load``), or None when the run has none."""
         return self.manager.load(state_dict)
 
     def should_stop(self, step: int) -> bool:

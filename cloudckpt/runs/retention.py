@@ -1,4 +1,4 @@
-"""Which checkpoints of a run a retention policy keeps: a pure function of the complete steps.
+"""Which checkpoints of a run a retention policy keeps: a pure function of the complete ones.
 
 A :class:`RetentionPolicy` is a set of *keep* rules. A complete checkpoint survives when at least
 one rule keeps it; everything else is selected for deletion by :func:`select_to_delete`:
@@ -7,6 +7,11 @@ one rule keeps it; everything else is selected for deletion by :func:`select_to_
 - ``keep_every=K``: every step that is a multiple of K (0, K, 2K, ...);
 - ``keep_steps={...}``: an explicit set of steps;
 - ``keep_if=predicate``: every step for which ``predicate(step)`` is true.
+
+A run's checkpoints may have names a trainer chose (``last``, ``epoch=0-step=10.ckpt``):
+:func:`select_names` judges them in the order the caller gives (oldest first); ``keep_last`` counts
+from the end of that order, the other rules judge each one's step, and one without a step
+(``None``) is kept by ``keep_last`` only.
 
 Two guarantees hold whatever the rules say:
 
@@ -19,10 +24,13 @@ the manager's business: it removes them only once they are older than a grace pe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-__all__ = ["RetentionPolicy", "select_to_delete"]
+T = TypeVar("T")
+
+__all__ = ["RetentionPolicy", "select_names", "select_to_delete"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,10 +75,13 @@ class RetentionPolicy:
             or self.keep_if is not None
         )
 
-    def keeps(self, step: int, *, rank_from_newest: int) -> bool:
-        """Whether a rule keeps ``step``; ``rank_from_newest`` is 0 for the newest complete step."""
+    def keeps(self, step: int | None, *, rank_from_newest: int) -> bool:
+        """Whether a rule keeps ``step`` (``None``: a checkpoint without a step);
+        ``rank_from_newest`` is 0 for the newest complete checkpoint."""
         if self.keep_last is not None and rank_from_newest < self.keep_last:
             return True
+        if step is None:
+            return False
         if self.keep_every is not None and step % self.keep_every == 0:
             return True
         if step in self.keep_steps:
@@ -85,13 +96,22 @@ def select_to_delete(steps_complete: Iterable[int], policy: RetentionPolicy) -> 
     are ignored). The newest one is never in the result, and an inactive policy returns an empty
     set.
     """
-    steps = sorted(set(steps_complete), reverse=True)
-    if not steps or not policy.active:
+    steps = sorted(set(steps_complete))
+    return set(select_names([(s, s) for s in steps], policy))
+
+
+def select_names(ordered: Sequence[tuple[T, int | None]], policy: RetentionPolicy) -> set[T]:
+    """Return the names of the complete checkpoints ``policy`` does not keep.
+
+    ``ordered``: ``(name, step)`` of each complete checkpoint, oldest first (``step`` may be
+    ``None``). The last one is never in the result, and an inactive policy returns an empty set.
+    """
+    if not ordered or not policy.active:
         return set()
     doomed = set()
-    for rank_from_newest, step in enumerate(steps):
+    for rank_from_newest, (name, step) in enumerate(reversed(ordered)):
         if rank_from_newest == 0:
             continue  # the newest complete checkpoint is always kept
         if not policy.keeps(step, rank_from_newest=rank_from_newest):
-            doomed.add(step)
+            doomed.add(name)
     return doomed

@@ -173,6 +173,7 @@ def test_json_ls_show_verify(s3_env, run2):
     for row in rows:
         assert set(row) == {
             "step",
+            "name",
             "url",
             "complete",
             "created_at",
@@ -181,7 +182,7 @@ def test_json_ls_show_verify(s3_env, run2):
             "world_size",
             "damaged",
         }
-        assert row["damaged"] is None
+        assert row["damaged"] is None and row["name"] == step_dir(row["step"]).rstrip("/")
         assert row["complete"] is True and row["world_size"] == 1 and row["total_bytes"] == 24
         assert row["url"].rstrip("/").endswith(step_dir(row["step"]).rstrip("/"))
         assert "T" in row["created_at"] and row["created_at"][-6] in "+-"  # ISO 8601, offset
@@ -229,7 +230,7 @@ def test_json_prune(s3_env, run2):
     doc = json.loads(res.stdout)
     assert doc["dry_run"] is True and [r["step"] for r in doc["removed"]] == [10]
     entry = doc["removed"][0]
-    assert set(entry) == {"step", "url", "complete", "objects", "uploads", "left"}
+    assert set(entry) == {"step", "name", "url", "complete", "objects", "uploads", "left"}
     assert any(o.endswith("manifest.msgpack") for o in entry["objects"])
     assert all(o.startswith(run2) for o in entry["objects"])
     assert [i.step for i in CheckpointManager(run2).list()] == [10, 20]

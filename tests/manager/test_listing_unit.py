@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from cloudckpt.layout import classify_listing, join_url, parse_step_dir, step_dir
+from cloudckpt.layout import (
+    classify_listing,
+    folder_label,
+    folder_of_prefix,
+    join_url,
+    parse_step_dir,
+    step_dir,
+    step_of_name,
+)
+from cloudckpt.runs.retention import RetentionPolicy, select_names
 from cloudckpt.storage.base import CommonPrefix, ObjectInfo
 
 
@@ -32,17 +41,50 @@ def test_classify_listing():
         ObjectInfo(f"{step_dir(1)}{m}", 10, None, 1.0),
         CommonPrefix(f"{step_dir(2)}data/"),  # incomplete
         ObjectInfo(f"{step_dir(3)}{m}", 5, None, 2.0),  # complete, no data objects
-        ObjectInfo("step-4/manifest.msgpack", 1),  # not canonical: ignored
-        CommonPrefix("other/data/"),
+        ObjectInfo("step-4/manifest.msgpack", 1),  # a trainer's name: a checkpoint too
+        CommonPrefix("other/data/"),  # an incomplete one named "other"
         ObjectInfo("README", 3),  # foreign: ignored
         ObjectInfo(f"{step_dir(5)}notes.txt", 3),  # neither manifest nor data
         CommonPrefix(f"{step_dir(6)}x/data/"),  # nested deeper: ignored
+        ObjectInfo(f"{step_dir(7)}x/{m}", 3),  # a manifest one level deeper: ignored
+        ObjectInfo(f"../{m}", 3),  # not a safe folder name: ignored
+        CommonPrefix("../data/"),
+        ObjectInfo(f"a\x01b/{m}", 3),  # a control character: ignored
+        ObjectInfo(f"last/pins/{'0' * 16}.step-000000000009", 3),  # pins only: retained
     ]
-    steps = classify_listing(items)
-    assert sorted(steps) == [1, 2, 3]
+    folders = classify_listing(items)
+    assert sorted(folders) == sorted(
+        ["last", "other", "step-4"] + [step_dir(s)[:-1] for s in (1, 2, 3)]
+    )
+    steps = {parse_step_dir(n + "/"): st for n, st in folders.items()}
     assert steps[1].manifest.size == 10 and steps[1].has_data
     assert steps[2].manifest is None and steps[2].has_data
     assert steps[3].manifest.last_modified == 2.0 and not steps[3].has_data
+    assert folders["step-4"].manifest.size == 1 and folders["other"].has_data
+    assert folders["last"].retained and not folders["other"].retained
+
+
+def test_folder_names_and_their_steps():
+    for name in ("last", "epoch=0-step=10.ckpt", "checkpoint-500", "a b", "é", "x" * 255):
+        assert folder_of_prefix(name + "/") == name
+    for bad in ("..", ".", "", "a/b", "a\\b", "a\x00", "x" * 256, "a/b/"):
+        assert folder_of_prefix(bad + "/") is None, bad
+    assert folder_of_prefix("last") is None  # a prefix ends in "/"
+    assert step_of_name(step_dir(100)[:-1]) == 100
+    assert step_of_name("epoch=0-step=10.ckpt") == 10
+    assert step_of_name("checkpoint-500") == 500
+    assert step_of_name("last") is None and step_of_name("9" * 31) is None
+    assert folder_label(step_dir(7)[:-1]) == "step 7"
+    assert folder_label("last") == "last" and folder_label("a b") == "'a b'"
+
+
+def test_select_names_orders_and_keeps_the_newest():
+    ordered = [("last", None), ("a-1", 1), ("b-2", 2), ("c-3", 3)]
+    assert select_names(ordered, RetentionPolicy(keep_last=2)) == {"last", "a-1"}
+    assert select_names(ordered, RetentionPolicy(keep_every=2)) == {"last", "a-1"}
+    assert select_names(ordered, RetentionPolicy(keep_last=0)) == {"last", "a-1", "b-2"}
+    assert select_names(ordered, RetentionPolicy()) == set()
+    assert select_names([("z", None)], RetentionPolicy(keep_last=0)) == set()
 
 
 class Unpicklable:

@@ -163,8 +163,9 @@ def _foreign_in_run(rng: random.Random, a: str) -> str:
         [
             "README.md",
             "step-000000000001.txt",
-            "step-1/manifest.msgpack",
-            f"step-1/data/{a}/r00000-0000.bin",
+            # a folder of any name is a checkpoint folder: near misses of the layout inside one
+            "step-1/manifest.msgpack.old",
+            f"step-1/data/{a}/r00000-0000.bin.bak",
             "notes/step-000000000002/readme",
             "other-run/step-000000000002/manifest.msgpack",
             f"other-run/step-000000000002/data/{a}/r00000-0000.bin",

@@ -112,13 +112,14 @@ def _delete(entry: str, url: str, storage, store, s3_server) -> None:
     elif entry == "manager":
         CheckpointManager(url, storage=storage, abandoned_after=0).delete(5)
     elif entry == "prune":
-        # the newest is always kept: step-5 is the one that goes; step-2 goes too (abandoned)
+        # the newest is always kept: step-5 is the one that goes; step-2 and keep go too
+        # (abandoned: keep is a folder of the run with a killed save's objects, named by a user)
         CheckpointManager(url, storage=storage, save_options=OPTIONS).save(6, _state(6))
         mgr = CheckpointManager(
             url, storage=storage, abandoned_after=0.0, retention=RetentionPolicy(keep_steps={1})
         )
-        removed = [i.step for i in mgr.prune()]
-        assert removed == [2, 5], removed
+        removed = [i.name for i in mgr.prune()]
+        assert removed == ["keep", step_dir(2)[:-1], step_dir(5)[:-1]], removed
     else:
         _age(url, storage, 7200.0)
         res = cli(s3_server, "rm", f"{url}/{step_dir(5)[:-1]}")
@@ -145,8 +146,8 @@ def test_a_forged_reference_never_widens_a_deletion_to_a_sibling(entry, run, s3_
     forged = cloudckpt.read_manifest(f"{url}/{step_dir(5)[:-1]}", storage=storage)
     assert set(forged.object_homes) >= {step_dir(1)[:-1], step_dir(2)[:-1], "keep"}
     _delete(entry, url, storage, store, s3_server)
-    if entry == "prune":  # the abandoned save is prune's own business
-        siblings = {k for k in siblings if not k.startswith((step_dir(2), step_dir(6)))}
+    if entry == "prune":  # the abandoned saves are prune's own business
+        siblings = {k for k in siblings if not k.startswith((step_dir(2), step_dir(6), "keep/"))}
     _check(url, storage, store, siblings)
 
 

@@ -94,11 +94,12 @@ def test_rm_of_a_run_says_what_to_type(s3_env, s3_url, tmp_path):
 
 
 def test_ls_and_prune_of_a_url_that_is_not_a_run_say_what_it_is(s3_env, s3_url, tmp_path):
-    """Where ``examples/smoke.py`` saves (a checkpoint in a folder of its own), a folder of runs,
-    a step checkpoint: ``ls`` and ``prune`` say what the URL is and what to type (exit 2),
-    never "no checkpoints" with exit 0 (``show`` and ``verify``, which found no checkpoint to
-    use, say the same); nothing is deleted. An S3 prefix with nothing under it
-    and an empty local folder stay empty runs (exit 0)."""
+    """A folder of runs and a step checkpoint: ``ls`` and ``prune`` say what the URL is and what
+    to type (exit 2), never "no checkpoints" with exit 0 (``verify``, which found no checkpoint
+    to use, says the same); nothing is deleted. Where ``examples/smoke.py`` saves (checkpoints
+    in folders of their own names) is a run of named checkpoints: ``ls`` lists them, ``show``
+    uses the newest. An S3 prefix with nothing under it and an empty local folder stay empty
+    runs (exit 0)."""
     listed = []
     for base in (s3_url, str(tmp_path / "store")):
         cloudckpt.save(_state(1), f"{base}/smoke/1700000000-abc123")
@@ -108,31 +109,36 @@ def test_ls_and_prune_of_a_url_that_is_not_a_run_say_what_it_is(s3_env, s3_url, 
     (tmp_path / "empty").mkdir()
     cases, expect = [], []
     for base in listed:
-        smoke, first = f"{base}/smoke", f"{base}/smoke/1700000000-abc123"
         for argv, text in (
-            (["ls", smoke], f"a folder of checkpoints: {first}, "),
-            (["ls", smoke, "--json"], f"see one with: cloudckpt show {first}"),
-            (["prune", smoke, "--keep-last", "0"], "a folder of checkpoints"),
             (["ls", f"{base}/runs"], f"use one with: cloudckpt ls {base}/runs/a"),
             (["prune", f"{base}/runs", "--keep-last", "0"], "a folder of runs"),
             (["ls", _ckpt(f"{base}/runs/a", 5)], f"or its run: cloudckpt ls {base}/runs/a"),
-            (["show", smoke], f"see one with: cloudckpt show {first}"),
             (["verify", f"{base}/runs"], f"use one with: cloudckpt verify {base}/runs/a"),
         ):
             cases.append({"argv": argv})
             expect.append((2, text))
+    named = len(cases)
+    for base in listed:
+        cases += [{"argv": ["ls", f"{base}/smoke", "--json"]}, {"argv": ["show", f"{base}/smoke"]}]
     cases += [{"argv": ["ls", f"{s3_url}/nothing-here"]}, {"argv": ["ls", "empty"]}]
     results = batch(s3_env, cases, tmp_path)
     for result, (status, text) in zip(results, expect):
         _one_line(result, status, text)
+    for k, base in enumerate(listed):
+        ls, show = results[named + 2 * k], results[named + 2 * k + 1]
+        assert ls["status"] == 0, ls
+        rows = json.loads(ls["stdout"])
+        assert [r["name"] for r in rows] == ["1700000000-abc123", "1700000001-def456"], rows
+        assert all(r["complete"] for r in rows)
+        assert show["status"] == 0 and f"{base}/smoke/1700000001-def456" in show["stderr"], show
     for result, url in zip(results[-2:], (f"{s3_url}/nothing-here", "empty")):
         assert result["status"] == 0 and result["stderr"] == f"no checkpoints under {url}\n", result
     for base in listed:
         for name in ("1700000000-abc123", "1700000001-def456"):
             assert cloudckpt.verify(f"{base}/smoke/{name}").ok
         assert [i.step for i in CheckpointManager(f"{base}/runs/a").list()] == [5]
-    res = cli(s3_env, "ls", f"{s3_url}/smoke")  # the first-steps case through the real entry
-    assert res.returncode == 2 and "a folder of checkpoints" in res.stderr, res
+    res = cli(s3_env, "ls", f"{s3_url}/runs")  # the first-steps case through the real entry
+    assert res.returncode == 2 and "a folder of runs" in res.stderr, res
 
 
 def test_a_path_that_is_not_there_is_an_error_not_an_empty_listing(s3_env, s3_url, tmp_path):

@@ -80,7 +80,7 @@ def choose(run, step: int | None) -> Choice | None:
         newest_crc = None  # of the newest step in the store: the usual choice, read at once
         if channel.is_coordinator:
             listed = run_coroutine(list_run(run.manager.store, run.run_url))
-            stored = [i.step for i in listed if i.complete]
+            stored = [i.step for i in listed if i.complete and i.step is not None]
             wanted = step if step is not None else (stored[-1] if stored else None)
             if wanted is not None and wanted in stored:
                 newest_crc = _manifest_crc(run.step_url(wanted), run.storage)
@@ -177,7 +177,7 @@ class TieredSource:
 def listing(run, listed: list[CheckpointInfo]) -> list[CheckpointInfo]:
     """The object store's listing with each step's ``tiers``, and the steps complete in the
     tiers only (no collective: the peers as this process last saw them)."""
-    by_step = {i.step: i for i in listed}
+    by_step = {i.step: i for i in listed if i.step is not None}
     inventory = run.node.inventory()
     out = []
     for step in sorted(set(by_step) | set(inventory)):
@@ -195,7 +195,7 @@ def listing(run, listed: list[CheckpointInfo]) -> list[CheckpointInfo]:
         if info.complete:
             found.append("store")
         out.append(replace(info, tiers=tuple(found), complete=bool(found)))
-    return out
+    return out + [i for i in listed if i.step is None]  # named folders: the store's alone
 
 
 def _manifest_crc(url: str, storage) -> int | None:
