@@ -124,13 +124,14 @@ def prepare_save(
     options=None,
     base=None,
     call: str = "save",
+    joined_url: str | None = None,
 ) -> PreparedSave:
-    """Phases 1-2: plan the save on every rank, once all joined ``call`` of ``url``.
-    Collective."""
+    """Phases 1-2: plan the save on every rank, once all joined ``call`` of ``url`` (or of
+    ``joined_url``: a node-local tier saves each node's part to its own directory). Collective."""
     wait_for_pending_save()
     options = options or SaveOptions()
     channel = ControlChannel(process_group, timeout=options.timeout)
-    channel.join(call, url, options.join_timeout)
+    channel.join(call, joined_url or url, options.join_timeout)
     started = time.perf_counter()
     plan_cache = current().save_plans
     cached = plan_cache.held() if options.use_plan_cache else {}

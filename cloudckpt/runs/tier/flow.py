@@ -131,7 +131,7 @@ class TierRun:
     def save(self, step: int, state_dict, kwargs: dict, store_save: Callable[[], object]):
         """Save ``step`` to the tier (and the object store when due); ``store_save()`` is the
         plain save to the object store, used for steps off the tier and as the fallback."""
-        from cloudckpt.api.save import save
+        from cloudckpt.api.save import finish_save, prepare_save
 
         if step % self.tier.every:
             return store_save()
@@ -142,7 +142,14 @@ class TierRun:
         if not self._space(step, nodes):
             return store_save()
         try:
-            result = save(state_dict, self.node.step_url(step), **{**kwargs, "storage": None})
+            prepared = prepare_save(
+                state_dict,
+                self.node.step_url(step),  # each node its own directory, one call for all
+                **{**kwargs, "storage": None},
+                call="tier save",
+                joined_url=self.step_url(step),
+            )
+            result = finish_save(prepared)
         except CheckpointExists:
             raise
         except CheckpointError as exc:
