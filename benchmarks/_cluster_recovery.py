@@ -96,7 +96,7 @@ def rank_load(url: str, total_bytes: int, step: int, tiered: bool) -> dict:
     before = (set(COUNTERS.failed), COUNTERS.healed, COUNTERS.lost)
     dist.barrier()
     t0 = time.perf_counter()
-    loaded = mgr.load(state, step=step)
+    loaded = mgr.load(state)  # a resume: the newest step (both paths find it themselves)
     seconds = time.perf_counter() - t0
     want = _state(total_bytes, step)
     exact = torch.equal(state["w"].local, want["w"].local) and state["step"] == want["step"]

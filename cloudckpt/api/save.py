@@ -126,7 +126,8 @@ def prepare_save(
     base=None,
     call: str = "save",
 ) -> PreparedSave:
-    """Phases 1-2: plan the save on every rank, once all joined ``call`` of ``url``.
+    """Phases 1-2: plan the save on every rank, once all joined ``call`` of ``url`` (or of
+    ``options.join_as``: a node-local tier saves each node's part to its own directory).
     Collective."""
     wait_for_pending_save()
     options = options or SaveOptions()

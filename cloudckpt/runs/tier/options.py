@@ -28,6 +28,12 @@ class LocalTier:
       job, or by another format version, is ignored with a warning.
     - ``host``: the address other nodes reach this node's tier service at (default: the address
       this node uses to reach the rendezvous, ``MASTER_ADDR``, or ``127.0.0.1``).
+    - ``timeout``: seconds a request to another node's tier may take before that node counts
+      as unreachable (its objects are then read from the next holder).
+
+    Not combined with ``incremental=True``. With a tier, ``save(..., blocking=False)`` returns
+    a handle that is already done (the tier save is the short part; its replicas and copy to
+    the object store run in the background when ``background``).
     """
 
     path: str

@@ -2,9 +2,10 @@
 
 Load (collective): ``── tier peers ──`` (once per world), ``── tier inventory ──`` (what every
 node's tier holds, as untrusted bytes: :func:`~cloudckpt.runs.tier.node.decode_inventory`; the
-coordinator adds the steps complete in the object store), ``── tier decision ──`` (the
-coordinator's crc32c of the chosen step's manifest in the object store, so that the store
-serves as a fallback only for the very same checkpoint). The step loaded is the one asked for,
+coordinator adds the steps complete in the object store and the crc32c of the manifest of the
+newest one, or of the step asked for, so that the store serves as a fallback only for the very
+same checkpoint; a step chosen from the tiers that is in the store but not the newest there is
+read from the tiers alone). The step loaded is the one asked for,
 else the newest complete somewhere: in the tiers together (the nodes holding one manifest
 hold all of its objects between them) or in the object store. It is loaded by
 ``api.load.load_from`` through a :class:`TieredSource`: each object from this node's tier, then
@@ -79,24 +80,25 @@ def choose(run, step: int | None) -> Choice | None:
         first = nodes is not None and nodes.first_rank[nodes.node_of[channel.rank]] == channel.rank
         own = encode_inventory(run.node.inventory() if first else {})
         stored: list[int] = []
+        newest_crc = None  # of the newest step in the store: the usual choice, read at once
         if channel.is_coordinator:
             listed = run_coroutine(list_run(run.manager.store, run.run_url))
             stored = [i.step for i in listed if i.complete and i.step is not None]
-        gathering.report = Blob(msgpack.packb([own, stored]))
+            wanted = step if step is not None else (stored[-1] if stored else None)
+            if wanted is not None and wanted in stored:
+                newest_crc = _manifest_crc(run.step_url(wanted), run.storage)
+        gathering.report = Blob(msgpack.packb([own, stored, newest_crc]))
     docs = [_decode_gathered(r.raw) for r in gathering.reports]
     inventories = [d[0] for d in docs]
     run.last_inventories = inventories
-    stored = docs[0][1]
+    stored, read_crc = docs[0][1], docs[0][2]
     in_tiers = complete_steps(inventories) if nodes is not None else {}
+    read_step = step if step is not None else (stored[-1] if stored else None)
     if step is None:
         if not in_tiers and not stored:
             return None
         step = max(set(in_tiers) | set(stored))
-    with channel.phase("tier decision", Blob) as deciding:
-        if channel.is_coordinator:
-            crc = _manifest_crc(run.step_url(step), run.storage) if step in stored else None
-            deciding.report = Blob(msgpack.packb(crc))
-    store_crc = msgpack.unpackb(deciding.reports[0].raw)
+    store_crc = read_crc if step == read_step else None  # in the store but older: not needed
     return Choice(step, in_tiers.get(step), store_crc, inventories, nodes)
 
 
@@ -206,11 +208,13 @@ def _manifest_crc(url: str, storage) -> int | None:
         return None
 
 
-def _decode_gathered(raw: bytes) -> tuple[Inventory, list[int]]:
+def _decode_gathered(raw: bytes) -> tuple[Inventory, list[int], int | None]:
     try:
-        own, stored = msgpack.unpackb(raw, raw=False)
+        own, stored, crc = msgpack.unpackb(raw, raw=False)
     except Exception as exc:  # noqa: BLE001 - malformed bytes of any kind
         raise ProtocolError(f"malformed tier inventory report: {exc}"[:200]) from exc
     if not isinstance(stored, list) or not all(type(s) is int and s >= 0 for s in stored):
         raise ProtocolError("a tier inventory report lists steps as ints >= 0")
-    return decode_inventory(own), stored
+    if crc is not None and (type(crc) is not int or not 0 <= crc < 1 << 32):
+        raise ProtocolError("a tier inventory report's crc is a 32-bit unsigned int")
+    return decode_inventory(own), stored, crc

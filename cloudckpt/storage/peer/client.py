@@ -31,7 +31,7 @@ from cloudckpt.storage.peer.server import TOKEN_HEADER
 from cloudckpt.storage.ranges import HeldRange
 from cloudckpt.storage.verified import read_verified
 
-_CONCURRENCY = 8
+_CONCURRENCY = 4  # requests in flight per peer (more lose packets at a shaped link)
 
 
 class PeerStore:
