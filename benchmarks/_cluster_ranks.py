@@ -235,6 +235,51 @@ def _s3fs_kwargs() -> dict:
     }
 
 
+_PHASES: list = []  # (phase, "start" / "agree" / "end", perf_counter) of the current call
+
+
+def _time_phases() -> None:
+    """Mark every protocol phase's start, the end of its block (then its exchange) and its end
+    (once per process)."""
+    from cloudckpt import transport
+
+    if getattr(transport.Phase, "_bench_timed", False):
+        return
+    enter, exit_ = transport.Phase.__enter__, transport.Phase.__exit__
+
+    def phase_enter(self):
+        _PHASES.append((self.what, "start", time.perf_counter()))
+        return enter(self)
+
+    def phase_exit(self, *exc):
+        _PHASES.append((self.what, "agree", time.perf_counter()))
+        try:
+            return exit_(self, *exc)
+        finally:
+            _PHASES.append((self.what, "end", time.perf_counter()))
+
+    transport.Phase.__enter__, transport.Phase.__exit__ = phase_enter, phase_exit  # type: ignore[method-assign]
+    transport.Phase._bench_timed = True  # type: ignore[attr-defined]
+
+
+def _phase_rows(start: float, end: float) -> list:
+    """``[label, seconds]`` of each phase's own work (``name``) and exchange (``name ~``), and
+    of the gaps between phases (``-``), from ``start`` to ``end``."""
+    rows, t = [], start
+    for what, edge, at in _PHASES:
+        label = "-" if edge == "start" else what if edge == "agree" else f"{what} ~"
+        rows.append([label, at - t])
+        t = at
+    rows.append(["-", end - t])
+    merged: list = []
+    for label, sec in rows:
+        if merged and merged[-1][0] == label:
+            merged[-1][1] += sec
+        else:
+            merged.append([label, sec])
+    return [[label, round(sec, 4)] for label, sec in merged if sec > 0.0005 or label != "-"]
+
+
 def _do(method: str, action: str, target: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
@@ -242,12 +287,19 @@ def _do(method: str, action: str, target: str) -> dict:
 
     args, group = _CTX["args"], _CTX["group"]
     if method.startswith("cloudckpt"):
+        _time_phases()
+        _PHASES.clear()
+        start = time.perf_counter()
         if action == "save":
             r = cloudckpt.save(_CTX["src"], target)
-            return {"written": r.rank_bytes_written, "total_written": r.bytes_written}
-        options = cloudckpt.LoadOptions(broadcast=False) if method == "cloudckpt-nobcast" else None
-        r = cloudckpt.load(_CTX["dest"], target, process_group=group, options=options)
-        return {"fetched": r.bytes_fetched, "received": r.bytes_received}
+            out = {"written": r.rank_bytes_written, "total_written": r.bytes_written}
+        else:
+            options = (
+                cloudckpt.LoadOptions(broadcast=False) if method == "cloudckpt-nobcast" else None
+            )
+            r = cloudckpt.load(_CTX["dest"], target, process_group=group, options=options)
+            out = {"fetched": r.bytes_fetched, "received": r.bytes_received}
+        return out | {"phases": _phase_rows(start, time.perf_counter())}
     if method == "dcp":
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 

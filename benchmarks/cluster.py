@@ -413,6 +413,16 @@ class Bench:
                 )
         if a.slow_node:
             n = a.slow_n
+            for case in ("sharded", "replicated"):  # replicated: S / sum of the rates
+                rec = self.pick(n, "slow", case, "cloudckpt", "save")
+                out.append(
+                    C.ratio_line(
+                        f"[N={n}, node {n - 1} at 1/4 rate] {case} save cloudckpt / ideal",
+                        rec and rec["seconds"],
+                        rec and rec["ideal"],
+                        a.ideal_limit,
+                    )
+                )
             for case, action, key in (
                 ("replicated", "save", "written"),
                 ("replicated", "load", "fetched"),
@@ -479,6 +489,7 @@ class Bench:
                         f"  {case} {action}: {even:.2f} s -> {slow:.2f} s with the slow node "
                         f"(x{slow / even:.2f})"
                     )
+        self.print_phases()
         if self.records:
             recs = self.records
             print(
@@ -501,6 +512,25 @@ class Bench:
             print("\n## failures")
             for f in self.failures:
                 print(f)
+
+    def print_phases(self) -> None:
+        """Where each cloudckpt save's seconds went, on its slowest rank: every protocol
+        phase's own work, its exchange (``~``: waiting for the other ranks and the collective)
+        and the time between phases (``-``)."""
+        a, lines = self.args, []
+        for n, scenario in [(n, "uniform") for n in a.nodes] + (
+            [(a.slow_n, "slow")] if a.slow_node else []
+        ):
+            for case in ("sharded", "replicated"):
+                rec = self.pick(n, scenario, case, "cloudckpt", "save")
+                if not rec or not all("phases" in r for r in rec["ranks"]):
+                    continue
+                k = max(range(n), key=lambda i: rec["ranks"][i]["seconds"])
+                rows = " | ".join(f"{lbl} {sec:.3f}" for lbl, sec in rec["ranks"][k]["phases"])
+                lines.append(f"  N={n} {scenario} {case} save, rank {k}: {rows}")
+        if lines:
+            print("\n## cloudckpt save phases, slowest rank (s; '~' its exchange, '-' between)")
+            print("\n".join(lines))
 
     def save_json(self, path: str) -> None:
         with open(path, "w") as f:
@@ -625,6 +655,11 @@ def parse_args(argv=None):
     p.add_argument("--raw-object-mib", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per step")
+    p.add_argument(
+        "--recovery",
+        action="store_true",
+        help="only the fast-recovery section (issue 25: benchmarks/_cluster_recovery.py)",
+    )
     p.add_argument("--json", default=os.path.join(RESULTS, "cluster.json"))
     p.add_argument("--figure", default=os.path.join(RESULTS, "cluster.png"))
     a = p.parse_args(argv)
@@ -635,6 +670,7 @@ def parse_args(argv=None):
         a.backend_mbit = 10 * a.frontend_mbit
     a.total_bytes = int(a.mib * C.MiB)
     a.slow_n = 4
+    a.results = RESULTS
     return a
 
 
@@ -647,6 +683,10 @@ def main(argv=None) -> int:
     if reason:
         print(f"cluster benchmark skipped: {reason}")
         return 0
+    if args.recovery:
+        import _cluster_recovery
+
+        return _cluster_recovery.main(args)
     bench = Bench(args)
     t0 = time.perf_counter()
     print(f"load average at start: {', '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)

@@ -3,6 +3,7 @@
     python benchmarks/planning.py                  # 256 and 1,024 ranks x 2,000 tensors, hostile
     python benchmarks/planning.py --ranks 64 --tensors 500 --repeat 1
     python benchmarks/planning.py --only hostile       # the hostile-manifest section alone
+    python benchmarks/planning.py --only scale         # 405B + Adam on 1,024 .. 16,384 ranks
 
 Every sharded tensor is split over all ranks along dim 0 (torch.chunk sizes, so the last ranks
 hold fewer rows or none); a few hundred small tensors are replicated on every rank. Prints the
@@ -19,6 +20,11 @@ of manifest), a structure nested 100,000 deep. For each: manifest bytes, peak Py
 (tracemalloc) and seconds of ``decode_manifest``, of planning a one-element load on first use of
 the manifest (chunk index and exact-cover check included) and again, and of the exact-cover check
 alone. Seconds are best of ``--repeat``; nothing is asserted.
+
+Scale section (``--only scale``, not run by default: minutes): a 405B dense model and its Adam
+state on pipeline 16 x tensor-parallel 8 x FSDP 8 .. 128 (1,024 .. 16,384 ranks), see
+``benchmarks/_planning_scale.py``: the coordinator's planning and manifest encoding, a rank's
+own plan, the manifest against DCP's pickled ``.metadata``; PASS/MISS lines at the largest world.
 """
 
 from __future__ import annotations
@@ -332,7 +338,24 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=2000)
     ap.add_argument("--replicated", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--only", choices=["jobs", "hostile"], help="run one section (default: both)")
+    ap.add_argument(
+        "--only",
+        choices=["jobs", "hostile", "scale"],
+        help="run one section (default: jobs and hostile; scale only when asked)",
+    )
+    ap.add_argument(
+        "--scale-ranks",
+        type=int,
+        nargs="+",
+        default=[1024, 2048, 4096, 8192, 16384],
+        help="world sizes of the scale section (multiples of 128)",
+    )
+    ap.add_argument(
+        "--dcp-max",
+        type=int,
+        default=2048,
+        help="largest world whose DCP .metadata is built (larger: extrapolated per chunk)",
+    )
     ap.add_argument(
         "--hostile",
         nargs="+",
@@ -340,6 +363,15 @@ def main() -> None:
         help="hostile manifests to run (columns rows empty-0.4 empty-4 deep)",
     )
     args = ap.parse_args()
+    if args.only == "scale":
+        import _planning_scale as S
+
+        results = S.scale(args.scale_ranks, args.dcp_max)
+        import _common as C
+
+        print("\ntargets:")
+        C.print_targets(S.targets(results))
+        return
     if args.only != "jobs":
         hostile(args.repeat, args.hostile)
     if args.only == "hostile":

@@ -32,6 +32,7 @@ _LAZY = {
     "RetryOptions": ("cloudckpt.storage", "RetryOptions"),
     "GlobalPiece": ("cloudckpt.statedict.pieces", "GlobalPiece"),
     "CheckpointManager": ("cloudckpt.runs.manager", "CheckpointManager"),
+    "LocalTier": ("cloudckpt.runs.tier.options", "LocalTier"),
     "CheckpointInfo": ("cloudckpt.runs.pruning", "CheckpointInfo"),
     "exists": ("cloudckpt.runs.checkpoints", "exists"),
     "delete": ("cloudckpt.runs.checkpoints", "delete"),

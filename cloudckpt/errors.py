@@ -273,3 +273,18 @@ def checkpoint_error_class(error_types: Iterable[str]) -> type[CheckpointError]:
             combined = made if issubclass(made, CheckpointError) else CheckpointError
             _combined_classes[cls] = combined
         return combined
+
+
+class PeerError(StorageError, ConnectionError):
+    """Another node's local checkpoint tier did not answer as the protocol says (unreachable,
+    refused, a malformed or oversized answer). Nothing of its answer is used: the load reads the
+    object from the next tier (another peer, then the object store)."""
+
+
+# --- the rank-0 guard --------------------------------------------------------------------------
+
+
+class CollectiveMismatch(CheckpointError, RuntimeError):
+    """A collective save or load that not every rank of its process group joined within
+    ``join_timeout``, or that ranks joined with different calls (save / load, URLs). Raised on
+    every rank that made the call, within seconds; names the ranks and what differs."""

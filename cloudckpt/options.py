@@ -17,6 +17,9 @@ class SaveOptions:
     - ``replicas_to_lowest_rank``: write every replicated piece from its lowest holder instead of
       balancing them over holders.
     - ``timeout``: seconds any collective may wait for a peer before every rank fails.
+    - ``join_timeout``: seconds the ranks that call a save wait for the others to call it too
+      before each raises ``CollectiveMismatch`` (a save made on some ranks only: the rank-0
+      guard); ``None``: ``timeout``. Raise it when ranks reach their saves further apart.
     - ``use_plan_cache``: reuse the global plan when the layout has not changed.
     - ``max_async_staging_bytes``: async save only; host staging memory this rank may use
       (``None``: no limit). A save needing more fails before writing anything.
@@ -43,6 +46,7 @@ class SaveOptions:
     max_staging_bytes: int = 256 << 20
     replicas_to_lowest_rank: bool = False
     timeout: float = 600.0
+    join_timeout: float | None = 10.0
     use_plan_cache: bool = True
     max_async_staging_bytes: int | None = None
     content_hashes: bool = False
@@ -50,6 +54,7 @@ class SaveOptions:
     if_exists: Literal["error", "replace"] = "error"
 
     def __post_init__(self) -> None:
+        _check_join_timeout(self.join_timeout)
         if self.if_exists not in ("error", "replace"):
             raise ValueError(f'if_exists must be "error" or "replace", got {self.if_exists!r}')
         if not 60.0 <= self.pin_lease <= 86400.0:
@@ -87,6 +92,8 @@ class LoadOptions:
     - ``share_manifest``: the coordinator reads the manifest and broadcasts it (otherwise every
       rank reads it).
     - ``timeout``: seconds any collective may wait for a peer before every rank fails.
+    - ``join_timeout``: seconds the ranks that call a load wait for the others to call it too
+      before each raises ``CollectiveMismatch``; ``None``: ``timeout``.
     """
 
     broadcast: bool | None = None
@@ -96,6 +103,17 @@ class LoadOptions:
     max_broadcast_groups: int = 64
     share_manifest: bool = True
     timeout: float = 600.0
+    join_timeout: float | None = 10.0
+
+    def __post_init__(self) -> None:
+        _check_join_timeout(self.join_timeout)
+
+
+def _check_join_timeout(value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(
+            f"join_timeout must be a positive number of seconds or None, got {value!r}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

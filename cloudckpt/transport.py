@@ -16,12 +16,15 @@ Knows nothing of storage or checkpoints. Two pieces:
   subgroup, in the same order) and cached for later loads. The backend is the job's: NCCL moves
   CUDA tensors, gloo CPU tensors.
 
-The groups of both (control lanes, broadcast subgroups) are held by the runtime context
+Which ranks a process group holds is :mod:`cloudckpt.groups`'s to say. The groups of both
+(control lanes, broadcast subgroups) are held by the runtime context
 (:class:`cloudckpt.runtime.context.GroupCache`) for the default process group they were created
 in: after ``destroy_process_group`` and a new ``init_process_group`` they are created anew. A
 channel object itself belongs to the world it was created in.
 
-Without ``torch.distributed`` initialised, the channel is a world of one and every call is local.
+Without ``torch.distributed`` initialised, the channel is a world of one and every call is local;
+so is it with ``process_group="self"`` (:data:`SELF`): this process alone, even in a
+distributed job (a checkpoint saved by rank 0 only, loaded by each rank on its own).
 """
 
 from __future__ import annotations
@@ -36,34 +39,13 @@ import torch
 import torch.distributed as dist
 
 from cloudckpt.errors import CollectiveTimeout, RankFailure, checkpoint_error_class
+from cloudckpt.groups import distributed, group_rank, group_ranks, is_self, join
 from cloudckpt.runtime.context import current
 from cloudckpt.wording import phase_words, ranks_phrase
 
 INLINE_BYTES = 504
 """Payloads up to this size travel in the first (and then only) all-gather of a control channel."""
 _LENGTH_BYTES = 8
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def group_ranks(process_group=None) -> tuple[int, ...]:
-    """The global ranks of ``process_group`` (default: the world) in group order; ``(0,)``
-    without ``torch.distributed``. The one place cloudckpt resolves a process group."""
-    if not _distributed():
-        return (0,)
-    if process_group is None or process_group is dist.GroupMember.WORLD:
-        return tuple(range(dist.get_world_size()))
-    return tuple(dist.get_process_group_ranks(process_group))
-
-
-def group_rank(process_group=None) -> int:
-    """This process's rank within ``process_group`` (0 is the coordinator; 0 without
-    ``torch.distributed``). No collective. Raises ``ValueError`` for a non-member."""
-    if not _distributed():
-        return 0
-    return group_ranks(process_group).index(dist.get_rank())
 
 
 def describe_failure(rank: int, exc: BaseException) -> RankFailure:
@@ -94,20 +76,29 @@ class ControlChannel:
     is the coordinator. ``lane`` names the gloo group the channel uses (created once per ranks,
     timeout and lane): exchanges of one lane must never run from two threads at once, exchanges
     of different lanes may (the preemption checks of a training loop use their own lane while an
-    async save's background phases use ``"protocol"``).
+    async save's background phases use ``"protocol"``). With ``process_group="self"`` the
+    channel is this process alone (:attr:`distributed` is false: every call is local).
     """
 
     def __init__(self, process_group=None, *, timeout: float = 600.0, lane: str = "protocol"):
         self.timeout = float(timeout)
-        self.distributed = _distributed()
+        self.lane = lane
         self.ranks: tuple[int, ...] = group_ranks(process_group)
         self.rank = group_rank(process_group)
-        if not self.distributed:
-            self.group = None
-            self.backend = "gloo"
-            return
-        self.backend = str(dist.get_backend(process_group)).lower()
-        self.group = _control_group(self.ranks, self.timeout, lane)
+        self.distributed = distributed() and not is_self(process_group)
+        self._group = None
+        self.backend = "gloo"
+        if self.distributed:
+            self.backend = str(dist.get_backend(process_group)).lower()
+
+    @property
+    def group(self):
+        """The channel's gloo group (``None`` for a world of one), created (collectively) by
+        the first exchange that needs it: after :meth:`join`, so that a call some ranks never
+        make fails there instead of hanging in the group's creation."""
+        if self._group is None and self.distributed:
+            self._group = _control_group(self.ranks, self.timeout, self.lane)
+        return self._group
 
     @property
     def size(self) -> int:
@@ -116,6 +107,15 @@ class ControlChannel:
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
+
+    def join(self, call: str, url: str, wait: float | None) -> None:
+        """Open a collective call: return once every rank of the channel made the same call
+        (``call`` of ``url``), else raise :class:`~cloudckpt.errors.CollectiveMismatch` on
+        every rank that made one, within ``wait`` seconds (``None``: the channel's timeout).
+        See :func:`cloudckpt.groups.join`."""
+        if self.distributed:
+            wait = self.timeout if wait is None else wait
+            join(self.ranks, self.rank, call=call, url=url, lane=self.lane, wait=wait)
 
     # -- raw byte collectives -------------------------------------------------------------------
 

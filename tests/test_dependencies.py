@@ -113,7 +113,27 @@ def test_pinned_by_holds():
 
 
 def _library_files():
-    return [p for p in PACKAGE.rglob("*.py") if "testing" not in p.relative_to(PACKAGE).parts]
+    return [
+        p
+        for p in PACKAGE.rglob("*.py")
+        if "testing" not in p.relative_to(PACKAGE).parts and _integration_of(p) is None
+    ]
+
+
+def _integration_of(path: Path) -> str | None:
+    """``name`` for a file of ``cloudckpt/integrations/<name>/`` (a trainer's package: it may
+    import its own extra, ``cloudckpt[<name>]``), else None."""
+    parts = path.relative_to(PACKAGE).parts
+    return parts[1] if len(parts) > 2 and parts[0] == "integrations" else None
+
+
+def _integration_files() -> dict[str, list[Path]]:
+    found: dict[str, list[Path]] = {}
+    for path in (PACKAGE / "integrations").rglob("*.py"):
+        name = _integration_of(path)
+        if name is not None:
+            found.setdefault(name, []).append(path)
+    return found
 
 
 def _testing_files():
@@ -128,6 +148,30 @@ def test_every_library_import_is_a_declared_runtime_dependency():
     )
     missing = {m: sorted(files) for m, files in imports.items() if not _declares(declared, m)}
     assert not missing, f"imported but not declared in [project].dependencies: {missing}"
+
+
+def _with_their_requirements(reqs: dict[str, Requirement]) -> set[str]:
+    """The distributions ``reqs`` name and those they require (one level, no extras)."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    out = set(reqs)
+    for name in reqs:
+        try:
+            needs = requires(name) or []
+        except PackageNotFoundError:
+            continue
+        out |= {canonicalize_name(Requirement(r).name) for r in needs if "extra ==" not in r}
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(_integration_files()))
+def test_an_integration_imports_only_dependencies_and_its_own_extra(name):
+    extras = _project()["optional-dependencies"]
+    assert name in extras, f"cloudckpt/integrations/{name}/ has no extra cloudckpt[{name}]"
+    declared = set(runtime_requirements()) | _with_their_requirements(_requirements(extras[name]))
+    imports = third_party_imports(_integration_files()[name])
+    missing = {m: sorted(files) for m, files in imports.items() if not _declares(declared, m)}
+    assert not missing, f"imported but not in cloudckpt[{name}] nor what it requires: {missing}"
 
 
 def test_imports_for_the_type_checker_only_are_declared_in_the_lint_extra():

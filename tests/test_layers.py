@@ -295,7 +295,7 @@ BANDS: list[tuple[str, tuple[str, ...]]] = [
     ("interop", ("export", "hf", "dcp", "integrations")),
     ("control", ("runs",)),
     ("protocol", ("api",)),
-    ("mechanism", ("dataplane", "transport", "stored", "runtime", "statedict")),
+    ("mechanism", ("dataplane", "transport", "groups", "stored", "runtime", "statedict")),
     ("pure", ("layout", "manifest", "planning")),
     ("storage", ("storage",)),
     ("ground", ("errors", "options", "checksum", "wording", "http_numbers", "version")),

@@ -78,7 +78,8 @@ def async_save(
 ) -> SaveHandle:
     """Start saving ``state_dict`` to ``url``; return once the data is staged in host memory.
 
-    Collective, like :func:`cloudckpt.save` (``base``: an incremental save; the base is read
+    Collective, like :func:`cloudckpt.save` (``process_group="self"``: this process alone;
+    ``base``: an incremental save; the base is read
     and pinned, and the staged copies hashed, in the background). With
     ``options.max_async_staging_bytes`` set, a save whose staged copies would exceed it raises
     :class:`~cloudckpt.errors.StagingMemoryError` on every rank before anything is written.
@@ -98,6 +99,7 @@ def async_save(
         metadata=metadata,
         options=options,
         base=base,
+        call="async_save",
     )
     context = current()
     with prepared.channel.phase("async save staging"):

@@ -89,10 +89,12 @@ def load(
     Tensors (plain, DTensor, :class:`cloudckpt.GlobalPiece`) are filled in place, converting
     dtype when the stored one differs. Non-tensor values are replaced. With ``strict`` (the
     default) a name missing from the checkpoint raises :class:`MissingKeysError`; names stored but
-    not requested are reported in ``LoadResult.unexpected_keys``. ``map_location`` (as
-    ``torch.load`` takes it, :mod:`cloudckpt.statedict.placement`) is checked, and needs no
-    more: the bytes land in the state dict's own tensors, on their devices, which is where
-    ``torch.load(..., map_location)`` followed by ``load_state_dict`` would leave them.
+    not requested are reported in ``LoadResult.unexpected_keys``. ``process_group``: the ranks
+    that load together (default: the world); ``"self"``: this process alone, no collective.
+    ``map_location`` (as ``torch.load`` takes it, :mod:`cloudckpt.statedict.placement`) is
+    checked, and needs no more: the bytes land in the state dict's own tensors, on their
+    devices, which is where ``torch.load(..., map_location)`` followed by ``load_state_dict``
+    would leave them.
     """
     placement(map_location)  # a bad one fails here, before any collective
     return load_from(
@@ -170,6 +172,7 @@ def load_from(
     wait_for_pending_save()
     options = options or LoadOptions()
     channel = ControlChannel(process_group, timeout=options.timeout)
+    channel.join("load", source.url, options.join_timeout)
     started = time.perf_counter()
 
     raw, manifest, store = b"", None, None

@@ -55,6 +55,7 @@ from cloudckpt.planning.save.cache import key_digest, save_plan_cache_key
 from cloudckpt.planning.save.global_plan import GlobalSavePlan, plan_global_save
 from cloudckpt.planning.save.incremental import decode_known, encode_known, reused_chunks
 from cloudckpt.planning.save.local_plan import LocalSavePlan
+from cloudckpt.planning.save.rates import WRITE_RATES, replica_weights
 from cloudckpt.runtime.context import current
 from cloudckpt.runtime.loop import (
     run_coroutine,
@@ -88,6 +89,10 @@ def save(
     checkpoint (which stays untouched), and :class:`CheckpointError` (the same on every rank)
     if any rank fails.
 
+    ``process_group``: the ranks that save together (default: the world);
+    ``process_group="self"``: this process alone, no collective, even in a distributed job
+    (a checkpoint that rank 0 saves by itself, as trainers do for non-sharded state).
+
     ``base``: the URL of another checkpoint of the same run (a sibling folder; the coordinator's
     value is the one used): an *incremental* save. Every chunk whose bytes equal those of the
     same chunk (tensor, box, dtype) of the base is not uploaded; the manifest points at the
@@ -118,11 +123,14 @@ def prepare_save(
     metadata=None,
     options=None,
     base=None,
+    call: str = "save",
 ) -> PreparedSave:
-    """Phases 1-2: plan the save on every rank. Collective."""
+    """Phases 1-2: plan the save on every rank, once all joined ``call`` of ``url``.
+    Collective."""
     wait_for_pending_save()
     options = options or SaveOptions()
     channel = ControlChannel(process_group, timeout=options.timeout)
+    channel.join(call, url, options.join_timeout)
     started = time.perf_counter()
     plan_cache = current().save_plans
     cached = plan_cache.held() if options.use_plan_cache else {}
@@ -144,17 +152,21 @@ def prepare_save(
             attempt=attempt,
             cached_plans=tuple(cached),
             incremental=channel.is_coordinator and (base is not None or options.content_hashes),
+            write_rate_class=WRITE_RATES.rate_class(),
         )
 
+    # replicated bytes follow the ranks' write rates when those differ (planning/save/rates.py)
+    weights = replica_weights([r.write_rate_class for r in planning.reports])
     key = save_plan_cache_key(
         [r.fingerprint for r in planning.reports],
         replicas_to_lowest_rank=options.replicas_to_lowest_rank,
+        rate_weights=weights,
     )
     key = key + (msgpack.packb(list(channel.ranks)),)
     digest = key_digest(key)
     # caches can differ between ranks (a restarted rank): reuse only if every rank holds it
     plan_cached = all(digest in r.cached_plans for r in planning.reports)
-    plan = cached[digest] if plan_cached else _plan_globally(channel, local.plan, options)
+    plan = cached[digest] if plan_cached else _plan_globally(channel, local.plan, options, weights)
     if options.use_plan_cache:
         plan_cache.put(key, plan)
 
@@ -297,7 +309,10 @@ def _new_attempt(url: str, store: ObjectStore, options: SaveOptions) -> str:
 
 
 def _plan_globally(
-    channel: ControlChannel, local: LocalSavePlan, options: SaveOptions
+    channel: ControlChannel,
+    local: LocalSavePlan,
+    options: SaveOptions,
+    weights: list[float] | None,
 ) -> GlobalSavePlan:
     with channel.phase("save plan exchange", SavePlanReport) as exchange:
         exchange.report = SavePlanReport(local)
@@ -306,6 +321,7 @@ def _plan_globally(
             [r.plan for r in exchange.reports],
             rank=channel.rank,
             replicas_to_lowest_rank=options.replicas_to_lowest_rank,
+            rate_weights=weights,
         )
     return plan
 
@@ -340,6 +356,7 @@ def _writer_options(options: SaveOptions) -> WriterOptions:
 
 def _upload(p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | None) -> UploadReport:
     rank = p.channel.rank
+    began = time.perf_counter()
     locations, stats = run_coroutine(
         write_chunks(
             p.store,
@@ -352,6 +369,7 @@ def _upload(p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | Non
             digests=digests,
         )
     )
+    WRITE_RATES.record(stats.bytes_written, time.perf_counter() - began)
     written = _written_chunks(rank, locations, p.values, [c for c, _ in stats.reused])
     return UploadReport(
         written=encode_written_chunks(written),

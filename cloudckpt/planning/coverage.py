@@ -2,9 +2,10 @@
 
 Boxes are given as ``(n, ndim)`` int arrays of offsets and sizes, already known to lie inside the
 shape. :func:`find_cover_defect` handles any layout: slabs along one dimension (FSDP, tensor
-parallel) directly, everything else (grids, ragged boxes, staircases, columns split at different
-rows) by the signed sweep of :mod:`cloudckpt.planning.cover_sweep`, in ``O(n log n)`` per axis
-along which boxes differ for the layouts it was measured on, with a hard bound on its work.
+parallel) and regular grids (TP x FSDP) directly, everything else (irregular grids, ragged
+boxes, staircases, columns split at different rows) by the signed sweep of
+:mod:`cloudckpt.planning.cover_sweep`, in ``O(n log n)`` per axis along which boxes differ for
+the layouts it was measured on, with a hard bound on its work.
 :func:`slab_segments_ok` checks the common slab case for many tensors at once, vectorised.
 """
 
@@ -70,6 +71,30 @@ def _slab_defect(
     return None
 
 
+def _is_exact_grid(shape: tuple[int, ...], offsets: np.ndarray, sizes: np.ndarray) -> bool:
+    """True when the boxes are the cells of a regular grid that tiles ``shape`` exactly once:
+    along every dim, boxes starting at one offset have one size and those intervals tile the
+    dim, and every combination of intervals is one box (a TP x FSDP 2-D layout). False says
+    nothing (not such a grid, or a defect): the caller checks another way."""
+    n = len(offsets)
+    cells = 1
+    code = np.zeros(n, dtype=np.int64)
+    for j in range(len(shape)):
+        starts, inv = np.unique(offsets[:, j], return_inverse=True)
+        widths = np.zeros(len(starts), dtype=np.int64)
+        widths[inv] = sizes[:, j]
+        if (widths[inv] != sizes[:, j]).any():
+            return False
+        ends = starts + widths
+        if starts[0] != 0 or ends[-1] != shape[j] or (starts[1:] != ends[:-1]).any():
+            return False
+        cells *= len(starts)
+        if cells > n:
+            return False
+        code = code * len(starts) + inv
+    return cells == n and len(np.unique(code)) == n
+
+
 def find_cover_defect(
     shape: Iterable[SupportsInt], offsets: npt.ArrayLike, sizes: npt.ArrayLike
 ) -> Defect | None:
@@ -98,6 +123,8 @@ def find_cover_defect(
     slab = _slab_defect(shape_, off, size)
     if slab is not False:
         return slab
+    if _is_exact_grid(shape_, off, size):
+        return None
     try:
         return cover_sweep.find_defect(shape_, off, size)
     except cover_sweep.TooIrregular:

@@ -70,7 +70,7 @@ from dataclasses import replace
 from typing import Any
 
 from cloudckpt.layout import folder_of_prefix, join_url, step_dir
-from cloudckpt.options import SaveOptions
+from cloudckpt.options import LoadOptions, SaveOptions
 from cloudckpt.runs.cleanup import (
     DeletionPlan,
     delete_checkpoint,
@@ -87,6 +87,7 @@ from cloudckpt.runs.pruning import (
     prune_run,
 )
 from cloudckpt.runs.retention import RetentionPolicy
+from cloudckpt.runs.tier.options import LocalTier
 from cloudckpt.runtime.context import current
 from cloudckpt.runtime.loop import finish_before_exit, run_coroutine, shared_store
 from cloudckpt.storage.urls import parse_store_url
@@ -121,7 +122,9 @@ class CheckpointManager:
     ``keep_last``, ``keep_every``, ``keep_steps`` and ``keep_if`` (not both). When the policy has a
     rule, every successful :meth:`save` is followed by :meth:`prune` (on rank 0). ``storage``,
     ``allow_pickle``, ``save_options`` and ``load_options`` are passed to ``cloudckpt.save`` /
-    ``cloudckpt.load``.
+    ``cloudckpt.load``. ``local``: a :class:`~cloudckpt.runs.tier.options.LocalTier`: recent
+    steps kept on each node and its peers, the object store behind them
+    (:mod:`cloudckpt.runs.tier.flow`).
     """
 
     def __init__(
@@ -140,6 +143,7 @@ class CheckpointManager:
         save_options=None,
         load_options=None,
         incremental: bool = False,
+        local: LocalTier | None = None,
     ):
         shortcuts = RetentionPolicy(
             keep_last=keep_last,
@@ -162,6 +166,11 @@ class CheckpointManager:
         self.load_options = load_options
         self.incremental = bool(incremental)
         self._store: tuple[int, object] | None = None  # (runtime generation, store)
+        self.tier = None  # the tier side of the manager (runs/tier/flow.py)
+        if local is not None:
+            from cloudckpt.runs.tier.flow import TierRun
+
+            self.tier = TierRun(local, self)
         self._pending: ManagedSaveHandle | None = None
 
     def __repr__(self) -> str:
@@ -182,6 +191,8 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for a pending asynchronous save (the shared store stays open). Idempotent."""
         self.wait()
+        if self.tier is not None:
+            self.tier.wait()  # its copies to the object store
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -209,7 +220,8 @@ class CheckpointManager:
         details, every folder holding pins says what holds it (``held_by``: one listing of its
         pins and one GET of each referrer's manifest).
         """
-        return run_coroutine(list_run(self.store, self.url, details=details, progress=progress))
+        listed = run_coroutine(list_run(self.store, self.url, details=details, progress=progress))
+        return listed if self.tier is None else self.tier.listing(listed)
 
     def latest(self) -> CheckpointInfo | None:
         """The newest complete checkpoint, or ``None`` when the run has none."""
@@ -247,7 +259,7 @@ class CheckpointManager:
         """
         from cloudckpt.api.async_save import async_save
         from cloudckpt.api.save import save
-        from cloudckpt.transport import group_rank
+        from cloudckpt.groups import group_rank
 
         url = self.step_url(step)
         self.wait()
@@ -267,6 +279,14 @@ class CheckpointManager:
                 options=replace(self.save_options or SaveOptions(), content_hashes=True),
                 base=self._base_for(step) if coordinator else None,
             )
+        if self.tier is not None:  # blocks briefly; a background copy to the store may follow
+            after = self._after_save if coordinator and self.retention.active else None
+            result = self.tier.managed_save(step, state_dict, kwargs, after)
+            if blocking:
+                return result
+            done = ManagedSaveHandle(step, url, None)
+            done.set_result(result)
+            return done
         if blocking:
             result = save(state_dict, url, **kwargs)
             if coordinator:
@@ -342,6 +362,10 @@ class CheckpointManager:
         from cloudckpt.api.load import load
 
         self.wait()
+        if self.tier is not None:
+            if isinstance(step, str):
+                raise ValueError(f"a run with a local tier loads steps by number, got {step!r}")
+            return self.tier.load(state_dict, step, strict)
         if step is None:
             step = self._agree_on_latest()
             if step is None:
@@ -361,8 +385,9 @@ class CheckpointManager:
         from cloudckpt.api.reports import LatestStep
         from cloudckpt.transport import ControlChannel
 
-        timeout = getattr(self.load_options, "timeout", 600.0)
-        channel = ControlChannel(self.process_group, timeout=timeout)
+        options = self.load_options or LoadOptions()
+        channel = ControlChannel(self.process_group, timeout=options.timeout)
+        channel.join("CheckpointManager.load", self.url, options.join_timeout)
         if channel.size == 1:  # one process: the listing's own error, unwrapped
             return self._latest_step()
         with channel.phase("finding the latest checkpoint", LatestStep) as finding:

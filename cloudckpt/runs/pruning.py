@@ -91,6 +91,9 @@ class CheckpointInfo:
     deleted checkpoint whose folder stays for the pins in it. ``held_by`` (details only): one
     line for each pin in the folder, saying which checkpoint or running save holds which
     objects, until when, or that prune removes it (:func:`cloudckpt.runs.refs.describe_holders`).
+    ``tiers``: with a local tier (``CheckpointManager(local=...)``), where the step is complete:
+    ``"local"`` (this node's tier alone), ``"peers"`` (the nodes' tiers together), ``"store"``
+    (the object store).
     """
 
     step: int | None
@@ -108,6 +111,7 @@ class CheckpointInfo:
     damaged: str | None = None
     retained: bool = False
     held_by: tuple[str, ...] = ()
+    tiers: tuple[str, ...] = ()
 
 
 def _utc(epoch: float | None) -> datetime | None:

@@ -17,6 +17,9 @@ piece               what it holds                              lifetime
                     lanes, broadcast subgroups), by key        dropped when it is destroyed or
                     (:class:`GroupCache`)                      replaced (see GroupCache); kept
                                                                by ``reset``
+``joins``           the count of collective calls joined, per  the same as ``groups``
+                    group of ranks and lane
+                    (``cloudckpt.groups.join``; a GroupCache)
 ``save_plans``      global save plans by every rank's          cleared by ``reset``
                     fingerprints (``SavePlanCache``, 8 plans)
 ``staging``         host copies of async saves                 created by the first async save;
@@ -171,6 +174,7 @@ class RuntimeContext:
         self._lock = threading.Lock()
         self.loop = LoopThread()
         self.groups = GroupCache()
+        self.joins = GroupCache()
         self.save_plans = SavePlanCache(maxsize=8)
         self._stores: dict[tuple, Any] = {}
         self.default_storage: Any = None

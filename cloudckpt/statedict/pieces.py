@@ -14,6 +14,7 @@ helpers (:mod:`cloudckpt.statedict.torch_private`).
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,11 +30,6 @@ from cloudckpt.statedict.torch_private import (
     shard_size_and_offsets,
     strided_shard_class,
 )
-
-try:  # torch built without distributed support has no DTensor
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
 
 #: ``(offsets, sizes, local_index)``: a box of a global tensor and where it sits in a local one.
 Box = tuple[tuple[int, ...], tuple[int, ...], tuple[slice, ...]]
@@ -81,7 +77,12 @@ def is_tensor_leaf(obj: object) -> bool:
 
 
 def _is_dtensor(obj: object) -> bool:
-    return DTensor is not None and isinstance(obj, DTensor)
+    """Whether ``obj`` is a DTensor. ``torch.distributed.tensor`` is not imported for that
+    (it costs a second or more: sympy, torch.fx): a DTensor exists only once its module has
+    been imported by whoever made it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(obj, dtensor)
 
 
 def dtensor_local_boxes(

@@ -22,6 +22,7 @@ private name                                               used for
 ``torch.distributed.checkpoint.filesystem._StorageInfo``   DCP's ``.metadata`` (``cloudckpt.dcp``)
 ``torch.distributed.checkpoint._extension``                DCP stream transforms (``dcp.reads``)
   ``.ExtensionRegistry``, ``.StreamTransformExtension``
+``torch.distributed.distributed_c10d._get_default_store``  the join handshake (``cloudckpt.groups``)
 =========================================================  =======================================
 """
 
@@ -46,6 +47,7 @@ _UTILS = "torch.distributed.tensor._utils"
 _PLACEMENTS = "torch.distributed.tensor.placement_types"
 _FILESYSTEM = "torch.distributed.checkpoint.filesystem"
 _EXTENSION = "torch.distributed.checkpoint._extension"
+_C10D = "torch.distributed.distributed_c10d"
 
 #: Every required ``(module, name)`` above (the test checks each exists).
 REQUIRED = (
@@ -54,6 +56,7 @@ REQUIRED = (
     (_FILESYSTEM, "_StorageInfo"),
     (_EXTENSION, "ExtensionRegistry"),
     (_EXTENSION, "StreamTransformExtension"),
+    (_C10D, "_get_default_store"),
 )
 
 
@@ -129,3 +132,9 @@ def stream_transform_classes() -> tuple[type[ExtensionRegistry], type[StreamTran
     """DCP's ``ExtensionRegistry`` and ``StreamTransformExtension`` (stream transforms of a
     ``.distcp`` item, e.g. compression)."""
     return private(_EXTENSION, "ExtensionRegistry"), private(_EXTENSION, "StreamTransformExtension")
+
+
+def default_store() -> Any:
+    """The key-value store the default process group rendezvoused through (a ``TCPStore``,
+    usually behind a ``PrefixStore``): every rank of the job reaches it."""
+    return private(_C10D, "_get_default_store")()

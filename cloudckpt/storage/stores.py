@@ -9,7 +9,6 @@ from cloudckpt.errors import ConfigError
 from cloudckpt.storage.base import ObjectStore
 from cloudckpt.storage.local.store import LocalStore
 from cloudckpt.storage.options import StorageOptions
-from cloudckpt.storage.s3.store import S3Store
 from cloudckpt.storage.urls import parse_store_url
 
 
@@ -29,5 +28,7 @@ def open_store(url: str | os.PathLike[str], options: StorageOptions | None = Non
         raise ConfigError("options must be a StorageOptions")
     parsed = parse_store_url(url)
     if parsed.kind == "s3":
+        from cloudckpt.storage.s3.store import S3Store  # aiobotocore: imported on first use
+
         return S3Store(parsed.url, options or StorageOptions())
     return LocalStore(parsed.path, options)

@@ -57,3 +57,44 @@ def test_high_dimensional_ragged_layouts():
     assert kind == "overlap" and off[:2] == (1, 1)
     gap = boxes(((0,) * 7, (1, 1) + (2,) * 5), ((1,) + (0,) * 6, (1,) + (2,) * 6))
     assert find_cover_defect(shape, *gap)[0] == "gap"
+
+
+def _grid(shape, rows, cols):
+    """Boxes of a (rows x cols) grid over ``shape`` (torch.chunk sizes), as (offsets, sizes)."""
+    r_per, c_per = -(-shape[0] // rows), -(-shape[1] // cols)
+    off, size = [], []
+    for i in range(rows):
+        for j in range(cols):
+            o = (min(i * r_per, shape[0]), min(j * c_per, shape[1]))
+            s = (min(r_per, shape[0] - o[0]), min(c_per, shape[1] - o[1]))
+            if s[0] > 0 and s[1] > 0:
+                off.append(o)
+                size.append(s)
+    return np.array(off), np.array(size)
+
+
+def test_regular_grids_tp_by_fsdp():
+    from cloudckpt.planning import coverage
+
+    for shape, rows, cols in (((1024, 512), 128, 8), ((1000, 77), 9, 4), ((5, 3), 5, 3)):
+        off, size = _grid(shape, rows, cols)
+        order = np.random.default_rng(0).permutation(len(off))
+        off, size = off[order], size[order]
+        assert coverage._is_exact_grid(shape, off, size)
+        assert find_cover_defect(shape, off, size) is None
+        # a missing cell, a doubled cell, a cell one row too tall: not a grid, and a defect
+        assert find_cover_defect(shape, off[1:], size[1:])[0] == "gap"
+        assert not coverage._is_exact_grid(shape, off[1:], size[1:])
+        doubled_off, doubled_size = np.concatenate([off, off[:1]]), np.concatenate([size, size[:1]])
+        assert not coverage._is_exact_grid(shape, doubled_off, doubled_size)
+        assert find_cover_defect(shape, doubled_off, doubled_size)[0] == "overlap"
+        tall = size.copy()
+        tall[0, 0] += 1
+        if off[0, 0] + tall[0, 0] <= shape[0]:
+            assert not coverage._is_exact_grid(shape, off, tall)
+            assert find_cover_defect(shape, off, tall)[0] == "overlap"
+    # interval lists that tile each dim but boxes that are not all the combinations
+    off = np.array([[0, 0], [0, 2], [2, 0], [2, 0]])
+    size = np.array([[2, 2], [2, 2], [2, 2], [2, 2]])
+    assert not coverage._is_exact_grid((4, 4), off, size)
+    assert find_cover_defect((4, 4), off, size) is not None

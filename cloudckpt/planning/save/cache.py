@@ -10,6 +10,7 @@ holds the key's :func:`key_digest`; otherwise ranks exchange full local plans an
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 
 from cloudckpt.planning.lru import LRUCache
@@ -17,16 +18,21 @@ from cloudckpt.planning.save.global_plan import GlobalSavePlan
 
 
 def save_plan_cache_key(
-    fingerprints: Sequence[bytes], *, replicas_to_lowest_rank: bool = False
+    fingerprints: Sequence[bytes],
+    *,
+    replicas_to_lowest_rank: bool = False,
+    rate_weights: Sequence[float] | None = None,
 ) -> tuple[bytes, ...]:
-    """The cache key: the planning option plus every rank's fingerprint, in rank order.
+    """The cache key: the planning options (the replica rule, and the rate weights the plan
+    spreads replicated bytes by: :func:`cloudckpt.planning.save.rates.replica_weights`) plus
+    every rank's fingerprint, in rank order.
 
     Fingerprints cover names, dtypes, global shapes, boxes, value names, rank and world size.
     """
-    return (
-        b"lowest" if replicas_to_lowest_rank else b"balanced",
-        *(bytes(f) for f in fingerprints),
-    )
+    rule = b"lowest" if replicas_to_lowest_rank else b"balanced"
+    if rate_weights is not None and not replicas_to_lowest_rank:
+        rule += b":" + struct.pack(f"<{len(rate_weights)}d", *rate_weights)
+    return (rule, *(bytes(f) for f in fingerprints))
 
 
 def key_digest(key: tuple[bytes, ...]) -> bytes:

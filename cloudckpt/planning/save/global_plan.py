@@ -99,13 +99,60 @@ class ManifestSkeleton:
 @dataclass(frozen=True, eq=False)
 class GlobalSavePlan:
     """This rank's share of the global plan: its ``writes`` (piece order), the whole
-    ``skeleton`` and ``value_owner`` (value name -> lowest rank holding it)."""
+    ``skeleton`` and ``value_owner`` (value name -> lowest rank holding it).
+
+    ``writer_piece`` / ``within`` (per chunk id: the writer's piece index, and where the chunk
+    starts inside that piece) let :meth:`for_rank` give any other rank's share of the same plan
+    without planning again."""
 
     world_size: int
     rank: int
     writes: tuple[WriteItem, ...]
     skeleton: ManifestSkeleton
     value_owner: dict[str, int]
+    writer_piece: np.ndarray
+    within: np.ndarray
+
+    def for_rank(self, rank: int) -> GlobalSavePlan:
+        """The same plan as rank ``rank`` gets it (its own ``writes``)."""
+        if not 0 <= rank < self.world_size:
+            raise PlanningError(f"rank {rank} outside world of {self.world_size}")
+        writes = _rank_writes(self.skeleton, self.writer_piece, self.within, rank)
+        return GlobalSavePlan(
+            self.world_size,
+            rank,
+            writes,
+            self.skeleton,
+            self.value_owner,
+            self.writer_piece,
+            self.within,
+        )
+
+
+def _rank_writes(
+    sk: ManifestSkeleton, writer_piece: np.ndarray, within: np.ndarray, rank: int
+) -> tuple[WriteItem, ...]:
+    """Rank ``rank``'s write items, in piece order."""
+    mine = np.flatnonzero(sk.writer == rank)
+    mine = mine[np.argsort(writer_piece[mine], kind="stable")]
+    if not len(mine):
+        return ()
+    tensor = np.searchsorted(sk.chunk_start, mine, side="right") - 1
+    ndims = [len(sk.shapes[g]) for g in tensor.tolist()]
+    offs, sizes, ins = sk.offsets[mine].tolist(), sk.sizes[mine].tolist(), within[mine].tolist()
+    return tuple(
+        WriteItem(c, sk.names[g], p, tuple(o[:nd]), tuple(z[:nd]), nb, tuple(w[:nd]))
+        for c, g, p, o, z, nb, w, nd in zip(
+            mine.tolist(),
+            tensor.tolist(),
+            writer_piece[mine].tolist(),
+            offs,
+            sizes,
+            sk.nbytes[mine].tolist(),
+            ins,
+            ndims,
+        )
+    )
 
 
 def _union_names(
@@ -174,6 +221,7 @@ def plan_global_save(
     rank: int,
     replicas_to_lowest_rank: bool = False,
     replica_piece_bytes: int | None = None,
+    rate_weights: Sequence[float] | None = None,
 ) -> GlobalSavePlan:
     """Merge every rank's local plan into this rank's :class:`GlobalSavePlan` (see module doc).
 
@@ -184,7 +232,8 @@ def plan_global_save(
     becomes one chunk written by one holder, except large replicated boxes, cut into row ranges
     of at least ``replica_piece_bytes`` (default
     :data:`~cloudckpt.planning.save.replicas.REPLICA_PIECE_BYTES`) written by different holders so
-    that every rank writes about its fair share
+    that every rank writes about its fair share: in proportion to ``rate_weights`` (one per rank,
+    :func:`cloudckpt.planning.save.rates.replica_weights`) when given, else evenly
     (:mod:`cloudckpt.planning.save.replicas`); with ``replicas_to_lowest_rank``
     every replicated box goes whole to its lowest holder. Empty pieces are not written.
     """
@@ -288,7 +337,12 @@ def plan_global_save(
         piece_bytes = (
             replicas.REPLICA_PIECE_BYTES if replica_piece_bytes is None else replica_piece_bytes
         )
-        assigned = assign_replicas(boxes, world_size=world, piece_bytes=piece_bytes)
+        assigned = assign_replicas(
+            boxes,
+            world_size=world,
+            piece_bytes=piece_bytes,
+            weights=rate_weights,
+        )
         writer, writer_piece = assigned.writer, assigned.writer_piece
         if assigned.cuts:
             u_g, u_off, u_size, u_nbytes, writer, writer_piece, within = _apply_cuts(
@@ -310,26 +364,10 @@ def plan_global_save(
     skeleton = ManifestSkeleton(
         tuple(names), tuple(dtypes), tuple(shapes), chunk_start, u_off, u_size, writer, u_nbytes
     )
-    mine = np.flatnonzero(writer == rank)
-    mine = mine[np.argsort(writer_piece[mine], kind="stable")]
-    writes = []
-    for c in mine.tolist():
-        g = int(u_g[c])
-        nd = int(ndims[g])
-        writes.append(
-            WriteItem(
-                c,
-                names[g],
-                int(writer_piece[c]),
-                tuple(u_off[c, :nd].tolist()),
-                tuple(u_size[c, :nd].tolist()),
-                int(u_nbytes[c]),
-                tuple(within[c, :nd].tolist()),
-            )
-        )
-    for arr in (chunk_start, u_off, u_size, writer, u_nbytes):
+    for arr in (chunk_start, u_off, u_size, writer, u_nbytes, writer_piece, within):
         arr.flags.writeable = False
-    return GlobalSavePlan(world, rank, tuple(writes), skeleton, value_owner)
+    writes = _rank_writes(skeleton, writer_piece, within, rank)
+    return GlobalSavePlan(world, rank, writes, skeleton, value_owner, writer_piece, within)
 
 
 def _apply_cuts(

@@ -26,6 +26,11 @@ Contract of :func:`assign_replicas`:
   cutting, and a read-once load, which picks its sources by the same rule, reads each box from
   the object its source wrote.)
 - ``piece_bytes <= 0`` disables cutting (each box whole, as above).
+- ``weights`` (one per rank, from :func:`cloudckpt.planning.save.rates.replica_weights`): the
+  same rules in time instead of bytes: the water-filling raises the holders to one level of
+  ``bytes / weight`` (a holder of weight 1/4 gets a quarter of the bytes of one of weight 1 at
+  the same level), and "fewest bytes so far" becomes "lowest ``bytes / weight`` so far".
+  ``None``: every weight 1 (exactly the rules above, in integers).
 
 A piece's rows are a contiguous range of the box's row-major bytes: cut from a contiguous local
 tensor it is a view, no copy.
@@ -33,7 +38,8 @@ tensor it is a view, no copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,11 +79,38 @@ def _water_fill(levels: list[int], amount: int) -> list[int]:
     return add
 
 
+def _weighted_fill(levels: list[int], weights: list[float], amount: int) -> list[int]:
+    """Integer amounts adding up to ``amount`` that raise the lowest ``levels[i] / weights[i]``
+    to one level ``T`` (holder ``i`` then holds about ``T * weights[i]``)."""
+    n = len(levels)
+    order = sorted(range(n), key=lambda i: (levels[i] / weights[i], i))
+    lsum, wsum, k, level = 0.0, 0.0, 0, 0.0
+    for k in range(1, n + 1):
+        lsum += levels[order[k - 1]]
+        wsum += weights[order[k - 1]]
+        level = (amount + lsum) / wsum
+        if k == n or level <= levels[order[k]] / weights[order[k]]:
+            break
+    add = [0] * n
+    rest = amount
+    for i in order[:k]:
+        add[i] = min(rest, max(0, math.floor(level * weights[i] - levels[i])))
+        rest -= add[i]
+    while rest > 0:
+        for i in order[:k]:
+            if rest <= 0:
+                break
+            add[i] += 1
+            rest -= 1
+    return add
+
+
 def _targets(
     load: list[int],
     multi: list[int],
     holders_of: Callable[[int], tuple[int, ...]],
     nbytes: list[int],
+    weights: list[float] | None = None,
 ) -> list[int]:
     groups: dict[tuple[int, ...], int] = {}
     for u, nb in zip(multi, nbytes):
@@ -85,7 +118,12 @@ def _targets(
         groups[key] = groups.get(key, 0) + nb
     target = list(load)
     for key, total in sorted(groups.items(), key=lambda kv: -kv[1]):  # stable: first seen first
-        add = _water_fill([target[r] for r in key], total)
+        levels = [target[r] for r in key]
+        add = (
+            _water_fill(levels, total)
+            if weights is None
+            else _weighted_fill(levels, [weights[r] for r in key], total)
+        )
         for r, a in zip(key, add):
             target[r] += a
     return target
@@ -163,9 +201,22 @@ class ReplicaAssignment:
     cuts: Mapping[int, tuple[tuple[int, int, int], ...]]
 
 
-def assign_replicas(boxes: ReplicaBoxes, *, world_size: int, piece_bytes: int) -> ReplicaAssignment:
+def assign_replicas(
+    boxes: ReplicaBoxes,
+    *,
+    world_size: int,
+    piece_bytes: int,
+    weights: Sequence[float] | None = None,
+) -> ReplicaAssignment:
     """Choose the writer of every distinct box of ``boxes`` among its holders, cutting large
-    replicated ones into row ranges of at least ``piece_bytes`` (see the module doc)."""
+    replicated ones into row ranges of at least ``piece_bytes``, spread by ``weights`` (one per
+    rank; ``None``: evenly) (see the module doc)."""
+    rate_w = None if weights is None else [float(w) for w in weights]
+    if rate_w is not None and (
+        len(rate_w) != world_size or not all(math.isfinite(w) and w > 0 for w in rate_w)
+    ):
+        raise ValueError(f"need {world_size} positive finite weights, got {rate_w!r}")
+    speed = rate_w or [1] * world_size  # "fewest bytes so far" is "least time so far"
     run_start, run_len, u_nbytes = boxes.run_start, boxes.run_len, boxes.nbytes
     u_size, u_ndim, s_rank, s_piece = boxes.size, boxes.ndim, boxes.hold_rank, boxes.hold_piece
     writer = s_rank[run_start].copy()  # the lowest holder, until chosen
@@ -187,10 +238,10 @@ def assign_replicas(boxes: ReplicaBoxes, *, world_size: int, piece_bytes: int) -
     room = None
     if piece_bytes > 0 and multi_l and max(nbytes) >= 2 * piece_bytes:
         by_box = dict(zip(multi_l, holders))
-        target = _targets(loads, multi_l, by_box.__getitem__, nbytes)
+        target = _targets(loads, multi_l, by_box.__getitem__, nbytes, rate_w)
         room = [t - lo for t, lo in zip(target, loads)]
     for u, s, nb, hs in zip(multi_l, starts, nbytes, holders):
-        i = min(range(len(hs)), key=lambda k: loads[hs[k]])
+        i = min(range(len(hs)), key=lambda k: loads[hs[k]] / speed[hs[k]])
         if room is not None and nb >= 2 * piece_bytes and room[hs[i]] < nb:
             d = cut_dim(u_size[u], int(u_ndim[u]))
             rows = int(u_size[u, d]) if d >= 0 else 1
