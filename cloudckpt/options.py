@@ -20,6 +20,9 @@ class SaveOptions:
     - ``join_timeout``: seconds the ranks that call a save wait for the others to call it too
       before each raises ``CollectiveMismatch`` (a save made on some ranks only: the rank-0
       guard); ``None``: ``timeout``. Raise it when ranks reach their saves further apart.
+    - ``join_as``: what the ranks compare in that handshake instead of the URL (``None``: the
+      URL). Only for a caller that writes one checkpoint to per-node URLs (the local tier of
+      ``CheckpointManager(local=...)``): it passes the name those URLs share.
     - ``use_plan_cache``: reuse the global plan when the layout has not changed.
     - ``max_async_staging_bytes``: async save only; host staging memory this rank may use
       (``None``: no limit). A save needing more fails before writing anything.
@@ -47,6 +50,7 @@ class SaveOptions:
     replicas_to_lowest_rank: bool = False
     timeout: float = 600.0
     join_timeout: float | None = 10.0
+    join_as: str | None = None
     use_plan_cache: bool = True
     max_async_staging_bytes: int | None = None
     content_hashes: bool = False
@@ -94,6 +98,7 @@ class LoadOptions:
     - ``timeout``: seconds any collective may wait for a peer before every rank fails.
     - ``join_timeout``: seconds the ranks that call a load wait for the others to call it too
       before each raises ``CollectiveMismatch``; ``None``: ``timeout``.
+    - ``join_as``: as ``SaveOptions.join_as`` (a load from per-node URLs).
     """
 
     broadcast: bool | None = None
@@ -104,6 +109,7 @@ class LoadOptions:
     share_manifest: bool = True
     timeout: float = 600.0
     join_timeout: float | None = 10.0
+    join_as: str | None = None
 
     def __post_init__(self) -> None:
         _check_join_timeout(self.join_timeout)

@@ -13,11 +13,17 @@ import re
 import uuid
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from cloudckpt.testing.ranks.world import ProcessWorld
 from cloudckpt.testing.servers.endpoint import S3ServerInfo
 from cloudckpt.testing.servers.moto import MotoServer
 from cloudckpt.testing.servers.seaweed.server import S3Server
+
+# No timing asserts: a property test has no per-example deadline (on 2 shared cores a planning
+# example may take a second), and a slow data generation is no failure.
+settings.register_profile("cloudckpt", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("cloudckpt")
 
 
 @pytest.fixture(scope="session")

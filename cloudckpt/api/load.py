@@ -172,7 +172,7 @@ def load_from(
     wait_for_pending_save()
     options = options or LoadOptions()
     channel = ControlChannel(process_group, timeout=options.timeout)
-    channel.join("load", source.url, options.join_timeout)
+    channel.join("load", options.join_as or source.url, options.join_timeout)
     started = time.perf_counter()
 
     raw, manifest, store = b"", None, None

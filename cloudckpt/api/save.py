@@ -129,7 +129,7 @@ def prepare_save(
     wait_for_pending_save()
     options = options or SaveOptions()
     channel = ControlChannel(process_group, timeout=options.timeout)
-    channel.join(call, url, options.join_timeout)
+    channel.join(call, options.join_as or url, options.join_timeout)
     started = time.perf_counter()
     plan_cache = current().save_plans
     cached = plan_cache.held() if options.use_plan_cache else {}

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cloudckpt.errors import ConfigError, ManifestError
+from cloudckpt.errors import CheckpointExists, CheckpointNotFound, ConfigError, ManifestError
 from tests.integrations.dcp_training import (
     AppState,
     build_model,
@@ -80,6 +80,26 @@ def test_a_resumed_run_equals_an_uninterrupted_one(world2, s3_env, s3_url, mode)
     # keep_last=2: the two newest complete steps stay, the step-6 save replaced the half-written
     assert _complete(f"{s3_url}/whole") == [4, 6]
     assert _complete(f"{s3_url}/part") == [4, 6]
+
+
+def rank_latest(urls: list[str]):
+    import torch.distributed as dist
+
+    from cloudckpt.integrations.dcp_trainer import DCPRun
+
+    try:
+        return DCPRun(urls[dist.get_rank()], timeout=30).latest()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_rank_0_chooses_the_step_and_every_rank_fails_with_its_listing(world2, s3_env, s3_url):
+    _put(s3_url, "step-4/.metadata", b"rank 0 sees a complete step 4")
+    # rank 1 looks at an empty run: it still resumes from the step rank 0 chose
+    assert world2.run(rank_latest, [s3_url, f"{s3_url}-empty"]) == [4, 4]
+    bad = world2.run(rank_latest, ["s3://no-such-bucket-dcp/run", s3_url])
+    assert bad[0] == bad[1] and bad[0].startswith("BucketNotFound: "), bad  # the same, one line
+    assert "failed on rank 0" in bad[0] and "\n" not in bad[0]
 
 
 # -- one process: the run's folders ---------------------------------------------------------------
@@ -157,6 +177,12 @@ def test_a_damaged_metadata_of_the_newest_step_is_a_typed_error_and_nothing_goes
         run.load({"w": torch.zeros(4), "n": 0})
     assert "\n" not in str(err.value)
     assert run.load({"w": torch.zeros(4), "n": 0}, step=1) == 1
+    with pytest.raises(CheckpointNotFound) as err:  # a step with no .metadata
+        run.load({"w": torch.zeros(4), "n": 0}, step=7)
+    assert "\n" not in str(err.value)
+    with pytest.raises(CheckpointExists) as err:  # a committed step is never written again
+        run.save({"w": torch.zeros(4), "n": 0}, 1)
+    assert "\n" not in str(err.value)
     assert _complete(s3_url) == [1, 2]
 
 
@@ -204,3 +230,21 @@ def test_the_example_stopped_and_started_again_prints_the_losses_of_one_run(s3_s
     assert all(again[s] == whole[s] for s in ("5", "6", "7", "8"))
     assert part["5"] == whole["5"]
     assert whole["last"] == again["last"] == "complete checkpoints: [6, 8]"
+
+
+def test_a_run_in_a_local_folder(tmp_path):
+    from cloudckpt.integrations.dcp_trainer import DCPRun
+
+    run = DCPRun(tmp_path / "run", keep_last=1)
+    for step in (1, 2):
+        with pytest.warns(UserWarning):  # DCP: a single process
+            run.save({"w": torch.full((4,), float(step)), "n": step}, step)
+    run.wait()
+    assert [(c.step, c.complete) for c in run.list()] == [(2, True)]
+    assert sorted(p.name for p in (tmp_path / "run" / "step-2").iterdir()) == [
+        ".metadata",
+        ".metadata.checksums",
+        "__0_0.distcp",
+    ]
+    state = {"w": torch.zeros(4), "n": 0}
+    assert run.load(state) == 2 and state["n"] == 2

@@ -33,6 +33,7 @@ import concurrent.futures
 import logging
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 
 import msgpack
 
@@ -44,6 +45,7 @@ from cloudckpt.errors import (
     StorageError,
 )
 from cloudckpt.layout import MANIFEST_KEY, join_url, step_dir
+from cloudckpt.options import SaveOptions
 from cloudckpt.runs.tier.node import (
     Inventory,
     NodeTier,
@@ -142,7 +144,9 @@ class TierRun:
         if not self._space(step, nodes):
             return store_save()
         try:
-            result = save(state_dict, self.node.step_url(step), **{**kwargs, "storage": None})
+            options = replace(kwargs.get("options") or SaveOptions(), join_as=self.step_url(step))
+            local = {**kwargs, "storage": None, "options": options}  # per-node URLs, one save
+            result = save(state_dict, self.node.step_url(step), **local)
         except CheckpointExists:
             raise
         except CheckpointError as exc:

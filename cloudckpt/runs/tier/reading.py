@@ -25,6 +25,7 @@ from cloudckpt.checksum import crc32c
 from cloudckpt.errors import CheckpointNotFound, ProtocolError, StorageError
 from cloudckpt.layout import MANIFEST_KEY, step_dir
 from cloudckpt.manifest.codec import decode_manifest
+from cloudckpt.options import LoadOptions
 from cloudckpt.runs.pruning import CheckpointInfo, list_run
 from cloudckpt.runs.tier.node import Inventory, complete_steps, decode_inventory, encode_inventory
 from cloudckpt.runs.tier.peers import Blob, Nodes
@@ -63,7 +64,9 @@ def load_step(run, state_dict, step: int | None, strict: bool) -> int | None:
         source,
         process_group=run.process_group,
         strict=strict,
-        options=run.manager.load_options,
+        options=replace(
+            run.manager.load_options or LoadOptions(), join_as=run.step_url(choice.step)
+        ),
     )
     return choice.step
 
