@@ -31,6 +31,7 @@ _LAZY = {
     "StorageOptions": ("cloudckpt.storage", "StorageOptions"),
     "RetryOptions": ("cloudckpt.storage", "RetryOptions"),
     "GlobalPiece": ("cloudckpt.statedict.pieces", "GlobalPiece"),
+    "RNGState": ("cloudckpt.statedict.rng", "RNGState"),
     "CheckpointManager": ("cloudckpt.runs.manager", "CheckpointManager"),
     "LocalTier": ("cloudckpt.runs.tier.options", "LocalTier"),
     "CheckpointInfo": ("cloudckpt.runs.pruning", "CheckpointInfo"),

@@ -255,6 +255,16 @@ def folder_of_prefix(prefix: str) -> str | None:
     return name
 
 
+def folder_name(step: int | str) -> str:
+    """The folder of ``step`` in a run: ``step-<012d>`` for an int, the name itself for a str
+    (one safe path segment, else ``ValueError``)."""
+    if isinstance(step, str):
+        if folder_of_prefix(step + "/") is None:
+            raise ValueError(f"{step!r} is not a checkpoint folder name (one path segment)")
+        return step
+    return step_dir(step)[:-1]
+
+
 _LAST_NUMBER_RE = re.compile(r"(\d+)(?!.*\d)")
 
 

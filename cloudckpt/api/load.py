@@ -66,6 +66,7 @@ from cloudckpt.statedict.flatten import (
     set_by_path,
     unflatten_state_dict,
 )
+from cloudckpt.statedict.placement import placement
 from cloudckpt.statedict.stateful import resolve_stateful, restore_stateful
 from cloudckpt.stored import read_manifest_bytes, reading_view
 from cloudckpt.transport import INLINE_BYTES, ControlChannel
@@ -87,6 +88,7 @@ def load(
     allow_pickle: bool = False,
     strict: bool = True,
     options: LoadOptions | None = None,
+    map_location=None,
 ) -> LoadResult:
     """Fill ``state_dict`` in place from the checkpoint at ``url``. Collective.
 
@@ -95,7 +97,12 @@ def load(
     default) a name missing from the checkpoint raises :class:`MissingKeysError`; names stored but
     not requested are reported in ``LoadResult.unexpected_keys``. ``process_group``: the ranks
     that load together (default: the world); ``"self"``: this process alone, no collective.
+    ``map_location`` (as ``torch.load`` takes it, :mod:`cloudckpt.statedict.placement`) is
+    checked, and needs no more: the bytes land in the state dict's own tensors, on their
+    devices, which is where ``torch.load(..., map_location)`` followed by ``load_state_dict``
+    would leave them.
     """
+    placement(map_location)  # a bad one fails here, before any collective
     return load_from(
         state_dict,
         StoredManifest(url, storage, allow_pickle),
@@ -264,13 +271,21 @@ def load_from(
 
 
 def load_full(
-    url: str, *, storage=None, allow_pickle: bool = False, options: LoadOptions | None = None
+    url: str,
+    *,
+    storage=None,
+    allow_pickle: bool = False,
+    options: LoadOptions | None = None,
+    map_location=None,
 ) -> dict:
-    """Consolidate the checkpoint at ``url`` into full CPU tensors in this process.
+    """Consolidate the checkpoint at ``url`` into full tensors in this process.
 
     No collective; works with or without ``torch.distributed``. Returns the nested state dict
-    with the saved structure (dicts, lists, tuples) and non-tensor values restored.
+    with the saved structure (dicts, lists, tuples) and non-tensor values restored. Tensors are
+    read on CPU and placed as ``map_location`` says (as ``torch.load`` takes it; ``"meta"``:
+    shapes and dtypes only, nothing read; :mod:`cloudckpt.statedict.placement`).
     """
+    place = placement(map_location)
     options = options or LoadOptions()
     store = shared_store(url, storage)
     manifest = decode_manifest(read_manifest_bytes(url, store=store), allow_pickle=allow_pickle)
@@ -279,6 +294,9 @@ def load_full(
     leaves: dict[str, Any] = dict(manifest.values)
     requests, dests = [], []
     for name, record in manifest.tensors.items():
+        if place.meta:
+            leaves[name] = torch.empty(record.shape, dtype=torch_dtype(record.dtype), device="meta")
+            continue
         full = torch.empty(tuple(record.shape), dtype=torch_dtype(record.dtype))
         leaves[name] = full
         requests.append(
@@ -294,6 +312,8 @@ def load_full(
         dests.append(full)
     plan = plan_local_load(manifest, requests, rank=0, value_names=tuple(manifest.values))
     run_coroutine(fetch_into(store, manifest, plan.reads, dests, options.max_read_bytes))
+    if not place.meta:
+        leaves.update({name: place.apply(leaves[name]) for name in manifest.tensors})
     return unflatten_state_dict(manifest.structure, leaves)
 
 

@@ -22,7 +22,7 @@ fail-together exchange, so a failure anywhere raises the same
    reports where they landed (:class:`~cloudckpt.api.reports.UploadReport`).
 5. ``save commit``: the coordinator assembles the manifest from everyone's reports and writes it
    in ``create`` mode. Its presence is the commit. (``if_exists="replace"``: it overwrites the
-   old manifest, then collects the old objects, :mod:`cloudckpt.api.replace`.)
+   old manifest, then collects the old objects, :mod:`cloudckpt.api.commit`.)
 
 :func:`prepare_save` (phases 1-2) and :func:`finish_save` (phases 3-5) are separate so that
 ``async_save`` can stage data between them and run the rest in the background (hashing included:
@@ -41,13 +41,12 @@ import msgpack
 import numpy as np
 
 from cloudckpt import layout
+from cloudckpt.api.commit import refuse_existing, write_manifest
 from cloudckpt.api.incremental import PinnedBase, base_folder, open_base, read_base
 from cloudckpt.api.prepared import BaseSite, PreparedSave, SaveProgress
-from cloudckpt.api.replace import collect_replaced, replaced_attempts
 from cloudckpt.api.reports import SavePlanning, SavePlanReport, UploadReport
 from cloudckpt.dataplane.writer import ItemDigests, WriterOptions, write_chunks
-from cloudckpt.errors import CheckpointExists, ObjectExists, ObjectNotFound
-from cloudckpt.manifest.codec import encode_manifest
+from cloudckpt.errors import CheckpointExists
 from cloudckpt.manifest.values import encode_value
 from cloudckpt.options import SaveOptions, SaveResult
 from cloudckpt.planning.save.assemble import WrittenChunks, assemble_manifest, encode_written_chunks
@@ -306,7 +305,7 @@ def _new_attempt(url: str, store: ObjectStore, options: SaveOptions) -> str:
     """The coordinator's part of planning: refuse a committed checkpoint (unless replacing it),
     pick the attempt id."""
     if options.if_exists != "replace":
-        _refuse_existing(url, store)
+        refuse_existing(url, store)
     return layout.new_attempt_id()
 
 
@@ -411,28 +410,7 @@ def _commit(
     if pinned is not None:
         pinned.check_lease()
     progress.manifest_sent, progress.used_homes = True, frozenset(manifest.object_homes)
-    replace = p.options.if_exists == "replace"
-    old = replaced_attempts(p.store) if replace else frozenset()
-    try:
-        run_coroutine(
-            p.store.put(
-                layout.MANIFEST_KEY,
-                encode_manifest(manifest),
-                mode="overwrite" if replace else "create",
-            )
-        )
-    except ObjectExists as exc:
-        raise CheckpointExists(f"a checkpoint was committed at {p.url} meanwhile") from exc
-    if replace:  # committed: what the replaced checkpoint alone used goes now
-        collect_replaced(p.url, p.store, old, manifest)
-
-
-def _refuse_existing(url: str, store: ObjectStore) -> None:
-    try:
-        run_coroutine(store.head(layout.MANIFEST_KEY))
-    except ObjectNotFound:
-        return
-    raise CheckpointExists(f"a checkpoint is already committed at {url}")
+    write_manifest(p.url, p.store, manifest, replace=p.options.if_exists == "replace")
 
 
 def _written_chunks(rank: int, locations, values: dict[str, bytes], reused) -> WrittenChunks:

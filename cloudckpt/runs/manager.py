@@ -7,11 +7,10 @@ under the run (``last``, ``epoch=0-step=10.ckpt``, ``checkpoint-500``: a trainer
 ``str`` is a folder name. A run's checkpoints are ordered by step (the manifest's ``"step"``
 metadata, else the last number in the name; none first), then by commit time.
 
-A checkpoint is *complete* when its ``manifest.msgpack`` exists: the save writes it
-last, in create mode, so a save still running or killed part-way is *incomplete*. Only complete
-checkpoints are returned by :meth:`~CheckpointManager.latest` or loaded; :meth:`list` shows the
-others with ``complete=False`` (from the first finished data object on; unfinished multipart
-uploads are seen by :meth:`~CheckpointManager.prune` only).
+A checkpoint is *complete* when its ``manifest.msgpack`` exists: the save writes it last, in
+create mode, so a save still running or killed part-way is *incomplete*. Only complete ones are
+returned by :meth:`~CheckpointManager.latest` or loaded; :meth:`list` shows the others with
+``complete=False`` (unfinished multipart uploads are seen by :meth:`~CheckpointManager.prune`).
 
 Cost contract:
 
@@ -23,14 +22,12 @@ Cost contract:
   manifest (this also repairs SeaweedFS 4.48, whose paging after a ``.../data/`` common prefix
   skips the rest of that step's keys). ``total_bytes`` / ``objects`` / ``world_size`` come from
   the manifest and are read only when asked for (``list(details=True)``, :meth:`info`).
-- Deleting is safe: the manifest goes first (the checkpoint stops being complete before any of its
-  data goes), then the checkpoint's data objects in batches, then its unfinished multipart
-  uploads. Only keys the checkpoint layout owns go (``manifest.msgpack``, ``data/<attempt>/r<rank>
-  -<n>.bin`` and uploads of them, see :mod:`cloudckpt.layout`); anything else under a step's
-  prefix is left in place and logged. Manifest keys are relative to their own checkpoint root and
-  validated (no ``..``), so no other checkpoint's manifest can refer to an object under that
-  prefix. On a local path, a step folder that is a symlink leading outside the run is refused
-  (``AccessDenied``), nothing removed.
+- Deleting is safe: the manifest goes first (the checkpoint stops being complete before any of
+  its data goes), then its data objects in batches, then its unfinished uploads: only keys the
+  layout owns (:func:`cloudckpt.layout.owned_key`); anything else under a folder is left and
+  logged. Manifest keys are validated (no ``..``), so no manifest can name an object under another
+  checkpoint's prefix. On a local path, a folder that is a symlink leading outside the run is
+  refused (``AccessDenied``), nothing removed.
 - :meth:`prune` deletes the complete checkpoints the retention policy does not keep (never the
   newest complete one) and *abandoned* saves: incomplete checkpoints whose newest object or
   upload is older than ``abandoned_after`` seconds (default 3600). Of an abandoned save it removes
@@ -53,10 +50,8 @@ process group calls them with the same step); the pruning after a save and the c
 step to load are made by rank 0 of the group. :meth:`list`, :meth:`latest`, :meth:`delete` and
 :meth:`prune` are plain calls of one process.
 
-The manager composes: step paths and the reading of a listing (:mod:`cloudckpt.layout`,
-pure), listing and pruning a run, ``CheckpointInfo`` (:mod:`cloudckpt.runs.pruning`), planning
-and carrying out deletions (:mod:`cloudckpt.runs.cleanup`), keep rules
-(:mod:`cloudckpt.runs.retention`), and the saves and loads of :mod:`cloudckpt.api`.
+The manager composes :mod:`cloudckpt.layout`, :mod:`cloudckpt.runs.pruning` (listing, pruning),
+:mod:`~cloudckpt.runs.cleanup` (deletions), :mod:`~cloudckpt.runs.retention` and the api.
 """
 
 from __future__ import annotations
@@ -69,7 +64,7 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
-from cloudckpt.layout import folder_of_prefix, join_url, step_dir
+from cloudckpt.layout import folder_name, join_url
 from cloudckpt.options import LoadOptions, SaveOptions
 from cloudckpt.runs.cleanup import (
     DeletionPlan,
@@ -100,12 +95,11 @@ log = logging.getLogger(__name__)
 class ManagedSaveHandle(Future):
     """The ``Future`` returned by ``CheckpointManager.save(..., blocking=False)``.
 
-    Done once the save has committed (or failed) *and* the manager's follow-up work (cleanup of
-    stale attempts of the same step, automatic pruning) has run. ``result()`` returns the
-    ``SaveResult`` or raises the save's error; a failure of the follow-up work does not fail the
-    committed save: it is logged (WARNING) and returned as ``SaveResult.retention_error``.
+    Done once the save has committed (or failed) *and* the manager's follow-up work (stale
+    attempts, pruning) has run. ``result()`` returns the ``SaveResult`` or raises the save's
+    error; a failure of the follow-up work is logged and returned as ``retention_error``.
     ``inner`` is the ``cloudckpt.async_save`` handle. Done-callbacks run on cloudckpt's save
-    thread, as those of ``inner`` do: they must not wait for another async save.
+    thread: they must not wait for another async save.
     """
 
     def __init__(self, step: int, url: str, inner: Any):
@@ -202,23 +196,22 @@ class CheckpointManager:
 
     def step_url(self, step: int | str) -> str:
         """URL of step ``step``'s checkpoint (or of the folder named ``step``)."""
-        return join_url(self.url, _folder(step))
+        return join_url(self.url, folder_name(step))
 
     # -- listing --------------------------------------------------------------------------------
 
     def list(
         self, *, details: bool = False, progress: Callable[[int], None] | None = None
     ) -> list[CheckpointInfo]:
-        """Every checkpoint of the run, oldest step first, complete or not.
+        """Every checkpoint of the run, complete or not, oldest first (step, then commit time).
 
         ``details=True`` also reads each complete checkpoint's manifest (one GET each) to fill
         ``total_bytes``, ``objects``, ``world_size``, ``own_bytes``, ``shared_bytes`` and
-        ``base_step``; ``progress(n)`` is called as manifests are read. A manifest that does
-        not decode is reported in that checkpoint's ``damaged``, and the others are listed.
-        Retained folders (deleted checkpoints whose objects pins still hold) are not
-        checkpoints: listed with details only (``retained=True``, ``complete=False``). With
-        details, every folder holding pins says what holds it (``held_by``: one listing of its
-        pins and one GET of each referrer's manifest).
+        ``base_step``; ``progress(n)`` is called as manifests are read; a damaged one is
+        reported in that checkpoint's ``damaged``.
+        Retained folders (deleted, their objects held by pins) are listed with details only
+        (``retained=True``, ``complete=False``), and every folder holding pins says what holds
+        it (``held_by``: one listing of its pins, one GET of each referrer's manifest).
         """
         listed = run_coroutine(list_run(self.store, self.url, details=details, progress=progress))
         return listed if self.tier is None else self.tier.listing(listed)
@@ -230,7 +223,7 @@ class CheckpointManager:
 
     def info(self, step: int | str) -> CheckpointInfo:
         """Step ``step``'s checkpoint with details; ``CheckpointNotFound`` if it is not complete."""
-        return run_coroutine(checkpoint_details(self.store, self.url, _folder(step)))
+        return run_coroutine(checkpoint_details(self.store, self.url, folder_name(step)))
 
     # -- save / load ----------------------------------------------------------------------------
 
@@ -313,17 +306,15 @@ class CheckpointManager:
         return handle
 
     def _base_for(self, step: int) -> str | None:
-        """The base of an incremental save of ``step``: the newest complete checkpoint (another
-        step); ``None`` when the run has none (the first save is a full one)."""
-        latest = [i for i in self.list() if i.complete and i.name != _folder(step)]
+        """The base of an incremental save of ``step``: the newest other complete checkpoint."""
+        latest = [i for i in self.list() if i.complete and i.name != folder_name(step)]
         return latest[-1].url if latest else None
 
     def _has_objects(self, step: int) -> bool:
-        """Whether anything is stored under step ``step`` yet, finished objects or unfinished
-        uploads of a killed attempt (True when that cannot be told: the cleanup it enables is
-        harmless, and rank 0 must not fail before the collective)."""
+        """Whether anything (objects, uploads of a killed attempt) is under step ``step`` yet;
+        True when that cannot be told (rank 0 must not fail before the collective)."""
         try:
-            return run_coroutine(folder_has_objects(self.store, _folder(step)))
+            return run_coroutine(folder_has_objects(self.store, folder_name(step)))
         except Exception:  # the save itself will report a broken store
             return True
 
@@ -331,9 +322,9 @@ class CheckpointManager:
         """The clean-up after a committed save: ``result``, with its error (logged) if any."""
         try:
             if leftovers:
-                run_coroutine(remove_stale_attempts(self.store, _folder(step) + "/"))
+                run_coroutine(remove_stale_attempts(self.store, folder_name(step) + "/"))
             if self.incremental:  # pins of this step's killed attempts, once their lease is over
-                run_coroutine(sweep_pins(self.store, folder=_folder(step)))
+                run_coroutine(sweep_pins(self.store, folder=folder_name(step)))
             if self.retention.active:
                 self.prune()
         except Exception as exc:  # the checkpoint is committed: do not fail the save
@@ -406,28 +397,24 @@ class CheckpointManager:
         if name is None:
             return None
         info = next(i for i in complete if i.name == name)
-        return info.step if info.step is not None and name == _folder(info.step) else name
+        return info.step if info.step is not None and name == folder_name(info.step) else name
 
     # -- deleting -------------------------------------------------------------------------------
 
     def plan_delete(self, step: int | str) -> DeletionPlan:
         """What :meth:`delete` would remove now (keys relative to the run), removing nothing."""
-        return run_coroutine(plan_checkpoint(self.store, _folder(step) + "/"))
+        return run_coroutine(plan_checkpoint(self.store, folder_name(step) + "/"))
 
     def delete(self, step: int | str, *, progress: Callable[[int], None] | None = None) -> int:
         """Delete step ``step``'s checkpoint, complete or not; returns the objects removed.
 
-        Manifest first, then the step's data objects in batches of
-        :data:`~cloudckpt.runs.cleanup.DELETE_BATCH`, then their unfinished uploads: only keys
-        the checkpoint layout owns (see the module docstring); other keys under the step are
-        left and logged. Deleting a step that does not exist removes nothing and returns 0. A
-        step folder that is a symlink leading out of a local run raises ``AccessDenied``. Do
-        not delete a step that is being saved.
+        Manifest first, then data objects, then uploads; owned keys only (module docstring). A
+        step that does not exist: 0. Do not delete a step that is being saved.
         """
         return run_coroutine(
             delete_checkpoint(
                 self.store,
-                _folder(step) + "/",
+                folder_name(step) + "/",
                 progress=progress,
                 cutoff=time.time() - self.abandoned_after,
             )
@@ -440,11 +427,9 @@ class CheckpointManager:
 
         The result lists, oldest first (by step, then commit time), the complete checkpoints the
         policy does not keep (never the newest complete one, nor the last one committed when it
-        has no step; none at all for a policy without rules) and the
-        incomplete ones abandoned for longer than ``abandoned_after`` (unfinished multipart
-        uploads included, even of a step that has no finished object). ``dry_run=True`` removes
-        nothing and returns what would have been removed. Only owned keys go (see
-        :meth:`delete`).
+        has no step; none for a policy without rules) and the incomplete ones abandoned for
+        longer than ``abandoned_after`` (unfinished uploads included). ``dry_run=True`` removes
+        nothing and returns what would go. Only owned keys go (see :meth:`delete`).
         """
         return [info for info, _ in self.prune_plans(dry_run=dry_run, progress=progress)]
 
@@ -463,13 +448,3 @@ class CheckpointManager:
                 run_url=self.url,
             )
         )
-
-
-def _folder(step: int | str) -> str:
-    """The folder of ``step``: ``step-<012d>`` for an int, the name itself for a str (one safe
-    path segment, else ``ValueError``)."""
-    if isinstance(step, str):
-        if folder_of_prefix(step + "/") is None:
-            raise ValueError(f"{step!r} is not a checkpoint folder name (one path segment)")
-        return step
-    return step_dir(step)[:-1]

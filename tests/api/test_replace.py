@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import cloudckpt
-import cloudckpt.api.replace as replace_mod
-import cloudckpt.api.save as save_mod
+import cloudckpt.api.commit as commit_mod
 from cloudckpt import CheckpointManager, SaveOptions
 from cloudckpt.errors import CheckpointError, CheckpointExists
 from cloudckpt.layout import data_key_attempt
@@ -69,7 +68,7 @@ def test_a_crash_before_or_after_the_swap_leaves_one_loadable_checkpoint(
         seen["old"] = cloudckpt.load_full(url)["v"]
         raise Killed
 
-    monkeypatch.setattr(save_mod, "replaced_attempts", read_then_die)
+    monkeypatch.setattr(commit_mod, "replaced_attempts", read_then_die)
     with pytest.raises(CheckpointError, match="manifest"):
         cloudckpt.save(_state(2), url, options=REPLACE)
     assert seen["old"] == 1
@@ -81,7 +80,7 @@ def test_a_crash_before_or_after_the_swap_leaves_one_loadable_checkpoint(
     def swapped_then_die(url_, store, old, manifest):
         raise Killed
 
-    monkeypatch.setattr(save_mod, "collect_replaced", swapped_then_die)
+    monkeypatch.setattr(commit_mod, "collect_replaced", swapped_then_die)
     with pytest.raises(CheckpointError, match="manifest"):
         cloudckpt.save(_state(3), url, options=REPLACE)
     _loads(url, 3)  # after the swap: the new one, whole
@@ -89,7 +88,7 @@ def test_a_crash_before_or_after_the_swap_leaves_one_loadable_checkpoint(
     left = _attempts(s3_env, url)
     assert first.attempt in left and orphans <= left and len(left) == 3
 
-    monkeypatch.setattr(replace_mod, "STALE_AFTER", 0.0)  # the leftovers are old by now
+    monkeypatch.setattr(commit_mod, "STALE_AFTER", 0.0)  # the leftovers are old by now
     fourth = cloudckpt.save(_state(4), url, options=REPLACE)
     _loads(url, 4)
     assert _attempts(s3_env, url) == {fourth.attempt}

@@ -1,7 +1,9 @@
-"""Replacing a committed checkpoint (``SaveOptions(if_exists="replace")``): what the save's commit
-does around its manifest swap.
+"""The commit of a save: its manifest written in create mode (:func:`write_manifest`; a
+committed checkpoint there: ``CheckpointExists``, also refused up front by
+:func:`refuse_existing`), or replacing a committed checkpoint (``SaveOptions(if_exists=
+"replace")``).
 
-Contract (the coordinator, in ``save commit``; the checkpoint's own store, keys relative to it):
+Replacing (the coordinator, in ``save commit``; the checkpoint's own store, keys relative to it):
 
 1. before the swap, :func:`replaced_attempts` reads the committed manifest (one bounded GET) and
    notes the attempts of the data objects it keeps in its own folder;
@@ -22,19 +24,54 @@ from __future__ import annotations
 import logging
 import time
 
-from cloudckpt.errors import CloudCkptError, ManifestError, ObjectNotFound
+from cloudckpt.errors import (
+    CheckpointExists,
+    CloudCkptError,
+    ManifestError,
+    ObjectExists,
+    ObjectNotFound,
+)
 from cloudckpt.layout import DATA_PREFIX, MANIFEST_KEY, PINS_PREFIX, data_key_attempt
+from cloudckpt.manifest.codec import encode_manifest
 from cloudckpt.runtime.loop import run_coroutine
 from cloudckpt.stored import decode_manifest_without_pickle, fetch_manifest_bytes
 from cloudckpt.wording import plural
 
-__all__ = ["STALE_AFTER", "collect_replaced", "replaced_attempts"]
+__all__ = [
+    "STALE_AFTER",
+    "collect_replaced",
+    "refuse_existing",
+    "replaced_attempts",
+    "write_manifest",
+]
 
 #: Seconds after which an object of an attempt no manifest names counts as a killed save's.
 STALE_AFTER = 3600.0
 _BATCH = 1000
 
 log = logging.getLogger(__name__)
+
+
+def refuse_existing(url: str, store) -> None:
+    """``CheckpointExists`` when a checkpoint is committed at ``url`` (its manifest's HEAD)."""
+    try:
+        run_coroutine(store.head(MANIFEST_KEY))
+    except ObjectNotFound:
+        return
+    raise CheckpointExists(f"a checkpoint is already committed at {url}")
+
+
+def write_manifest(url: str, store, manifest, *, replace: bool) -> None:
+    """The commit: ``manifest`` written in create mode, or, with ``replace``, over the committed
+    one, whose objects are collected after (module docstring)."""
+    old = replaced_attempts(store) if replace else frozenset()
+    body = encode_manifest(manifest)
+    try:
+        run_coroutine(store.put(MANIFEST_KEY, body, mode="overwrite" if replace else "create"))
+    except ObjectExists as exc:
+        raise CheckpointExists(f"a checkpoint was committed at {url} meanwhile") from exc
+    if replace:  # committed: what the replaced checkpoint alone used goes now
+        collect_replaced(url, store, old, manifest)
 
 
 def own_attempts(manifest) -> frozenset[str]:
