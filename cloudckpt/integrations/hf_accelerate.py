@@ -29,10 +29,10 @@ from typing import Any
 from cloudckpt.api.load import load_full
 from cloudckpt.api.save import save
 from cloudckpt.errors import CheckpointNotFound, ConfigError, ManifestError
-from cloudckpt.integrations import rng_states
 from cloudckpt.integrations.hf_trainer import load_into
 from cloudckpt.integrations.run_folder import newest_complete, prune_to
 from cloudckpt.layout import join_url
+from cloudckpt.statedict.rng import RNGState
 
 __all__ = ["CHECKPOINT_PREFIX", "load_state", "save_state"]
 
@@ -66,7 +66,7 @@ def state_dict(accelerator: Any) -> dict[str, Any]:
         "custom": [o.state_dict() for o in accelerator._custom_objects],
         "dataloaders": [_dataloader_state(d) for d in accelerator._dataloaders],
         "step": int(accelerator.step),
-        "rng": {f"rank{accelerator.process_index}": rng_states.capture()},
+        "rng": RNGState(),  # saved as rank<N>: each process's generators
     }
     if accelerator.scaler is not None:
         state["scaler"] = accelerator.scaler.state_dict()
@@ -178,8 +178,8 @@ def _restore(accelerator: Any, state: dict[str, Any], url: str, strict: bool) ->
         accelerator.scaler.load_state_dict(state["scaler"])
     if isinstance(state.get("step"), int):
         accelerator.step = state["step"]
-    record = (state.get("rng") or {}).get(f"rank{accelerator.process_index}")
-    if record is None:
+    record = state.get("rng")
+    if not isinstance(record, dict) or f"rank{accelerator.process_index}" not in record:
         log.info("%s holds no random generator state for this process", url)
     else:
-        rng_states.restore(record)
+        load_into(url, "random generator states", RNGState().load_state_dict, record)

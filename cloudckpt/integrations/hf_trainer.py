@@ -51,11 +51,11 @@ from cloudckpt.api.async_save import SaveHandle, async_save
 from cloudckpt.api.load import load_full
 from cloudckpt.api.save import save
 from cloudckpt.errors import CheckpointNotFound, ConfigError, ManifestError
-from cloudckpt.integrations import rng_states
 from cloudckpt.integrations.optional import import_framework
 from cloudckpt.integrations.run_folder import complete_checkpoints, newest_complete, prune_to
 from cloudckpt.layout import join_url
 from cloudckpt.options import SaveResult
+from cloudckpt.statedict.rng import RNGState
 
 __all__ = ["CHECKPOINT_PREFIX", "CloudckptTrainer", "CloudckptTrainerMixin"]  # noqa: F822
 
@@ -307,7 +307,7 @@ class CloudckptTrainerMixin:
             scaler = getattr(t.accelerator, "scaler", None)
             if scaler is not None:
                 state["scaler"] = scaler.state_dict()
-            state["rng"] = {f"rank{t.args.process_index}": rng_states.capture()}
+            state["rng"] = RNGState()  # saved as rank<N>: each rank's generators
         return state
 
     def save_cloud_checkpoint(self, url: str) -> SaveResult:
@@ -376,11 +376,11 @@ class CloudckptTrainerMixin:
             return parent._load_rng_state(checkpoint)
         t: Any = self
         rank = f"rank{t.args.process_index}"
-        record = (r.state.get("rng") or {}).get(rank)
-        if record is None:
+        record = r.state.get("rng")
+        if not isinstance(record, dict) or rank not in record:
             log.info("%s holds no random generator state for %s: not reproducible", r.url, rank)
             return
-        rng_states.restore(record)
+        load_into(r.url, "random generator states", RNGState().load_state_dict, record)
 
 
 def __getattr__(name: str) -> Any:
