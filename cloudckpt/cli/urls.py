@@ -39,7 +39,7 @@ import sys
 from cloudckpt.cli.options import UsageError
 from cloudckpt.cli.store import CommandStorage, has_manifest
 from cloudckpt.errors import CheckpointNotFound, ObjectNotFound
-from cloudckpt.layout import MANIFEST_KEY, join_url, parse_step_dir, step_dir
+from cloudckpt.layout import MANIFEST_KEY, folder_label, join_url, parse_step_dir, step_dir
 
 MAX_LISTED = 1000
 MAX_PROBED = 20
@@ -195,6 +195,7 @@ def resolve_checkpoint(storage: CommandStorage, url: str, step: int | None, comm
             raise UsageError(reason)
         raise CheckpointNotFound(f"no complete checkpoint at {url} (nor a run with one)")
     print(
-        f"using the newest complete checkpoint: step {latest.step} ({latest.url})", file=sys.stderr
+        f"using the newest complete checkpoint: {folder_label(latest.name)} ({latest.url})",
+        file=sys.stderr,
     )
     return latest.url

@@ -174,7 +174,7 @@ def _names(rng: random.Random) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_generated_names_delete_and_prune_stay_in_their_folder(s3_env, s3_url, seed):
     rng = random.Random(seed)
     run = s3_url
