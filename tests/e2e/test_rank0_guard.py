@@ -83,6 +83,7 @@ def test_a_save_on_rank0_only_fails_fast_then_both_save(world2, s3_url, s3_env):
     assert [r["error"] for r in both] == [None, None]
 
 
+@pytest.mark.slow  # sleeps by design: 1.5 s of skew, a rank 2.5 s late, two 1 s waits
 def test_honest_skew_saves_and_a_late_rank_fails_in_bounded_time(world2, s3_url):
     plan = {"0": ("save", "/skew", 0), "1": ("save", "/skew", 1.5), "wait": 8.0}
     assert [r["error"] for r in world2.run(rank_guarded, s3_url, plan)] == [None, None]
