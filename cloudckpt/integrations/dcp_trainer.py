@@ -298,14 +298,14 @@ class DCPRun:
         if not dist.is_initialized():
             return None
         if self._background_group is None:
-            from cloudckpt.transport import group_ranks
+            from cloudckpt.groups import group_ranks
 
             ranks = list(group_ranks(self.process_group))
             self._background_group = dist.new_group(ranks, backend="gloo")
         return self._background_group
 
     def _group_rank(self) -> int:
-        from cloudckpt.transport import group_rank
+        from cloudckpt.groups import group_rank
 
         return group_rank(self.process_group)
 
