@@ -25,11 +25,16 @@ STEPS_PER_EPOCH = 4
 
 
 class Tiny(CloudLoadable, L.LightningModule):
-    def __init__(self, lr: float = 0.05, width: int = 16, sharded: bool = False):
+    def __init__(
+        self, lr: float = 0.05, width: int = 16, sharded: bool = False, dropout: float = 0.0
+    ):
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 1)
+            torch.nn.Linear(8, width),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(dropout),  # random ops: a resume is exact only with the RNG states
+            torch.nn.Linear(width, 1),
         )
         self.losses: list[float] = []
 
@@ -88,7 +93,10 @@ def train(
     AsyncCheckpointIO around the plugin), "ddp", "sharded" or "sharded-async" (run on every rank
     of a world)."""
     torch.manual_seed(0)
-    model = Tiny(sharded=mode.startswith("sharded"))
+    # one process: dropout (the plugin restores the saving rank's generators); DDP restores rank
+    # 0's only, the sharded strategy none
+    one_process = mode in ("sync", "async", "lightning-async")
+    model = Tiny(sharded=mode.startswith("sharded"), dropout=0.25 if one_process else 0.0)
     ckpt = CloudModelCheckpoint(
         dirpath=url, every_n_train_steps=STEPS_PER_EPOCH, save_top_k=save_top_k, save_last=True
     )

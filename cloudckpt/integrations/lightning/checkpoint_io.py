@@ -10,6 +10,9 @@ cloudckpt checkpoint at that path (a folder: ``s3://bucket/run/epoch=0-step=100.
   them). With ``async_save=True``: ``cloudckpt.async_save``, training is blocked only while the
   tensors are copied to host memory; the next save, load or removal and ``teardown`` wait for it.
 - ``load_checkpoint``: ``cloudckpt.load_full`` (full tensors, placed by ``map_location``).
+- generator states: each save adds ``cloudckpt.RNGState`` (the saving rank's torch, CUDA, numpy
+  and Python generators; Lightning saves none) and a trainer's load restores them, on the rank
+  that saved them (under DDP, rank 0: the other ranks keep theirs).
 - ``remove_checkpoint``: ``cloudckpt.delete`` (never an object another checkpoint still
   references). A removal asked for while an async save is uploading runs after that save has
   committed, and not at all if it failed: the newest complete checkpoint is never deleted.
@@ -71,7 +74,7 @@ class CloudCheckpointIO(CheckpointIO):
         with naming_unsupported_values():
             saver = library.async_save_replacing if self.async_save else library.save_replacing
             handle = saver(
-                checkpoint,
+                library.with_rng_states(checkpoint),
                 url,
                 whole_world=False,
                 storage=self.storage,
@@ -87,12 +90,14 @@ class CloudCheckpointIO(CheckpointIO):
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         self.wait()
-        return library.load_whole(
+        checkpoint = library.load_whole(
             checkpoint_url(path),
             storage=self.storage,
             allow_pickle=self.allow_pickle and weights_only is not True,
             map_location=map_location,
         )
+        library.restore_rng_states(checkpoint)  # random ops go on as in an uninterrupted run
+        return checkpoint
 
     @override
     def remove_checkpoint(self, path: Any) -> None:

@@ -8,18 +8,17 @@ rank, and whole loads placed by ``map_location``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
-
-import torch
 
 from cloudckpt.api.async_save import SaveHandle, async_save
 from cloudckpt.api.load import load_full
 from cloudckpt.api.save import save
 from cloudckpt.options import SaveOptions, SaveResult
 from cloudckpt.runs import checkpoints
+from cloudckpt.statedict.rng import RNGState
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,43 +105,25 @@ def async_save_replacing(
 MapLocation = Any  # a device, a string, a dict or a callable, as torch.load takes it
 
 
+RNG_KEY = "cloudckpt_rng_states"
+"""Where a Lightning checkpoint saved through cloudckpt keeps ``cloudckpt.RNGState`` (Lightning
+saves no generator states of its own): the saving ranks' torch, CUDA, numpy and Python states."""
+
+
+def with_rng_states(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` (not changed) and this rank's generator states under :data:`RNG_KEY`."""
+    return {**checkpoint, RNG_KEY: RNGState()}
+
+
+def restore_rng_states(checkpoint: dict[str, Any]) -> None:
+    """Pop :data:`RNG_KEY` and set this rank's generators from it (kept if it has none)."""
+    states = checkpoint.pop(RNG_KEY, None)
+    if isinstance(states, dict):
+        RNGState().load_state_dict(states)
+
+
 def load_whole(
     url: str, *, storage: Any, allow_pickle: bool, map_location: MapLocation = None
 ) -> dict:
     """``cloudckpt.load_full`` (this process alone), tensors placed by ``map_location``."""
-    state = load_full(url, storage=storage, allow_pickle=allow_pickle)
-    if map_location is None:
-        return state
-    return _map_tensors(state, _placer(map_location))
-
-
-def _placer(map_location: MapLocation) -> Callable[[torch.Tensor], torch.Tensor]:
-    if callable(map_location) and not isinstance(map_location, (str, torch.device)):
-
-        def by_callable(t: torch.Tensor) -> torch.Tensor:
-            moved = map_location(t, "cpu")
-            return t if moved is None else moved
-
-        return by_callable
-    if isinstance(map_location, Mapping):
-        target = map_location.get("cpu")
-        if target is None:
-            return lambda t: t
-        return lambda t: t.to(torch.device(target))
-    device = torch.device(map_location)
-    return lambda t: t.to(device)
-
-
-def _map_tensors(node: Any, place: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(node, torch.Tensor):
-        return place(node)
-    if isinstance(node, dict):
-        out = type(node)()
-        for key, value in node.items():
-            out[key] = _map_tensors(value, place)
-        return out
-    if isinstance(node, list):
-        return [_map_tensors(v, place) for v in node]
-    if isinstance(node, tuple):
-        return tuple(_map_tensors(v, place) for v in node)
-    return node
+    return load_full(url, storage=storage, allow_pickle=allow_pickle, map_location=map_location)

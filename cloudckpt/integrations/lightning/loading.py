@@ -42,6 +42,7 @@ def load_from_checkpoint(
     checkpoint = library.load_whole(
         url, storage=storage, allow_pickle=allow_pickle, map_location=map_location
     )
+    checkpoint.pop(library.RNG_KEY, None)  # loading a module leaves the generators alone
     checkpoint = _pl_migrate_checkpoint(checkpoint, checkpoint_path=url)
     checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
     checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(hparams)
