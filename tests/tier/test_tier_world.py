@@ -7,6 +7,8 @@ import glob
 import os
 import shutil
 
+import pytest
+
 from tests.tier import ranks
 
 KW = {"replicas": 1, "store_every": 2, "background": False, "keep": 2}
@@ -59,6 +61,7 @@ def test_save_list_lose_a_node_corrupt_a_replica_lose_everything(world4, s3_url,
     assert all(set(r["reads"]) == {"object store"} for r in loaded), loaded
 
 
+@pytest.mark.slow  # timed out once in the full parallel suite (alone: ~4 s); see the report
 def test_a_smaller_world_reshards_from_the_surviving_node(world4, s3_url, tmp_path):
     root = str(tmp_path)
     kw = {**KW, "store_every": 100}  # nothing in the store: the tiers alone

@@ -16,8 +16,8 @@ Save of a tier step (collective; each ``── name ──`` is one ``ControlCha
 5. In the background (``background=True``; else before ``save`` returns), on a lane of its own,
    one step at a time (the next tier save waits for the previous step's): ``── tier replicate
    ──``: every rank sends its objects, then the manifest, to the ``replicas`` nodes after its
-   own; then, every ``store_every`` steps, ``── tier drain upload ──`` / ``── tier drain
-   commit ──``: every rank uploads its own objects, checked against the manifest's crcs first,
+   own; then, every ``store_every`` steps, ``── tier drain objects ──`` / ``── tier drain
+   manifest ──``: every rank uploads its own objects, checked against the manifest's crcs first,
    to the object store, then the coordinator puts the same manifest bytes there in create
    mode: the commit rule of every save. A failure is a warning (the step stays complete where
    it is).
@@ -187,7 +187,7 @@ class TierRun:
         short = [r for r, rep in enumerate(space.reports) if not msgpack.unpackb(rep.raw)]
         if short and channel.is_coordinator:
             log.warning(
-                "cloudckpt: the local tier of rank(s) %s is full: step %d goes to %s only",
+                "cloudckpt: the local tier of ranks %s is full: step %d goes to %s only",
                 short,
                 step,
                 self.run_url,
@@ -267,7 +267,7 @@ class TierRun:
         """Copy step ``step`` from the tiers to the object store (collective, lane "tier")."""
         store = shared_store(self.step_url(step), self.storage)
         try:
-            with channel.phase("tier drain upload"):
+            with channel.phase("tier drain objects"):
                 manifest, _ = decode_manifest_without_pickle(raw)
                 blocks = object_blocks(manifest)
                 for key in self.node.own_keys(step, channel.rank):
@@ -275,7 +275,7 @@ class TierRun:
                     if damaged_blocks(data, blocks.get(key, [])):
                         raise StorageError(f"{key} of step {step} is damaged in the local tier")
                     run_coroutine(store.put(key, data))
-            with channel.phase("tier drain commit"):
+            with channel.phase("tier drain manifest"):
                 if channel.is_coordinator:
                     run_coroutine(store.put(MANIFEST_KEY, raw, mode="create"))
         except CheckpointError as exc:

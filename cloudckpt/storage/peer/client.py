@@ -42,37 +42,37 @@ class PeerStore:
 
     def __init__(self, url: str, *, token: str, prefix: str = "", timeout: float = 30.0):
         self.url = url.rstrip("/")
-        self._prefix = prefix
+        self.prefix = prefix
         self.stats = StoreStats()
         self._token = token
         self._timeout = aiohttp.ClientTimeout(total=timeout)
-        self._session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None
         self._limit = asyncio.Semaphore(_CONCURRENCY)
-        self._root = self
+        self.root = self
 
     def __repr__(self) -> str:
-        return f"PeerStore({self.url!r}, prefix={self._prefix!r})"
+        return f"PeerStore({self.url!r}, prefix={self.prefix!r})"
 
     def child(self, prefix: str) -> PeerStore:
         """The same peer with keys below ``prefix`` (sharing connections and stats)."""
         child = PeerStore.__new__(PeerStore)
         child.__dict__.update(self.__dict__)
-        child._prefix = self._prefix + prefix
-        child._root = self._root
+        child.prefix = self.prefix + prefix
+        child.root = self.root
         return child
 
     def _client(self) -> aiohttp.ClientSession:
-        root = self._root
-        if root._session is None or root._session.closed:
-            root._session = aiohttp.ClientSession(
+        root = self.root
+        if root.session is None or root.session.closed:
+            root.session = aiohttp.ClientSession(
                 timeout=self._timeout, headers={TOKEN_HEADER: self._token}, auto_decompress=False
             )
-        return root._session
+        return root.session
 
     async def close(self) -> None:
         """Close the connections (a child's close does nothing)."""
-        if self._root is self and self._session is not None:
-            session, self._session = self._session, None
+        if self.root is self and self.session is not None:
+            session, self.session = self.session, None
             await session.close()
 
     async def _request(
@@ -85,7 +85,7 @@ class PeerStore:
         expect: int | None = None,
     ) -> tuple[int, dict[str, str], bytes]:
         """One request; ``expect``: the body's exact length (``None``: no body wanted)."""
-        path = f"{self.url}/o/{check_key(self._prefix + key)}"
+        path = f"{self.url}/o/{check_key(self.prefix + key)}"
         self.stats.count(method.lower())
         try:
             async with (
