@@ -37,6 +37,7 @@ from cloudckpt.dcp.metadata import METADATA_KEY
 from cloudckpt.errors import ConfigError, ObjectNotFound
 from cloudckpt.runs.retention import RetentionPolicy, select_to_delete
 from cloudckpt.storage.base import CommonPrefix, ObjectInfo, check_key
+from cloudckpt.wording import plural
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +131,10 @@ async def delete_folder(store, name: str, *, older_than: float | None = None) ->
             owned.append(entry.key)
     if foreign:
         log.warning(
-            "%s/%s: leaving %d object(s) no DCP writer writes (%s)",
+            "%s/%s: leaving %s no DCP writer writes (%s)",
             store.url,
             name,
-            len(foreign),
+            plural(len(foreign), "object"),
             ", ".join(sorted(foreign)[:5]),
         )
     meta = f"{prefix}{METADATA_KEY}"
