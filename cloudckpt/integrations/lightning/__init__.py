@@ -43,15 +43,9 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:
-        importlib.import_module("lightning")
-    except ImportError as exc:
-        from cloudckpt.errors import ConfigError
+    from cloudckpt.integrations.optional import import_framework
 
-        raise ConfigError(
-            f"cloudckpt.integrations.lightning.{name} needs PyTorch Lightning: "
-            f"pip install 'cloudckpt[lightning]' ({exc})"
-        ) from exc
+    import_framework("lightning", "lightning")
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value
