@@ -37,6 +37,7 @@ class PreparedSave:
     plan_cached: bool
     started: float
     incremental: bool = False  # every rank hashes its items (the coordinator's word)
+    with_base: bool = False  # the coordinator was given a base (every rank knows)
     base: BaseSite | None = None  # the coordinator's base, if any
     base_read: Any = None  # the coordinator's read of the base (a future), if any
 

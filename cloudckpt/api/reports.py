@@ -135,14 +135,16 @@ def _malformed(record: str, detail: str) -> ProtocolError:
 class SavePlanning(_Record):
     """Save phase 1: the rank's local plan fingerprint, the attempt id (the coordinator's; ``""``
     elsewhere), its plan-cache vote: the key digests of the global plans it holds, whether
-    the save hashes its chunks (an incremental save: the coordinator's word counts), and the
-    rank's write-rate class (0: unknown; :mod:`cloudckpt.planning.save.rates`)."""
+    the save hashes its chunks and whether it has a base to read (the coordinator's word
+    counts for both), and the rank's write-rate class (0: unknown;
+    :mod:`cloudckpt.planning.save.rates`)."""
 
     RECORD: ClassVar[str] = "save planning"
     fingerprint: bytes
     attempt: str
     cached_plans: tuple[bytes, ...]
     incremental: bool = False
+    with_base: bool = False
     write_rate_class: int = 0
 
 

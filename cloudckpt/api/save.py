@@ -12,7 +12,7 @@ fail-together exchange, so a failure anywhere raises the same
 2. global plan: reused from the cache when every rank holds the plan of these fingerprints;
    otherwise ``save plan exchange`` (local plans, msgpack) and ``save global planning`` (every
    rank computes the same global plan).
-3. ``save base`` (incremental saves only): the coordinator reads the base (a read started
+3. ``save base`` (saves given a base only): the coordinator reads the base (a read started
    during phase 1, in the background), pins the folders the save may reference and broadcasts
    the content hashes of the base's matching chunks (:mod:`cloudckpt.api.incremental`). Every
    rank's hashing of its items (the same pass as their block crcs) has already started in the
@@ -154,6 +154,7 @@ def prepare_save(
             attempt=attempt,
             cached_plans=tuple(cached),
             incremental=channel.is_coordinator and (base is not None or options.content_hashes),
+            with_base=channel.is_coordinator and base is not None,
             write_rate_class=WRITE_RATES.rate_class(),
         )
 
@@ -192,6 +193,7 @@ def prepare_save(
         plan_cached=plan_cached,
         started=started,
         incremental=planning.reports[0].incremental,
+        with_base=planning.reports[0].with_base,
         base=site,
         base_read=base_read,
     )
@@ -206,7 +208,7 @@ def finish_save(p: PreparedSave) -> SaveResult:
     digests: ItemDigests | None = None
     try:
         known: dict[int, bytes] = {}
-        if p.incremental:
+        if p.with_base:  # (hashes without a base: no base phase, the upload hashes)
             # hash (and crc) every item while the coordinator reads and pins the base
             digests = ItemDigests(p.items, _writer_options(p.options))
             run_coroutine(digests.start())
@@ -404,7 +406,7 @@ def _commit(
         structure=merge_structures([r.structure_value() for r in reports]),
         reused=reused,
         hashed=p.incremental,
-        attempt=p.attempt if p.incremental else "",
+        attempt=p.attempt if p.with_base else "",  # names its pins (none without a base)
         base=pinned.chunks.folder if pinned is not None else "",
     )
     if pinned is not None:

@@ -123,6 +123,7 @@ def test_field_types_are_exact():
                     "attempt": "a",
                     "cached_plans": ["not bytes"],
                     "incremental": False,
+                    "with_base": False,
                     "write_rate_class": 0,
                 }
             )

@@ -276,3 +276,71 @@ def test_a_damaged_newest_checkpoint_makes_a_full_save_not_a_stuck_run(
     fourth = mgr.save(4, _state(4))
     assert fourth.base == step_dir(3).rstrip("/") and fourth.bytes_reused == FROZEN
     assert _equal(cloudckpt.load_full(mgr.step_url(4)), _state(4))
+
+
+_COUNTED = ("all_gather", "all_gather_into_tensor", "broadcast", "barrier", "all_reduce")
+
+
+def rank_hashed_save_collectives(url: str) -> dict:
+    """A save with chunk hashes and no base, and one without hashes, each with its collectives
+    and phases counted; then the hashed one serves as the base of a third save."""
+    from collections import Counter
+
+    from cloudckpt.transport import ControlChannel
+
+    rank = dist.get_rank()
+    state = {"w": torch.arange(64.0) + rank, "step": 3}
+    originals = {op: getattr(dist, op) for op in _COUNTED}
+    phase = ControlChannel.phase
+    seen: dict[str, tuple] = {}
+
+    def counted_save(name: str, **kwargs) -> None:
+        counts: Counter = Counter()
+        phases: list[str] = []
+
+        def counted(op, fn):
+            def wrapper(*args, **kw):
+                counts[op] += 1
+                return fn(*args, **kw)
+
+            return wrapper
+
+        def named(self, what, *args, **kw):
+            phases.append(what)
+            return phase(self, what, *args, **kw)
+
+        try:
+            for op, fn in originals.items():
+                setattr(dist, op, counted(op, fn))
+            ControlChannel.phase = named  # type: ignore[method-assign]
+            cloudckpt.save(
+                {"w": cloudckpt.GlobalPiece(state["w"], (128,), (64 * rank,)), "step": 3},
+                f"{url}/{name}",
+                **kwargs,
+            )
+        finally:
+            for op, fn in originals.items():
+                setattr(dist, op, fn)
+            ControlChannel.phase = phase  # type: ignore[method-assign]
+        seen[name] = (dict(counts), tuple(phases))
+
+    # no plan cache: both plan (a cached plan would skip two phases of the second save)
+    counted_save("plain", options=SaveOptions(content_hashes=False, use_plan_cache=False))
+    counted_save("hashed", options=SaveOptions(content_hashes=True, use_plan_cache=False))
+    result = cloudckpt.save(
+        {"w": cloudckpt.GlobalPiece(state["w"], (128,), (64 * rank,)), "step": 3},
+        f"{url}/again",
+        base=f"{url}/hashed",
+    )
+    return {"seen": seen, "reused": result.bytes_reused, "base": result.base}
+
+
+def test_a_hashed_save_without_a_base_runs_no_base_phase(world2, s3_env, s3_url):
+    """Chunk hashes without a base cost no collective: no ``save base`` phase, no broadcast of
+    a table of known hashes (every rank learns there is no base from the planning report)."""
+    for r in world2.run(rank_hashed_save_collectives, s3_url):
+        plain, hashed = r["seen"]["plain"], r["seen"]["hashed"]
+        assert "save base" not in hashed[1] and hashed == plain, r
+        assert r["reused"] == 64 * 4 * 2 and r["base"] == "hashed", r
+    assert cloudckpt.read_manifest(f"{s3_url}/hashed").chunk_hashes is not None
+    assert cloudckpt.read_manifest(f"{s3_url}/plain").chunk_hashes is None
