@@ -1,10 +1,17 @@
 """crc32c (Castagnoli) over bytes-like objects, with the hardware (SSE4.2/ARMv8) implementation of
 the ``crc32c`` package (about 15 GB/s here; it releases the GIL on large buffers), and the content
-hash incremental saves compare chunks by (:func:`content_hash`: XXH3-128 of the ``xxhash``
-package, about 10 GB/s on one core here, 2x blake3's 4.6 GB/s; it releases the GIL too).
-:func:`hash_and_block_crcs` computes both in one pass over the bytes (what an incremental save's
-writer does: the bytes are read from memory once). :func:`crc32c_combine` joins the crcs of two
-pieces into the crc of both (what checking a file read in ranges, in any order, needs).
+hash incremental saves compare chunks by (:func:`content_hash`: the first 8 bytes of the XXH3-128
+digest of the ``xxhash`` package, about 10 GB/s on one core here, 2x blake3's 4.6 GB/s; it
+releases the GIL too). :func:`hash_and_block_crcs` computes both in one pass over the bytes (what
+a hashing save's writer does: the bytes are read from memory once). :func:`crc32c_combine` joins
+the crcs of two pieces into the crc of both (what checking a file read in ranges, in any order,
+needs).
+
+Why 8 bytes of XXH3-128 (docs/decisions.md, "Content hashes"): they are what a manifest records
+per chunk (16 bytes a chunk would take the manifest of a 16,384-rank job past a tenth of DCP's
+``.metadata``), and an older manifest's full 16-byte XXH3-128 hashes shorten to exactly these, so
+it still serves as a base. A save reuses a chunk only when this hash *and* every block crc32c of
+the chunk equal the base's.
 
 Pure and dependency-light: used by the writer, the reader and the storage layer. Buffers are read
 in place (no copy) whatever their format, as long as they are C-contiguous.
@@ -57,11 +64,16 @@ def block_crcs(data: Buffer, block_size: int) -> tuple[int, ...]:
     return tuple(_extend(mv[i : i + block_size], 0) for i in range(0, n, block_size))
 
 
+#: Bytes of :func:`content_hash` (the leading bytes of an XXH3-128 digest).
+CONTENT_HASH_BYTES = 8
+
+
 def content_hash(data: Buffer) -> bytes:
-    """The 16-byte content hash (XXH3-128, big-endian digest) of ``data`` (any C-contiguous
-    buffer): what a format version 3 manifest records per chunk (``hash_algorithm`` "xxh3-128")."""
+    """The 8-byte content hash of ``data`` (any C-contiguous buffer): the first
+    :data:`CONTENT_HASH_BYTES` bytes (the high 64 bits) of its big-endian XXH3-128 digest. What a
+    manifest records per chunk (``chunks.hash64``)."""
     mv = _byte_view(data)
-    return xxhash.xxh3_128_digest(mv)
+    return xxhash.xxh3_128_digest(mv)[:CONTENT_HASH_BYTES]
 
 
 #: Bytes read per step of :func:`hash_and_block_crcs`: small enough that the second read (the
@@ -79,7 +91,7 @@ def hash_and_block_crcs(data: Buffer, block_size: int) -> tuple[bytes, tuple[int
     mv = _byte_view(data)
     n = len(mv)
     if n == 0:
-        return xxhash.xxh3_128_digest(mv), (0,)
+        return xxhash.xxh3_128_digest(mv)[:CONTENT_HASH_BYTES], (0,)
     hasher = xxhash.xxh3_128()
     crcs: list[int] = []
     step = min(block_size, FUSED_PIECE)
@@ -91,7 +103,7 @@ def hash_and_block_crcs(data: Buffer, block_size: int) -> tuple[bytes, tuple[int
             crc = _extend(piece, crc)
             hasher.update(piece)
         crcs.append(crc)
-    return hasher.digest(), tuple(crcs)
+    return hasher.digest()[:CONTENT_HASH_BYTES], tuple(crcs)
 
 
 #: Castagnoli polynomial, reflected.

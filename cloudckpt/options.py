@@ -26,9 +26,10 @@ class SaveOptions:
     - ``use_plan_cache``: reuse the global plan when the layout has not changed.
     - ``max_async_staging_bytes``: async save only; host staging memory this rank may use
       (``None``: no limit). A save needing more fails before writing anything.
-    - ``content_hashes``: record a content hash of every chunk (format version 3), so that a
-      later save can use this checkpoint as its base; implied by ``base=``. The incremental
-      ``CheckpointManager`` sets it.
+    - ``content_hashes``: record a content hash of every chunk (8 bytes each, in the same pass
+      over the bytes as their crc32c: about 0.1 s of CPU per GiB), so that a later save can use
+      this checkpoint as its base. On by default; implied by ``base=``. ``False`` saves that
+      CPU, and the checkpoint cannot be a base (a save against it writes every chunk).
     - ``pin_lease``: incremental saves: seconds a pin protects the base's objects after it was
       last renewed (renewed every quarter of it while the save runs; a save that could not
       renew them for half of it fails before committing). From 60 to 86400 (a day,
@@ -53,7 +54,7 @@ class SaveOptions:
     join_as: str | None = None
     use_plan_cache: bool = True
     max_async_staging_bytes: int | None = None
-    content_hashes: bool = False
+    content_hashes: bool = True
     pin_lease: float = 600.0
     if_exists: Literal["error", "replace"] = "error"
 

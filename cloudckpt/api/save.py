@@ -45,7 +45,7 @@ from cloudckpt.api.commit import refuse_existing, write_manifest
 from cloudckpt.api.incremental import PinnedBase, base_folder, open_base, read_base
 from cloudckpt.api.prepared import BaseSite, PreparedSave, SaveProgress
 from cloudckpt.api.reports import SavePlanning, SavePlanReport, UploadReport
-from cloudckpt.dataplane.writer import ItemDigests, WriterOptions, write_chunks
+from cloudckpt.dataplane.writer import ItemDigests, KnownItems, WriterOptions, write_chunks
 from cloudckpt.errors import CheckpointExists
 from cloudckpt.manifest.values import encode_value
 from cloudckpt.options import SaveOptions, SaveResult
@@ -207,7 +207,7 @@ def finish_save(p: PreparedSave) -> SaveResult:
     pinned: PinnedBase | None = None
     digests: ItemDigests | None = None
     try:
-        known: dict[int, bytes] = {}
+        known: KnownItems = {}
         if p.with_base:  # (hashes without a base: no base phase, the upload hashes)
             # hash (and crc) every item while the coordinator reads and pins the base
             digests = ItemDigests(p.items, _writer_options(p.options))
@@ -354,7 +354,7 @@ def _writer_options(options: SaveOptions) -> WriterOptions:
     )
 
 
-def _upload(p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | None) -> UploadReport:
+def _upload(p: PreparedSave, known: KnownItems, digests: ItemDigests | None) -> UploadReport:
     rank = p.channel.rank
     began = time.perf_counter()
     locations, stats = run_coroutine(

@@ -17,8 +17,9 @@ Contract:
   get a content hash (:func:`cloudckpt.checksum.content_hash`) and their block crcs in one pass
   (:func:`cloudckpt.checksum.hash_and_block_crcs`: the bytes are read once, as without hashing)
   in worker threads, in item order, ahead of the uploads; an item whose chunk id is in ``known``
-  with the same hash is not uploaded (it is returned in :attr:`WriteStats.reused`: its bytes are
-  already stored by the base checkpoint), the others are packed as above as their hashes
+  with the same hash *and* the same block crcs is not uploaded (it is returned in
+  :attr:`WriteStats.reused`: its bytes are already stored by the base checkpoint), the others
+  are packed as above as their hashes
   arrive, and each object starts uploading as soon as it is cut. A device or strided tensor is
   copied to host for hashing under the same ``max_staging_bytes`` bound, and copied again only
   if it is uploaded. Without ``hashing`` nothing is hashed.
@@ -40,6 +41,7 @@ from cloudckpt.checksum import block_crcs, hash_and_block_crcs
 from cloudckpt.dataplane.buffers import byte_view, host_contiguous, is_byte_viewable
 from cloudckpt.layout import data_key
 from cloudckpt.planning.batching import pack_in_order
+from cloudckpt.planning.save.incremental import KnownChunk
 from cloudckpt.storage.base import ByteBudget
 
 
@@ -52,6 +54,10 @@ class WriterOptions:
     max_staging_bytes: int = 256 << 20
 
 
+#: Chunk id -> the base's content hash and block crcs of that chunk (what ``write_chunks``
+#: compares an item's own with).
+KnownItems = Mapping[int, KnownChunk]
+
 #: Items hashed per worker-thread call (at most, and about this many bytes at most).
 _HASH_BATCH_ITEMS = 64
 _HASH_BATCH_BYTES = 16 << 20
@@ -60,7 +66,8 @@ _HASH_BATCH_BYTES = 16 << 20
 @dataclass(frozen=True)
 class ChunkLocation:
     """Where one written item's bytes are: object key, byte offset and length, per-block crcs;
-    ``content_hash`` (16 bytes) when the write hashed, else ``b""``."""
+    ``content_hash`` (8 bytes: :func:`cloudckpt.checksum.content_hash`) when the write hashed,
+    else ``b""``."""
 
     chunk_id: int
     object_key: str
@@ -160,7 +167,7 @@ async def write_chunks(
     attempt: str,
     options: WriterOptions = WriterOptions(),
     hashing: bool = False,
-    known: Mapping[int, bytes] | None = None,
+    known: KnownItems | None = None,
     first_index: int = 0,
     digests: ItemDigests | None = None,
 ) -> tuple[list[ChunkLocation], WriteStats]:
@@ -169,8 +176,9 @@ async def write_chunks(
     the count of objects its earlier calls wrote).
 
     Returns one :class:`ChunkLocation` per uploaded item, in the order of ``items`` (every item
-    unless ``known`` is given: see the module docstring; a non-empty ``known`` or ``digests``,
-    the :class:`ItemDigests` of these ``items`` already running, implies ``hashing``).
+    unless ``known``, chunk id -> ``(content hash, block crcs)`` of the base, is given: see the
+    module docstring; a non-empty ``known`` or ``digests``, the :class:`ItemDigests` of these
+    ``items`` already running, implies ``hashing``).
     """
     sizes = [_nbytes(t) for _, t in items]
     locations: list[ChunkLocation | None] = [None] * len(items)
@@ -265,7 +273,7 @@ async def _pack_digested(
             if failed is not None:
                 await failed  # an upload failed: stop here, raise its error
             await digests.wait_for(i + 1)
-        if known.get(items[i][0]) == digests.hashes[i]:
+        if known.get(items[i][0]) == (digests.hashes[i], digests.crcs[i]):
             reused.append(i)
             continue
         if current and filled + sizes[i] > options.object_size:

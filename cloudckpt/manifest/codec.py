@@ -19,16 +19,24 @@ is a msgpack map with string keys::
                          byte_length: col, crc32c: bytes (little-endian uint32, raw)}
     values              {name: bytes}: encode_value(value) each (pickled ones flagged inside)
 
+Version 2 and 3 may add (additive: older cloudckpt versions ignore it)::
+
+    chunks.hash64       bytes: 8 per chunk, its content hash (the first 8 bytes of its
+                        XXH3-128 digest); absent when chunks carry no hash
+
 Version 3 adds (see :mod:`cloudckpt.manifest.lineage`; a manifest without any of them is written
 as version 2, so that older cloudckpt versions read it)::
 
     homes               [str]: per object, "" or the sibling folder holding it
     base                str: folder of the checkpoint it was made from ("" none)
     attempt             str: the save attempt that wrote it ("" unknown)
-    hash_algorithm      str: "xxh3-128", or "" when chunks carry no hash
-    chunks.hash         bytes: 16 per chunk (its content hash), or empty
+    hash_algorithm      str: "xxh3-128" (16-byte hashes in chunks.hash, as older cloudckpt
+                        versions wrote them), or ""
+    chunks.hash         bytes: 16 per chunk with "xxh3-128", else empty
 
-A version 2 or 1 document's fields of these names are ignored (never followed).
+A manifest carries either ``chunks.hash64`` or 16-byte ``chunks.hash`` values, never both. A
+version 2 or 1 document's fields of the version 3 names are ignored (never followed); a version 1
+document's ``chunks.hash64`` too (version 1 is written without hashes).
 
 ``col`` is an integer column (see :mod:`cloudckpt.manifest.columns`). Chunks are grouped by
 tensor in tensor order; ``shapes`` concatenates every tensor's shape; ``offsets`` / ``sizes`` hold,
@@ -67,7 +75,7 @@ from cloudckpt.manifest.columns import (
 )
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE, MAX_NDIM
 from cloudckpt.manifest.framing import frame, unframe
-from cloudckpt.manifest.lineage import HASH_ALGORITHM
+from cloudckpt.manifest.lineage import LEGACY_HASH_ALGORITHM, LEGACY_HASH_BYTES, read_lineage
 from cloudckpt.manifest.model import FORMAT_NAME, Manifest
 from cloudckpt.manifest.values import AllowPickle, decode_plain, encode_value
 
@@ -119,9 +127,10 @@ def _dim_major_index(counts: NDArray[np.int64], ndims: NDArray[np.int64]) -> NDA
 
 def needed_version(m: Manifest) -> int:
     """The format version ``m`` is written in: 3 when it has any field of incremental
-    checkpoints (homes, chunk hashes, base, attempt), else 2."""
-    lineage = m.references or m.chunk_hashes is not None or m.base or m.attempt
-    return 3 if lineage else 2
+    checkpoints (homes, base, attempt, 16-byte chunk hashes), else 2 (8-byte chunk hashes
+    included: ``chunks.hash64`` is additive)."""
+    legacy = m.chunk_hashes is not None and m.chunk_hash_bytes == LEGACY_HASH_BYTES
+    return 3 if m.references or legacy or m.base or m.attempt else 2
 
 
 def encode_manifest(m: Manifest, *, format_version: int | None = None) -> bytes:
@@ -182,14 +191,17 @@ def encode_manifest(m: Manifest, *, format_version: int | None = None) -> bytes:
             "chunks": chunks,
             "values": dict(cols.value_blobs),
         }
+        hashes = m.chunk_hashes
+        legacy = hashes is not None and m.chunk_hash_bytes == LEGACY_HASH_BYTES
+        if hashes is not None and not legacy and format_version >= 2:
+            chunks["hash64"] = hashes.tobytes()
         if format_version >= 3:
-            hashes = m.chunk_hashes
-            chunks["hash"] = b"" if hashes is None else hashes.tobytes()
+            chunks["hash"] = hashes.tobytes() if legacy and hashes is not None else b""
             doc.update(
                 homes=list(m.object_homes),
                 base=m.base,
                 attempt=m.attempt,
-                hash_algorithm="" if hashes is None else HASH_ALGORITHM,
+                hash_algorithm=LEGACY_HASH_ALGORITHM if legacy else "",
             )
         return msgpack.packb(doc, use_bin_type=True)
 
@@ -395,7 +407,7 @@ def manifest_from_document(
     shapes = _column(tensors, "shapes", "tensors", expected=nshape)
     offsets = _chunk_major(chunks, "offsets", counts, ndims, ncoords)
     sizes = _chunk_major(chunks, "sizes", counts, ndims, ncoords)
-    lineage = _read_lineage(doc, chunks) if document.version >= 3 else {}
+    lineage = read_lineage(doc, chunks, document.version)
     blobs: dict[str, bytes] = {}
     for name, blob in values.items():
         if type(blob) is not bytes:
@@ -423,23 +435,4 @@ def manifest_from_document(
         structure=nesting,
         allow_pickle=allow_pickle,
         **lineage,
-    )
-
-
-def _read_lineage(doc: dict[str, Any], chunks: dict[str, Any]) -> dict[str, Any]:
-    """The version 3 fields as ``Manifest`` keyword arguments (checked there)."""
-    homes = _field(doc, "homes", list)
-    algorithm = _field(doc, "hash_algorithm", str)
-    hashes = _field(chunks, "hash", bytes, "chunks.hash")
-    if algorithm not in ("", HASH_ALGORITHM) or bool(algorithm) != bool(hashes):
-        raise ManifestError(
-            f"chunk hashes {algorithm!r:.40} ({len(hashes)} bytes) are not "
-            f"{HASH_ALGORITHM!r} hashes",
-            path="hash_algorithm",
-        )
-    return dict(
-        object_homes=homes,
-        chunk_hashes=hashes if algorithm else None,
-        base=_field(doc, "base", str),
-        attempt=_field(doc, "attempt", str),
     )

@@ -28,7 +28,7 @@ from cloudckpt.manifest.geometry import (
     read_only,
     tensor_columns,
 )
-from cloudckpt.manifest.lineage import check_lineage
+from cloudckpt.manifest.lineage import HASH_BYTES, check_lineage
 from cloudckpt.manifest.records import ChunkTable, ManifestColumns, TensorRecord
 from cloudckpt.manifest.validation import (
     tensor_path,
@@ -41,7 +41,8 @@ _T = TypeVar("_T")
 
 FORMAT_NAME = "cloudckpt"
 #: The newest format version this cloudckpt writes: 3 for a manifest with incremental fields
-#: (object homes, chunk hashes, base, attempt), 2 for any other (so older readers read it).
+#: (object homes, base, attempt, legacy 16-byte chunk hashes), 2 for any other, chunk hashes
+#: included (so older readers read it).
 FORMAT_VERSION = 3
 #: Format versions this cloudckpt reads (1: no checksum; 2: framed with a crc32c; 3: 2 plus
 #: the fields of incremental checkpoints, see :mod:`cloudckpt.manifest.lineage`).
@@ -91,8 +92,9 @@ class Manifest:
     :func:`~cloudckpt.manifest.encode_value` bytes; ``values`` (optional) the same values already
     decoded. Pickled values are decoded only if ``allow_pickle``. With ``tensor_ndims`` (the
     decoder's form), ``tensor_shapes`` is every shape's dims concatenated in one int array: no
-    Python tuple is made until a shape is asked for. ``object_homes``, ``chunk_hashes``,
-    ``base`` and ``attempt``: see :mod:`cloudckpt.manifest.lineage` (format version 3).
+    Python tuple is made until a shape is asked for. ``object_homes``, ``chunk_hashes`` (of
+    ``chunk_hash_bytes`` bytes each), ``base`` and ``attempt``: see
+    :mod:`cloudckpt.manifest.lineage`.
 
     ``checksums=False`` makes a manifest whose data carries no checksums: an index built in
     memory over a foreign format (safetensors files: :mod:`cloudckpt.hf`), never a cloudckpt
@@ -128,6 +130,7 @@ class Manifest:
         tensor_ndims: ArrayLike | None = None,
         object_homes: Iterable[str] | None = None,
         chunk_hashes: bytes | NDArray[np.uint8] | None = None,
+        chunk_hash_bytes: int = HASH_BYTES,
         base: str = "",
         attempt: str = "",
         checksums: bool = True,
@@ -200,7 +203,10 @@ class Manifest:
             attempt,
             objects=len(self.objects),
             chunks=self.num_chunks,
+            hash_bytes=chunk_hash_bytes,
         )
+        #: bytes of each chunk hash: 8, or 16 in a manifest of an older cloudckpt (lineage)
+        self.chunk_hash_bytes = chunk_hash_bytes
         self.tensors: Mapping[str, TensorRecord] = _TensorMap(self)
         self._derived: dict[str, object] = {}
 

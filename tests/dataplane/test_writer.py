@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from cloudckpt.checksum import block_crcs
+from cloudckpt.checksum import block_crcs, content_hash
 from cloudckpt.dataplane.writer import ItemDigests, WriterOptions, write_chunks
 from cloudckpt.errors import StorageError
 from cloudckpt.layout import data_key
@@ -106,17 +106,20 @@ def test_a_failed_upload_raises_its_error(tmp_path):
 
 
 def test_hashing_skips_known_items_and_packs_the_others_in_order(tmp_path):
-    """Every item gets its content hash; items whose hash ``known`` holds are not uploaded
-    (reported in ``reused``); the rest are packed by the same rule as without hashing."""
-    from cloudckpt.checksum import content_hash
-
+    """Every item gets its content hash; items whose hash and block crcs ``known`` holds are
+    not uploaded (reported in ``reused``); the rest are packed by the same rule as without
+    hashing."""
     store = store_at(tmp_path)
     items = _items()
-    digests = {
-        cid: content_hash(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        for cid, t in items
+    digests = {cid: content_hash(_raw(t)) for cid, t in items}
+    crcs = {cid: block_crcs(_raw(t), BLOCK) for cid, t in items}
+    known = {
+        7: (digests[7], crcs[7]),
+        9: (digests[9], crcs[9]),
+        11: (b"\x00" * 8, crcs[11]),  # changed: another hash
+        3: (digests[3], (0,) * len(crcs[3])),  # the same hash, other crcs: not reused
+        42: (b"\x01" * 8, (1,)),
     }
-    known = {7: digests[7], 9: digests[9], 11: b"\x00" * 16, 42: b"\x01" * 16}  # 11 changed
     opts = WriterOptions(object_size=20_000, checksum_block_size=BLOCK, max_staging_bytes=4096)
     locations, stats = run_coroutine(
         write_chunks(store, items, rank=1, attempt=ATTEMPT, options=opts, known=known)
@@ -131,7 +134,7 @@ def test_hashing_skips_known_items_and_packs_the_others_in_order(tmp_path):
         expected = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         body = data_path(tmp_path, loc.object_key).read_bytes()
         assert body[loc.byte_offset : loc.byte_offset + loc.byte_length] == expected
-        assert loc.content_hash == digests[cid] and len(loc.content_hash) == 16
+        assert loc.content_hash == digests[cid] and len(loc.content_hash) == 8
         assert loc.crcs == block_crcs(expected, BLOCK)  # computed in the hashing pass
     for n, extra in enumerate(({}, {"known": None}, {"known": {}})):
         plain, _ = run_coroutine(
@@ -152,11 +155,13 @@ def test_hashing_skips_known_items_and_packs_the_others_in_order(tmp_path):
         ]
 
 
-def test_hashing_everything_known_uploads_nothing(tmp_path):
-    from cloudckpt.checksum import content_hash
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
+
+def test_hashing_everything_known_uploads_nothing(tmp_path):
     items = [(i, torch.full((50,), float(i))) for i in range(5)]
-    known = {i: content_hash(t.numpy().tobytes()) for i, t in items}
+    known = {i: (content_hash(_raw(t)), block_crcs(_raw(t), 4 << 20)) for i, t in items}
     locations, stats = run_coroutine(
         write_chunks(store_at(tmp_path), items, rank=0, attempt=ATTEMPT, known=known)
     )
@@ -184,10 +189,9 @@ def test_a_failed_upload_stops_hashing_with_its_error(tmp_path):
 def test_digests_started_ahead_give_the_same_upload(tmp_path):
     """Hashing started before the upload (an incremental save hashes while its base is read)
     gives the same objects, locations and reuse as hashing inside the upload."""
-    from cloudckpt.checksum import content_hash
-
     items = _items()
-    known = {7: content_hash(items[0][1].numpy().tobytes()), 3: b"\x00" * 16}
+    first = _raw(items[0][1])
+    known = {7: (content_hash(first), block_crcs(first, BLOCK)), 3: (b"\x00" * 8, (0,))}
     opts = WriterOptions(object_size=20_000, checksum_block_size=BLOCK, max_staging_bytes=4096)
 
     async def ahead(store):

@@ -142,17 +142,19 @@ def test_incremental_run_through_every_reader(s3_env, s3_url, tmp_path):
 
 
 def test_a_base_outside_the_run_is_refused_and_a_missing_one_means_a_full_save(s3_env, s3_url):
-    cloudckpt.save(_state(1), f"{s3_url}/run/a", options=SaveOptions(content_hashes=True))
+    cloudckpt.save(_state(1), f"{s3_url}/run/a")  # a default save records chunk hashes
     for bad in (f"{s3_url}/other/a", f"{s3_url}/run/b", f"{s3_url}/run"):
         with pytest.raises(ConfigError, match="not another checkpoint of the run"):
             cloudckpt.save(_state(2), f"{s3_url}/run/b", base=bad)
     result = cloudckpt.save(_state(2), f"{s3_url}/run/b", base=f"{s3_url}/run/missing")
     assert result.base == "" and result.bytes_reused == 0
+    # so it serves as a base with no option: every unchanged chunk is reused
     result = cloudckpt.save(_state(2), f"{s3_url}/run/c", base=f"{s3_url}/run/a")
     assert result.base == "a" and result.bytes_reused == FROZEN
     assert _equal(cloudckpt.load_full(f"{s3_url}/run/c"), _state(2))
-    # a base without hashes (a plain save) makes a full save that records them
-    cloudckpt.save(_state(1), f"{s3_url}/run/plain")
+    # a base without hashes (a save that turned them off) makes a full save that records them
+    cloudckpt.save(_state(1), f"{s3_url}/run/plain", options=SaveOptions(content_hashes=False))
+    assert cloudckpt.read_manifest(f"{s3_url}/run/plain").chunk_hashes is None
     result = cloudckpt.save(_state(1), f"{s3_url}/run/d", base=f"{s3_url}/run/plain")
     assert result.base == "" and cloudckpt.read_manifest(f"{s3_url}/run/d").chunk_hashes is not None
 

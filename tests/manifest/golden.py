@@ -2,7 +2,9 @@
 made (and what they must keep decoding to): the same content in format version 1 (the msgpack
 document alone) and 2 (the document framed with its crc32c); version 3 adds the fields of an
 incremental checkpoint to it (:func:`build_v3`: the second object lies in the sibling folder
-``step-000000000007``, the base; every chunk carries its XXH3-128 hash; attempt ``...bb``).
+``step-000000000007``, the base; every chunk carries its 16-byte XXH3-128 hash, as format version
+3 first recorded them; attempt ``...bb``). ``manifest_v2_hash64.msgpack``: :func:`build`'s
+content with the 8-byte chunk hashes every save records now (``chunks.hash64``, version 2).
 
 Generate a file only when deliberately creating the golden file of a NEW format version (the
 existing files must stay as they are, forever)::
@@ -10,6 +12,7 @@ existing files must stay as they are, forever)::
     python -m tests.manifest.golden tests/data/manifest_v1.msgpack 1
     python -m tests.manifest.golden tests/data/manifest_v2.msgpack 2
     python -m tests.manifest.golden tests/data/manifest_v3.msgpack 3
+    python -m tests.manifest.golden tests/data/manifest_v2_hash64.msgpack 2 hash64
 
 Content: 5 tensors (2-D sharded over two objects, bfloat16 vector, int64 scalar, an empty tensor
 with no chunks, a 2x2 grid of int8 chunks), values of every exact type (tuple, big int, bytes,
@@ -25,10 +28,12 @@ import sys
 from fractions import Fraction
 
 import numpy as np
+import xxhash
 
 from cloudckpt.checksum import block_crcs, content_hash
 from cloudckpt.manifest.builder import ManifestBuilder
 from cloudckpt.manifest.codec import encode_manifest
+from cloudckpt.manifest.lineage import LEGACY_HASH_BYTES
 from cloudckpt.manifest.model import Manifest
 
 BLOCK = 16
@@ -116,18 +121,18 @@ BASE = "step-000000000007"
 ATTEMPT = "00000000000000bb"
 
 
-def chunk_hashes() -> bytes:
-    """Every chunk's content hash, in manifest order."""
+def chunk_hashes(legacy: bool = True) -> bytes:
+    """Every chunk's content hash, in manifest order: the 16-byte XXH3-128 digest of its bytes
+    (``legacy``, format version 3's first hashes), else its first 8 bytes (``content_hash``)."""
+    digest = xxhash.xxh3_128_digest if legacy else content_hash
     return b"".join(
-        content_hash(chunk_bytes(name, i))
+        digest(chunk_bytes(name, i))
         for name, (_, _, chunks) in TENSORS.items()
         for i in range(len(chunks))
     )
 
 
-def build_v3() -> Manifest:
-    """:func:`build`'s content with the fields of format version 3."""
-    m = build()
+def _with_lineage(m: Manifest, **lineage) -> Manifest:
     c = m.columns
     return Manifest(
         world_size=m.world_size,
@@ -149,15 +154,30 @@ def build_v3() -> Manifest:
         value_blobs=dict(c.value_blobs),
         structure=m.structure,
         allow_pickle=True,
+        **lineage,
+    )
+
+
+def build_v3() -> Manifest:
+    """:func:`build`'s content with the fields of format version 3 (16-byte hashes)."""
+    return _with_lineage(
+        build(),
         object_homes=HOMES,
         chunk_hashes=chunk_hashes(),
+        chunk_hash_bytes=LEGACY_HASH_BYTES,
         base=BASE,
         attempt=ATTEMPT,
     )
 
 
+def build_hash64() -> Manifest:
+    """:func:`build`'s content with the 8-byte chunk hashes of a default save (version 2)."""
+    return _with_lineage(build(), chunk_hashes=chunk_hashes(legacy=False))
+
+
 if __name__ == "__main__":
     out, version = sys.argv[1], int(sys.argv[2])
+    made = build_hash64() if sys.argv[3:] == ["hash64"] else build_v3() if version >= 3 else build()
     with open(out, "xb") as f:  # never overwrite a golden file
-        f.write(encode_manifest(build_v3() if version >= 3 else build(), format_version=version))
+        f.write(encode_manifest(made, format_version=version))
     print(f"wrote {out} (format version {version})")

@@ -1,6 +1,7 @@
 """The checked-in v1, v2 and v3 manifests must keep decoding, to the same content, in every later
 version; this version writes the v2 and v3 files byte for byte (the format cannot drift
-silently): v3 when a manifest has fields of incremental checkpoints, v2 otherwise.
+silently): v3 when a manifest has fields of incremental checkpoints, v2 otherwise. The v2 file
+with 8-byte chunk hashes (``chunks.hash64``, what every default save writes) likewise.
 
 How the files were made: tests/manifest/golden.py (never regenerate them)."""
 
@@ -15,6 +16,7 @@ from cloudckpt.checksum import block_crcs
 from cloudckpt.errors import ManifestError, PickleNotAllowed
 from cloudckpt.manifest.codec import decode_manifest, encode_manifest
 from cloudckpt.manifest.framing import stored_version
+from cloudckpt.manifest.lineage import compared_hashes
 from cloudckpt.manifest.model import FORMAT_NAME, FORMAT_VERSION
 from cloudckpt.manifest.records import ChunkRecord
 from tests.manifest import golden
@@ -25,6 +27,7 @@ GOLDEN = {
     2: DATA / "manifest_v2.msgpack",
     3: DATA / "manifest_v3.msgpack",
 }
+HASH64 = DATA / "manifest_v2_hash64.msgpack"
 
 
 @pytest.fixture(scope="module", params=sorted(GOLDEN), ids=lambda v: f"v{v}")
@@ -66,7 +69,32 @@ def test_the_v3_fields(manifest, version):
     assert manifest.object_homes == golden.HOMES and manifest.references
     assert (manifest.base, manifest.attempt) == (golden.BASE, golden.ATTEMPT)
     assert manifest.chunk_hashes.tobytes() == golden.chunk_hashes()
-    assert not manifest.chunk_hashes.flags.writeable
+    assert manifest.chunk_hash_bytes == 16 and not manifest.chunk_hashes.flags.writeable
+    # what a save compares: their first 8 bytes, the hash of the same bytes today
+    eight = compared_hashes(manifest.chunk_hashes).tobytes()
+    assert eight == golden.chunk_hashes(legacy=False)
+
+
+def test_the_golden_file_with_8_byte_hashes():
+    """A default save's manifest: version 2 (older readers read it and ignore the hashes),
+    written byte for byte, decoding to the hashes of the chunks' bytes, every bit checked."""
+    data = HASH64.read_bytes()
+    assert stored_version(data) == 2
+    assert encode_manifest(golden.build_hash64()) == data
+    assert encode_manifest(golden.build_hash64(), format_version=2) == data
+    m = decode_manifest(data, allow_pickle=True)
+    assert m.chunk_hash_bytes == 8 and not m.chunk_hashes.flags.writeable
+    assert m.chunk_hashes.tobytes() == golden.chunk_hashes(legacy=False)
+    assert (m.object_homes, m.base, m.attempt) == (("", ""), "", "")
+    plain = decode_manifest(GOLDEN[2].read_bytes(), allow_pickle=True)
+    for name in plain.tensors:
+        assert list(m.tensors[name].chunks) == list(plain.tensors[name].chunks)
+    assert m.values == plain.values and m.structure == plain.structure
+    for bit in range(8 * len(data)):
+        flipped = bytearray(data)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(ManifestError):
+            decode_manifest(bytes(flipped), allow_pickle=True)
 
 
 @pytest.mark.parametrize("framed", [2, 3])

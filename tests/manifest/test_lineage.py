@@ -124,3 +124,81 @@ def test_relocation_takes_only_distinct_valid_keys():
     for keys in (["a", "a"], ["a"], ["../a", "b"], ["a//b", "c"]):
         with pytest.raises(ManifestError):
             m.with_object_keys(keys)
+
+
+# -- 8-byte chunk hashes (chunks.hash64, version 2 on) -------------------------------------------
+
+
+def _hash64_fields(version: int = 2) -> dict:
+    fields = dict(read_document(encode_manifest(golden.build_hash64())).fields)
+    fields["version"] = version
+    if version >= 3:
+        fields.update(homes=["", ""], base="", attempt="", hash_algorithm="")
+        fields["chunks"] = {**fields["chunks"], "hash": b""}
+    return fields
+
+
+def _with_hash64(value, version: int = 2) -> bytes:
+    fields = _hash64_fields(version)
+    fields["chunks"] = {**fields["chunks"], "hash64": value}
+    return _encode(fields, version)
+
+
+N_CHUNKS = 8  # the golden content's chunks
+
+
+@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"\x00" * (8 * N_CHUNKS - 1),  # short
+        b"\x00" * (8 * N_CHUNKS + 8),  # long: one hash too many
+        b"\x00" * (16 * N_CHUNKS),  # the wrong width: 16 bytes a chunk
+        b"\x00" * 8,  # one chunk's
+        b"",
+        "\x00" * (8 * N_CHUNKS),  # not bytes
+        [0] * N_CHUNKS,
+        None,
+    ],
+)
+def test_a_hash_column_of_the_wrong_size_or_type_is_refused(version, value):
+    """Never a silent reuse: a hash column that does not hold exactly 8 bytes per chunk is a
+    ManifestError naming it, in either version that carries it."""
+    with pytest.raises(ManifestError) as exc:
+        decode_manifest(_with_hash64(value, version), allow_pickle=True)
+    assert exc.value.path == "chunks.hash64"
+
+
+def test_the_hash_column_reads_in_versions_2_and_3_and_is_ignored_in_version_1():
+    good = golden.chunk_hashes(legacy=False)
+    assert len(good) == 8 * N_CHUNKS
+    for version in (2, 3):
+        m = decode_manifest(_with_hash64(good, version), allow_pickle=True)
+        assert m.chunk_hashes.tobytes() == good and m.chunk_hash_bytes == 8
+    fields = _hash64_fields()
+    fields["version"] = 1
+    fields["chunks"] = {**fields["chunks"], "hash64": b"\x00"}  # a version 1 reader's view
+    v1 = decode_manifest(msgpack.packb(fields, use_bin_type=True), allow_pickle=True)
+    assert v1.chunk_hashes is None
+
+
+def test_16_and_8_byte_hashes_together_are_refused():
+    fields = _v3_fields()  # 16-byte "xxh3-128" hashes
+    fields["chunks"] = {**fields["chunks"], "hash64": golden.chunk_hashes(legacy=False)}
+    with pytest.raises(ManifestError, match="both") as exc:
+        decode_manifest(_encode(fields), allow_pickle=True)
+    assert exc.value.path == "chunks.hash64"
+
+
+def test_legacy_hashes_in_the_new_column_are_refused():
+    """16-byte digests put where 8-byte hashes go (a writer mixing the two) do not decode."""
+    with pytest.raises(ManifestError):
+        decode_manifest(_with_hash64(golden.chunk_hashes(legacy=True)), allow_pickle=True)
+
+
+def test_a_constructor_refuses_a_hash_width_other_than_8_or_16():
+    m = golden.build_hash64()
+    with pytest.raises(ManifestError, match="8 or 16"):
+        golden._with_lineage(
+            m, chunk_hashes=golden.chunk_hashes(legacy=False) * 4, chunk_hash_bytes=32
+        )

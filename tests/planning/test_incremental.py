@@ -3,11 +3,13 @@ hashes, and the manifest assembled from written and reused chunks (homes flatten
 
 from __future__ import annotations
 
+import msgpack
 import numpy as np
 import pytest
 
 from cloudckpt.checksum import block_crcs, content_hash
 from cloudckpt.errors import PlanningError
+from cloudckpt.manifest.columns import encode_int_column
 from cloudckpt.planning.pieces import PieceSpec
 from cloudckpt.planning.save.assemble import WrittenChunks, assemble_manifest
 from cloudckpt.planning.save.global_plan import plan_global_save
@@ -99,12 +101,94 @@ def test_match_needs_the_same_name_dtype_shape_box_and_block_size():
 
 
 def test_known_table_round_trips_and_refuses_garbage():
-    known = {3: b"\x01" * 16, 0: b"\x02" * 16, 70000: b"\x03" * 16}
+    known = {3: (b"\x01" * 8, (1, 2)), 0: (b"\x02" * 8, (7,)), 70000: (b"\x03" * 8, (0, 0, 5))}
     assert decode_known(encode_known(known, "step-1")) == (known, "step-1")
     assert decode_known(encode_known({}, "")) == ({}, "")
     for bad in (b"", b"\x00", encode_known(known, "x")[:-3]):
         with pytest.raises(PlanningError):
             decode_known(bad)
+
+
+def _table(**changes) -> bytes:
+    doc = msgpack.unpackb(encode_known({3: (b"\x01" * 8, (1, 2)), 5: (b"\x02" * 8, (7,))}, "b"))
+    doc.update(changes)
+    return msgpack.packb(doc, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(version=1),  # 16-byte hashes, no crcs: an older peer
+        dict(hashes=b"\x01" * 15),  # short
+        dict(hashes=b"\x01" * 24),  # long
+        dict(hashes=b"\x01" * 32),  # 16 bytes a chunk
+        dict(hashes="x" * 16),
+        dict(crcs=b"\x00" * 8),  # one crc short
+        dict(crcs=b"\x00" * 16),  # one too many
+        dict(crcs=b"\x00" * 11),
+        dict(crc_counts=encode_int_column(np.array([2, 0]))),  # a chunk without a crc
+        dict(crc_counts=encode_int_column(np.array([3]))),  # not one count per chunk
+        dict(ids=encode_int_column(np.array([3, 3]))),  # one chunk twice
+        dict(ids=[1, 2]),
+        dict(base=7),
+    ],
+)
+def test_a_malformed_known_table_is_a_planning_error(changes):
+    """A peer's table whose parts disagree never turns into a comparison (a reuse)."""
+    with pytest.raises(PlanningError):
+        decode_known(_table(**changes))
+
+
+def test_a_legacy_base_is_compared_by_the_first_8_bytes_of_its_hashes():
+    """A base saved by an older cloudckpt records 16-byte XXH3-128 digests: the table carries
+    their first 8 bytes, which are the hash a save computes of the same bytes today, with the
+    base's block crcs; the manifest of a save reusing them records those 8 bytes."""
+    import xxhash
+
+    plan = _skeleton(PIECES)
+    new = _manifest(plan, {})
+    sk = plan.skeleton
+    digests = b"".join(
+        xxhash.xxh3_128_digest(_bytes(c, int(sk.nbytes[c]))) for c in range(sk.num_chunks)
+    )
+    legacy = _relabel(new, chunk_hashes=digests, chunk_hash_bytes=16)
+    chunks = BaseChunks("b1", legacy, match_base(sk, legacy, checksum_block_size=BLOCK))
+    cols = legacy.columns
+    for cid, (digest, crcs) in chunks.known().items():
+        data = _bytes(cid, int(sk.nbytes[cid]))
+        assert digest == content_hash(data) == new.chunk_hashes[cid].tobytes()
+        assert crcs == block_crcs(data, BLOCK)
+        b = int(chunks.match[cid])
+        assert crcs == tuple(cols.crcs[cols.crc_start[b] : cols.crc_start[b + 1]].tolist())
+    reused = reused_chunks(chunks, np.arange(sk.num_chunks))
+    assert reused.hashes.shape == (sk.num_chunks, 8)
+    assert reused.hashes.tobytes() == new.chunk_hashes.tobytes()
+
+
+def _relabel(m, **lineage):
+    from cloudckpt.manifest.model import Manifest
+
+    c = m.columns
+    return Manifest(
+        world_size=1,
+        created_at=0.0,
+        cloudckpt_version="t",
+        metadata={},
+        checksum_block_size=BLOCK,
+        objects=m.objects,
+        tensor_names=c.names,
+        tensor_dtypes=c.dtypes,
+        tensor_shapes=m.shapes,
+        chunk_counts=np.diff(c.chunk_start),
+        chunk_offsets=c.offsets,
+        chunk_sizes=c.sizes,
+        chunk_object_index=c.object_index,
+        chunk_byte_offset=c.byte_offset,
+        chunk_byte_length=c.byte_length,
+        chunk_crcs=c.crcs,
+        value_blobs={},
+        **lineage,
+    )
 
 
 def test_reused_chunks_point_at_the_base_and_flatten_its_homes():

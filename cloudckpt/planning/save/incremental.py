@@ -1,13 +1,22 @@
 """Incremental saves, the pure part: which chunks of a new save may reuse its base's bytes, the
-table of their hashes the coordinator sends every rank, and where a reused chunk's bytes are.
+table of their hashes and crcs the coordinator sends every rank, and where a reused chunk's bytes
+are.
 
 A chunk of the new save *matches* a chunk of the base when both belong to a tensor of the same
 name, dtype and global shape and cover the same box (offsets and sizes), the base records chunk
-hashes (:data:`cloudckpt.manifest.lineage.HASH_ALGORITHM`) and both use the same checksum block
-size (a reused chunk keeps the base's crc32c values). A rank uploads a matched chunk only when
-the content hash of its bytes differs from the base's; otherwise the new manifest points at the
-object that already holds them, in the base's folder or wherever the base itself points (homes
-are flattened: a reference never leads to another reference).
+hashes and both use the same checksum block size (a reused chunk keeps the base's crc32c values).
+A rank leaves a matched chunk out of its upload only when the content hash of its bytes
+(:func:`cloudckpt.checksum.content_hash`, 8 bytes) *and* every block crc32c equal the base's
+(:data:`KnownChunk`); the new manifest then points at the object that already holds them, in the
+base's folder or wherever the base itself points (homes are flattened: a reference never leads
+to another reference). A base of an older cloudckpt, with 16-byte hashes, is compared by their
+first 8 bytes (:func:`cloudckpt.manifest.lineage.compared_hashes`): the same hash.
+
+What a wrong reuse takes: a chunk whose bytes changed since the base but whose 64-bit hash and
+32-bit block crcs all stay the same. The comparison is positional (this chunk against the same
+box of the base, never against a set of hashes), so no birthday bound applies: for bytes that no
+one crafted, about 2^-64 per changed chunk from the hash alone and, the crc32c being an unrelated
+linear code, about 2^-96 with it (docs/decisions.md, "Content hashes").
 
 No I/O, no torch, no collective.
 """
@@ -20,12 +29,21 @@ import msgpack
 import numpy as np
 
 from cloudckpt.errors import PlanningError
-from cloudckpt.manifest.columns import ColumnError, decode_int_column, encode_int_column
-from cloudckpt.manifest.lineage import HASH_BYTES
+from cloudckpt.manifest.columns import (
+    ColumnError,
+    decode_int_column,
+    decode_u32,
+    encode_int_column,
+    encode_u32,
+)
+from cloudckpt.manifest.lineage import HASH_BYTES, compared_hashes
 from cloudckpt.manifest.model import Manifest
 from cloudckpt.planning.save.global_plan import ManifestSkeleton
 
 KNOWN_FORMAT = "cloudckpt.known-hashes"
+_KNOWN_VERSION = 2  # 1: 16-byte hashes, no crcs
+#: What a rank compares a chunk's bytes by: its content hash and its block crcs.
+KnownChunk = tuple[bytes, tuple[int, ...]]
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,12 +56,17 @@ class BaseChunks:
     manifest: Manifest
     match: np.ndarray
 
-    def known(self) -> dict[int, bytes]:
-        """Chunk id -> the base's content hash, for every matched chunk."""
+    def known(self) -> dict[int, KnownChunk]:
+        """Chunk id -> the base's content hash and block crcs, for every matched chunk."""
         ids = np.flatnonzero(self.match >= 0)
         hashes = self.manifest.chunk_hashes
         assert hashes is not None  # match_base matches only a base that holds chunk hashes
-        return {int(c): hashes[int(b)].tobytes() for c, b in zip(ids, self.match[ids])}
+        compared, cols = compared_hashes(hashes), self.manifest.columns
+        crcs, start = cols.crcs.tolist(), cols.crc_start
+        return {
+            int(c): (compared[b].tobytes(), tuple(crcs[start[b] : start[b + 1]]))
+            for c, b in zip(ids.tolist(), self.match[ids].tolist())
+        }
 
     def homes(self) -> frozenset[str]:
         """Every folder the new save may reference: the base's own and the base's homes."""
@@ -88,46 +111,57 @@ def match_base(
     return match
 
 
-def encode_known(known: dict[int, bytes], base: str) -> bytes:
-    """The table the coordinator broadcasts: the base's folder, chunk ids and their hashes."""
-    ids = np.array(sorted(known), dtype=np.int64)
+def encode_known(known: dict[int, KnownChunk], base: str) -> bytes:
+    """The table the coordinator broadcasts: the base's folder, chunk ids, their hashes and their
+    block crcs."""
+    ids = sorted(known)
+    counts = [len(known[i][1]) for i in ids]
     return msgpack.packb(
         {
             "format": KNOWN_FORMAT,
-            "version": 1,
+            "version": _KNOWN_VERSION,
             "base": base,
-            "ids": encode_int_column(ids, delta=True),
-            "hashes": b"".join(known[int(i)] for i in ids),
+            "ids": encode_int_column(np.array(ids, dtype=np.int64), delta=True),
+            "hashes": b"".join(known[i][0] for i in ids),
+            "crc_counts": encode_int_column(np.array(counts, dtype=np.int64)),
+            "crcs": encode_u32([c for i in ids for c in known[i][1]]),
         },
         use_bin_type=True,
     )
 
 
-def decode_known(data: bytes) -> tuple[dict[int, bytes], str]:
-    """``(chunk id -> base hash, base folder)`` of :func:`encode_known`'s bytes."""
+def decode_known(data: bytes) -> tuple[dict[int, KnownChunk], str]:
+    """``(chunk id -> (base hash, base crcs), base folder)`` of :func:`encode_known`'s bytes;
+    ``PlanningError`` for anything else (a table whose parts disagree in length included)."""
     try:
         doc = msgpack.unpackb(data, raw=False)
         if (
             not isinstance(doc, dict)
             or doc.get("format") != KNOWN_FORMAT
-            or doc.get("version") != 1
+            or doc.get("version") != _KNOWN_VERSION
         ):
             raise PlanningError("not a table of known chunk hashes")
         ids = decode_int_column(doc["ids"])
-        hashes = doc["hashes"]
-        base = doc["base"]
+        counts = decode_int_column(doc["crc_counts"], expected=len(ids))
+        hashes, base = doc["hashes"], doc["base"]
+        crcs = decode_u32(doc["crcs"])
         if (
             type(hashes) is not bytes
             or len(hashes) != HASH_BYTES * len(ids)
             or type(base) is not str
+            or (len(counts) and int(counts.min()) < 1)
+            or int(counts.sum()) != len(crcs)
+            or len(set(ids.tolist())) != len(ids)
         ):
             raise PlanningError("malformed table of known chunk hashes")
     except PlanningError:
         raise
     except (ColumnError, KeyError, TypeError, ValueError) as exc:
         raise PlanningError(f"malformed table of known chunk hashes: {exc}") from exc
+    values, ends = crcs.tolist(), np.cumsum(counts).tolist()
     return {
-        int(c): hashes[HASH_BYTES * i : HASH_BYTES * (i + 1)] for i, c in enumerate(ids.tolist())
+        int(c): (hashes[HASH_BYTES * i : HASH_BYTES * (i + 1)], tuple(values[e - n : e]))
+        for i, (c, n, e) in enumerate(zip(ids.tolist(), counts.tolist(), ends))
     }, base
 
 
@@ -135,7 +169,7 @@ def decode_known(data: bytes) -> tuple[dict[int, bytes], str]:
 class ReusedChunks:
     """Where the reused chunks' bytes are, as :func:`cloudckpt.planning.assemble_manifest`
     needs them: per reused chunk id its (home, key) object, byte offset, byte length, crcs
-    (``crc_counts`` values each, flat, in ``ids`` order) and hashes."""
+    (``crc_counts`` values each, flat, in ``ids`` order) and hashes (``HASH_BYTES`` each)."""
 
     ids: np.ndarray
     objects: tuple[tuple[str, str], ...]
@@ -168,5 +202,5 @@ def reused_chunks(base: BaseChunks, ids: np.ndarray) -> ReusedChunks:
         byte_offset=cols.byte_offset[src],
         byte_length=cols.byte_length[src],
         crcs=cols.crcs[pos.astype(np.int64)].astype(np.int64),
-        hashes=m.chunk_hashes[src],
+        hashes=compared_hashes(m.chunk_hashes)[src],
     )
