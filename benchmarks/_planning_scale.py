@@ -37,6 +37,8 @@ import time
 import numpy as np
 
 from cloudckpt.manifest.codec import encode_manifest
+from cloudckpt.manifest.lineage import HASH_BYTES
+from cloudckpt.options import SaveOptions
 from cloudckpt.planning.pieces import PieceHeader, PieceTable
 from cloudckpt.planning.save.assemble import WrittenChunks, assemble_manifest
 from cloudckpt.planning.save.global_plan import plan_global_save
@@ -50,6 +52,8 @@ PP, TP = 16, 8
 LAYERS, HIDDEN, KV, FFN, VOCAB = 126, 16384, 1024, 53248, 128256
 BLOCK = 4 << 20
 MiB = 1 << 20
+#: Whether a save records chunk hashes by default (it does: the manifest then holds them)
+HASHED = SaveOptions().content_hashes
 
 # (name, shape, kind): "col" TP along dim 0, "row" TP along dim 1, "norm" replicated over TP
 _LAYER = (
@@ -146,7 +150,9 @@ class Job:
 
 
 def fake_written(skeleton, world: int) -> list[WrittenChunks]:
-    """Every rank reports its chunks in one object each, one crc per started 4 MiB."""
+    """Every rank reports its chunks in one object each, one crc per started 4 MiB and, when
+    saves record them by default (:data:`HASHED`), random 8-byte content hashes (incompressible,
+    like real ones)."""
     order = np.argsort(skeleton.writer, kind="stable")
     bounds = np.searchsorted(skeleton.writer[order], np.arange(world + 1))
     out = []
@@ -165,6 +171,7 @@ def fake_written(skeleton, world: int) -> list[WrittenChunks]:
                 byte_length=lens,
                 crcs=np.zeros(ncrc, np.int64),
                 values={},
+                hashes=np.random.default_rng(r).bytes(HASH_BYTES * len(ids)) if HASHED else b"",
             )
         )
     return out
@@ -252,7 +259,7 @@ def run_world(dp: int, dcp_max: int) -> dict:
     written = fake_written(sk, world)  # what the ranks report: not the coordinator's work
     with _Clock() as man:
         manifest = assemble_manifest(
-            sk, written, world_size=world, checksum_block_size=BLOCK, created_at=0.0
+            sk, written, world_size=world, checksum_block_size=BLOCK, created_at=0.0, hashed=HASHED
         )
         data = encode_manifest(manifest)
     peak = _status("VmHWM") - base
@@ -315,7 +322,8 @@ def scale(worlds: list[int], dcp_max: int) -> list[dict]:
             f"         a rank (today: decode + whole plan) {_ws(r['rank'])}; its share of one "
             f"plan (for_rank) {r['share'][1] * 1e3:.1f} ms ({r['rank_writes']} writes)\n"
             f"         manifest {r['manifest_bytes'] / MiB:.2f} MiB "
-            f"({r['manifest_bytes'] / r['chunks']:.1f} B/chunk)"
+            f"({r['manifest_bytes'] / r['chunks']:.1f} B/chunk"
+            f"{', chunk hashes included' if HASHED else ''})"
             + (
                 f"; DCP .metadata {r['dcp_bytes'] / MiB:.1f} MiB "
                 f"({r['dcp_bytes'] / r['chunks']:.1f} B/chunk, built in {r['dcp_s']:.0f} s)"
