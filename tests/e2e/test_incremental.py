@@ -346,3 +346,65 @@ def test_a_hashed_save_without_a_base_runs_no_base_phase(world2, s3_env, s3_url)
         assert r["reused"] == 64 * 4 * 2 and r["base"] == "hashed", r
     assert cloudckpt.read_manifest(f"{s3_url}/hashed").chunk_hashes is not None
     assert cloudckpt.read_manifest(f"{s3_url}/plain").chunk_hashes is None
+
+
+def _as_legacy_v3(folder) -> None:
+    """Rewrite a checkpoint's manifest as an older cloudckpt wrote a hashed one: format version
+    3, 16-byte XXH3-128 digests of each chunk's stored bytes (``hash_algorithm`` "xxh3-128")."""
+    import msgpack
+    import xxhash
+
+    from cloudckpt.manifest.framing import frame, unframe
+
+    path = folder / "manifest.msgpack"
+    m = cloudckpt.read_manifest(str(folder))
+    c = m.columns
+    digests = b""
+    for obj, off, n in zip(c.object_index, c.byte_offset, c.byte_length):
+        with open(folder / m.objects[int(obj)], "rb") as f:
+            f.seek(int(off))
+            digests += xxhash.xxh3_128_digest(f.read(int(n)))
+    version, payload = unframe(path.read_bytes())
+    doc = msgpack.unpackb(bytes(payload), raw=False, strict_map_key=False)
+    assert version == 2 and len(doc["chunks"].pop("hash64")) == 8 * m.num_chunks
+    doc["chunks"]["hash"] = digests
+    doc.update(version=3, homes=[""] * len(m.objects), base="", attempt="")
+    doc["hash_algorithm"] = "xxh3-128"
+    path.write_bytes(frame(msgpack.packb(doc, use_bin_type=True), 3))
+
+
+def test_a_base_saved_by_an_older_cloudckpt_still_serves(tmp_path):
+    """Old manifests serve as bases: one with 16-byte XXH3-128 hashes (format 3 of an older
+    cloudckpt) gives the same reuse as today's 8-byte ones, and the new manifest records 8-byte
+    hashes; one without hashes (format 2, hashes off) makes a full save."""
+    from cloudckpt.checksum import content_hash
+    from cloudckpt.manifest.framing import stored_version
+
+    run = tmp_path / "run"
+    cloudckpt.save(_state(1), str(run / "old"), options=OPTIONS)
+    _as_legacy_v3(run / "old")
+    old = cloudckpt.read_manifest(str(run / "old"))
+    assert stored_version((run / "old" / "manifest.msgpack").read_bytes()) == 3
+    assert old.chunk_hash_bytes == 16 and old.attempt == ""
+    result = cloudckpt.save(_state(2), str(run / "new"), base=str(run / "old"), options=OPTIONS)
+    assert result.base == "old" and result.bytes_reused == FROZEN
+    assert _equal(cloudckpt.load_full(str(run / "new")), _state(2))
+    assert cloudckpt.verify(str(run / "new")).ok
+    new = cloudckpt.read_manifest(str(run / "new"))
+    assert new.chunk_hash_bytes == 8 and new.references
+    c = new.columns
+    for i, (obj, off, n) in enumerate(zip(c.object_index, c.byte_offset, c.byte_length)):
+        home = new.object_homes[int(obj)] or "new"
+        with open(run / home / new.objects[int(obj)], "rb") as f:
+            f.seek(int(off))
+            assert new.chunk_hashes[i].tobytes() == content_hash(f.read(int(n)))
+    # the next save takes the new checkpoint as its base: the references stay flat
+    again = cloudckpt.save(_state(3), str(run / "next"), base=str(run / "new"), options=OPTIONS)
+    assert again.bytes_reused >= FROZEN
+    assert _equal(cloudckpt.load_full(str(run / "next")), _state(3))
+    # a format 2 base without hashes: a full save
+    off = SaveOptions(object_size=64 << 10, checksum_block_size=16 << 10, content_hashes=False)
+    cloudckpt.save(_state(1), str(run / "plain"), options=off)
+    assert stored_version((run / "plain" / "manifest.msgpack").read_bytes()) == 2
+    full = cloudckpt.save(_state(1), str(run / "full"), base=str(run / "plain"), options=OPTIONS)
+    assert full.base == "" and full.bytes_reused == 0
