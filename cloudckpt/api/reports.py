@@ -2,11 +2,11 @@
 
 Each report is a small frozen dataclass with an explicit msgpack codec, no pickle:
 
-- plain records (:class:`SavePlanning`, :class:`UploadReport`, :class:`ManifestRead`,
-  :class:`LatestStep`, :class:`StopVote`, :class:`StepSaved`) encode as one map
-  ``{"record": <name>, <field>: <value>, ...}`` of msgpack-native fields (``bool``, ``int``,
-  ``str``, ``bytes``, ``X | None``, ``tuple[X, ...]``), checked against the annotations both
-  when built and when decoded;
+- plain records (:class:`SavePlanning`, :class:`SaveShares`, :class:`UploadReport`,
+  :class:`ManifestRead`, :class:`LatestStep`, :class:`StopVote`, :class:`StepSaved`) encode as
+  one map ``{"record": <name>, <field>: <value>, ...}`` of msgpack-native fields (``bool``,
+  ``int``, ``str``, ``bytes``, ``X | None``, ``tuple[X, ...]``), checked against the
+  annotations both when built and when decoded;
 - plan reports (:class:`SavePlanReport`, :class:`LoadPlanReport`) carry a local plan in the
   planning package's own versioned columnar codec.
 
@@ -43,6 +43,7 @@ __all__ = [
     "ManifestRead",
     "SavePlanReport",
     "SavePlanning",
+    "SaveShares",
     "StepSaved",
     "StopVote",
     "UploadReport",
@@ -135,8 +136,10 @@ def _malformed(record: str, detail: str) -> ProtocolError:
 class SavePlanning(_Record):
     """Save phase 1: the rank's local plan fingerprint, the attempt id (the coordinator's; ``""``
     elsewhere), its plan-cache vote: the key digests of the global plans it holds, whether
-    the save hashes its chunks (an incremental save: the coordinator's word counts), and the
-    rank's write-rate class (0: unknown; :mod:`cloudckpt.planning.save.rates`)."""
+    the save hashes its chunks (an incremental save: the coordinator's word counts), the
+    rank's write-rate class (0: unknown; :mod:`cloudckpt.planning.save.rates`) and the length
+    of its encoded local plan (the slot of the gather that sends it to the coordinator, when
+    the plan cache cannot serve)."""
 
     RECORD: ClassVar[str] = "save planning"
     fingerprint: bytes
@@ -144,13 +147,24 @@ class SavePlanning(_Record):
     cached_plans: tuple[bytes, ...]
     incremental: bool = False
     write_rate_class: int = 0
+    plan_bytes: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveShares(_Record):
+    """Save phase 2, the coordinator's (when the plan cache cannot serve every rank): it planned
+    the save, and every rank's share (:mod:`cloudckpt.planning.save.share`) fits ``width``
+    bytes, the slot of the scatter that sends them."""
+
+    RECORD: ClassVar[str] = "save shares"
+    width: int
 
 
 @dataclass(frozen=True, kw_only=True)
 class UploadReport(_Record):
     """Save phase 3: where the rank's chunks landed (an encoded :class:`WrittenChunks`, with the
-    values it owns), the digest of its global plan, what it wrote (and left to its base), and
-    its encoded nesting."""
+    values it owns), the digest of the global plan its share was cut from, what it wrote (and
+    left to its base), and its encoded nesting."""
 
     RECORD: ClassVar[str] = "save upload"
     written: bytes
@@ -169,7 +183,8 @@ class UploadReport(_Record):
 
 @dataclass(frozen=True)
 class SavePlanReport:
-    """Save phase 2 (when the plan cache cannot serve every rank): the rank's local plan."""
+    """Save phase 2 (when the plan cache cannot serve every rank): the rank's local plan, as the
+    coordinator receives it (a gather, not a phase's exchange)."""
 
     plan: LocalSavePlan
 

@@ -54,6 +54,7 @@ def test_every_record_is_covered_and_named_once():
         "LatestStep",
         "ManifestRead",
         "SavePlanning",
+        "SaveShares",
         "StepSaved",
         "StopVote",
         "UploadReport",
@@ -124,6 +125,7 @@ def test_field_types_are_exact():
                     "cached_plans": ["not bytes"],
                     "incremental": False,
                     "write_rate_class": 0,
+                    "plan_bytes": 0,
                 }
             )
         )

@@ -1,0 +1,136 @@
+"""The save protocol's plan shares, on real gloo worlds against SeaweedFS.
+
+- Without a cached plan the local plans go to the coordinator alone (one gather), which plans
+  and sends every rank its share (one scatter); with one, the planning phase's exchange is
+  the only collective before the upload. No rank receives every local plan.
+- A share that does not decode on one rank (garbled in transit, or one that does not fit the
+  rank's pieces), or a plan whose shares the coordinator cannot cut, fails every rank with the
+  same CheckpointError; nothing is committed, and the next save works.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cloudckpt
+from cloudckpt.errors import CheckpointError, CheckpointNotFound
+
+_OPS = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "barrier",
+    "gather",
+    "scatter",
+    "all_reduce",
+    "batch_isend_irecv",
+    "send",
+    "recv",
+)
+
+
+def _state(rank: int, world: int) -> dict:
+    # a tensor each rank holds a row range of, a replicated one and a value: 60 tensors, so
+    # that a local plan (about 1.5 KiB) is more than an exchange's first slot carries
+    state = {f"layer{i}.w": torch.full((2, 3), float(rank * 100 + i)) for i in range(60)}
+    state["shared"] = torch.arange(8.0)
+    state["epoch"] = 3
+    return state
+
+
+def rank_count_save_collectives(root: str) -> dict:
+    from cloudckpt.runtime.context import current
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    current().save_plans.clear()
+    counts: list[Counter] = []
+    originals = {op: getattr(dist, op) for op in _OPS if hasattr(dist, op)}
+    for i in range(2):
+        count: Counter = Counter()
+
+        def counted(op, fn, count=count):
+            def wrapper(*args, **kwargs):
+                count[op] += 1
+                return fn(*args, **kwargs)
+
+            return wrapper
+
+        try:
+            for op, fn in originals.items():
+                setattr(dist, op, counted(op, fn))
+            result = cloudckpt.save(_state(rank, world), f"{root}/{i}")
+        finally:
+            for op, fn in originals.items():
+                setattr(dist, op, fn)
+        assert result.plan_cached == (i == 1)
+        counts.append(count)
+    return {"counts": [dict(c) for c in counts]}
+
+
+def test_only_the_coordinator_receives_the_local_plans(world2, s3_url, s3_env):
+    got = world2.run(rank_count_save_collectives, s3_url)
+    for rank in range(2):
+        first, second = got[rank]["counts"]
+        # planning, global planning, share check, upload (two: its reports are more than the
+        # first slot), commit: all-gathers; one gather of the local plans, one scatter of the
+        # shares
+        assert first.get("gather") == 1 and first.get("scatter") == 1, first
+        assert first.get("all_gather") == 6, first
+        # the cached save: planning, upload (two), commit
+        assert second.get("all_gather") == 4 and "gather" not in second, second
+        assert "scatter" not in second and "broadcast" not in second, second
+    for i in range(2):
+        full = cloudckpt.load_full(f"{s3_url}/{i}")
+        assert full["epoch"] == 3 and torch.equal(full["shared"], torch.arange(8.0))
+
+
+def rank_save_with_a_bad_share(url: str, how: str) -> tuple[str, dict]:
+    from cloudckpt.api import save_planning as save_module
+    from cloudckpt.transport import ControlChannel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    scatter, encode = ControlChannel.scatter_bytes, save_module.encode_shares
+
+    def garbled(self, payloads, *, width):
+        mine = scatter(self, payloads, width=width)
+        return mine[: len(mine) // 2] if self.rank == 1 else mine
+
+    def failing(plan, **kwargs):
+        raise MemoryError("no memory for the shares")
+
+    if how == "garbled":
+        ControlChannel.scatter_bytes = garbled
+    else:
+        save_module.encode_shares = failing
+    try:
+        with pytest.raises(CheckpointError) as info:
+            cloudckpt.save(
+                _state(rank, world), url, options=cloudckpt.SaveOptions(use_plan_cache=False)
+            )
+    finally:
+        ControlChannel.scatter_bytes, save_module.encode_shares = scatter, encode
+    # the next save of the same layout works (nothing cached, nothing left behind)
+    cloudckpt.save(_state(rank, world), f"{url}-next")
+    failures = {r: f.error_type for r, f in info.value.failures.items()}
+    return f"{type(info.value).__name__}: {info.value}", failures
+
+
+@pytest.mark.parametrize("how", ["garbled", "cannot cut"])
+def test_a_share_that_cannot_be_decoded_or_cut_fails_every_rank_the_same(
+    world2, s3_url, s3_env, how
+):
+    url = f"{s3_url}/{how.replace(' ', '-')}"
+    got = world2.run(rank_save_with_a_bad_share, url, how)
+    assert got[0] == got[1], got  # the same error, the same failures, on every rank
+    message, failures = got[0]
+    if how == "garbled":
+        assert "saving failed on rank 1" in message and failures == {1: "ProtocolError"}, got
+    else:
+        assert "saving failed on rank 0" in message and failures == {0: "MemoryError"}, got
+    with pytest.raises(CheckpointNotFound):
+        cloudckpt.read_manifest(url)
+    assert cloudckpt.load_full(f"{url}-next")["epoch"] == 3
