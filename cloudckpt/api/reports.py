@@ -3,9 +3,10 @@
 Each report is a small frozen dataclass with an explicit msgpack codec, no pickle:
 
 - plain records (:class:`SavePlanning`, :class:`SaveShares`, :class:`UploadReport`,
-  :class:`ManifestRead`, :class:`LatestStep`, :class:`StopVote`, :class:`StepSaved`) encode as
-  one map ``{"record": <name>, <field>: <value>, ...}`` of msgpack-native fields (``bool``,
-  ``int``, ``str``, ``bytes``, ``X | None``, ``tuple[X, ...]``), checked against the
+  :class:`SaveWritten`, :class:`ManifestRead`, :class:`LatestStep`, :class:`StopVote`,
+  :class:`StepSaved`) encode as one map ``{"record": <name>, <field>: <value>, ...}`` of
+  msgpack-native fields (``bool``, ``int``, ``str``, ``bytes``, ``X | None``,
+  ``tuple[X, ...]``), checked against the
   annotations both when built and when decoded;
 - plan reports (:class:`SavePlanReport`, :class:`LoadPlanReport`) carry a local plan in the
   planning package's own versioned columnar codec.
@@ -44,6 +45,7 @@ __all__ = [
     "SavePlanReport",
     "SavePlanning",
     "SaveShares",
+    "SaveWritten",
     "StepSaved",
     "StopVote",
     "UploadReport",
@@ -162,17 +164,27 @@ class SaveShares(_Record):
 
 @dataclass(frozen=True, kw_only=True)
 class UploadReport(_Record):
-    """Save phase 3: where the rank's chunks landed (an encoded :class:`WrittenChunks`, with the
-    values it owns), the digest of the global plan its share was cut from, what it wrote (and
-    left to its base), and its encoded nesting."""
+    """Save phase 3, every rank's to every rank: the digest of the global plan its share was
+    cut from, what it wrote (and left to its base), and the length of its
+    :class:`SaveWritten` (the slot of the gather that sends it to the coordinator)."""
 
     RECORD: ClassVar[str] = "save upload"
-    written: bytes
     plan_digest: bytes
     bytes_written: int
     objects: int
-    structure: bytes
     bytes_reused: int = 0
+    written_bytes: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveWritten(_Record):
+    """Save phase 3, every rank's to the coordinator alone (a gather, for the commit): where
+    its chunks landed (an encoded :class:`WrittenChunks`, with the values it owns) and its
+    encoded nesting."""
+
+    RECORD: ClassVar[str] = "save written"
+    written: bytes
+    structure: bytes
 
     def written_chunks(self) -> WrittenChunks:
         return decode_written_chunks(self.written)

@@ -47,7 +47,7 @@ from cloudckpt import layout
 from cloudckpt.api.commit import refuse_existing, write_manifest
 from cloudckpt.api.incremental import PinnedBase, base_folder, open_base, read_base
 from cloudckpt.api.prepared import BaseSite, PreparedSave, SaveProgress
-from cloudckpt.api.reports import SavePlanning, UploadReport
+from cloudckpt.api.reports import SavePlanning, SaveWritten, UploadReport
 from cloudckpt.api.save_planning import chunk_view, plan_globally, plan_locally
 from cloudckpt.dataplane.writer import ItemDigests, WriterOptions, write_chunks
 from cloudckpt.errors import CheckpointExists
@@ -237,11 +237,16 @@ def finish_save(p: PreparedSave) -> SaveResult:
                 known = {c: h for c, h in known.items() if c in mine}
 
         with channel.phase("save upload", UploadReport) as upload:
-            upload.report = _upload(p, known, digests)
+            upload.report, landed = _upload(p, known, digests)
 
         with channel.phase("save commit"):
+            # where the chunks landed: for the coordinator alone (no rank receives every report)
+            width = max(r.written_bytes for r in upload.reports)
+            gathered = channel.gather_bytes(landed, width=width)
             if channel.is_coordinator:
-                _commit(p, progress, upload.reports, pinned)
+                _commit(
+                    p, progress, upload.reports, [SaveWritten.decode(g) for g in gathered], pinned
+                )
     except BaseException as exc:
         if digests is not None:
             run_coroutine(digests.stop())
@@ -309,7 +314,11 @@ def _writer_options(options: SaveOptions) -> WriterOptions:
     )
 
 
-def _upload(p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | None) -> UploadReport:
+def _upload(
+    p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | None
+) -> tuple[UploadReport, bytes]:
+    """This rank's upload: its report (to every rank) and its encoded :class:`SaveWritten`
+    (to the coordinator)."""
     rank = p.channel.rank
     run_coroutine(_opened(p.store))  # a rate sample measures the upload, not the client's start
     began = time.perf_counter()
@@ -327,14 +336,18 @@ def _upload(p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | Non
     )
     WRITE_RATES.record(stats.bytes_written, time.perf_counter() - began)
     written = written_chunks(rank, locations, p.values, [c for c, _ in stats.reused])
-    return UploadReport(
+    landed = SaveWritten(
         written=encode_written_chunks(written),
+        structure=encode_value(p.structure, key="structure", allow_pickle=False),
+    ).encode()
+    report = UploadReport(
         plan_digest=p.share.plan_digest,
         bytes_written=stats.bytes_written,
         objects=stats.objects,
-        structure=encode_value(p.structure, key="structure", allow_pickle=False),
         bytes_reused=stats.bytes_reused,
+        written_bytes=len(landed),
     )
+    return report, landed
 
 
 async def _opened(store: ObjectStore) -> None:
@@ -348,12 +361,13 @@ def _commit(
     p: PreparedSave,
     progress: SaveProgress,
     reports: tuple[UploadReport, ...],
+    landed: list[SaveWritten],
     pinned: PinnedBase | None,
 ) -> None:
     """The coordinator's part of the commit: assemble the manifest, write it in create mode."""
     if any(r.plan_digest != p.share.plan_digest for r in reports):
         raise RuntimeError("ranks disagree on the global save plan (plan cache out of sync)")
-    written = [r.written_chunks() for r in reports]
+    written = [r.written_chunks() for r in landed]
     reused = None
     if pinned is not None:
         ids = np.array(sorted(int(c) for w in written for c in w.reused), dtype=np.int64)
@@ -366,7 +380,7 @@ def _commit(
         metadata=p.metadata,
         allow_pickle=p.allow_pickle,
         # ranks may hold different keys (pipeline stages): the union of their nestings
-        structure=merge_structures([r.structure_value() for r in reports]),
+        structure=merge_structures([r.structure_value() for r in landed]),
         reused=reused,
         hashed=p.incremental,
         attempt=p.attempt if p.incremental else "",

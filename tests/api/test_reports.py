@@ -55,6 +55,7 @@ def test_every_record_is_covered_and_named_once():
         "ManifestRead",
         "SavePlanning",
         "SaveShares",
+        "SaveWritten",
         "StepSaved",
         "StopVote",
         "UploadReport",
