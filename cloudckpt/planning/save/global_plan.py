@@ -7,12 +7,12 @@ vectorised (numpy over all pieces at once): no per-piece Python objects.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
 import numpy as np
+import xxhash
 
 from cloudckpt.errors import CoverageError, LayoutMismatchError, PlanningError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
@@ -88,12 +88,13 @@ class ManifestSkeleton:
         return self.offsets[mask], self.sizes[mask]
 
     def digest(self) -> bytes:
-        """16-byte hash of the whole skeleton (ranks may compare it to confirm they agree)."""
-        h = hashlib.blake2b(digest_size=16)
+        """16-byte hash of the whole skeleton (ranks may compare it to confirm they agree;
+        XXH3-128: a 16,384-rank plan's 100 MB of columns in a few hundredths of a second)."""
+        h = xxhash.xxh3_128()
         h.update(repr((self.names, self.dtypes, self.shapes)).encode())
         for arr in (self.chunk_start, self.offsets, self.sizes, self.writer):
-            h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
-        return h.digest()
+            h.update(np.ascontiguousarray(arr, dtype=np.int64).data)
+        return bytes(h.digest())
 
 
 @dataclass(frozen=True, eq=False)

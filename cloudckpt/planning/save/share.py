@@ -74,7 +74,8 @@ def _columns(plan: GlobalSavePlan) -> tuple[np.ndarray, np.ndarray, int]:
     """Every chunk id in write order (by writer, then piece, then chunk id), each writer's
     bounds in it, and the coordinate width."""
     sk = plan.skeleton
-    order = np.lexsort((plan.writer_piece, sk.writer))
+    pieces = int(plan.writer_piece.max()) + 1 if len(plan.writer_piece) else 1
+    order = np.argsort(sk.writer * pieces + plan.writer_piece, kind="stable")  # one sort key
     bounds = np.searchsorted(sk.writer[order], np.arange(plan.world_size + 1))
     return order.astype(np.int64, copy=False), bounds, int(sk.offsets.shape[1])
 
@@ -91,17 +92,19 @@ def encode_shares(plan: GlobalSavePlan, *, ranks: Sequence[int] | None = None) -
     sk = plan.skeleton
     digest = sk.digest()
     order, bounds, width = _columns(plan)
-    ids = order.astype("<i8").tobytes()
-    pieces = plan.writer_piece[order].astype("<i8").tobytes()
-    within = np.ascontiguousarray(plan.within[order], dtype="<i8").tobytes()
-    sizes = np.ascontiguousarray(sk.sizes[order], dtype="<i8").tobytes()
+    ids = memoryview(order.astype("<i8").tobytes())
+    pieces = memoryview(plan.writer_piece[order].astype("<i8").tobytes())
+    within = memoryview(np.ascontiguousarray(plan.within[order], dtype="<i8").tobytes())
+    sizes = memoryview(np.ascontiguousarray(sk.sizes[order], dtype="<i8").tobytes())
     owned = _owned(plan)
+    starts = bounds.tolist()
+    pack = msgpack.Packer(use_bin_type=True).pack  # one packer for every share
     out = []
     row = 8 * width
     for r in range(plan.world_size) if ranks is None else ranks:
-        s, e = int(bounds[r]), int(bounds[r + 1])
+        s, e = starts[r], starts[r + 1]
         out.append(
-            msgpack.packb(
+            pack(
                 [
                     SHARE_FORMAT,
                     1,
@@ -115,8 +118,7 @@ def encode_shares(plan: GlobalSavePlan, *, ranks: Sequence[int] | None = None) -
                     within[row * s : row * e],
                     sizes[row * s : row * e],
                     owned[r],
-                ],
-                use_bin_type=True,
+                ]
             )
         )
     return out
