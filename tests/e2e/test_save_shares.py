@@ -5,8 +5,9 @@
   the only collective before the upload. Where the chunks landed goes to the coordinator alone
   too (one gather at the commit): no rank receives every rank's plan or chunk locations.
 - A share that does not decode on one rank (garbled in transit, or one that does not fit the
-  rank's pieces), or a plan whose shares the coordinator cannot cut, fails every rank with the
-  same CheckpointError; nothing is committed, and the next save works.
+  rank's pieces), a plan whose shares the coordinator cannot cut, or a rank's chunk locations
+  garbled on their way to the coordinator, fails every rank with the same CheckpointError;
+  nothing is committed, and the next save works.
 """
 
 from __future__ import annotations
@@ -101,8 +102,18 @@ def rank_save_with_a_bad_share(url: str, how: str) -> tuple[str, dict]:
     def failing(plan, **kwargs):
         raise MemoryError("no memory for the shares")
 
+    gather = ControlChannel.gather_bytes
+
+    def garbled_locations(self, payload, *, width):
+        # rank 1's chunk locations arrive cut short at the coordinator's commit
+        if self.rank == 1 and payload[:1] == b"\x83":  # a SaveWritten map, not a local plan
+            payload = payload[: len(payload) // 2]
+        return gather(self, payload, width=width)
+
     if how == "garbled":
         ControlChannel.scatter_bytes = garbled
+    elif how == "garbled locations":
+        ControlChannel.gather_bytes = garbled_locations
     else:
         save_module.encode_shares = failing
     try:
@@ -112,13 +123,14 @@ def rank_save_with_a_bad_share(url: str, how: str) -> tuple[str, dict]:
             )
     finally:
         ControlChannel.scatter_bytes, save_module.encode_shares = scatter, encode
+        ControlChannel.gather_bytes = gather
     # the next save of the same layout works (nothing cached, nothing left behind)
     cloudckpt.save(_state(rank, world), f"{url}-next")
     failures = {r: f.error_type for r, f in info.value.failures.items()}
     return f"{type(info.value).__name__}: {info.value}", failures
 
 
-@pytest.mark.parametrize("how", ["garbled", "cannot cut"])
+@pytest.mark.parametrize("how", ["garbled", "cannot cut", "garbled locations"])
 def test_a_share_that_cannot_be_decoded_or_cut_fails_every_rank_the_same(
     world2, s3_url, s3_env, how
 ):
@@ -128,6 +140,10 @@ def test_a_share_that_cannot_be_decoded_or_cut_fails_every_rank_the_same(
     message, failures = got[0]
     if how == "garbled":
         assert "saving failed on rank 1" in message and failures == {1: "ProtocolError"}, got
+    elif how == "garbled locations":
+        # the coordinator finds it while committing: nothing is written
+        assert "writing the manifest) failed on rank 0" in message, got
+        assert failures == {0: "ProtocolError"}, got
     else:
         assert "saving failed on rank 0" in message and failures == {0: "MemoryError"}, got
     with pytest.raises(CheckpointNotFound):
