@@ -22,11 +22,13 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgpack
 
+from cloudckpt.checksum import content_hash
 from cloudckpt.errors import PlanningError, ProtocolError
 from cloudckpt.manifest.values import decode_value
 from cloudckpt.planning.load.plan import LocalLoadPlan
@@ -46,6 +48,7 @@ __all__ = [
     "SavePlanning",
     "SaveShares",
     "SaveWritten",
+    "distinct_structures",
     "StepSaved",
     "StopVote",
     "UploadReport",
@@ -165,8 +168,9 @@ class SaveShares(_Record):
 @dataclass(frozen=True, kw_only=True)
 class UploadReport(_Record):
     """Save phase 3, every rank's to every rank: the digest of the global plan its share was
-    cut from, what it wrote (and left to its base), and the length of its
-    :class:`SaveWritten` (the slot of the gather that sends it to the coordinator)."""
+    cut from, what it wrote (and left to its base), the length of its :class:`SaveWritten`
+    with its nesting (the slot of the gather that sends it to the coordinator) and the content
+    hash of its encoded nesting (a rank whose nesting a lower rank sends too sends none)."""
 
     RECORD: ClassVar[str] = "save upload"
     plan_digest: bytes
@@ -174,13 +178,14 @@ class UploadReport(_Record):
     objects: int
     bytes_reused: int = 0
     written_bytes: int = 0
+    structure_digest: bytes = b""
 
 
 @dataclass(frozen=True, kw_only=True)
 class SaveWritten(_Record):
     """Save phase 3, every rank's to the coordinator alone (a gather, for the commit): where
     its chunks landed (an encoded :class:`WrittenChunks`, with the values it owns) and its
-    encoded nesting."""
+    encoded nesting (``b""`` when a lower rank's is the same: :func:`distinct_structures`)."""
 
     RECORD: ClassVar[str] = "save written"
     written: bytes
@@ -209,6 +214,25 @@ class SavePlanReport:
             return cls(decode_local_save_plan(raw))
         except PlanningError as exc:
             raise _malformed("save plan", str(exc)) from exc
+
+
+def distinct_structures(
+    reports: Sequence[UploadReport], landed: Sequence[SaveWritten]
+) -> list[Any]:
+    """Every distinct nesting the ranks hold, decoded once each, in rank order: ranks of one
+    layout (every rank of an FSDP job, every rank of a pipeline stage) send theirs once.
+    :class:`~cloudckpt.errors.ProtocolError` for a nesting that does not match its hash, or
+    one left out that no lower rank sent."""
+    decoded: dict[bytes, Any] = {}
+    for rank, (report, written) in enumerate(zip(reports, landed)):
+        digest = report.structure_digest
+        if written.structure:
+            if content_hash(written.structure) != digest:
+                raise _malformed(SaveWritten.RECORD, f"rank {rank}'s nesting is not its hash's")
+            decoded.setdefault(digest, written.structure_value())
+        elif digest not in decoded:
+            raise _malformed(SaveWritten.RECORD, f"rank {rank} left out a nesting no rank sent")
+    return list(decoded.values())
 
 
 # -- load -----------------------------------------------------------------------------------------

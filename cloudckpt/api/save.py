@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -47,8 +48,9 @@ from cloudckpt import layout
 from cloudckpt.api.commit import refuse_existing, write_manifest
 from cloudckpt.api.incremental import PinnedBase, base_folder, open_base, read_base
 from cloudckpt.api.prepared import BaseSite, PreparedSave, SaveProgress
-from cloudckpt.api.reports import SavePlanning, SaveWritten, UploadReport
+from cloudckpt.api.reports import SavePlanning, SaveWritten, UploadReport, distinct_structures
 from cloudckpt.api.save_planning import chunk_view, plan_globally, plan_locally
+from cloudckpt.checksum import content_hash
 from cloudckpt.dataplane.writer import ItemDigests, WriterOptions, write_chunks
 from cloudckpt.errors import CheckpointExists
 from cloudckpt.manifest.values import encode_value
@@ -242,7 +244,10 @@ def finish_save(p: PreparedSave) -> SaveResult:
         with channel.phase("save commit"):
             # where the chunks landed: for the coordinator alone (no rank receives every report)
             width = max(r.written_bytes for r in upload.reports)
-            gathered = channel.gather_bytes(landed, width=width)
+            nestings = [r.structure_digest for r in upload.reports]
+            if nestings.index(nestings[channel.rank]) < channel.rank:  # a lower rank sends it
+                landed = replace(landed, structure=b"")
+            gathered = channel.gather_bytes(landed.encode(), width=width)
             if channel.is_coordinator:
                 _commit(
                     p, progress, upload.reports, [SaveWritten.decode(g) for g in gathered], pinned
@@ -316,9 +321,9 @@ def _writer_options(options: SaveOptions) -> WriterOptions:
 
 def _upload(
     p: PreparedSave, known: dict[int, bytes], digests: ItemDigests | None
-) -> tuple[UploadReport, bytes]:
-    """This rank's upload: its report (to every rank) and its encoded :class:`SaveWritten`
-    (to the coordinator)."""
+) -> tuple[UploadReport, SaveWritten]:
+    """This rank's upload: its report (to every rank) and its :class:`SaveWritten` (to the
+    coordinator)."""
     rank = p.channel.rank
     run_coroutine(_opened(p.store))  # a rate sample measures the upload, not the client's start
     began = time.perf_counter()
@@ -339,13 +344,14 @@ def _upload(
     landed = SaveWritten(
         written=encode_written_chunks(written),
         structure=encode_value(p.structure, key="structure", allow_pickle=False),
-    ).encode()
+    )
     report = UploadReport(
         plan_digest=p.share.plan_digest,
         bytes_written=stats.bytes_written,
         objects=stats.objects,
         bytes_reused=stats.bytes_reused,
-        written_bytes=len(landed),
+        written_bytes=len(landed.encode()),
+        structure_digest=content_hash(landed.structure),
     )
     return report, landed
 
@@ -380,7 +386,7 @@ def _commit(
         metadata=p.metadata,
         allow_pickle=p.allow_pickle,
         # ranks may hold different keys (pipeline stages): the union of their nestings
-        structure=merge_structures([r.structure_value() for r in landed]),
+        structure=merge_structures(distinct_structures(reports, landed)),
         reused=reused,
         hashed=p.incremental,
         attempt=p.attempt if p.incremental else "",
