@@ -26,8 +26,9 @@ fail-together exchange, so a failure anywhere raises the same
    (:class:`~cloudckpt.api.reports.UploadReport`).
 5. ``save commit``: every rank's :class:`~cloudckpt.api.reports.SaveWritten` (where its chunks
    landed; its nesting unless a lower rank holds the same) is gathered to the coordinator, which
-   assembles the manifest and writes it in ``create`` mode. Its presence is the commit. (``if_exists="replace"``: it overwrites the
-   old manifest, then collects the old objects, :mod:`cloudckpt.api.commit`.)
+   assembles the manifest and writes it in ``create`` mode. Its presence is the commit.
+   (``if_exists="replace"``: it overwrites the old manifest, then collects the old objects,
+   :mod:`cloudckpt.api.commit`.)
 
 :func:`prepare_save` (phases 1-2) and :func:`finish_save` (phases 3-5) are separate so that
 ``async_save`` can stage data between them and run the rest in the background (hashing included:

@@ -1,8 +1,10 @@
 """The global save plan: a deterministic function of every rank's local plan.
 
-Every rank runs :func:`plan_global_save` on the same list of local plans and gets the same
-skeleton; each materialises write items only for itself. Work over other ranks' pieces is
-vectorised (numpy over all pieces at once): no per-piece Python objects.
+The save protocol runs :func:`plan_global_save` on the coordinator alone, over every rank's
+local plan; the plan materialises write items only for the rank it is asked for, and
+:mod:`cloudckpt.planning.save.share` cuts every rank's share out of it for the others (any rank
+running it on the same local plans would get the same skeleton). Work over other ranks'
+pieces is vectorised (numpy over all pieces at once): no per-piece Python objects.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class ManifestSkeleton:
 
 @dataclass(frozen=True, eq=False)
 class GlobalSavePlan:
-    """This rank's share of the global plan: its ``writes`` (piece order), the whole
+    """The global plan as rank ``rank`` sees it: its ``writes`` (piece order), the whole
     ``skeleton`` and ``value_owner`` (value name -> lowest rank holding it).
 
     ``writer_piece`` / ``within`` (per chunk id: the writer's piece index, and where the chunk
