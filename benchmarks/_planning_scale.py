@@ -18,9 +18,13 @@ Measured, per world size:
   replica assignment, the skeleton), :func:`assemble_manifest` of the reported chunks and
   :func:`encode_manifest`; seconds and peak memory (the process's high-water RSS over the
   step, from ``/proc/self/status`` after a reset, over its RSS before);
-- **a rank's own share**: with today's protocol every rank runs the whole global plan (so its
-  cost is the coordinator's planning); :func:`rank_share` alone (its write items from the
-  skeleton, what a rank would compute from a coordinator's broadcast skeleton) is timed too;
+- **a rank's own share**: the coordinator cuts every rank's share out of its plan
+  (:func:`encode_shares`, counted in the coordinator's time); a rank decodes and checks its own
+  (:func:`decode_share` against its local plan: what the save protocol runs on every rank after
+  the scatter). For comparison, on paper: the protocol before this one (every rank decoded
+  every local plan and planned the whole save), and the alternative of one broadcast of the
+  whole plan (its skeleton's columns, compressed as a manifest's) that every rank decodes and
+  slices itself (:meth:`GlobalSavePlan.for_rank`);
 - **manifest** bytes against DCP's ``.metadata`` for the same state: torch's own ``Metadata``,
   ``TensorStorageMetadata`` / ``ChunkStorageMetadata`` per chunk and a ``MetadataIndex`` ->
   ``_StorageInfo`` per chunk (what ``FileSystemWriter`` pickles), pickled as DCP does. Built
@@ -37,16 +41,18 @@ import time
 import numpy as np
 
 from cloudckpt.manifest.codec import encode_manifest
+from cloudckpt.manifest.columns import decode_int_column, encode_int_column
 from cloudckpt.manifest.lineage import HASH_BYTES
 from cloudckpt.options import SaveOptions
 from cloudckpt.planning.pieces import PieceHeader, PieceTable
 from cloudckpt.planning.save.assemble import WrittenChunks, assemble_manifest
-from cloudckpt.planning.save.global_plan import plan_global_save
+from cloudckpt.planning.save.global_plan import GlobalSavePlan, ManifestSkeleton, plan_global_save
 from cloudckpt.planning.save.local_plan import (
     LocalSavePlan,
     decode_local_save_plan,
     encode_local_save_plan,
 )
+from cloudckpt.planning.save.share import decode_share, encode_shares
 
 PP, TP = 16, 8
 LAYERS, HIDDEN, KV, FFN, VOCAB = 126, 16384, 1024, 53248, 128256
@@ -255,6 +261,8 @@ def run_world(dp: int, dcp_max: int) -> dict:
         plans = [decode_local_save_plan(e) for e in encoded]
     with _Clock() as planned:
         plan = plan_global_save(plans, rank=0)
+    with _Clock() as cut:  # the coordinator cuts every rank's share (then scatters them)
+        shares = encode_shares(plan)
     sk = plan.skeleton
     written = fake_written(sk, world)  # what the ranks report: not the coordinator's work
     with _Clock() as man:
@@ -264,11 +272,15 @@ def run_world(dp: int, dcp_max: int) -> dict:
         data = encode_manifest(manifest)
     peak = _status("VmHWM") - base
     del manifest
-    with _Clock() as rank_plan:  # today's protocol: every rank plans the whole save
+    with _Clock() as rank_plan:  # the previous protocol: every rank planned the whole save
         last = plan_global_save(plans, rank=world - 1)
-    with _Clock() as share:  # a rank's share of one plan (GlobalSavePlan.for_rank)
-        mine = plan.for_rank(world - 1)
-    assert mine.writes == last.writes
+    own = job.local_plan(world - 1)
+    with _Clock() as share:  # this protocol: a rank decodes and checks its share
+        mine = decode_share(shares[world - 1], own)
+    assert [(c, p) for c, p, _, _ in mine.boxes()] == [
+        (w.chunk_id, w.piece_index) for w in last.writes
+    ]
+    whole, bcast = broadcast_alternative(plan, world - 1)
     res = {
         "world": world,
         "dp": dp,
@@ -279,23 +291,65 @@ def run_world(dp: int, dcp_max: int) -> dict:
         "plan_bytes": int(np.mean([len(e) for e in encoded])),
         "decode": (dec.wall, dec.cpu),
         "plan": (planned.wall, planned.cpu),
+        "cut": (cut.wall, cut.cpu),
         "manifest": (man.wall, man.cpu),
-        "coordinator": (dec.wall + planned.wall + man.wall, dec.cpu + planned.cpu + man.cpu),
-        "rank": (dec.wall + rank_plan.wall, dec.cpu + rank_plan.cpu),
+        "coordinator": (
+            dec.wall + planned.wall + cut.wall + man.wall,
+            dec.cpu + planned.cpu + cut.cpu + man.cpu,
+        ),
+        "before": (dec.wall + rank_plan.wall, dec.cpu + rank_plan.cpu),
         "share": (share.wall, share.cpu),
+        "share_bytes": len(shares[world - 1]),
+        "shares_bytes": sum(len(x) for x in shares),
+        "max_share_bytes": max(len(x) for x in shares),
+        "whole_bytes": whole,
+        "whole": bcast,
         "peak_bytes": peak,
         "rank_writes": len(last.writes),
         "manifest_bytes": len(data),
         "dcp_bytes": None,
         "dcp_extrapolated": False,
     }
-    del plans, encoded, last, mine
+    del plans, encoded, last, mine, shares
     if world <= dcp_max:
         with _Clock() as dcp:
             res["dcp_bytes"] = dcp_metadata_bytes(sk, sk.names, sk.dtypes, sk.shapes, written)
         res["dcp_s"] = dcp.wall
     gc.collect()
     return res
+
+
+_WHOLE = ("chunk_start", "offsets", "sizes", "writer")
+
+
+def broadcast_alternative(plan: GlobalSavePlan, rank: int) -> tuple[int, tuple[float, float]]:
+    """The other protocol, on paper: the coordinator broadcasts its whole plan (the skeleton's
+    integer columns and each chunk's writer piece and start inside it, as manifest columns:
+    delta, narrowest width, zlib); every rank decodes all of it and slices its own share
+    (``for_rank``). Returns the broadcast's bytes and a rank's (wall, CPU) seconds."""
+    sk = plan.skeleton
+    cols = {n: getattr(sk, n) for n in _WHOLE} | {
+        "writer_piece": plan.writer_piece,
+        "within": plan.within,
+    }
+    encoded = {n: encode_int_column(np.asarray(a).reshape(-1), delta=True) for n, a in cols.items()}
+    size = sum(len(c[4]) for c in encoded.values())
+    with _Clock() as c:
+        back = {n: decode_int_column(e).reshape(cols[n].shape) for n, e in encoded.items()}
+        skeleton = ManifestSkeleton(
+            sk.names, sk.dtypes, sk.shapes, *(back[n] for n in _WHOLE), sk.nbytes
+        )
+        whole = GlobalSavePlan(
+            plan.world_size,
+            0,
+            (),
+            skeleton,
+            plan.value_owner,
+            back["writer_piece"],
+            back["within"],
+        )
+        whole.for_rank(rank)
+    return size, (c.wall, c.cpu)
 
 
 def _ws(pair: tuple[float, float]) -> str:
@@ -317,10 +371,16 @@ def scale(worlds: list[int], dcp_max: int) -> list[dict]:
             f"pieces, {r['chunks']:,} chunks; local plan {r['local_plan_ms']:.2f} ms/rank "
             f"({r['plan_bytes'] / 1024:.1f} KiB)\n"
             f"         coordinator {_ws(r['coordinator'])} = decode plans "
-            f"{r['decode'][1]:.2f} + plan {r['plan'][1]:.2f} + manifest {r['manifest'][1]:.2f}; "
-            f"peak RSS +{r['peak_bytes'] / MiB:,.0f} MiB\n"
-            f"         a rank (today: decode + whole plan) {_ws(r['rank'])}; its share of one "
-            f"plan (for_rank) {r['share'][1] * 1e3:.1f} ms ({r['rank_writes']} writes)\n"
+            f"{r['decode'][1]:.2f} + plan {r['plan'][1]:.2f} + cut shares {r['cut'][1]:.2f} + "
+            f"manifest {r['manifest'][1]:.2f}; peak RSS +{r['peak_bytes'] / MiB:,.0f} MiB\n"
+            f"         a rank: decode + check its share {r['share'][1] * 1e3:.1f} ms CPU "
+            f"({r['share_bytes'] / 1024:.1f} KiB, {r['rank_writes']} writes; all shares "
+            f"{r['shares_bytes'] / MiB:.1f} MiB scattered, the largest "
+            f"{r['max_share_bytes'] / 1024:.1f} KiB)\n"
+            f"         on paper: the previous protocol (every rank decodes every plan + plans "
+            f"the whole save) {_ws(r['before'])}; one broadcast of the whole plan "
+            f"{r['whole_bytes'] / 1024:,.0f} KiB to every rank, decoded + sliced by each "
+            f"{_ws(r['whole'])}\n"
             f"         manifest {r['manifest_bytes'] / MiB:.2f} MiB "
             f"({r['manifest_bytes'] / r['chunks']:.1f} B/chunk"
             f"{', chunk hashes included' if HASHED else ''})"
@@ -346,8 +406,8 @@ def scale(worlds: list[int], dcp_max: int) -> list[dict]:
         print(
             f"    x{g:<4g} chunks x{r['chunks'] / first['chunks']:.2f}, coordinator CPU "
             f"x{r['coordinator'][1] / first['coordinator'][1]:.2f}, peak RSS "
-            f"x{r['peak_bytes'] / max(1, first['peak_bytes']):.2f}, a rank's plan CPU "
-            f"x{r['rank'][1] / first['rank'][1]:.2f}, manifest "
+            f"x{r['peak_bytes'] / max(1, first['peak_bytes']):.2f}, a rank's share CPU "
+            f"x{r['share'][1] / max(1e-9, first['share'][1]):.2f}, manifest "
             f"x{r['manifest_bytes'] / first['manifest_bytes']:.2f}"
         )
     return results
@@ -362,7 +422,7 @@ def targets(results: list[dict]) -> list[tuple[str, bool | None]]:
     dcp = "extrapolated from the largest world built" if r["dcp_extrapolated"] else "built"
     return [
         C.ratio_line(
-            f"{w} coordinator planning + manifest encoding, CPU s (wall "
+            f"{w} coordinator planning (shares cut included) + manifest encoding, CPU s (wall "
             f"{r['coordinator'][0]:.2f} s)",
             r["coordinator"][1],
             10.0,
@@ -370,13 +430,7 @@ def targets(results: list[dict]) -> list[tuple[str, bool | None]]:
         ),
         C.ratio_line(f"{w} coordinator peak RSS growth, MiB", r["peak_bytes"] / MiB, 4096, 1.0),
         C.ratio_line(
-            f"{w} a rank's own plan, today's protocol (decode every plan + whole plan), CPU s",
-            r["rank"][1],
-            1.0,
-            1.0,
-        ),
-        C.ratio_line(
-            f"{w} a rank's share of one plan (GlobalSavePlan.for_rank), CPU s",
+            f"{w} a rank's own share of the plan (decode + check its scattered share), CPU s",
             r["share"][1],
             1.0,
             1.0,

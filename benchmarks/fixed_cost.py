@@ -152,8 +152,8 @@ TRACED = (
     "cloudckpt.transport:Broadcaster.all_gather",
     "cloudckpt.transport:Broadcaster.exchange",
     "cloudckpt.transport:Broadcaster.prepare",
-    "cloudckpt.api.save:_plan_locally",
-    "cloudckpt.api.save:_plan_globally",
+    "cloudckpt.api.save:plan_locally",
+    "cloudckpt.api.save:plan_globally",
     "cloudckpt.api.save:_upload",
     "cloudckpt.api.save:_commit",
 )

@@ -23,8 +23,9 @@ alone. Seconds are best of ``--repeat``; nothing is asserted.
 
 Scale section (``--only scale``, not run by default: minutes): a 405B dense model and its Adam
 state on pipeline 16 x tensor-parallel 8 x FSDP 8 .. 128 (1,024 .. 16,384 ranks), see
-``benchmarks/_planning_scale.py``: the coordinator's planning and manifest encoding, a rank's
-own plan, the manifest against DCP's pickled ``.metadata``; PASS/MISS lines at the largest world.
+``benchmarks/_planning_scale.py``: the coordinator's planning (every rank's share cut
+included) and manifest encoding, a rank's own share (decoded and checked), the manifest against
+DCP's pickled ``.metadata``; PASS/MISS lines at the largest world.
 """
 
 from __future__ import annotations

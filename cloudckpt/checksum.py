@@ -76,6 +76,12 @@ def content_hash(data: Buffer) -> bytes:
     return xxhash.xxh3_128_digest(mv)[:CONTENT_HASH_BYTES]
 
 
+def identity_digest(data: Buffer) -> bytes:
+    """The whole 16-byte XXH3-128 digest of ``data``: what equal payloads are recognised by when
+    one travels in place of another (a rank's nesting sent once for ranks of the same layout)."""
+    return xxhash.xxh3_128_digest(_byte_view(data))
+
+
 #: Bytes read per step of :func:`hash_and_block_crcs`: small enough that the second read (the
 #: hash after the crc) finds them in the core's cache, large enough that the per-call overhead
 #: (and the GIL round trip of each call) stays negligible.

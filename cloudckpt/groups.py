@@ -249,3 +249,23 @@ def _missing_message(call: str, url: str, missing: list[int], wait: float, skipp
         f"process group did not join within {seconds(wait)}{late}; call it on every rank, or "
         f"{_SELF_HINT} (a rank merely slower than that: raise the options' join_timeout)"
     )
+
+
+def cached_group(key: tuple, create):
+    """The group of ``key`` among those cloudckpt created in the current default process group
+    (``context.GroupCache``: created once per world, created anew after the default group was
+    destroyed and initialised again); ``create()`` makes it the first time."""
+    return current().groups.get(dist.group.WORLD, key, create)
+
+
+def new_group(ranks: tuple[int, ...], backend: str, timeout: float, *, every_rank_calls: bool):
+    """A process group over ``ranks``. With ``every_rank_calls``, every rank of the world calls
+    this for the same groups in the same order (members or not; torch's numbering stays
+    aligned). Otherwise only members call it (local synchronisation), which works when every
+    member has created the same number of groups before."""
+    return dist.new_group(
+        list(ranks),
+        backend=backend,
+        timeout=_dt.timedelta(seconds=timeout),
+        use_local_synchronization=not every_rank_calls,
+    )

@@ -16,11 +16,10 @@ Knows nothing of storage or checkpoints. Two pieces:
   subgroup, in the same order) and cached for later loads. The backend is the job's: NCCL moves
   CUDA tensors, gloo CPU tensors.
 
-Which ranks a process group holds is :mod:`cloudckpt.groups`'s to say. The groups of both
-(control lanes, broadcast subgroups) are held by the runtime context
-(:class:`cloudckpt.runtime.context.GroupCache`) for the default process group they were created
-in: after ``destroy_process_group`` and a new ``init_process_group`` they are created anew. A
-channel object itself belongs to the world it was created in.
+Which ranks a process group holds, and the creation of groups, is :mod:`cloudckpt.groups`'s
+to say; the groups (control lanes, broadcast subgroups) are held by the runtime context for the
+default process group they were created in (:func:`cloudckpt.groups.cached_group`). A channel
+object itself belongs to the world it was created in.
 
 Without ``torch.distributed`` initialised, the channel is a world of one and every call is local;
 so is it with ``process_group="self"`` (:data:`SELF`): this process alone, even in a
@@ -29,7 +28,6 @@ distributed job (a checkpoint saved by rank 0 only, loaded by each rank on its o
 
 from __future__ import annotations
 
-import datetime as _dt
 import traceback as _tb
 from collections.abc import Sequence
 from typing import Any, Generic, Literal, Protocol, TypeVar
@@ -38,9 +36,8 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from cloudckpt import groups
 from cloudckpt.errors import CollectiveTimeout, RankFailure, checkpoint_error_class
-from cloudckpt.groups import distributed, group_rank, group_ranks, is_self, join
-from cloudckpt.runtime.context import current
 from cloudckpt.wording import phase_words, ranks_phrase
 
 INLINE_BYTES = 504
@@ -83,9 +80,9 @@ class ControlChannel:
     def __init__(self, process_group=None, *, timeout: float = 600.0, lane: str = "protocol"):
         self.timeout = float(timeout)
         self.lane = lane
-        self.ranks: tuple[int, ...] = group_ranks(process_group)
-        self.rank = group_rank(process_group)
-        self.distributed = distributed() and not is_self(process_group)
+        self.ranks: tuple[int, ...] = groups.group_ranks(process_group)
+        self.rank = groups.group_rank(process_group)
+        self.distributed = groups.distributed() and not groups.is_self(process_group)
         self._group = None
         self.backend = "gloo"
         if self.distributed:
@@ -115,7 +112,7 @@ class ControlChannel:
         See :func:`cloudckpt.groups.join`."""
         if self.distributed:
             wait = self.timeout if wait is None else wait
-            join(self.ranks, self.rank, call=call, url=url, lane=self.lane, wait=wait)
+            groups.join(self.ranks, self.rank, call=call, url=url, lane=self.lane, wait=wait)
 
     # -- raw byte collectives -------------------------------------------------------------------
 
@@ -128,30 +125,17 @@ class ControlChannel:
         payload)."""
         if self.size == 1:
             return [bytes(payload)]
-        n = len(payload)
-        slot = bytearray(_LENGTH_BYTES + inline)
-        slot[:_LENGTH_BYTES] = n.to_bytes(_LENGTH_BYTES, "little")
-        if n <= inline:
-            slot[_LENGTH_BYTES : _LENGTH_BYTES + n] = payload
         try:
-            firsts = [torch.empty(len(slot), dtype=torch.uint8) for _ in self.ranks]
-            dist.all_gather(firsts, torch.frombuffer(slot, dtype=torch.uint8), group=self.group)
-            heads = [bytes(f.numpy().tobytes()) for f in firsts]
-            lengths = [int.from_bytes(h[:_LENGTH_BYTES], "little") for h in heads]
-            width = max(lengths)
+            firsts = [_slot(b"", inline) for _ in self.ranks]
+            dist.all_gather(firsts, _slot(payload, inline), group=self.group)
+            width = max(_length(f) for f in firsts)
             if width <= inline:
-                return [h[_LENGTH_BYTES : _LENGTH_BYTES + k] for h, k in zip(heads, lengths)]
-            mine = torch.zeros(width, dtype=torch.uint8)
-            if n > inline:
-                mine[:n] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            outs = [torch.empty(width, dtype=torch.uint8) for _ in self.ranks]
-            dist.all_gather(outs, mine, group=self.group)
+                return [_unslot(f) for f in firsts]
+            outs = [_slot(b"", width) for _ in self.ranks]  # as wide as the longest payload
+            dist.all_gather(outs, _slot(payload, width), group=self.group)
         except RuntimeError as exc:
             raise self._collective_failed("all_gather", exc) from exc
-        return [
-            h[_LENGTH_BYTES : _LENGTH_BYTES + k] if k <= inline else bytes(o[:k].numpy().tobytes())
-            for h, o, k in zip(heads, outs, lengths)
-        ]
+        return [_unslot(o) for o in outs]
 
     def broadcast_bytes(
         self, payload: bytes | None, *, src: int = 0, length: int | None = None
@@ -167,19 +151,41 @@ class ControlChannel:
                 n = torch.tensor([len(data)], dtype=torch.int64)
                 dist.broadcast(n, src=self.ranks[src], group=self.group)
                 length = int(n.item())
-            if self.rank == src:
-                buf = (
-                    torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                    if length
-                    else torch.empty(0, dtype=torch.uint8)
-                )
-            else:
-                buf = torch.empty(length, dtype=torch.uint8)
+            buf = (
+                torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                if self.rank == src and length
+                else torch.empty(length, dtype=torch.uint8)
+            )
             if length:
                 dist.broadcast(buf, src=self.ranks[src], group=self.group)
         except RuntimeError as exc:
             raise self._collective_failed("broadcast", exc) from exc
         return data if self.rank == src else bytes(buf.numpy().tobytes())
+
+    def gather_bytes(self, payload: bytes, *, width: int) -> list[bytes]:
+        """Every rank sends ``payload`` (at most ``width`` bytes, the same ``width`` on every
+        rank); the coordinator returns them all in rank order, the others ``[]``. One gather."""
+        if self.size == 1:
+            return [bytes(payload)]
+        slots = [_slot(b"", width) for _ in self.ranks] if self.is_coordinator else None
+        self._rooted(dist.gather, _slot(payload, width), slots, dst=self.ranks[0])
+        return [_unslot(t) for t in slots] if slots is not None else []
+
+    def scatter_bytes(self, payloads: Sequence[bytes] | None, *, width: int) -> bytes:
+        """The coordinator sends ``payloads[r]`` (at most ``width`` bytes each; ``None`` on the
+        other ranks) to rank ``r``; every rank returns its own. One scatter."""
+        if self.size == 1:
+            return bytes(payloads[0]) if payloads else b""
+        slots = [_slot(p, width) for p in payloads] if self.is_coordinator and payloads else None
+        mine = _slot(b"", width)
+        self._rooted(dist.scatter, mine, slots, src=self.ranks[0])
+        return _unslot(mine)
+
+    def _rooted(self, op, tensor: torch.Tensor, tensors: list | None, **root: int) -> None:
+        try:
+            op(tensor, tensors, group=self.group, **root)
+        except RuntimeError as exc:
+            raise self._collective_failed(op.__name__, exc) from exc
 
     def barrier(self) -> None:
         """Wait for every rank (bounded by the channel's timeout)."""
@@ -306,32 +312,29 @@ class Phase(Generic[R]):
         return False
 
 
-def _cached_group(key: tuple, create):
-    """The group of ``key`` among those cloudckpt created in the current default process group
-    (``context.GroupCache``: created once per world, created anew after the default group was
-    destroyed and initialised again)."""
-    return current().groups.get(dist.group.WORLD, key, create)
+def _slot(payload: bytes, width: int) -> torch.Tensor:
+    """``payload`` after its length, in ``width + 8`` bytes (the length alone if it is longer)."""
+    slot = bytearray(len(payload).to_bytes(_LENGTH_BYTES, "little"))
+    slot += payload + bytes(width - len(payload)) if len(payload) <= width else bytes(width)
+    return torch.frombuffer(slot, dtype=torch.uint8)
+
+
+def _length(slot: torch.Tensor) -> int:
+    return int.from_bytes(slot[:_LENGTH_BYTES].numpy().tobytes(), "little")
+
+
+def _unslot(slot: torch.Tensor) -> bytes:
+    """The payload of a :func:`_slot` (``b""`` when it did not fit: a caller's bug)."""
+    n, fits = _length(slot), _length(slot) <= len(slot) - _LENGTH_BYTES
+    return slot[_LENGTH_BYTES : _LENGTH_BYTES + n].numpy().tobytes() if fits else b""
 
 
 def _control_group(ranks: tuple[int, ...], timeout: float, lane: str):
-    return _cached_group(
+    return groups.cached_group(
         ("control", ranks, timeout, lane),
-        lambda: _new_group(
+        lambda: groups.new_group(
             ranks, "gloo", timeout, every_rank_calls=len(ranks) == dist.get_world_size()
         ),
-    )
-
-
-def _new_group(ranks: tuple[int, ...], backend: str, timeout: float, *, every_rank_calls: bool):
-    """A process group over ``ranks``. With ``every_rank_calls``, every rank of the world calls
-    this for the same groups in the same order (members or not; torch's numbering stays
-    aligned). Otherwise only members call it (local synchronisation), which works when every
-    member has created the same number of groups before."""
-    return dist.new_group(
-        list(ranks),
-        backend=backend,
-        timeout=_dt.timedelta(seconds=timeout),
-        use_local_synchronization=not every_rank_calls,
     )
 
 
@@ -375,9 +378,11 @@ class Broadcaster:
             # the whole channel: reuse the control group for gloo, the default backend otherwise
             if self.backend == "gloo":
                 return self.channel.group
-        return _cached_group(
+        return groups.cached_group(
             ("broadcast", self.backend, ranks, self.channel.timeout),
-            lambda: _new_group(ranks, self.backend, self.channel.timeout, every_rank_calls=True),
+            lambda: groups.new_group(
+                ranks, self.backend, self.channel.timeout, every_rank_calls=True
+            ),
         )
 
     def broadcast(self, buf: torch.Tensor, *, src: int, members: tuple[int, ...]) -> None:

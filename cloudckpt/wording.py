@@ -31,8 +31,8 @@ def seconds(value: float) -> str:
 #: in errors. Unknown names are shown as they are.
 PHASE_WORDS = {
     "save planning": "saving",
-    "save plan exchange": "saving",
     "save global planning": "saving",
+    "save plan share": "saving",
     "async save staging": "saving (copying to host memory)",
     "save base": "saving (reading the base checkpoint)",
     "save upload": "saving (writing data)",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cloudckpt.options import SaveOptions
-from cloudckpt.planning.save.global_plan import GlobalSavePlan
+from cloudckpt.planning.save.share import SaveShare
 from cloudckpt.storage.base import ObjectStore
 from cloudckpt.transport import ControlChannel
 
@@ -28,7 +28,7 @@ class PreparedSave:
     channel: ControlChannel
     options: SaveOptions
     attempt: str
-    plan: GlobalSavePlan
+    share: SaveShare  # this rank's part of the plan (the coordinator's: with the skeleton)
     items: list  # [(chunk_id, tensor)] this rank writes
     values: dict[str, bytes]  # encoded values this rank owns
     structure: Any

@@ -2,11 +2,12 @@
 
 Each report is a small frozen dataclass with an explicit msgpack codec, no pickle:
 
-- plain records (:class:`SavePlanning`, :class:`UploadReport`, :class:`ManifestRead`,
-  :class:`LatestStep`, :class:`StopVote`, :class:`StepSaved`) encode as one map
-  ``{"record": <name>, <field>: <value>, ...}`` of msgpack-native fields (``bool``, ``int``,
-  ``str``, ``bytes``, ``X | None``, ``tuple[X, ...]``), checked against the annotations both
-  when built and when decoded;
+- plain records (:class:`SavePlanning`, :class:`SaveShares`, :class:`UploadReport`,
+  :class:`SaveWritten`, :class:`ManifestRead`, :class:`LatestStep`, :class:`StopVote`,
+  :class:`StepSaved`) encode as one map ``{"record": <name>, <field>: <value>, ...}`` of
+  msgpack-native fields (``bool``, ``int``, ``str``, ``bytes``, ``X | None``,
+  ``tuple[X, ...]``), checked against the
+  annotations both when built and when decoded;
 - plan reports (:class:`SavePlanReport`, :class:`LoadPlanReport`) carry a local plan in the
   planning package's own versioned columnar codec.
 
@@ -21,11 +22,13 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgpack
 
+from cloudckpt.checksum import identity_digest
 from cloudckpt.errors import PlanningError, ProtocolError
 from cloudckpt.manifest.values import decode_value
 from cloudckpt.planning.load.plan import LocalLoadPlan
@@ -43,6 +46,9 @@ __all__ = [
     "ManifestRead",
     "SavePlanReport",
     "SavePlanning",
+    "SaveShares",
+    "SaveWritten",
+    "distinct_structures",
     "StepSaved",
     "StopVote",
     "UploadReport",
@@ -136,8 +142,9 @@ class SavePlanning(_Record):
     """Save phase 1: the rank's local plan fingerprint, the attempt id (the coordinator's; ``""``
     elsewhere), its plan-cache vote: the key digests of the global plans it holds, whether
     the save hashes its chunks and whether it has a base to read (the coordinator's word
-    counts for both), and the rank's write-rate class (0: unknown;
-    :mod:`cloudckpt.planning.save.rates`)."""
+    counts for both), the rank's write-rate class (0: unknown;
+    :mod:`cloudckpt.planning.save.rates`) and the length of its encoded local plan (the slot of
+    the gather that sends it to the coordinator, when the plan cache cannot serve)."""
 
     RECORD: ClassVar[str] = "save planning"
     fingerprint: bytes
@@ -146,21 +153,44 @@ class SavePlanning(_Record):
     incremental: bool = False
     with_base: bool = False
     write_rate_class: int = 0
+    plan_bytes: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveShares(_Record):
+    """Save phase 2, the coordinator's (when the plan cache cannot serve every rank): it planned
+    the save, and every rank's share (:mod:`cloudckpt.planning.save.share`) fits ``width``
+    bytes, the slot of the scatter that sends them."""
+
+    RECORD: ClassVar[str] = "save shares"
+    width: int
 
 
 @dataclass(frozen=True, kw_only=True)
 class UploadReport(_Record):
-    """Save phase 3: where the rank's chunks landed (an encoded :class:`WrittenChunks`, with the
-    values it owns), the digest of its global plan, what it wrote (and left to its base), and
-    its encoded nesting."""
+    """Save phase 3, every rank's to every rank: the digest of the global plan its share was
+    cut from, what it wrote (and left to its base), the length of its :class:`SaveWritten`
+    with its nesting (the slot of the gather that sends it to the coordinator) and the content
+    hash of its encoded nesting (a rank whose nesting a lower rank sends too sends none)."""
 
     RECORD: ClassVar[str] = "save upload"
-    written: bytes
     plan_digest: bytes
     bytes_written: int
     objects: int
-    structure: bytes
     bytes_reused: int = 0
+    written_bytes: int = 0
+    structure_digest: bytes = b""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveWritten(_Record):
+    """Save phase 3, every rank's to the coordinator alone (a gather, for the commit): where
+    its chunks landed (an encoded :class:`WrittenChunks`, with the values it owns) and its
+    encoded nesting (``b""`` when a lower rank's is the same: :func:`distinct_structures`)."""
+
+    RECORD: ClassVar[str] = "save written"
+    written: bytes
+    structure: bytes
 
     def written_chunks(self) -> WrittenChunks:
         return decode_written_chunks(self.written)
@@ -171,7 +201,8 @@ class UploadReport(_Record):
 
 @dataclass(frozen=True)
 class SavePlanReport:
-    """Save phase 2 (when the plan cache cannot serve every rank): the rank's local plan."""
+    """Save phase 2 (when the plan cache cannot serve every rank): the rank's local plan, as the
+    coordinator receives it (a gather, not a phase's exchange)."""
 
     plan: LocalSavePlan
 
@@ -184,6 +215,25 @@ class SavePlanReport:
             return cls(decode_local_save_plan(raw))
         except PlanningError as exc:
             raise _malformed("save plan", str(exc)) from exc
+
+
+def distinct_structures(
+    reports: Sequence[UploadReport], landed: Sequence[SaveWritten]
+) -> list[Any]:
+    """Every distinct nesting the ranks hold, decoded once each, in rank order: ranks of one
+    layout (every rank of an FSDP job, every rank of a pipeline stage) send theirs once.
+    :class:`~cloudckpt.errors.ProtocolError` for a nesting that does not match its hash, or
+    one left out that no lower rank sent."""
+    decoded: dict[bytes, Any] = {}
+    for rank, (report, written) in enumerate(zip(reports, landed)):
+        digest = report.structure_digest
+        if written.structure:
+            if identity_digest(written.structure) != digest:
+                raise _malformed(SaveWritten.RECORD, f"rank {rank}'s nesting is not its hash's")
+            decoded.setdefault(digest, written.structure_value())
+        elif digest not in decoded:
+            raise _malformed(SaveWritten.RECORD, f"rank {rank} left out a nesting no rank sent")
+    return list(decoded.values())
 
 
 # -- load -----------------------------------------------------------------------------------------

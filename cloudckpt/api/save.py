@@ -9,9 +9,12 @@ fail-together exchange, so a failure anywhere raises the same
    refuses an existing checkpoint (``CheckpointExists``) and picks the attempt id. Every rank
    reports its plan's fingerprint and its plan-cache vote
    (:class:`~cloudckpt.api.reports.SavePlanning`).
-2. global plan: reused from the cache when every rank holds the plan of these fingerprints;
-   otherwise ``save plan exchange`` (local plans, msgpack) and ``save global planning`` (every
-   rank computes the same global plan).
+2. global plan: reused from the cache when every rank holds the plan of these fingerprints
+   (each rank its own share). Otherwise the local plans are gathered to the coordinator, which
+   alone computes the global plan in ``save global planning`` (its report: the largest share's
+   length) and scatters every rank its share (:mod:`cloudckpt.planning.save.share`: its write
+   items, the values it owns, the plan's digest); ``save plan share``: each rank decodes its
+   share and checks it against its own local plan.
 3. ``save base`` (saves given a base only): the coordinator reads the base (a read started
    during phase 1, in the background), pins the folders the save may reference and broadcasts
    the content hashes of the base's matching chunks (:mod:`cloudckpt.api.incremental`). Every
@@ -19,10 +22,13 @@ fail-together exchange, so a failure anywhere raises the same
    background: it runs meanwhile.
 4. ``save upload``: each rank uploads the items it owns under ``data/<attempt>/`` (in an
    incremental save: each item as its hash is ready, skipping those whose hash is the base's) and
-   reports where they landed (:class:`~cloudckpt.api.reports.UploadReport`).
-5. ``save commit``: the coordinator assembles the manifest from everyone's reports and writes it
-   in ``create`` mode. Its presence is the commit. (``if_exists="replace"``: it overwrites the
-   old manifest, then collects the old objects, :mod:`cloudckpt.api.commit`.)
+   reports where they landed and its share's plan digest
+   (:class:`~cloudckpt.api.reports.UploadReport`).
+5. ``save commit``: every rank's :class:`~cloudckpt.api.reports.SaveWritten` (where its chunks
+   landed; its nesting unless a lower rank holds the same) is gathered to the coordinator, which
+   assembles the manifest and writes it in ``create`` mode. Its presence is the commit.
+   (``if_exists="replace"``: it overwrites the old manifest, then collects the old objects,
+   :mod:`cloudckpt.api.commit`.)
 
 :func:`prepare_save` (phases 1-2) and :func:`finish_save` (phases 3-5) are separate so that
 ``async_save`` can stage data between them and run the rest in the background (hashing included:
@@ -33,8 +39,8 @@ it reads the staged copies). The checkpoint's store is opened once, in phase 1, 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -44,17 +50,23 @@ from cloudckpt import layout
 from cloudckpt.api.commit import refuse_existing, write_manifest
 from cloudckpt.api.incremental import PinnedBase, base_folder, open_base, read_base
 from cloudckpt.api.prepared import BaseSite, PreparedSave, SaveProgress
-from cloudckpt.api.reports import SavePlanning, SavePlanReport, UploadReport
+from cloudckpt.api.reports import SavePlanning, SaveWritten, UploadReport, distinct_structures
+from cloudckpt.api.save_planning import chunk_view, plan_globally, plan_locally
+from cloudckpt.checksum import identity_digest
 from cloudckpt.dataplane.writer import ItemDigests, KnownItems, WriterOptions, write_chunks
 from cloudckpt.errors import CheckpointExists
 from cloudckpt.manifest.values import encode_value
 from cloudckpt.options import SaveOptions, SaveResult
-from cloudckpt.planning.save.assemble import WrittenChunks, assemble_manifest, encode_written_chunks
+from cloudckpt.planning.save.assemble import (
+    assemble_manifest,
+    encode_written_chunks,
+    written_chunks,
+)
 from cloudckpt.planning.save.cache import key_digest, save_plan_cache_key
-from cloudckpt.planning.save.global_plan import GlobalSavePlan, plan_global_save
+from cloudckpt.planning.save.global_plan import ManifestSkeleton
 from cloudckpt.planning.save.incremental import decode_known, encode_known, reused_chunks
-from cloudckpt.planning.save.local_plan import LocalSavePlan
-from cloudckpt.planning.save.rates import WRITE_RATES, RateWeights, replica_weights
+from cloudckpt.planning.save.local_plan import encode_local_save_plan
+from cloudckpt.planning.save.rates import WRITE_RATES, replica_weights
 from cloudckpt.runtime.context import current
 from cloudckpt.runtime.loop import (
     open_in_background,
@@ -64,8 +76,7 @@ from cloudckpt.runtime.loop import (
     submit,
     wait_for_pending_save,
 )
-from cloudckpt.statedict.flatten import flatten_state_dict, merge_structures
-from cloudckpt.statedict.stateful import resolve_stateful
+from cloudckpt.statedict.flatten import merge_structures
 from cloudckpt.storage.base import ObjectStore
 from cloudckpt.transport import ControlChannel
 
@@ -134,13 +145,18 @@ def prepare_save(
     channel.join(call, options.join_as or url, options.join_timeout)
     started = time.perf_counter()
     plan_cache = current().save_plans
-    cached = plan_cache.held() if options.use_plan_cache else {}
+    # the coordinator can only reuse a plan whose skeleton it holds (it assembles the manifest)
+    cached = {
+        d: share
+        for d, share in (plan_cache.held() if options.use_plan_cache else {}).items()
+        if share.skeleton is not None or not channel.is_coordinator
+    }
 
     with channel.phase("save planning", SavePlanning) as planning:
         # the one opening of the checkpoint's store for this save (a malformed URL fails here)
         store = shared_store(url, storage)
         open_in_background(store)  # the first call's client starts while this rank plans
-        local = _plan_locally(state_dict, channel, allow_pickle)
+        local = plan_locally(state_dict, channel, allow_pickle)
         attempt = _new_attempt(url, store, options) if channel.is_coordinator else ""
         site, base_read = None, None
         if channel.is_coordinator and base is not None:
@@ -156,6 +172,7 @@ def prepare_save(
             incremental=channel.is_coordinator and (base is not None or options.content_hashes),
             with_base=channel.is_coordinator and base is not None,
             write_rate_class=WRITE_RATES.rate_class(),
+            plan_bytes=len(encode_local_save_plan(local.plan)),
         )
 
     weights = replica_weights([r.write_rate_class for r in planning.reports])  # rates differ?
@@ -168,23 +185,23 @@ def prepare_save(
     digest = key_digest(key)
     # caches can differ between ranks (a restarted rank): reuse only if every rank holds it
     plan_cached = all(digest in r.cached_plans for r in planning.reports)
-    plan = cached[digest] if plan_cached else _plan_globally(channel, local.plan, options, weights)
+    if plan_cached:
+        share = cached[digest]
+    else:
+        width = max(r.plan_bytes for r in planning.reports)
+        share = plan_globally(channel, local.plan, width, options, weights)
     if options.use_plan_cache:
-        plan_cache.put(key, plan)
+        plan_cache.put(key, share)
 
-    items = [(w.chunk_id, _chunk_view(local.tensors[w.piece_index], w)) for w in plan.writes]
-    owned = {
-        name: local.values[name]
-        for name, owner in plan.value_owner.items()
-        if owner == channel.rank and name in local.values
-    }
+    items = [(c, chunk_view(local.tensors[p], at, sz)) for c, p, at, sz in share.boxes()]
+    owned = {name: local.values[name] for name in share.values}
     return PreparedSave(
         url=url,
         store=store,
         channel=channel,
         options=options,
         attempt=planning.reports[0].attempt,
-        plan=plan,
+        share=share,
         items=items,
         values=owned,
         structure=local.structure,
@@ -221,16 +238,24 @@ def finish_save(p: PreparedSave) -> SaveResult:
                 else None
             )
             if table:
-                mine = {w.chunk_id for w in p.plan.writes}
+                mine = set(p.share.chunk_ids.tolist())
                 known, progress.base_used = decode_known(table)
                 known = {c: h for c, h in known.items() if c in mine}
 
         with channel.phase("save upload", UploadReport) as upload:
-            upload.report = _upload(p, known, digests)
+            upload.report, landed = _upload(p, known, digests)
 
         with channel.phase("save commit"):
+            # where the chunks landed: for the coordinator alone (no rank receives every report)
+            width = max(r.written_bytes for r in upload.reports)
+            nestings = [r.structure_digest for r in upload.reports]
+            if nestings.index(nestings[channel.rank]) < channel.rank:  # a lower rank sends it
+                landed = replace(landed, structure=b"")
+            gathered = channel.gather_bytes(landed.encode(), width=width)
             if channel.is_coordinator:
-                _commit(p, progress, upload.reports, pinned)
+                _commit(
+                    p, progress, upload.reports, [SaveWritten.decode(g) for g in gathered], pinned
+                )
     except BaseException as exc:
         if digests is not None:
             run_coroutine(digests.stop())
@@ -262,68 +287,12 @@ def finish_save(p: PreparedSave) -> SaveResult:
 # -- the work of each phase -------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _LocalSave:
-    """What phase 1 leaves on this rank: its local plan, the tensor of each planned piece, its
-    encoded values and its nesting."""
-
-    plan: LocalSavePlan
-    tensors: list
-    values: dict[str, bytes]
-    structure: Any
-
-
-def _plan_locally(state_dict, channel: ControlChannel, allow_pickle: bool) -> _LocalSave:
-    resolved, _ = resolve_stateful(state_dict)
-    flat = flatten_state_dict(resolved)
-    pieces, tensors = [], []
-    for leaf in flat.tensors.values():
-        for spec, tensor in leaf.pieces:
-            pieces.append(spec)
-            tensors.append(tensor)
-    values = {
-        name: encode_value(v.value, key=name, allow_pickle=allow_pickle)
-        for name, v in flat.values.items()
-    }
-    plan = LocalSavePlan(
-        rank=channel.rank,
-        world_size=channel.size,
-        pieces=tuple(pieces),
-        value_names=tuple(flat.values),
-    )
-    return _LocalSave(plan=plan, tensors=tensors, values=values, structure=flat.structure)
-
-
-def _chunk_view(tensor, w):
-    """The part of a local piece that write item ``w`` covers (a view; the piece itself when
-    ``w`` is the whole piece: a row range of a replicated piece otherwise)."""
-    for d, (start, size) in enumerate(zip(w.within, w.sizes)):
-        if start or size != tensor.shape[d]:
-            tensor = tensor.narrow(d, start, size)
-    return tensor
-
-
 def _new_attempt(url: str, store: ObjectStore, options: SaveOptions) -> str:
     """The coordinator's part of planning: refuse a committed checkpoint (unless replacing it),
     pick the attempt id."""
     if options.if_exists != "replace":
         refuse_existing(url, store)
     return layout.new_attempt_id()
-
-
-def _plan_globally(
-    channel: ControlChannel, local: LocalSavePlan, options: SaveOptions, weights: RateWeights
-) -> GlobalSavePlan:
-    with channel.phase("save plan exchange", SavePlanReport) as exchange:
-        exchange.report = SavePlanReport(local)
-    with channel.phase("save global planning"):
-        plan = plan_global_save(
-            [r.plan for r in exchange.reports],
-            rank=channel.rank,
-            replicas_to_lowest_rank=options.replicas_to_lowest_rank,
-            rate_weights=weights,
-        )
-    return plan
 
 
 def _pin_base(p: PreparedSave, site: BaseSite) -> PinnedBase | None:
@@ -335,7 +304,7 @@ def _pin_base(p: PreparedSave, site: BaseSite) -> PinnedBase | None:
             folder=site.folder,
             base=site.base,
             attempt=p.attempt,
-            skeleton=p.plan.skeleton,
+            skeleton=_skeleton(p),
             checksum_block_size=p.options.checksum_block_size,
             lease=p.options.pin_lease,
             read=read,
@@ -354,8 +323,13 @@ def _writer_options(options: SaveOptions) -> WriterOptions:
     )
 
 
-def _upload(p: PreparedSave, known: KnownItems, digests: ItemDigests | None) -> UploadReport:
+def _upload(
+    p: PreparedSave, known: KnownItems, digests: ItemDigests | None
+) -> tuple[UploadReport, SaveWritten]:
+    """This rank's upload: its report (to every rank) and its :class:`SaveWritten` (to the
+    coordinator)."""
     rank = p.channel.rank
+    run_coroutine(_opened(p.store))  # a rate sample measures the upload, not the client's start
     began = time.perf_counter()
     locations, stats = run_coroutine(
         write_chunks(
@@ -370,40 +344,53 @@ def _upload(p: PreparedSave, known: KnownItems, digests: ItemDigests | None) -> 
         )
     )
     WRITE_RATES.record(stats.bytes_written, time.perf_counter() - began)
-    written = _written_chunks(rank, locations, p.values, [c for c, _ in stats.reused])
-    return UploadReport(
+    written = written_chunks(rank, locations, p.values, [c for c, _ in stats.reused])
+    landed = SaveWritten(
         written=encode_written_chunks(written),
-        plan_digest=p.plan.skeleton.digest(),
+        structure=encode_value(p.structure, key="structure", allow_pickle=False),
+    )
+    report = UploadReport(
+        plan_digest=p.share.plan_digest,
         bytes_written=stats.bytes_written,
         objects=stats.objects,
-        structure=encode_value(p.structure, key="structure", allow_pickle=False),
         bytes_reused=stats.bytes_reused,
+        written_bytes=len(landed.encode()),
+        structure_digest=identity_digest(landed.structure),
     )
+    return report, landed
+
+
+async def _opened(store: ObjectStore) -> None:
+    """Wait for ``store``'s client, opening in the background since phase 1 (if it has one)."""
+    opener = getattr(getattr(store, "connection", None), "client", None)
+    if callable(opener):
+        await opener()
 
 
 def _commit(
     p: PreparedSave,
     progress: SaveProgress,
     reports: tuple[UploadReport, ...],
+    landed: list[SaveWritten],
     pinned: PinnedBase | None,
 ) -> None:
     """The coordinator's part of the commit: assemble the manifest, write it in create mode."""
-    if len({r.plan_digest for r in reports}) != 1:
+    if any(r.plan_digest != p.share.plan_digest for r in reports):
         raise RuntimeError("ranks disagree on the global save plan (plan cache out of sync)")
-    written = [r.written_chunks() for r in reports]
+    written = [r.written_chunks() for r in landed]
     reused = None
     if pinned is not None:
         ids = np.array(sorted(int(c) for w in written for c in w.reused), dtype=np.int64)
         reused = reused_chunks(pinned.chunks, ids)
     manifest = assemble_manifest(
-        p.plan.skeleton,
+        _skeleton(p),
         written,
         world_size=p.channel.size,
         checksum_block_size=p.options.checksum_block_size,
         metadata=p.metadata,
         allow_pickle=p.allow_pickle,
         # ranks may hold different keys (pipeline stages): the union of their nestings
-        structure=merge_structures([r.structure_value() for r in reports]),
+        structure=merge_structures(distinct_structures(reports, landed)),
         reused=reused,
         hashed=p.incremental,
         attempt=p.attempt if p.with_base else "",  # names its pins (none without a base)
@@ -415,24 +402,8 @@ def _commit(
     write_manifest(p.url, p.store, manifest, replace=p.options.if_exists == "replace")
 
 
-def _written_chunks(rank: int, locations, values: dict[str, bytes], reused) -> WrittenChunks:
-    keys: dict[str, int] = {}
-    for loc in locations:
-        keys.setdefault(loc.object_key, len(keys))
-    return WrittenChunks(
-        rank=rank,
-        object_keys=tuple(keys),
-        chunk_ids=_ints(loc.chunk_id for loc in locations),
-        object_index=_ints(keys[loc.object_key] for loc in locations),
-        byte_offset=_ints(loc.byte_offset for loc in locations),
-        byte_length=_ints(loc.byte_length for loc in locations),
-        crcs=_ints(c for loc in locations for c in loc.crcs),
-        values=values,
-        hashes=b"".join(loc.content_hash for loc in locations),
-        reused=reused,
-    )
-
-
-def _ints(values: Iterable[int]) -> np.ndarray:
-    """A column of a :class:`WrittenChunks` (int64, as it keeps them)."""
-    return np.fromiter(values, dtype=np.int64)
+def _skeleton(p: PreparedSave) -> ManifestSkeleton:
+    """The whole plan's skeleton: the coordinator's share holds it."""
+    if p.share.skeleton is None:
+        raise RuntimeError("the coordinator's share of the save plan has no skeleton")
+    return p.share.skeleton

@@ -54,6 +54,8 @@ def test_every_record_is_covered_and_named_once():
         "LatestStep",
         "ManifestRead",
         "SavePlanning",
+        "SaveShares",
+        "SaveWritten",
         "StepSaved",
         "StopVote",
         "UploadReport",
@@ -125,6 +127,7 @@ def test_field_types_are_exact():
                     "incremental": False,
                     "with_base": False,
                     "write_rate_class": 0,
+                    "plan_bytes": 0,
                 }
             )
         )
@@ -186,3 +189,28 @@ def test_plan_reports_round_trip_and_refuse_garbage():
         ):
             with pytest.raises(ProtocolError, match=f"malformed {name} report from a peer rank"):
                 cls.decode(raw)
+
+
+def test_distinct_structures_decodes_each_nesting_once_and_refuses_a_missing_or_false_one():
+    from cloudckpt.checksum import identity_digest
+    from cloudckpt.manifest.values import encode_value
+
+    a = encode_value({"w": 1}, key="structure", allow_pickle=False)
+    b = encode_value({"v": 2}, key="structure", allow_pickle=False)
+
+    def upload(nesting: bytes) -> reports.UploadReport:
+        return reports.UploadReport(
+            plan_digest=b"d", bytes_written=0, objects=0, structure_digest=identity_digest(nesting)
+        )
+
+    ups = [upload(a), upload(b), upload(a)]
+    sent = [reports.SaveWritten(written=b"", structure=s) for s in (a, b, b"")]
+    got = reports.distinct_structures(ups, sent)
+    assert got == [
+        reports.SaveWritten(written=b"", structure=a).structure_value(),
+        reports.SaveWritten(written=b"", structure=b).structure_value(),
+    ]
+    with pytest.raises(ProtocolError, match="left out a nesting no rank sent"):
+        reports.distinct_structures(ups[1:], sent[1:])  # rank 1's (a) was never sent
+    with pytest.raises(ProtocolError, match="not its hash's"):
+        reports.distinct_structures([upload(a)], [reports.SaveWritten(written=b"", structure=b)])

@@ -11,8 +11,9 @@ coordinator decodes every report and calls :func:`assemble_manifest`.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -67,6 +68,37 @@ class WrittenChunks:
             raise PlanningError(
                 f"rank {self.rank}: {len(self.hashes)} bytes of chunk hashes for {n} chunks"
             )
+
+
+def written_chunks(
+    rank: int,
+    locations: Sequence[Any],
+    values: Mapping[str, bytes],
+    reused: Sequence[int],
+) -> WrittenChunks:
+    """Rank ``rank``'s :class:`WrittenChunks` from its writer's locations (in write order: each
+    with ``chunk_id``, ``object_key``, ``byte_offset``, ``byte_length``, ``crcs`` and
+    ``content_hash``), the values it owns and the chunk ids its base holds."""
+    keys: dict[str, int] = {}
+    for loc in locations:
+        keys.setdefault(loc.object_key, len(keys))
+    return WrittenChunks(
+        rank=rank,
+        object_keys=tuple(keys),
+        chunk_ids=_ints(loc.chunk_id for loc in locations),
+        object_index=_ints(keys[loc.object_key] for loc in locations),
+        byte_offset=_ints(loc.byte_offset for loc in locations),
+        byte_length=_ints(loc.byte_length for loc in locations),
+        crcs=_ints(c for loc in locations for c in loc.crcs),
+        values=values,
+        hashes=b"".join(loc.content_hash for loc in locations),
+        reused=np.asarray(reused, dtype=np.int64),
+    )
+
+
+def _ints(values: Iterable[int]) -> np.ndarray:
+    """A column of a :class:`WrittenChunks` (int64, as it keeps them)."""
+    return np.fromiter(values, dtype=np.int64)
 
 
 def encode_written_chunks(w: WrittenChunks) -> bytes:

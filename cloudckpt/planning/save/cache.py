@@ -1,10 +1,13 @@
-"""A bounded cache of global save plans, keyed by every rank's plan fingerprint.
+"""A bounded cache of each rank's shares of global save plans, keyed by every rank's plan
+fingerprint.
 
 Protocol (run by save.py): each rank reports ``local_plan.fingerprint()`` (16 bytes) together
 with the digests of the plans it holds (:meth:`SavePlanCache.held`, its vote) in one exchange, so
-every rank builds the same key with :func:`save_plan_cache_key`. Caches of different ranks can
-differ (a rank restarted, or evicted the entry), so the cached plan is reused only if every rank
-holds the key's :func:`key_digest`; otherwise ranks exchange full local plans and re-plan.
+every rank builds the same key with :func:`save_plan_cache_key`. A rank holds its own
+:class:`~cloudckpt.planning.save.share.SaveShare` of each plan (the coordinator's with the
+plan's skeleton). Caches of different ranks can differ (a rank restarted, or evicted the entry),
+so a cached plan is reused only if every rank holds the key's :func:`key_digest`; otherwise the
+coordinator plans again and sends every rank its share.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import struct
 from collections.abc import Sequence
 
 from cloudckpt.planning.lru import LRUCache
-from cloudckpt.planning.save.global_plan import GlobalSavePlan
+from cloudckpt.planning.save.share import SaveShare
 
 
 def save_plan_cache_key(
@@ -45,7 +48,8 @@ def key_digest(key: tuple[bytes, ...]) -> bytes:
 
 
 class SavePlanCache:
-    """LRU of ``key -> GlobalSavePlan`` holding at most ``maxsize`` plans; thread-safe.
+    """LRU of ``key -> SaveShare`` (this rank's share of the key's plan) holding at most
+    ``maxsize`` plans; thread-safe.
 
     Entries are held by :func:`key_digest`; ``hits`` / ``misses`` count :meth:`get` calls."""
 
@@ -53,7 +57,7 @@ class SavePlanCache:
         if maxsize < 1:
             raise ValueError("maxsize must be at least 1")
         self.maxsize = maxsize
-        self._plans: LRUCache[bytes, GlobalSavePlan] = LRUCache(maxsize)
+        self._plans: LRUCache[bytes, SaveShare] = LRUCache(maxsize)
 
     @property
     def hits(self) -> int:
@@ -63,14 +67,14 @@ class SavePlanCache:
     def misses(self) -> int:
         return self._plans.misses
 
-    def get(self, key: tuple[bytes, ...]) -> GlobalSavePlan | None:
+    def get(self, key: tuple[bytes, ...]) -> SaveShare | None:
         return self._plans.get(key_digest(key))
 
-    def held(self) -> dict[bytes, GlobalSavePlan]:
+    def held(self) -> dict[bytes, SaveShare]:
         """A snapshot of the cached plans by key digest (what this rank can reuse)."""
         return self._plans.snapshot()
 
-    def put(self, key: tuple[bytes, ...], plan: GlobalSavePlan) -> None:
+    def put(self, key: tuple[bytes, ...], plan: SaveShare) -> None:
         self._plans.put(key_digest(key), plan)
 
     def clear(self) -> None:

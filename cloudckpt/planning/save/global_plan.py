@@ -1,18 +1,20 @@
 """The global save plan: a deterministic function of every rank's local plan.
 
-Every rank runs :func:`plan_global_save` on the same list of local plans and gets the same
-skeleton; each materialises write items only for itself. Work over other ranks' pieces is
-vectorised (numpy over all pieces at once): no per-piece Python objects.
+The save protocol runs :func:`plan_global_save` on the coordinator alone, over every rank's
+local plan; the plan materialises write items only for the rank it is asked for, and
+:mod:`cloudckpt.planning.save.share` cuts every rank's share out of it for the others (any rank
+running it on the same local plans would get the same skeleton). Work over other ranks'
+pieces is vectorised (numpy over all pieces at once): no per-piece Python objects.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
 import numpy as np
+import xxhash
 
 from cloudckpt.errors import CoverageError, LayoutMismatchError, PlanningError
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
@@ -88,17 +90,18 @@ class ManifestSkeleton:
         return self.offsets[mask], self.sizes[mask]
 
     def digest(self) -> bytes:
-        """16-byte hash of the whole skeleton (ranks may compare it to confirm they agree)."""
-        h = hashlib.blake2b(digest_size=16)
+        """16-byte hash of the whole skeleton (ranks may compare it to confirm they agree;
+        XXH3-128: a 16,384-rank plan's 100 MB of columns in a few hundredths of a second)."""
+        h = xxhash.xxh3_128()
         h.update(repr((self.names, self.dtypes, self.shapes)).encode())
         for arr in (self.chunk_start, self.offsets, self.sizes, self.writer):
-            h.update(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
-        return h.digest()
+            h.update(np.ascontiguousarray(arr, dtype=np.int64).data)
+        return bytes(h.digest())
 
 
 @dataclass(frozen=True, eq=False)
 class GlobalSavePlan:
-    """This rank's share of the global plan: its ``writes`` (piece order), the whole
+    """The global plan as rank ``rank`` sees it: its ``writes`` (piece order), the whole
     ``skeleton`` and ``value_owner`` (value name -> lowest rank holding it).
 
     ``writer_piece`` / ``within`` (per chunk id: the writer's piece index, and where the chunk
