@@ -51,12 +51,12 @@ def _state() -> dict:
 
 
 def _plan_bytes(url: str) -> int:
-    from cloudckpt.api.load import _Wanted
+    from cloudckpt.api.load_wanted import Wanted
     from cloudckpt.api.reports import LoadPlanReport
     from cloudckpt.planning.load.plan import plan_local_load
     from cloudckpt.transport import ControlChannel
 
-    wanted = _Wanted.of(_state(), ControlChannel())
+    wanted = Wanted.of(_state(), ControlChannel())
     plan = plan_local_load(
         cloudckpt.read_manifest(url), wanted.requests, rank=0, value_names=tuple(wanted.flat.values)
     )
