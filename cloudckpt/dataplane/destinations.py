@@ -41,7 +41,7 @@ def sub_view(view: torch.Tensor, offsets, lengths) -> torch.Tensor:
     return view
 
 
-class Landing:
+class DestinationBytes:
     """Where read items can land as bytes: ``views(items)`` gives, for items of one stored
     region (each naming its destination ``dests[item.request_index]`` and its box there), the
     flat byte view of each item's box when every destination is byte-viewable
@@ -93,13 +93,13 @@ class Landing:
 
 async def fetch_into(store, manifest, reads, dests: Sequence[torch.Tensor], max_bytes: int) -> int:
     """Fetch each distinct region of ``reads`` once and copy it into every destination needing
-    it (straight into the destinations when their layout allows: :class:`Landing`). Returns
+    it (straight into the destinations when their layout allows: :class:`DestinationBytes`). Returns
     the bytes fetched."""
     by_region: dict[tuple, list] = defaultdict(list)
     for item in reads:
         by_region[region_key(item)].append(item)
     regions = [items[0] for items in by_region.values()]
-    lands = Landing(dests)
+    lands = DestinationBytes(dests)
 
     def consume(region, offsets, tensor):
         for item in by_region[region_key(region)]:

@@ -189,7 +189,7 @@ def plan_pieces(
     ``landing(region)``, when given, says it for ``targets`` at less cost: the flat byte views
     of the region's destinations when each is a byte-viewable tensor of the stored dtype and
     the region's shape (the views :func:`direct_ranges` would make of ``targets(region)``), or
-    ``None`` when one is not (see :class:`~cloudckpt.dataplane.destinations.Landing`)."""
+    ``None`` when one is not (see :class:`~cloudckpt.dataplane.destinations.DestinationBytes`)."""
     if landing is not None:
         views_of: list[Sequence[memoryview] | None] = [landing(r) for r in regions]
     elif targets is not None:

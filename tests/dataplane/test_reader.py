@@ -202,20 +202,20 @@ def _destination(shape, dtype, layout):
 @settings(max_examples=300, deadline=None)
 @given(landing_cases(), st.sampled_from([torch.float32, torch.bfloat16]))
 def test_landing_views_are_the_byte_views_of_the_boxes(case, stored):
-    """``Landing.views``: a box lands as bytes only when its view of the destination is
+    """``DestinationBytes.views``: a box lands as bytes only when its view of the destination is
     byte-viewable and of the stored dtype, and then in the very bytes of that view; always
     when the destination itself is byte-viewable (a box that is one run of a strided
     destination goes through a window instead)."""
     from types import SimpleNamespace
 
     from cloudckpt.dataplane.buffers import byte_view, is_byte_viewable
-    from cloudckpt.dataplane.destinations import Landing
+    from cloudckpt.dataplane.destinations import DestinationBytes
 
     shape, offsets, lengths, dtype, layout = case
     dest = _destination(shape, dtype, layout)
     item = SimpleNamespace(request_index=0, dest_offsets=offsets, lengths=lengths)
     view = dest_view([dest], item)
-    got = Landing([dest]).views([item], stored)
+    got = DestinationBytes([dest]).views([item], stored)
     if not (is_byte_viewable(view) and dest.dtype == stored):
         assert got is None
         return
