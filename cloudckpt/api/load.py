@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -364,9 +365,24 @@ def _start_read(source: ManifestSource, store) -> concurrent.futures.Future:
     loop when it has one (no worker thread to wake up while the caller flattens), else its
     ``read`` in a worker thread."""
     read_async = getattr(source, "read_async", None)
-    if read_async is not None:
-        return submit(read_async(store))
-    return submit(asyncio.to_thread(source.read, store))
+    if read_async is None:
+        return submit(asyncio.to_thread(source.read, store))
+    started = threading.Event()
+
+    async def read() -> bytes:
+        started.set()
+        return await read_async(store)
+
+    future = submit(read())
+    # a moment for the loop thread to take the GIL and send the request (it holds the GIL
+    # until it waits for the answer), so that the flattening that follows runs while the
+    # store answers instead of keeping the request from being sent (measured: 5 ms late)
+    started.wait(_READ_START_WAIT)
+    return future
+
+
+#: the longest the caller waits for its manifest read to have started (see :func:`_start_read`)
+_READ_START_WAIT = 0.002
 
 
 def _start_check(source: ManifestSource, manifest: Manifest, store) -> concurrent.futures.Future:
