@@ -3,6 +3,7 @@
     python benchmarks/fresh_calls.py                 # world 2 save + load, world-1 load
     python benchmarks/fresh_calls.py --profile       # + cProfile of rank 0's 1st and 10th call
     python benchmarks/fresh_calls.py --calls 5 --methods native,raw
+    python benchmarks/fresh_calls.py --methods native,raw --phases   # + each phase's wall ms
 
 Every measurement runs in new processes (`python benchmarks/fresh_calls.py --worker`, one per
 rank, gloo over 127.0.0.1), as a user's job starts: each process imports torch and the method's
@@ -22,6 +23,13 @@ rows over the ranks, 500 tiny replicated ones, a few values. The world-1 load re
 checkpoints in one process (resharding; raw: every object). Seconds are rank 0's, between
 barriers (the slowest rank's call). Printed: call 1, call `--calls`, the median of calls 2..N,
 and the PASS/MISS lines of issue 27's 64 MiB targets, ratios of figures of this one run.
+
+The first-call lines come twice: call 1 alone, and the worker's import of its method's
+top-level module plus call 1 ("import + first call"). The second is the like-for-like one:
+`import cloudckpt` is lazy (its call 1 imports the API, the S3 client's packages and creates
+the client), while the raw worker's `import aiobotocore.session` already loads aiobotocore,
+botocore and aiohttp (about 0.35 s of CPU), leaving only the client's creation to its call 1,
+and the DCP worker's `import cloudckpt.dcp` loads cloudckpt's API and storage layer.
 """
 
 from __future__ import annotations
@@ -180,7 +188,8 @@ def worker() -> None:
         if world > 1:
             dist.barrier()
 
-    seconds, cpu, profiles = [], [], []
+    phases = _PhaseClock() if _ARGS.phases and _ARGS.method == "native" else None
+    seconds, cpu, profiles, phase_lines = [], [], [], []
     for i in range(_ARGS.calls):
         url = f"{_ARGS.url}/c{i}"
         prof = (
@@ -190,14 +199,19 @@ def worker() -> None:
         )
         barrier()
         start, cpu0 = time.perf_counter(), C.cpu_seconds()
+        if phases is not None:
+            phases.start(start)
         if prof:
             prof.enable()
         _call(_ARGS.method, _ARGS.action, url, flat, local, rank, raw, info)
         if prof:
             prof.disable()
+        end = time.perf_counter()
         barrier()
         seconds.append(time.perf_counter() - start)
         cpu.append(C.cpu_seconds() - cpu0)
+        if phases is not None and i in (0, _ARGS.calls - 1):
+            phase_lines.append(f"call {i + 1}: " + phases.line(end))
         if prof:
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(22)
@@ -205,9 +219,46 @@ def worker() -> None:
     if raw is not None and raw.session is not None:
         raw.session.close()
     if rank == 0:
-        print(
-            json.dumps({"seconds": seconds, "profiles": profiles, "import": imported, "cpu": cpu})
-        )
+        out = {"seconds": seconds, "profiles": profiles, "import": imported, "cpu": cpu}
+        print(json.dumps({**out, "phases": phase_lines}))
+
+
+class _PhaseClock:
+    """Wall milliseconds of each protocol phase of a call on this rank (``--phases``): the
+    block's own work, then its closing exchange (``ControlChannel.phase``), from the call's
+    start; what comes before the first phase (the join) and after the last one is shown too."""
+
+    def __init__(self):
+        from cloudckpt.transport import Phase
+
+        self.marks: list[tuple[str, float, float, float]] = []
+        clock, enter, leave = self, Phase.__enter__, Phase.__exit__
+
+        def timed_enter(phase):
+            phase._clock_in = time.perf_counter()
+            return enter(phase)
+
+        def timed_exit(phase, *exc):
+            out_at = time.perf_counter()
+            try:
+                return leave(phase, *exc)
+            finally:
+                clock.marks.append((phase.what, phase._clock_in, out_at, time.perf_counter()))
+
+        Phase.__enter__, Phase.__exit__ = timed_enter, timed_exit
+
+    def start(self, at: float) -> None:
+        self.marks, self.at = [], at
+
+    def line(self, end: float) -> str:
+        ms = lambda t: 1000 * (t - self.at)  # noqa: E731
+        first = self.marks[0][1] if self.marks else end
+        parts = [f"before {ms(first):.1f}"]
+        for what, a, b, c in self.marks:
+            parts.append(f"{what} {ms(b) - ms(a):.1f} + exchange {ms(c) - ms(b):.1f}")
+        last = self.marks[-1][3] if self.marks else end
+        parts.append(f"after {ms(end) - ms(last):.1f} (ms)")
+        return "; ".join(parts)
 
 
 def _info_from_env():
@@ -238,6 +289,7 @@ def run_job(info, method: str, action: str, world: int, url: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--method", method]
     cmd += ["--action", action, "--world", str(world), "--url", url, "--calls", str(args.calls)]
     cmd += ["--mib", str(args.mib), "--saved-world", "2"] + (["--profile"] if args.profile else [])
+    cmd += ["--phases"] if args.phases else []
     procs = [
         subprocess.Popen(cmd, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, text=True)
         for r in range(world)
@@ -263,6 +315,11 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--phases",
+        action="store_true",
+        help="native: wall ms of each phase of calls 1 and N (imports cloudckpt.transport first)",
+    )
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--code", default=None, help="a directory holding the cloudckpt to measure")
     _ARGS = args = ap.parse_args()
@@ -295,6 +352,8 @@ def main() -> int:
                 )
                 for p in r["profiles"]:
                     print("    " + p.replace("\n", "\n    ")[:5000])
+                for p in r.get("phases", ()):
+                    print("    phases, rank 0, " + p)
     finally:
         server.stop()
     _targets(results)
@@ -307,10 +366,12 @@ def _targets(results: dict) -> None:
         if r is None:
             return None
         s = r["seconds"]
+        if which == "import + first":
+            return r["import"] + s[0]
         return s[0] if which == "first" else statistics.median(s[1:] or s)
 
     lines = []
-    for which in ("first", "later"):
+    for which in ("first", "import + first", "later"):
         for action, world in (("save", 2), ("load", 2), ("load", 1)):
             n, d = fig("native", action, world, which), fig("dcp", action, world, which)
             if n is not None and d is not None:

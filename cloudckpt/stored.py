@@ -56,8 +56,14 @@ def read_manifest_bytes(
     ``url`` and ``storage``). No manifest raises :class:`~cloudckpt.errors.CheckpointNotFound`."""
     if store is None:
         store = shared_store(url, storage)
+    return run_coroutine(fetch_checkpoint_manifest(url, store))
+
+
+async def fetch_checkpoint_manifest(url: str, store: ObjectStore) -> bytes:
+    """:func:`read_manifest_bytes` as a coroutine (on cloudckpt's loop, where ``store`` lives):
+    the manifest of the checkpoint at ``url``, whose store is ``store``."""
     try:
-        return run_coroutine(fetch_manifest_bytes(store, MANIFEST_KEY))
+        return await fetch_manifest_bytes(store, MANIFEST_KEY)
     except ObjectNotFound as exc:
         raise CheckpointNotFound(f"no committed checkpoint at {url} (no manifest: {exc})") from exc
 

@@ -11,8 +11,9 @@ closed by a fail-together exchange):
 2. ``load planning``: every rank decodes and validates the manifest, plans the reads of every
    requested piece (strict: missing names fail; an error flattening the state dict is raised
    here) and reports its plan (:class:`~cloudckpt.api.reports.LoadPlanReport`); meanwhile the
-   coordinator checks the stored objects' extents (``ManifestSource.check``), before any data
-   is read or any buffer sized from the manifest.
+   coordinator checks the stored objects' extents (``ManifestSource.check``, started as soon
+   as it has decoded the manifest in phase 1, its outcome reported in this phase), before any
+   data is read or any buffer sized from the manifest.
 3. ``load``: the read-once assignment, computed identically on every rank (broadcast subgroups
    created or reused); each rank fetches its own regions (crc-verified) in the background while
    the broadcast batches run in the one global order, and every region lands in its destination
@@ -34,8 +35,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
-from collections import OrderedDict, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -43,6 +44,7 @@ from typing import Any, Protocol
 import torch
 
 from cloudckpt.api.load_data import move_data
+from cloudckpt.api.load_wanted import Wanted
 from cloudckpt.api.reports import LoadPlanReport, ManifestRead
 from cloudckpt.dataplane.destinations import fetch_into
 from cloudckpt.errors import ManifestError, ObjectNotFound
@@ -60,15 +62,9 @@ from cloudckpt.runtime.loop import (
     wait_for_pending_save,
 )
 from cloudckpt.statedict.dtypes import torch_dtype
-from cloudckpt.statedict.flatten import (
-    check_replaceable,
-    flatten_state_dict,
-    set_by_path,
-    unflatten_state_dict,
-)
+from cloudckpt.statedict.flatten import unflatten_state_dict
 from cloudckpt.statedict.placement import placement
-from cloudckpt.statedict.stateful import resolve_stateful, restore_stateful
-from cloudckpt.stored import read_manifest_bytes, reading_view
+from cloudckpt.stored import fetch_checkpoint_manifest, read_manifest_bytes, reading_view
 from cloudckpt.transport import INLINE_BYTES, ControlChannel
 
 log = logging.getLogger(__name__)
@@ -121,7 +117,9 @@ class ManifestSource(Protocol):
     manifest; may raise); ``check(manifest, store)`` is the coordinator's check of the stored
     objects before anything is allocated (may raise); ``data_store(store, raw)`` is the store
     every rank's data phase reads through (the safetensors import wraps it to check whole
-    files against the store's checksums)."""
+    files against the store's checksums). A source may also have ``read_async(store)`` and
+    ``check_async(manifest, store)``, the same as coroutines run on cloudckpt's loop (no worker
+    thread per call: :class:`StoredManifest` has them)."""
 
     @property
     def url(self) -> str: ...
@@ -149,6 +147,10 @@ class StoredManifest:
     def read(self, store) -> bytes:
         return read_manifest_bytes(self.url, store=store)
 
+    async def read_async(self, store) -> bytes:
+        """:meth:`read` as a coroutine on cloudckpt's loop (see :func:`_start_read`)."""
+        return await fetch_checkpoint_manifest(self.url, store)
+
     def decode(self, raw: bytes) -> Manifest:
         return decode_manifest(raw, allow_pickle=self.allow_pickle)
 
@@ -159,6 +161,10 @@ class StoredManifest:
 
     def check(self, manifest: Manifest, store) -> None:
         run_coroutine(check_object_extents(store, manifest))
+
+    async def check_async(self, manifest: Manifest, store) -> None:
+        """:meth:`check` as a coroutine on cloudckpt's loop (see :func:`_start_check`)."""
+        await check_object_extents(store, manifest)
 
     def data_store(self, store, raw: bytes):
         """The store itself: every chunk carries its own crcs."""
@@ -182,45 +188,47 @@ def load_from(
     started = time.perf_counter()
 
     raw, manifest, store = b"", None, None
-    with channel.phase("load manifest", ManifestRead) as reading:
-        # the read runs in the background while this rank flattens its state dict (which
-        # needs no manifest; an error doing so is raised in "load planning", where it belongs)
-        # the one opening of the checkpoint's store for this load (a malformed URL fails here)
-        own_store = shared_store(source.url, source.storage)
-        open_in_background(own_store)  # every rank's client starts while it flattens
-        reads = channel.is_coordinator or not options.share_manifest
-        read = submit(asyncio.to_thread(source.read, own_store)) if reads else None
-        try:
-            flattened: _Wanted | Exception = _Wanted.of(state_dict, channel)
-        except Exception as exc:  # noqa: BLE001 - kept for the planning phase
-            flattened = exc
-        finally:
-            if read is not None:
-                raw = read.result()  # the read's own error, if any, wins
-        if channel.is_coordinator:
-            store, manifest = reading_view(
-                source.url, source.storage, source.decode(raw), store=own_store
+    checking: concurrent.futures.Future | None = None  # the coordinator's check of the objects
+    try:
+        with channel.phase("load manifest", ManifestRead) as reading:
+            # the read runs in the background while this rank flattens its state dict (which
+            # needs no manifest; an error doing so is raised in "load planning", where it
+            # belongs); the one opening of the checkpoint's store for this load (a malformed
+            # URL fails here)
+            own_store = shared_store(source.url, source.storage)
+            open_in_background(own_store)  # every rank's client starts while it flattens
+            reads = channel.is_coordinator or not options.share_manifest
+            read = _start_read(source, own_store) if reads else None
+            try:
+                flattened: Wanted | Exception = Wanted.of(state_dict, channel)
+            except Exception as exc:  # noqa: BLE001 - kept for the planning phase
+                flattened = exc
+            finally:
+                if read is not None:
+                    raw = read.result()  # the read's own error, if any, wins
+            if channel.is_coordinator:
+                store, manifest = reading_view(
+                    source.url, source.storage, source.decode(raw), store=own_store
+                )
+                # the coordinator checks the stored objects from here on, while the manifest
+                # travels and every rank plans: nothing is allocated from the manifest before
+                # the data phase, which follows the planning exchange, where the check's
+                # outcome is reported
+                checking = _start_check(source, manifest, store)
+                reading.report = ManifestRead(length=len(raw))
+        if options.share_manifest:
+            raw = channel.broadcast_bytes(
+                raw if channel.is_coordinator else None, length=reading.reports[0].length
             )
-            reading.report = ManifestRead(length=len(raw))
-    if options.share_manifest:
-        raw = channel.broadcast_bytes(
-            raw if channel.is_coordinator else None, length=reading.reports[0].length
-        )
 
-    with channel.phase(
-        "load planning", LoadPlanReport, inline=plan_slot_bytes(channel.size)
-    ) as planning:
-        if manifest is None:
-            decode = _decode_shared(source) if options.share_manifest else source.decode
-            store, manifest = reading_view(source.url, source.storage, decode(raw), store=own_store)
-        # the coordinator checks the stored objects while every rank plans (nothing is
-        # allocated from the manifest before the data phase, which follows this exchange)
-        checking = (
-            submit(asyncio.to_thread(source.check, manifest, store))
-            if channel.is_coordinator
-            else None
-        )
-        try:
+        with channel.phase(
+            "load planning", LoadPlanReport, inline=plan_slot_bytes(channel.size)
+        ) as planning:
+            if manifest is None:
+                decode = _decode_shared(source) if options.share_manifest else source.decode
+                store, manifest = reading_view(
+                    source.url, source.storage, decode(raw), store=own_store
+                )
             if isinstance(flattened, Exception):
                 raise flattened
             wanted = flattened
@@ -233,12 +241,11 @@ def load_from(
                 strict=strict,
             )
             planning.report = LoadPlanReport(plan, wanted.restore_can_fail(state_dict))
-        except BaseException:
             if checking is not None:
-                concurrent.futures.wait([checking])
-            raise
-        if checking is not None:
-            checking.result()
+                checking.result()
+    finally:
+        if checking is not None:  # nothing of this load runs on after it returned or raised
+            concurrent.futures.wait([checking])
 
     with channel.phase("load"):
         fetched, received, broadcasts = move_data(
@@ -353,93 +360,42 @@ def plan_slot_bytes(ranks: int) -> int:
     return max(INLINE_BYTES, min(64 << 10, (4 << 20) // max(ranks, 1)))
 
 
+def _start_read(source: ManifestSource, store) -> concurrent.futures.Future:
+    """``source.read(store)`` started in the background: the source's ``read_async`` on the
+    loop when it has one (no worker thread to wake up while the caller flattens), else its
+    ``read`` in a worker thread."""
+    read_async = getattr(source, "read_async", None)
+    if read_async is None:
+        return submit(asyncio.to_thread(source.read, store))
+    started = threading.Event()
+
+    async def read() -> bytes:
+        started.set()
+        return await read_async(store)
+
+    future = submit(read())
+    # a moment for the loop thread to take the GIL and send the request (it holds the GIL
+    # until it waits for the answer), so that the flattening that follows runs while the
+    # store answers instead of keeping the request from being sent (measured: 5 ms late)
+    started.wait(_READ_START_WAIT)
+    return future
+
+
+#: the longest the caller waits for its manifest read to have started (see :func:`_start_read`)
+_READ_START_WAIT = 0.002
+
+
+def _start_check(source: ManifestSource, manifest: Manifest, store) -> concurrent.futures.Future:
+    """``source.check(manifest, store)`` started in the background (``check_async`` on the loop
+    when the source has one, as :func:`_start_read`)."""
+    check_async = getattr(source, "check_async", None)
+    if check_async is not None:
+        return submit(check_async(manifest, store))
+    return submit(asyncio.to_thread(source.check, manifest, store))
+
+
 def _decode_shared(source: ManifestSource):
     """How a rank decodes the manifest bytes the coordinator read, decoded (every check of
     ``decode``) and broadcast: the source's ``decode_validated`` when it has one (it may leave
     out what a load does not use), else ``decode``."""
     return getattr(source, "decode_validated", None) or source.decode
-
-
-@dataclass(frozen=True)
-class _Wanted:
-    """What a load fills on this rank: the flattened state dict, each requested piece with its
-    destination tensor, and the stateful objects found on the way."""
-
-    resolved: Any
-    found: list
-    flat: Any
-    requests: list
-    dests: list
-
-    @classmethod
-    def of(cls, state_dict, channel: ControlChannel) -> _Wanted:
-        resolved, found = resolve_stateful(state_dict)
-        flat = flatten_state_dict(
-            resolved, is_broadcastable=_broadcast_predicate(channel), nesting=False
-        )
-        requests, dests = [], []
-        for leaf in flat.tensors.values():
-            for spec, tensor in leaf.pieces:
-                requests.append(spec)
-                dests.append(tensor)
-        return cls(resolved=resolved, found=found, flat=flat, requests=requests, dests=dests)
-
-    def check_replaceable(self, state_dict, manifest) -> None:
-        """Refuse, before any data moves, a stored value the caller's containers cannot take."""
-        for name, leaf in self.flat.values.items():
-            if name in manifest.values and not _under_stateful(leaf.path, self.found):
-                check_replaceable(state_dict, leaf.path)
-
-    def restore_can_fail(self, state_dict) -> bool:
-        """Whether :meth:`restore` runs code that may raise: ``load_state_dict()`` of a
-        stateful object, or a value set through a container other than a plain ``dict``,
-        ``OrderedDict``, ``defaultdict`` or ``list`` (tuples on the way are rebuilt, never
-        failing), in the caller's containers or their copies."""
-        if self.found:
-            return True
-        return not all(
-            _plain_containers(root, leaf.path)
-            for leaf in self.flat.values.values()
-            for root in (state_dict, self.resolved)
-        )
-
-    def restore(self, state_dict, manifest) -> None:
-        """Set the loaded non-tensor values, then ``load_state_dict()`` on stateful objects."""
-        for name, leaf in self.flat.values.items():
-            if name in manifest.values:
-                _assign_value(
-                    state_dict, self.resolved, self.found, leaf.path, manifest.values[name]
-                )
-        restore_stateful(self.resolved, self.found)
-
-
-def _broadcast_predicate(channel: ControlChannel):
-    """Destinations the job's broadcast backend can carry: CUDA for NCCL, CPU for gloo."""
-    device_type = "cuda" if channel.backend == "nccl" else "cpu"
-    return lambda t: t.device.type == device_type
-
-
-def _assign_value(original, resolved, found, path: tuple, value) -> None:
-    """Set a loaded non-tensor value in the resolved tree, and in the caller's own containers
-    unless the path goes through a stateful object (which gets it via load_state_dict)."""
-    set_by_path(resolved, path, value)
-    if not _under_stateful(path, found):
-        set_by_path(original, path, value)  # checked replaceable at planning
-
-
-_PLAIN_SETITEM = (dict, OrderedDict, defaultdict, list)
-
-
-def _plain_containers(root, path: tuple) -> bool:
-    """Whether every container holding the value at ``path`` takes item assignment without
-    running code of its own (see :meth:`_Wanted.restore_can_fail`)."""
-    node = root
-    for key in path:
-        if not (type(node) in _PLAIN_SETITEM or isinstance(node, tuple)):
-            return False
-        node = node[key]
-    return True
-
-
-def _under_stateful(path: tuple, found) -> bool:
-    return any(path[: len(p)] == p for p, _ in found)

@@ -46,7 +46,6 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -55,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from cloudckpt.dataplane.buffers import BufferPool, byte_view, flat_bytes, is_byte_viewable
-from cloudckpt.dataplane.destinations import dest_view, sub_view
+from cloudckpt.dataplane.destinations import DestinationBytes, dest_view, sub_view
 from cloudckpt.dataplane.reader import read_windows, run_ranges, stored_dtype, window_boxes
 from cloudckpt.planning.batching import pack_in_order
 from cloudckpt.planning.broadcast.parts import RunPart
@@ -162,6 +161,12 @@ class _InOrder:
                 turn.set_result(None)
 
 
+#: smaller copies of delivered bytes keep the GIL (ctypes and torch calls release it, and each
+#: release hands it to the loop thread receiving this rank's own reads: measured, 250 small
+#: regions took 34 ms of hand-offs)
+_GIL_COPY_BYTES = 1 << 20
+
+
 class BroadcastSession:
     """The bytes of ``plan`` on this rank (see module doc): ``dests``, its destination tensors
     (the plan's read items index them); ``device``: where sent buffers live (CPU for gloo, CUDA
@@ -173,6 +178,7 @@ class BroadcastSession:
         self.items_by_broadcast = plan.items_by_broadcast
         self.pool = BufferPool(plan.buffer_bytes)
         self.dtypes = {name: stored_dtype(manifest, name) for name in plan.region_names}
+        self.landing = DestinationBytes(dests)
         self._pending: dict[int, _PendingFetch] = {}
         self._gate = _InOrder(_FETCHES_IN_FLIGHT)
         self.fetched = self.received = 0
@@ -407,7 +413,7 @@ class BroadcastSession:
 
     def _deliver_windows(self, batch, wire: torch.Tensor) -> None:
         layout, _ = batch.layout()
-        wire_at = None  # the address of the wire's bytes (CPU), taken for the first byte copy
+        wire_bytes = None  # the wire's bytes (CPU), viewed for the first byte copy
         for part, offset in zip(batch.parts, layout):
             items = self.items_by_broadcast.get(part.broadcast, ())
             if not items:
@@ -419,21 +425,16 @@ class BroadcastSession:
                 # the usual small region: whole in one window, its elements one run there;
                 # destinations of the stored dtype take its bytes with one copy each
                 run = dense_run(window)
-                if run is not None and run[1] == region.nbytes:
-                    if wire_at is None:
-                        wire_at = wire.data_ptr()
-                    start, n = wire_at + offset + run[0], run[1]
+                if run is not None and run[1] == region.nbytes and run[1] < _GIL_COPY_BYTES:
+                    wire_bytes = byte_view(wire) if wire_bytes is None else wire_bytes
+                    start, n = offset + run[0], run[1]
                     rest: list[ReadItem] = []
                     for item in items:
-                        view = dest_view(self.dests, item)
-                        if (
-                            view.dtype == dtype
-                            and is_byte_viewable(view)
-                            and view.numel() * view.element_size() == n
-                        ):
-                            ctypes.memmove(view.data_ptr(), start, n)  # a dense run each
-                        else:
+                        views = self.landing.views((item,), dtype)
+                        if views is None or len(views[0]) != n:
                             rest.append(item)
+                        else:  # holding the GIL, which the loop thread wants
+                            views[0][:] = wire_bytes[start : start + n]
                     items = tuple(rest)
             for sub, piece in window_boxes(window, wire, offset, dtype) if items else ():
                 for item in items:

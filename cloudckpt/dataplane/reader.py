@@ -174,22 +174,42 @@ class WindowPiece:
 Piece = DirectPiece | WindowPiece
 
 
-def plan_pieces(manifest, regions: Sequence, targets, window_bytes: int) -> list[Piece]:
+def plan_pieces(
+    manifest,
+    regions: Sequence,
+    targets,
+    window_bytes: int,
+    *,
+    landing: Callable[[object], Sequence[memoryview] | None] | None = None,
+) -> list[Piece]:
     """How every region is read: direct pieces when ``targets(region)`` can take it in place
     (see :func:`direct_ranges`), windows of at most ``window_bytes`` otherwise. The regions are
-    located together (:func:`~cloudckpt.planning.load.windows_many.plan_run_windows_many`)."""
-    dests = [targets(r) for r in regions] if targets is not None else [None] * len(regions)
-    landing = [i for i, (r, d) in enumerate(zip(regions, dests)) if _can_land(manifest, r, d)]
+    located together (:func:`~cloudckpt.planning.load.windows_many.plan_run_windows_many`).
+
+    ``landing(region)``, when given, says it for ``targets`` at less cost: the flat byte views
+    of the region's destinations when each is a byte-viewable tensor of the stored dtype and
+    the region's shape (the views :func:`direct_ranges` would make of ``targets(region)``), or
+    ``None`` when one is not (see :class:`~cloudckpt.dataplane.destinations.DestinationBytes`)."""
+    if landing is not None:
+        views_of: list[Sequence[memoryview] | None] = [landing(r) for r in regions]
+    elif targets is not None:
+        dests = [targets(r) for r in regions]
+        views_of = [
+            [byte_view(t) for t in d] if _can_land(manifest, r, d) else None
+            for r, d in zip(regions, dests)
+        ]
+    else:
+        views_of = [None] * len(regions)
+    lands = [i for i, v in enumerate(views_of) if v is not None]
     runs = dict(
-        zip(landing, plan_run_windows_many(manifest, [regions[i] for i in landing], window_bytes))
+        zip(lands, plan_run_windows_many(manifest, [regions[i] for i in lands], window_bytes))
     )
     rest = [i for i in range(len(regions)) if runs.get(i) is None]
     windows = dict(zip(rest, plan_windows_many(manifest, [regions[i] for i in rest], window_bytes)))
     pieces: list[Piece] = []
     for i, region in enumerate(regions):
-        run, dest = runs.get(i), dests[i]
-        if run is not None and dest is not None:  # a run is planned only for a destination
-            views = [byte_view(t) for t in dest]
+        run, views = runs.get(i), views_of[i]
+        if run is not None and views is not None:  # a run is planned only for a destination
             pieces.extend(DirectPiece(w.object_key, tuple(run_ranges(w, views))) for w in run)
             continue
         dtype = stored_dtype(manifest, region.name)
@@ -206,6 +226,7 @@ async def fetch_regions(
     targets: Callable[[object], Sequence[torch.Tensor]] | None = None,
     max_bytes: int = 192 << 20,
     window_bytes: int = 32 << 20,
+    landing: Callable[[object], Sequence[memoryview] | None] | None = None,
 ) -> int:
     """Fetch every region into its destinations. Returns the bytes fetched.
 
@@ -218,6 +239,8 @@ async def fetch_regions(
     starting at ``offsets`` (relative to the region's origin), valid only during the call.
     ``consume`` runs in a worker thread when a buffer holds 1 MiB or more (so copies never stall
     the event loop), hence it must be safe to call from several threads on disjoint parts.
+    ``landing``: as :func:`plan_pieces` takes it (instead of ``targets`` to say which regions
+    land straight in their destinations).
 
     Pieces of one object are read together (one ``read_ranges`` call per batch of about
     ``window_bytes``, in object order: :func:`~cloudckpt.planning.batching.batch_by_object`),
@@ -225,7 +248,7 @@ async def fetch_regions(
     ``max_bytes // window_bytes`` batches through buffers (and 8 landing in destinations) are in
     flight.
     """
-    pieces = plan_pieces(manifest, regions, targets, window_bytes)
+    pieces = plan_pieces(manifest, regions, targets, window_bytes, landing=landing)
     if not pieces:
         return 0
     slab = aligned(

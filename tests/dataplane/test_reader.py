@@ -171,3 +171,61 @@ def test_a_corrupt_block_raises_checksum_error_and_nothing_of_it_lands(tmp_path,
         ]
         untouched = sum(int(c.sizes[0]) for c in rows_in_object)
         assert (dest[:untouched] == 5).all()
+
+
+@st.composite
+def landing_cases(draw):
+    """A destination (contiguous or not, some dtype) and a box inside it."""
+    shape = tuple(draw(st.lists(st.integers(1, 5), min_size=0, max_size=4)))
+    offsets = tuple(draw(st.integers(0, s - 1)) for s in shape)
+    lengths = tuple(draw(st.integers(1, s - o)) for s, o in zip(shape, offsets))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.bool]))
+    layout = draw(st.sampled_from(["contiguous", "odd size-1 strides", "transposed", "sliced"]))
+    return shape, offsets, lengths, dtype, layout
+
+
+def _destination(shape, dtype, layout):
+    n = 1
+    for s in shape:
+        n *= s
+    base = torch.arange(n).to(dtype).reshape(shape)
+    if layout == "odd size-1 strides" and base.dim():
+        strides = [st_ if s != 1 else 97 for s, st_ in zip(shape, base.stride())]
+        base = base.as_strided(shape, strides)
+    elif layout == "transposed" and base.dim() >= 2:
+        base = base.transpose(0, 1).contiguous().transpose(0, 1)
+    elif layout == "sliced" and base.dim():
+        base = torch.arange(2 * n).to(dtype).reshape((2 * shape[0],) + shape[1:])[::2]
+    return base
+
+
+@settings(max_examples=300, deadline=None)
+@given(landing_cases(), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_landing_views_are_the_byte_views_of_the_boxes(case, stored):
+    """``DestinationBytes.views``: a box lands as bytes only when its view of the destination is
+    byte-viewable and of the stored dtype, and then in the very bytes of that view; always
+    when the destination itself is byte-viewable (a box that is one run of a strided
+    destination goes through a window instead)."""
+    from types import SimpleNamespace
+
+    from cloudckpt.dataplane.buffers import byte_view, is_byte_viewable
+    from cloudckpt.dataplane.destinations import DestinationBytes
+
+    shape, offsets, lengths, dtype, layout = case
+    dest = _destination(shape, dtype, layout)
+    item = SimpleNamespace(request_index=0, dest_offsets=offsets, lengths=lengths)
+    view = dest_view([dest], item)
+    got = DestinationBytes([dest]).views([item], stored)
+    if not (is_byte_viewable(view) and dest.dtype == stored):
+        assert got is None
+        return
+    if not is_byte_viewable(dest):
+        assert got is None
+        return
+    assert got is not None
+    (mv,) = got
+    want = byte_view(view)
+    assert bytes(mv) == bytes(want)
+    # the same memory, not a copy: a write through the landing view shows in the box
+    mv[:1] = bytes([(mv[0] + 1) % 256]) if len(mv) else b""
+    assert bytes(mv) == bytes(byte_view(view))

@@ -51,12 +51,12 @@ def _state() -> dict:
 
 
 def _plan_bytes(url: str) -> int:
-    from cloudckpt.api.load import _Wanted
+    from cloudckpt.api.load_wanted import Wanted
     from cloudckpt.api.reports import LoadPlanReport
     from cloudckpt.planning.load.plan import plan_local_load
     from cloudckpt.transport import ControlChannel
 
-    wanted = _Wanted.of(_state(), ControlChannel())
+    wanted = Wanted.of(_state(), ControlChannel())
     plan = plan_local_load(
         cloudckpt.read_manifest(url), wanted.requests, rank=0, value_names=tuple(wanted.flat.values)
     )
@@ -218,6 +218,22 @@ def test_a_missing_data_object_fails_every_rank_before_any_read(world2, s3_url, 
     for r in results:
         assert r["manifest_error"] and r["untouched"], r
         assert "failed on rank 0" in r["message"] and "is missing" in r["message"]
+
+
+def test_a_short_data_object_fails_every_rank_before_any_read(world2, s3_url, s3_server):
+    """The coordinator's HEADs start as soon as it has decoded the manifest and report in the
+    planning phase: an object shorter than its chunks fails every rank, nothing read."""
+    world2.run(rank_missing_object, s3_url, "save")
+    client = s3_server.boto3_client()
+    prefix = s3_url.split("/", 3)[3] + "/data/"
+    for obj in client.list_objects_v2(Bucket=s3_server.bucket, Prefix=prefix)["Contents"]:
+        body = client.get_object(Bucket=s3_server.bucket, Key=obj["Key"])["Body"].read()
+        client.put_object(Bucket=s3_server.bucket, Key=obj["Key"], Body=body[: len(body) // 2])
+    results = world2.run(rank_missing_object, s3_url, "load")
+    assert len({r["message"] for r in results}) == 1
+    for r in results:
+        assert r["manifest_error"] and r["untouched"], r
+        assert "failed on rank 0" in r["message"] and "the manifest refers to" in r["message"]
 
 
 class _Broken:

@@ -295,13 +295,24 @@ class Exchange:
         ``o`` lands in an ``out`` view, ``h`` in a HeldRange's buffer, ``s`` in scratch (not
         needed). ``copies``: other ranges covering the segment, filled from what landed."""
         start, end = self.start, self.end
+        members = self.members
         cuts = {start, end}
-        for off, stop, _ in self.members:
+        for off, stop, _ in members:
             cuts.update(x for x in (off, stop) if start < x < end)
         bounds = sorted(cuts)
+        # a sweep over the cuts (members sorted by their start), not a scan of every member
+        # for every segment: a GET coalesces hundreds of ranges. A member covers [a, b) when
+        # it starts at or before a and ends after a (its end is a cut, or at or past ``end``)
+        by_start = sorted(range(len(members)), key=lambda i: members[i][0])
+        active: list[int] = []
+        nxt = 0
         segments: list[Segment] = []
         for a, b in zip(bounds, bounds[1:]):
-            cover = [(off, t) for off, stop, t in self.members if off <= a and b <= stop]
+            while nxt < len(by_start) and members[by_start[nxt]][0] <= a:
+                active.append(by_start[nxt])
+                nxt += 1
+            active = [i for i in active if members[i][1] > a]
+            cover = [(members[i][0], members[i][2]) for i in sorted(active)]  # members' order
             cover.sort(key=lambda c: isinstance(c[1], HeldRange))  # an out view first
             if not cover:
                 segments.append((a, b, "s", None, a, ()))
