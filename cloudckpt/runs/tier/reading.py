@@ -1,36 +1,53 @@
 """A run's load and listing with a node-local tier (the save side: :mod:`cloudckpt.runs.tier.flow`).
 
-Load (collective): ``── tier peers ──`` (once per world), ``── tier inventory ──`` (what every
-node's tier holds, as untrusted bytes: :func:`~cloudckpt.runs.tier.node.decode_inventory`; the
-coordinator adds the steps complete in the object store and the crc32c of the manifest of the
-newest one, or of the step asked for, so that the store serves as a fallback only for the very
-same checkpoint; a step chosen from the tiers that is in the store but not the newest there is
-read from the tiers alone). The step loaded is the one asked for,
-else the newest complete somewhere: in the tiers together (the nodes holding one manifest
-hold all of its objects between them) or in the object store. It is loaded by
-``api.load.load_from`` through a :class:`TieredSource`: each object from this node's tier, then
-the other nodes nearest first (replica holders first), then the object store
-(:class:`~cloudckpt.storage.peer.tiered.TieredStore`: a holder whose bytes fail their crcs is
-logged and the next one read; none is ever loaded).
+Load (collective): one ``── tier inventory ──`` exchange before the load's own phases: every
+rank's tier service (:func:`~cloudckpt.runs.tier.peers.decode_peer`: the map of nodes is
+always the one reported now, whatever this process knew before), what each node's tier holds
+(the first rank of each node sends it, as untrusted bytes:
+:func:`~cloudckpt.runs.tier.node.decode_inventory`; without a map known in this process, each
+rank whose ``LOCAL_RANK`` is unset or 0 does, and when a node's first rank did not, one more
+exchange, ``── tier inventory (again) ──``, gathers the missing ones), and the coordinator's
+listing of the object store (the steps complete there, listed while its own inventory is
+taken). The step loaded is the one asked for, else the newest complete somewhere: in the tiers
+together (the nodes holding one manifest hold all of its objects between them) or in the object
+store (a newer step complete in the store only wins). It is loaded by ``api.load.load_from``
+through a :class:`TieredSource`: the manifest from the nearest holder whose bytes have the
+chosen crc32c; each object from this node's tier, then the other nodes nearest first (replica
+holders first), then the object store (:class:`~cloudckpt.storage.peer.tiered.TieredStore`: a
+holder whose bytes fail their crcs is logged and the next one read; none is ever loaded). The
+store serves as a fallback only for the very same checkpoint: :class:`StoreBehind` reads its
+manifest when first needed and refuses every read if its crc32c is another. The manifest's
+extents are checked against the sizes the inventories give (no request), the store's objects by
+a HEAD (:func:`check_extents`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
 
 from cloudckpt.checksum import crc32c
-from cloudckpt.errors import CheckpointNotFound, ProtocolError, StorageError
+from cloudckpt.errors import (
+    CheckpointNotFound,
+    ManifestError,
+    ObjectNotFound,
+    ProtocolError,
+    StorageError,
+)
 from cloudckpt.layout import MANIFEST_KEY, step_dir
 from cloudckpt.manifest.codec import decode_manifest
 from cloudckpt.options import LoadOptions
 from cloudckpt.runs.pruning import CheckpointInfo, list_run
 from cloudckpt.runs.tier.node import Inventory, complete_steps, decode_inventory, encode_inventory
-from cloudckpt.runs.tier.peers import Blob, Nodes
-from cloudckpt.runtime.loop import run_coroutine, shared_store
+from cloudckpt.runs.tier.peers import Blob, Nodes, Peer, decode_peer, encode_peer
+from cloudckpt.runtime.loop import run_coroutine, shared_store, submit
+from cloudckpt.storage.base import ObjectInfo, ReadRange
 from cloudckpt.storage.peer.tiered import Holder, TieredStore
 
 log = logging.getLogger(__name__)
@@ -39,11 +56,11 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Choice:
     """The step a load reads: ``crc`` of its manifest in the tiers (``None``: not complete
-    there), ``store_crc`` in the object store (``None``: not there), every rank's inventory."""
+    there), ``in_store``: complete in the object store, every rank's inventory."""
 
     step: int
     crc: int | None
-    store_crc: int | None
+    in_store: bool
     inventories: list[Inventory]
     nodes: Nodes | None
 
@@ -55,7 +72,7 @@ def load_step(run, state_dict, step: int | None, strict: bool) -> int | None:
     choice = choose(run, step)
     if choice is None:
         return None
-    if choice.crc is None and choice.store_crc is None:
+    if choice.crc is None and not choice.in_store:
         raise CheckpointNotFound(
             f"step {choice.step} is complete neither in the local tiers nor at {run.run_url}"
         )
@@ -72,34 +89,64 @@ def load_step(run, state_dict, step: int | None, strict: bool) -> int | None:
     return choice.step
 
 
+@dataclass(frozen=True)
+class Gathered:
+    """One rank's ``tier inventory`` report: its service, its node's inventory (``None``: not
+    sent), the steps complete in the object store (the coordinator's; ``[]`` elsewhere)."""
+
+    peer: Peer
+    inventory: Inventory | None
+    stored: list[int]
+
+
 def choose(run, step: int | None) -> Choice | None:
     """The step to load and where it is complete (collective); ``None``: nothing anywhere."""
-    nodes = run.nodes()
     channel = run.channel()
-    with channel.phase("tier inventory", Blob) as gathering:
-        first = nodes is not None and nodes.first_rank[nodes.node_of[channel.rank]] == channel.rank
-        own = encode_inventory(run.node.inventory() if first else {})
-        stored: list[int] = []
-        newest_crc = None  # of the newest step in the store: the usual choice, read at once
-        if channel.is_coordinator:
-            listed = run_coroutine(list_run(run.manager.store, run.run_url))
-            stored = [i.step for i in listed if i.complete and i.step is not None]
-            wanted = step if step is not None else (stored[-1] if stored else None)
-            if wanted is not None and wanted in stored:
-                newest_crc = _manifest_crc(run.step_url(wanted), run.storage)
-        gathering.report = Blob(msgpack.packb([own, stored, newest_crc]))
-    docs = [_decode_gathered(r.raw) for r in gathering.reports]
-    inventories = [d[0] for d in docs]
+    me = run.peer()
+    known = run.known_nodes()
+    rank = channel.rank
+    if known is not None and len(known.node_of) == channel.size:
+        sends = known.first_rank[known.node_of[rank]] == rank
+    else:  # a guess (torchrun's numbering); a wrong one costs the exchange below
+        sends = os.environ.get("LOCAL_RANK", "0") in ("", "0")
+    reports = _gather(run, "tier inventory", me, sends, listing=True)
+    stored = reports[0].stored
+    nodes = run.adopt([r.peer for r in reports])
+    if nodes is not None and any(reports[f].inventory is None for f in nodes.first_rank):
+        first = nodes.first_rank[nodes.node_of[rank]] == rank
+        again = _gather(run, "tier inventory (again)", me, first, listing=False)
+        reports = [replace(r, stored=stored) for r in again]
+    inventories: list[Inventory] = [{} for _ in reports]
+    if nodes is not None:
+        for f in nodes.first_rank:
+            inventories[f] = reports[f].inventory or {}
     run.last_inventories = inventories
-    stored, read_crc = docs[0][1], docs[0][2]
     in_tiers = complete_steps(inventories) if nodes is not None else {}
-    read_step = step if step is not None else (stored[-1] if stored else None)
     if step is None:
         if not in_tiers and not stored:
             return None
         step = max(set(in_tiers) | set(stored))
-    store_crc = read_crc if step == read_step else None  # in the store but older: not needed
-    return Choice(step, in_tiers.get(step), store_crc, inventories, nodes)
+    return Choice(step, in_tiers.get(step), step in stored, inventories, nodes)
+
+
+def _gather(run, what: str, me: Peer, sends: bool, *, listing: bool) -> list[Gathered]:
+    """One exchange of every rank's :class:`Gathered` (the coordinator lists the object store,
+    ``listing``, while it takes its own inventory)."""
+    channel = run.channel()
+    with channel.phase(what, Blob) as gathering:
+        listed = None
+        if listing and channel.is_coordinator:
+            listed = submit(list_run(run.manager.store, run.run_url))
+        try:
+            own = encode_inventory(run.node.inventory()) if sends and not me.problem else None
+            stored = []
+            if listed is not None:
+                stored = [i.step for i in listed.result() if i.complete and i.step is not None]
+        finally:
+            if listed is not None:
+                listed.cancel()
+        gathering.report = Blob(msgpack.packb([encode_peer(me), own, stored]))
+    return [_decode_gathered(r.raw) for r in gathering.reports]
 
 
 def tiered_source(run, choice: Choice, rank: int) -> TieredSource:
@@ -116,16 +163,18 @@ def tiered_source(run, choice: Choice, rank: int) -> TieredSource:
             if inv is None or inv.crc != choice.crc:
                 continue
             if node == me:
-                holder = Holder("local tier", shared_store(run.node.step_url(step)))
+                store: Any = shared_store(run.node.step_url(step))
+                holder = Holder("local tier", store, inv.sizes)
             else:
-                holder = Holder(f"node {node}'s tier", run.peer_store(nodes, node, step_dir(step)))
+                store = run.peer_store(nodes, node, step_dir(step))
+                holder = Holder(f"node {node}'s tier", store, inv.sizes)
             order.append(holder)
             for key in inv.held:
                 holders.setdefault(key, []).append(holder)
-    crc = choice.crc if choice.crc is not None else choice.store_crc
     behind: tuple[Holder, ...] = ()
-    if choice.store_crc is not None and choice.store_crc == crc:
-        behind = (Holder("object store", shared_store(store_url, run.storage)),)
+    if choice.in_store:
+        checked = StoreBehind(shared_store(store_url, run.storage), choice.crc)
+        behind = (Holder("object store", checked),)
         order.extend(behind)
         for listed in holders.values():
             listed.extend(behind)
@@ -133,10 +182,89 @@ def tiered_source(run, choice: Choice, rank: int) -> TieredSource:
         url=store_url,
         storage=run.storage,
         allow_pickle=run.allow_pickle,
-        crc=crc,
+        crc=choice.crc,
         holders=tuple(order),
         tiered=TieredStore(store_url, holders, default=behind),
     )
+
+
+class StoreBehind:
+    """The object store's copy of one step, behind the tiers: every read first checks (once,
+    when first needed) that the store's manifest is the chosen one (crc32c ``crc``; ``None``:
+    the step is read from the store alone, whatever its manifest); another one makes every read
+    raise ``StorageError`` (a tiered read then tries no further holder: the store is the last)."""
+
+    remote = True
+    local_root = None
+
+    def __init__(self, store, crc: int | None):
+        self.unchecked = store
+        self.crc = crc
+        self._same: bool | None = None if crc is not None else True
+        self._lock: asyncio.Lock | None = None
+
+    async def _store(self):
+        if self._same is None:
+            if self._lock is None:
+                self._lock = asyncio.Lock()
+            async with self._lock:
+                if self._same is None:
+                    raw = await self.unchecked.get(MANIFEST_KEY, max_bytes=1 << 30)
+                    self._same = crc32c(raw) == self.crc
+        if not self._same:
+            raise StorageError("the object store holds another save of this step")
+        return self.unchecked
+
+    async def head(self, key: str) -> ObjectInfo:
+        return await (await self._store()).head(key)
+
+    async def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        return await (await self._store()).get(key, max_bytes=max_bytes)
+
+    async def read_ranges(self, key: str, ranges: Sequence[ReadRange]) -> list[memoryview]:
+        return await (await self._store()).read_ranges(key, ranges)
+
+
+async def check_extents(tiered: TieredStore, manifest) -> None:
+    """``api.load.check_object_extents`` of a tiered load: an object whose holder's inventory
+    gives a size covering the manifest's extent costs no request (that holder's reads are
+    checked against the crcs all the same, and fail over when short); the others are asked, in
+    order (a HEAD). ``ManifestError`` names an object no holder has enough bytes of."""
+    extents = manifest.object_extents()
+
+    async def check(index: int, key: str) -> None:
+        need = extents.get(key, 0)
+        if need == 0:
+            return
+        holders = tiered.holders(key)
+        known = [h.sizes[key] for h in holders if h.sizes is not None and key in h.sizes]
+        if any(n >= need for n in known):
+            return
+        best = max(known, default=None)
+        last: Exception | None = None
+        for holder in holders:
+            if holder.sizes is not None and key in holder.sizes:
+                continue
+            try:
+                size = (await holder.store.head(key)).size
+            except ObjectNotFound:
+                continue
+            except (StorageError, OSError) as exc:
+                last = exc
+                continue
+            if size >= need:
+                return
+            best = max(size, best or 0)
+        if best is None and last is not None:
+            raise last
+        if best is None:
+            raise ManifestError(f"data object {key} is missing", path=f"objects[{index}]")
+        raise ManifestError(
+            f"data object {key} holds {best} bytes, the manifest refers to {need}",
+            path=f"objects[{index}]",
+        )
+
+    await asyncio.gather(*(check(i, k) for i, k in enumerate(manifest.objects)))
 
 
 @dataclass(frozen=True)
@@ -154,12 +282,13 @@ class TieredSource:
     def read(self, store) -> bytes:
         problems = []
         for holder in self.holders:
+            where = getattr(holder.store, "unchecked", holder.store)  # the crc is checked here
             try:
-                raw = run_coroutine(holder.store.get(MANIFEST_KEY, max_bytes=1 << 30))
+                raw = run_coroutine(where.get(MANIFEST_KEY, max_bytes=1 << 30))
             except (StorageError, OSError) as exc:
                 problems.append(f"{holder.name}: {exc}")
                 continue
-            if crc32c(raw) == self.crc:
+            if self.crc is None or crc32c(raw) == self.crc:
                 return raw
             problems.append(f"{holder.name}: another manifest")
             log.warning("cloudckpt: the manifest in %s is not the chosen one", holder.name)
@@ -169,9 +298,7 @@ class TieredSource:
         return decode_manifest(raw, allow_pickle=self.allow_pickle)
 
     def check(self, manifest, store) -> None:
-        from cloudckpt.api.load import check_object_extents
-
-        run_coroutine(check_object_extents(self.tiered, manifest))
+        run_coroutine(check_extents(self.tiered, manifest))
 
     def data_store(self, store, raw: bytes):
         return self.tiered
@@ -201,20 +328,14 @@ def listing(run, listed: list[CheckpointInfo]) -> list[CheckpointInfo]:
     return out + [i for i in listed if i.step is None]  # named folders: the store's alone
 
 
-def _manifest_crc(url: str, storage) -> int | None:
+def _decode_gathered(raw: bytes) -> Gathered:
+    """A ``tier inventory`` report from untrusted bytes (``ProtocolError`` unless well-formed)."""
     try:
-        return crc32c(run_coroutine(shared_store(url, storage).get(MANIFEST_KEY)))
-    except StorageError:
-        return None
-
-
-def _decode_gathered(raw: bytes) -> tuple[Inventory, list[int], int | None]:
-    try:
-        own, stored, crc = msgpack.unpackb(raw, raw=False)
+        peer, own, stored = msgpack.unpackb(raw, raw=False)
     except Exception as exc:  # noqa: BLE001 - malformed bytes of any kind
         raise ProtocolError(f"malformed tier inventory report: {exc}"[:200]) from exc
+    if not isinstance(peer, bytes) or own is not None and not isinstance(own, bytes):
+        raise ProtocolError("a tier inventory report is [peer, inventory or nil, steps]")
     if not isinstance(stored, list) or not all(type(s) is int and s >= 0 for s in stored):
         raise ProtocolError("a tier inventory report lists steps as ints >= 0")
-    if crc is not None and (type(crc) is not int or not 0 <= crc < 1 << 32):
-        raise ProtocolError("a tier inventory report's crc is a 32-bit unsigned int")
-    return decode_inventory(own), stored, crc
+    return Gathered(decode_peer(peer), None if own is None else decode_inventory(own), stored)
