@@ -177,3 +177,32 @@ def load_with_a_foreign_rank(
     if dist.get_rank() == foreign:
         tier_kw = {**tier_kw, "job": "another job"}
     return load_latest(url, root, ranks_per_node, tier_kw)
+
+
+def save_to_store_only(url: str, steps: list[int]) -> None:
+    """Save ``steps`` with a manager without a tier (the object store alone)."""
+    from cloudckpt import CheckpointManager
+
+    mgr = CheckpointManager(url)
+    for step in steps:
+        mgr.save(step, make_state(step))
+    mgr.close()
+
+
+def load_with_a_lying_rank(url: str, root: str, ranks_per_node: int, tier_kw: dict, liar: int):
+    """A tiered load where rank ``liar`` sends malformed inventory bytes: what each rank
+    raised (type, message)."""
+    import torch.distributed as dist
+
+    from cloudckpt.runs.tier import reading
+
+    honest = reading.encode_inventory
+    if dist.get_rank() == liar:
+        reading.encode_inventory = lambda inventory: b"\xc1 not msgpack"  # type: ignore[assignment]
+    try:
+        load_latest(url, root, ranks_per_node, tier_kw)
+    except Exception as exc:  # noqa: BLE001 - the outcome is the result
+        return type(exc).__name__, str(exc)
+    finally:
+        reading.encode_inventory = honest
+    return None

@@ -119,3 +119,25 @@ def test_one_rank_s_tier_unusable_makes_every_rank_load_from_the_store(world4, s
     loaded = world4.run(ranks.load_latest, s3_url, root, 2, KW)
     assert all(r["equal"] and r["step"] == 3 for r in loaded), loaded
     assert all(r["failures"] == 0 for r in loaded), loaded
+
+
+def test_a_newer_step_in_the_store_only_wins_over_the_tiers(world4, s3_url, tmp_path):
+    root = str(tmp_path)
+    world4.run(ranks.save_steps, s3_url, root, 2, [2], KW)  # in the tiers and the store
+    world4.run(ranks.save_to_store_only, s3_url, [4])  # a manager without a tier
+    loaded = world4.run(ranks.load_latest, s3_url, root, 2, KW)
+    assert all(r["equal"] and r["step"] == 4 for r in loaded), loaded
+    assert all(set(r["reads"]) == {"object store"} for r in loaded), loaded
+    loaded = world4.run(ranks.load_latest, s3_url, root, 2, KW, 2)  # asked for: from the tiers
+    assert all(r["equal"] and r["step"] == 2 for r in loaded), loaded
+    assert all(set(r["reads"]) == {"local tier"} for r in loaded), loaded
+
+
+def test_a_rank_sending_a_malformed_inventory_fails_every_rank_alike(world4, s3_url, tmp_path):
+    root = str(tmp_path)
+    world4.run(ranks.save_steps, s3_url, root, 2, [1], KW)
+    outcomes = world4.run(ranks.load_with_a_lying_rank, s3_url, root, 2, KW, 0)
+    assert all(o is not None and o[0] == "ProtocolError" for o in outcomes), outcomes
+    assert len({o[1] for o in outcomes}) == 1, outcomes  # the same error on every rank
+    loaded = world4.run(ranks.load_latest, s3_url, root, 2, KW)  # nothing was left half-done
+    assert all(r["equal"] and r["step"] == 1 for r in loaded), loaded
