@@ -2,13 +2,16 @@
 
 Save of a tier step (collective; each ``── name ──`` is one ``ControlChannel.phase``):
 
-1. ``── tier peers ──`` (once per world): every rank claims its node's tier directory and starts
-   its service; a tier that cannot be used anywhere makes every save go to the object store only
+1. ``── tier peers ──`` (only when no manager of this process learnt the job's nodes for this
+   tier in this world yet): every rank claims its node's tier directory and starts its
+   service; a tier that cannot be used anywhere makes the save go to the object store only
    (a warning).
 2. ``── tier space ──``: the coordinator refuses a step complete in the object store
    (``CheckpointExists``); each node drops a stale copy of the step (a killed earlier
-   incarnation's) and says whether the save fits (``max_bytes``, free disk). A node without
-   room: the save goes to the object store only, with a warning.
+   incarnation's) and says whether the save fits (``max_bytes``, free disk), and every rank
+   its service as it is now: a map of nodes that changed since it was learnt (a node's service
+   replaced) is replaced and the phase runs once more with it. A node without room, or a tier
+   that cannot be used: the save goes to the object store only, with a warning.
 3. ``cloudckpt.save`` to each rank's own node directory (the same protocol, manifest last); a
    failure there (disk full...) -> the save goes to the object store, with a warning.
 4. ``── tier manifest ──`` + a broadcast of the manifest bytes; every node writes it: the step

@@ -7,7 +7,9 @@ others its node key (``host`` plus the tier's absolute path: ranks of one node s
 its service's URL and token (:class:`Blob` of :func:`encode_peer`, untrusted on receipt:
 :func:`decode_peer`). Nodes are numbered by their lowest rank. Node ``i`` replicates to nodes
 ``i+1 .. i+replicas`` (mod the number of nodes); a load reads a key from this node, then the
-nodes after it in that order, then the object store.
+nodes after it in that order, then the object store. The map of nodes a process learnt is kept
+for its later managers (:func:`known_nodes`, per world); the exchanges that use it carry every
+rank's service again and replace it when it changed.
 """
 
 from __future__ import annotations

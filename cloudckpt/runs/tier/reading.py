@@ -102,14 +102,14 @@ class Gathered:
 def choose(run, step: int | None) -> Choice | None:
     """The step to load and where it is complete (collective); ``None``: nothing anywhere."""
     channel = run.channel()
-    me = run.peer()
     known = run.known_nodes()
     rank = channel.rank
     if known is not None and len(known.node_of) == channel.size:
         sends = known.first_rank[known.node_of[rank]] == rank
     else:  # a guess (torchrun's numbering); a wrong one costs the exchange below
         sends = os.environ.get("LOCAL_RANK", "0") in ("", "0")
-    reports = _gather(run, "tier inventory", me, sends, listing=True)
+    reports = _gather(run, "tier inventory", None, sends, listing=True)
+    me = reports[rank].peer
     stored = reports[0].stored
     nodes = run.adopt([r.peer for r in reports])
     if nodes is not None and any(reports[f].inventory is None for f in nodes.first_rank):
@@ -129,11 +129,14 @@ def choose(run, step: int | None) -> Choice | None:
     return Choice(step, in_tiers.get(step), step in stored, inventories, nodes)
 
 
-def _gather(run, what: str, me: Peer, sends: bool, *, listing: bool) -> list[Gathered]:
-    """One exchange of every rank's :class:`Gathered` (the coordinator lists the object store,
+def _gather(run, what: str, me: Peer | None, sends: bool, *, listing: bool) -> list[Gathered]:
+    """One exchange of every rank's :class:`Gathered` (``me``: this rank's service, ``None``:
+    claimed and started here, inside the phase; the coordinator lists the object store,
     ``listing``, while it takes its own inventory)."""
     channel = run.channel()
     with channel.phase(what, Blob) as gathering:
+        if me is None:
+            me = run.peer()
         listed = None
         if listing and channel.is_coordinator:
             listed = submit(list_run(run.manager.store, run.run_url))
