@@ -49,6 +49,7 @@ from cloudckpt.runs.tier.peers import Blob, Nodes, Peer, decode_peer, encode_pee
 from cloudckpt.runtime.loop import run_coroutine, shared_store, submit
 from cloudckpt.storage.base import ObjectInfo, ReadRange
 from cloudckpt.storage.peer.tiered import Holder, TieredStore
+from cloudckpt.transport import INLINE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ def _gather(run, what: str, me: Peer | None, sends: bool, *, listing: bool) -> l
     claimed and started here, inside the phase; the coordinator lists the object store,
     ``listing``, while it takes its own inventory)."""
     channel = run.channel()
-    with channel.phase(what, Blob) as gathering:
+    with channel.phase(what, Blob, inline=inventory_slot_bytes(channel.size)) as gathering:
         if me is None:
             me = run.peer()
         listed = None
@@ -329,6 +330,14 @@ def listing(run, listed: list[CheckpointInfo]) -> list[CheckpointInfo]:
             found.append("store")
         out.append(replace(info, tiers=tuple(found), complete=bool(found)))
     return out + [i for i in listed if i.step is None]  # named folders: the store's alone
+
+
+def inventory_slot_bytes(ranks: int) -> int:
+    """Bytes of each rank's slot in the first all-gather of a ``tier inventory`` exchange: a
+    node's inventory (two steps of a few objects: about 1 KiB at 8 nodes) fits it, so the
+    exchange is one all-gather, up to 128 KiB gathered in all (the slots shrink as the world
+    grows; a larger inventory costs a second all-gather, as wide as the largest)."""
+    return max(INLINE_BYTES, min(8 << 10, (128 << 10) // max(ranks, 1)))
 
 
 def _decode_gathered(raw: bytes) -> Gathered:
