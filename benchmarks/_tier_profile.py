@@ -45,6 +45,19 @@ def rank_profile(url: str, total: int, step: int, fresh: bool) -> dict:
     first_byte: dict[str, float] = {}
     orig_phase, orig_move, orig_req = T.ControlChannel.phase, L.move_data, PeerStore._request
     orig_join = T.ControlChannel.join
+    orig_enter, orig_exit = T.Phase.__enter__, T.Phase.__exit__
+    marks: list[tuple[str, float]] = []
+
+    def enter(self):
+        marks.append((f"{self.what}>", time.perf_counter()))
+        return orig_enter(self)
+
+    def exit_(self, *exc):
+        marks.append((f"{self.what}:agree", time.perf_counter()))
+        try:
+            return orig_exit(self, *exc)
+        finally:
+            marks.append((f"{self.what}<", time.perf_counter()))
 
     def phase(self, what, *a, **k):
         phases.append(what)
@@ -65,6 +78,27 @@ def rank_profile(url: str, total: int, step: int, fresh: bool) -> dict:
 
     T.ControlChannel.phase, L.move_data, PeerStore._request = phase, move, request
     T.ControlChannel.join = join
+    T.Phase.__enter__, T.Phase.__exit__ = enter, exit_
+    import cloudckpt.runs.tier.node as N
+    import cloudckpt.runs.tier.reading as R
+
+    orig_list, orig_inv = R.list_run, N.NodeTier.inventory
+
+    async def list_run(*a, **k):
+        t = time.perf_counter()
+        try:
+            return await orig_list(*a, **k)
+        finally:
+            marks.append((f"[store listing {(time.perf_counter() - t) * 1000:.0f} ms]", t))
+
+    def inventory(self):
+        t = time.perf_counter()
+        try:
+            return orig_inv(self)
+        finally:
+            marks.append((f"[own inventory {(time.perf_counter() - t) * 1000:.0f} ms]", t))
+
+    R.list_run, N.NodeTier.inventory = list_run, inventory
     try:
         mgr = CheckpointManager(url, local=RR._tier({"replicas": 1, "keep": 2}))
         s3 = mgr.store.stats
@@ -80,6 +114,8 @@ def rank_profile(url: str, total: int, step: int, fresh: bool) -> dict:
     finally:
         T.ControlChannel.phase, L.move_data, PeerStore._request = orig_phase, orig_move, orig_req
         T.ControlChannel.join = orig_join
+        T.Phase.__enter__, T.Phase.__exit__ = orig_enter, orig_exit
+        R.list_run, N.NodeTier.inventory = orig_list, orig_inv
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
     return {
@@ -93,6 +129,7 @@ def rank_profile(url: str, total: int, step: int, fresh: bool) -> dict:
         "wall_before_data": first_byte.get("wall", w1) - w0,
         "cpu_load": c1 - c0,
         "wall_load": w1 - w0,
+        "marks": " ".join(f"{m}@{(t - w0) * 1000:.0f}" for m, t in marks),
         "profile": out.getvalue() if dist.get_rank() == 0 else "",
     }
 
@@ -118,7 +155,7 @@ def main() -> None:
                     f"{row['phases']}\n   peer {row['peer_requests']} s3 {row['s3_requests']}"
                     f"\n   before data: cpu {row['cpu_before_data']:.3f} s wall "
                     f"{row['wall_before_data']:.3f} s; load cpu {row['cpu_load']:.3f} s wall "
-                    f"{row['wall_load']:.3f} s"
+                    f"{row['wall_load']:.3f} s\n   ms: {row['marks']}"
                 )
             print(rows[0]["profile"][:6000])
     shutil.rmtree(RR.TIER_ROOT, ignore_errors=True)

@@ -15,6 +15,7 @@ bounded, every key checked, ``ProtocolError`` otherwise).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
@@ -175,21 +176,11 @@ class NodeTier:
 
     def inventory(self) -> Inventory:
         """What this tier holds: each step with a manifest that decodes (a damaged one is
-        logged and left out)."""
-        objects: dict[int, dict[str, int]] = {}
-        manifests: set[int] = set()
-        for info in run_coroutine(_listing(self.store)):
-            top, _, rest = info.key.partition("/")
-            step = parse_step_dir(top + "/")
-            if step is None:
-                continue
-            if rest == MANIFEST_KEY:
-                manifests.add(step)
-            elif data_key_attempt(rest) is not None:
-                objects.setdefault(step, {})[rest] = info.size
+        logged and left out). One trip to cloudckpt's loop: the listing, then the manifests
+        read together."""
+        objects, manifests = run_coroutine(self._scan())
         inventory: Inventory = {}
-        for step in sorted(manifests):
-            raw = self.manifest_bytes(step)
+        for step, raw in sorted(manifests.items()):
             if raw is None:
                 continue
             crc = crc32c(raw)
@@ -200,6 +191,30 @@ class NodeTier:
             held = {k: n for k, n in objects.get(step, {}).items() if k in wanted}
             inventory[step] = StepHolding(crc, listed, frozenset(held), held)
         return inventory
+
+    async def _scan(self) -> tuple[dict[int, dict[str, int]], dict[int, bytes | None]]:
+        """Each step's data objects with their sizes, and its manifest's bytes (``None``: not
+        readable)."""
+        objects: dict[int, dict[str, int]] = {}
+        steps: list[int] = []
+        for info in await _listing(self.store):
+            top, _, rest = info.key.partition("/")
+            step = parse_step_dir(top + "/")
+            if step is None:
+                continue
+            if rest == MANIFEST_KEY:
+                steps.append(step)
+            elif data_key_attempt(rest) is not None:
+                objects.setdefault(step, {})[rest] = info.size
+
+        async def manifest(step: int) -> bytes | None:
+            try:
+                return await self.store.get(step_dir(step) + MANIFEST_KEY, max_bytes=1 << 30)
+            except StorageError:
+                return None
+
+        raws = await asyncio.gather(*(manifest(s) for s in steps))
+        return objects, dict(zip(steps, raws))
 
     def manifest_bytes(self, step: int) -> bytes | None:
         try:
