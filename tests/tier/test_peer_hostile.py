@@ -24,7 +24,12 @@ from cloudckpt.layout import MANIFEST_KEY
 from cloudckpt.runs.tier.flow import _decode_space
 from cloudckpt.runs.tier.node import StepHolding, decode_inventory, encode_inventory
 from cloudckpt.runs.tier.peers import Peer, decode_peer, encode_peer
-from cloudckpt.runs.tier.reading import StoreBehind, _decode_gathered, check_extents
+from cloudckpt.runs.tier.reading import (
+    StoreBehind,
+    _decode_gathered,
+    _decode_steps,
+    check_extents,
+)
 from cloudckpt.storage.base import ReadRange
 from cloudckpt.storage.local.store import LocalStore
 from cloudckpt.storage.peer.client import PeerStore
@@ -225,22 +230,25 @@ def test_inventory_and_peer_reports_from_untrusted_bytes():
 def test_merged_inventory_and_space_reports_from_untrusted_bytes():
     peer = encode_peer(Peer("h|/t", "http://127.0.0.1:1", "tok", None))
     inv = encode_inventory({7: StepHolding(5, (KEY,), frozenset({KEY}), {KEY: 10})})
-    got = _decode_gathered(msgpack.packb([peer, inv, [1, 7]]))
-    assert got.peer.url == "http://127.0.0.1:1" and got.stored == [1, 7]
+    got = _decode_gathered(msgpack.packb([peer, inv]))
+    assert got.peer.url == "http://127.0.0.1:1"
     assert got.inventory is not None and got.inventory[7].sizes == {KEY: 10}
-    assert _decode_gathered(msgpack.packb([peer, None, []])).inventory is None
+    assert _decode_gathered(msgpack.packb([peer, None])).inventory is None
     for raw in (
         b"\xc1",
-        msgpack.packb([peer, inv]),
-        msgpack.packb(["not bytes", inv, []]),
-        msgpack.packb([peer, "not bytes", []]),
-        msgpack.packb([peer, inv, [-1]]),
-        msgpack.packb([peer, inv, ["7"]]),
-        msgpack.packb([peer, b"\xc1", []]),  # an inventory that is not one
-        msgpack.packb([b"\xc1", None, []]),  # a peer that is not one
+        msgpack.packb([peer]),
+        msgpack.packb([peer, inv, []]),
+        msgpack.packb(["not bytes", inv]),
+        msgpack.packb([peer, "not bytes"]),
+        msgpack.packb([peer, b"\xc1"]),  # an inventory that is not one
+        msgpack.packb([b"\xc1", None]),  # a peer that is not one
     ):
         with pytest.raises(ProtocolError):
             _decode_gathered(raw)
+    assert _decode_steps(msgpack.packb([1, 7])) == [1, 7]
+    for raw in (b"\xc1", msgpack.packb({"a": 1}), msgpack.packb([-1]), msgpack.packb(["7"])):
+        with pytest.raises(ProtocolError):
+            _decode_steps(raw)
     assert _decode_space(msgpack.packb([True, peer]))[0] is True
     for raw in (b"\xc1", msgpack.packb([1, peer]), msgpack.packb([True, "x"]), msgpack.packb([1])):
         with pytest.raises(ProtocolError):

@@ -98,6 +98,7 @@ class TierRun:
         self._pending: set[int] = set()  # steps whose replicas or copy to the store are due
         self.replicated: set[int] = set()  # steps this process saw replicated
         self.last_inventories: list[Inventory] = []  # as of the last load
+        self.store_listing: concurrent.futures.Future | None = None  # a load's (coordinator)
 
     def channel(self, lane: str = "protocol") -> ControlChannel:
         """The control channel of the tier's phases: the save protocol's timeout (its group is

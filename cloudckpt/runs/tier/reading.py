@@ -34,6 +34,7 @@ import msgpack
 
 from cloudckpt.checksum import crc32c
 from cloudckpt.errors import (
+    CheckpointError,
     CheckpointNotFound,
     ManifestError,
     ObjectNotFound,
@@ -57,23 +58,51 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Choice:
     """The step a load reads: ``crc`` of its manifest in the tiers (``None``: not complete
-    there), ``in_store``: complete in the object store, every rank's inventory."""
+    there), ``in_store``: complete in the object store (``None``: not known, the store's listing
+    not waited for: its copy is checked when first read), every rank's inventory; ``newest``:
+    the step is the tiers' newest, chosen before the store's listing was in: the coordinator
+    checks, when it reads the manifest, that the store has no newer complete step."""
 
     step: int
     crc: int | None
-    in_store: bool
+    in_store: bool | None
     inventories: list[Inventory]
     nodes: Nodes | None
+    newest: bool = False
+
+
+class NewerStepInStore(CheckpointNotFound):
+    """The store's listing has a complete step newer than the tiers' newest (raised by the
+    coordinator while the load reads the manifest; every rank then chooses again)."""
 
 
 def load_step(run, state_dict, step: int | None, strict: bool) -> int | None:
     """``CheckpointManager.load`` with a tier (collective)."""
+    try:
+        choice = choose(run, step)
+        if choice is None:
+            return None
+        try:
+            _load(run, state_dict, choice, strict)
+        except CheckpointError as exc:
+            if not choice.newest or not _newer_in_store(exc):
+                raise
+            # the store's newest is newer than every step of the tiers: none is the choice
+            choice = _choose_with_listing(run, None, choice.inventories, choice.nodes, {})
+            if choice is None:  # cannot be: the store had a newer step a moment ago
+                raise
+            _load(run, state_dict, choice, strict)
+        return choice.step
+    finally:
+        listing, run.store_listing = run.store_listing, None
+        if listing is not None:
+            listing.cancel()
+
+
+def _load(run, state_dict, choice: Choice, strict: bool) -> None:
     from cloudckpt.api.load import load_from
 
-    choice = choose(run, step)
-    if choice is None:
-        return None
-    if choice.crc is None and not choice.in_store:
+    if choice.crc is None and choice.in_store is False:
         raise CheckpointNotFound(
             f"step {choice.step} is complete neither in the local tiers nor at {run.run_url}"
         )
@@ -87,17 +116,24 @@ def load_step(run, state_dict, step: int | None, strict: bool) -> int | None:
             run.manager.load_options or LoadOptions(), join_as=run.step_url(choice.step)
         ),
     )
-    return choice.step
+
+
+def _newer_in_store(exc: CheckpointError) -> bool:
+    """Whether ``exc`` (every rank's, alike) is the coordinator's :class:`NewerStepInStore`."""
+    failures = getattr(exc, "failures", None) or {}
+    found = failures.get(0)
+    return isinstance(exc, NewerStepInStore) or (
+        found is not None and found.error_type == NewerStepInStore.__name__
+    )
 
 
 @dataclass(frozen=True)
 class Gathered:
     """One rank's ``tier inventory`` report: its service, its node's inventory (``None``: not
-    sent), the steps complete in the object store (the coordinator's; ``[]`` elsewhere)."""
+    sent)."""
 
     peer: Peer
     inventory: Inventory | None
-    stored: list[int]
 
 
 def choose(run, step: int | None) -> Choice | None:
@@ -111,18 +147,36 @@ def choose(run, step: int | None) -> Choice | None:
         sends = os.environ.get("LOCAL_RANK", "0") in ("", "0")
     reports = _gather(run, "tier inventory", None, sends, listing=True)
     me = reports[rank].peer
-    stored = reports[0].stored
     nodes = run.adopt([r.peer for r in reports])
     if nodes is not None and any(reports[f].inventory is None for f in nodes.first_rank):
         first = nodes.first_rank[nodes.node_of[rank]] == rank
-        again = _gather(run, "tier inventory (again)", me, first, listing=False)
-        reports = [replace(r, stored=stored) for r in again]
+        reports = _gather(run, "tier inventory (again)", me, first, listing=False)
     inventories: list[Inventory] = [{} for _ in reports]
     if nodes is not None:
         for f in nodes.first_rank:
             inventories[f] = reports[f].inventory or {}
     run.last_inventories = inventories
     in_tiers = complete_steps(inventories) if nodes is not None else {}
+    if step is not None and step in in_tiers:  # the store: checked when first read, if ever
+        return Choice(step, in_tiers[step], None, inventories, nodes)
+    if step is None and in_tiers:  # the tiers' newest, the store's listing checked meanwhile
+        newest = max(in_tiers)
+        return Choice(newest, in_tiers[newest], None, inventories, nodes, newest=True)
+    return _choose_with_listing(run, step, inventories, nodes, in_tiers)
+
+
+def _choose_with_listing(
+    run, step: int | None, inventories: list[Inventory], nodes: Nodes | None, in_tiers: dict
+) -> Choice | None:
+    """The choice once every rank has the store's listing (``── tier listing ──``: the
+    coordinator's, taken since the inventory exchange)."""
+    channel = run.channel()
+    with channel.phase("tier listing", Blob) as sharing:
+        if channel.is_coordinator:
+            listed = run.store_listing or submit(list_run(run.manager.store, run.run_url))
+            stored = [i.step for i in listed.result() if i.complete and i.step is not None]
+            sharing.report = Blob(msgpack.packb(stored))
+    stored = _decode_steps(sharing.reports[0].raw)
     if step is None:
         if not in_tiers and not stored:
             return None
@@ -138,18 +192,10 @@ def _gather(run, what: str, me: Peer | None, sends: bool, *, listing: bool) -> l
     with channel.phase(what, Blob, inline=inventory_slot_bytes(channel.size)) as gathering:
         if me is None:
             me = run.peer()
-        listed = None
-        if listing and channel.is_coordinator:
-            listed = submit(list_run(run.manager.store, run.run_url))
-        try:
-            own = encode_inventory(run.node.inventory()) if sends and not me.problem else None
-            stored = []
-            if listed is not None:
-                stored = [i.step for i in listed.result() if i.complete and i.step is not None]
-        finally:
-            if listed is not None:
-                listed.cancel()
-        gathering.report = Blob(msgpack.packb([encode_peer(me), own, stored]))
+        if listing and channel.is_coordinator and run.store_listing is None:
+            run.store_listing = submit(list_run(run.manager.store, run.run_url))  # not waited
+        own = encode_inventory(run.node.inventory()) if sends and not me.problem else None
+        gathering.report = Blob(msgpack.packb([encode_peer(me), own]))
     return [_decode_gathered(r.raw) for r in gathering.reports]
 
 
@@ -176,7 +222,7 @@ def tiered_source(run, choice: Choice, rank: int) -> TieredSource:
             for key in inv.held:
                 holders.setdefault(key, []).append(holder)
     behind: tuple[Holder, ...] = ()
-    if choice.in_store:
+    if choice.in_store is not False:  # True, or not known: its manifest is checked when read
         checked = StoreBehind(shared_store(store_url, run.storage), choice.crc)
         behind = (Holder("object store", checked),)
         order.extend(behind)
@@ -189,7 +235,30 @@ def tiered_source(run, choice: Choice, rank: int) -> TieredSource:
         crc=choice.crc,
         holders=tuple(order),
         tiered=TieredStore(store_url, holders, default=behind),
+        newer=(
+            NewerCheck(step, run.store_listing)
+            if choice.newest and rank == 0 and run.store_listing is not None
+            else None
+        ),
     )
+
+
+@dataclass(frozen=True)
+class NewerCheck:
+    """The coordinator's check, when it reads the manifest, that the store's listing (taken
+    since the inventory exchange) has no complete step newer than ``step``, the tiers' newest."""
+
+    step: int
+    listing: Any  # a concurrent future of list_run
+
+    def __call__(self) -> None:
+        listed = self.listing.result()
+        newer = [i.step for i in listed if i.complete and i.step is not None and i.step > self.step]
+        if newer:
+            raise NewerStepInStore(
+                f"step {max(newer)} is complete in the object store, newer than the tiers' "
+                f"step {self.step}"
+            )
 
 
 class StoreBehind:
@@ -282,8 +351,11 @@ class TieredSource:
     crc: int | None
     holders: tuple[Holder, ...]
     tiered: TieredStore
+    newer: NewerCheck | None = None
 
     def read(self, store) -> bytes:
+        if self.newer is not None:
+            self.newer()
         problems = []
         for holder in self.holders:
             where = getattr(holder.store, "unchecked", holder.store)  # the crc is checked here
@@ -343,11 +415,20 @@ def inventory_slot_bytes(ranks: int) -> int:
 def _decode_gathered(raw: bytes) -> Gathered:
     """A ``tier inventory`` report from untrusted bytes (``ProtocolError`` unless well-formed)."""
     try:
-        peer, own, stored = msgpack.unpackb(raw, raw=False)
+        peer, own = msgpack.unpackb(raw, raw=False)
     except Exception as exc:  # noqa: BLE001 - malformed bytes of any kind
         raise ProtocolError(f"malformed tier inventory report: {exc}"[:200]) from exc
     if not isinstance(peer, bytes) or own is not None and not isinstance(own, bytes):
-        raise ProtocolError("a tier inventory report is [peer, inventory or nil, steps]")
+        raise ProtocolError("a tier inventory report is [peer, inventory or nil]")
+    return Gathered(decode_peer(peer), None if own is None else decode_inventory(own))
+
+
+def _decode_steps(raw: bytes) -> list[int]:
+    """A ``tier listing`` report (the store's complete steps) from untrusted bytes."""
+    try:
+        stored = msgpack.unpackb(raw, raw=False)
+    except Exception as exc:  # noqa: BLE001 - malformed bytes of any kind
+        raise ProtocolError(f"malformed tier listing report: {exc}"[:200]) from exc
     if not isinstance(stored, list) or not all(type(s) is int and s >= 0 for s in stored):
-        raise ProtocolError("a tier inventory report lists steps as ints >= 0")
-    return Gathered(decode_peer(peer), None if own is None else decode_inventory(own), stored)
+        raise ProtocolError("a tier listing report lists steps as ints >= 0")
+    return stored
