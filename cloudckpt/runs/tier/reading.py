@@ -6,11 +6,16 @@ always the one reported now, whatever this process knew before), what each node'
 (the first rank of each node sends it, as untrusted bytes:
 :func:`~cloudckpt.runs.tier.node.decode_inventory`; without a map known in this process, each
 rank whose ``LOCAL_RANK`` is unset or 0 does, and when a node's first rank did not, one more
-exchange, ``── tier inventory (again) ──``, gathers the missing ones), and the coordinator's
-listing of the object store (the steps complete there, listed while its own inventory is
-taken). The step loaded is the one asked for, else the newest complete somewhere: in the tiers
-together (the nodes holding one manifest hold all of its objects between them) or in the object
-store (a newer step complete in the store only wins). It is loaded by ``api.load.load_from``
+exchange, ``── tier inventory (again) ──``, gathers the missing ones); meanwhile the
+coordinator starts listing the object store. The step loaded is the one asked for, else the
+newest complete somewhere: in the tiers together (the nodes holding one manifest hold all of
+its objects between them) or in the object store (a newer step complete in the store only
+wins). When the tiers hold a complete step, nobody waits for the listing: the tiers' newest
+(or the step asked for) is loaded, and the coordinator checks the listing when it reads the
+manifest (:class:`NewerCheck`); a newer complete step there fails that phase on every rank
+(:class:`NewerStepInStore`), every rank gets the listing (``── tier listing ──``) and loads
+that step. Without a complete step in the tiers, ``── tier listing ──`` comes first. A step is
+loaded by ``api.load.load_from``
 through a :class:`TieredSource`: the manifest from the nearest holder whose bytes have the
 chosen crc32c; each object from this node's tier, then the other nodes nearest first (replica
 holders first), then the object store (:class:`~cloudckpt.storage.peer.tiered.TieredStore`: a
