@@ -41,12 +41,12 @@ def rank_profile(url: str, total: int, step: int, fresh: bool) -> dict:
         for module, name in ((P, "_NODES"), (P, "_HOSTS"), (N, "_LISTED")):
             getattr(module, name, {}).clear()
     phases: list[str] = []
+    marks: list[tuple[str, float]] = []
     peer: dict[str, int] = {}
     first_byte: dict[str, float] = {}
     orig_phase, orig_move, orig_req = T.ControlChannel.phase, L.move_data, PeerStore._request
     orig_join = T.ControlChannel.join
     orig_enter, orig_exit = T.Phase.__enter__, T.Phase.__exit__
-    marks: list[tuple[str, float]] = []
 
     def enter(self):
         marks.append((f"{self.what}>", time.perf_counter()))
@@ -65,7 +65,11 @@ def rank_profile(url: str, total: int, step: int, fresh: bool) -> dict:
 
     def join(self, call, *a, **k):
         phases.append(f"join:{call}")
-        return orig_join(self, call, *a, **k)
+        marks.append((f"join {call}>", time.perf_counter()))
+        try:
+            return orig_join(self, call, *a, **k)
+        finally:
+            marks.append((f"join {call}<", time.perf_counter()))
 
     def move(*a, **k):
         first_byte.setdefault("cpu", time.process_time())

@@ -191,15 +191,16 @@ def _choose_with_listing(
 
 def _gather(run, what: str, me: Peer | None, sends: bool, *, listing: bool) -> list[Gathered]:
     """One exchange of every rank's :class:`Gathered` (``me``: this rank's service, ``None``:
-    claimed and started here, inside the phase; the coordinator lists the object store,
-    ``listing``, while it takes its own inventory)."""
+    claimed and started here, inside the phase); with ``listing``, the coordinator starts
+    listing the object store (``run.store_listing``)."""
     channel = run.channel()
     with channel.phase(what, Blob, inline=inventory_slot_bytes(channel.size)) as gathering:
         if me is None:
             me = run.peer()
-        if listing and channel.is_coordinator and run.store_listing is None:
-            run.store_listing = submit(list_run(run.manager.store, run.run_url))  # not waited
         own = encode_inventory(run.node.inventory()) if sends and not me.problem else None
+        if listing and channel.is_coordinator and run.store_listing is None:
+            # after its own inventory, which every rank waits for; the listing is not waited for
+            run.store_listing = submit(list_run(run.manager.store, run.run_url))
         gathering.report = Blob(msgpack.packb([encode_peer(me), own]))
     return [_decode_gathered(r.raw) for r in gathering.reports]
 
