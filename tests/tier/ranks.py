@@ -123,3 +123,86 @@ def load_in_group(url: str, root: str, ranks_per_node: int, tier_kw: dict, membe
         "equal": loaded is not None and _equal(state, make_state(loaded, group=group)),
         "reads": {k: v for k, v in reads.items() if v},
     }
+
+
+_DECOYS: list = []
+
+
+def restart_service(root: str, ranks_per_node: int, node: int, decoy_root: str):
+    """On the ranks of ``node``: stop this process's service of the node's tier (the next
+    exchange starts a new one: another port, another token, as a replaced node would have) and
+    put a decoy on the old port, with the old token, over an empty directory: a reader that
+    used the old address would find nothing there. Returns the old URL (``None`` elsewhere)."""
+    from cloudckpt.runs.tier import peers
+    from cloudckpt.runtime.loop import run_coroutine
+    from cloudckpt.storage.peer.server import PeerServer
+
+    if node_of(ranks_per_node) != node:
+        return None
+    path = os.path.abspath(os.path.join(root, f"node{node}"))
+    _, server = peers._SERVERS.pop(path)
+    run_coroutine(server.close())
+    os.makedirs(decoy_root, exist_ok=True)
+    decoy = PeerServer(decoy_root, token=server.token.decode(), host=server.host, port=server.port)
+    try:
+        _DECOYS.append(run_coroutine(decoy.start()))
+    except OSError:
+        pass  # the old port was taken again at once: nothing listens as the old service then
+    return server.url
+
+
+def stop_decoys() -> None:
+    from cloudckpt.runtime.loop import run_coroutine
+
+    while _DECOYS:
+        run_coroutine(_DECOYS.pop().close())
+
+
+def known_services(url: str, root: str, ranks_per_node: int, tier_kw: dict):
+    """The URL of every node's service in the map this process knows (``None``: none known)."""
+    from cloudckpt import CheckpointManager
+
+    mgr = CheckpointManager(url, local=tier_of(root, ranks_per_node, **tier_kw))
+    nodes = mgr.tier.known_nodes()
+    return None if nodes is None else [nodes.service(n).url for n in range(nodes.count)]
+
+
+def load_with_a_foreign_rank(
+    url: str, root: str, ranks_per_node: int, tier_kw: dict, foreign: int
+) -> dict:
+    """``load_latest`` where rank ``foreign`` takes its node's tier for another job's (its
+    tier is unusable: the marker says so)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == foreign:
+        tier_kw = {**tier_kw, "job": "another job"}
+    return load_latest(url, root, ranks_per_node, tier_kw)
+
+
+def save_to_store_only(url: str, steps: list[int]) -> None:
+    """Save ``steps`` with a manager without a tier (the object store alone)."""
+    from cloudckpt import CheckpointManager
+
+    mgr = CheckpointManager(url)
+    for step in steps:
+        mgr.save(step, make_state(step))
+    mgr.close()
+
+
+def load_with_a_lying_rank(url: str, root: str, ranks_per_node: int, tier_kw: dict, liar: int):
+    """A tiered load where rank ``liar`` sends malformed inventory bytes: what each rank
+    raised (type, message)."""
+    import torch.distributed as dist
+
+    from cloudckpt.runs.tier import reading
+
+    honest = reading.encode_inventory
+    if dist.get_rank() == liar:
+        reading.encode_inventory = lambda inventory: b"\xc1 not msgpack"  # type: ignore[assignment]
+    try:
+        load_latest(url, root, ranks_per_node, tier_kw)
+    except Exception as exc:  # noqa: BLE001 - the outcome is the result
+        return type(exc).__name__, str(exc)
+    finally:
+        reading.encode_inventory = honest
+    return None

@@ -34,6 +34,20 @@ def test_one_process_saves_prunes_lists_and_loads(tmp_path):
     assert mgr.load(state, step=2) == 2 and torch.equal(state["w"], _state(2)["w"])
 
 
+def test_a_newer_step_saved_without_the_tier_wins(tmp_path):
+    """The tiers' newest step is chosen before the store's listing is in; a newer step complete
+    in the store only makes the load choose again and read that one."""
+    tier = LocalTier(path=str(tmp_path / "tier"), store_every=100)
+    mgr = CheckpointManager(str(tmp_path / "run"), local=tier)
+    mgr.save(3, _state(3))  # in the tier only
+    CheckpointManager(str(tmp_path / "run")).save(5, _state(5))  # the store only
+    state = _state(0)
+    assert mgr.load(state) == 5 and torch.equal(state["w"], _state(5)["w"])
+    assert mgr.load(state, step=3) == 3 and torch.equal(state["w"], _state(3)["w"])
+    CheckpointManager(str(tmp_path / "run")).save(2, _state(2))  # older than the tier's
+    assert mgr.load(state) == 5 and state["meta"] == {"seed": 5}
+
+
 def test_a_foreign_tier_is_ignored_with_a_warning(tmp_path, caplog):
     path = tmp_path / "tier"
     path.mkdir()

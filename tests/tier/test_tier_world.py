@@ -72,3 +72,72 @@ def test_a_smaller_world_reshards_from_the_surviving_node(world4, s3_url, tmp_pa
     assert loaded[2:] == [None, None]
     assert all(r["equal"] and r["step"] == 1 for r in loaded[:2]), loaded
     assert all(set(r["reads"]) == {"local tier"} for r in loaded[:2]), loaded
+
+
+def test_a_replaced_service_is_learnt_at_the_next_exchange(world4, s3_url, tmp_path):
+    """The map of nodes a process knows goes stale when a node's service is replaced (another
+    port and token, a decoy on the old port): neither a load nor a save ever uses it."""
+    root = str(tmp_path)
+    kw = {**KW, "store_every": 100}  # the tiers alone: every read comes from a tier
+    node0 = os.path.join(root, "node0")
+    try:
+        world4.run(ranks.save_steps, s3_url, root, 2, [1], kw)
+        old = world4.run(ranks.restart_service, root, 2, 1, str(tmp_path / "decoy1"))
+        assert old[:2] == [None, None] and old[2] and old[3]  # each rank serves (rank 2's: used)
+        assert world4.run(ranks.known_services, s3_url, root, 2, kw)[0][1] == old[2]  # stale
+        shutil.rmtree(node0)  # node 0's ranks read everything from node 1's new service
+        loaded = world4.run(ranks.load_latest, s3_url, root, 2, kw)
+        assert all(r["equal"] and r["step"] == 1 and r["failures"] == 0 for r in loaded), loaded
+        assert set(loaded[0]["reads"]) == {"node 1's tier"}, loaded[0]
+        known = world4.run(ranks.known_services, s3_url, root, 2, kw)
+        assert all(k == known[0] for k in known) and known[0][1] != old[2], known
+
+        # replaced again, then a save with the stale map: its tier space exchange learns the
+        # new service and the replicas go there (node 0 lost afterwards reads them back)
+        again = world4.run(ranks.restart_service, root, 2, 1, str(tmp_path / "decoy2"))
+        listed = world4.run(ranks.save_steps, s3_url, root, 2, [2], kw)
+        assert listed[0][-1] == (2, True, ("local", "peers")), listed[0]
+        known = world4.run(ranks.known_services, s3_url, root, 2, kw)
+        assert known[0][1] not in (old[2], again[2]), known
+        shutil.rmtree(node0)
+        loaded = world4.run(ranks.load_latest, s3_url, root, 2, kw)
+        assert all(r["equal"] and r["step"] == 2 and r["failures"] == 0 for r in loaded), loaded
+        assert set(loaded[1]["reads"]) == {"node 1's tier"}, loaded[1]
+    finally:
+        world4.run(ranks.stop_decoys)
+
+
+def test_one_rank_s_tier_unusable_makes_every_rank_load_from_the_store(world4, s3_url, tmp_path):
+    """The one exchange of a tiered load carries every rank's service: one rank's tier that
+    cannot be used (another job's marker) leaves the tiers out on every rank, together."""
+    root = str(tmp_path)
+    world4.run(ranks.save_steps, s3_url, root, 2, [2, 3], KW)  # step 3: in the tiers only
+    loaded = world4.run(ranks.load_with_a_foreign_rank, s3_url, root, 2, KW, 3)
+    assert all(r["equal"] and r["step"] == 2 for r in loaded), loaded
+    assert all(set(r["reads"]) == {"object store"} for r in loaded), loaded
+    # the tiers are still whole: the next load with every rank's tier usable finds step 3
+    loaded = world4.run(ranks.load_latest, s3_url, root, 2, KW)
+    assert all(r["equal"] and r["step"] == 3 for r in loaded), loaded
+    assert all(r["failures"] == 0 for r in loaded), loaded
+
+
+def test_a_newer_step_in_the_store_only_wins_over_the_tiers(world4, s3_url, tmp_path):
+    root = str(tmp_path)
+    world4.run(ranks.save_steps, s3_url, root, 2, [2], KW)  # in the tiers and the store
+    world4.run(ranks.save_to_store_only, s3_url, [4])  # a manager without a tier
+    loaded = world4.run(ranks.load_latest, s3_url, root, 2, KW)
+    assert all(r["equal"] and r["step"] == 4 for r in loaded), loaded
+    assert all(set(r["reads"]) == {"object store"} for r in loaded), loaded
+    loaded = world4.run(ranks.load_latest, s3_url, root, 2, KW, 2)  # asked for: from the tiers
+    assert all(r["equal"] and r["step"] == 2 for r in loaded), loaded
+    assert all(set(r["reads"]) == {"local tier"} for r in loaded), loaded
+
+
+def test_a_rank_sending_a_malformed_inventory_fails_every_rank_alike(world4, s3_url, tmp_path):
+    root = str(tmp_path)
+    world4.run(ranks.save_steps, s3_url, root, 2, [1], KW)
+    outcomes = world4.run(ranks.load_with_a_lying_rank, s3_url, root, 2, KW, 0)
+    assert all(o is not None and o[0] == "ProtocolError" for o in outcomes), outcomes
+    assert len({o[1] for o in outcomes}) == 1, outcomes  # the same error on every rank
+    loaded = world4.run(ranks.load_latest, s3_url, root, 2, KW)  # nothing was left half-done
+    assert all(r["equal"] and r["step"] == 1 for r in loaded), loaded

@@ -2,13 +2,16 @@
 
 Save of a tier step (collective; each ``── name ──`` is one ``ControlChannel.phase``):
 
-1. ``── tier peers ──`` (once per world): every rank claims its node's tier directory and starts
-   its service; a tier that cannot be used anywhere makes every save go to the object store only
+1. ``── tier peers ──`` (only when no manager of this process learnt the job's nodes for this
+   tier in this world yet): every rank claims its node's tier directory and starts its
+   service; a tier that cannot be used anywhere makes the save go to the object store only
    (a warning).
 2. ``── tier space ──``: the coordinator refuses a step complete in the object store
    (``CheckpointExists``); each node drops a stale copy of the step (a killed earlier
-   incarnation's) and says whether the save fits (``max_bytes``, free disk). A node without
-   room: the save goes to the object store only, with a warning.
+   incarnation's) and says whether the save fits (``max_bytes``, free disk), and every rank
+   its service as it is now: a map of nodes that changed since it was learnt (a node's service
+   replaced) is replaced and the phase runs once more with it. A node without room, or a tier
+   that cannot be used: the save goes to the object store only, with a warning.
 3. ``cloudckpt.save`` to each rank's own node directory (the same protocol, manifest last); a
    failure there (disk full...) -> the save goes to the object store, with a warning.
 4. ``── tier manifest ──`` + a broadcast of the manifest bytes; every node writes it: the step
@@ -36,12 +39,14 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import msgpack
+import torch.distributed as dist
 
 from cloudckpt.errors import (
     CheckpointError,
     CheckpointExists,
     CheckpointNotFound,
     ObjectExists,
+    ProtocolError,
     StorageError,
 )
 from cloudckpt.layout import MANIFEST_KEY, join_url, step_dir
@@ -60,7 +65,9 @@ from cloudckpt.runs.tier.peers import (
     advertised_host,
     decode_peer,
     encode_peer,
+    known_nodes,
     peer_client,
+    remember_nodes,
 )
 from cloudckpt.runs.tier.peers import serve as serve_tier
 from cloudckpt.runtime.context import current
@@ -85,12 +92,13 @@ class TierRun:
         self.process_group = manager.process_group
         self.allow_pickle = manager.allow_pickle
         self.node = NodeTier(tier.path, tier.job or manager.url)
-        self._nodes: tuple[int, Nodes | None] | None = None
+        self._unusable: int | None = None  # the runtime generation a node's tier was unusable in
         self._drain_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._drains: list[concurrent.futures.Future] = []
         self._pending: set[int] = set()  # steps whose replicas or copy to the store are due
         self.replicated: set[int] = set()  # steps this process saw replicated
         self.last_inventories: list[Inventory] = []  # as of the last load
+        self.store_listing: concurrent.futures.Future | None = None  # a load's (coordinator)
 
     def channel(self, lane: str = "protocol") -> ControlChannel:
         """The control channel of the tier's phases: the save protocol's timeout (its group is
@@ -100,30 +108,56 @@ class TierRun:
 
     # -- the job's nodes ------------------------------------------------------------------------
 
-    def nodes(self) -> Nodes | None:
-        """Every rank's tier service, grouped into nodes (collective, once per world); ``None``
-        when some node's tier cannot be used (warned)."""
-        generation = current().generation
-        if self._nodes is not None and self._nodes[0] == generation:
-            return self._nodes[1]
+    def peer(self) -> Peer:
+        """This rank's tier service (started on first use) and node key; its ``problem`` says
+        why the node's tier directory cannot be used (claimed again at every exchange that
+        carries it: a wiped directory is marked anew)."""
+        problem = self.node.claim()
+        host = advertised_host(self.tier.host)
+        url, token = "http://-", "-"
+        if problem is None:
+            server = serve_tier(self.node.path, host)
+            url, token = server.url, server.token.decode()
+        return Peer(f"{host}|{self.node.path}", url, token, problem)
+
+    def _nodes_key(self, channel: ControlChannel) -> tuple:
+        return (current().generation, channel.ranks, self.node.path, self.node.job, self.tier.host)
+
+    def known_nodes(self) -> Nodes | None:
+        """The job's nodes as a manager of this process last learnt them in this world
+        (``None``: not known; see :func:`~cloudckpt.runs.tier.peers.known_nodes`)."""
+        return known_nodes(self._nodes_key(self.channel()), _world())
+
+    def adopt(self, found: list[Peer]) -> Nodes | None:
+        """The nodes of every rank's ``found`` service (rank order, as every rank received
+        them), kept for later exchanges of this process; ``None`` (warned) when some node's
+        tier cannot be used."""
         channel = self.channel()
-        with channel.phase("tier peers", Blob) as peers:
-            problem = self.node.claim()
-            host = advertised_host(self.tier.host)
-            url, token = "http://-", "-"
-            if problem is None:
-                server = serve_tier(self.node.path, host)
-                url, token = server.url, server.token.decode()
-            peers.report = Blob(encode_peer(Peer(f"{host}|{self.node.path}", url, token, problem)))
-        found = [decode_peer(r.raw) for r in peers.reports]
         problems = sorted({p.problem for p in found if p.problem})
-        nodes = None if problems else Nodes.of(found)
-        if problems and channel.is_coordinator:
-            log.warning(
-                "cloudckpt: local tier not used (object store only): %s", "; ".join(problems)
-            )
-        self._nodes = (generation, nodes)
+        if problems:
+            if channel.is_coordinator:
+                log.warning(
+                    "cloudckpt: local tier not used (object store only): %s", "; ".join(problems)
+                )
+            self._unusable = current().generation
+            return None
+        nodes = Nodes.of(found)
+        remember_nodes(self._nodes_key(channel), _world(), nodes)
+        self._unusable = None
         return nodes
+
+    def nodes(self) -> Nodes | None:
+        """The job's nodes for a save: as known in this process, else from a ``tier peers``
+        exchange (collective; the ``tier space`` exchange of each save then checks them);
+        ``None`` when some node's tier cannot be used (warned)."""
+        known = self.known_nodes()
+        if known is not None:
+            return known
+        if self._unusable == current().generation:
+            return None
+        with self.channel().phase("tier peers", Blob) as peers:
+            peers.report = Blob(encode_peer(self.peer()))
+        return self.adopt([decode_peer(r.raw) for r in peers.reports])
 
     def step_url(self, step: int) -> str:
         return join_url(self.run_url, step_dir(step))
@@ -141,7 +175,8 @@ class TierRun:
         if nodes is None:
             return store_save()
         self.wait()  # the previous step's replicas and copy: at most one step in flight
-        if not self._space(step, nodes):
+        nodes = self._space(step, nodes)
+        if nodes is None:
             return store_save()
         try:
             options = replace(kwargs.get("options") or SaveOptions(), join_as=self.step_url(step))
@@ -175,7 +210,11 @@ class TierRun:
         self._prune(nodes)
         return result
 
-    def _space(self, step: int, nodes: Nodes) -> bool:
+    def _space(self, step: int, nodes: Nodes, again: bool = True) -> Nodes | None:
+        """The ``tier space`` exchange: the nodes of this save (every rank's service, as
+        reported now: a node that restarted its service since ``nodes`` were learnt makes the
+        exchange run once more with the new map), or ``None`` (warned): the save goes to the
+        object store only."""
         channel = self.channel()
         with channel.phase("tier space", Blob) as space:
             if channel.is_coordinator and _has_manifest(self.step_url(step), self.storage):
@@ -183,8 +222,22 @@ class TierRun:
             first = nodes.first_rank[nodes.node_of[channel.rank]] == channel.rank
             if first and self.node.manifest_bytes(step) is not None:
                 self.node.remove_step(step)  # a killed incarnation's copy: this save replaces it
-            space.report = Blob(msgpack.packb(self._fits()))
-        short = [r for r, rep in enumerate(space.reports) if not msgpack.unpackb(rep.raw)]
+            space.report = Blob(msgpack.packb([self._fits(), encode_peer(self.peer())]))
+        fits, found = zip(*(_decode_space(r.raw) for r in space.reports))
+        now = self.adopt(list(found))
+        if now is None:
+            return None
+        if now != nodes:  # the copies of a stale step above were removed by the old map's ranks
+            if again:
+                return self._space(step, now, again=False)
+            if channel.is_coordinator:
+                log.warning(
+                    "cloudckpt: the tier services keep changing: step %d goes to %s only",
+                    step,
+                    self.run_url,
+                )
+            return None
+        short = [r for r, ok in enumerate(fits) if not ok]
         if short and channel.is_coordinator:
             log.warning(
                 "cloudckpt: the local tier of ranks %s is full: step %d goes to %s only",
@@ -192,7 +245,7 @@ class TierRun:
                 step,
                 self.run_url,
             )
-        return not short
+        return None if short else nodes
 
     def _fits(self) -> bool:
         steps = sorted(self.node.inventory())
@@ -324,6 +377,22 @@ async def _create(store: PeerStore, key: str, data: bytes) -> None:
         await store.put(key, data, mode="create")
     except ObjectExists:
         pass  # already there (a retried replication): the reader checks its crcs all the same
+
+
+def _world() -> object | None:
+    """The default process group object (what a known map of nodes belongs to)."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def _decode_space(raw: bytes) -> tuple[bool, Peer]:
+    """A ``tier space`` report (untrusted bytes): whether the save fits, the rank's service."""
+    try:
+        fits, peer = msgpack.unpackb(raw, raw=False)
+    except Exception as exc:  # noqa: BLE001 - malformed bytes of any kind
+        raise ProtocolError(f"malformed tier space report: {exc}"[:200]) from exc
+    if type(fits) is not bool or not isinstance(peer, bytes):
+        raise ProtocolError("a tier space report is [fits, peer]")
+    return fits, decode_peer(peer)
 
 
 def _has_manifest(url: str, storage) -> bool:

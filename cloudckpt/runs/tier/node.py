@@ -15,11 +15,14 @@ bounded, every key checked, ``ProtocolError`` otherwise).
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
 import os
 import secrets
 import shutil
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import msgpack
 
@@ -41,11 +44,14 @@ _MAX_MARKER_BYTES = 64 << 10
 @dataclass(frozen=True)
 class StepHolding:
     """One step in one node's tier: its manifest's crc32c, the keys of every object it lists
-    (``listed``) and of those this tier holds (``held``), relative to the step."""
+    (``listed``) and of those this tier holds (``held``), relative to the step; ``sizes``: the
+    size of each held object where known (what a load checks the manifest's extents against
+    instead of asking the holder)."""
 
     crc: int
     listed: tuple[str, ...]
     held: frozenset[str]
+    sizes: Mapping[str, int] = field(default_factory=dict)
 
 
 Inventory = dict[int, StepHolding]
@@ -53,7 +59,11 @@ Inventory = dict[int, StepHolding]
 
 def encode_inventory(inventory: Inventory) -> bytes:
     return msgpack.packb(
-        [[s, h.crc, list(h.listed), sorted(h.held)] for s, h in sorted(inventory.items())]
+        [
+            [s, h.crc, list(h.listed), keys, [h.sizes.get(k, -1) for k in keys]]
+            for s, h in sorted(inventory.items())
+            for keys in [sorted(h.held)]
+        ]
     )
 
 
@@ -69,9 +79,9 @@ def decode_inventory(raw: bytes) -> Inventory:
         raise ProtocolError("a tier inventory is a list of steps")
     inventory: Inventory = {}
     for entry in doc:
-        if not (isinstance(entry, list) and len(entry) == 4):
-            raise ProtocolError("a tier inventory entry is [step, crc, listed, held]")
-        step, crc, listed, held = entry
+        if not (isinstance(entry, list) and len(entry) == 5):
+            raise ProtocolError("a tier inventory entry is [step, crc, listed, held, sizes]")
+        step, crc, listed, held, sizes = entry
         if type(step) is not int or step < 0 or step in inventory:
             raise ProtocolError(f"bad or repeated step in a tier inventory: {step!r}"[:120])
         if type(crc) is not int or not 0 <= crc < 1 << 32:
@@ -83,7 +93,12 @@ def decode_inventory(raw: bytes) -> Inventory:
                 raise ProtocolError(f"not a data object key in a tier inventory: {key!r}"[:120])
         if not set(held) <= set(listed):
             raise ProtocolError("a tier inventory holds objects its manifest does not list")
-        inventory[step] = StepHolding(crc, tuple(listed), frozenset(held))
+        if not (isinstance(sizes, list) and len(sizes) == len(held)) or not all(
+            type(n) is int and -1 <= n < 1 << 62 for n in sizes
+        ):
+            raise ProtocolError("a tier inventory gives one size (an int, -1: unknown) per object")
+        known = {k: n for k, n in zip(held, sizes) if n >= 0}
+        inventory[step] = StepHolding(crc, tuple(listed), frozenset(held), known)
     return inventory
 
 
@@ -161,33 +176,45 @@ class NodeTier:
 
     def inventory(self) -> Inventory:
         """What this tier holds: each step with a manifest that decodes (a damaged one is
-        logged and left out)."""
-        objects: dict[int, set[str]] = {}
-        manifests: set[int] = set()
-        for info in run_coroutine(_listing(self.store)):
+        logged and left out). One trip to cloudckpt's loop: the listing, then the manifests
+        read together."""
+        objects, manifests = run_coroutine(self._scan())
+        inventory: Inventory = {}
+        for step, raw in sorted(manifests.items()):
+            if raw is None:
+                continue
+            crc = crc32c(raw)
+            listed = _listed_objects(step, raw)
+            if listed is None:
+                continue
+            wanted = set(listed)
+            held = {k: n for k, n in objects.get(step, {}).items() if k in wanted}
+            inventory[step] = StepHolding(crc, listed, frozenset(held), held)
+        return inventory
+
+    async def _scan(self) -> tuple[dict[int, dict[str, int]], dict[int, bytes | None]]:
+        """Each step's data objects with their sizes, and its manifest's bytes (``None``: not
+        readable)."""
+        objects: dict[int, dict[str, int]] = {}
+        steps: list[int] = []
+        for info in await _listing(self.store):
             top, _, rest = info.key.partition("/")
             step = parse_step_dir(top + "/")
             if step is None:
                 continue
             if rest == MANIFEST_KEY:
-                manifests.add(step)
+                steps.append(step)
             elif data_key_attempt(rest) is not None:
-                objects.setdefault(step, set()).add(rest)
-        inventory: Inventory = {}
-        for step in sorted(manifests):
-            raw = self.manifest_bytes(step)
-            if raw is None:
-                continue
+                objects.setdefault(step, {})[rest] = info.size
+
+        async def manifest(step: int) -> bytes | None:
             try:
-                manifest, _ = decode_manifest_without_pickle(raw)
-            except ManifestError as exc:
-                log.warning("cloudckpt: the tier's manifest of step %d is damaged: %s", step, exc)
-                continue
-            listed = tuple(sorted(set(manifest.objects)))
-            inventory[step] = StepHolding(
-                crc32c(raw), listed, frozenset(objects.get(step, set()) & set(listed))
-            )
-        return inventory
+                return await self.store.get(step_dir(step) + MANIFEST_KEY, max_bytes=1 << 30)
+            except StorageError:
+                return None
+
+        raws = await asyncio.gather(*(manifest(s) for s in steps))
+        return objects, dict(zip(steps, raws))
 
     def manifest_bytes(self, step: int) -> bytes | None:
         try:
@@ -229,6 +256,28 @@ class NodeTier:
 
     def _manifest_path(self, step: int) -> str:
         return os.path.join(self.step_url(step), MANIFEST_KEY)
+
+
+_LISTED: dict[bytes, tuple[str, ...]] = {}  # a manifest's blake2b digest -> its objects
+_LISTED_MAX = 64
+
+
+def _listed_objects(step: int, raw: bytes) -> tuple[str, ...] | None:
+    """The objects a manifest lists (decoded once per process per manifest: an inventory is
+    taken at every tiered load); ``None`` (logged) when it does not decode."""
+    key = hashlib.blake2b(raw, digest_size=20).digest()
+    listed = _LISTED.get(key)
+    if listed is None:
+        try:
+            manifest, _ = decode_manifest_without_pickle(raw)
+        except ManifestError as exc:
+            log.warning("cloudckpt: the tier's manifest of step %d is damaged: %s", step, exc)
+            return None
+        listed = tuple(sorted(set(manifest.objects)))
+        if len(_LISTED) >= _LISTED_MAX:
+            _LISTED.pop(next(iter(_LISTED)))
+        _LISTED[key] = listed
+    return listed
 
 
 async def _listing(store: LocalStore, prefix: str = "") -> list:

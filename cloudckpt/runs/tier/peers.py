@@ -7,7 +7,9 @@ others its node key (``host`` plus the tier's absolute path: ranks of one node s
 its service's URL and token (:class:`Blob` of :func:`encode_peer`, untrusted on receipt:
 :func:`decode_peer`). Nodes are numbered by their lowest rank. Node ``i`` replicates to nodes
 ``i+1 .. i+replicas`` (mod the number of nodes); a load reads a key from this node, then the
-nodes after it in that order, then the object store.
+nodes after it in that order, then the object store. The map of nodes a process learnt is kept
+for its later managers (:func:`known_nodes`, per world); the exchanges that use it carry every
+rank's service again and replace it when it changed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import weakref
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,6 +32,8 @@ from cloudckpt.storage.peer.server import PeerServer
 
 _SERVERS: dict[str, tuple[int, PeerServer]] = {}  # path -> (runtime generation, server)
 _CLIENTS: dict[tuple[int, str, str], PeerStore] = {}  # (generation, url, token) -> client
+_NODES: dict[Hashable, tuple[weakref.ref | None, Nodes]] = {}  # see known_nodes
+_HOSTS: dict[tuple, str] = {}  # (host option, MASTER_ADDR, MASTER_PORT) -> advertised address
 _MAX_FIELD = 4096
 
 
@@ -113,19 +119,48 @@ class Nodes:
         return [(node + k) % self.count for k in range(1, self.count)]
 
 
+def known_nodes(key: Hashable, world: object | None) -> Nodes | None:
+    """The job's nodes as this process last learnt them for ``key`` (a tier, a channel, a
+    runtime generation) in ``world`` (the default process group object; ``None``: no
+    ``torch.distributed``); ``None`` when not known, or learnt in another world (the default
+    group was destroyed since: every process is new to it). A map known here may still be stale
+    (a peer restarted its service): every exchange that uses one also carries every rank's
+    service and replaces it (:func:`remember_nodes`)."""
+    held = _NODES.get(key)
+    if held is None:
+        return None
+    ref, nodes = held
+    if (ref() if ref is not None else None) is not world:
+        del _NODES[key]
+        return None
+    return nodes
+
+
+def remember_nodes(key: Hashable, world: object | None, nodes: Nodes) -> None:
+    """Keep ``nodes`` for later managers of this process (see :func:`known_nodes`)."""
+    _NODES[key] = (weakref.ref(world) if world is not None else None, nodes)
+
+
 def advertised_host(host: str | None) -> str:
-    """The address other nodes reach this one at (see ``LocalTier.host``)."""
+    """The address other nodes reach this one at (see ``LocalTier.host``; found once per
+    process and rendezvous address)."""
     if host:
         return host
     master = os.environ.get("MASTER_ADDR")
-    if master:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((master, int(os.environ.get("MASTER_PORT", "29500") or 29500)))
-                return s.getsockname()[0]
-        except (OSError, ValueError):
-            pass
-    return "127.0.0.1"
+    key = (host, master, os.environ.get("MASTER_PORT"))
+    found = _HOSTS.get(key)
+    if found is None:
+        found = _HOSTS[key] = _route_to(master) if master else "127.0.0.1"
+    return found
+
+
+def _route_to(master: str) -> str:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, int(os.environ.get("MASTER_PORT", "29500") or 29500)))
+            return s.getsockname()[0]
+    except (OSError, ValueError):
+        return "127.0.0.1"
 
 
 def serve(path: str, host: str) -> PeerServer:

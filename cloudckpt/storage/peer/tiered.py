@@ -42,10 +42,13 @@ COUNTERS = TierCounters()  #: this process's totals (benchmarks and tests read t
 
 @dataclass(frozen=True)
 class Holder:
-    """A store holding objects, with the name logs and counters use ("local", "peer 2", "s3")."""
+    """A store holding objects, with the name logs and counters use ("local", "peer 2", "s3");
+    ``sizes``: the size of each object it holds as its inventory says (untrusted like its
+    bytes; ``None``: not said, a HEAD asks)."""
 
     name: str
     store: Any  # an ObjectStore, or the read subset of one (a PeerStore)
+    sizes: Mapping[str, int] | None = None
 
 
 class TieredStore:
