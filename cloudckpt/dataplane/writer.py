@@ -13,10 +13,12 @@ Contract:
   once, so memory stays bounded whatever the checkpoint size.
 - Objects upload concurrently; the store bounds requests in flight. On the first failure the
   other uploads are cancelled and the error propagates.
-- With ``hashing`` (incremental saves; a non-empty ``known`` implies it), every item's bytes
-  get a content hash (:func:`cloudckpt.checksum.content_hash`) and their block crcs in one pass
-  (:func:`cloudckpt.checksum.hash_and_block_crcs`: the bytes are read once, as without hashing)
-  in worker threads, in item order, ahead of the uploads; an item whose chunk id is in ``known``
+- With ``hashing`` (the default; a non-empty ``known`` implies it), every item's bytes get a
+  content hash (:func:`cloudckpt.checksum.content_hash`) and their block crcs in one pass
+  (:func:`cloudckpt.checksum.hash_and_block_crcs`: the bytes are read once, as without hashing).
+  Without ``known`` (no base) that pass is the crc pass of each object as it uploads, packed as
+  above. With ``known`` it runs in worker threads, in item order, ahead of the uploads; an item
+  whose chunk id is in ``known``
   with the same hash *and* the same block crcs is not uploaded (it is returned in
   :attr:`WriteStats.reused`: its bytes are already stored by the base checkpoint), the others
   are packed as above as their hashes
@@ -91,6 +93,13 @@ class WriteStats:
 def _crcs_of(views: Sequence[memoryview], block_size: int) -> list[tuple[int, ...]]:
     """The block crcs of each of ``views`` (run in a worker thread)."""
     return [block_crcs(v, block_size) for v in views]
+
+
+def _hashes_and_crcs_of(
+    views: Sequence[memoryview], block_size: int
+) -> list[tuple[bytes, tuple[int, ...]]]:
+    """The content hash and block crcs of each of ``views`` (run in a worker thread)."""
+    return [hash_and_block_crcs(v, block_size) for v in views]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -182,7 +191,8 @@ async def write_chunks(
     """
     sizes = [_nbytes(t) for _, t in items]
     locations: list[ChunkLocation | None] = [None] * len(items)
-    own_digests = digests is None and bool(hashing or known)
+    own_digests = digests is None and bool(known)  # a base: hash ahead, skip what it holds
+    hash_on_upload = digests is None and hashing and not known  # no base: one pass per object
     if own_digests:
         digests = ItemDigests(items, options)
         await digests.start()
@@ -208,7 +218,13 @@ async def write_chunks(
             given = [known_crcs[i] for i in members]
             todo = [k for k, c in enumerate(given) if c is None]
             computed: dict[int, tuple[int, ...]] = {}
-            if todo:
+            if todo and hash_on_upload:
+                digested = await asyncio.to_thread(
+                    _hashes_and_crcs_of, [views[k] for k in todo], options.checksum_block_size
+                )
+                for k, (digest, blocks) in zip(todo, digested):
+                    hashes[members[k]], computed[k] = digest, blocks
+            elif todo:
                 blocks = await asyncio.to_thread(
                     _crcs_of, [views[k] for k in todo], options.checksum_block_size
                 )

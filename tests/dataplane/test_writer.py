@@ -61,6 +61,25 @@ def test_items_are_packed_in_order_with_their_bytes_and_block_crcs(tmp_path):
             offset += sizes[i]
 
 
+@pytest.mark.parametrize("hashing", [False, True])
+def test_a_save_without_a_base_packs_alike_and_hashes_each_item_as_it_uploads(tmp_path, hashing):
+    """Hashing without a base (the default save) changes nothing of the packing; every item's
+    hash is that of the bytes stored for it (computed in the object's own crc pass)."""
+    store = store_at(tmp_path / str(hashing))
+    items = _items()
+    opts = WriterOptions(object_size=20_000, checksum_block_size=BLOCK, max_staging_bytes=4096)
+    locations, stats = run_coroutine(
+        write_chunks(store, items, rank=3, attempt=ATTEMPT, options=opts, hashing=hashing)
+    )
+    sizes = [t.numel() * t.element_size() for _, t in items]
+    assert stats.objects == len(pack_in_order(sizes, opts.object_size)) and not stats.reused
+    for (cid, _), loc in zip(items, locations):
+        body = data_path(tmp_path / str(hashing), loc.object_key).read_bytes()
+        got = body[loc.byte_offset : loc.byte_offset + loc.byte_length]
+        assert loc.chunk_id == cid and loc.crcs == block_crcs(got, BLOCK)
+        assert loc.content_hash == (content_hash(got) if hashing else b"")
+
+
 def test_an_item_larger_than_an_object_gets_an_object_of_its_own(tmp_path):
     items = [(0, torch.zeros(10)), (1, torch.zeros(1000)), (2, torch.zeros(10))]
     locations, stats = run_coroutine(
