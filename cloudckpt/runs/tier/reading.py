@@ -112,13 +112,18 @@ def _load(run, state_dict, choice: Choice, strict: bool) -> None:
             f"step {choice.step} is complete neither in the local tiers nor at {run.run_url}"
         )
     source = tiered_source(run, choice, run.channel().rank)
+    options = run.manager.load_options or LoadOptions()
     load_from(
         state_dict,
         source,
         process_group=run.process_group,
         strict=strict,
         options=replace(
-            run.manager.load_options or LoadOptions(), join_as=run.step_url(choice.step)
+            options,
+            join_as=run.step_url(choice.step),
+            # a step the tiers hold: each rank reads the manifest from its nearest holder,
+            # checked against the crc every rank agreed on (no broadcast of it)
+            share_manifest=options.share_manifest and choice.crc is None,
         ),
     )
 
