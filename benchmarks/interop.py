@@ -29,7 +29,8 @@ The 64 MiB, ~600-tensor case in fresh processes (issue 27: the native API, `dcp.
 Columns: seconds (wall, slowest rank, between barriers), MB/s (state bytes / seconds), peak RSS
 growth per rank (VmHWM during the step minus RSS before it, MiB, rank 0 / rank 1), client CPU
 seconds per rank, what the method left in the bucket. Target lines (PASS/MISS): cloudckpt's DCP
-layer at least as fast as s3torchconnector on save and on load, with less peak RSS growth.
+layer at least as fast as s3torchconnector on save and on load, with less peak RSS growth; the
+native API (`cloudckpt`) at least as fast as DCP through `cloudckpt.dcp` (issue 27).
 """
 
 from __future__ import annotations
@@ -428,6 +429,16 @@ class Runner:
                     1.0,
                 )
             )
+        for action in ("save", "load"):  # issue 27: the native API at least as fast as DCP on it
+            if "cloudckpt" in a.methods and ours in a.methods:
+                self.targets.append(
+                    C.ratio_line(
+                        f"{action}: seconds cloudckpt (native) / cloudckpt.dcp (at least as fast)",
+                        self.seconds("cloudckpt", action),
+                        self.seconds(ours, action),
+                        1.0,
+                    )
+                )
         print("\n## targets (measured / baseline)")
         C.print_targets(self.targets)
         print("\n## for reference (not targets)")

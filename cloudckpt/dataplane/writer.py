@@ -222,8 +222,8 @@ async def write_chunks(
                 digested = await asyncio.to_thread(
                     _hashes_and_crcs_of, [views[k] for k in todo], options.checksum_block_size
                 )
-                for k, (digest, blocks) in zip(todo, digested):
-                    hashes[members[k]], computed[k] = digest, blocks
+                for k, (digest, item_crcs) in zip(todo, digested):
+                    hashes[members[k]], computed[k] = digest, item_crcs
             elif todo:
                 blocks = await asyncio.to_thread(
                     _crcs_of, [views[k] for k in todo], options.checksum_block_size
