@@ -21,7 +21,9 @@ Conditional create (``mode="create"``):
   a ``StorageError`` that says so). Each creator (1) stops with ObjectExists if the key exists,
   (2) starts a multipart upload of the key, (3) lists the key's unfinished uploads: if it sees
   any other (not stale) it aborts its own, backs off and starts over, (4) checks again that the
-  key does not exist, (5) uploads and completes (with ``If-None-Match: *``). Two creators
+  key does not exist, (5) uploads the parts, checks once more that the key does not exist
+  (a completion that is not atomic, as moto's, can hide the earlier creator from (3) and (4)),
+  and completes (with ``If-None-Match: *``). Two creators
   cannot both pass (3): the later one to start its upload sees the earlier one's upload, unless
   that one already completed, which (4) sees. Contention costs retries (bounded by the retry
   deadline), never a second winner. Uploads initiated more than ``STALE_UPLOAD_S`` (15
@@ -136,9 +138,19 @@ class S3Writer(S3Uploads):
     async def _fallback_create(
         self, key: str, phys: str, views: Sequence[memoryview], size: int, token: str
     ) -> ObjectInfo:
-        """The multipart claim protocol (module docstring) for a body held in memory."""
+        """The multipart claim protocol (module docstring) for a body held in memory, with one
+        more HEAD once the parts are up, just before the completion: a server whose completion
+        is not atomic (moto drops the upload from its listing before the object appears) can
+        let a later creator pass (3) and (4) inside that window; the HEAD after the parts
+        upload sees the earlier creator's object by then."""
         upload_id = await self.claim(key, phys, token)
-        return await self._finish_upload(key, phys, upload_id, views, size, True, token)
+        try:
+            parts = await self._upload_parts(key, phys, upload_id, views, size)
+            await self.refuse_existing(key, phys)
+            return await self.complete(key, phys, upload_id, parts, size, True, token)
+        except BaseException:
+            self.abort_later(key, phys, upload_id)
+            raise
 
     async def claim(self, key: str, phys: str, token: str, *, required: bool = True) -> str:
         """Steps (1)-(4) of the claim protocol (module docstring): returns the id of a multipart
