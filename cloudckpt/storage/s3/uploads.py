@@ -227,13 +227,25 @@ class S3Uploads:
         token: str,
     ) -> ObjectInfo:
         """Upload a body held in memory as the parts of ``upload_id`` and complete it; abort
-        the upload on any failure."""
+        the upload on any failure. ``create`` (a claimed upload): one more HEAD once the parts
+        are up, just before the completion: a server whose completion is not atomic (moto drops
+        the upload from its listing before the object appears) can let a later creator pass
+        the claim inside that window; this HEAD sees the earlier creator's object by then."""
         try:
             parts = await self._upload_parts(key, phys, upload_id, views, size)
+            if create:
+                await self.refuse_existing(key, phys)
             return await self.complete(key, phys, upload_id, parts, size, create, token)
         except BaseException:
             self.abort_later(key, phys, upload_id)
             raise
+
+    async def refuse_existing(self, key: str, phys: str) -> None:
+        """``ObjectExists`` if ``phys`` exists (one HEAD)."""
+        if await self.head(key, phys) is not None:
+            raise ObjectExists(
+                f"create {self.where}/{key}: the object already exists", key=key, operation="put"
+            )
 
     def abort_later(
         self, key: str, phys: str, upload_id: str, *, after: Sequence[asyncio.Task[None]] = ()

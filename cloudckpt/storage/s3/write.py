@@ -138,19 +138,9 @@ class S3Writer(S3Uploads):
     async def _fallback_create(
         self, key: str, phys: str, views: Sequence[memoryview], size: int, token: str
     ) -> ObjectInfo:
-        """The multipart claim protocol (module docstring) for a body held in memory, with one
-        more HEAD once the parts are up, just before the completion: a server whose completion
-        is not atomic (moto drops the upload from its listing before the object appears) can
-        let a later creator pass (3) and (4) inside that window; the HEAD after the parts
-        upload sees the earlier creator's object by then."""
+        """The multipart claim protocol (module docstring) for a body held in memory."""
         upload_id = await self.claim(key, phys, token)
-        try:
-            parts = await self._upload_parts(key, phys, upload_id, views, size)
-            await self.refuse_existing(key, phys)
-            return await self.complete(key, phys, upload_id, parts, size, True, token)
-        except BaseException:
-            self.abort_later(key, phys, upload_id)
-            raise
+        return await self._finish_upload(key, phys, upload_id, views, size, True, token)
 
     async def claim(self, key: str, phys: str, token: str, *, required: bool = True) -> str:
         """Steps (1)-(4) of the claim protocol (module docstring): returns the id of a multipart
@@ -221,13 +211,6 @@ class S3Writer(S3Uploads):
                 mine is not None and u.initiated is not None and mine - u.initiated > STALE_UPLOAD_S
             )
         ]
-
-    async def refuse_existing(self, key: str, phys: str) -> None:
-        """``ObjectExists`` if ``phys`` exists (one HEAD)."""
-        if await self.head(key, phys) is not None:
-            raise ObjectExists(
-                f"create {self.where}/{key}: the object already exists", key=key, operation="put"
-            )
 
     def _no_exclusive_create(self, key: str) -> StorageError:
         return StorageError(
