@@ -34,6 +34,7 @@ Measured, per world size:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import pickle
 import time
@@ -53,6 +54,7 @@ from cloudckpt.planning.save.local_plan import (
     encode_local_save_plan,
 )
 from cloudckpt.planning.save.share import decode_share, encode_shares
+from cloudckpt.runtime.hugepages import without_huge_page_advice
 
 PP, TP = 16, 8
 LAYERS, HIDDEN, KV, FFN, VOCAB = 126, 16384, 1024, 53248, 128256
@@ -250,22 +252,25 @@ class _Clock:
         self.cpu = time.process_time() - self._c
 
 
-def run_world(dp: int, dcp_max: int) -> dict:
+def run_world(dp: int, dcp_max: int, advice: bool = False) -> dict:
     job = Job(dp)
     world = job.world
     with _Clock() as local:
         encoded = [encode_local_save_plan(job.local_plan(r)) for r in range(world)]
     gc.collect()
     base = rss_hwm_reset()
-    with _Clock() as dec:
+    # the coordinator's blocks run as the save protocol runs them: without numpy's huge-page
+    # advice (runtime.hugepages), unless --numpy-advice
+    coordinator = contextlib.nullcontext if advice else without_huge_page_advice
+    with coordinator(), _Clock() as dec:
         plans = [decode_local_save_plan(e) for e in encoded]
-    with _Clock() as planned:
+    with coordinator(), _Clock() as planned:
         plan = plan_global_save(plans, rank=0)
-    with _Clock() as cut:  # the coordinator cuts every rank's share (then scatters them)
+    with coordinator(), _Clock() as cut:  # the coordinator cuts every rank's share
         shares = encode_shares(plan)
     sk = plan.skeleton
     written = fake_written(sk, world)  # what the ranks report: not the coordinator's work
-    with _Clock() as man:
+    with coordinator(), _Clock() as man:
         manifest = assemble_manifest(
             sk, written, world_size=world, checksum_block_size=BLOCK, created_at=0.0, hashed=HASHED
         )
@@ -356,7 +361,7 @@ def _ws(pair: tuple[float, float]) -> str:
     return f"{pair[1]:.2f} s CPU ({pair[0]:.2f} s wall)"
 
 
-def scale(worlds: list[int], dcp_max: int) -> list[dict]:
+def scale(worlds: list[int], dcp_max: int, advice: bool = False) -> list[dict]:
     """Run every world size; print one line each and the growth from the smallest."""
     print(
         "\n== scale on paper: 405B dense + Adam, pipeline 16 x TP 8 x FSDP dp, one process "
@@ -364,7 +369,7 @@ def scale(worlds: list[int], dcp_max: int) -> list[dict]:
     )
     results = []
     for world in worlds:
-        r = run_world(world // (PP * TP), dcp_max)
+        r = run_world(world // (PP * TP), dcp_max, advice)
         results.append(r)
         print(
             f"  {world:>6} ranks (dp {r['dp']}): {r['tensors']:,} tensors, {r['pieces']:,} "

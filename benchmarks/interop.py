@@ -363,6 +363,27 @@ class Runner:
         run = self.pick(method, action)
         return None if run is None else max(r["seconds"] for r in run)
 
+    def paired_line(self, action: str, method: str, baseline: str) -> str:
+        """Per repeat, ``method``'s seconds over ``baseline``'s in the same repeat (so that the
+        server's drift over the run cancels), split by which of the two ran first."""
+        mine, theirs = self.results.get((method, action), []), self.results.get((baseline, action))
+        if not mine or not theirs or len(mine) != len(theirs):
+            return f"{action}: paired {method} / {baseline}: n/a"
+        ratios = [
+            max(r["seconds"] for r in a) / max(r["seconds"] for r in b)
+            for a, b in zip(mine, theirs, strict=True)
+        ]
+        first = self.args.methods.index(method) < self.args.methods.index(baseline)
+        ahead = [x for k, x in enumerate(ratios) if (k % 2 == 0) == first]
+        behind = [x for k, x in enumerate(ratios) if (k % 2 == 0) != first]
+        med = lambda xs: sorted(xs)[(len(xs) - 1) // 2] if xs else float("nan")  # noqa: E731
+        return (
+            f"{action}: paired seconds {method} / {baseline}, per repeat: "
+            + " ".join(f"{x:.2f}" for x in ratios)
+            + f"; median {med(ratios):.3f} ({med(ahead):.3f} when {method} ran first, "
+            f"{med(behind):.3f} when second)"
+        )
+
     def growth_mib(self, method: str, action: str):
         run = self.pick(method, action)
         return None if run is None else max(max(r["growth"] for r in run), C.MiB) / C.MiB
@@ -451,6 +472,8 @@ class Runner:
                     1e9,
                 )
                 print("  " + text.split("  (target")[0])
+        for action in ("save", "load"):
+            print("  " + self.paired_line(action, "cloudckpt", ours))
         if any(not r["hwm_reset"] for runs in self.results.values() for run in runs for r in run):
             print("  note: /proc/self/clear_refs refused: peak RSS figures are lifetime peaks")
         if self.failures:
@@ -490,10 +513,11 @@ def parse_args(argv=None):
     p.add_argument(
         "--repeat",
         type=int,
-        default=2,
+        default=4,
         help="repeats, the order reversed on odd ones; the lower median shown "
-        "(default 2: the first save after the state is built runs slower on "
-        "this server, whichever method it is)",
+        "(default 4: on this server a save runs slower when another save came just "
+        "before it, whichever method it is, so 2 repeats compare one method's first "
+        "place with the other's second; the paired ratios say how much)",
     )
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument(

@@ -358,6 +358,12 @@ def main() -> None:
         help="largest world whose DCP .metadata is built (larger: extrapolated per chunk)",
     )
     ap.add_argument(
+        "--numpy-advice",
+        action="store_true",
+        help="scale: keep numpy's huge-page advice on while the coordinator works (before "
+        "issue 27's runtime.hugepages; the save protocol turns it off there)",
+    )
+    ap.add_argument(
         "--hostile",
         nargs="+",
         default=["columns", "rows", "empty-0.4", "empty-4", "deep"],
@@ -367,7 +373,7 @@ def main() -> None:
     if args.only == "scale":
         import _planning_scale as S
 
-        results = S.scale(args.scale_ranks, args.dcp_max)
+        results = S.scale(args.scale_ranks, args.dcp_max, advice=args.numpy_advice)
         import _common as C
 
         print("\ntargets:")

@@ -68,6 +68,7 @@ from cloudckpt.planning.save.incremental import decode_known, encode_known, reus
 from cloudckpt.planning.save.local_plan import encode_local_save_plan
 from cloudckpt.planning.save.rates import WRITE_RATES, replica_weights
 from cloudckpt.runtime.context import current
+from cloudckpt.runtime.hugepages import without_huge_page_advice
 from cloudckpt.runtime.loop import (
     open_in_background,
     run_coroutine,
@@ -374,7 +375,19 @@ def _commit(
     landed: list[SaveWritten],
     pinned: PinnedBase | None,
 ) -> None:
-    """The coordinator's part of the commit: assemble the manifest, write it in create mode."""
+    """The coordinator's part of the commit: assemble the manifest, write it in create mode
+    (without numpy's huge-page advice, as the planning: ``runtime.hugepages``)."""
+    with without_huge_page_advice():
+        _assemble_and_write(p, progress, reports, landed, pinned)
+
+
+def _assemble_and_write(
+    p: PreparedSave,
+    progress: SaveProgress,
+    reports: tuple[UploadReport, ...],
+    landed: list[SaveWritten],
+    pinned: PinnedBase | None,
+) -> None:
     if any(r.plan_digest != p.share.plan_digest for r in reports):
         raise RuntimeError("ranks disagree on the global save plan (plan cache out of sync)")
     written = [r.written_chunks() for r in landed]

@@ -14,6 +14,7 @@ from cloudckpt.planning.save.global_plan import plan_global_save
 from cloudckpt.planning.save.local_plan import LocalSavePlan, encode_local_save_plan
 from cloudckpt.planning.save.rates import RateWeights
 from cloudckpt.planning.save.share import SaveShare, decode_share, encode_shares
+from cloudckpt.runtime.hugepages import without_huge_page_advice
 from cloudckpt.statedict.flatten import flatten_state_dict
 from cloudckpt.statedict.stateful import resolve_stateful
 from cloudckpt.transport import ControlChannel
@@ -73,19 +74,21 @@ def plan_globally(
     the longest one's length, from the planning phase's reports), which alone plans the save
     and cuts every rank's share; the shares scattered; each rank decodes and checks its own.
     Two phases (``save global planning``, ``save plan share``): a failure of either on any
-    rank raises the same error on every rank."""
+    rank raises the same error on every rank. The coordinator plans without numpy's huge-page
+    advice (``runtime.hugepages``)."""
     plans = channel.gather_bytes(encode_local_save_plan(local), width=width)
     shares: list[bytes] | None = None
     skeleton = None
     with channel.phase("save global planning", SaveShares) as planning:
         if channel.is_coordinator:
-            plan = plan_global_save(
-                [SavePlanReport.decode(raw).plan for raw in plans],
-                rank=0,
-                replicas_to_lowest_rank=options.replicas_to_lowest_rank,
-                rate_weights=weights,
-            )
-            shares, skeleton = encode_shares(plan), plan.skeleton
+            with without_huge_page_advice():  # fresh large arrays, used once
+                plan = plan_global_save(
+                    [SavePlanReport.decode(raw).plan for raw in plans],
+                    rank=0,
+                    replicas_to_lowest_rank=options.replicas_to_lowest_rank,
+                    rate_weights=weights,
+                )
+                shares, skeleton = encode_shares(plan), plan.skeleton
             planning.report = SaveShares(width=max(len(s) for s in shares))
     mine = channel.scatter_bytes(shares, width=planning.reports[0].width)
     with channel.phase("save plan share"):
