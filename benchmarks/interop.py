@@ -28,7 +28,8 @@ The 64 MiB, ~600-tensor case in fresh processes (issue 27: the native API, `dcp.
 
 Columns: seconds (wall, slowest rank, between barriers), MB/s (state bytes / seconds), peak RSS
 growth per rank (VmHWM during the step minus RSS before it, MiB, rank 0 / rank 1), client CPU
-seconds per rank, what the method left in the bucket. Target lines (PASS/MISS): cloudckpt's DCP
+seconds per rank, the server's CPU seconds over the step (SeaweedFS is what bounds a save
+here), what the method left in the bucket. Target lines (PASS/MISS): cloudckpt's DCP
 layer at least as fast as s3torchconnector on save and on load, with less peak RSS growth; the
 native API (`cloudckpt`) at least as fast as DCP through `cloudckpt.dcp` (issue 27).
 """
@@ -310,8 +311,11 @@ class Runner:
         return self.info.url(self.prefix(tag, method, rep))
 
     def step(self, world, method: str, action: str, target: str) -> bool:
+        server0 = C.proc_cpu_seconds(self.server.pid)
         try:
             res = world.run(rank_step, method, action, target, timeout=self.args.timeout)
+            for r in res:  # the server's CPU seconds over the step (the same on every rank)
+                r["server_cpu"] = C.proc_cpu_seconds(self.server.pid) - server0
         except Exception:
             self.failures.append(f"{method} {action}:\n{traceback.format_exc()}")
             print(f"  {method:17s} {action}: FAILED", flush=True)
@@ -319,6 +323,7 @@ class Runner:
         self.results.setdefault((method, action), []).append(res)
         print(
             f"  {method:17s} {action}: {max(r['seconds'] for r in res):7.3f} s"
+            f"  server CPU {res[0]['server_cpu']:6.2f} s"
             + ("" if action == "save" else f"  verified={all(r['verified'] for r in res)}"),
             flush=True,
         )
@@ -396,6 +401,7 @@ class Runner:
                 "MB/s",
                 "RSS growth MiB/rank",
                 "CPU s/rank",
+                "server CPU s",
                 "stored MiB",
                 "objects",
                 "verified",
@@ -404,7 +410,7 @@ class Runner:
         for m in self.args.methods:
             run = self.pick(m, action)
             if run is None:
-                t.add(LABEL[m], "FAILED", *["-"] * 6)
+                t.add(LABEL[m], "FAILED", *["-"] * 7)
                 continue
             secs = max(r["seconds"] for r in run)
             stored, objects = self.stored.get(m, (None, None))
@@ -414,6 +420,7 @@ class Runner:
                 C.fmt_rate(self.state_bytes, secs),
                 "/".join(f"{r['growth'] / C.MiB:.0f}" for r in run),
                 "/".join(f"{r['cpu']:.2f}" for r in run),
+                f"{run[0]['server_cpu']:.2f}",
                 C.fmt_mib(stored) if action == "save" else "",
                 str(objects) if action == "save" and objects is not None else "",
                 "" if action == "save" else C.human_bool(all(r["verified"] for r in run)),
