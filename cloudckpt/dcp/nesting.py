@@ -78,7 +78,10 @@ def dcp_items(nested: Mapping) -> tuple[list[tuple[tuple, object]], list[str]]:
             for i, v in enumerate(value):
                 walk(path + (i,), v)
 
-    walk((), nested)
+    try:
+        walk((), nested)
+    finally:
+        walk = None  # type: ignore[assignment]  # the closure refers to itself: break the cycle
     return items, changed
 
 
@@ -197,5 +200,8 @@ def _set_elements(entries, planner_data: dict) -> tuple[dict, list[str]]:
                 "store; rebuilt without it"
             )
 
-    fill(root, ())
+    try:
+        fill(root, ())
+    finally:
+        fill = None  # type: ignore[assignment]  # the closure refers to itself: break the cycle
     return root, notes

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, TypeVar, cast
 
@@ -29,7 +29,13 @@ from cloudckpt.manifest.geometry import (
     tensor_columns,
 )
 from cloudckpt.manifest.lineage import HASH_BYTES, check_lineage
-from cloudckpt.manifest.records import ChunkTable, ManifestColumns, TensorRecord
+from cloudckpt.manifest.records import (
+    ManifestColumns,
+    TensorMap,
+    TensorRecord,
+    record_of,
+    shape_of,
+)
 from cloudckpt.manifest.validation import (
     tensor_path,
     validate_object_key,
@@ -55,30 +61,6 @@ def crc_counts(byte_length: NDArray[np.int64], block_size: int) -> NDArray[np.in
     """Number of per-block crcs of chunks of these byte lengths (an empty chunk has one)."""
     counts: NDArray[np.int64] = np.maximum(1, (byte_length + (block_size - 1)) // block_size)
     return counts
-
-
-class _TensorMap(Mapping[str, TensorRecord]):
-    """name -> TensorRecord, built lazily from the manifest's arrays."""
-
-    def __init__(self, manifest: Manifest):
-        self._m = manifest
-        self._cache: dict[str, TensorRecord] = {}
-
-    def __getitem__(self, name: str) -> TensorRecord:
-        rec = self._cache.get(name)
-        if rec is None:
-            rec = self._m._record(self._m._name_index[name])
-            self._cache[name] = rec
-        return rec
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._m._name_index
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._m._names)
-
-    def __len__(self) -> int:
-        return len(self._m._names)
 
 
 class Manifest:
@@ -207,7 +189,9 @@ class Manifest:
         )
         #: bytes of each chunk hash: 8, or 16 in a manifest of an older cloudckpt (lineage)
         self.chunk_hash_bytes = chunk_hash_bytes
-        self.tensors: Mapping[str, TensorRecord] = _TensorMap(self)
+        self.tensors: Mapping[str, TensorRecord] = TensorMap(
+            self.columns, self.__dict__.get("_shapes")
+        )
         self._derived: dict[str, object] = {}
 
     # --- construction and validation ------------------------------------------------------
@@ -338,26 +322,11 @@ class Manifest:
         self.values: Mapping[str, object] = MappingProxyType(decoded)
 
     def _record(self, t: int) -> TensorRecord:
-        c0, c1 = int(self._chunk_start[t]), int(self._chunk_start[t + 1])
-        k0, k1 = int(self._coord_start[t]), int(self._coord_start[t + 1])
-        nd = int(self._ndims[t])
-        table = ChunkTable(
-            self._offsets[k0:k1].reshape(c1 - c0, nd),
-            self._sizes[k0:k1].reshape(c1 - c0, nd),
-            self._object_index[c0:c1],
-            self._byte_offset[c0:c1],
-            self._byte_length[c0:c1],
-            self._crc_start[c0 : c1 + 1] - self._crc_start[c0],
-            self._crcs[self._crc_start[c0] : self._crc_start[c1]],
-        )
-        return TensorRecord(self._names[t], self._dtypes[t], self._shape(t), table)
+        return record_of(self.columns, self.__dict__.get("_shapes"), t)
 
     def _shape(self, t: int) -> tuple[int, ...]:
         """Tensor ``t``'s shape."""
-        shapes: tuple[tuple[int, ...], ...] | None = self.__dict__.get("_shapes")
-        if shapes is not None:
-            return shapes[t]
-        return tuple(self._shape_flat[self._shape_start[t] : self._shape_start[t + 1]].tolist())
+        return shape_of(self.columns, self.__dict__.get("_shapes"), t)
 
     @functools.cached_property
     def _shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -423,7 +392,7 @@ class Manifest:
             raise ManifestError(why or "one distinct key per object needed", path="objects")
         other = copy.copy(self)
         other.objects, other.object_homes, other._derived = keys, ("",) * len(keys), {}
-        other.tensors = _TensorMap(other)
+        other.tensors = TensorMap(other.columns, other.__dict__.get("_shapes"))
         return other
 
     def total_bytes(self) -> int:

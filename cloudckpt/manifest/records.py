@@ -17,7 +17,15 @@ from numpy.typing import NDArray
 
 from cloudckpt.manifest.dtypes import DTYPE_ITEMSIZE
 
-__all__ = ["ChunkRecord", "ChunkTable", "ManifestColumns", "TensorRecord"]
+__all__ = [
+    "ChunkRecord",
+    "ChunkTable",
+    "ManifestColumns",
+    "TensorMap",
+    "TensorRecord",
+    "record_of",
+    "shape_of",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,3 +157,58 @@ class ManifestColumns:
     crcs: NDArray[np.uint32]
     crc_start: NDArray[np.int64]
     value_blobs: Mapping[str, bytes]
+
+
+class TensorMap(Mapping[str, TensorRecord]):
+    """A manifest's ``tensors``: name -> TensorRecord, built lazily from its columns. Holds the
+    columns, not the manifest: no reference cycle, so a manifest (and its arrays) is freed as
+    soon as it is dropped, never left for the garbage collector."""
+
+    def __init__(self, columns: ManifestColumns, shapes: tuple[tuple[int, ...], ...] | None):
+        self._cols = columns
+        self._shapes = shapes
+        self._cache: dict[str, TensorRecord] = {}
+
+    def __getitem__(self, name: str) -> TensorRecord:
+        rec = self._cache.get(name)
+        if rec is None:
+            rec = record_of(self._cols, self._shapes, self._cols.name_index[name])
+            self._cache[name] = rec
+        return rec
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._cols.name_index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._cols.names)
+
+    def __len__(self) -> int:
+        return len(self._cols.names)
+
+
+def shape_of(
+    cols: ManifestColumns, shapes: tuple[tuple[int, ...], ...] | None, t: int
+) -> tuple[int, ...]:
+    """Tensor ``t``'s shape: from ``shapes`` when made, else from the flat shape column."""
+    if shapes is not None:
+        return shapes[t]
+    return tuple(cols.shape_flat[cols.shape_start[t] : cols.shape_start[t + 1]].tolist())
+
+
+def record_of(
+    cols: ManifestColumns, shapes: tuple[tuple[int, ...], ...] | None, t: int
+) -> TensorRecord:
+    """Tensor ``t``'s record; its chunk table views the columns (no copy)."""
+    c0, c1 = int(cols.chunk_start[t]), int(cols.chunk_start[t + 1])
+    k0, k1 = int(cols.coord_start[t]), int(cols.coord_start[t + 1])
+    nd = int(cols.ndims[t])
+    table = ChunkTable(
+        cols.offsets[k0:k1].reshape(c1 - c0, nd),
+        cols.sizes[k0:k1].reshape(c1 - c0, nd),
+        cols.object_index[c0:c1],
+        cols.byte_offset[c0:c1],
+        cols.byte_length[c0:c1],
+        cols.crc_start[c0 : c1 + 1] - cols.crc_start[c0],
+        cols.crcs[cols.crc_start[c0] : cols.crc_start[c1]],
+    )
+    return TensorRecord(cols.names[t], cols.dtypes[t], shape_of(cols, shapes, t), table)

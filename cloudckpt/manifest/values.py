@@ -301,5 +301,8 @@ def is_pickled(data: bytes, *, key: str) -> bool:
                 walk(k)
                 walk(v)
 
-    walk(_decode(data, path=value_path(key), pickle_mode="inspect"))
+    try:
+        walk(_decode(data, path=value_path(key), pickle_mode="inspect"))
+    finally:
+        walk = None  # type: ignore[assignment]  # the closure refers to itself: break the cycle
     return bool(found)

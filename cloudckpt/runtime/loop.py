@@ -112,6 +112,10 @@ def run_coroutine(coro: Awaitable[T], timeout: float | None = None) -> T:
     except concurrent.futures.TimeoutError as exc:
         fut.cancel()
         raise TimeoutError(f"cloudckpt operation did not finish within {timeout} s") from exc
+    finally:
+        # a raised exception's traceback holds this frame, the frame the future, the future the
+        # exception: without this, each expected miss (a HEAD's ObjectNotFound) is a cycle
+        del fut
 
 
 def set_default_storage(options: Any) -> None:

@@ -236,7 +236,10 @@ def flatten_state_dict(
             f"top-level key {bad[0]!r}: a state dict needs str or int keys "
             f"(got {type(bad[0]).__name__}); convert the keys, e.g. to str"
         )
-    return FlatStateDict(tensors, values, walk(sd, (), 0))
+    try:
+        return FlatStateDict(tensors, values, walk(sd, (), 0))
+    finally:
+        walk = None  # type: ignore[assignment]  # the closure refers to itself: break the cycle
 
 
 def unflatten_state_dict(structure: Any, leaves: Mapping[str, object]) -> dict:
@@ -263,7 +266,10 @@ def unflatten_state_dict(structure: Any, leaves: Mapping[str, object]) -> dict:
             return items if tag == "l" else tuple(items)
         raise PlanningError(f"unknown structure tag {tag!r}")
 
-    root = build(structure)
+    try:
+        root = build(structure)
+    finally:
+        build = None  # type: ignore[assignment]  # the closure refers to itself: break the cycle
     if missing:
         raise MissingKeysError(
             f"{plural(len(missing), 'leaf', 'leaves')} missing: {', '.join(map(repr, missing))}",
@@ -280,28 +286,31 @@ def merge_structures(structures: Iterable[Any]) -> Any:
     node's kind, the first one wins. Pure: the inputs are not modified.
     """
 
-    def merge(a: Any, b: Any) -> Any:
-        if a is None:
-            return b
-        if b is None or a[0] != b[0] or a[0] in ("x", "v"):
-            return a
-        if a[0] in ("d", "o"):
-            entries: dict = {}
-            for key, node in list(a[1]) + list(b[1]):
-                k = (type(key).__name__, key)
-                entries[k] = [key, merge(entries[k][1], node)] if k in entries else [key, node]
-            return [a[0], list(entries.values())]
-        body = (
-            [merge(x, y) for x, y in zip(a[1], b[1])]
-            + list(a[1][len(b[1]) :])
-            + list(b[1][len(a[1]) :])
-        )
-        return [a[0], body]
-
     out = None
     for structure in structures:
-        out = merge(out, structure)
+        out = _merge_nodes(out, structure)
     return out
+
+
+def _merge_nodes(a: Any, b: Any) -> Any:
+    """One node of :func:`merge_structures` (a module function: a recursive closure would be a
+    reference cycle, left for the garbage collector)."""
+    if a is None:
+        return b
+    if b is None or a[0] != b[0] or a[0] in ("x", "v"):
+        return a
+    if a[0] in ("d", "o"):
+        entries: dict = {}
+        for key, node in list(a[1]) + list(b[1]):
+            k = (type(key).__name__, key)
+            entries[k] = [key, _merge_nodes(entries[k][1], node)] if k in entries else [key, node]
+        return [a[0], list(entries.values())]
+    body = (
+        [_merge_nodes(x, y) for x, y in zip(a[1], b[1])]
+        + list(a[1][len(b[1]) :])
+        + list(b[1][len(a[1]) :])
+    )
+    return [a[0], body]
 
 
 def set_by_path(root: Any, path: Iterable[Any], value: object) -> None:

@@ -97,7 +97,10 @@ def resolve_stateful(tree: Any) -> tuple[Any, list[tuple[tuple, Any]]]:
             return rebuild_tuple(node, out) if changed else node
         return node
 
-    return walk(tree, (), 0), found
+    try:
+        return walk(tree, (), 0), found
+    finally:
+        walk = None  # type: ignore[assignment]  # the closure refers to itself: break the cycle
 
 
 _SCALARS = frozenset({int, float, str, bool, bytes, type(None)})

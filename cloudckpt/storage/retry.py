@@ -72,6 +72,10 @@ if sys.version_info >= (3, 11):
             if not cap.expired():  # the attempt's own timeout (a read timeout...): keep it
                 raise
             raise AttemptTimeout(f"attempt exceeded {seconds:.1f}s") from exc
+        finally:
+            # the Timeout holds the task, the task its error, the error's traceback this frame:
+            # a reference cycle for every failed request, unless the frame lets go of it
+            del cap
 
     async def _wait_until(coro: Awaitable[T], deadline: float) -> T:
         try:
@@ -179,68 +183,77 @@ class Retrier:
 
         n = stalls = 0
         last: BaseException | None = None
-        while True:
-            n += 1
-            if deadline - loop.time() <= 0:
-                raise give_up(n - 1, "its deadline passed") from last
-            try:
-                if self.slots.locked():
-                    await _wait_until(self.slots.acquire(), deadline)
+        verdict: Verdict | None = None
+        try:
+            while True:
+                n += 1
+                if deadline - loop.time() <= 0:
+                    raise give_up(n - 1, "its deadline passed") from last
+                try:
+                    if self.slots.locked():
+                        await _wait_until(self.slots.acquire(), deadline)
+                    else:
+                        await self.slots.acquire()  # free: returns at once, no timer needed
+                except _WaitExpired:
+                    raise give_up(
+                        n - 1, "deadline passed while waiting for a request slot"
+                    ) from last
+                try:  # the slot is held only while the attempt runs; its cap counts from here
+                    self._count(op, n)
+                    cap = min(opts.attempt_timeout, max(deadline - loop.time(), 0.001))
+                    return await _with_timeout(attempt(n), cap)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    verdict = self.classify(exc, op, key, name)
+                    if not verdict.retry:
+                        if verdict.error is None:
+                            raise
+                        raise verdict.error from exc
+                    last = exc
+                    reason = verdict.reason or type(exc).__name__
+                    stalls = stalls + 1 if verdict.stalled else 0
+                finally:
+                    self.slots.release()
+                if stalls >= opts.max_stalls:
+                    raise give_up(
+                        n,
+                        f"no answer: {plural(stalls, 'attempt')} in a row timed out "
+                        f"(connect timeout {opts.connect_timeout:g} s, read timeout "
+                        f"{opts.read_timeout:g} s)",
+                    ) from last
+                if n >= opts.max_attempts:
+                    raise give_up(n, "every attempt failed") from last
+                delay = random.uniform(0.0, min(opts.max_delay, opts.base_delay * (2 ** (n - 1))))
+                if loop.time() + delay >= deadline:
+                    raise give_up(n, "its deadline would pass before the next attempt") from last
+                if n == 1:
+                    logger.warning(
+                        "%s %s failed (%s); retrying in %.2fs, at most %d attempts "
+                        "within %s (further retries are logged at DEBUG)",
+                        op,
+                        name,
+                        reason,
+                        delay,
+                        opts.max_attempts,
+                        seconds(opts.deadline),
+                    )
                 else:
-                    await self.slots.acquire()  # free: returns at once, no timer needed
-            except _WaitExpired:
-                raise give_up(n - 1, "deadline passed while waiting for a request slot") from last
-            try:  # the slot is held only while the attempt runs; its cap counts from here
-                self._count(op, n)
-                cap = min(opts.attempt_timeout, max(deadline - loop.time(), 0.001))
-                return await _with_timeout(attempt(n), cap)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                verdict = self.classify(exc, op, key, name)
-                if not verdict.retry:
-                    if verdict.error is None:
-                        raise
-                    raise verdict.error from exc
-                last = exc
-                reason = verdict.reason or type(exc).__name__
-                stalls = stalls + 1 if verdict.stalled else 0
-            finally:
-                self.slots.release()
-            if stalls >= opts.max_stalls:
-                raise give_up(
-                    n,
-                    f"no answer: {plural(stalls, 'attempt')} in a row timed out "
-                    f"(connect timeout {opts.connect_timeout:g} s, read timeout "
-                    f"{opts.read_timeout:g} s)",
-                ) from last
-            if n >= opts.max_attempts:
-                raise give_up(n, "every attempt failed") from last
-            delay = random.uniform(0.0, min(opts.max_delay, opts.base_delay * (2 ** (n - 1))))
-            if loop.time() + delay >= deadline:
-                raise give_up(n, "its deadline would pass before the next attempt") from last
-            if n == 1:
-                logger.warning(
-                    "%s %s failed (%s); retrying in %.2fs, at most %d attempts "
-                    "within %s (further retries are logged at DEBUG)",
-                    op,
-                    name,
-                    reason,
-                    delay,
-                    opts.max_attempts,
-                    seconds(opts.deadline),
-                )
-            else:
-                logger.debug(
-                    "%s %s attempt %d/%d failed (%s); retrying in %.2fs",
-                    op,
-                    name,
-                    n,
-                    opts.max_attempts,
-                    reason,
-                    delay,
-                )
-            await asyncio.sleep(delay)
+                    logger.debug(
+                        "%s %s attempt %d/%d failed (%s); retrying in %.2fs",
+                        op,
+                        name,
+                        n,
+                        opts.max_attempts,
+                        reason,
+                        delay,
+                    )
+                await asyncio.sleep(delay)
+        finally:
+            # a raised error's traceback holds this frame, and the frame the error (``verdict``,
+            # ``last``, ``give_up``'s cell): without this every failed request, an expected
+            # miss included (a HEAD's 404), is a reference cycle left for the garbage collector
+            last = verdict = None
 
     def _count(self, op: str, n: int) -> None:
         self.stats.count(op)

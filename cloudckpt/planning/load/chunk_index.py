@@ -172,7 +172,7 @@ class ManifestIndex:
     def __init__(self, m: Manifest):
         cols = m.columns
         n_t = len(cols.names)
-        self.manifest = m
+        self.tensors = m.tensors  # not the manifest: it keeps this index (no cycle)
         self.names = cols.names
         self.tensor_of = cols.name_index
         self.ndims = cols.ndims
@@ -261,7 +261,7 @@ class ManifestIndex:
         name = self.names[t]
         if self.verdict[t] == -2:
             return coverage_error(name, ("irregular", (), ()))
-        rec = self.manifest.tensors[name]
+        rec = self.tensors[name]
         defect = find_cover_defect(
             rec.shape, np.asarray(rec.chunks.offsets), np.asarray(rec.chunks.sizes)
         )
@@ -322,7 +322,7 @@ class ManifestIndex:
             self.check([t])
             if self.verdict[t] != 1:
                 raise self.coverage_error(t)
-            idx = self._general[t] = ChunkIndex(self.manifest.tensors[self.names[t]])
+            idx = self._general[t] = ChunkIndex(self.tensors[self.names[t]])
         return idx
 
     def slab_hits(

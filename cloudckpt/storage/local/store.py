@@ -167,6 +167,10 @@ class LocalStore:
             ) from exc
         except OSError as exc:
             raise StorageError(f"{op} {name}: {exc}", key=key, operation=op) from exc
+        finally:
+            # the error's traceback holds this frame, the frame the job, the job the error:
+            # without this each expected miss (a HEAD's ObjectNotFound) is a reference cycle
+            del job
 
     def child(self, prefix: str) -> LocalStore:
         prefix = check_prefix(prefix).strip("/")
