@@ -560,8 +560,13 @@ COLORS = {
 
 def plot(bench: Bench, path: str) -> None:
     """Seconds against N for each method, next to the ideal; the slow-node times in the last
-    panel."""
-    import matplotlib
+    panel. Skipped, with one line, where matplotlib (the bench extra) is not installed: the
+    tables and the JSON are the results, the figure only draws them."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"figure {path} not drawn: matplotlib is not installed (pip install -e '.[bench]')")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -24,6 +24,11 @@ checkpoints in one process (resharding; raw: every object). Seconds are rank 0's
 barriers (the slowest rank's call). Printed: call 1, call `--calls`, the median of calls 2..N,
 and the PASS/MISS lines of issue 27's 64 MiB targets, ratios of figures of this one run.
 
+cloudckpt's modules are compiled to bytecode before the workers start (`--no-compile`: not),
+as a pip-installed cloudckpt has them: where `PYTHONDONTWRITEBYTECODE` is set, as on this
+machine, a source checkout would otherwise be compiled again in every process (about 0.2 s of
+each first call), while torch, botocore and aiohttp come with their bytecode.
+
 The first-call lines come twice: call 1 alone, and the worker's import of its method's
 top-level module plus call 1 ("import + first call"). The second is the like-for-like one:
 `import cloudckpt` is lazy (its call 1 imports the API, the S3 client's packages and creates
@@ -282,6 +287,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _compile_cloudckpt(args) -> str:
+    """Compile the measured cloudckpt's modules to bytecode (``__pycache__``, ignored by git),
+    unless ``--no-compile``. A pip-installed cloudckpt has its bytecode from the install, as
+    torch, botocore and aiohttp have theirs; a source checkout run where
+    ``PYTHONDONTWRITEBYTECODE`` is set (this machine) would otherwise compile about 90 modules
+    in every fresh process: measured 0.59-0.73 s for the API's and S3 client's imports after
+    torch, against 0.36-0.53 s with bytecode."""
+    root = os.path.join(os.path.abspath(args.code) if args.code else str(C.REPO_ROOT), "cloudckpt")
+    if args.no_compile:
+        return f"cloudckpt bytecode: as found (PYTHONDONTWRITEBYTECODE={sys.dont_write_bytecode})"
+    import compileall
+
+    ok = compileall.compile_dir(root, quiet=1, force=False)
+    return f"cloudckpt bytecode: compiled first ({root}), as an installed wheel has it: {ok}"
+
+
 def run_job(info, method: str, action: str, world: int, url: str, args) -> dict:
     env = {**os.environ, **info.env(), "BENCH_BUCKET": info.bucket, "GLOO_SOCKET_IFNAME": "lo"}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
@@ -322,6 +343,12 @@ def main() -> int:
     )
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--code", default=None, help="a directory holding the cloudckpt to measure")
+    ap.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="leave cloudckpt's bytecode as it is (by default it is compiled first, as a "
+        "pip-installed wheel has it)",
+    )
     _ARGS = args = ap.parse_args()
     if args.worker:
         worker()
@@ -329,6 +356,7 @@ def main() -> int:
     tensors = len(_specs(args.mib * MiB))
     code = args.code or "this checkout"
     print(f"# fresh_calls: {args.mib} MiB, {tensors} tensors, {code}; {C.describe_machine()}")
+    print("# " + _compile_cloudckpt(args))
     server = C.start_server()
     info = server.info
     results: dict = {}
