@@ -378,41 +378,31 @@ def _commit(
     """The coordinator's part of the commit: assemble the manifest, write it in create mode
     (without numpy's huge-page advice, as the planning: ``runtime.hugepages``)."""
     with without_huge_page_advice():
-        _assemble_and_write(p, progress, reports, landed, pinned)
-
-
-def _assemble_and_write(
-    p: PreparedSave,
-    progress: SaveProgress,
-    reports: tuple[UploadReport, ...],
-    landed: list[SaveWritten],
-    pinned: PinnedBase | None,
-) -> None:
-    if any(r.plan_digest != p.share.plan_digest for r in reports):
-        raise RuntimeError("ranks disagree on the global save plan (plan cache out of sync)")
-    written = [r.written_chunks() for r in landed]
-    reused = None
-    if pinned is not None:
-        ids = np.array(sorted(int(c) for w in written for c in w.reused), dtype=np.int64)
-        reused = reused_chunks(pinned.chunks, ids)
-    manifest = assemble_manifest(
-        _skeleton(p),
-        written,
-        world_size=p.channel.size,
-        checksum_block_size=p.options.checksum_block_size,
-        metadata=p.metadata,
-        allow_pickle=p.allow_pickle,
-        # ranks may hold different keys (pipeline stages): the union of their nestings
-        structure=merge_structures(distinct_structures(reports, landed)),
-        reused=reused,
-        hashed=p.incremental,
-        attempt=p.attempt if p.with_base else "",  # names its pins (none without a base)
-        base=pinned.chunks.folder if pinned is not None else "",
-    )
-    if pinned is not None:
-        pinned.check_lease()
-    progress.manifest_sent, progress.used_homes = True, frozenset(manifest.object_homes)
-    write_manifest(p.url, p.store, manifest, replace=p.options.if_exists == "replace")
+        if any(r.plan_digest != p.share.plan_digest for r in reports):
+            raise RuntimeError("ranks disagree on the global save plan (plan cache out of sync)")
+        written = [r.written_chunks() for r in landed]
+        reused = None
+        if pinned is not None:
+            ids = np.array(sorted(int(c) for w in written for c in w.reused), dtype=np.int64)
+            reused = reused_chunks(pinned.chunks, ids)
+        manifest = assemble_manifest(
+            _skeleton(p),
+            written,
+            world_size=p.channel.size,
+            checksum_block_size=p.options.checksum_block_size,
+            metadata=p.metadata,
+            allow_pickle=p.allow_pickle,
+            # ranks may hold different keys (pipeline stages): the union of their nestings
+            structure=merge_structures(distinct_structures(reports, landed)),
+            reused=reused,
+            hashed=p.incremental,
+            attempt=p.attempt if p.with_base else "",  # names its pins (none without a base)
+            base=pinned.chunks.folder if pinned is not None else "",
+        )
+        if pinned is not None:
+            pinned.check_lease()
+        progress.manifest_sent, progress.used_homes = True, frozenset(manifest.object_homes)
+        write_manifest(p.url, p.store, manifest, replace=p.options.if_exists == "replace")
 
 
 def _skeleton(p: PreparedSave) -> ManifestSkeleton:
