@@ -33,7 +33,6 @@ from cloudckpt.manifest.records import (
     ManifestColumns,
     TensorMap,
     TensorRecord,
-    record_of,
     shape_of,
 )
 from cloudckpt.manifest.validation import (
@@ -320,9 +319,6 @@ class Manifest:
                 decoded[name] = decode_value(blob, key=name, allow_pickle=allow_pickle)
         self._value_blobs = blobs
         self.values: Mapping[str, object] = MappingProxyType(decoded)
-
-    def _record(self, t: int) -> TensorRecord:
-        return record_of(self.columns, self.__dict__.get("_shapes"), t)
 
     def _shape(self, t: int) -> tuple[int, ...]:
         """Tensor ``t``'s shape."""
