@@ -258,7 +258,7 @@ def _reads_of(names: set[str], module: str, source: str) -> list[str]:
 
 def test_the_manifest_scan_finds_each_form():
     names = _manifest_private_names()
-    assert {"_offsets", "_sizes", "_shapes", "_name_index", "_chunk_start", "_record"} <= names
+    assert {"_offsets", "_sizes", "_shapes", "_name_index", "_chunk_start", "_shape"} <= names
     src = (
         "def f(m, idx):\n    m._offsets; idx.manifest._shapes; m.columns.offsets; m.shapes\n"
         "    m.__dict__.get('_cloudckpt_index')\n"
