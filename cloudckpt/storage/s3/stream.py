@@ -126,8 +126,6 @@ class S3ObjectWriter(WriterState):
                 await asyncio.gather(*self._tasks)
                 self._raise_part_error()
                 parts = [self._entries[i] for i in range(1, self._parts + 1)]
-                if self._create:
-                    await self._w.refuse_existing(self.key, self._phys)
                 info = await self._w.complete(
                     self.key,
                     self._phys,

@@ -190,6 +190,11 @@ class S3Uploads:
 
         kw: S3Params = {"Key": phys, "UploadId": upload_id, "MultipartUpload": {"Parts": parts}}
         if create:
+            # a claimed upload (a put or a stream): one more HEAD once the parts are up: a
+            # server whose completion is not atomic (moto drops the upload from its listing
+            # before the object appears) can let a later creator pass the claim inside that
+            # window; this HEAD sees the earlier creator's object by then
+            await self.refuse_existing(key, phys)
             kw["IfNoneMatch"] = "*"
         try:
             resp = await self.conn.request(
@@ -227,14 +232,9 @@ class S3Uploads:
         token: str,
     ) -> ObjectInfo:
         """Upload a body held in memory as the parts of ``upload_id`` and complete it; abort
-        the upload on any failure. ``create`` (a claimed upload): one more HEAD once the parts
-        are up, just before the completion: a server whose completion is not atomic (moto drops
-        the upload from its listing before the object appears) can let a later creator pass
-        the claim inside that window; this HEAD sees the earlier creator's object by then."""
+        the upload on any failure."""
         try:
             parts = await self._upload_parts(key, phys, upload_id, views, size)
-            if create:
-                await self.refuse_existing(key, phys)
             return await self.complete(key, phys, upload_id, parts, size, create, token)
         except BaseException:
             self.abort_later(key, phys, upload_id)
