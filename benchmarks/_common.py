@@ -14,6 +14,7 @@
   request settings (no payload signing, no checksums): the reference a checkpoint library is
   measured against.
 - `s3_prefix_usage` / `s3_delete_prefix` / `dir_usage`: what a method left in the store.
+- `PhaseClock`: wall clock of each protocol phase of a process (`--phases` of fresh_calls.py).
 - `Table`, `fmt_*`, `ratio_line`: plain-text tables and `measured / baseline` PASS/MISS lines.
 """
 
@@ -444,6 +445,47 @@ def now_stamp() -> str:
 
 def human_bool(flag: bool | None) -> str:
     return {True: "ok", False: "BAD", None: "-"}[flag]
+
+
+class PhaseClock:
+    """Wall clock of each protocol phase of this process (``cloudckpt.transport.Phase``, wrapped
+    once per instance: make one per process): ``marks`` holds ``(what, entered, work done,
+    exchange done)`` perf_counter seconds of each phase since :meth:`start`; :meth:`line` says
+    each phase's own work and its closing exchange in ms from the call's start, with what comes
+    before the first phase (the join) and after the last one (fresh_calls.py ``--phases``,
+    _interop_trace.py)."""
+
+    def __init__(self):
+        from cloudckpt.transport import Phase
+
+        self.marks: list[tuple[str, float, float, float]] = []
+        clock, enter, leave = self, Phase.__enter__, Phase.__exit__
+
+        def timed_enter(phase):
+            phase._clock_in = time.perf_counter()
+            return enter(phase)
+
+        def timed_exit(phase, *exc):
+            out_at = time.perf_counter()
+            try:
+                return leave(phase, *exc)
+            finally:
+                clock.marks.append((phase.what, phase._clock_in, out_at, time.perf_counter()))
+
+        Phase.__enter__, Phase.__exit__ = timed_enter, timed_exit
+
+    def start(self, at: float) -> None:
+        self.marks, self.at = [], at
+
+    def line(self, end: float) -> str:
+        ms = lambda t: 1000 * (t - self.at)  # noqa: E731
+        first = self.marks[0][1] if self.marks else end
+        parts = [f"before {ms(first):.1f}"]
+        for what, a, b, c in self.marks:
+            parts.append(f"{what} {ms(b) - ms(a):.1f} + exchange {ms(c) - ms(b):.1f}")
+        last = self.marks[-1][3] if self.marks else end
+        parts.append(f"after {ms(end) - ms(last):.1f} (ms)")
+        return "; ".join(parts)
 
 
 def run_section(title: str, fn: Callable[[], None]) -> None:

@@ -21,11 +21,11 @@ import _common as C  # noqa: E402
 import interop as I  # noqa: E402
 
 _LOG: list[tuple] = []
+_CLOCK: list = []  # this process's PhaseClock, once hooked
 
 
 def rank_hook() -> None:
     """Wrap the S3 choke point and the protocol phases of this process (once)."""
-    import cloudckpt.transport as T
     from cloudckpt.storage.s3.conn import S3Connection
     from cloudckpt.storage.s3.rangeget import RangeGetter
 
@@ -53,20 +53,7 @@ def rank_hook() -> None:
                 _LOG.append(("s3", "ranged_get", "", 0, t0, time.perf_counter()))
 
         RangeGetter.fetch = traced_fetch
-    enter, leave = T.Phase.__enter__, T.Phase.__exit__
-
-    def timed_enter(phase):
-        phase._t0 = time.perf_counter()
-        return enter(phase)
-
-    def timed_exit(phase, *exc):
-        t1 = time.perf_counter()
-        try:
-            return leave(phase, *exc)
-        finally:
-            _LOG.append(("phase", phase.what, "", 0, phase._t0, t1, time.perf_counter()))
-
-    T.Phase.__enter__, T.Phase.__exit__ = timed_enter, timed_exit
+    _CLOCK.append(C.PhaseClock())
     S3Connection._traced = True
 
 
@@ -77,9 +64,11 @@ def rank_traced_step(method: str, action: str, target: str) -> dict:
     dist.barrier()
     _LOG.clear()
     start = time.perf_counter()
+    _CLOCK[0].start(start)
     I._do(method, action, target)
     end = time.perf_counter()
     dist.barrier()
+    _LOG.extend(("phase", what, "", 0, a, b, c) for what, a, b, c in _CLOCK[0].marks)
     log = [(e[0], e[1], e[2], e[3], e[4] - start, *(x - start for x in e[5:])) for e in _LOG]
     return {"seconds": end - start, "log": log, "rank": dist.get_rank()}
 

@@ -193,7 +193,7 @@ def worker() -> None:
         if world > 1:
             dist.barrier()
 
-    phases = _PhaseClock() if _ARGS.phases and _ARGS.method == "native" else None
+    phases = C.PhaseClock() if _ARGS.phases and _ARGS.method == "native" else None
     seconds, cpu, profiles, phase_lines = [], [], [], []
     for i in range(_ARGS.calls):
         url = f"{_ARGS.url}/c{i}"
@@ -226,44 +226,6 @@ def worker() -> None:
     if rank == 0:
         out = {"seconds": seconds, "profiles": profiles, "import": imported, "cpu": cpu}
         print(json.dumps({**out, "phases": phase_lines}))
-
-
-class _PhaseClock:
-    """Wall milliseconds of each protocol phase of a call on this rank (``--phases``): the
-    block's own work, then its closing exchange (``ControlChannel.phase``), from the call's
-    start; what comes before the first phase (the join) and after the last one is shown too."""
-
-    def __init__(self):
-        from cloudckpt.transport import Phase
-
-        self.marks: list[tuple[str, float, float, float]] = []
-        clock, enter, leave = self, Phase.__enter__, Phase.__exit__
-
-        def timed_enter(phase):
-            phase._clock_in = time.perf_counter()
-            return enter(phase)
-
-        def timed_exit(phase, *exc):
-            out_at = time.perf_counter()
-            try:
-                return leave(phase, *exc)
-            finally:
-                clock.marks.append((phase.what, phase._clock_in, out_at, time.perf_counter()))
-
-        Phase.__enter__, Phase.__exit__ = timed_enter, timed_exit
-
-    def start(self, at: float) -> None:
-        self.marks, self.at = [], at
-
-    def line(self, end: float) -> str:
-        ms = lambda t: 1000 * (t - self.at)  # noqa: E731
-        first = self.marks[0][1] if self.marks else end
-        parts = [f"before {ms(first):.1f}"]
-        for what, a, b, c in self.marks:
-            parts.append(f"{what} {ms(b) - ms(a):.1f} + exchange {ms(c) - ms(b):.1f}")
-        last = self.marks[-1][3] if self.marks else end
-        parts.append(f"after {ms(end) - ms(last):.1f} (ms)")
-        return "; ".join(parts)
 
 
 def _info_from_env():

@@ -4,10 +4,10 @@ On a server that ignores ``If-None-Match`` (the fallback claim protocol) and who
 CompleteMultipartUpload is not atomic (moto: the upload leaves the listing before the object
 appears), a second creator can pass every step of the claim inside that window: no object yet,
 no rival upload listed. What stops it is the HEAD after its parts are up, before it completes
-(``S3Uploads._finish_upload(create=True)``, and the create stream's commit). A HoldingProxy in
-front of the session's SeaweedFS freezes the window: the first creator's completion is held
-(its upload hidden from listings) while the second claims the key; the second's parts are held
-until the first's object exists.
+(``S3Uploads.complete(create=True)``, through which a put and a create stream both complete).
+A HoldingProxy in front of the session's SeaweedFS freezes the window: the first creator's
+completion is held (its upload hidden from listings) while the second claims the key; the
+second's parts are held until the first's object exists.
 """
 
 from __future__ import annotations
